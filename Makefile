@@ -1,0 +1,45 @@
+# Two commands do all the set-up on a fresh machine (Python 3.10+, pip, PyPI only):
+#   make report   creates .venv, installs qwenkit, runs the main job on the embedded tiny default
+#   make test     creates .venv and .venv-tf457, installs, runs the whole test suite on
+#                 transformers 5.x and the model/loss/data subset on transformers 4.57.6
+PYTHON ?= python3
+VENV ?= .venv
+VENV457 ?= .venv-tf457
+PIP_FLAGS ?= -q --disable-pip-version-check
+# Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today).
+TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_loss.py tests/test_data.py
+
+.PHONY: test test-main test-tf457 report train bench lint clean
+
+$(VENV)/.installed: pyproject.toml constraints/ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,dev]'
+	touch $@
+
+$(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt
+	$(PYTHON) -m venv $(VENV457)
+	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,dev]'
+	touch $@
+
+test: test-main test-tf457
+
+test-main: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q -rs
+
+test-tf457: $(VENV457)/.installed
+	$(VENV457)/bin/python -m pytest -q -rs $(TF457_TESTS)
+
+report: $(VENV)/.installed
+	$(VENV)/bin/qwenkit notebooks run --params default
+
+train: $(VENV)/.installed
+	$(VENV)/bin/qwenkit train --config params/tiny_cpu.yaml
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/chunk_loss.py
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check qwenkit tests benchmarks
+
+clean:
+	rm -rf $(VENV) $(VENV457) reports runs .pytest_cache

@@ -1,0 +1,81 @@
+"""The ``qwenkit`` command: train, data check, export, notebooks.
+
+Each subcommand lives in the module that owns its concern; this file only parses and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(args) -> int:
+    from qwenkit.launch import launch
+
+    return launch(args)
+
+
+def _data_check(args) -> int:
+    from qwenkit.data.check import check_main
+
+    return check_main(args)
+
+
+def _export(args) -> int:
+    from qwenkit.checkpoint import export_main
+
+    return export_main(args)
+
+
+def _notebooks(args) -> int:
+    from qwenkit.notebooks import run_main
+
+    return run_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwenkit", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train with FSDP2 through torchrun")
+    t.add_argument("--config", default=None, help="params/*.yaml (default: built-in tiny defaults)")
+    t.add_argument("--nproc", type=int, default=None, help="processes on this node (overrides parallel.nproc)")
+    t.add_argument("--nnodes", type=int, default=1)
+    t.add_argument("--node-rank", type=int, default=0)
+    t.add_argument("--master-addr", default="127.0.0.1")
+    t.add_argument("--master-port", type=int, default=6000)
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
+    t.set_defaults(func=_train)
+
+    d = sub.add_parser("data", help="dataset tools")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    c = dsub.add_parser("check", help="validate a dataset and print a summary; non-zero exit on bad samples")
+    c.add_argument("path", help="JSON/JSONL file, directory, HF dataset directory, or 'tiny'")
+    c.add_argument("--config", default=None, help="params/*.yaml whose data/model sections to use")
+    c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
+    c.set_defaults(func=_data_check)
+
+    e = sub.add_parser("export", help="export a checkpoint to a Hugging Face safetensors directory")
+    e.add_argument("checkpoint", help="checkpoint directory (a step-N folder, or a run's output_dir for the newest)")
+    e.add_argument("out", help="output directory")
+    e.add_argument("--config", default=None, help="the run's params/*.yaml (default: the one saved with the run)")
+    e.set_defaults(func=_export)
+
+    n = sub.add_parser("notebooks", help="run the notebooks with papermill and render HTML reports")
+    nsub = n.add_subparsers(dest="notebooks_command", required=True)
+    r = nsub.add_parser("run", help="execute notebooks into reports/<run>/ and write index.html")
+    r.add_argument("--params", default="default", help="parameter set name under params/<notebook>/")
+    r.add_argument("--only", nargs="*", default=None, help="notebook names or numbers to run")
+    r.add_argument("--out", default="reports", help="reports folder")
+    r.add_argument("--run-name", default=None, help="sub-folder name (default: timestamp)")
+    r.set_defaults(func=_notebooks)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Typed run configuration: dataclasses, YAML loading, dotted overrides, one validation pass.
+
+A run is described by ``params/*.yaml`` plus command-line overrides such as ``train.steps=30``.
+:func:`load` turns them into a :class:`Config` and validates everything (unknown keys, types,
+ranges, illegal combinations) *before* any model is built. All problems found are reported
+together in one :class:`ConfigError`, each naming the key path, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; the message lists each with its key path."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass
+class ModelConfig:
+    name: str = "qwen2_5_vl"  # registry key, see qwenkit.model.REGISTRY
+    path: str = "tiny"  # "tiny" (embedded default) or a Hugging Face checkpoint directory
+    dtype: Dtype = "float32"  # dtype the weights are loaded in
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    freeze: list[str] = field(default_factory=list)  # module paths, e.g. ["model.visual"]
+    fused_ops: Union[Literal["auto", "off"], list[str]] = "auto"  # or a subset of qwenkit.patches.OPS
+    init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
+    use_cache: bool = False  # KV cache in training forward; must stay off with chunk loss
+    logits_to_keep: int = 0  # 0 keeps all positions; chunk loss needs 0
+    tie_word_embeddings: bool = False  # only for path=tiny (HF checkpoints carry their own)
+
+
+@dataclass
+class DataConfig:
+    path: str = "tiny"  # "tiny" (embedded synthetic set), a JSON/JSONL file, a directory, or an HF dataset dir
+    image_dir: str | None = None  # base for relative image paths (default: the dataset file's directory)
+    template: Literal["qwen2vl"] = "qwen2vl"
+    system_prompt: str = "You are a helpful assistant."
+    max_length: int = 1024  # tokens per sample, images included
+    truncate_text: bool = False  # over-long samples: cut text after the last image instead of dropping
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 256
+    min_image_side: int = 28  # smaller images are bad samples
+    max_aspect_ratio: float = 200.0  # Qwen2-VL's processor refuses more extreme images
+    on_bad_sample: Literal["error", "skip"] = "skip"
+    max_bad_fraction: float = 0.01  # training fails if more than this fraction is skipped
+    shuffle: bool = True
+    num_workers: int = 0
+    tiny_samples: int = 64  # size of the embedded synthetic dataset (path=tiny)
+
+
+@dataclass
+class LossConfig:
+    chunk: bool = True  # chunked cross-entropy in the lm_head: full [B, S, V] logits never exist
+    chunk_size: Union[int, Literal["auto"]] = "auto"  # tokens per logits chunk
+    chunk_budget_mb: int = 512  # memory budget of one fp32 logits chunk, for chunk_size=auto
+    loss_type: Literal["token_mean", "sample_mean", "raw"] = "token_mean"  # raw: unreduced, needs chunk=false
+    micro_batch_split: int = 1  # split the loss head by batch rows; chunk loss needs 1
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1  # processes on this node (torchrun --nproc-per-node)
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    shard_patterns: list[str] = field(
+        default_factory=lambda: [
+            "model.visual.blocks.*",
+            "model.visual.merger",
+            "model.language_model.embed_tokens",
+            "model.language_model.layers.*",
+            "lm_head",
+        ]
+    )
+    reshard_after_forward: bool = True
+    param_dtype: Dtype | None = None  # FSDP2 MixedPrecisionPolicy; None keeps the weights' dtype
+    reduce_dtype: Dtype | None = None
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on host
+    hsdp_replicas: int = 1  # >1: HSDP mesh (replicas, world // replicas)
+    recompute: list[str] = field(default_factory=list)  # module patterns to checkpoint, e.g. layers.*
+    activation_offload: bool = False  # saved activations to host memory
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    micro_batch_size: int = 2  # samples per rank per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    seed: int = 42
+    output_dir: str = "runs/tiny"
+    resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint directory
+    log_every: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps (0: only at the end)
+    keep_last: int = 2
+    save_final: bool = True
+    load_optimizer: bool = True
+    load_rng: bool = True
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False  # torch.profiler window
+    wait: int = 1
+    warmup: int = 1
+    active: int = 2
+    memory_snapshot: bool = False  # CUDA/NPU allocator history; peak RSS on CPU is always recorded
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Read a YAML file (or start from defaults), apply overrides, validate, return a Config."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError([f"config file {str(path)!r} does not exist"])
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+        if not isinstance(raw, dict):
+            raise ConfigError([f"{path}: top level must be a mapping, got {type(raw).__name__}"])
+    problems: list[str] = []
+    for key, value in _parse_overrides(overrides, problems):
+        _set_dotted(raw, key, value, problems)
+    cfg = _build(Config, raw, "", problems)
+    if not problems:
+        problems.extend(validate(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    problems: list[str] = []
+    cfg = _build(Config, raw, "", problems)
+    if not problems:
+        problems.extend(validate(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _parse_overrides(overrides, problems: list[str]):
+    if overrides is None:
+        return []
+    if isinstance(overrides, dict):
+        return list(overrides.items())
+    pairs = []
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"override {item!r} must look like key.path=value")
+            continue
+        key, text = item.split("=", 1)
+        pairs.append((key.strip(), yaml.safe_load(text) if text.strip() else ""))
+    return pairs
+
+
+def _set_dotted(raw: dict, key: str, value: Any, problems: list[str]) -> None:
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            problems.append(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section")
+            return
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _build(cls, raw: Any, prefix: str, problems: list[str]):
+    where = prefix.rstrip(".") or "<top level>"
+    if not isinstance(raw, dict):
+        problems.append(f"{where} must be a mapping, got {raw!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix}{near[0]!r}?" if near else f"; allowed: {', '.join(names)}"
+            problems.append(f"unknown key {prefix}{key!r}{hint}")
+    kwargs = {}
+    for name in names:
+        if name not in raw:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, raw[name], f"{prefix}{name}.", problems)
+            continue
+        ok, value = _coerce(raw[name], hint)
+        if ok:
+            kwargs[name] = value
+        else:
+            problems.append(f"{prefix}{name}: got {raw[name]!r}, expected {_describe(hint)}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint) -> tuple[bool, Any]:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return True, value
+    if origin in (Union, types.UnionType):
+        for arg in args:
+            ok, out = _coerce(value, arg)
+            if ok:
+                return True, out
+        return False, None
+    if origin is Literal:
+        return (value in args and type(value) is type(next(a for a in args if a == value))), value
+    if hint is type(None):
+        return value is None, None
+    if origin is list:
+        if not isinstance(value, list):
+            return False, None
+        out = []
+        for item in value:
+            ok, v = _coerce(item, args[0])
+            if not ok:
+                return False, None
+            out.append(v)
+        return True, out
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, None
+    if hint is str:
+        return isinstance(value, str), value
+    return isinstance(value, hint), value
+
+
+def _describe(hint) -> str:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if hint is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    return getattr(hint, "__name__", str(hint))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges and illegal combinations
+
+
+def validate(cfg: Config) -> list[str]:
+    """Every range and cross-field rule; returns the problems (empty when the config is valid)."""
+    p: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            p.append(msg)
+
+    m, d, lo, par, t, ck, pr = cfg.model, cfg.data, cfg.loss, cfg.parallel, cfg.train, cfg.checkpoint, cfg.profile
+    need(m.logits_to_keep >= 0, f"model.logits_to_keep must be >= 0, got {m.logits_to_keep}")
+    if isinstance(m.fused_ops, list):
+        from qwenkit.patches import OPS
+
+        for op in m.fused_ops:
+            need(op in OPS, f"model.fused_ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
+    need(d.max_length > 0, f"data.max_length must be > 0, got {d.max_length}")
+    need(d.min_pixels > 0, f"data.min_pixels must be > 0, got {d.min_pixels}")
+    need(
+        d.max_pixels >= d.min_pixels,
+        f"data.max_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.max_pixels}",
+    )
+    need(d.min_image_side >= 1, f"data.min_image_side must be >= 1, got {d.min_image_side}")
+    need(d.max_aspect_ratio >= 1, f"data.max_aspect_ratio must be >= 1, got {d.max_aspect_ratio}")
+    need(
+        0.0 <= d.max_bad_fraction <= 1.0,
+        f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}",
+    )
+    need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    need(d.tiny_samples > 0, f"data.tiny_samples must be > 0, got {d.tiny_samples}")
+
+    if isinstance(lo.chunk_size, int):
+        need(lo.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {lo.chunk_size}")
+    need(lo.chunk_budget_mb > 0, f"loss.chunk_budget_mb must be > 0, got {lo.chunk_budget_mb}")
+    need(lo.micro_batch_split >= 1, f"loss.micro_batch_split must be >= 1, got {lo.micro_batch_split}")
+    if lo.chunk:
+        need(
+            lo.loss_type != "raw",
+            "loss.loss_type: 'raw' (unreduced per-token loss) is not allowed with loss.chunk=true; "
+            "use token_mean or sample_mean, or set loss.chunk=false",
+        )
+        need(
+            lo.micro_batch_split == 1,
+            f"loss.micro_batch_split: got {lo.micro_batch_split}, must be 1 with loss.chunk=true "
+            "(hidden states and mRoPE position ids disagree on the batch dim)",
+        )
+        need(not m.use_cache, "model.use_cache: got true, must be false with loss.chunk=true")
+        need(
+            m.logits_to_keep == 0,
+            f"model.logits_to_keep: got {m.logits_to_keep}, must be 0 with loss.chunk=true",
+        )
+
+    need(par.nproc >= 1, f"parallel.nproc must be >= 1, got {par.nproc}")
+    need(par.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {par.hsdp_replicas}")
+    need(
+        par.nproc % par.hsdp_replicas == 0,
+        f"parallel.hsdp_replicas ({par.hsdp_replicas}) must divide parallel.nproc ({par.nproc})",
+    )
+
+    need(t.steps > 0, f"train.steps must be > 0, got {t.steps}")
+    need(t.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {t.micro_batch_size}")
+    need(t.grad_accum > 0, f"train.grad_accum must be > 0, got {t.grad_accum}")
+    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    need(
+        len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas),
+        f"train.betas must be two numbers in [0, 1), got {t.betas}",
+    )
+    need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0, got {t.max_grad_norm}")
+    need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+
+    need(ck.every >= 0, f"checkpoint.every must be >= 0, got {ck.every}")
+    need(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
+    for name in ("wait", "warmup"):
+        need(getattr(pr, name) >= 0, f"profile.{name} must be >= 0, got {getattr(pr, name)}")
+    need(pr.active >= 1, f"profile.active must be >= 1, got {pr.active}")
+    return p

@@ -1,0 +1,270 @@
+"""Qwen2.5-VL with a chunked loss head, the model registry, and the one ``build`` function.
+
+:class:`QwenkitQwen2_5_VL` subclasses transformers' ``Qwen2_5_VLForConditionalGeneration``
+and keeps its state-dict keys. With ``chunk_loss`` off its forward *is* HF's. With it on:
+
+1. the HF multimodal backbone ``self.model(...)`` runs as usual (vision tower, placeholder
+   scatter, mRoPE positions) and returns ``last_hidden_state [B, S, H]``;
+2. hidden states, labels and the loss function go to **the lm_head module itself**, so FSDP2's
+   pre-forward hook gathers ``lm_head.weight`` once for all chunks;
+3. :mod:`qwenkit.loss` computes the loss chunk by chunk; ``[B, S, V]`` logits never exist.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from qwenkit.loss import chunked_linear_cross_entropy, full_cross_entropy
+
+log = logging.getLogger(__name__)
+LOSS_TYPES = ("token_mean", "sample_mean", "raw")
+
+
+class ChunkedLMHead(nn.Linear):
+    """``nn.Linear`` that, given labels and a loss function, returns the loss instead of logits.
+
+    Called as ``lm_head(hidden)`` it is a plain linear layer (HF's non-chunk path, generation).
+    The parameter stays ``weight``, so checkpoints and tied embeddings are unchanged.
+    """
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None) -> torch.Tensor:
+        if loss_fn is None:
+            return F.linear(hidden, self.weight, self.bias)
+        return loss_fn(hidden, self.weight, labels)
+
+
+class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2.5-VL whose training loss can be computed without full logits (``chunk_loss``)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        old = self.lm_head
+        head = ChunkedLMHead(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
+        head.weight = old.weight  # same Parameter object: ties and initialisation carry over
+        if old.bias is not None:
+            head.bias = old.bias
+        self.lm_head = head
+        self.chunk_loss = False
+        self.chunk_size: int | str = "auto"
+        self.chunk_budget_bytes = 512 * 2**20
+        self.loss_reduction = "token_mean"
+        self.micro_batch_split = 1
+
+    def configure_loss(
+        self,
+        chunk: bool = True,
+        chunk_size: int | str = "auto",
+        loss_type: str = "token_mean",
+        chunk_budget_mb: int = 512,
+        micro_batch_split: int = 1,
+    ) -> QwenkitQwen2_5_VL:
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        if not (chunk_size == "auto" or (isinstance(chunk_size, int) and chunk_size > 0)):
+            raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
+        self.chunk_loss, self.chunk_size, self.loss_reduction = chunk, chunk_size, loss_type
+        self.chunk_budget_bytes = chunk_budget_mb * 2**20
+        self.micro_batch_split = micro_batch_split
+        return self
+
+    def _check_chunk_args(self, labels, use_cache, logits_to_keep) -> None:
+        if labels is None:
+            raise ValueError("chunk loss needs labels: it returns a loss, not logits (set chunk_loss=False to get logits)")
+        if use_cache:
+            raise ValueError("chunk loss needs use_cache=False: no KV cache is kept in training")
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError(f"chunk loss needs logits_to_keep=0, got {logits_to_keep!r}")
+        if self.loss_reduction == "raw":
+            raise ValueError("loss_type='raw' (unreduced per-token loss) is not available with chunk loss")
+        if self.micro_batch_split != 1:
+            raise ValueError(
+                f"micro_batch_split={self.micro_batch_split} is not available with chunk loss: "
+                "hidden states and mRoPE position ids disagree on the batch dim"
+            )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_dict: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        num_samples: int | torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """HF's forward, or (``chunk_loss``) backbone + chunked loss head.
+
+        ``num_items_in_batch``: valid label tokens of the global batch (all ranks and
+        accumulation steps) for ``token_mean``; ``num_samples``: samples of the global batch
+        for ``sample_mean``. Both default to this batch's own counts.
+        """
+        kwargs = _drop_unsupported(self.model.forward, kwargs)
+        if not self.chunk_loss:
+            return self._hf_forward(input_ids, labels, use_cache, logits_to_keep, return_dict,
+                                    num_items_in_batch, num_samples, kwargs)
+        self._check_chunk_args(labels, use_cache, logits_to_keep)
+        outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
+        loss_fn = functools.partial(
+            chunked_linear_cross_entropy,
+            reduction=self.loss_reduction,
+            chunk_size=self.chunk_size,
+            chunk_budget_bytes=self.chunk_budget_bytes,
+            num_items_in_batch=num_items_in_batch,
+            num_samples=num_samples,
+        )
+        loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
+        out = CausalLMOutputWithPast(loss=loss, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return out.to_tuple() if return_dict is False else out
+
+    def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, return_dict,
+                    num_items_in_batch, num_samples, kwargs):
+        if self.loss_reduction == "token_mean" or labels is None:
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return super().forward(input_ids=input_ids, labels=labels, use_cache=use_cache,
+                                   logits_to_keep=logits_to_keep, return_dict=return_dict, **kwargs)
+        # sample_mean / raw: HF's head gives the logits, qwenkit's reference loss reduces them
+        out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                              return_dict=True, **kwargs)
+        if out.logits.shape[1] != labels.shape[1]:
+            raise ValueError(f"loss_type={self.loss_reduction!r} needs logits for every position (logits_to_keep=0)")
+        out.loss = full_cross_entropy(out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples)
+        return out.to_tuple() if return_dict is False else out
+
+
+def _drop_unsupported(forward, kwargs: dict) -> dict:
+    """transformers 4.57 has no ``mm_token_type_ids``; drop it there instead of leaking it."""
+    if "mm_token_type_ids" in kwargs and "mm_token_type_ids" not in inspect.signature(forward).parameters:
+        kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
+    return kwargs
+
+
+def _register_checkpoint_format(cls: type) -> None:
+    """Give the subclass HF's key conversions, so checkpoints load and export like the parent's.
+
+    transformers 5.x treats classes outside its package as custom code and skips the
+    parent's legacy-key mapping unless the class is registered; 4.57 inherits the class
+    attribute ``_checkpoint_conversion_mapping`` and needs nothing.
+    """
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:
+        return
+    mapping = get_checkpoint_conversion_mapping(Qwen2_5_VLForConditionalGeneration.__name__)
+    if mapping is not None:
+        register_checkpoint_conversion_mapping(cls.__name__, mapping, overwrite=True)
+
+
+REGISTRY: dict[str, type[Qwen2_5_VLForConditionalGeneration]] = {"qwen2_5_vl": QwenkitQwen2_5_VL}
+for _cls in REGISTRY.values():
+    _register_checkpoint_format(_cls)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_path(model_cfg) -> Path:
+    """``tiny`` becomes the cached tiny checkpoint directory; anything else must be a directory."""
+    if model_cfg.path == "tiny":
+        from qwenkit.tiny import ensure_checkpoint
+
+        return ensure_checkpoint(tie_word_embeddings=model_cfg.tie_word_embeddings)
+    path = Path(model_cfg.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={model_cfg.path!r}: no config.json there; give a local Hugging Face checkpoint directory "
+            "(weights are never downloaded) or 'tiny'"
+        )
+    return path
+
+
+def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> QwenkitQwen2_5_VL:
+    """Build the model named by ``model_cfg.name`` from ``model_cfg.path`` (tiny or HF directory).
+
+    ``init_device=meta`` builds the module tree without storage (weights are loaded into the
+    FSDP shards later, see :mod:`qwenkit.fsdp`); otherwise HF's ``from_pretrained`` loads them.
+    """
+    if model_cfg.name not in REGISTRY:
+        raise ValueError(f"model.name={model_cfg.name!r} is not registered; known: {', '.join(REGISTRY)}")
+    cls = REGISTRY[model_cfg.name]
+    attn = model_cfg.attn_implementation
+    if attn == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise ValueError("model.attn_implementation='flash_attention_2' needs the flash-attn package") from None
+    path = resolve_path(model_cfg)
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.init_device == "meta":
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config._attn_implementation = attn
+        with torch.device("meta"):
+            model = cls(config).to(dtype)
+    else:
+        model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn, local_files_only=True)
+        if device is not None:
+            model.to(device)
+    model.name_or_path = str(path)
+    if loss_cfg is not None:
+        model.configure_loss(
+            chunk=loss_cfg.chunk,
+            chunk_size=loss_cfg.chunk_size,
+            loss_type=loss_cfg.loss_type,
+            chunk_budget_mb=loss_cfg.chunk_budget_mb,
+            micro_batch_split=loss_cfg.micro_batch_split,
+        )
+    freeze(model, model_cfg.freeze)
+    return model
+
+
+def freeze(model: nn.Module, paths: list[str]) -> None:
+    """Stop gradients for each listed module path (e.g. ``model.visual``)."""
+    for path in paths:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"model.freeze: no module {path!r} in {type(model).__name__}") from None
+        module.requires_grad_(False)
+
+
+MANIFEST_PARTS = (
+    ("vision blocks", ("model.visual.patch_embed", "model.visual.blocks")),
+    ("merger", ("model.visual.merger",)),
+    ("language model", ("model.language_model",)),
+    ("lm_head", ("lm_head",)),
+)
+
+
+def parameter_manifest(model: nn.Module) -> dict[str, dict[str, int]]:
+    """Total and trainable parameter counts per top-level part (tied weights counted once)."""
+    out = {name: {"total": 0, "trainable": 0} for name, _ in MANIFEST_PARTS}
+    out["other"] = {"total": 0, "trainable": 0}
+    for pname, param in model.named_parameters():  # named_parameters dedups tied weights
+        part = next((name for name, prefixes in MANIFEST_PARTS if pname.startswith(prefixes)), "other")
+        out[part]["total"] += param.numel()
+        out[part]["trainable"] += param.numel() if param.requires_grad else 0
+    if not out["other"]["total"]:
+        del out["other"]
+    return out
+
+
+def format_manifest(manifest: dict[str, dict[str, int]]) -> str:
+    lines = [f"{'part':<16}{'total':>14}{'trainable':>14}"]
+    for name, c in manifest.items():
+        lines.append(f"{name:<16}{c['total']:>14,}{c['trainable']:>14,}")
+    total = sum(c["total"] for c in manifest.values())
+    trainable = sum(c["trainable"] for c in manifest.values())
+    lines.append(f"{'all':<16}{total:>14,}{trainable:>14,}")
+    return "\n".join(lines)

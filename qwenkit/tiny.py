@@ -1,0 +1,281 @@
+"""The embedded default: a tiny Qwen2.5-VL, an offline processor and a learnable synthetic dataset.
+
+Nothing here downloads anything. :func:`ensure_checkpoint` writes a complete HF checkpoint
+directory (config, safetensors weights, tokenizer, image processor) into a cache folder, so the
+tiny model is loaded by exactly the code path a real checkpoint takes (``model.build``).
+
+The architecture is the real one at toy sizes: two vision blocks (one windowed, one with full
+attention), the 2x2 patch merger, mRoPE with ``mrope_section`` summing to ``head_dim / 2``, and
+a two-layer GQA text decoder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from PIL import Image, ImageDraw
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
+
+from qwenkit.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, ImageProcessor, Processor
+
+# Qwen2's pre-tokenizer regex. Without it transformers 5.x re-tokenizes differently after save/load.
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TINY_VOCAB = 1024  # BPE merges are trained up to this size, then padded to a multiple of 64
+TINY_IMAGE_SIDE = 112  # 112 px = 8x8 patches of 14 = 16 image tokens after the 2x2 merge
+TINY_MIN_PIXELS = 56 * 56
+TINY_MAX_PIXELS = 112 * 112
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 210, 40),
+    "purple": (150, 60, 190),
+    "white": (245, 245, 245),
+}
+SHAPES = ("circle", "square", "triangle")
+POSITIONS = ("top left", "top right", "bottom left", "bottom right")
+NUMBER_WORDS = ("zero", "one", "two", "three", "four")
+
+
+def tiny_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
+    """A Qwen2.5-VL config with toy sizes (about 0.4M parameters)."""
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA as in the real model
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim/2 = 8
+        bos_token_id=special_ids["<|endoftext|>"],
+        eos_token_id=special_ids["<|im_end|>"],
+        pad_token_id=special_ids["<|endoftext|>"],
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=56,  # 2x2 merged tokens per window: the 112 px image has 4 windows
+        fullatt_block_indexes=[1],  # block 0 windowed, block 1 full attention
+        out_hidden_size=64,
+        tokens_per_second=2,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+        tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline processor
+
+
+def _corpus() -> list[str]:
+    """Every question and answer the synthetic dataset can contain, plus the template's words."""
+    lines = ["You are a helpful assistant.", "system", "user", "assistant"]
+    for colour in COLOURS:
+        for shape in SHAPES:
+            for count in range(1, 5):
+                for position in POSITIONS:
+                    facts = {"colour": colour, "shape": shape, "count": count, "position": position}
+                    for kind in ("colour", "shape", "count", "position"):
+                        lines.extend(_qa_of(kind, facts))
+    return lines
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with Qwen's pre-tokenizer and special tokens, trained on the synthetic corpus."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_processor() -> Processor:
+    image_processor = ImageProcessor(
+        min_pixels=TINY_MIN_PIXELS,
+        max_pixels=TINY_MAX_PIXELS,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+    return Processor(build_tokenizer(), image_processor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint directory
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("QWENKIT_CACHE", Path.home() / ".cache" / "qwenkit"))
+
+
+def ensure_checkpoint(tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None) -> Path:
+    """Write (once) and return an HF checkpoint directory holding the seeded tiny model.
+
+    The directory name hashes everything that determines its content, so a stale one is never
+    reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
+    """
+    key = json.dumps(
+        {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
+    )
+    root = Path(root) if root is not None else _cache_root()
+    path = root / f"tiny-qwen2_5_vl-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (path / "config.json").is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
+    try:
+        save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0) -> None:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    processor = build_processor()
+    vocab = len(processor.tokenizer)
+    ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = tiny_config(-(-vocab // 64) * 64, ids, tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic dataset: coloured shapes, questions about colour, shape, count and position
+
+
+def _draw(rng: random.Random, side: int = TINY_IMAGE_SIDE):
+    colour = rng.choice(list(COLOURS))
+    shape = rng.choice(SHAPES)
+    count = rng.randint(1, 4)
+    background = (20, 20, 20) if colour != "white" else (90, 90, 90)
+    image = Image.new("RGB", (side, side), background)
+    draw = ImageDraw.Draw(image)
+    quadrants = rng.sample(range(4), count)
+    half = side // 2
+    for q in quadrants:
+        x0, y0 = (q % 2) * half + 8, (q // 2) * half + 8
+        box = (x0, y0, x0 + half - 16, y0 + half - 16)
+        if shape == "circle":
+            draw.ellipse(box, fill=COLOURS[colour])
+        elif shape == "square":
+            draw.rectangle(box, fill=COLOURS[colour])
+        else:
+            draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=COLOURS[colour])
+    return image, {"colour": colour, "shape": shape, "count": count, "position": POSITIONS[quadrants[0]]}
+
+
+def _qa(rng: random.Random, facts: dict) -> tuple[str, str]:
+    return _qa_of(rng.choice(("colour", "shape", "count", "position")), facts)
+
+
+def _qa_of(kind: str, facts: dict) -> tuple[str, str]:
+    plural = "s" if facts["count"] > 1 else ""
+    if kind == "colour":
+        return "What colour are the shapes?", f"They are {facts['colour']}."
+    if kind == "shape":
+        return "Which shape is shown?", f"A {facts['shape']}."
+    if kind == "count":
+        return "How many shapes are there?", f"There {'are' if plural else 'is'} {NUMBER_WORDS[facts['count']]}."
+    return "Where is the first shape?", f"In the {facts['position']}."
+
+
+def write_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
+    """Write ``n`` samples as ``tiny.json`` plus PNG images; returns the JSON path.
+
+    A third of the samples are two-turn conversations (two questions about the same image), so
+    multi-turn masking is exercised by the embedded default too.
+    """
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        image, facts = _draw(rng)
+        name = f"images/{i:05d}.png"
+        image.save(out_dir / name)
+        q1, a1 = _qa(rng, facts)
+        messages = [{"role": "user", "content": f"<image>{q1}"}, {"role": "assistant", "content": a1}]
+        if i % 3 == 2:
+            q2, a2 = _qa(rng, facts)
+            messages += [{"role": "user", "content": q2}, {"role": "assistant", "content": a2}]
+        rows.append({"messages": messages, "images": [name]})
+    path = out_dir / "tiny.json"
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
+def ensure_dataset(n: int = 64, seed: int = 0, root: str | Path | None = None) -> Path:
+    """The synthetic dataset in the cache folder, written once per (n, seed)."""
+    root = Path(root) if root is not None else _cache_root()
+    path = root / f"tiny-data-n{n}-s{seed}-v1"
+    if (path / "tiny.json").is_file():
+        return path / "tiny.json"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=root))
+    try:
+        write_dataset(tmp, n=n, seed=seed)
+        try:
+            tmp.rename(path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path / "tiny.json"

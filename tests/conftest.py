@@ -1,0 +1,112 @@
+"""Shared fixtures: the tiny checkpoint in a per-session cache, and hand-built model batches.
+
+Model and loss tests build their batches here, independently of ``qwenkit.data``, so a bug
+in the data pipeline cannot hide a bug in the model (and the other way round).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from qwenkit import config as qconfig
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache(tmp_path_factory):
+    if "QWENKIT_CACHE" not in os.environ:
+        os.environ["QWENKIT_CACHE"] = str(tmp_path_factory.mktemp("qwenkit-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_path(_cache):
+    from qwenkit.tiny import ensure_checkpoint
+
+    return ensure_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def processor(tiny_path):
+    from qwenkit.processor import Processor
+
+    return Processor.from_pretrained(tiny_path)
+
+
+def build_model(chunk=False, seed=None, **overrides):
+    """The tiny model in fp32 (eval mode: no dropout anyway, but deterministic by contract)."""
+    from qwenkit import model as qmodel
+
+    cfg = qconfig.load(overrides={f"model.{k}": v for k, v in overrides.items()})
+    m = qmodel.build(cfg.model, cfg.loss)
+    m.configure_loss(chunk=chunk)
+    if seed is not None:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 0.05)
+    return m
+
+
+def make_batch(processor, images_per_sample=(1, 0, 2), seq_len=None, seed=0, with_video=False):
+    """A right-padded batch: per sample, text tokens around ``n`` image spans, random labels.
+
+    Labels: every second text run is "learned"; pad and image tokens are -100. Returns the
+    kwargs of the model forward (``mm_token_type_ids`` included, the model drops it on 4.57).
+    """
+    g = torch.Generator().manual_seed(seed)
+    ip = processor.image_processor
+    vocab = len(processor.tokenizer) - 8  # ordinary tokens only
+    rows, labels, pix, grids, types = [], [], [], [], []
+    for n_img in images_per_sample:
+        ids, lab, typ = [], [], []
+        for i in range(n_img + 1):
+            text = torch.randint(0, vocab, (int(torch.randint(5, 20, (1,), generator=g)),), generator=g).tolist()
+            ids += text
+            lab += text if i % 2 == 0 else [-100] * len(text)
+            typ += [0] * len(text)
+            if i == n_img:
+                break
+            side = 56 + 28 * int(torch.randint(0, 3, (1,), generator=g))
+            img = Image.fromarray((torch.rand(side, side + 28, 3, generator=g) * 255).byte().numpy())
+            out = ip(images=[img], return_tensors="pt")
+            pix.append(out["pixel_values"])
+            grids.append(out["image_grid_thw"])
+            n_tok = processor.image_tokens(out["image_grid_thw"][0])
+            ids += [processor.vision_start_id] + [processor.image_token_id] * n_tok + [processor.vision_end_id]
+            lab += [-100] * (n_tok + 2)
+            typ += [0] + [1] * n_tok + [0]
+        rows.append((ids, lab, typ))
+    width = seq_len or max(len(r[0]) for r in rows)
+    batch = {
+        "input_ids": torch.full((len(rows), width), processor.pad_token_id),
+        "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
+        "labels": torch.full((len(rows), width), -100),
+        "mm_token_type_ids": torch.zeros((len(rows), width), dtype=torch.int),
+    }
+    for b, (ids, lab, typ) in enumerate(rows):
+        n = len(ids)
+        batch["input_ids"][b, :n] = torch.tensor(ids)
+        batch["attention_mask"][b, :n] = 1
+        batch["labels"][b, :n] = torch.tensor(lab)
+        batch["mm_token_type_ids"][b, :n] = torch.tensor(typ)
+    if pix:
+        batch["pixel_values"] = torch.cat(pix)
+        batch["image_grid_thw"] = torch.cat(grids)
+    return batch
+
+
+@pytest.fixture
+def make_model():
+    return build_model
+
+
+@pytest.fixture
+def batch_factory(processor):
+    def factory(**kw):
+        return make_batch(processor, **kw)
+
+    return factory
