@@ -218,8 +218,8 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
     for key in raw:
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {prefix}{near[0]!r}?" if near else f"; allowed: {', '.join(names)}"
-            problems.append(f"unknown key {prefix}{key!r}{hint}")
+            hint = f"; did you mean {prefix + near[0]!r}?" if near else f"; allowed: {', '.join(names)}"
+            problems.append(f"unknown key {prefix + str(key)!r}{hint}")
     kwargs = {}
     for name in names:
         if name not in raw:

@@ -48,6 +48,13 @@ CHAT_TEMPLATE = (
 )
 
 
+def pixel_bounds(image_processor) -> tuple[int, int]:
+    """(min_pixels, max_pixels) the image processor resizes into."""
+    size = image_processor.size
+    get = size.get if isinstance(size, dict) else (lambda k: getattr(size, k, None))
+    return int(get("shortest_edge")), int(get("longest_edge"))
+
+
 class Processor:
     """Tokenizer + Qwen2-VL image processor, saved and loaded like an HF processor."""
 
@@ -83,14 +90,14 @@ class Processor:
         path = Path(path)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         kwargs = {}
-        if min_pixels is not None:
-            kwargs["min_pixels"] = min_pixels
-        if max_pixels is not None:
-            kwargs["max_pixels"] = max_pixels
-        image_processor = ImageProcessor.from_pretrained(path, local_files_only=True, **kwargs)
         if min_pixels is not None or max_pixels is not None:
-            # 4.57 keeps both the attributes and `size`; keep them in agreement.
-            image_processor.min_pixels = min_pixels or image_processor.min_pixels
-            image_processor.max_pixels = max_pixels or image_processor.max_pixels
+            # `size` is the one spelling both 4.57 and 5.x read (5.x dropped min_/max_pixels)
+            saved = ImageProcessor.from_pretrained(path, local_files_only=True)
+            lo, hi = pixel_bounds(saved)
+            kwargs["size"] = {"shortest_edge": min_pixels or lo, "longest_edge": max_pixels or hi}
+            if hasattr(saved, "min_pixels"):  # 4.57 saves min_/max_pixels, which override `size`
+                kwargs.update(min_pixels=min_pixels or lo, max_pixels=max_pixels or hi)
+        image_processor = ImageProcessor.from_pretrained(path, local_files_only=True, **kwargs)
+        if hasattr(image_processor, "min_pixels"):  # 4.57 resizes by the attributes: make `size` agree
             image_processor.size = {"shortest_edge": image_processor.min_pixels, "longest_edge": image_processor.max_pixels}
         return cls(tokenizer, image_processor)
