@@ -36,7 +36,7 @@ class ModelConfig:
     dtype: Dtype = "float32"  # dtype the weights are loaded in
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     freeze: list[str] = field(default_factory=list)  # module paths, e.g. ["model.visual"]
-    fused_ops: Union[Literal["auto", "off"], list[str]] = "auto"  # or a subset of qwenkit.patches.OPS
+    fused_ops: Literal["auto", "off"] | list[str] = "auto"  # or a subset of qwenkit.patches.OPS
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
     use_cache: bool = False  # KV cache in training forward; must stay off with chunk loss
     logits_to_keep: int = 0  # 0 keeps all positions; chunk loss needs 0
@@ -65,7 +65,7 @@ class DataConfig:
 @dataclass
 class LossConfig:
     chunk: bool = True  # chunked cross-entropy in the lm_head: full [B, S, V] logits never exist
-    chunk_size: Union[int, Literal["auto"]] = "auto"  # tokens per logits chunk
+    chunk_size: int | Literal["auto"] = "auto"  # tokens per logits chunk
     chunk_budget_mb: int = 512  # memory budget of one fp32 logits chunk, for chunk_size=auto
     loss_type: Literal["token_mean", "sample_mean", "raw"] = "token_mean"  # raw: unreduced, needs chunk=false
     micro_batch_split: int = 1  # split the loss head by batch rows; chunk loss needs 1

@@ -60,7 +60,7 @@ def make_batch(processor, images_per_sample=(1, 0, 2), seq_len=None, seed=0, wit
     g = torch.Generator().manual_seed(seed)
     ip = processor.image_processor
     vocab = len(processor.tokenizer) - 8  # ordinary tokens only
-    rows, labels, pix, grids, types = [], [], [], [], []
+    rows, pix, grids = [], [], []
     for n_img in images_per_sample:
         ids, lab, typ = [], [], []
         for i in range(n_img + 1):

@@ -1,0 +1,240 @@
+"""Chunk mode vs HF's own forward on the tiny Qwen2.5-VL: loss and every parameter's gradient."""
+
+import pytest
+import torch
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from qwenkit import config as qconfig
+from qwenkit import model as qmodel
+
+# fp32 on both sides; the chunked head sums in another order, so allow a few ulps of the sums.
+FP32 = dict(rtol=1e-5, atol=1e-7)
+
+
+def _pair(make_model, seed=1, **kw):
+    """Two identical tiny models (random weights, not the near-uniform init), HF head and chunked."""
+    return make_model(chunk=False, seed=seed, **kw), make_model(chunk=True, seed=seed, **kw)
+
+
+def _loss_and_grads(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, **kw).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(a, b, tol=FP32):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, **tol)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        if ga[name] is None or gb[name] is None:  # e.g. the vision tower on a text-only batch
+            assert ga[name] is gb[name] is None, name
+            continue
+        torch.testing.assert_close(ga[name], gb[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _video_batch(processor, seed=0):
+    """One text+video sample built from tensors: t=2, h=w=4 patches -> 8 video tokens."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([[2, 4, 4]])
+    n_tok = int(grid.prod()) // 4
+    text = torch.randint(0, 300, (12,), generator=g).tolist()
+    ids = text[:5] + [processor.vision_start_id] + [processor.video_token_id] * n_tok + [processor.vision_end_id] + text[5:]
+    labels = [-100] * (7 + n_tok) + text[5:]
+    types = [0] * 6 + [2] * n_tok + [0] * (len(text) - 5 + 1)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "labels": torch.tensor([labels]),
+        "mm_token_type_ids": torch.tensor([types], dtype=torch.int),
+        "pixel_values_videos": torch.randn(int(grid.prod()), 1176, generator=g),
+        "video_grid_thw": grid,
+        "second_per_grid_ts": torch.tensor([1.0]),
+    }
+
+
+@pytest.mark.parametrize(
+    "images, chunk_size",
+    [
+        ((0, 0), 7),  # text only, chunk does not divide
+        ((1, 0, 2), 16),  # image-text
+        ((1, 2), 1024),  # chunk exceeds the sequence
+        ((1, 1), "auto"),
+    ],
+)
+def test_chunk_equals_hf_loss_and_every_grad(make_model, batch_factory, images, chunk_size):
+    hf, ours = _pair(make_model)
+    ours.configure_loss(chunk=True, chunk_size=chunk_size)
+    batch = batch_factory(images_per_sample=images)
+    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+
+
+def test_chunk_size_that_divides_the_sequence(make_model, batch_factory):
+    batch = batch_factory(images_per_sample=(1, 1), seq_len=64)  # 2 x 64 tokens, chunks of 32
+    hf, ours = _pair(make_model)
+    ours.configure_loss(chunk=True, chunk_size=32)
+    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+
+
+def test_vision_gradients_are_compared_and_nonzero(make_model, batch_factory):
+    hf, ours = _pair(make_model)
+    batch = batch_factory(images_per_sample=(1, 2))
+    _, grads = _loss_and_grads(ours, batch)
+    _assert_same(_loss_and_grads(hf, batch), (_, grads))
+    vision = {n: g for n, g in grads.items() if n.startswith("model.visual")}
+    assert len(vision) > 10
+    for name, g in vision.items():
+        assert torch.isfinite(g).all() and g.abs().sum() > 0, name
+
+
+def test_video_batch(make_model, processor):
+    hf, ours = _pair(make_model)
+    batch = _video_batch(processor)
+    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sample_mean"])
+def test_reductions_match_the_full_logits_head(make_model, batch_factory, reduction):
+    hf, ours = _pair(make_model)
+    hf.configure_loss(chunk=False, loss_type=reduction)
+    ours.configure_loss(chunk=True, loss_type=reduction, chunk_size=9)
+    batch = batch_factory(images_per_sample=(1, 0, 2))
+    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+
+
+def test_non_chunk_mode_is_hf_forward(make_model, batch_factory, tiny_path):
+    ours = make_model(chunk=False)
+    stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path)
+    batch = batch_factory(images_per_sample=(1, 0))
+    a = ours(**batch)
+    b = stock(**batch)
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    last = ours(**kw, logits_to_keep=1, use_cache=True)
+    assert last.logits.shape[1] == 1
+    torch.testing.assert_close(last.logits, b.logits[:, -1:], **FP32)
+
+
+def test_chunk_with_recompute(make_model, batch_factory):
+    hf, ours = _pair(make_model)
+    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ours.train()
+    hf.train()
+    batch = batch_factory(images_per_sample=(1, 1))
+    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+
+
+def test_frozen_vision_tower_gets_no_grads(batch_factory):
+    cfg = qconfig.load(overrides=["model.freeze=[model.visual]"])
+    model = qmodel.build(cfg.model, cfg.loss)
+    _, grads = _loss_and_grads(model, batch_factory(images_per_sample=(1, 1)))
+    assert not any(n.startswith("model.visual") for n in grads)
+    assert all(p.grad is None for p in model.model.visual.parameters())
+    manifest = qmodel.parameter_manifest(model)
+    assert manifest["vision blocks"]["trainable"] == manifest["merger"]["trainable"] == 0
+    assert manifest["language model"]["trainable"] == manifest["language model"]["total"] > 0
+
+
+def test_freeze_unknown_path_names_it():
+    cfg = qconfig.load(overrides=["model.freeze=[model.vision]"])
+    with pytest.raises(ValueError, match="model.freeze: no module 'model.vision'"):
+        qmodel.build(cfg.model, cfg.loss)
+
+
+def test_sdpa_and_eager_agree(make_model, batch_factory):
+    batch = batch_factory(images_per_sample=(1, 2))
+    sdpa = make_model(chunk=True, seed=2)
+    eager = make_model(chunk=True, seed=2, attn_implementation="eager")
+    assert eager.config._attn_implementation == "eager"
+    _assert_same(_loss_and_grads(sdpa, batch), _loss_and_grads(eager, batch), tol=dict(rtol=1e-4, atol=1e-6))
+
+
+def test_tuple_output(make_model, batch_factory):
+    ours = make_model(chunk=True, seed=1)
+    batch = batch_factory(images_per_sample=(1,))
+    out = ours(**batch, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], ours(**batch).loss)
+
+
+def test_tied_embeddings_in_both_modes(make_model, batch_factory):
+    hf, ours = _pair(make_model, tie_word_embeddings=True)
+    assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
+    assert isinstance(ours.lm_head, qmodel.ChunkedLMHead)
+    batch = batch_factory(images_per_sample=(1, 0))
+    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+
+
+@pytest.mark.parametrize(
+    "kwargs, setup, pattern",
+    [
+        ({"labels": None}, {}, "chunk loss needs labels"),
+        ({"use_cache": True}, {}, "use_cache=False"),
+        ({"logits_to_keep": 1}, {}, "logits_to_keep=0"),
+        ({}, {"loss_type": "raw"}, "'raw'"),
+        ({}, {"micro_batch_split": 2}, "micro_batch_split=2"),
+    ],
+)
+def test_illegal_chunk_calls_raise_before_any_compute(make_model, batch_factory, kwargs, setup, pattern):
+    ours = make_model(chunk=True)
+    ours.configure_loss(chunk=True, **setup)
+
+    def boom(*_):
+        raise AssertionError("the backbone ran before the guard")
+
+    ours.model.register_forward_pre_hook(boom)
+    batch = {**batch_factory(images_per_sample=(1,)), **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        ours(**batch)
+
+
+def test_token_mean_same_for_1x4_2x2_4x1(make_model, batch_factory):
+    """Gradient accumulation / data parallelism: pass the global count, get the big batch."""
+    batch = batch_factory(images_per_sample=(1, 0, 2, 1), seed=5)
+    total = (batch["labels"][:, 1:] != -100).sum()
+    results = []
+    for parts in (1, 2, 4):
+        model = make_model(chunk=True, seed=3)
+        model.configure_loss(chunk=True, chunk_size=13)
+        model.zero_grad()
+        loss_sum = 0.0
+        for i in range(parts):
+            rows = slice(i * 4 // parts, (i + 1) * 4 // parts)
+            sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "labels", "mm_token_type_ids")}
+            grids = batch["image_grid_thw"]
+            per_sample = [int((batch["input_ids"][r] == model.config.vision_start_token_id).sum()) for r in range(4)]
+            first = sum(per_sample[: rows.start])
+            count = sum(per_sample[rows])
+            if count:
+                sub["image_grid_thw"] = grids[first : first + count]
+                start = int(grids[:first].prod(-1).sum())
+                sub["pixel_values"] = batch["pixel_values"][start : start + int(sub["image_grid_thw"].prod(-1).sum())]
+            loss = model(**sub, num_items_in_batch=total).loss
+            loss.backward()
+            loss_sum = loss_sum + loss.detach()
+        results.append((loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    for other in results[1:]:
+        _assert_same(results[0], other)
+
+
+def test_30_step_adamw_tracks_hf(make_model, batch_factory):
+    """Same seed, same batches: chunk-mode training follows the HF-loss run step for step."""
+    batches = [batch_factory(images_per_sample=(1, 0, 1), seed=s) for s in range(3)]
+    curves = []
+    for chunk in (False, True):
+        torch.manual_seed(42)
+        model = make_model(chunk=chunk)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        losses = []
+        for step in range(30):
+            opt.zero_grad()
+            loss = model(**batches[step % 3]).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    hf, ours = curves
+    assert max(abs(a - b) for a, b in zip(hf, ours)) <= 1e-5
+    assert sum(ours[-3:]) < 0.8 * sum(ours[:3])
