@@ -109,8 +109,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
+        # Scale in place: a second [V, H] buffer here would double the weight-gradient memory.
+        # (These buffers belong to this node alone; backward runs once without retain_graph.)
+        gh = grad_h.mul_(grad_loss.to(grad_h.dtype)) if grad_h is not None else None
+        gw = grad_w.mul_(grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
         return gh, gw, None, None, None
 
 
