@@ -1,3 +1,171 @@
-"""Fused-operator patches (RMSNorm, vision RoPE, SwiGLU); see qwenkit.patches.npu / cuda."""
+"""Fused-operator patches for Qwen2.5-VL: RMSNorm, vision RoPE, and the text SwiGLU MLP.
 
-OPS = ("rms_norm", "vision_rope", "swiglu")
+:func:`apply` replaces the ``forward`` of matching module *instances* of one model (never a
+transformers class, so other models in the process are untouched) with one that picks, at
+every call and from the input tensor's device, what runs (:mod:`qwenkit.patches.dispatch`):
+torch_npu kernels on NPU tensors (:mod:`~qwenkit.patches.npu`), Liger-Kernel on CUDA tensors
+when liger-kernel is installed (:mod:`~qwenkit.patches.cuda`), HF's own forward otherwise.
+
+Text mRoPE stays HF's implementation, as in the original NPU integration: its cos/sin are
+assembled per mRoPE section (inside ``apply_multimodal_rotary_pos_emb`` in 4.57, in the
+rotary-embedding module in 5.x), so one patch could not serve both transformers versions.
+
+Reversible and observable: each patched module keeps its original bound forward in
+``module._qwenkit_original_forward``; :func:`apply` returns (and logs) a :class:`PatchReport`;
+a second call patches nothing and says so; :func:`revert` restores the originals. Switches:
+``QWENKIT_DISABLE_FUSED=1`` (or ``QWEN25VL_DISABLE_NPU_FUSION=1``, the original integration's
+name) and ``model.fused_ops: auto | off | [ops]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from qwenkit.patches import dispatch, targets
+from qwenkit.patches.dispatch import DeviceOf, Router
+from qwenkit.patches.report import OpReport, PatchError, PatchReport
+
+OPS = ("rms_norm", "vision_rope", "swiglu")  # model.fused_ops is validated against this
+BACKENDS = ("auto", "npu", "cuda")
+DISABLE_ENV = ("QWENKIT_DISABLE_FUSED", "QWEN25VL_DISABLE_NPU_FUSION")
+
+__all__ = ["OPS", "BACKENDS", "PatchError", "PatchReport", "apply", "disabled_by", "fused_enabled", "revert"]
+log = logging.getLogger(__name__)
+
+_FORWARDS = {"rms_norm": dispatch.rms_norm_forward, "swiglu": dispatch.swiglu_forward}
+
+
+@dataclass
+class _Patch:
+    """Stored on a patched module as ``_qwenkit_patch``."""
+
+    op: str
+    router: Router
+    shadowed: bool  # the instance had its own ``forward`` before: revert puts it back as it was
+
+
+def disabled_by() -> str | None:
+    """The environment switch that disables fused ops (``"NAME=value"``), or None."""
+    for name in DISABLE_ENV:
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{name}={os.environ[name]}"
+    return None
+
+
+def fused_enabled() -> bool:
+    """False when ``QWENKIT_DISABLE_FUSED`` or ``QWEN25VL_DISABLE_NPU_FUSION`` is set to 1/true/yes/on."""
+    return disabled_by() is None
+
+
+def _wanted(ops: str | Sequence[str]) -> tuple[str, ...]:
+    if ops == "auto":
+        return OPS
+    if ops == "off":
+        return ()
+    if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
+        raise ValueError(f"fused ops must be 'auto', 'off' or a list of {', '.join(OPS)}; got {ops!r}")
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        raise ValueError(f"unknown fused op(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(OPS)}")
+    return tuple(o for o in OPS if o in ops)
+
+
+def apply(
+    model: nn.Module,
+    backend: str = "auto",
+    ops: str | Sequence[str] = "auto",
+    device_of: DeviceOf | None = None,
+) -> PatchReport:
+    """Patch ``model``'s RMSNorm, vision-RoPE and text-MLP instances; return and log the report.
+
+    ``backend``: ``"auto"`` (NPU tensors -> torch_npu, CUDA tensors -> Liger if installed),
+    ``"npu"`` or ``"cuda"`` (only that route; its library must be installed). ``ops``: the
+    value of ``model.fused_ops``. ``device_of``: the per-call device predicate (tests inject
+    one; the default reads ``tensor.device.type``). All-or-nothing: every requested op must
+    match at least one module (else :class:`PatchError`) before any module is changed.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"fused-op backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    wanted = _wanted(ops)
+    reason = disabled_by() or (None if wanted else f"model.fused_ops={ops}")
+    routes = dispatch.routes(backend)
+    if reason:
+        report = PatchReport(backend, routes, [OpReport(op, f"off ({reason})") for op in OPS], disabled_by=reason)
+        log.info("%s", report)
+        return report
+    if backend != "auto":
+        library = dispatch.ROUTES[backend].LIBRARY
+        if not dispatch.installed(library):
+            raise ValueError(f"fused-op backend={backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed")
+
+    router = Router(backend, device_of)
+    found = {op: targets.find(model, op) for op in wanted}
+    empty = [op for op in wanted if not found[op]]
+    if empty:
+        raise PatchError(
+            f"fused op(s) matched no module in {type(model).__name__}: "
+            + "; ".join(f"{op} (looked for {targets.LOOKED_FOR[op]})" for op in empty)
+            + ". Leave them out of model.fused_ops, or fix the model."
+        )
+    installs, reports = [], []
+    routed_vision = {}  # one routed vision-attention forward per HF function, shared by its instances
+    for op in OPS:
+        if op not in wanted:
+            reports.append(OpReport(op, "off (not in model.fused_ops)"))
+            continue
+        rep = OpReport(op, "patched")
+        for name, m in found[op]:
+            tower = targets.tower(name)
+            rep.where[tower] = rep.where.get(tower, 0) + 1
+            patch = m.__dict__.get("_qwenkit_patch")
+            if patch is not None:
+                if patch.router.backend != backend:
+                    raise ValueError(
+                        f"{name} is already patched with backend={patch.router.backend!r}; revert() before "
+                        f"applying backend={backend!r}"
+                    )
+                rep.already += 1
+                continue
+            if op == "vision_rope":
+                fn = getattr(m.forward, "__func__", m.forward)
+                if fn not in routed_vision:
+                    routed_vision[fn] = dispatch.with_vision_rope(fn, router)
+                forward = routed_vision[fn]
+            else:
+                forward = _FORWARDS[op]
+            installs.append((m, _Patch(op, router, shadowed="forward" in m.__dict__), forward))
+            rep.modules += 1
+        if rep.modules == 0:
+            rep.status = "already patched"
+        reports.append(rep)
+    for m, patch, forward in installs:
+        m._qwenkit_original_forward = m.forward
+        m._qwenkit_patch = patch
+        m.forward = types.MethodType(forward, m)
+    report = PatchReport(backend, routes, reports)
+    log.info("%s", report)
+    return report
+
+
+def revert(model: nn.Module) -> int:
+    """Restore every patched module's original forward; returns how many were restored."""
+    restored = 0
+    for _, m in model.named_modules():
+        patch = m.__dict__.pop("_qwenkit_patch", None)
+        if patch is None:
+            continue
+        original = m.__dict__.pop("_qwenkit_original_forward")
+        if patch.shadowed:
+            m.forward = original
+        else:
+            del m.__dict__["forward"]  # the class's forward shows through again
+        restored += 1
+    if restored:
+        log.info("fused ops: reverted %d modules", restored)
+    return restored
