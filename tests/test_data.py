@@ -398,3 +398,18 @@ def test_encoding_is_deterministic(processor):
     collate = Collator(processor)
     x, y = collate([a[i] for i in range(4)]), collate([b[i] for i in range(4)])
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_unreadable_paths_say_why(tmp_path, processor):
+    from qwenkit.data import DataError
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    cases = [
+        (tmp_path / "nope.json", "no such file or directory"),
+        (tmp_path / "empty", "no .json/.jsonl files, no save_to_disk dataset"),
+        (tmp_path / "rows.csv", "unsupported file type '.csv'"),
+    ]
+    for path, reason in cases:
+        with pytest.raises(DataError, match=rf"data\.path='{path}': {reason}"):
+            read_dataset(make_cfg().data, processor, str(path))

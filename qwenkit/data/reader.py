@@ -125,7 +125,7 @@ class HFSource:
 def open_sources(data) -> list[JsonSource | HFSource]:
     """Every source behind ``data``: a path (file or directory) or a ``datasets.Dataset``."""
     if not isinstance(data, (str, Path)):
-        if type(data).__name__ != "Dataset" or not hasattr(data, "with_format"):
+        if not _is_hf_dataset(data):
             raise DataError(f"data must be a path or a datasets.Dataset, got {type(data).__name__}")
         name = getattr(data.info, "dataset_name", None) or "in-memory"
         return [HFSource(data, f"<datasets.Dataset {name}>", None)]
@@ -154,7 +154,20 @@ def open_sources(data) -> list[JsonSource | HFSource]:
     )
     if files:
         return [JsonSource(p) for p in files]
+    if not any(p.suffix in HF_FILE_BUILDERS for p in path.rglob("*")):
+        raise DataError(
+            f"data.path={str(data)!r}: no .json/.jsonl files, no save_to_disk dataset and no "
+            f"{'/'.join(HF_FILE_BUILDERS)} files in this directory"
+        )
     return [_hf_load(path, str(path))]
+
+
+def _is_hf_dataset(data) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(data, datasets.Dataset)
 
 
 def _hf_load(path: Path, builder: str, data_files: str | None = None) -> HFSource:

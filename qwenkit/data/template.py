@@ -25,7 +25,6 @@ from qwenkit.data.report import BadSample
 from qwenkit.processor import Processor
 
 IGNORE_INDEX = -100
-TEMPLATES = ("qwen2vl",)
 
 
 @functools.cache
