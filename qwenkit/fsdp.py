@@ -1,0 +1,278 @@
+"""FSDP2 shard plan: the process's place in the job, ``fully_shard`` by module pattern, recompute,
+activation offload, and meta-device materialisation.
+
+The distributed engine is PyTorch's own; this module only decides *what* to hand to it:
+
+1. :func:`init_distributed` joins the process group torchrun set up (or makes a one-process
+   group), picks the device (``cpu``/gloo, ``cuda``/nccl, ``npu``/hccl) and :func:`build_mesh`
+   makes a 1-D mesh, or a 2-D HSDP mesh ``(replicas, world // replicas)`` for multi-node runs.
+2. :func:`apply_recompute` wraps the modules matching ``parallel.recompute`` in PyTorch's
+   non-reentrant ``checkpoint_wrapper`` (recompute happens inside the FSDP unit, so the gathered
+   weights are the ones FSDP already holds for backward).
+3. :func:`shard` calls ``fully_shard`` on every module matching ``parallel.shard_patterns``,
+   deepest first, then on the root. A module holding a weight that is shared with a module
+   outside it (Qwen2.5-VL-3B ties ``lm_head`` to ``embed_tokens``) is left to the root, so a tied
+   weight lives in exactly one FSDP group.
+
+Patterns are dotted module paths in which ``*`` matches exactly one path segment:
+``model.language_model.layers.*`` matches ``model.language_model.layers.7`` but not
+``model.language_model.layers.7.mlp``. A pattern that matches nothing is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fnmatch
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from qwenkit.model import DTYPES
+
+log = logging.getLogger(__name__)
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group, device, mesh
+
+
+@dataclass
+class Runtime:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    owns_group: bool  # this process created the process group, so it also destroys it
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` picks cuda, then npu (torch_npu), then cpu."""
+    if name != "auto":
+        if name == "cuda" and not torch.cuda.is_available():
+            raise ValueError("parallel.device='cuda' but no CUDA device is visible")
+        if name == "npu" and not _npu_available():
+            raise ValueError("parallel.device='npu' but torch_npu is not installed or no NPU is visible")
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return "cpu"
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()
+
+
+def init_distributed(parallel_cfg) -> Runtime:
+    """Join torchrun's process group (env ``RANK``/``WORLD_SIZE``), or make a one-process group.
+
+    A group that already exists (a test running several trainings in one process group) is used
+    as is and left alone at the end.
+    """
+    device_type = resolve_device(parallel_cfg.device)
+    backend = BACKENDS[device_type] if parallel_cfg.backend == "auto" else parallel_cfg.backend
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(device_type, local_rank)
+        torch.get_device_module(device_type).set_device(device)
+    owns = not dist.is_initialized()
+    if owns:
+        timeout = datetime.timedelta(minutes=30)  # first steps of a 7B run include long weight loads
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, owns)
+
+
+def shutdown(runtime: Runtime) -> None:
+    """Barrier first: on gloo a rank sometimes aborts at exit without it (see DESIGN.md)."""
+    if runtime.owns_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def build_mesh(runtime: Runtime, hsdp_replicas: int = 1) -> DeviceMesh:
+    """1-D FSDP mesh, or 2-D HSDP mesh: replicate across ``hsdp_replicas``, shard within each."""
+    world, r = runtime.world_size, hsdp_replicas
+    if world % r:
+        raise ValueError(f"parallel.hsdp_replicas={r} must divide the world size {world}")
+    if r == 1:
+        return init_device_mesh(runtime.device.type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(runtime.device.type, (r, world // r), mesh_dim_names=("replicate", "shard"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Module patterns
+
+
+def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[tuple[str, nn.Module]]:
+    """Modules whose dotted path matches one of ``patterns`` (``*`` = one segment), in model order.
+
+    ``key`` names the config field in the error raised for a pattern that matches nothing.
+    """
+    # A checkpoint_wrapper and the module inside it share one path; the wrapper stands for both.
+    names = [(n, m) for n, m in model.named_modules() if n and not n.endswith("._checkpoint_wrapped_module")]
+    found: dict[str, nn.Module] = {}
+    for pattern in patterns:
+        hits = [(n, m) for n, m in names if _path_match(module_path(n), pattern)]
+        if not hits:
+            raise ValueError(f"{key}: pattern {pattern!r} matches no module of {type(model).__name__}")
+        found.update(hits)
+    order = {n: i for i, (n, _) in enumerate(names)}
+    return sorted(found.items(), key=lambda item: order[item[0]])
+
+
+def _path_match(name: str, pattern: str) -> bool:
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats))
+
+
+def module_path(name: str) -> str:
+    """A module path as the user writes it: without checkpoint_wrapper's inner segment."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def apply_recompute(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Wrap each matching module in non-reentrant activation checkpointing; returns their paths.
+
+    Memory: a wrapped block keeps only its inputs for backward and recomputes the rest, so the
+    saved activations of N blocks fall from N x (everything a block saves) to N x (its input).
+    """
+    if not patterns:
+        return []
+    wrapped = []
+    for name, _module in match_modules(model, patterns, "parallel.recompute"):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, checkpoint_wrapper(getattr(parent, child), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        wrapped.append(name)
+    return wrapped
+
+
+def activation_offload(enabled: bool, device: torch.device):
+    """Context that moves tensors saved for backward to host memory (pinned on accelerators)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type != "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# fully_shard
+
+
+@dataclass
+class ShardPlan:
+    groups: list[str]  # module paths given their own FSDP group, in the order sharded
+    left_to_root: dict[str, str] = field(default_factory=dict)  # path -> why it stayed in the root
+    recompute: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"FSDP groups: {len(self.groups)} + root"]
+        lines += [f"  left to root: {p} ({why})" for p, why in self.left_to_root.items()]
+        if self.recompute:
+            lines.append(f"recompute: {len(self.recompute)} modules ({self.recompute[0]} ...)")
+        return "\n".join(lines)
+
+
+def fsdp_kwargs(parallel_cfg, mesh: DeviceMesh) -> dict:
+    mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES[parallel_cfg.param_dtype] if parallel_cfg.param_dtype else None,
+        reduce_dtype=DTYPES[parallel_cfg.reduce_dtype] if parallel_cfg.reduce_dtype else None,
+    )
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if parallel_cfg.cpu_offload else OffloadPolicy()
+    return {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
+
+
+def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh) -> ShardPlan:
+    """``fully_shard`` each module matching ``parallel.shard_patterns`` (deepest first), then the root."""
+    kwargs = fsdp_kwargs(parallel_cfg, mesh)
+    matched = match_modules(model, parallel_cfg.shard_patterns, "parallel.shard_patterns")
+    tied = tied_outside(model, matched)
+    plan = ShardPlan(groups=[], left_to_root=tied)
+    # Children before parents: fully_shard on a parent must see its children already sharded.
+    for name, module in sorted(matched, key=lambda item: -item[0].count(".")):
+        if name in tied:
+            continue
+        fully_shard(module, reshard_after_forward=parallel_cfg.reshard_after_forward, **kwargs)
+        plan.groups.append(module_path(name))
+    # The root's parameters are needed again at the start of backward: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return plan
+
+
+def tied_outside(model: nn.Module, matched: list[tuple[str, nn.Module]]) -> dict[str, str]:
+    """Matched modules holding a parameter that is also reachable under a name outside them."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    out = {}
+    for name, module in matched:
+        for pname, param in module.named_parameters(remove_duplicate=False):
+            others = [o for o in owners[id(param)] if not o.startswith(name + ".")]
+            if others:
+                out[name] = f"{name}.{pname} is tied to {module_path(others[0])}"
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta-device init
+
+
+def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
+    """Give a meta-initialised, sharded model real (uninitialised) storage and real buffers.
+
+    Only the shards get storage: a 7B model never sits whole in one rank's memory. Weights are
+    loaded afterwards (:func:`qwenkit.weights.load_hf_weights`). Non-persistent buffers (rotary
+    ``inv_freq``) are not in any checkpoint, so they are recomputed by building the module tree
+    once more with parameters on meta and buffers on the CPU, and copied over by name.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
+    with _parameters_on_meta():
+        twin = type(model)(model.config)
+    real = dict(twin.named_buffers())
+    for name, buf in list(model.named_buffers()):
+        src = real.get(module_path(name))
+        if src is None:
+            raise RuntimeError(f"meta init: buffer {name!r} has no counterpart to initialise it from")
+        module_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(module_name) if module_name else model
+        owner._buffers[leaf] = src.to(buf.device)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build modules with parameters on meta but buffers computed for real (on the CPU)."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
