@@ -1,0 +1,298 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP), resume, and export to HF safetensors.
+
+A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
+
+- the DCP files of ``{"model": ..., "optimizer": ...}`` from ``get_state_dict`` (each rank writes
+  its own shards; a load reshards them to whatever the loading job's sharding is);
+- ``train_state.pt``: step and LR-scheduler state (the same on every rank, written by rank 0);
+- ``rank-00000.pt`` ...: per rank, the data position (``sampler.state_dict()``) and the RNG
+  states of python, numpy, torch CPU and the accelerator;
+- ``COMPLETE.json``, written last.
+
+Saving is atomic: everything is written under ``.tmp-step-00000012``; after a barrier (every
+rank done) rank 0 writes ``COMPLETE.json`` and renames the directory. A save killed midway
+leaves a ``.tmp-*`` directory that is never picked as latest (and is removed by the next save),
+so the previous checkpoint stays the one a resume selects. Only the newest
+``checkpoint.keep_last`` complete checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+log = logging.getLogger(__name__)
+COMPLETE = "COMPLETE.json"
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-step-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names its directory."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding checkpoints
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:08d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (``.tmp-*`` and unmarked ones never count)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest(root: str | Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def find_resume(resume: str, output_dir: str | Path) -> Path | None:
+    """The checkpoint ``train.resume`` asks for: ``auto`` (newest complete, or none), ``none``, or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest(checkpoint_root(output_dir))
+    path = Path(resume)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(f"train.resume={resume!r}: not a complete checkpoint directory (no {COMPLETE})")
+    return path
+
+
+def resolve(path: str | Path) -> Path:
+    """A step directory as is; a run's output_dir or checkpoints dir becomes its newest checkpoint."""
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return path
+    for root in (path, checkpoint_root(path)):
+        found = latest(root)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{str(path)!r}: no complete checkpoint there (looked for {COMPLETE})")
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
+
+
+def rng_state(device: torch.device) -> dict:
+    """python, numpy, torch CPU and accelerator generator states, in types torch.load(weights_only) reads."""
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {**np_state, "state": {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type != "cpu":
+        state["accelerator"] = torch.get_device_module(device.type).get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    key = np.asarray(np_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state({**np_state, "state": {"key": key, "pos": np_state["state"]["pos"]}})
+    torch.set_rng_state(state["torch"])
+    if device.type != "cpu" and "accelerator" in state:
+        torch.get_device_module(device.type).set_rng_state(state["accelerator"], device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+
+
+def save(root: str | Path, step: int, model, optimizer, scheduler, sampler, device: torch.device, keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the final directory."""
+    root, rank = Path(root), dist.get_rank()
+    tmp, final = root / f"{TMP_PREFIX}{step:08d}", step_dir(root, step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{TMP_PREFIX}*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    _write(tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
+    if rank == 0:
+        _write(tmp / "train_state.pt", {"step": step, "scheduler": scheduler.state_dict()})
+    dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        marker = {"step": step, "world_size": dist.get_world_size(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        _write_text(tmp / COMPLETE, json.dumps(marker))
+        if final.exists():  # the same step saved again after a resume
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _write(path: Path, obj) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+
+
+def load(path: str | Path, model, optimizer, scheduler, sampler, device: torch.device,
+         load_optimizer: bool = True, load_rng: bool = True) -> int:
+    """Collective: restore a checkpoint into the (sharded) model and the rest; returns its step.
+
+    Any failure on any rank is raised on every rank (no rank is left waiting in a collective),
+    as a :class:`CheckpointError` naming the directory.
+    """
+    path, rank = Path(path), dist.get_rank()
+    error = None
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+        if marker["world_size"] != dist.get_world_size():
+            raise CheckpointError(
+                f"saved by {marker['world_size']} ranks, this job has {dist.get_world_size()}: the data "
+                "position and RNG are per rank (model and optimizer could be resharded, the data order not)"
+            )
+        train_state = torch.load(path / "train_state.pt", weights_only=True)
+        rank_state = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - reported collectively below
+        error = e
+    _raise_if_any(error, path, device)
+    try:
+        if load_optimizer:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        else:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(model, state["model"])
+        scheduler.load_state_dict(train_state["scheduler"])
+        sampler.load_state_dict(rank_state["sampler"])
+        if load_rng:
+            set_rng_state(rank_state["rng"], device)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _raise_if_any(error, path, device)
+    return int(train_state["step"])
+
+
+def _raise_if_any(error: Exception | None, path: Path, device: torch.device) -> None:
+    flag = torch.tensor([0 if error is None else 1], device=device if dist.get_backend() != "gloo" else "cpu")
+    dist.all_reduce(flag)
+    if error is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {type(error).__name__}: {error}") from error
+    if flag.item():
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded (failed on another rank, see its log)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Export to Hugging Face safetensors
+
+# Non-weight files of an HF checkpoint directory that the export copies from the base model.
+PROCESSOR_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+    "video_preprocessor_config.json", "processor_config.json", "generation_config.json",
+)
+
+
+def export(checkpoint: str | Path, out: str | Path, cfg) -> Path:
+    """Write a checkpoint's model as an HF directory (safetensors, config, processor files).
+
+    Runs in one process without a process group: DCP gathers every shard into full tensors of
+    a plain ``Qwen2_5_VLForConditionalGeneration`` (built on meta, then given CPU storage), which
+    ``save_pretrained`` writes in HF's own key layout, so ``from_pretrained`` loads it back.
+    """
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    from qwenkit.model import DTYPES, resolve_path
+
+    ckpt, out = resolve(checkpoint), Path(out)
+    base = resolve_path(cfg.model)
+    config = AutoConfig.from_pretrained(base, local_files_only=True)
+    with torch.device("meta"):
+        hf = Qwen2_5_VLForConditionalGeneration(config)
+    hf.to_empty(device="cpu")
+    hf.to(DTYPES[cfg.model.dtype])
+    state = hf.state_dict()
+    saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    wanted = {k: v for k, v in state.items() if f"model.{k}" in saved}
+    tied = {k for k, v in state.items() if k not in wanted and any(v is w for w in wanted.values())}
+    missing = sorted(set(state) - set(wanted) - tied)
+    if missing:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks model tensors: {', '.join(missing[:5])}")
+    dcp.load({"model": wanted}, checkpoint_id=str(ckpt), no_dist=True)
+    hf.save_pretrained(out)
+    for name in PROCESSOR_FILES:
+        if (base / name).is_file():
+            shutil.copy2(base / name, out / name)
+    log.info("exported %s to %s", ckpt, out)
+    return out
+
+
+def run_config_path(checkpoint: str | Path) -> Path:
+    """The resolved config a run saved in its output_dir (``<output_dir>/config.yaml``)."""
+    ckpt = resolve(checkpoint)
+    path = ckpt.parent.parent / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.yaml in the run directory {str(ckpt.parent.parent)!r}; pass --config")
+    return path
+
+
+def export_main(args) -> int:
+    """``qwenkit export CHECKPOINT OUT [--config params.yaml]``."""
+    from qwenkit import config as qconfig
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = qconfig.load(args.config or run_config_path(args.checkpoint))
+    out = export(args.checkpoint, args.out, cfg)
+    print(f"exported to {out}")
+    return 0

@@ -1,0 +1,87 @@
+"""Per-step training metrics as JSONL, one file per rank, in long format.
+
+Each line is one measurement::
+
+    {"metric": "loss", "unit": "nat", "x": 12, "value": 2.31, "rank": 0, "device": "cuda:0",
+     "version": "0.1.0", "timestamp": "2025-01-01T12:00:00.123+00:00"}
+
+``x`` is the optimizer step (1-based). Files: ``<output_dir>/metrics/rank-00000.jsonl``; a resumed
+run appends, so a step repeated after a crash appears twice (readers keep the last).
+
+Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before clipping), ``lr``,
+``step_time``, ``tokens_per_s`` (input tokens of the global batch, padding excluded),
+``samples_per_s``, ``valid_tokens`` (label tokens of the global batch), ``peak_memory`` (this
+rank: accelerator peak allocated during the step, or the process's peak RSS on CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+from qwenkit import __version__
+
+UNITS = {
+    "loss": "nat",
+    "grad_norm": "1",
+    "lr": "1",
+    "step_time": "s",
+    "tokens_per_s": "token/s",
+    "samples_per_s": "sample/s",
+    "valid_tokens": "token",
+    "peak_memory": "MiB",
+}
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str | Path, rank: int, device: torch.device):
+        self.path = Path(output_dir) / "metrics" / f"rank-{rank:05d}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank, self.device = rank, str(device)
+        self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+        for metric, value in values.items():
+            row = {
+                "metric": metric,
+                "unit": UNITS[metric],
+                "x": step,
+                "value": value,
+                "rank": self.rank,
+                "device": self.device,
+                "version": __version__,
+                "timestamp": now,
+            }
+            self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read(path: str | Path) -> list[dict]:
+    """All rows of a metrics file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(path: str | Path, metric: str) -> dict[int, float]:
+    """``{step: value}`` of one metric; for a step logged twice (resume), the last row wins."""
+    return {row["x"]: row["value"] for row in read(path) if row["metric"] == metric}
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Accelerator: peak allocated since the last :func:`reset_peak_memory`; CPU: peak RSS of the process."""
+    if device.type == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return torch.get_device_module(device.type).max_memory_allocated(device) / 2**20
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).reset_peak_memory_stats(device)

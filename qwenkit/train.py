@@ -1,0 +1,314 @@
+"""The training loop: one FSDP2 process per rank, started by torchrun (``python -m qwenkit.train``).
+
+Startup, all before the first step: process group and device (:mod:`qwenkit.fsdp`), seeds,
+processor and data (:mod:`qwenkit.data`), model (HF weights, or meta-device init whose weights
+are read straight into the shards), trainable-parameter manifest, recompute wrappers,
+``fully_shard`` plan, AdamW with linear warmup + cosine decay, and a resume from a checkpoint.
+
+One optimizer step:
+
+1. take ``train.grad_accum`` micro-batches; pop their ``num_items`` / ``num_samples`` and
+   all-reduce the sums once: the loss of every micro-batch is normalised by the **global**
+   counts (all ranks, all accumulation steps), so it does not depend on world size or split;
+2. forward and backward each micro-batch. A rank's loss is its *share* of the global mean, so
+   the global gradient is the *sum* of the ranks' gradients; FSDP averages them, hence the
+   backward runs on ``loss * world_size`` (exact in fp32 for power-of-two world sizes);
+3. grad norm over all shards, one all-reduce of the loss, and one host sync (``.tolist()``) for
+   logging and the NaN/inf check: a non-finite loss or grad norm raises :class:`NonFiniteError`
+   with the step number *before* the optimizer step, so the weights are not updated;
+4. clip to ``train.max_grad_norm``, AdamW step, LR-scheduler step; metrics to JSONL
+   (:mod:`qwenkit.metrics`), the profiler window (:mod:`qwenkit.profiling`), and a DCP
+   checkpoint every ``checkpoint.every`` steps and at the end (:mod:`qwenkit.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from qwenkit import checkpoint as ckpt
+from qwenkit import config as qconfig
+from qwenkit import fsdp
+from qwenkit import model as qmodel
+from qwenkit.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
+from qwenkit.processor import Processor
+from qwenkit.profiling import ProfileWindow
+
+log = logging.getLogger("qwenkit.train")
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/inf loss or gradient norm; raised before the optimizer step, so weights are unchanged."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        super().__init__(
+            f"step {step}: non-finite loss {loss} or grad norm {grad_norm}; "
+            "stopped before the optimizer step, so the weights were not updated"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every accelerator
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier of optimizer step ``step`` (1-based): linear warmup, then cosine to ``min_ratio``."""
+    if step <= warmup:
+        return step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, train_cfg):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: model.freeze froze the whole model")
+    optimizer = torch.optim.AdamW(
+        params, lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay
+    )
+    t = train_cfg
+    # LambdaLR passes the number of steps taken so far; the step about to run is that + 1.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda done: lr_factor(done + 1, t.warmup_steps, t.steps, t.min_lr_ratio)
+    )
+    return optimizer, scheduler
+
+
+def grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Total L2 norm of the (sharded) gradients; clips them in place when ``max_norm > 0``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # reduce the per-shard partial norms
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def write_config(cfg, output_dir: Path) -> Path:
+    """The resolved config next to the run's outputs (``qwenkit export`` reads it)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / "config.yaml"
+    tmp = path.with_name(f".config.yaml.{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def run(cfg, data_builder: Callable | None = None) -> Trainer:
+    """Train this rank to ``train.steps``; see :class:`Trainer`."""
+    trainer = Trainer(cfg, data_builder)
+    trainer.run()
+    return trainer
+
+
+class Trainer:
+    """One rank's training run. Attributes stay readable after :meth:`run` raises (tests use that).
+
+    ``data_builder(cfg, processor, rank, world_size)`` defaults to ``qwenkit.data.build``.
+    """
+
+    def __init__(self, cfg, data_builder: Callable | None = None):
+        self.cfg, self.data_builder = cfg, data_builder
+        self.out_dir = Path(cfg.train.output_dir)
+        self.history: list[dict] = []  # one dict of metrics per step run here
+        self.start_step = 0  # the step resumed from (0: fresh)
+        self.checkpoint: Path | None = None  # the last checkpoint written
+        self.model = self.optimizer = self.scheduler = self.bundle = self.rt = None
+
+    def run(self) -> None:
+        self.rt = fsdp.init_distributed(self.cfg.parallel)
+        self.setup()
+        if self.start_step < self.cfg.train.steps:
+            self.train()
+        elif self.rt.rank == 0:
+            log.info("already at step %d of %d: nothing to train", self.start_step, self.cfg.train.steps)
+        fsdp.shutdown(self.rt)
+
+    def setup(self) -> None:
+        cfg, rt, t = self.cfg, self.rt, self.cfg.train
+        main_rank = rt.rank == 0
+        if main_rank:
+            write_config(cfg, self.out_dir)
+            log.info("rank 0 of %d on %s (%s)", rt.world_size, rt.device, rt.backend)
+        set_seed(t.seed)
+
+        model_path = qmodel.resolve_path(cfg.model)
+        processor = Processor.from_pretrained(
+            model_path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
+        )
+        build_data = self.data_builder
+        if build_data is None:
+            from qwenkit.data import build as build_data
+        self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
+        self.bundle.report.check_fraction(cfg.data.max_bad_fraction)
+
+        model = qmodel.build(cfg.model, cfg.loss)
+        # TODO(patches): fused-op patches are applied here, before recompute wrappers and fully_shard.
+        if main_rank:
+            log.info("parameters:\n%s", qmodel.format_manifest(qmodel.parameter_manifest(model)))
+        recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
+        plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
+        plan.recompute = recomputed
+        if cfg.model.init_device == "meta":
+            from qwenkit.weights import load_hf_weights
+
+            fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)
+            n = load_hf_weights(model, model_path)
+            if main_rank:
+                log.info("meta init: %d tensors read into the shards from %s", n, model_path)
+        if main_rank:
+            log.info("%s", plan.describe())
+        model.train()
+        self.model = model
+        self.optimizer, self.scheduler = build_optimizer(model, t)
+
+        resume = ckpt.find_resume(t.resume, self.out_dir)
+        if resume is None:
+            if main_rank:
+                log.info("no checkpoint to resume from (train.resume=%s): starting fresh", t.resume)
+            return
+        self.start_step = ckpt.load(
+            resume, model, self.optimizer, self.scheduler, self.bundle.sampler, rt.device,
+            cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng,
+        )
+        if main_rank:
+            log.info("resumed from %s at step %d", resume, self.start_step)
+
+    def train(self) -> None:
+        cfg, rt = self.cfg, self.rt
+        t, ck = cfg.train, cfg.checkpoint
+        main_rank = rt.rank == 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        batches = self.bundle.batches()  # created after the resume: starts at the restored position
+        metrics = MetricsWriter(self.out_dir, rt.rank, rt.device)
+        window = ProfileWindow(cfg.profile, rt.device, self.out_dir, rt.rank)
+        # disable=None: a bar on a terminal, none in batch logs (which get the step lines below)
+        bar = tqdm(total=t.steps, initial=self.start_step, disable=None if main_rank else True, desc="train")
+        try:
+            for step in range(self.start_step + 1, t.steps + 1):
+                began = time.perf_counter()
+                reset_peak_memory(rt.device)
+                values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches)
+                values["step_time"] = time.perf_counter() - began
+                values["tokens_per_s"] = values.pop("tokens") / values["step_time"]
+                values["samples_per_s"] = values.pop("samples") / values["step_time"]
+                values["peak_memory"] = peak_memory_mib(rt.device)
+                metrics.write(step, values)
+                self.history.append({"step": step, **values})
+                window.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
+                if main_rank and (step % t.log_every == 0 or step == t.steps):
+                    tqdm.write(
+                        f"step {step}/{t.steps}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.3f}  "
+                        f"lr {values['lr']:.2e}  {values['tokens_per_s']:.0f} tok/s  {values['step_time']:.2f} s"
+                    )
+                if (ck.every and step % ck.every == 0) or (step == t.steps and ck.save_final):
+                    self.checkpoint = ckpt.save(
+                        ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer, self.scheduler,
+                        self.bundle.sampler, rt.device, ck.keep_last,
+                    )
+                    if main_rank:
+                        tqdm.write(f"checkpoint saved: {self.checkpoint}")
+        finally:
+            bar.close()
+            window.close()
+            metrics.close()
+
+
+def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
+    t = cfg.train
+    micro = [next(batches) for _ in range(t.grad_accum)]
+    counts = torch.stack(
+        [torch.stack([b.pop("num_items"), b.pop("num_samples"), b["attention_mask"].sum()]) for b in micro]
+    ).sum(0)  # [3]: label tokens, samples, input tokens of this rank's step
+    counts = counts.to(rt.device)
+    dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
+    num_items, num_samples = counts[0], counts[1]
+    loss_sum = torch.zeros((), device=rt.device)
+    for batch in micro:
+        with fsdp.activation_offload(cfg.parallel.activation_offload, rt.device):
+            out = model(**_to(batch, rt.device), num_items_in_batch=num_items, num_samples=num_samples)
+        (out.loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
+        loss_sum += out.loss.detach().float()
+    norm = grad_norm(params, t.max_grad_norm)
+    dist.all_reduce(loss_sum)
+    loss, norm_value, items, samples, tokens = torch.cat([torch.stack([loss_sum, norm.float()]), counts.float()]).tolist()
+    if not (math.isfinite(loss) and math.isfinite(norm_value)):
+        raise NonFiniteError(step, loss, norm_value)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens}
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point (one per rank, under torchrun)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qwenkit.train", description="one rank of a qwenkit training run")
+    p.add_argument("--config", required=True, help="the resolved YAML the launcher wrote")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
+    args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    _setup_logging(rank)
+    cfg = qconfig.load(args.config, args.overrides)
+    try:
+        run(cfg)
+    except NonFiniteError as e:
+        log.error("%s", e)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
