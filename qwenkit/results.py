@@ -1,0 +1,155 @@
+"""Results as plain files: long-format rows in CSV or JSONL, and one ``metrics.json`` per notebook.
+
+A long-format row is one measured number with what it is and where it came from::
+
+    metric, unit, series, x_name, x, value, device, version, timestamp
+
+``series`` names the variant a number belongs to (``"chunk 64"``, ``"image-text/token_mean"``),
+``x_name``/``x`` the swept quantity (``"seq_len"``, ``2048``). Figures in :mod:`qwenkit.plots`
+are built from these rows, so a report can be redrawn from its files alone.
+
+``metrics.json`` holds a notebook's headline: a one-line ``summary`` (the report index shows it),
+the numbers the tests assert on, and whether the notebook's own checks passed.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import qwenkit
+
+FIELDS = ("metric", "unit", "series", "x_name", "x", "value", "device", "version", "timestamp")
+METRICS_FILE = "metrics.json"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def record(
+    metric: str,
+    value: float,
+    *,
+    unit: str = "",
+    series: str = "",
+    x_name: str = "",
+    x: float | int | str | None = None,
+    device: str = "cpu",
+    timestamp: str | None = None,
+) -> dict[str, Any]:
+    """One long-format row; ``version`` is qwenkit's, ``timestamp`` UTC now unless given."""
+    return {
+        "metric": metric,
+        "unit": unit,
+        "series": series,
+        "x_name": x_name,
+        "x": "" if x is None else x,
+        "value": float(value),
+        "device": device,
+        "version": qwenkit.__version__,
+        "timestamp": timestamp or now(),
+    }
+
+
+def write_csv(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k, "") for k in FIELDS})
+    return path
+
+
+def read_csv(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a long-format CSV; ``value`` (and a numeric ``x``) come back as numbers."""
+    with Path(path).open(newline="") as f:
+        return [_typed(row) for row in csv.DictReader(f)]
+
+
+def _typed(row: dict[str, Any]) -> dict[str, Any]:
+    row["value"] = float(row["value"])
+    row["x"] = _number(row["x"])
+    return row
+
+
+def _number(text: Any) -> Any:
+    if not isinstance(text, str) or not text:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``path``; a half-written last line (a live run) is left out."""
+    rows = []
+    with Path(path).open() as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            line = line.strip()
+            if line:
+                rows.append(json.loads(line))
+    return rows
+
+
+def select(rows: Iterable[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
+    """Rows whose fields equal every ``where`` value, e.g. ``select(rows, metric="loss")``."""
+    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+
+
+def write_metrics(out_dir: str | Path, notebook: str, summary: str, passed: bool, **values: Any) -> Path:
+    """``<out_dir>/metrics.json``: the notebook's one-line summary, its checks, its numbers.
+
+    Non-finite floats are written as ``null`` (strict JSON has no NaN).
+    """
+    path = Path(out_dir) / METRICS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "notebook": notebook,
+        "summary": summary,
+        "passed": bool(passed),
+        "values": _finite(values),
+        "version": qwenkit.__version__,
+        "timestamp": now(),
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def read_metrics(out_dir: str | Path) -> dict[str, Any] | None:
+    """A notebook's ``metrics.json`` (None when the notebook never wrote one)."""
+    path = Path(out_dir) / METRICS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

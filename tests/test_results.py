@@ -1,0 +1,36 @@
+"""Long-format result files and metrics.json round-trip."""
+
+import json
+import math
+
+from qwenkit import results
+
+
+def test_csv_round_trip_keeps_numbers(tmp_path):
+    rows = [
+        results.record("time", 1.5, unit="ms", series="full", x_name="seq_len", x=256),
+        results.record("time", 2.0, unit="ms", series="chunk 64", x_name="seq_len", x=512),
+        results.record("passed", 1, series="text/token_mean"),
+    ]
+    path = results.write_csv(rows, tmp_path / "a" / "r.csv")
+    back = results.read_csv(path)
+    assert [r["x"] for r in back] == [256, 512, ""]
+    assert [r["value"] for r in back] == [1.5, 2.0, 1.0]
+    assert back[0].keys() == set(results.FIELDS)
+    assert results.select(back, series="full")[0]["unit"] == "ms"
+
+
+def test_jsonl_ignores_a_half_written_last_line(tmp_path):
+    path = results.write_jsonl([{"x": 1}, {"x": 2}], tmp_path / "m.jsonl")
+    with path.open("a") as f:
+        f.write('{"x": 3')  # a writer caught mid-line
+    assert results.read_jsonl(path) == [{"x": 1}, {"x": 2}]
+
+
+def test_metrics_json_is_strict_json(tmp_path):
+    results.write_metrics(tmp_path, "03", "all good", True, max_diff=1e-7, bad=math.nan, nested={"a": math.inf})
+    doc = json.loads((tmp_path / "metrics.json").read_text())  # strict parse: no NaN tokens
+    assert doc["summary"] == "all good" and doc["passed"] is True
+    assert doc["values"] == {"max_diff": 1e-7, "bad": None, "nested": {"a": None}}
+    assert results.read_metrics(tmp_path)["notebook"] == "03"
+    assert results.read_metrics(tmp_path / "missing") is None
