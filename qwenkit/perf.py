@@ -1,0 +1,311 @@
+"""Measurements for notebook 04: what the chunked loss head and the fused ops cost and save.
+
+Two kinds of measurement, kept apart because they need different isolation:
+
+- **Loss-head sweeps** (:func:`head_sweep`, :func:`chunk_sweep`): the lm_head + cross-entropy
+  forward and backward at a given hidden size, vocabulary and sequence length, full logits vs
+  chunked. This is the only part of a training step the two heads do differently. Each case runs
+  in a **fresh process** (``python -m qwenkit.perf CASE_JSON``), so its peak memory is its
+  own: on CPU the peak RSS (VmHWM, reset through ``/proc/self/clear_refs`` once the inputs
+  exist), on an accelerator the allocator's peak. The first pass gives the memory, the next
+  ``repeats`` passes the time (median).
+- **A model training step** (:func:`time_steps`, :func:`top_ops`, :func:`step_flops`,
+  :func:`fused_vs_unfused`): forward, backward and AdamW on real batches, in this process. Model
+  FLOPs are counted by ``torch.utils.flop_counter`` (every matmul, attention and convolution of
+  forward and backward), and MFU is those FLOPs per second over a matmul peak measured here, in
+  the same run (:func:`matmul_peak`), not over a datasheet number.
+
+Heavy, long benchmarks live in ``benchmarks/``; these are sized by the notebook's parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+MiB = 2**20
+
+# The original integration's observations on Ascend, recorded by hand: reference points to
+# compare against, never results of a qwenkit run.
+NPU_REFERENCE = {
+    "hardware": "2x Ascend 910",
+    "model": "Qwen2.5-VL-3B",
+    "steps": 30,
+    "step_ms": {"unfused": 670.6, "fused": 629.1},  # steady-state step time
+    "loss_range": (0.67, 1.21),  # loss stayed within this band over the 30 steps
+    "source": "the original Qwen2.5-VL NPU integration's run notes (recorded, not re-measured)",
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Matmul peak
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> dict[str, Any]:
+    """Best achieved FLOP/s of a square ``size`` GEMM: the ceiling MFU is measured against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # first call: library and allocator warm-up, not timed
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * size**3
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "seconds": best, "flops_per_s": flops / best}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss-head cases, each in a fresh process
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _head_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Run one loss-head case in this process (the worker side of :func:`head_measure`)."""
+    import torch.nn.functional as F
+
+    from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy, full_cross_entropy
+
+    device = torch.device(case["device"])
+    dtype = getattr(torch, case["dtype"])
+    n, h, v = case["seq_len"], case["hidden"], case["vocab"]
+    torch.manual_seed(0)
+    # initialised in place, so no temporary inflates the baseline
+    weight = torch.empty(v, h, device=device, dtype=dtype).normal_().mul_(0.02).requires_grad_()  # [V, H]
+    hidden = torch.empty(1, n, h, device=device, dtype=dtype).normal_().requires_grad_()  # [1, N, H]
+    labels = torch.randint(0, v, (1, n), device=device)
+    labels[:, : n // 4] = -100  # a prompt that is not learned
+    variant = case["variant"]
+    if variant == "full":
+        chunk = None
+
+        def loss_fn():
+            return full_cross_entropy(F.linear(hidden, weight), labels)  # logits [1, N, V]
+
+    else:
+        chunk = auto_chunk_size(n, v, case.get("budget_mb", 512) * MiB) if variant == "auto" else int(variant)
+
+        def loss_fn():
+            return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+
+    def one_pass() -> float:
+        weight.grad = hidden.grad = None
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss_fn().backward()
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    if device.type == "cpu":
+        base = _status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := current RSS
+        first = one_pass()
+        peak = _status_bytes("VmHWM") - base
+    else:
+        synchronize(device)
+        base = torch.accelerator.memory_allocated()
+        torch.accelerator.reset_peak_memory_stats()
+        first = one_pass()
+        peak = torch.accelerator.max_memory_allocated() - base
+    times = [one_pass() for _ in range(case["repeats"])] or [first]
+    return {**case, "chunk_size": chunk, "time_ms": 1e3 * statistics.median(times), "peak_mb": peak / MiB}
+
+
+def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
+    """One loss-head case in a fresh Python process; its result row."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "qwenkit.perf", json.dumps(case)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"loss-head case {case} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _case(variant, seq_len, hidden, vocab, dtype, device, repeats) -> dict[str, Any]:
+    return {
+        "variant": str(variant),
+        "seq_len": int(seq_len),
+        "hidden": int(hidden),
+        "vocab": int(vocab),
+        "dtype": dtype,
+        "device": str(device),
+        "repeats": int(repeats),
+    }
+
+
+def head_sweep(
+    seq_lens: list[int],
+    chunk_size: int | str,
+    hidden: int,
+    vocab: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repeats: int = 2,
+) -> list[dict[str, Any]]:
+    """Full vs chunked head at each sequence length: rows with ``time_ms`` and ``peak_mb``."""
+    rows = []
+    for seq in seq_lens:
+        for variant in ("full", chunk_size):
+            row = head_measure(_case(variant, seq, hidden, vocab, dtype, device, repeats))
+            row["head"] = "full" if variant == "full" else "chunked"
+            rows.append(row)
+    return rows
+
+
+def chunk_sweep(
+    seq_len: int,
+    chunk_sizes: list[int],
+    hidden: int,
+    vocab: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repeats: int = 2,
+) -> list[dict[str, Any]]:
+    """The chunked head at one sequence length over chunk sizes."""
+    return [head_measure(_case(c, seq_len, hidden, vocab, dtype, device, repeats)) for c in chunk_sizes]
+
+
+def recommend_chunk(rows: list[dict[str, Any]], time_slack: float = 0.10) -> int:
+    """The chunk size with the smallest peak memory among those within ``time_slack`` of the fastest.
+
+    Small chunks save memory until the per-chunk GEMMs get too thin to run at full speed; this
+    takes the memory win only while it costs at most ``time_slack`` (10%) in step time.
+    """
+    if not rows:
+        raise ValueError("recommend_chunk needs at least one measured chunk size")
+    fastest = min(r["time_ms"] for r in rows)
+    fast_enough = [r for r in rows if r["time_ms"] <= fastest * (1 + time_slack)]
+    return int(min(fast_enough, key=lambda r: (r["peak_mb"], r["time_ms"]))["chunk_size"])
+
+
+# ---------------------------------------------------------------------------------------------
+# A model training step, in this process
+
+
+def train_step(model, optimizer, batch: dict[str, torch.Tensor]) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss.item()  # .item() waits for the device, so the step is complete when timed
+
+
+def time_steps(model, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 1, lr: float = 1e-4) -> list[float]:
+    """Wall time (ms) of ``steps`` training steps after ``warmup`` untimed ones."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        train_step(model, opt, batches[i % len(batches)])
+        if i >= warmup:
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def step_flops(model, batch: dict[str, torch.Tensor]) -> int:
+    """FLOPs of one forward + backward, as counted by ``torch.utils.flop_counter``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as counter:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+def tokens_in(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["attention_mask"].sum())
+
+
+def top_ops(model, batches: list[dict[str, torch.Tensor]], steps: int = 2, top: int = 15) -> list[dict[str, Any]]:
+    """The ``top`` operators by self time over ``steps`` training steps (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = next(model.parameters()).device
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    train_step(model, opt, batches[0])  # warm-up outside the window
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            train_step(model, opt, batches[i % len(batches)])
+    on_device = device.type != "cpu"
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", 0.0) if on_device else 0.0
+        rows.append(
+            {
+                "op": e.key,
+                "calls": int(e.count),
+                "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                "cpu_total_ms": e.cpu_time_total / 1e3,
+                "self_device_ms": device_us / 1e3,
+            }
+        )
+    key = "self_device_ms" if on_device else "self_cpu_ms"
+    rows.sort(key=lambda r: -r[key])
+    total = sum(r[key] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r[key] / total
+    return rows[:top]
+
+
+def fused_available(device: torch.device) -> tuple[bool, str]:
+    """Whether fused kernels exist for ``device`` here, and what runs there (the patch route)."""
+    from qwenkit.patches import dispatch
+
+    route = dispatch.routes("auto").get(device.type, "original")
+    return not route.startswith("original"), route
+
+
+def fused_vs_unfused(model, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 1) -> dict[str, Any]:
+    """Step times with HF's ops and with qwenkit's fused ops on the same model (patched, then reverted)."""
+    from qwenkit import patches
+
+    device = next(model.parameters()).device
+    ok, route = fused_available(device)
+    if not ok:
+        return {"available": False, "route": route}
+    unfused = time_steps(model, batches, steps, warmup)
+    report = patches.apply(model)
+    try:
+        fused = time_steps(model, batches, steps, warmup)
+    finally:
+        patches.revert(model)
+    return {"available": True, "route": route, "active": report.active, "unfused_ms": unfused, "fused_ms": fused}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m qwenkit.perf CASE_JSON   (one loss-head case; see head_measure)", file=sys.stderr)
+        return 2
+    print(json.dumps(_head_case(json.loads(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

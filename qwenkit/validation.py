@@ -1,0 +1,215 @@
+"""Chunked loss vs HF's full-logits loss on one model and one batch: what notebook 03 reports.
+
+The reference is what ``tests/test_model.py`` compares against: HF's own forward for
+``token_mean``, and :func:`qwenkit.loss.full_cross_entropy` on HF's logits for ``sample_mean``.
+The same model is switched between the two heads (:meth:`configure_loss`), so the weights are
+identical by construction and any difference is the loss head's.
+
+1. :func:`validation_batches` takes real samples from a dataset through :mod:`qwenkit.data`;
+   the ``text`` modality is the same samples with their vision spans and pixels removed.
+2. :func:`compare` runs full and chunked heads over chunk sizes x reductions x modalities and
+   reports, per case, the loss difference and the largest gradient difference over all
+   parameters, with a pass/fail against tolerances justified by the dtype.
+3. :func:`adamw_curves` trains twice from the same seed on the same batches, once per head,
+   and returns both loss curves (their difference is the drift the chunked head adds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from qwenkit import config as qconfig
+from qwenkit import model as qmodel
+from qwenkit.processor import Processor
+
+MODALITIES = ("text", "image-text")
+# (rtol, atol) per dtype: fp32 sums in another order differ by a few ulps of the sums; bf16 and
+# fp16 are torch.testing's defaults for those dtypes (the chunked head upcasts as HF's does).
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-7),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float16: (1e-3, 1e-5),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    return TOLERANCES[dtype]
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto``: the current accelerator (CUDA, or NPU once torch_npu is imported), else CPU."""
+    if name == "auto":
+        return torch.accelerator.current_accelerator() or torch.device("cpu")
+    return torch.device(name)
+
+
+def load_processor(cfg: qconfig.Config) -> Processor:
+    return Processor.from_pretrained(
+        qmodel.resolve_path(cfg.model), min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
+    )
+
+
+def text_only(sample: dict[str, torch.Tensor], processor: Processor) -> dict[str, torch.Tensor]:
+    """The sample without its vision spans (start, pad and end tokens) and pixels."""
+    vision = torch.tensor([processor.vision_start_id, processor.image_token_id, processor.vision_end_id])
+    keep = ~torch.isin(sample["input_ids"], vision)  # [S]
+    return {k: v[keep] for k, v in sample.items() if k in ("input_ids", "labels", "mm_token_type_ids")}
+
+
+def validation_batches(
+    cfg: qconfig.Config, processor: Processor, modality: str, count: int, batch_size: int
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` collated batches of ``batch_size`` consecutive samples of ``cfg.data.path``."""
+    from qwenkit.data import Collator, read_dataset
+
+    if modality not in MODALITIES:
+        raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}")
+    dataset, _ = read_dataset(cfg.data, processor)
+    if len(dataset) == 0:
+        raise ValueError(f"data.path={cfg.data.path!r} has no usable samples")
+    collate = Collator(processor)
+    out = []
+    for b in range(count):
+        samples = [dataset[(b * batch_size + i) % len(dataset)] for i in range(batch_size)]
+        if modality == "text":
+            samples = [text_only(s, processor) for s in samples]
+        batch = collate(samples)
+        del batch["num_items"], batch["num_samples"]  # the model counts a lone batch itself
+        out.append(batch)
+    return out
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
+
+
+def loss_and_grads(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward + backward; the loss and every parameter gradient (fp32 copies, on CPU)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().float().cpu(), grads
+
+
+@dataclasses.dataclass
+class Diff:
+    """How far ``a`` is from the reference ``b``: max |a-b|, that over max |b|, and within (rtol, atol)?"""
+
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+    @classmethod
+    def of(cls, a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> Diff:
+        d = (a - b).abs()
+        scale = b.abs().max().item()
+        max_abs = d.max().item() if d.numel() else 0.0
+        ok = bool((d <= atol + rtol * b.abs()).all())
+        return cls(max_abs, max_abs / scale if scale > 0 else max_abs, ok)
+
+
+def compare(
+    cfg: qconfig.Config,
+    chunk_sizes: Sequence[int],
+    reductions: Sequence[str] = ("token_mean", "sample_mean"),
+    modalities: Sequence[str] = MODALITIES,
+    batch_size: int = 4,
+    device: str = "auto",
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Chunked vs full head: ``(cases, per_param)``.
+
+    ``cases``: one row per modality x reduction x chunk size with ``loss_full``, ``loss_chunk``,
+    ``loss_abs_diff``, ``loss_rel_diff``, ``grad_max_abs_diff``, ``grad_max_rel_diff`` (over all
+    parameters; relative = max |a-b| / max |ref| of the worst tensor), ``worst_param``, ``rtol``,
+    ``atol`` and ``passed`` (loss and every gradient element within tolerance).
+    ``per_param``: the gradient differences of each parameter, for the chunk-size view.
+    """
+    dev = pick_device(device)
+    processor = load_processor(cfg)
+    model = qmodel.build(cfg.model, cfg.loss, device=dev)
+    dtype = qmodel.DTYPES[cfg.model.dtype]
+    rtol, atol = tolerance(dtype)
+    cases, per_param = [], []
+    for modality in modalities:
+        batch = to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
+        tokens = int((batch["labels"][:, 1:] != -100).sum())
+        for reduction in reductions:
+            model.configure_loss(chunk=False, loss_type=reduction)
+            ref_loss, ref_grads = loss_and_grads(model, batch)
+            for chunk in chunk_sizes:
+                model.configure_loss(chunk=True, chunk_size=int(chunk), loss_type=reduction)
+                loss, grads = loss_and_grads(model, batch)
+                if grads.keys() != ref_grads.keys():
+                    raise RuntimeError(f"chunk mode produced gradients for other parameters: {grads.keys() ^ ref_grads.keys()}")
+                loss_diff = Diff.of(loss, ref_loss, rtol, atol)
+                diffs = {n: Diff.of(grads[n], ref_grads[n], rtol, atol) for n in ref_grads}
+                worst = max(diffs, key=lambda n: diffs[n].max_abs)
+                for name, d in diffs.items():
+                    per_param.append(dict(modality=modality, reduction=reduction, chunk_size=int(chunk),
+                                          param=name, max_abs_diff=d.max_abs, max_rel_diff=d.max_rel, passed=d.ok))
+                cases.append(
+                    dict(
+                        modality=modality,
+                        reduction=reduction,
+                        chunk_size=int(chunk),
+                        tokens=tokens,
+                        loss_full=ref_loss.item(),
+                        loss_chunk=loss.item(),
+                        loss_abs_diff=loss_diff.max_abs,
+                        loss_rel_diff=loss_diff.max_rel,
+                        grad_max_abs_diff=diffs[worst].max_abs,
+                        grad_max_rel_diff=max(d.max_rel for d in diffs.values()),
+                        worst_param=worst,
+                        rtol=rtol,
+                        atol=atol,
+                        passed=loss_diff.ok and all(d.ok for d in diffs.values()),
+                    )
+                )
+    return cases, per_param
+
+
+def adamw_curves(
+    cfg: qconfig.Config,
+    chunk_size: int,
+    steps: int = 30,
+    lr: float = 2e-3,
+    seed: int = 42,
+    batch_size: int = 4,
+    num_batches: int = 3,
+    modality: str = "image-text",
+    device: str = "auto",
+) -> list[dict[str, Any]]:
+    """Train the model ``steps`` AdamW steps per head from the same seed on the same batches.
+
+    Returns ``{"step", "mode", "loss"}`` rows for ``mode`` in ``full`` and ``chunk``; batches are
+    used in turn, so both runs see exactly the same data in the same order.
+    """
+    dev = pick_device(device)
+    processor = load_processor(cfg)
+    dtype = qmodel.DTYPES[cfg.model.dtype]
+    batches = [to_device(b, dev, dtype) for b in validation_batches(cfg, processor, modality, num_batches, batch_size)]
+    rows = []
+    for mode in ("full", "chunk"):
+        torch.manual_seed(seed)
+        model = qmodel.build(cfg.model, cfg.loss, device=dev)
+        model.configure_loss(chunk=mode == "chunk", chunk_size=chunk_size, loss_type=cfg.loss.loss_type)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = model(**batches[step % len(batches)]).loss
+            loss.backward()
+            opt.step()
+            rows.append({"step": step + 1, "mode": mode, "loss": loss.item()})
+    return rows
+
+
+def curve_difference(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per step: ``chunk - full`` loss, from :func:`adamw_curves` rows."""
+    full = {r["step"]: r["loss"] for r in rows if r["mode"] == "full"}
+    chunk = {r["step"]: r["loss"] for r in rows if r["mode"] == "chunk"}
+    return [{"step": s, "diff": chunk[s] - full[s]} for s in sorted(full) if s in chunk]
