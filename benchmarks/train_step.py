@@ -1,0 +1,266 @@
+"""End-to-end training-step benchmark: HF baseline vs qwenkit chunk loss (± recompute).
+
+Every variant runs in a fresh subprocess with the same config, seed, weights and batch:
+
+- ``hf``: stock ``Qwen2_5_VLForConditionalGeneration`` with labels (full logits), AdamW;
+- ``chunk``: qwenkit's model, chunked loss head;
+- ``chunk+recompute``: the same with non-reentrant activation checkpointing of the decoder
+  layers and vision blocks;
+- ``chunk-foreach`` (on request): chunk loss with HF's optimizer, to separate the two savings.
+
+The qwenkit variants use the optimizer qwenkit trains with (fused AdamW, in place); the HF
+baseline uses plain AdamW, whose foreach step allocates a parameter-sized temporary.
+
+It prints the median step time, tokens/s, the process's peak memory (whole step: weights,
+gradients, AdamW state, activations, loss head) and the ratios to HF, the memory floor
+(weights + gradients + AdamW state + one logits chunk), and model FLOPs utilisation against a
+matmul peak measured in this same run (best of several large square GEMMs).
+
+    python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
+    python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+GiB = 2**30
+
+CPU_SHAPES = dict(
+    text=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+              num_key_value_heads=2, mrope_section=[8, 12, 12]),
+    vision=dict(depth=2, hidden_size=256, intermediate_size=688, num_heads=4, fullatt_block_indexes=[1]),
+    image_side=224, seq=2048, dtype="float32", tie=False,
+)  # fmt: skip
+GPU_3B_SHAPES = dict(  # Qwen2.5-VL-3B-Instruct
+    text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+              num_key_value_heads=2, mrope_section=[16, 24, 24]),
+    vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, fullatt_block_indexes=[7, 15, 23, 31]),
+    image_side=448, seq=4096, dtype="bfloat16", tie=True,
+)  # fmt: skip
+VOCAB = 151_936
+IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151_655, 151_656, 151_652, 151_653
+
+
+def make_config(shapes):
+    from transformers import Qwen2_5_VLConfig
+
+    t, v = shapes["text"], shapes["vision"]
+    text = dict(
+        vocab_size=VOCAB, hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+        num_hidden_layers=t["num_hidden_layers"], num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"], max_position_embeddings=32768, rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": t["mrope_section"]}, tie_word_embeddings=shapes["tie"],
+    )  # fmt: skip
+    vision = dict(
+        depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+        num_heads=v["num_heads"], fullatt_block_indexes=v["fullatt_block_indexes"], out_hidden_size=t["hidden_size"],
+        window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=shapes["tie"],
+    )  # fmt: skip
+
+
+def make_batch(shapes, device):
+    """One sequence of ``seq`` tokens: a prompt, one image, and a learned reply (half the text)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    grid_side = shapes["image_side"] // 14
+    n_img = grid_side * grid_side // 4
+    n_text = shapes["seq"] - n_img - 2
+    prompt = n_text // 2
+    text = torch.randint(0, 150_000, (n_text,), generator=g)
+    ids = torch.cat([text[:prompt], torch.tensor([VISION_START]), torch.full((n_img,), IMAGE_PAD),
+                     torch.tensor([VISION_END]), text[prompt:]])  # fmt: skip
+    labels = ids.clone()
+    labels[: prompt + n_img + 2] = -100
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[prompt + 1 : prompt + 1 + n_img] = 1
+    batch = {
+        "input_ids": ids[None],
+        "attention_mask": torch.ones(1, ids.numel(), dtype=torch.long),
+        "labels": labels[None],
+        "mm_token_type_ids": types[None],
+        "pixel_values": torch.randn(grid_side * grid_side, 3 * 2 * 14 * 14, generator=g),
+        "image_grid_thw": torch.tensor([[1, grid_side, grid_side]]),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def count_flops(config, shapes) -> dict:
+    """Training FLOPs of one step: 6 x matmul params x tokens, plus attention (12 x L x S^2 x d)."""
+    t, v = config.text_config, config.vision_config
+    s = shapes["seq"]
+    head_dim = t.hidden_size // t.num_attention_heads
+    kv = t.num_key_value_heads * head_dim
+    per_layer = t.hidden_size * (t.hidden_size * 2 + kv * 2) + 3 * t.hidden_size * t.intermediate_size
+    text_matmul = t.num_hidden_layers * per_layer + VOCAB * t.hidden_size  # + lm_head
+    text = 6 * text_matmul * s + 12 * t.num_hidden_layers * s * s * t.hidden_size
+    patches = (shapes["image_side"] // 14) ** 2
+    vh = v.hidden_size
+    v_layer = vh * 3 * vh + vh * vh + 3 * vh * v.intermediate_size
+    merger = (vh * 4) * (vh * 4) + (vh * 4) * v.out_hidden_size
+    v_matmul = v.depth * v_layer + 3 * 2 * 14 * 14 * vh
+    vision = 6 * v_matmul * patches + 6 * merger * patches // 4 + 12 * v.depth * patches * patches * vh
+    return {"text": text, "vision": vision}
+
+
+def gemm_peak(device: str, dtype_name: str, n: int = 4096, repeats: int = 5) -> float:
+    """Best FLOP/s of an n x n x n GEMM on this device, measured now."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def worker(args) -> dict:
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from qwenkit.model import QwenkitQwen2_5_VL
+
+    shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
+    device = torch.device(args.device)
+    dtype = getattr(torch, shapes["dtype"])
+    config = make_config(shapes)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    if args.variant == "hf" or args.variant == "liger":
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    else:
+        model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto")
+    model.to(device=device, dtype=dtype).train()
+    if args.variant == "chunk+recompute":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.variant == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
+
+        apply_liger_kernel_to_qwen2_5_vl(model=model, fused_linear_cross_entropy=True, rms_norm=False,
+                                         swiglu=False, rope=False)  # fmt: skip
+    batch = make_batch(shapes, device)
+    # HF baseline: plain AdamW (foreach: one full-size temporary in step()). qwenkit trains with
+    # the fused AdamW, which updates in place; "chunk-foreach" shows the loss head alone.
+    fused = args.variant.startswith("chunk") and not args.variant.endswith("foreach")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status("VmHWM")
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": peak, "params": n_params,
+        "param_bytes": n_params * torch.finfo(dtype).bits // 8, "losses": losses, "tokens": shapes["seq"],
+        "optimizer": "AdamW fused" if fused else "AdamW foreach",
+    }  # fmt: skip
+
+
+def _spawn(args, variant: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--device", args.device,
+           "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if out.returncode != 0:
+        raise RuntimeError(f"variant {variant} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shapes", default=None, choices=["cpu", "3b"], help="default: cpu on CPU, 3b on CUDA")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per variant (median)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--variants", nargs="+", default=None)
+    p.add_argument("--out", default=None, help="also write the results as JSON lines here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="hf", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.shapes = args.shapes or ("3b" if args.device == "cuda" else "cpu")
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("skipped: --device cuda but no CUDA device is available")
+        return 0
+    shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
+    variants = args.variants or ["hf", "chunk", "chunk+recompute"]
+    if args.device == "cuda" and args.variants is None:
+        try:
+            import liger_kernel  # noqa: F401
+
+            variants.append("liger")
+        except ImportError:
+            print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
+    peak_flops = gemm_peak(args.device, shapes["dtype"])
+    flops = count_flops(make_config(shapes), shapes)
+    print(f"shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
+          f"measured {shapes['dtype']} GEMM peak {peak_flops / 1e9:,.0f} GFLOP/s; "
+          f"step FLOPs: text {flops['text'] / 1e12:.2f} T, vision {flops['vision'] / 1e12:.3f} T")
+    rows = [_spawn(args, v) for v in variants]
+    base = rows[0]
+    print(f"\n{'variant':<17}{'optimizer':>15}{'step s':>8}{'tok/s':>9}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}"
+          f"{'MFU text':>10}{'MFU all':>9}{'first loss':>12}")
+    for r in rows:
+        r["time_ratio"] = r["step_s"] / base["step_s"]
+        r["mem_ratio"] = r["peak_bytes"] / base["peak_bytes"]
+        r["mfu_text"] = flops["text"] / r["step_s"] / peak_flops
+        r["mfu_all"] = (flops["text"] + flops["vision"]) / r["step_s"] / peak_flops
+        print(f"{r['variant']:<17}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['tokens'] / r['step_s']:>9.0f}{r['peak_bytes'] / GiB:>10.2f}"
+              f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['mfu_text']:>10.2f}{r['mfu_all']:>9.2f}"
+              f"{r['losses'][0]:>12.5f}")
+    pb = base["param_bytes"]
+    chunk = min(shapes["seq"], 832) * VOCAB * 4
+    floor = 4 * pb + chunk
+    print(f"\nfloor: weights + grads + AdamW (2 states) = 4 x {pb / GiB:.2f} GiB, + one logits chunk "
+          f"{chunk / GiB:.2f} GiB = {floor / GiB:.2f} GiB ({floor / base['peak_bytes']:.2f} of HF's peak)")
+    if args.out:
+        with open(args.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
