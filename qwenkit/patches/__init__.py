@@ -96,13 +96,17 @@ def apply(
     reason = disabled_by() or (None if wanted else f"model.fused_ops={ops}")
     routes = dispatch.routes(backend)
     if reason:
-        report = PatchReport(backend, routes, [OpReport(op, f"off ({reason})") for op in OPS], disabled_by=reason)
+        report = PatchReport(
+            backend, routes, [OpReport(op, f"off ({reason})") for op in OPS], disabled_by=reason
+        )
         log.info("%s", report)
         return report
     if backend != "auto":
         library = dispatch.ROUTES[backend].LIBRARY
         if not dispatch.installed(library):
-            raise ValueError(f"fused-op backend={backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed")
+            raise ValueError(
+                f"fused-op backend={backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed"
+            )
 
     router = Router(backend, device_of)
     found = {op: targets.find(model, op) for op in wanted}

@@ -21,7 +21,8 @@ LOOKED_FOR = {
 
 
 def _is_silu(act) -> bool:
-    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"  # HF's own class in 4.57 and 5.x
+    # ACT2FN["silu"] is HF's own SiLUActivation class in 4.57 and 5.x
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def _is_rms_norm(parts: list[str], m: nn.Module) -> bool:
