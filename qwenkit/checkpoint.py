@@ -218,13 +218,13 @@ def load(path: str | Path, model, optimizer, scheduler, sampler, device: torch.d
         sampler.load_state_dict(rank_state["sampler"])
         if load_rng:
             set_rng_state(rank_state["rng"], device)
-    except Exception as e:  # noqa: BLE001
+    except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
         error = e
     _raise_if_any(error, path, device)
     return int(train_state["step"])
 
 
-def _raise_if_any(error: Exception | None, path: Path, device: torch.device) -> None:
+def _raise_if_any(error: BaseException | None, path: Path, device: torch.device) -> None:
     flag = torch.tensor([0 if error is None else 1], device=device if dist.get_backend() != "gloo" else "cpu")
     dist.all_reduce(flag)
     if error is not None:

@@ -1,0 +1,80 @@
+"""``qwenkit train``: validate the config, write it to the run's output_dir, and start torchrun.
+
+One path for every size: even ``--nproc 1`` runs under torchrun, so a rank always sees the same
+environment. The config is loaded and checked (keys, types, ranges, the model directory, the
+dataset path, the HSDP shape) *before* any process starts; the resolved YAML written to
+``<output_dir>/config.yaml`` is what every rank reads and what ``qwenkit export`` finds later.
+
+Multi-node: run the same command on every node with ``--nnodes N --node-rank i
+--master-addr <node 0's address>`` (default port 6000). The exit status is torchrun's: non-zero
+when any rank fails (torchrun then stops the others and prints the failing rank's error).
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from qwenkit import config as qconfig
+
+
+def check_before_spawn(cfg, nnodes: int = 1) -> list[str]:
+    """Problems that would otherwise surface only inside every rank; empty when all is well."""
+    from qwenkit.model import resolve_path
+
+    problems = []
+    try:
+        resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
+    except FileNotFoundError as e:
+        problems.append(str(e))
+    if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
+        problems.append(f"data.path={cfg.data.path!r} does not exist")
+    world = cfg.parallel.nproc * nnodes
+    if world % cfg.parallel.hsdp_replicas:
+        problems.append(
+            f"parallel.hsdp_replicas={cfg.parallel.hsdp_replicas} must divide the world size "
+            f"{world} (= {nnodes} nodes x parallel.nproc {cfg.parallel.nproc})"
+        )
+    return problems
+
+
+def torchrun_command(config_path: Path, nproc: int, args) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={args.nnodes}",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={args.node_rank}",
+        f"--master-addr={args.master_addr}",
+        f"--master-port={args.master_port}",
+        "-m", "qwenkit.train", "--config", str(config_path),
+    ]  # fmt: skip
+
+
+def launch(args) -> int:
+    """``args``: config, nproc, nnodes, node_rank, master_addr, master_port, overrides (see qwenkit.cli)."""
+    from qwenkit.train import write_config
+
+    overrides = list(args.overrides)
+    if args.nproc is not None:
+        overrides.append(f"parallel.nproc={args.nproc}")
+    try:
+        cfg = qconfig.load(args.config, overrides)
+    except qconfig.ConfigError as e:
+        print(f"qwenkit train: {e}", file=sys.stderr)
+        return 2
+    if not 0 <= args.node_rank < args.nnodes:
+        print(f"qwenkit train: --node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}", file=sys.stderr)
+        return 2
+    problems = check_before_spawn(cfg, args.nnodes)
+    if problems:
+        print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 2
+    config_path = write_config(cfg, Path(cfg.train.output_dir))
+    cmd = torchrun_command(config_path, cfg.parallel.nproc, args)
+    print(f"qwenkit train: {shlex.join(cmd)}", flush=True)
+    code = subprocess.call(cmd)
+    if code != 0:
+        print(f"qwenkit train: failed with exit code {code} (the failing rank's error is above)", file=sys.stderr)
+    return code

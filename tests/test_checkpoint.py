@@ -1,0 +1,221 @@
+"""Checkpoints on 2 gloo ranks: bit-identical resume, a killed save, a corrupt one, export to HF.
+
+Two job launches share the work (each launch costs seconds of imports on 2 cores):
+
+1. ``A`` trains 8 steps straight; ``B`` the same with a checkpoint every 4 steps; ``K`` saves every
+   step and is killed (``os._exit``) in the middle of saving step 4.
+2. in fresh processes: ``C`` resumes ``B`` from step 4 (its step-8 checkpoint removed, as if the
+   job had stopped there); ``D`` the same without the optimizer state; ``K2`` resumes ``K``;
+   ``X`` tries a copy of ``B`` whose metadata is corrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import make_batch
+from multiproc import check_ranks, run_ranks
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from qwenkit import checkpoint as ckpt
+from qwenkit import config as qconfig
+from qwenkit import data, metrics, train
+
+BASE = [
+    "train.steps=8",
+    "train.micro_batch_size=2",
+    "train.warmup_steps=2",
+    "data.tiny_samples=16",  # 4 global batches per epoch: 8 steps cross an epoch boundary
+    "checkpoint.save_final=true",
+]
+
+
+def _recording_builder(path):
+    """qwenkit.data.build, plus a file of the input_ids of every batch handed to the trainer."""
+
+    def build(cfg, processor, rank, world_size):
+        bundle = data.build(cfg, processor, rank, world_size)
+        batches = bundle.batches
+
+        def recorded():
+            for batch in batches():
+                with open(path / f"batches-rank{rank}.jsonl", "a") as f:
+                    f.write(json.dumps(batch["input_ids"].tolist()) + "\n")
+                yield batch
+
+        bundle.batches = recorded
+        return bundle
+
+    return build
+
+
+def _run(out, name, overrides, rank):
+    run_dir = out / name
+    run_dir.mkdir(exist_ok=True)
+    cfg = qconfig.load(overrides=BASE + overrides + [f"train.output_dir={run_dir}"])
+    trainer = train.Trainer(cfg, _recording_builder(run_dir))
+    try:
+        trainer.run()
+    except ckpt.CheckpointError as e:
+        (run_dir / f"error-rank{rank}.txt").write_text(str(e))
+    if rank == 0:
+        (run_dir / "result.json").write_text(
+            json.dumps({"start": trainer.start_step, "losses": [h["loss"] for h in trainer.history]})
+        )
+    return trainer
+
+
+def _first_launch(rank, out):
+    dist.init_process_group("gloo")
+    _run(out, "A", ["checkpoint.save_final=false"], rank)
+    _run(out, "B", ["checkpoint.every=4"], rank)
+    real_write = ckpt._write
+
+    def dying_write(path, obj):  # step 4's DCP shards are on disk, its rank files are not
+        if path.parent.name == ".tmp-step-00000004":
+            os._exit(17)
+        real_write(path, obj)
+
+    ckpt._write = dying_write
+    _run(out, "K", ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=2"], rank)
+
+
+def _second_launch(rank, out, processor_path):
+    from qwenkit.processor import Processor
+
+    dist.init_process_group("gloo")
+    trainer = _run(out, "C", [], rank)
+    model = trainer.model
+    model.configure_loss(chunk=False)
+    model.eval()
+    batch = make_batch(Processor.from_pretrained(processor_path), seed=5)
+    batch.pop("labels")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    if rank == 0:
+        torch.save({"batch": batch, "logits": logits}, out / "C" / "logits.pt")
+    _run(out, "D", ["checkpoint.load_optimizer=false"], rank)
+    _run(out, "K2", ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=2"], rank)
+    _run(out, "X", [], rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("ckpt")
+    codes = run_ranks(_first_launch, 2, out)
+    assert codes == [17, 17], f"first launch: exit codes {codes}, expected both ranks killed in K's save"
+    shutil.rmtree(out / "B" / "checkpoints" / "step-00000008")  # as if B had stopped after step 4
+    for copy in ("C", "D", "X"):
+        shutil.copytree(out / "B" / "checkpoints", out / copy / "checkpoints")
+    (out / "X" / "checkpoints" / "step-00000004" / ".metadata").write_bytes(b"not a DCP metadata file")
+    shutil.copytree(out / "K" / "checkpoints", out / "K2" / "checkpoints")
+    os.rename(out / "K" / "metrics", out / "K2" / "metrics-killed")
+    check_ranks(_second_launch, 2, out, tiny_path)
+    return out
+
+
+def _result(out, name):
+    return json.loads((out / name / "result.json").read_text())
+
+
+def _batches(out, name, rank):
+    return (out / name / f"batches-rank{rank}.jsonl").read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical_and_continues_the_data(out):
+    a, b, c = _result(out, "A"), _result(out, "B"), _result(out, "C")
+    assert a["start"] == 0 and len(a["losses"]) == 8
+    assert b["losses"] == a["losses"]  # saving does not disturb training
+    assert c["start"] == 4
+    assert c["losses"] == a["losses"][4:]  # exact float equality, not a tolerance
+    for rank in (0, 1):
+        assert _batches(out, "C", rank) == _batches(out, "A", rank)[4:]
+    assert _batches(out, "A", 0) != _batches(out, "A", 1)  # the ranks saw different samples
+
+
+@pytest.mark.slow
+def test_resume_without_optimizer_state(out):
+    c, d = _result(out, "C"), _result(out, "D")
+    assert d["start"] == 4
+    assert d["losses"][0] == c["losses"][0]  # same weights and batch
+    assert d["losses"][1] != c["losses"][1]  # a fresh AdamW takes another step
+
+
+@pytest.mark.slow
+def test_killed_save_leaves_the_previous_checkpoint_selected(out):
+    # what the killed job left (copied to K2 before K2 ran): steps 2 and 3 complete, 4 half-written
+    assert (out / "K" / "checkpoints" / ".tmp-step-00000004").is_dir()
+    assert [p.name for p in ckpt.complete_checkpoints(out / "K" / "checkpoints")] == ["step-00000002", "step-00000003"]
+    assert ckpt.latest(out / "K" / "checkpoints").name == "step-00000003"
+    k2 = _result(out, "K2")
+    assert k2["start"] == 3
+    killed = metrics.series(out / "K2" / "metrics-killed" / "rank-00000.jsonl", "loss")
+    assert k2["losses"] == [killed[4]]  # step 4 again, from the checkpoint, bit for bit
+    # K2's own save of step 4 completed, pruned step 2 (keep_last=2) and removed the stale temp dir
+    root = out / "K2" / "checkpoints"
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000003", "step-00000004"]
+    assert not list(root.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_named(out):
+    for rank in (0, 1):
+        message = (out / "X" / f"error-rank{rank}.txt").read_text()
+        assert str(out / "X" / "checkpoints" / "step-00000004") in message
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_the_same_logits(out, tmp_path):
+    saved = torch.load(out / "C" / "logits.pt")
+    cfg = qconfig.load(ckpt.run_config_path(out / "C"))
+    assert cfg.train.output_dir == str(out / "C")
+    exported = ckpt.export(out / "C", tmp_path / "hf", cfg)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"):
+        assert (exported / name).is_file(), name
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(exported).eval()
+    with torch.no_grad():
+        logits = model(**saved["batch"]).logits
+    torch.testing.assert_close(logits, saved["logits"], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# No process group needed
+
+
+def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
+    assert ckpt.find_resume("auto", tmp_path) is None
+    assert ckpt.find_resume("none", tmp_path) is None
+    with pytest.raises(ckpt.CheckpointError, match="not a complete checkpoint"):
+        ckpt.find_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_only_marked_directories_count(tmp_path):
+    root = ckpt.checkpoint_root(tmp_path)
+    for name, complete in [("step-00000002", True), ("step-00000010", True), ("step-00000011", False)]:
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / ckpt.COMPLETE).write_text("{}")
+    (root / ".tmp-step-00000012").mkdir()
+    assert ckpt.latest(root).name == "step-00000010"  # numeric order, unmarked and temp skipped
+    assert ckpt.resolve(tmp_path).name == "step-00000010"
+
+
+def test_rng_state_round_trip(tmp_path):
+    device = torch.device("cpu")
+    state = ckpt.rng_state(device)
+    torch.save(state, tmp_path / "rng.pt")
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), device)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[:2] == again[:2]
+    assert torch.equal(first[2], again[2])
