@@ -13,6 +13,7 @@ and keeps its state-dict keys. With ``chunk_loss`` off its forward *is* HF's. Wi
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import logging
 from pathlib import Path
@@ -200,11 +201,9 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
         raise ValueError(f"model.name={model_cfg.name!r} is not registered; known: {', '.join(REGISTRY)}")
     cls = REGISTRY[model_cfg.name]
     attn = model_cfg.attn_implementation
-    if attn == "flash_attention_2":
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            raise ValueError("model.attn_implementation='flash_attention_2' needs the flash-attn package") from None
+    if attn == "flash_attention_2" and not any(importlib.util.find_spec(m) for m in ("flash_attn", "torch_npu")):
+        # on Ascend, transformers routes flash_attention_2 to torch_npu's kernel
+        raise ValueError("model.attn_implementation='flash_attention_2' needs flash-attn (CUDA) or torch_npu (Ascend)")
     path = resolve_path(model_cfg)
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.init_device == "meta":
