@@ -9,7 +9,7 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today).
 TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_loss.py tests/test_data*.py tests/test_patches.py
 
-.PHONY: test test-main test-tf457 report train bench lint clean
+.PHONY: test test-main test-tf457 report train bench lint clean chromium
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,14 @@ $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt
 
 test: test-main test-tf457
 
-test-main: $(VENV)/.installed
+# Headless Chromium (Debian's) for the test that opens a rendered report; installed when root.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium not found and not root: the report browser test will skip"; fi; }
+
+test-main: $(VENV)/.installed chromium
 	$(VENV)/bin/python -m pytest -q -rs
 
 test-tf457: $(VENV457)/.installed
