@@ -309,3 +309,80 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries and result files
+
+
+def utilisation(step_ms: list[float], flops: int, tokens: int, peak: dict[str, Any]) -> dict[str, Any]:
+    """Median step time, achieved FLOP/s and MFU (model FLOPs / step time / measured matmul peak)."""
+    median_s = statistics.median(step_ms) / 1e3
+    achieved = flops / median_s
+    return {
+        "step_ms": 1e3 * median_s,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / median_s,
+        "flops_per_step": flops,
+        "achieved_flops_per_s": achieved,
+        "matmul_peak_flops_per_s": peak["flops_per_s"],
+        "mfu": achieved / peak["flops_per_s"],
+    }
+
+
+def head_ratios(sweep: list[dict[str, Any]]) -> dict[str, float]:
+    """Chunked over full time and peak memory at the longest sequence of a :func:`head_sweep`."""
+    longest = max(r["seq_len"] for r in sweep)
+    at = {r["head"]: r for r in sweep if r["seq_len"] == longest}
+    return {
+        "seq_len": longest,
+        "time_ratio": at["chunked"]["time_ms"] / at["full"]["time_ms"],
+        "peak_ratio": at["chunked"]["peak_mb"] / at["full"]["peak_mb"],
+        "full_peak_mb": at["full"]["peak_mb"],
+        "chunked_peak_mb": at["chunked"]["peak_mb"],
+    }
+
+
+def save(out_dir, sweep, chunks, recommended: int, util: dict[str, Any], fused: dict[str, Any],
+         ops: list[dict[str, Any]], device: str) -> dict[str, Any]:  # fmt: skip
+    """``loss_head.csv``, ``model_step.csv``, ``top_ops.csv`` (long format) and ``metrics.json``."""
+    from qwenkit import results
+
+    rows = []
+    for r in sweep:
+        for metric, unit in (("time_ms", "ms"), ("peak_mb", "MiB")):
+            rows.append(results.record(metric, r[metric], unit=unit, series=f"{r['head']} head", x_name="seq_len",
+                                       x=r["seq_len"], device=device))  # fmt: skip
+    for r in chunks:
+        for metric, unit in (("time_ms", "ms"), ("peak_mb", "MiB")):
+            rows.append(results.record(metric, r[metric], unit=unit, series=f"chunk sweep at {r['seq_len']}",
+                                       x_name="chunk_size", x=r["chunk_size"], device=device))  # fmt: skip
+    results.write_csv(rows, f"{out_dir}/loss_head.csv")
+    step_rows = [results.record(k, v, series="model step", device=device) for k, v in util.items()]
+    for name in ("unfused_ms", "fused_ms"):
+        for i, t in enumerate(fused.get(name, [])):
+            step_rows.append(results.record("step_time", t, unit="ms", series=name.removesuffix("_ms"),
+                                            x_name="step", x=i + 1, device=device))  # fmt: skip
+    results.write_csv(step_rows, f"{out_dir}/model_step.csv")
+    results.write_csv(
+        [results.record("self_time", r["self_device_ms"] or r["self_cpu_ms"], unit="ms", series=r["op"],
+                        x_name="rank", x=i + 1, device=device) for i, r in enumerate(ops)],  # fmt: skip
+        f"{out_dir}/top_ops.csv",
+    )
+    ratios = head_ratios(sweep)
+    values = {"head": ratios, "recommended_chunk": recommended, **util, "fused_available": fused["available"],
+              "fused_route": fused["route"], "device": device}  # fmt: skip
+    if fused["available"]:
+        values["fused_speedup"] = statistics.median(fused["unfused_ms"]) / statistics.median(fused["fused_ms"])
+        fused_text = f"fused ops {values['fused_speedup']:.2f}x"
+    else:
+        fused_text = f"no fused kernels for {device} here ({fused['route']})"
+    summary = (
+        f"chunked head at {ratios['seq_len']} tokens: {ratios['peak_ratio']:.2f}x the full head's peak memory, "
+        f"{ratios['time_ratio']:.2f}x its time; recommended chunk {recommended}; model step "
+        f"{util['step_ms']:.0f} ms, MFU {100 * util['mfu']:.1f}% of a measured "
+        f"{util['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s matmul peak ({device}); {fused_text}"
+    )
+    passed = ratios["peak_ratio"] < 1.0 and util["mfu"] > 0
+    results.write_metrics(out_dir, "04_performance_profiling", summary, passed, **values)
+    return values

@@ -24,7 +24,9 @@ import torch
 
 from qwenkit import config as qconfig
 from qwenkit import model as qmodel
+from qwenkit import results
 from qwenkit.processor import Processor
+from qwenkit.samples import load_processor
 
 MODALITIES = ("text", "image-text")
 # (rtol, atol) per dtype: fp32 sums in another order differ by a few ulps of the sums; bf16 and
@@ -36,6 +38,11 @@ TOLERANCES = {
 }
 
 
+# Largest |loss difference| allowed between the two AdamW curves: the per-step differences above,
+# carried through the optimizer for a few dozen steps (fp32: what tests/test_model.py asserts).
+CURVE_TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return TOLERANCES[dtype]
 
@@ -45,12 +52,6 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.accelerator.current_accelerator() or torch.device("cpu")
     return torch.device(name)
-
-
-def load_processor(cfg: qconfig.Config) -> Processor:
-    return Processor.from_pretrained(
-        qmodel.resolve_path(cfg.model), min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
-    )
 
 
 def text_only(sample: dict[str, torch.Tensor], processor: Processor) -> dict[str, torch.Tensor]:
@@ -213,3 +214,55 @@ def curve_difference(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     full = {r["step"]: r["loss"] for r in rows if r["mode"] == "full"}
     chunk = {r["step"]: r["loss"] for r in rows if r["mode"] == "chunk"}
     return [{"step": s, "diff": chunk[s] - full[s]} for s in sorted(full) if s in chunk]
+
+
+def save(out_dir, cases, per_param, curves, dtype: str = "float32", device: str = "cpu") -> dict[str, Any]:
+    """``chunk_vs_full.csv``, ``grad_diff_per_param.csv``, ``adamw_curves.csv`` (long format) and
+    ``metrics.json`` with the worst differences; returns the metrics' values."""
+    rows = [
+        results.record(metric, float(c[metric]), series=f"{c['modality']}/{c['reduction']}",
+                       x_name="chunk_size", x=c["chunk_size"], device=device)  # fmt: skip
+        for c in cases
+        for metric in ("loss_full", "loss_chunk", "loss_abs_diff", "loss_rel_diff", "grad_max_abs_diff",
+                       "grad_max_rel_diff", "passed")  # fmt: skip
+    ]
+    results.write_csv(rows, f"{out_dir}/chunk_vs_full.csv")
+    results.write_csv(
+        [results.record(metric, r[metric], series=f"{r['modality']}/{r['reduction']}/{r['param']}",
+                        x_name="chunk_size", x=r["chunk_size"], device=device)  # fmt: skip
+         for r in per_param for metric in ("max_abs_diff", "max_rel_diff")],
+        f"{out_dir}/grad_diff_per_param.csv",
+    )
+    results.write_csv(
+        [results.record("loss", r["loss"], unit="nat", series=r["mode"], x_name="step", x=r["step"], device=device)
+         for r in curves],
+        f"{out_dir}/adamw_curves.csv",
+    )
+    torch_dtype = qmodel.DTYPES[dtype]
+    rtol, atol = tolerance(torch_dtype)
+    diff = [abs(d["diff"]) for d in curve_difference(curves)]
+    chunk_losses = [r["loss"] for r in curves if r["mode"] == "chunk"]
+    values = {
+        "cases": len(cases),
+        "cases_passed": sum(c["passed"] for c in cases),
+        "max_loss_abs_diff": max(c["loss_abs_diff"] for c in cases),
+        "max_grad_abs_diff": max(c["grad_max_abs_diff"] for c in cases),
+        "max_grad_rel_diff": max(c["grad_max_rel_diff"] for c in cases),
+        "rtol": rtol,
+        "atol": atol,
+        "curve_steps": len(chunk_losses),
+        "curve_max_abs_diff": max(diff),
+        "curve_tolerance": CURVE_TOLERANCES[torch_dtype],
+        "curve_first_loss": chunk_losses[0],
+        "curve_last_loss": chunk_losses[-1],
+    }
+    values["loss_decreased"] = values["curve_last_loss"] < values["curve_first_loss"]
+    passed = values["cases_passed"] == values["cases"] and values["curve_max_abs_diff"] <= values["curve_tolerance"]
+    summary = (
+        f"{values['cases_passed']}/{values['cases']} chunk-vs-full cases within {dtype} tolerance; "
+        f"max |loss diff| {values['max_loss_abs_diff']:.1e}, max |grad diff| {values['max_grad_abs_diff']:.1e}; "
+        f"{values['curve_steps']}-step AdamW curves differ by <= {values['curve_max_abs_diff']:.1e} "
+        f"(loss {values['curve_first_loss']:.2f} -> {values['curve_last_loss']:.2f})"
+    )
+    results.write_metrics(out_dir, "03_chunk_loss_validation", summary, passed, **values)
+    return values

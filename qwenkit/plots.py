@@ -1,0 +1,295 @@
+"""Plotly figures for the notebooks, built from result rows (long-format dicts or plain records).
+
+Every function returns a ``plotly.graph_objects.Figure`` and draws nothing itself; the notebook
+displays it. :func:`setup` (once per kernel) embeds plotly.js in its own output and makes
+:class:`ReportRenderer` the default: each figure then carries plotly's JSON (JupyterLab draws it
+with its plotly extension) *and* an HTML div that calls the page's ``Plotly`` (nbconvert keeps
+it, JupyterLab ignores it). A report rendered from the notebook therefore draws its charts
+offline, with no CDN script (plotly's own ``notebook`` renderer adds a MathJax CDN tag to
+every figure, and its plotly.js bundle registers as an AMD module, not ``window.Plotly``, on a
+page that has loaded require.js).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.io import base_renderers
+from plotly.subplots import make_subplots
+
+RENDERER = "qwenkit"
+PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
+COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+REFERENCE_COLOUR = "#7f7f7f"  # recorded reference points: grey, never a run's colour
+
+
+class ReportRenderer(base_renderers.MimetypeRenderer):
+    """plotly's JSON for JupyterLab plus an offline HTML div for nbconvert (no plotly.js in it)."""
+
+    def to_mimebundle(self, fig_dict):
+        bundle = base_renderers.PlotlyRenderer(PLOTLY_CONFIG).to_mimebundle(dict(fig_dict))
+        bundle["text/html"] = pio.to_html(
+            fig_dict, config=PLOTLY_CONFIG, include_plotlyjs=False, include_mathjax=False, full_html=False
+        )
+        return bundle
+
+
+def plotlyjs_html() -> str:
+    """plotly.js as inline scripts that define ``window.Plotly`` even where an AMD loader exists."""
+    from plotly.offline import get_plotlyjs
+
+    return (
+        "<script>window.PlotlyConfig = {MathJaxConfig: 'local'};"
+        "window.__qwenkitDefine = window.define; window.define = undefined;</script>\n"
+        f"<script>{get_plotlyjs()}</script>\n"
+        "<script>window.define = window.__qwenkitDefine;</script>"
+    )
+
+
+def setup() -> None:
+    """Embed plotly.js once in this cell's output and make :class:`ReportRenderer` the default."""
+    from IPython.display import HTML, display
+
+    pio.renderers[RENDERER] = ReportRenderer()
+    pio.renderers.default = RENDERER
+    pio.templates.default = "plotly_white"
+    display(HTML(plotlyjs_html()))
+
+
+def _finish(fig: go.Figure, title: str, height: int = 420) -> go.Figure:
+    fig.update_layout(title=title, height=height, margin=dict(l=60, r=20, t=70, b=50), legend_title_text="")
+    return fig
+
+
+def _groups(rows: Iterable[dict[str, Any]], key: str) -> dict[Any, list[dict[str, Any]]]:
+    out: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r[key], []).append(r)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "", formats: dict[str, str] | None = None) -> go.Figure:
+    """A table of ``rows``; ``formats`` maps a column to a format spec such as ``".2e"``."""
+    formats = formats or {}
+
+    def cell(value: Any, col: str) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "NO"
+        if isinstance(value, float) and col in formats:
+            return format(value, formats[col])
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    values = [[cell(r.get(c, ""), c) for r in rows] for c in columns]
+    fig = go.Figure(go.Table(header=dict(values=list(columns), align="left"), cells=dict(values=values, align="left")))
+    return _finish(fig, title, height=min(120 + 28 * len(rows), 900))
+
+
+def histogram(values: Sequence[float], title: str, x_title: str, limit: float | None = None, limit_name: str = "") -> go.Figure:
+    """Distribution of ``values``; ``limit`` draws a dashed vertical line (e.g. data.max_length)."""
+    fig = go.Figure(go.Histogram(x=list(values), marker_color=COLOURS[0], name="samples"))
+    if limit is not None:
+        fig.add_vline(x=limit, line_dash="dash", line_color=COLOURS[1], annotation_text=limit_name or str(limit))
+    fig.update_xaxes(title=x_title)
+    fig.update_yaxes(title="samples")
+    return _finish(fig, title, height=360)
+
+
+def bars(labels: Sequence[str], values: Sequence[float], title: str, y_title: str = "") -> go.Figure:
+    fig = go.Figure(go.Bar(x=list(labels), y=list(values), marker_color=COLOURS[0], text=list(values)))
+    fig.update_yaxes(title=y_title)
+    return _finish(fig, title, height=360)
+
+
+# ---------------------------------------------------------------------------------------------
+# 02: training metrics (long-format rows: metric, series, x = step, value)
+
+TRAIN_PANELS = (
+    ("loss", "loss", "nat"),
+    ("grad_norm", "grad norm", ""),
+    ("lr", "learning rate", ""),
+    ("step_time", "step time", "s"),
+    ("tokens_per_s", "tokens/s", ""),
+    ("peak_memory", "peak memory", "MiB"),
+)
+
+
+def training_metrics(rows: Sequence[dict[str, Any]], title: str = "Training metrics per rank") -> go.Figure:
+    """A 3 x 2 grid, one panel per metric, one line per series (rank)."""
+    panels = [p for p in TRAIN_PANELS if any(r["metric"] == p[0] for r in rows)]
+    ncols = 2
+    nrows = max(1, -(-len(panels) // ncols))
+    fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=[p[1] for p in panels], vertical_spacing=0.12)
+    series_names = sorted({r["series"] for r in rows})
+    for i, (metric, _, unit) in enumerate(panels):
+        row, col = i // ncols + 1, i % ncols + 1
+        for k, name in enumerate(series_names):
+            # a step logged twice (a resumed run appends) keeps its last value
+            pts = sorted({r["x"]: r["value"] for r in rows if r["metric"] == metric and r["series"] == name}.items())
+            if not pts:
+                continue
+            fig.add_trace(
+                go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers", name=name,
+                           legendgroup=name, showlegend=i == 0, line_color=COLOURS[k % len(COLOURS)]),
+                row=row, col=col,
+            )  # fmt: skip
+        fig.update_xaxes(title_text="step", row=row, col=col)
+        if unit:
+            fig.update_yaxes(title_text=unit, row=row, col=col)
+    return _finish(fig, title, height=300 * nrows)
+
+
+def resume_overlay(
+    uninterrupted: dict[int, float], resumed: dict[int, float], resume_step: int, metric: str = "loss"
+) -> go.Figure:
+    """The stopped-and-resumed run's curve over the uninterrupted one, with their difference."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.7, 0.3], vertical_spacing=0.08,
+                        subplot_titles=[metric, "resumed - uninterrupted"])  # fmt: skip
+    steps = sorted(uninterrupted)
+    fig.add_trace(go.Scatter(x=steps, y=[uninterrupted[s] for s in steps], name="uninterrupted",
+                             mode="lines+markers", line=dict(color=COLOURS[0], width=4)), row=1, col=1)  # fmt: skip
+    rsteps = sorted(resumed)
+    fig.add_trace(go.Scatter(x=rsteps, y=[resumed[s] for s in rsteps], name="stopped, then resumed",
+                             mode="lines+markers", line=dict(color=COLOURS[3], dash="dash")), row=1, col=1)  # fmt: skip
+    both = [s for s in rsteps if s in uninterrupted]
+    fig.add_trace(go.Bar(x=both, y=[resumed[s] - uninterrupted[s] for s in both], name="difference",
+                         marker_color=COLOURS[3], showlegend=False), row=2, col=1)  # fmt: skip
+    fig.add_vline(x=resume_step + 0.5, line_dash="dot", line_color=REFERENCE_COLOUR,
+                  annotation_text=f"stopped after step {resume_step}")  # fmt: skip
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    return _finish(fig, f"Stop at step {resume_step} and resume vs uninterrupted: {metric}", height=520)
+
+
+# ---------------------------------------------------------------------------------------------
+# 03: chunk vs full
+
+
+def loss_curves(rows: Sequence[dict[str, Any]], title: str = "AdamW training: full vs chunked loss head") -> go.Figure:
+    """Both runs' losses overlaid, and ``chunk - full`` per step below."""
+    by_mode = {m: {r["step"]: r["loss"] for r in rs} for m, rs in _groups(rows, "mode").items()}
+    full, chunk = by_mode["full"], by_mode["chunk"]
+    steps = sorted(full)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35], vertical_spacing=0.08,
+                        subplot_titles=["loss", "chunked - full"])  # fmt: skip
+    fig.add_trace(go.Scatter(x=steps, y=[full[s] for s in steps], name="full logits (HF)", mode="lines",
+                             line=dict(color=COLOURS[0], width=5)), row=1, col=1)  # fmt: skip
+    fig.add_trace(go.Scatter(x=steps, y=[chunk[s] for s in steps], name="chunked", mode="lines+markers",
+                             line=dict(color=COLOURS[1], dash="dash")), row=1, col=1)  # fmt: skip
+    fig.add_trace(go.Scatter(x=steps, y=[chunk[s] - full[s] for s in steps], name="difference", mode="lines+markers",
+                             line_color=COLOURS[1], showlegend=False), row=2, col=1)  # fmt: skip
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    fig.update_yaxes(exponentformat="e", row=2, col=1)
+    return _finish(fig, title, height=520)
+
+
+def _with_case(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**r, "case": f"{r['modality']} / {r['reduction']}"} for r in rows]
+
+
+def grad_diff_by_chunk(cases: Sequence[dict[str, Any]]) -> go.Figure:
+    """Largest gradient and loss difference vs chunk size, one line per modality/reduction.
+
+    No tolerance line: the check is element-wise, ``atol + rtol * |reference|``, so a difference
+    above ``atol`` alone can pass (see the table's ``passed`` column).
+    """
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["max |grad diff| (all parameters)", "|loss diff|"])
+    for k, (name, rs) in enumerate(_groups(_with_case(cases), "case").items()):
+        rs = sorted(rs, key=lambda r: r["chunk_size"])
+        x = [r["chunk_size"] for r in rs]
+        colour = COLOURS[k % len(COLOURS)]
+        fig.add_trace(go.Scatter(x=x, y=[r["grad_max_abs_diff"] for r in rs], name=name, legendgroup=name,
+                                 mode="lines+markers", line_color=colour), row=1, col=1)  # fmt: skip
+        fig.add_trace(go.Scatter(x=x, y=[r["loss_abs_diff"] for r in rs], name=name, legendgroup=name,
+                                 showlegend=False, mode="lines+markers", line_color=colour), row=1, col=2)  # fmt: skip
+    for col in (1, 2):
+        fig.update_xaxes(title_text="chunk size (tokens)", type="log", row=1, col=col)
+    fig.update_yaxes(title_text="absolute difference", exponentformat="e", row=1, col=1)
+    fig.update_yaxes(exponentformat="e", row=1, col=2)
+    return _finish(fig, "Chunked vs full head: differences by chunk size", height=420)
+
+
+def grad_diff_per_param(per_param: Sequence[dict[str, Any]], chunk_size: int) -> go.Figure:
+    """Max |grad diff| of each parameter at one chunk size (the chunk-size slider's view)."""
+    rows = [r for r in per_param if r["chunk_size"] == chunk_size]
+    fig = go.Figure()
+    for k, (name, rs) in enumerate(_groups(_with_case(rows), "case").items()):
+        fig.add_trace(go.Bar(x=[r["param"] for r in rs], y=[r["max_abs_diff"] for r in rs], name=name,
+                             marker_color=COLOURS[k % len(COLOURS)]))  # fmt: skip
+    fig.update_xaxes(showticklabels=False, title="parameter tensors (hover for names)")
+    fig.update_yaxes(title="max |grad diff|", exponentformat="e")
+    fig.update_layout(barmode="group")
+    return _finish(fig, f"Per-parameter gradient difference at chunk size {chunk_size}", height=380)
+
+
+# ---------------------------------------------------------------------------------------------
+# 04: performance
+
+
+def head_sweep(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
+    """Step time and peak memory vs sequence length, one line per head."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["forward + backward time (ms)", "peak memory (MiB)"])
+    for k, (name, rs) in enumerate(_groups(rows, "head").items()):
+        rs = sorted(rs, key=lambda r: r["seq_len"])
+        x = [r["seq_len"] for r in rs]
+        colour = COLOURS[k % len(COLOURS)]
+        fig.add_trace(go.Scatter(x=x, y=[r["time_ms"] for r in rs], name=name, legendgroup=name,
+                                 mode="lines+markers", line_color=colour), row=1, col=1)  # fmt: skip
+        fig.add_trace(go.Scatter(x=x, y=[r["peak_mb"] for r in rs], name=name, legendgroup=name, showlegend=False,
+                                 mode="lines+markers", line_color=colour), row=1, col=2)  # fmt: skip
+    for col in (1, 2):
+        fig.update_xaxes(title_text="sequence length (tokens)", type="log", row=1, col=col)
+    return _finish(fig, title)
+
+
+def chunk_sweep(rows: Sequence[dict[str, Any]], recommended: int, title: str) -> go.Figure:
+    """Time and peak memory vs chunk size; the recommended size is marked."""
+    rows = sorted(rows, key=lambda r: r["chunk_size"])
+    x = [r["chunk_size"] for r in rows]
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Scatter(x=x, y=[r["time_ms"] for r in rows], name="time (ms)", mode="lines+markers",
+                             line_color=COLOURS[0]), secondary_y=False)  # fmt: skip
+    fig.add_trace(go.Scatter(x=x, y=[r["peak_mb"] for r in rows], name="peak memory (MiB)", mode="lines+markers",
+                             line_color=COLOURS[3]), secondary_y=True)  # fmt: skip
+    fig.add_vline(x=recommended, line_dash="dash", line_color=COLOURS[2], annotation_text=f"recommended: {recommended}")
+    fig.update_xaxes(title_text="chunk size (tokens)", type="log")
+    fig.update_yaxes(title_text="time (ms)", secondary_y=False)
+    fig.update_yaxes(title_text="peak memory (MiB)", secondary_y=True)
+    return _finish(fig, title)
+
+
+def step_times(series: dict[str, Sequence[float]], title: str) -> go.Figure:
+    """Box plot of per-step times (ms) for each named variant (e.g. unfused / fused)."""
+    fig = go.Figure()
+    for k, (name, times) in enumerate(series.items()):
+        fig.add_trace(go.Box(y=list(times), name=name, marker_color=COLOURS[k % len(COLOURS)], boxpoints="all"))
+    fig.update_yaxes(title="step time (ms)")
+    return _finish(fig, title, height=380)
+
+
+def npu_reference(ref: dict[str, Any]) -> go.Figure:
+    """The original integration's NPU numbers, drawn in grey and titled as recorded, not measured."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45],
+                        subplot_titles=["steady step time (ms)", f"loss band over {ref['steps']} steps"])  # fmt: skip
+    names = list(ref["step_ms"])
+    values = [ref["step_ms"][n] for n in names]
+    fig.add_trace(go.Bar(x=names, y=values, text=[f"{v:.1f} ms" for v in values], textposition="outside",
+                         marker_color=REFERENCE_COLOUR, marker_pattern_shape="/", name="recorded step time"),
+                  row=1, col=1)  # fmt: skip
+    lo, hi = ref["loss_range"]
+    fig.add_trace(go.Scatter(x=[1, ref["steps"], ref["steps"], 1, 1], y=[lo, lo, hi, hi, lo], fill="toself",
+                             mode="lines", line_color=REFERENCE_COLOUR, name=f"recorded loss range {lo}-{hi}"),
+                  row=1, col=2)  # fmt: skip
+    fig.update_yaxes(range=[0, max(values) * 1.2], row=1, col=1)
+    fig.update_xaxes(title_text="step", row=1, col=2)
+    speedup = ref["step_ms"]["unfused"] / ref["step_ms"]["fused"]
+    title = (f"RECORDED REFERENCE, not this run: {ref['hardware']}, {ref['model']}, {ref['steps']} steps "
+             f"(fused ops {speedup:.2f}x)")  # fmt: skip
+    return _finish(fig, title, height=400)
