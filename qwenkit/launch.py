@@ -2,7 +2,7 @@
 
 One path for every size: even ``--nproc 1`` runs under torchrun, so a rank always sees the same
 environment. The config is loaded and checked (keys, types, ranges, the model directory, the
-dataset path, the HSDP shape) *before* any process starts; the resolved YAML written to
+dataset path) *before* any process starts; the resolved YAML written to
 ``<output_dir>/config.yaml`` is what every rank reads and what ``qwenkit export`` finds later.
 
 Multi-node: run the same command on every node with ``--nnodes N --node-rank i
@@ -20,7 +20,7 @@ from pathlib import Path
 from qwenkit import config as qconfig
 
 
-def check_before_spawn(cfg, nnodes: int = 1) -> list[str]:
+def check_before_spawn(cfg) -> list[str]:
     """Problems that would otherwise surface only inside every rank; empty when all is well."""
     from qwenkit.model import resolve_path
 
@@ -31,12 +31,6 @@ def check_before_spawn(cfg, nnodes: int = 1) -> list[str]:
         problems.append(str(e))
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
-    world = cfg.parallel.nproc * nnodes
-    if world % cfg.parallel.hsdp_replicas:
-        problems.append(
-            f"parallel.hsdp_replicas={cfg.parallel.hsdp_replicas} must divide the world size "
-            f"{world} (= {nnodes} nodes x parallel.nproc {cfg.parallel.nproc})"
-        )
     return problems
 
 
@@ -67,7 +61,7 @@ def launch(args) -> int:
     if not 0 <= args.node_rank < args.nnodes:
         print(f"qwenkit train: --node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}", file=sys.stderr)
         return 2
-    problems = check_before_spawn(cfg, args.nnodes)
+    problems = check_before_spawn(cfg)
     if problems:
         print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2

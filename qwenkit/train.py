@@ -145,9 +145,12 @@ class Trainer:
         self.history: list[dict] = []  # one dict of metrics per step run here
         self.start_step = 0  # the step resumed from (0: fresh)
         self.checkpoint: Path | None = None  # the last checkpoint written
-        self.model = self.optimizer = self.scheduler = self.bundle = self.rt = None
+        self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
 
     def run(self) -> None:
+        # Before the process group exists: with one, transformers' save_pretrained writes weights
+        # on rank 0 only, and the embedded tiny checkpoint is written by whichever rank gets here.
+        self.model_path = qmodel.resolve_path(self.cfg.model)
         self.rt = fsdp.init_distributed(self.cfg.parallel)
         self.setup()
         if self.start_step < self.cfg.train.steps:
@@ -164,7 +167,7 @@ class Trainer:
             log.info("rank 0 of %d on %s (%s)", rt.world_size, rt.device, rt.backend)
         set_seed(t.seed)
 
-        model_path = qmodel.resolve_path(cfg.model)
+        model_path = self.model_path
         processor = Processor.from_pretrained(
             model_path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
         )

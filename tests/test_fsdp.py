@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from qwenkit import config as qconfig
 from qwenkit import fsdp, train
+from qwenkit.tiny import ensure_checkpoint
 
 # Both sides fp32; sums over ranks and micro-batches run in another order (the issue's bound).
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -52,7 +53,10 @@ def _train_runs(rank, out, runs, grad_accum):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_path):
+    # The tiny checkpoints are written here, before any process group exists: under one,
+    # transformers' save_pretrained writes weights on rank 0 only (the launcher does the same).
+    ensure_checkpoint(tie_word_embeddings=True)
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     check_ranks(_train_runs, 1, one, RUNS_1, 2)
     check_ranks(_train_runs, 2, two, RUNS_2, 1)

@@ -1,0 +1,122 @@
+"""Per-rank parameter + optimizer memory under FSDP2: 2 gloo ranks vs 1, on a ~20M-parameter Qwen2.5-VL.
+
+Each world size runs in fresh processes: the model (a wider tiny config, random weights) is
+sharded with qwenkit's default plan, takes one AdamW step on an image+text batch (so every
+parameter has a gradient and AdamW state), and each rank counts the bytes of what it holds:
+its parameter shards, gradient shards and optimizer state. FSDP2 shards every tensor on dim 0,
+so with 2 ranks each should hold about half (a little more where a dim 0 is odd and padded).
+
+    python benchmarks/fsdp_memory.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from transformers import Qwen2_5_VLConfig
+
+MiB = 2**20
+VOCAB = 8192
+IDS = {"image": VOCAB - 4, "video": VOCAB - 3, "vision_start": VOCAB - 2, "vision_end": VOCAB - 1}
+
+
+def config() -> Qwen2_5_VLConfig:
+    """The tiny architecture widened to ~20M parameters (real vocab and depth would not fit 2 CPU cores)."""
+    text = dict(
+        vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1_000_000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},  # sums to head_dim / 2 = 32
+        bos_token_id=VOCAB - 8, eos_token_id=VOCAB - 7, pad_token_id=VOCAB - 8, tie_word_embeddings=False,
+    )  # fmt: skip
+    vision = dict(
+        depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, patch_size=14, spatial_merge_size=2,
+        temporal_patch_size=2, window_size=56, fullatt_block_indexes=[3], out_hidden_size=384,
+    )  # fmt: skip
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IDS["image"], video_token_id=IDS["video"],
+        vision_start_token_id=IDS["vision_start"], vision_end_token_id=IDS["vision_end"], tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """One sample: 24 text tokens, a 56x56 image (4x4 patches -> 4 image tokens), 24 text tokens."""
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, VOCAB - 8, (48,), generator=g)
+    ids = torch.cat([text[:24], torch.tensor([IDS["vision_start"]] + [IDS["image"]] * 4 + [IDS["vision_end"]]), text[24:]])
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[25:29] = 1
+    labels = torch.where(types == 0, ids, -100)
+    return {
+        "input_ids": ids[None], "attention_mask": torch.ones_like(ids)[None], "labels": labels[None],
+        "mm_token_type_ids": types[None], "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=g),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+    }  # fmt: skip
+
+
+def _bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _rank(rank: int, world: int, port: int, results) -> None:
+    from qwenkit import config as qconfig
+    from qwenkit import fsdp
+    from qwenkit.model import QwenkitQwen2_5_VL
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    cfg = qconfig.load(overrides=["parallel.device=cpu"])
+    rt = fsdp.init_distributed(cfg.parallel)
+    torch.manual_seed(0)
+    model = QwenkitQwen2_5_VL(config()).configure_loss(chunk=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(**batch()).loss.backward()
+    optimizer.step()
+    held = {
+        "params": sum(_bytes(p) for p in model.parameters()),
+        "grads": sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+    }
+    results.put((world, rank, n_params, held))
+    fsdp.shutdown(rt)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(world: int) -> list[tuple]:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_rank, args=(world, _free_port(), results), nprocs=world, start_method="spawn")
+    return sorted(results.get() for _ in range(world))
+
+
+def main() -> int:
+    rows = measure(1) + measure(2)
+    n_params = rows[0][2]
+    print(f"Qwen2.5-VL, widened tiny config: {n_params / 1e6:.1f}M parameters, fp32, AdamW, FSDP2 on gloo")
+    print(f"{'world':>5} {'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'optimizer MiB':>14} {'params+optim MiB':>17}")
+    for world, rank, _, held in rows:
+        print(
+            f"{world:>5} {rank:>4} {held['params'] / MiB:>11.2f} {held['grads'] / MiB:>10.2f} "
+            f"{held['optimizer'] / MiB:>14.2f} {(held['params'] + held['optimizer']) / MiB:>17.2f}"
+        )
+    one = rows[0][3]["params"] + rows[0][3]["optimizer"]
+    for _, rank, _, held in rows[1:]:
+        ratio = (held["params"] + held["optimizer"]) / one
+        print(f"rank {rank} of 2 / single process, params+optimizer: {ratio:.3f}x (ideal 0.5)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""``qwenkit train`` end to end through torchrun (2 gloo ranks), its failures, and the cluster script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from multiproc import free_port
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from qwenkit import cli, launch, metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0"]
+
+
+def _qwenkit(*args, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "qwenkit.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _train(tmp_path, *overrides):
+    out = tmp_path / "run"
+    proc = _qwenkit(
+        "train", "--config", "params/tiny_cpu.yaml", "--nproc", "2", "--master-port", str(free_port()),
+        *SMALL, f"train.output_dir={out}", *overrides,
+    )  # fmt: skip
+    return proc, out
+
+
+@pytest.mark.slow
+def test_train_then_export(tmp_path):
+    proc, out = _train(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "config.yaml").is_file()
+    assert (out / "checkpoints" / "step-00000003" / "COMPLETE.json").is_file()
+    for rank in (0, 1):
+        rows = metrics.read(out / "metrics" / f"rank-{rank:05d}.jsonl")
+        assert {r["metric"] for r in rows} == set(metrics.UNITS)
+        assert sorted({r["x"] for r in rows}) == [1, 2, 3]
+        assert all(r["rank"] == rank and r["device"] == "cpu" for r in rows)
+    assert re.search(r"step 3/3  loss \d", proc.stdout)
+    assert "part" in proc.stderr and "trainable" in proc.stderr  # the parameter manifest is logged
+
+    exported = _qwenkit("export", str(out), str(tmp_path / "hf"))  # finds out/config.yaml itself
+    assert exported.returncode == 0, exported.stderr
+    Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_command(tmp_path):
+    proc, _ = _train(tmp_path, "model.freeze=[model.no_such_module]")
+    assert proc.returncode != 0
+    assert "model.freeze: no module 'model.no_such_module'" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_nan_is_reported_with_its_step(tmp_path):
+    proc, out = _train(tmp_path, "train.lr=1.0e+30", "train.warmup_steps=0", "train.max_grad_norm=0")
+    assert proc.returncode != 0
+    found = re.search(r"step (\d+): non-finite loss", proc.stdout + proc.stderr)
+    assert found, proc.stderr[-3000:]
+    logged = metrics.series(out / "metrics" / "rank-00000.jsonl", "loss")
+    assert max(logged, default=0) == int(found.group(1)) - 1  # the bad step was never completed
+
+
+def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
+    def no_spawn(*a, **k):
+        raise AssertionError("torchrun must not start on an invalid config")
+
+    monkeypatch.setattr(subprocess, "call", no_spawn)
+    out = tmp_path / "run"
+    assert cli.main(["train", "train.steps=0", f"train.output_dir={out}"]) == 2
+    assert "train.steps must be > 0" in capsys.readouterr().err
+    assert cli.main(["train", "model.path=/nowhere", f"train.output_dir={out}"]) == 2
+    assert "model.path='/nowhere'" in capsys.readouterr().err
+    assert cli.main(["train", "--nnodes", "2", "--node-rank", "2", f"train.output_dir={out}"]) == 2
+    assert "--node-rank must be in [0, --nnodes=2)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_torchrun_command_for_multi_node():
+    args = argparse.Namespace(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
+    cmd = launch.torchrun_command(Path("runs/x/config.yaml"), 8, args)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
+        assert flag in cmd
+    assert cmd[-4:] == ["-m", "qwenkit.train", "--config", "runs/x/config.yaml"]
+
+
+def test_cluster_script(tmp_path):
+    script = ROOT / "scripts" / "finetune_qwen2_5_vl.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", str(script)], check=True)
+    env = {**os.environ, "QWENKIT": f"{sys.executable} -m qwenkit.cli"}
+    usage = subprocess.run([str(script)], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "NNODES" in usage.stderr
+    bad = subprocess.run(
+        [str(script), "params/tiny_cpu.yaml", "train.steps=0"], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert bad.returncode == 2 and "train.steps must be > 0" in bad.stderr
