@@ -90,7 +90,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "
 
     values = [[cell(r.get(c, ""), c) for r in rows] for c in columns]
     fig = go.Figure(go.Table(header=dict(values=list(columns), align="left"), cells=dict(values=values, align="left")))
-    return _finish(fig, title, height=min(120 + 28 * len(rows), 900))
+    return _finish(fig, title, height=min(140 + 30 * (len(rows) + 1), 900))
 
 
 def histogram(values: Sequence[float], title: str, x_title: str, limit: float | None = None, limit_name: str = "") -> go.Figure:

@@ -1,0 +1,219 @@
+"""Training runs started from a notebook: ``qwenkit train`` as a child process, followed and stopped.
+
+The kernel never trains: FSDP2 needs one process per rank, and a kernel that joined a process
+group could not be re-run. :func:`train` starts ``qwenkit train`` (the launcher, then torchrun,
+then the ranks) in its own process group, streams its progress lines into the cell, keeps the
+whole log in ``<output_dir>/train.log``, and can **stop** the run as soon as the checkpoint of a
+given step is complete, the way a preemption would (SIGTERM to the whole group). Resuming is
+then the same command again: ``train.resume=auto`` picks the newest complete checkpoint.
+
+:func:`read_metrics` reads the per-rank JSONL files the trainer writes (:mod:`qwenkit.metrics`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qwenkit import results
+
+# Lines of the run's output worth showing live; everything goes to train.log.
+PROGRESS = re.compile(r"^(step \d+/\d+|checkpoint saved|.*resumed from|.*already at step|.*no checkpoint to resume)"
+                      r"|Error|error:|Traceback")  # fmt: skip
+
+
+@dataclass
+class TrainRun:
+    output_dir: Path
+    command: list[str]
+    returncode: int
+    seconds: float
+    log: Path
+    stopped_after: int | None = None  # the step whose checkpoint was complete when the run was stopped
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 or self.stopped_after is not None
+
+
+def free_port() -> int:
+    """A TCP port free right now, so a run never collides with another job's rendezvous port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fresh_dir(path: str | Path) -> Path:
+    """An empty run directory; a previous *qwenkit run* there is removed, anything else refused."""
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        if not any((path / marker).exists() for marker in ("config.yaml", "metrics", "checkpoints", "train.log")):
+            raise FileExistsError(f"{path} is not empty and holds no qwenkit run; not removing it")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def train_command(config: str | Path, output_dir: str | Path, nproc: int, overrides: list[str]) -> list[str]:
+    """``qwenkit train`` with this Python (the kernel's environment), a free port and the run's output_dir."""
+    return [
+        sys.executable, "-m", "qwenkit.cli", "train", "--config", str(config), "--nproc", str(nproc),
+        "--master-port", str(free_port()), *overrides, f"train.output_dir={output_dir}",
+    ]  # fmt: skip
+
+
+def _checkpoint_complete(output_dir: Path, step: int) -> bool:
+    from qwenkit import checkpoint as ckpt
+
+    return (ckpt.step_dir(ckpt.checkpoint_root(output_dir), step) / ckpt.COMPLETE).is_file()
+
+
+def train(
+    config: str | Path,
+    output_dir: str | Path,
+    nproc: int = 2,
+    overrides: list[str] | None = None,
+    stop_after: int | None = None,
+    echo: Callable[[str], None] = print,
+    timeout_s: float = 900,
+) -> TrainRun:
+    """Run ``qwenkit train`` to the end, or until the checkpoint of step ``stop_after`` is complete."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    cmd = train_command(config, output_dir, nproc, list(overrides or []))
+    echo("$ qwenkit " + shlex.join(cmd[3:]))
+    log_path = output_dir / "train.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    stopped = None
+    with log_path.open("a") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)  # fmt: skip
+        lines: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+        reader.start()
+        done = False
+        while not done:
+            try:  # print from this thread: a notebook routes only its own thread's output to the cell
+                line = lines.get(timeout=0.05)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                done = True
+            elif line:
+                log.write(line)
+                if stopped is None and PROGRESS.search(line):  # a stopped job's dying words stay in the log
+                    echo(line.rstrip())
+            if stopped is None and stop_after is not None and _checkpoint_complete(output_dir, stop_after):
+                stopped = stop_after
+                echo(f"-- checkpoint of step {stop_after} is complete: stopping the run (SIGTERM to its process "
+                     f"group; its last output, the ranks' tracebacks included, is in {log_path.name})")
+                _terminate(proc)
+            if time.perf_counter() - t0 > timeout_s:
+                _terminate(proc)
+                raise TimeoutError(f"qwenkit train ran over {timeout_s:.0f} s; log: {log_path}")
+        code = proc.wait()
+    run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, stopped)
+    if not run.ok:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"qwenkit train failed with exit code {code}; last lines of {log_path}:\n{tail}")
+    echo(f"-- {'stopped' if stopped else 'finished'} after {run.seconds:.0f} s")
+    return run
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _terminate(proc: subprocess.Popen, grace_s: float = 15) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher, torchrun and every rank
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    """Every rank's metric rows (long format, ``x`` = step). A step logged twice keeps both rows."""
+    rows: list[dict[str, Any]] = []
+    for path in sorted((Path(output_dir) / "metrics").glob("rank-*.jsonl")):
+        rows.extend(results.read_jsonl(path))
+    return rows
+
+
+def series(rows: list[dict[str, Any]], metric: str, rank: int = 0) -> dict[int, float]:
+    """``{step: value}`` of one metric on one rank; a step logged again after a resume keeps the last."""
+    return {r["x"]: r["value"] for r in rows if r["metric"] == metric and r.get("rank", 0) == rank}
+
+
+def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rank: steps, first and last loss, median step time and tokens/s, max peak memory."""
+    out = []
+    for rank in sorted({r.get("rank", 0) for r in rows}):
+        loss = series(rows, "loss", rank)
+        step_time = sorted(series(rows, "step_time", rank).values())
+        tps = sorted(series(rows, "tokens_per_s", rank).values())
+        mem = series(rows, "peak_memory", rank).values()
+        out.append({
+            "rank": rank,
+            "steps": len(loss),
+            "first loss": loss[min(loss)] if loss else float("nan"),
+            "last loss": loss[max(loss)] if loss else float("nan"),
+            "median step time (s)": step_time[len(step_time) // 2] if step_time else float("nan"),
+            "median tokens/s": tps[len(tps) // 2] if tps else float("nan"),
+            "max peak memory (MiB)": max(mem, default=float("nan")),
+        })  # fmt: skip
+    return out
+
+
+def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, Any]], stop_after: int,
+         resumed_run: TrainRun) -> dict[str, Any]:  # fmt: skip
+    """``training_metrics.csv`` (both runs, long format) and ``metrics.json``; returns the metrics' values."""
+    rows = [{**r, "series": f"uninterrupted {r['series']}"} for r in uninterrupted]
+    rows += [{**r, "series": f"resumed {r['series']}"} for r in resumed]
+    results.write_csv(rows, f"{out_dir}/training_metrics.csv")
+    a, b = series(uninterrupted, "loss"), series(resumed, "loss")
+    common = sorted(set(a) & set(b))
+    diff = max((abs(a[s] - b[s]) for s in common), default=float("nan"))
+    steps = sorted(a)
+    values = {
+        "steps": len(steps),
+        "ranks": len({r.get("rank", 0) for r in uninterrupted}),
+        "first_loss": a[steps[0]] if steps else float("nan"),
+        "last_loss": a[steps[-1]] if steps else float("nan"),
+        "stopped_after": resumed_run.stopped_after,
+        "resumed_steps": len([s for s in b if s > stop_after]),
+        "resume_max_abs_diff": diff,
+    }
+    values["loss_decreased"] = bool(steps) and values["last_loss"] < values["first_loss"]
+    values["resume_matches"] = bool(common) and diff <= 1e-6 and len(common) == len(steps)
+    passed = values["loss_decreased"] and values["resume_matches"] and resumed_run.stopped_after is not None
+    summary = (
+        f"{values['ranks']}-rank FSDP2 run, {values['steps']} steps: loss {values['first_loss']:.3f} -> "
+        f"{values['last_loss']:.3f}; stopped after step {stop_after} and resumed: max |loss diff| vs "
+        f"uninterrupted {diff:.1e} over {len(common)} steps"
+    )
+    results.write_metrics(out_dir, "02_sharded_training", summary, passed, **values)
+    return values
