@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -269,7 +270,9 @@ def export(checkpoint: str | Path, out: str | Path, cfg) -> Path:
     missing = sorted(set(state) - set(wanted) - tied)
     if missing:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks model tensors: {', '.join(missing[:5])}")
-    dcp.load({"model": wanted}, checkpoint_id=str(ckpt), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load({"model": wanted}, checkpoint_id=str(ckpt), no_dist=True)
     hf.save_pretrained(out)
     for name in PROCESSOR_FILES:
         if (base / name).is_file():
