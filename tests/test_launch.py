@@ -26,10 +26,10 @@ def _qwenkit(*args, timeout=240):
     )
 
 
-def _train(tmp_path, *overrides):
+def _train(tmp_path, *overrides, nproc=2):
     out = tmp_path / "run"
     proc = _qwenkit(
-        "train", "--config", "params/tiny_cpu.yaml", "--nproc", "2", "--master-port", str(free_port()),
+        "train", "--config", "params/tiny_cpu.yaml", "--nproc", str(nproc), "--master-port", str(free_port()),
         *SMALL, f"train.output_dir={out}", *overrides,
     )  # fmt: skip
     return proc, out
@@ -107,3 +107,47 @@ def test_cluster_script(tmp_path):
         [str(script), "params/tiny_cpu.yaml", "train.steps=0"], cwd=ROOT, capture_output=True, text=True, env=env
     )
     assert bad.returncode == 2 and "train.steps must be > 0" in bad.stderr
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    import torch
+
+    return torch.npu.is_available()
+
+
+def _accelerator_run(tmp_path, device: str, count: int):
+    """bf16 compute, meta init, profiler and memory snapshot on up to 2 accelerators."""
+    proc, out = _train(
+        tmp_path, f"parallel.device={device}", "parallel.param_dtype=bfloat16", "parallel.reduce_dtype=float32",
+        "model.init_device=meta", "profile.enabled=true", "profile.memory_snapshot=true", "profile.wait=0",
+        "profile.warmup=1", "profile.active=1", nproc=min(2, count),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = metrics.read(out / "metrics" / "rank-00000.jsonl")
+    assert {r["device"] for r in rows} == {f"{device}:0"}
+    assert (out / "memory" / "rank-00000.pickle").is_file()
+    return out
+
+
+@pytest.mark.cuda
+def test_train_on_cuda(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = _accelerator_run(tmp_path, "cuda", torch.cuda.device_count())
+    assert (out / "profile" / "rank-00000.json").is_file()
+
+
+@pytest.mark.npu
+def test_train_on_npu(tmp_path):
+    if not _npu_available():
+        pytest.skip("needs an Ascend NPU with torch_npu")
+    import torch
+
+    out = _accelerator_run(tmp_path, "npu", torch.npu.device_count())
+    assert (out / "profile").is_dir()
