@@ -65,7 +65,10 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / COMPLETE).is_file()]
+    found = [
+        p for p in root.iterdir()
+        if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and (p / COMPLETE).is_file()
+    ]  # fmt: skip
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 

@@ -98,7 +98,8 @@ def init_distributed(parallel_cfg) -> Runtime:
     if owns:
         timeout = datetime.timedelta(minutes=30)  # first steps of a 7B run include long weight loads
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            # device_id: NCCL binds the communicator to this rank's GPU up front
+            dist.init_process_group(backend, timeout=timeout, device_id=device if device_type == "cuda" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, owns)
