@@ -106,6 +106,12 @@ def train(
         reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
         reader.start()
         done = False
+
+        def take(line: str) -> None:
+            log.write(line)
+            if stopped is None and PROGRESS.search(line):  # a stopped job's dying words stay in the log
+                echo(line.rstrip())
+
         while not done:
             try:  # print from this thread: a notebook routes only its own thread's output to the cell
                 line = lines.get(timeout=0.05)
@@ -114,10 +120,17 @@ def train(
             if line is None:
                 done = True
             elif line:
-                log.write(line)
-                if stopped is None and PROGRESS.search(line):  # a stopped job's dying words stay in the log
-                    echo(line.rstrip())
+                take(line)
             if stopped is None and stop_after is not None and _checkpoint_complete(output_dir, stop_after):
+                while not done:  # what the run printed up to the checkpoint is shown before the stop
+                    try:
+                        line = lines.get_nowait()
+                    except queue.Empty:
+                        break
+                    if line is None:
+                        done = True
+                    else:
+                        take(line)
                 stopped = stop_after
                 echo(f"-- checkpoint of step {stop_after} is complete: stopping the run (SIGTERM to its process "
                      f"group; its last output, the ranks' tracebacks included, is in {log_path.name})")

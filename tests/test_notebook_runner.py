@@ -1,0 +1,74 @@
+"""The runner's helpers: notebook selection, paths relative to the project root, list parameters,
+HTML rendering of a failed notebook, the index; and the widgets' interactive/static switch."""
+
+from pathlib import Path
+
+import ipywidgets
+import nbformat
+import pytest
+
+from qwenkit import notebooks, widgets
+
+ROOT = Path(__file__).resolve().parent.parent
+NBS = [Path(f"/x/notebooks/{n}.ipynb") for n in ("01_data_prep", "02_sharded_training", "03_chunk_loss_validation")]
+
+
+def test_select_by_number_name_or_stem():
+    assert notebooks.select(NBS, None) == NBS
+    assert notebooks.select(NBS, ["3", "01"]) == [NBS[0], NBS[2]]
+    assert notebooks.select(NBS, ["sharded_training", "02_sharded_training.ipynb"]) == [NBS[1]]
+    with pytest.raises(ValueError, match="--only '7' matches no notebook"):
+        notebooks.select(NBS, ["7"])
+
+
+def test_paths_resolve_against_the_project_root_from_anywhere(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT / "notebooks")  # where JupyterLab runs a notebook
+    assert notebooks.project_root() == ROOT
+    assert notebooks.project_path("params/tiny_cpu.yaml") == ROOT / "params" / "tiny_cpu.yaml"
+    assert notebooks.project_path("/abs/x") == Path("/abs/x")
+    cfg = notebooks.load_config({"data.path": "../shared/x.json", "model.path": "tiny", "train.steps": 3})
+    assert cfg.data.path == str((ROOT / "../shared/x.json").resolve()) and cfg.model.path == "tiny"
+    assert cfg.train.steps == 3
+
+
+def test_list_parameters():
+    assert notebooks.int_list("7, 64,1024") == [7, 64, 1024]
+    assert notebooks.str_list("text, image-text,") == ["text", "image-text"]
+    with pytest.raises(ValueError, match="comma-separated integers"):
+        notebooks.int_list("7,big")
+
+
+def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell('output_dir = "x"  # where results go')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# 09 broken"), params, nbformat.v4.new_code_cell("1 / 0")]
+    src = tmp_path / "notebooks" / "09_broken.ipynb"
+    src.parent.mkdir()
+    nbformat.write(nb, str(src))
+    out = tmp_path / "reports"
+    outcome = notebooks.execute(src, out, "smoke", {})
+    assert outcome.status == "error" and "ZeroDivisionError" in outcome.summary
+    page = outcome.html.read_text()
+    assert "ZeroDivisionError" in page and "The notebook stopped with an error" in page
+    index = notebooks.write_index(out, [outcome], "r1", "smoke").read_text()
+    assert 'href="09_broken.html"' in index and ">error<" in index
+
+
+def test_widgets_interactive_builds_controls_static_displays_content(monkeypatch):
+    shown = []
+    monkeypatch.setattr(widgets, "display", shown.append)
+    widgets.sample_browser(5, lambda i: f"<b>{i}</b>", interactive=False, static_count=2)
+    assert [s.data for s in shown] == ["<b>0</b>", "<b>1</b>"]
+    shown.clear()
+    widgets.sample_browser(5, lambda i: f"<b>{i}</b>", interactive=True)
+    box = shown[-1]
+    assert isinstance(box, ipywidgets.VBox) and isinstance(box.children[0], ipywidgets.IntSlider)
+    assert box.children[0].max == 4
+    shown.clear()
+    widgets.choice_view([7, 64], lambda c: f"fig {c}", interactive=False, label="chunk size")
+    assert shown == ["fig 7"]
+    widgets.choice_view([7, 64], lambda c: f"fig {c}", interactive=True, label="chunk size")
+    slider = shown[-1].children[0]
+    assert isinstance(slider, ipywidgets.SelectionSlider) and slider.options == (7, 64)

@@ -1,0 +1,210 @@
+"""The notebooks: structure (one parameters cell, no outputs, params sets match), and every notebook
+executed with its ``smoke`` set through the runner, asserting on the metrics it recorded, then its
+HTML report opened in headless Chromium."""
+
+from __future__ import annotations
+
+import ast
+import html
+import json
+from pathlib import Path
+
+import chromium
+import nbformat
+import pytest
+import yaml
+
+from qwenkit import notebooks
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = notebooks.list_notebooks(ROOT)
+NAMES = [nb.stem for nb in NOTEBOOKS]
+REQUIRED_SETS = ("smoke", "default", "gpu", "npu")
+
+
+def test_the_four_notebooks_exist():
+    assert NAMES == ["01_data_prep", "02_sharded_training", "03_chunk_loss_validation", "04_performance_profiling"]
+
+
+def _parameters_cell(nb):
+    cells = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, "exactly one cell tagged 'parameters'"
+    return cells[0]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_committed_without_outputs_on_the_standard_kernel(path):
+    nb = nbformat.read(str(path), as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: a cell has outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_parameters_cell_is_flat_commented_scalars(path):
+    cell = _parameters_cell(nbformat.read(str(path), as_version=4))
+    lines = [line for line in cell.source.splitlines() if line.strip()]
+    names = []
+    for line in lines:
+        stmt = ast.parse(line).body
+        assert len(stmt) == 1 and isinstance(stmt[0], ast.Assign), f"{path.name}: not one assignment: {line!r}"
+        assert isinstance(stmt[0].value, ast.Constant), f"{path.name}: not a literal (derived?): {line!r}"
+        assert isinstance(stmt[0].value.value, (bool, int, float, str)), f"{path.name}: not a scalar: {line!r}"
+        assert "  # " in line, f"{path.name}: parameter without a comment: {line!r}"
+        names.append(stmt[0].targets[0].id)
+    # papermill reads every one of them (a '=' in a comment made it skip lines before)
+    assert list(notebooks.notebook_parameters(path)) == names
+    assert notebooks.OUTPUT_PARAM in names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_every_params_key_is_a_parameter(path):
+    known = notebooks.notebook_parameters(path)
+    folder = ROOT / "params" / path.stem
+    sets = {p.stem for p in folder.glob("*.yaml")}
+    assert set(REQUIRED_SETS) <= sets, f"{folder} lacks {set(REQUIRED_SETS) - sets}"
+    for yml in sorted(folder.glob("*.yaml")):
+        values = yaml.safe_load(yml.read_text()) or {}
+        assert set(values) <= set(known), f"{yml}: {set(values) - set(known)} are not parameters"
+        for key, value in values.items():
+            default = ast.literal_eval(known[key]["default"])
+            assert type(value) is type(default) or {type(value), type(default)} == {int, float}, (
+                f"{yml}: {key}={value!r} is a {type(value).__name__}, the notebook's default a {type(default).__name__}"
+            )
+        notebooks.load_params(path, yml.stem, ROOT)  # the runner's own check agrees
+
+
+def test_runner_rejects_unknown_keys_and_sets(tmp_path):
+    root = tmp_path / "proj"
+    (root / "notebooks").mkdir(parents=True)
+    (root / "params" / "03_chunk_loss_validation").mkdir(parents=True)
+    (root / "qwenkit").mkdir()
+    nb = root / "notebooks" / "03_chunk_loss_validation.ipynb"
+    nb.write_text((ROOT / "notebooks" / nb.name).read_text())
+    (root / "params" / "03_chunk_loss_validation" / "typo.yaml").write_text("chunk_size: 64\n")
+    (root / "params" / "03_chunk_loss_validation" / "out.yaml").write_text("output_dir: x\n")
+    with pytest.raises(ValueError, match="'chunk_size' not in the parameters cell"):
+        notebooks.load_params(nb, "typo", root)
+    with pytest.raises(ValueError, match="set by the runner"):
+        notebooks.load_params(nb, "out", root)
+    with pytest.raises(FileNotFoundError, match="no parameter set 'nope'.*available: out, typo"):
+        notebooks.load_params(nb, "nope", root)
+
+
+# ---------------------------------------------------------------------------------------------
+# Executing every notebook with its smoke set
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One runner call for all four notebooks (the expensive part: about two minutes on 2 cores)."""
+    out = tmp_path_factory.mktemp("reports")
+    run_dir, outcomes = notebooks.run("smoke", out=out, run_name="smoke", root=ROOT)
+    return run_dir, {o.notebook: o for o in outcomes}
+
+
+def _metrics(smoke_run, name):
+    run_dir, outcomes = smoke_run
+    o = outcomes[name]
+    assert o.error is None, f"{name} failed: {o.error} (see {o.html})"
+    return json.loads((run_dir / name / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+def test_smoke_01_data_prep(smoke_run):
+    m = _metrics(smoke_run, "01_data_prep")
+    v = m["values"]
+    assert m["passed"] and v["good"] == 16 and v["bad"] == 0
+    assert v["image_tokens_total"] == 16 * 16  # one 112 px image = 16 tokens per sample
+    assert 0 < v["learned_tokens_total"] < v["tokens"]["max"] * 16
+    page = (smoke_run[0] / "01_data_prep.page").read_text()
+    assert "learned" in page and "data:image/png;base64," in page  # rendered samples with their images
+
+
+@pytest.mark.slow
+def test_smoke_02_sharded_training(smoke_run):
+    m = _metrics(smoke_run, "02_sharded_training")
+    v = m["values"]
+    assert v["ranks"] == 2 and v["steps"] == 8
+    assert v["loss_decreased"] and v["last_loss"] < v["first_loss"]
+    assert v["stopped_after"] == 4 and v["resumed_steps"] == 4
+    assert v["resume_matches"] and v["resume_max_abs_diff"] <= 1e-6  # DCP resume is bit-identical on gloo
+    assert m["passed"]
+
+
+@pytest.mark.slow
+def test_smoke_03_chunk_loss_validation(smoke_run):
+    m = _metrics(smoke_run, "03_chunk_loss_validation")
+    v = m["values"]
+    assert v["cases"] == 2 * 2 * 2 and v["cases_passed"] == v["cases"]  # chunk sizes x reductions x modalities
+    assert v["max_grad_abs_diff"] <= 1e-6 and v["max_loss_abs_diff"] <= 1e-5
+    assert v["curve_max_abs_diff"] <= v["curve_tolerance"] == 1e-5
+    assert v["loss_decreased"]
+    assert m["passed"]
+    folder = smoke_run[0] / "03_chunk_loss_validation"
+    assert {"chunk_vs_full.csv", "adamw_curves.csv", "metrics.json"} <= {p.name for p in folder.iterdir()}
+
+
+@pytest.mark.slow
+def test_smoke_04_performance_profiling(smoke_run):
+    m = _metrics(smoke_run, "04_performance_profiling")
+    v = m["values"]
+    assert v["head"]["peak_ratio"] < 0.8  # the chunked head's memory is well below the full head's
+    assert v["recommended_chunk"] in (32, 128, 512)
+    assert 0 < v["mfu"] < 1 and v["flops_per_step"] > 0
+    assert v["fused_available"] is False  # CPU: nothing to fuse
+    assert m["passed"]
+
+
+@pytest.mark.slow
+def test_index_links_every_report_with_its_summary(smoke_run):
+    run_dir, outcomes = smoke_run
+    index = (run_dir / "index.html").read_text()
+    for name, o in outcomes.items():
+        assert f'href="{name}.html"' in index and (run_dir / f"{name}.html").is_file()
+        assert o.summary and html.escape(o.summary.split(";")[0]) in index
+        assert o.status == "passed", f"{name}: {o.status}: {o.summary}"
+    assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
+
+
+@pytest.mark.slow
+def test_reports_are_standalone_with_code_hidden(smoke_run):
+    run_dir, _ = smoke_run
+    for name in NAMES:
+        page = (run_dir / f"{name}.html").read_text()
+        assert "cdnjs.cloudflare.com" not in page and "unpkg.com" not in page, f"{name}: a CDN script"
+        assert "notebooks.setup()" not in page, f"{name}: code is shown"
+        assert page.count('class="plotly-graph-div"') >= 2, f"{name}: plotly figures missing"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reports in a browser
+
+NO_BROWSER = chromium.available_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))
+@pytest.mark.parametrize("name", ["02_sharded_training", "03_chunk_loss_validation"])
+def test_report_charts_draw_in_chromium_without_errors(smoke_run, name):
+    page = chromium.open_page(smoke_run[0] / f"{name}.html")
+    assert page.exceptions == [] and page.console_errors == [], (page.exceptions, page.console_errors)
+    assert page.external_requests == [], "a standalone report must not fetch anything"
+    assert len(page.charts) >= 3
+    for chart in page.charts:
+        assert chart["svg"] >= 1 and chart["traces"] >= 1, f"a plotly chart did not draw: {page.charts}"
+
+
+@pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))
+def test_browser_check_sees_a_broken_chart(tmp_path):
+    """The browser check can fail: a chart whose plotly.js is missing, and a script error."""
+    page = tmp_path / "broken.html"
+    page.write_text(
+        '<html><body><div class="plotly-graph-div" id="a"></div>'
+        "<script>Plotly.newPlot('a', [{y: [1, 2]}]);</script></body></html>"
+    )
+    report = chromium.open_page(page)
+    assert report.charts == [{"svg": 0, "traces": 0, "plotly": False}]
+    assert any("Plotly is not defined" in e for e in report.exceptions)

@@ -1,0 +1,76 @@
+"""Figure builders: each draws what its rows hold; the report renderer carries no plotly.js and no CDN."""
+
+import json
+
+import plotly.graph_objects as go
+
+from qwenkit import perf, plots
+
+
+def _train_rows():
+    rows = []
+    for rank in (0, 1):
+        for step in (1, 2, 3):
+            for metric in ("loss", "grad_norm", "lr", "step_time", "tokens_per_s", "peak_memory"):
+                rows.append({"metric": metric, "series": f"rank {rank}", "x": step, "value": 10.0 - step, "rank": rank})
+    rows.append({"metric": "loss", "series": "rank 0", "x": 3, "value": 99.0, "rank": 0})  # re-logged after a resume
+    return rows
+
+
+def test_training_metrics_one_panel_per_metric_one_line_per_rank():
+    fig = plots.training_metrics(_train_rows())
+    assert len(fig.data) == 6 * 2
+    loss_rank0 = next(t for t in fig.data if t.name == "rank 0")
+    assert list(loss_rank0.x) == [1, 2, 3] and loss_rank0.y[-1] == 99.0  # the last row of a step wins
+    assert sum(t.showlegend is not False for t in fig.data) == 2
+
+
+def test_resume_overlay_draws_both_curves_and_their_difference():
+    a = {1: 3.0, 2: 2.0, 3: 1.0}
+    b = {1: 3.0, 2: 2.0, 3: 1.5}
+    fig = plots.resume_overlay(a, b, resume_step=2)
+    names = [t.name for t in fig.data]
+    assert names == ["uninterrupted", "stopped, then resumed", "difference"]
+    assert list(fig.data[2].y) == [0.0, 0.0, 0.5]
+
+
+def test_loss_curves_and_chunk_figures():
+    curves = [{"step": s, "mode": m, "loss": 5.0 - s + (1e-7 if m == "chunk" else 0)} for m in ("full", "chunk")
+              for s in (1, 2, 3)]
+    fig = plots.loss_curves(curves)
+    assert len(fig.data) == 3 and max(abs(v) for v in fig.data[2].y) < 1e-6
+    cases = [{"modality": mo, "reduction": "token_mean", "chunk_size": c, "grad_max_abs_diff": 1e-8,
+              "loss_abs_diff": 0.0} for mo in ("text", "image-text") for c in (7, 64)]
+    fig = plots.grad_diff_by_chunk(cases)
+    assert len(fig.data) == 4 and fig.layout.xaxis.type == "log"
+    per_param = [{**c, "param": p, "max_abs_diff": 1e-8} for c in cases for p in ("a", "b")]
+    fig = plots.grad_diff_per_param(per_param, 7)
+    assert len(fig.data) == 2 and list(fig.data[0].x) == ["a", "b"]
+
+
+def test_perf_figures_and_the_npu_reference_is_labelled_as_recorded():
+    sweep = [{"head": h, "seq_len": s, "time_ms": 1.0, "peak_mb": 2.0} for h in ("full", "chunked") for s in (128, 256)]
+    assert len(plots.head_sweep(sweep, "t").data) == 4
+    chunks = [{"chunk_size": c, "time_ms": 1.0, "peak_mb": c / 10} for c in (32, 64)]
+    assert len(plots.chunk_sweep(chunks, 32, "t").data) == 2
+    fig = plots.npu_reference(perf.NPU_REFERENCE)
+    assert fig.layout.title.text.startswith("RECORDED REFERENCE, not this run")
+    assert list(fig.data[0].y) == [670.6, 629.1]
+    assert all(t.marker.color == plots.REFERENCE_COLOUR or t.line.color == plots.REFERENCE_COLOUR for t in fig.data)
+
+
+def test_table_formats_and_flags_failures():
+    fig = plots.table([{"a": 1.23456e-7, "ok": True}, {"a": 2.0, "ok": False}], ["a", "ok"], formats={"a": ".1e"})
+    cells = fig.data[0].cells.values
+    assert list(cells[0]) == ["1.2e-07", "2.0e+00"] and list(cells[1]) == ["yes", "NO"]
+
+
+def test_report_renderer_bundle_has_json_for_lab_and_html_without_plotlyjs_or_cdn():
+    fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
+    bundle = plots.ReportRenderer().to_mimebundle(fig.to_dict())
+    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/html"}
+    assert json.dumps(bundle["application/vnd.plotly.v1+json"])  # plain JSON for JupyterLab's extension
+    html = bundle["text/html"]
+    assert "Plotly.newPlot" in html and "<script src=" not in html and len(html) < 100_000
+    js = plots.plotlyjs_html()
+    assert len(js) > 1_000_000 and "window.define = undefined" in js  # plotly.js itself, AMD hidden while it loads

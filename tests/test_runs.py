@@ -1,0 +1,87 @@
+"""Notebook 02's run control: stop at a checkpoint (with a stand-in for qwenkit train), metrics reading."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from qwenkit import results, runs
+
+# Prints step lines like the trainer; writes the checkpoint of step 2 after step 2, then hangs
+# (as the real run would go on training): train(stop_after=2) must stop it right there.
+FAKE_TRAINER = textwrap.dedent("""
+    import pathlib, sys, time
+    out = pathlib.Path(sys.argv[1])
+    for step in range(1, 100):
+        print(f"step {step}/99  loss {5 - step * 0.1:.4f}", flush=True)
+        print("noise line not shown", flush=True)
+        if step == 2:
+            ck = out / "checkpoints" / "step-00000002"
+            ck.mkdir(parents=True)
+            (ck / "COMPLETE.json").write_text("{}")
+            print(f"checkpoint saved: {ck}", flush=True)
+            time.sleep(60)
+""")
+
+
+def test_train_stops_the_job_once_the_checkpoint_is_complete(tmp_path, monkeypatch):
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    out = tmp_path / "run"
+    monkeypatch.setattr(runs, "train_command", lambda config, output_dir, nproc, overrides: [
+        sys.executable, "-u", str(script), str(output_dir)])  # fmt: skip
+    shown = []
+    run = runs.train("unused.yaml", out, stop_after=2, echo=shown.append, timeout_s=30)
+    assert run.stopped_after == 2 and run.ok and run.seconds < 20
+    assert run.returncode != 0  # it was terminated, not finished
+    assert [s for s in shown if s.startswith("step")] == ["step 1/99  loss 4.9000", "step 2/99  loss 4.8000"]
+    assert not any("noise" in s for s in shown)
+    assert "noise line not shown" in run.log.read_text()  # everything is in the log
+
+
+def test_a_failing_run_raises_with_the_end_of_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, "train_command", lambda *a: [sys.executable, "-c", "print('boom'); raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="exit code 3(.|\n)*boom"):
+        runs.train("unused.yaml", tmp_path / "run", echo=lambda s: None, timeout_s=30)
+
+
+def test_fresh_dir_removes_only_runs(tmp_path):
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    assert runs.fresh_dir(run) == run and list(run.iterdir()) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "precious.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="holds no qwenkit run"):
+        runs.fresh_dir(other)
+    assert (other / "precious.txt").is_file()
+
+
+def test_metrics_of_a_resumed_run_keep_the_last_value_of_each_step(tmp_path):
+    rows0 = [results.record("loss", v, x_name="step", x=s, series="rank 0") | {"rank": 0}
+             for s, v in [(1, 3.0), (2, 2.5), (3, 9.9), (2, 2.0), (3, 1.5)]]  # steps 2-3 re-run after a resume
+    rows1 = [results.record("peak_memory", 100.0 + s, x_name="step", x=s, series="rank 1") | {"rank": 1} for s in (1, 2, 3)]
+    results.write_jsonl(rows0, tmp_path / "metrics" / "rank-00000.jsonl")
+    results.write_jsonl(rows1, tmp_path / "metrics" / "rank-00001.jsonl")
+    rows = runs.read_metrics(tmp_path)
+    assert runs.series(rows, "loss") == {1: 3.0, 2: 2.0, 3: 1.5}
+    assert runs.series(rows, "peak_memory", rank=1) == {1: 101.0, 2: 102.0, 3: 103.0}
+    summary = runs.summary_rows(rows)
+    assert [r["rank"] for r in summary] == [0, 1]
+    assert summary[0]["first loss"] == 3.0 and summary[0]["last loss"] == 1.5
+    assert summary[1]["max peak memory (MiB)"] == 103.0
+
+
+def test_save_checks_the_resumed_curve_against_the_uninterrupted_one(tmp_path):
+    def rows(values):
+        return [{"metric": "loss", "series": "rank 0", "x": s, "value": v, "rank": 0} for s, v in values.items()]
+
+    a = {1: 3.0, 2: 2.0, 3: 1.0, 4: 0.5}
+    stopped = runs.TrainRun(tmp_path, [], -15, 1.0, tmp_path / "log", stopped_after=2)
+    good = runs.save(tmp_path, rows(a), rows(a), 2, stopped)
+    assert good["resume_matches"] and good["resumed_steps"] == 2 and good["loss_decreased"]
+    assert json.loads((tmp_path / "metrics.json").read_text())["passed"]
+    drifted = runs.save(tmp_path, rows(a), rows({**a, 4: 0.6}), 2, stopped)
+    assert not drifted["resume_matches"] and drifted["resume_max_abs_diff"] == pytest.approx(0.1)
+    assert not json.loads((tmp_path / "metrics.json").read_text())["passed"]

@@ -1,0 +1,76 @@
+"""Notebook 01's data view: token runs by kind, rendered samples, bad-sample tables, saved metrics."""
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from qwenkit import config as qconfig
+from qwenkit import data, samples
+
+MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"
+
+
+def test_segments_group_tokens_by_what_the_loss_does_with_them(processor):
+    tok = processor.tokenizer
+    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    reply = tok.encode("They are red.", add_special_tokens=False)
+    ids = [im_start, processor.vision_start_id] + [processor.image_token_id] * 4 + [processor.vision_end_id]
+    ids += reply + [im_end]
+    labels = [-100] * 7 + reply + [im_end]
+    segs = samples.segments(ids, labels, processor)
+    assert segs == [
+        ("special", "<|im_start|>"), ("special", "<|vision_start|>"), ("image", "4"), ("special", "<|vision_end|>"),
+        ("learned", "They are red.<|im_end|>"),
+    ]
+
+
+@pytest.fixture
+def bad_dataset(tmp_path):
+    Image.new("RGB", (64, 64), (200, 0, 0)).save(tmp_path / "ok.png")
+    rows = [
+        {"messages": [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "Red."}],
+         "images": ["ok.png"]},
+        {"messages": [{"role": "user", "content": "<image>Hi"}, {"role": "assistant", "content": "Hello."}],
+         "images": ["missing.png"]},
+        {"messages": [{"role": "robot", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+    ]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def test_bad_samples_tables_and_metrics(tmp_path, bad_dataset, tiny_path):
+    cfg = qconfig.load(overrides={"data.path": str(bad_dataset)})
+    processor = samples.load_processor(cfg)
+    dataset, report = data.read_dataset(cfg.data, processor)
+    by_reason, messages = samples.bad_sample_rows(report)
+    assert {r["reason"] for r in by_reason} == {"missing_image", "bad_role"}
+    assert all("d.json: row" in m["bad sample"] for m in messages)
+    html = samples.render_sample(dataset, 0)
+    assert "data:image/png;base64," in html and "Red." in html and "&lt;image: " in html
+    values = samples.save(tmp_path / "out", str(bad_dataset), dataset, report, max_length=1024)
+    assert (values["good"], values["bad"], values["rows"]) == (1, 2, 3)
+    doc = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert doc["passed"] and "1 good / 2 bad of 3 rows" in doc["summary"]
+
+
+def test_distributions_of_the_tiny_set(tiny_path):
+    cfg = qconfig.load(overrides={"data.tiny_samples": 6})
+    dataset, _ = data.read_dataset(cfg.data, samples.load_processor(cfg))
+    dist = samples.distributions(dataset)
+    assert dist["image_tokens"] == [16] * 6 and dist["images"] == [1] * 6
+    assert all(t > img + learned for t, img, learned in zip(dist["tokens"], dist["image_tokens"], dist["learned_tokens"]))
+    p = samples.percentiles(dist["tokens"])
+    assert p["min"] <= p["p50"] <= p["max"]
+
+
+@pytest.mark.skipif(not MLLM_DEMO.is_file(), reason=f"{MLLM_DEMO} is not here (a sibling of this checkout)")
+def test_mllm_demo_renders_multi_turn_and_cjk(tiny_path):
+    cfg = qconfig.load(overrides={"data.path": str(MLLM_DEMO), "data.max_length": 2048})
+    dataset, report = data.read_dataset(cfg.data, samples.load_processor(cfg))
+    assert len(dataset) == 6 and report.skipped == 0
+    pages = [samples.render_sample(dataset, i) for i in range(len(dataset))]
+    assert all(p.count("<img ") >= 1 for p in pages)
+    assert any("\ufffd" not in p and any("\u4e00" <= ch <= "\u9fff" for ch in p) for p in pages)  # CJK decoded whole
