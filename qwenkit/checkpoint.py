@@ -280,7 +280,7 @@ def export(checkpoint: str | Path, out: str | Path, cfg) -> Path:
     for name in PROCESSOR_FILES:
         if (base / name).is_file():
             shutil.copy2(base / name, out / name)
-    log.info("exported %s to %s", ckpt, out)
+    log.debug("exported %s to %s", ckpt, out)
     return out
 
 
@@ -300,5 +300,5 @@ def export_main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = qconfig.load(args.config or run_config_path(args.checkpoint))
     out = export(args.checkpoint, args.out, cfg)
-    print(f"exported to {out}")
+    print(f"exported {resolve(args.checkpoint)} to {out}")
     return 0
