@@ -20,6 +20,7 @@ Heavy, long benchmarks live in ``benchmarks/``; these are sized by the notebook'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -249,7 +250,7 @@ def top_ops(model, batches: list[dict[str, torch.Tensor]], steps: int = 2, top: 
         activities.append(ProfilerActivity.CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     train_step(model, opt, batches[0])  # warm-up outside the window
-    with profile(activities=activities) as prof:
+    with _native_stderr_silenced(), profile(activities=activities) as prof:
         for i in range(steps):
             train_step(model, opt, batches[i % len(batches)])
     on_device = device.type != "cpu"
@@ -271,6 +272,23 @@ def top_ops(model, batches: list[dict[str, torch.Tensor]], steps: int = 2, top: 
     for r in rows:
         r["share"] = r[key] / total
     return rows[:top]
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Kineto writes ``USDT: profiler_start/stop`` lines straight to file descriptor 2, which a
+    notebook shows as red error output; those two lines are all it writes there on a clean run."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def fused_available(device: torch.device) -> tuple[bool, str]:

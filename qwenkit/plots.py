@@ -64,6 +64,12 @@ def _finish(fig: go.Figure, title: str, height: int = 420) -> go.Figure:
     return fig
 
 
+def _log_x(fig: go.Figure, values: Iterable[float], title: str, **where: int) -> None:
+    """A log x axis ticked at the measured values (plotly's default log ticks read 2, 5, 1000, 2, ...)."""
+    ticks = sorted(set(values))
+    fig.update_xaxes(title_text=title, type="log", tickvals=ticks, ticktext=[f"{v:g}" for v in ticks], **where)
+
+
 def _groups(rows: Iterable[dict[str, Any]], key: str) -> dict[Any, list[dict[str, Any]]]:
     out: dict[Any, list[dict[str, Any]]] = {}
     for r in rows:
@@ -210,7 +216,7 @@ def grad_diff_by_chunk(cases: Sequence[dict[str, Any]]) -> go.Figure:
         fig.add_trace(go.Scatter(x=x, y=[r["loss_abs_diff"] for r in rs], name=name, legendgroup=name,
                                  showlegend=False, mode="lines+markers", line_color=colour), row=1, col=2)  # fmt: skip
     for col in (1, 2):
-        fig.update_xaxes(title_text="chunk size (tokens)", type="log", row=1, col=col)
+        _log_x(fig, [c["chunk_size"] for c in cases], "chunk size (tokens)", row=1, col=col)
     fig.update_yaxes(title_text="absolute difference", exponentformat="e", row=1, col=1)
     fig.update_yaxes(exponentformat="e", row=1, col=2)
     return _finish(fig, "Chunked vs full head: differences by chunk size", height=420)
@@ -245,7 +251,7 @@ def head_sweep(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
         fig.add_trace(go.Scatter(x=x, y=[r["peak_mb"] for r in rs], name=name, legendgroup=name, showlegend=False,
                                  mode="lines+markers", line_color=colour), row=1, col=2)  # fmt: skip
     for col in (1, 2):
-        fig.update_xaxes(title_text="sequence length (tokens)", type="log", row=1, col=col)
+        _log_x(fig, [r["seq_len"] for r in rows], "sequence length (tokens)", row=1, col=col)
     return _finish(fig, title)
 
 
@@ -258,8 +264,10 @@ def chunk_sweep(rows: Sequence[dict[str, Any]], recommended: int, title: str) ->
                              line_color=COLOURS[0]), secondary_y=False)  # fmt: skip
     fig.add_trace(go.Scatter(x=x, y=[r["peak_mb"] for r in rows], name="peak memory (MiB)", mode="lines+markers",
                              line_color=COLOURS[3]), secondary_y=True)  # fmt: skip
-    fig.add_vline(x=recommended, line_dash="dash", line_color=COLOURS[2], annotation_text=f"recommended: {recommended}")
-    fig.update_xaxes(title_text="chunk size (tokens)", type="log")
+    best = next(r for r in rows if r["chunk_size"] == recommended)
+    fig.add_trace(go.Scatter(x=[recommended], y=[best["peak_mb"]], name=f"recommended: {recommended}", mode="markers",
+                             marker=dict(symbol="star", size=18, color=COLOURS[2])), secondary_y=True)  # fmt: skip
+    _log_x(fig, x, "chunk size (tokens)")
     fig.update_yaxes(title_text="time (ms)", secondary_y=False)
     fig.update_yaxes(title_text="peak memory (MiB)", secondary_y=True)
     return _finish(fig, title)

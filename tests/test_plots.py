@@ -42,7 +42,7 @@ def test_loss_curves_and_chunk_figures():
     cases = [{"modality": mo, "reduction": "token_mean", "chunk_size": c, "grad_max_abs_diff": 1e-8,
               "loss_abs_diff": 0.0} for mo in ("text", "image-text") for c in (7, 64)]
     fig = plots.grad_diff_by_chunk(cases)
-    assert len(fig.data) == 4 and fig.layout.xaxis.type == "log"
+    assert len(fig.data) == 4 and fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [7, 64]
     per_param = [{**c, "param": p, "max_abs_diff": 1e-8} for c in cases for p in ("a", "b")]
     fig = plots.grad_diff_per_param(per_param, 7)
     assert len(fig.data) == 2 and list(fig.data[0].x) == ["a", "b"]
@@ -52,7 +52,8 @@ def test_perf_figures_and_the_npu_reference_is_labelled_as_recorded():
     sweep = [{"head": h, "seq_len": s, "time_ms": 1.0, "peak_mb": 2.0} for h in ("full", "chunked") for s in (128, 256)]
     assert len(plots.head_sweep(sweep, "t").data) == 4
     chunks = [{"chunk_size": c, "time_ms": 1.0, "peak_mb": c / 10} for c in (32, 64)]
-    assert len(plots.chunk_sweep(chunks, 32, "t").data) == 2
+    fig = plots.chunk_sweep(chunks, 32, "t")
+    assert len(fig.data) == 3 and fig.data[2].name == "recommended: 32" and list(fig.layout.xaxis.tickvals) == [32, 64]
     fig = plots.npu_reference(perf.NPU_REFERENCE)
     assert fig.layout.title.text.startswith("RECORDED REFERENCE, not this run")
     assert list(fig.data[0].y) == [670.6, 629.1]
