@@ -208,3 +208,19 @@ def test_browser_check_sees_a_broken_chart(tmp_path):
     report = chromium.open_page(page)
     assert report.charts == [{"svg": 0, "traces": 0, "plotly": False}]
     assert any("Plotly is not defined" in e for e in report.exceptions)
+
+
+@pytest.mark.slow
+def test_interactive_true_adds_widget_controls(tmp_path):
+    """What JupyterLab gets with interactive = True: a live ipywidgets control, not a static figure."""
+    import papermill
+
+    nb = ROOT / "notebooks" / "01_data_prep.ipynb"
+    out = tmp_path / "01.ipynb"
+    papermill.execute_notebook(
+        str(nb), str(out), kernel_name="python3", cwd=str(nb.parent), progress_bar=False,
+        parameters={"tiny_samples": 4, "interactive": True, "output_dir": str(tmp_path / "res")},
+    )  # fmt: skip
+    outputs = [o for c in nbformat.read(str(out), as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    views = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(views) == 1, "one sample browser"
