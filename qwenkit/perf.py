@@ -88,6 +88,8 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
 
     from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy, full_cross_entropy
 
+    if case["device"].startswith("npu"):
+        import torch_npu  # noqa: F401  (registers the npu device type in this fresh process)
     device = torch.device(case["device"])
     dtype = getattr(torch, case["dtype"])
     n, h, v = case["seq_len"], case["hidden"], case["vocab"]

@@ -48,7 +48,12 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    """``auto``: the current accelerator (CUDA, or NPU once torch_npu is imported), else CPU."""
+    """``auto``: the current accelerator (CUDA, or an Ascend NPU when torch_npu is installed), else CPU."""
+    if name in ("auto", "npu"):
+        try:  # registers the "npu" device type with torch; absent everywhere but Ascend machines
+            import torch_npu  # noqa: F401
+        except ImportError:
+            pass
     if name == "auto":
         return torch.accelerator.current_accelerator() or torch.device("cpu")
     return torch.device(name)
