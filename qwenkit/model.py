@@ -59,6 +59,9 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_budget_bytes = 512 * 2**20
         self.loss_reduction = "token_mean"
         self.micro_batch_split = 1
+        # Data parallel: every rank must run the (sharded) vision tower in every step, or FSDP's
+        # collectives mismatch when one rank's micro-batch has no image. Set by the trainer.
+        self.vision_every_step = False
 
     def configure_loss(
         self,
@@ -110,9 +113,18 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         for ``sample_mean``. Both default to this batch's own counts.
         """
         kwargs = _drop_unsupported(self.model.forward, kwargs)
+        idle = None
+        if self._vision_idle(kwargs) and input_ids is not None and kwargs.get("inputs_embeds") is None:
+            # Ranks with images run embed_tokens, then the vision tower, then the decoder; a
+            # text-only rank must issue FSDP's collectives in that same order.
+            kwargs["inputs_embeds"] = self.model.get_input_embeddings()(input_ids)
+            idle = self._idle_vision_term()
         if not self.chunk_loss:
-            return self._hf_forward(input_ids, labels, use_cache, logits_to_keep, return_dict,
-                                    num_items_in_batch, num_samples, kwargs)
+            out = self._hf_forward(input_ids, labels, use_cache, logits_to_keep, True,
+                                   num_items_in_batch, num_samples, kwargs)
+            if idle is not None and out.loss is not None:
+                out.loss = out.loss + idle
+            return out.to_tuple() if return_dict is False else out
         self._check_chunk_args(labels, use_cache, logits_to_keep)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
         loss_fn = functools.partial(
@@ -124,8 +136,33 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             num_samples=num_samples,
         )
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
+        if idle is not None:
+            loss = loss + idle
         out = CausalLMOutputWithPast(loss=loss, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out.to_tuple() if return_dict is False else out
+
+    def _vision_idle(self, kwargs) -> bool:
+        return (
+            self.vision_every_step
+            and self.training
+            and kwargs.get("pixel_values") is None
+            and kwargs.get("pixel_values_videos") is None
+        )
+
+    def _idle_vision_term(self) -> torch.Tensor:
+        """0 x (vision tower on one blank merged patch): same collectives on every rank, no effect.
+
+        The smallest legal input is one ``merge x merge`` patch group (one output token).
+        """
+        visual = self.model.visual
+        m = visual.spatial_merge_size
+        pe = visual.patch_embed
+        width = pe.in_channels * pe.temporal_patch_size * pe.patch_size**2
+        param = next(visual.parameters())
+        pixels = torch.zeros(m * m, width, device=param.device, dtype=param.dtype)
+        out = visual(pixels, grid_thw=torch.tensor([[1, m, m]], device=param.device))
+        tensors = [out] if torch.is_tensor(out) else [t for t in out.values() if torch.is_tensor(t)]
+        return sum(t.sum() for t in tensors) * 0.0
 
     def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, return_dict,
                     num_items_in_batch, num_samples, kwargs):

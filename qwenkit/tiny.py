@@ -169,10 +169,26 @@ def ensure_checkpoint(tie_word_embeddings: bool = False, seed: int = 0, root: st
     path = root / f"tiny-qwen2_5_vl-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():
         return path
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # with a process group, transformers' save_pretrained writes weights on rank 0 only:
+        # rank 0 writes, the others wait for it (every rank calls this collectively)
+        if dist.get_rank() == 0:
+            _write_checkpoint(root, path, tie_word_embeddings, seed)
+        dist.barrier()
+        return path
+    _write_checkpoint(root, path, tie_word_embeddings, seed)
+    return path
+
+
+def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
         save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed)
+        if not (tmp / "model.safetensors").is_file():
+            raise RuntimeError(f"tiny checkpoint in {tmp} has no weights after save_pretrained")
         try:
             tmp.rename(path)
         except OSError:  # another process won the race; its copy is identical
@@ -180,7 +196,6 @@ def ensure_checkpoint(tie_word_embeddings: bool = False, seed: int = 0, root: st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
 
 
 def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0) -> None:

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
-from qwenkit import fsdp
+from qwenkit import fsdp, patches
 from qwenkit import model as qmodel
 from qwenkit.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
 from qwenkit.processor import Processor
@@ -86,8 +86,10 @@ def build_optimizer(model: nn.Module, train_cfg):
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters: model.freeze froze the whole model")
+    # fused: one in-place kernel; the foreach default allocates a parameter-sized temporary
+    fused = params[0].device.type in ("cpu", "cuda") or None
     optimizer = torch.optim.AdamW(
-        params, lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay
+        params, lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay, fused=fused
     )
     t = train_cfg
     # LambdaLR passes the number of steps taken so far; the step about to run is that + 1.
@@ -178,8 +180,10 @@ class Trainer:
         self.bundle.report.check_fraction(cfg.data.max_bad_fraction)
 
         model = qmodel.build(cfg.model, cfg.loss)
-        # TODO(patches): fused-op patches are applied here, before recompute wrappers and fully_shard.
+        fused = patches.apply(model, ops=cfg.model.fused_ops)
+        model.vision_every_step = rt.world_size > 1
         if main_rank:
+            log.info("%s", fused)
             log.info("parameters:\n%s", qmodel.format_manifest(qmodel.parameter_manifest(model)))
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))

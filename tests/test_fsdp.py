@@ -134,3 +134,40 @@ def test_recompute_keeps_state_dict_keys_and_outputs(make_model, batch_factory):
     grads = {fsdp.module_path(n): p.grad for n, p in wrapped.named_parameters()}
     for n, p in plain.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-6, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _mixed_modalities(rank, out):
+    """Rank 0 gets a text-only micro-batch, rank 1 an image batch: FSDP must not deadlock or
+    crash (the vision tower runs on every rank), and the gradients equal one process's."""
+    from conftest import build_model, make_batch  # tests/ is on the spawned ranks' sys.path
+
+    from qwenkit.processor import Processor
+
+    dist.init_process_group("gloo")
+    proc = Processor.from_pretrained(ensure_checkpoint())
+    batches = [make_batch(proc, images_per_sample=(0, 0), seed=1), make_batch(proc, images_per_sample=(1, 2), seed=2)]
+    total = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
+    cfg = qconfig.load()
+    model = build_model(chunk=True, seed=4)
+    model.vision_every_step = True
+    model.train()
+    rt = fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)
+    fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt))
+    loss = model(**batches[rank], num_items_in_batch=total).loss
+    (loss * 2).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        ref = build_model(chunk=True, seed=4)
+        for b in batches:
+            ref(**b, num_items_in_batch=total).loss.backward()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, **FP32, msg=lambda m, n=n: f"{n}: {m}")
+        (out / "ok").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_with_and_without_images_agree(tmp_path, tiny_path):
+    check_ranks(_mixed_modalities, 2, tmp_path)
+    assert (tmp_path / "ok").is_file()
