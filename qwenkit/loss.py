@@ -90,18 +90,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             lse = sum_exp.log().squeeze(1) + row_max.squeeze(1)  # [C]
             # where(): a chunk of ignored tokens has w = 0 and adds exactly 0, never 0 * NaN
             loss += torch.where(valid, w * (lse - target_logit), 0.0).sum()
-            if not (need_h or need_w):
-                continue
-            # dL/dlogits = w * (softmax - onehot), built in the same buffer
-            logits.mul_((w / sum_exp.squeeze(1))[:, None])
-            logits[torch.arange(end - start, device=y.device), y_safe] -= torch.where(valid, w, 0.0)
-            dlogits = logits.to(hidden.dtype)  # no copy in fp32
-            if need_h:
-                torch.mm(dlogits, weight, out=grad_h[start:end])
-            if need_w and dlogits.dtype == torch.float32:
-                grad_w.addmm_(dlogits.T, h)  # [V, H], accumulated in place
-            elif need_w:
-                grad_w.add_(dlogits.T @ h)  # low-precision GEMM as HF's, summed over chunks in fp32
+            if need_h or need_w:
+                # dL/dlogits = w * (softmax - onehot), built in the same buffer
+                logits.mul_((w / sum_exp.squeeze(1))[:, None])
+                logits[torch.arange(end - start, device=y.device), y_safe] -= torch.where(valid, w, 0.0)
+                dlogits = logits.to(hidden.dtype)  # no copy in fp32
+                if need_h:
+                    torch.mm(dlogits, weight, out=grad_h[start:end])
+                if need_w and dlogits.dtype == torch.float32:
+                    grad_w.addmm_(dlogits.T, h)  # [V, H], accumulated in place
+                elif need_w:
+                    grad_w.add_(dlogits.T @ h)  # low-precision GEMM as HF's, summed over chunks in fp32
+                del dlogits
+            # Free this chunk's buffer now: rebinding `logits` in the next iteration would allocate
+            # the next [C, V] while this one is still referenced (two chunks at peak, not one).
+            del logits
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss

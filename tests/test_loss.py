@@ -163,3 +163,18 @@ def test_bad_arguments_raise_clear_errors():
         chunked_linear_cross_entropy(hidden, weight, labels, "sum")
     with pytest.raises(ValueError, match="disagree"):
         chunked_linear_cross_entropy(hidden, weight, labels[:, :-1])
+
+
+def test_peak_memory_is_one_chunk_above_the_gradients():
+    """In a fresh process: the head's whole transient is grad W + grad h + ONE logits chunk.
+
+    Sized so a chunk (62.5 MiB) is mmapped and returned to the OS when freed; holding two
+    chunks at once (the old buffer alive while the next one is allocated) fails this.
+    """
+    from qwenkit.perf import head_case, head_measure
+
+    n, h, v, chunk = 2048, 64, 32_000, 512
+    row = head_measure(head_case(str(chunk), n, h, v))
+    mib = 2**20
+    floor = (v * h * 4 + n * h * 4 + chunk * v * 4) / mib
+    assert floor * 0.9 < row["peak_mb"] < floor + 0.5 * chunk * v * 4 / mib
