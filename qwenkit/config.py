@@ -96,7 +96,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
+    steps: int = 30  # the run's length: the LR schedule spans these steps
+    stop_after: int = 0  # end this invocation after that step (checkpoint saved); 0: at train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 2e-3
@@ -347,6 +348,10 @@ def validate(cfg: Config) -> list[str]:
     need(par.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {par.hsdp_replicas}")
 
     need(t.steps > 0, f"train.steps must be > 0, got {t.steps}")
+    need(
+        0 <= t.stop_after <= t.steps,
+        f"train.stop_after must be in [0, train.steps={t.steps}], got {t.stop_after}",
+    )
     need(t.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {t.micro_batch_size}")
     need(t.grad_accum > 0, f"train.grad_accum must be > 0, got {t.grad_accum}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")

@@ -3,9 +3,10 @@
 The kernel never trains: FSDP2 needs one process per rank, and a kernel that joined a process
 group could not be re-run. :func:`train` starts ``qwenkit train`` (the launcher, then torchrun,
 then the ranks) in its own process group, streams its progress lines into the cell, keeps the
-whole log in ``<output_dir>/train.log``, and can **stop** the run as soon as the checkpoint of a
-given step is complete, the way a preemption would (SIGTERM to the whole group). Resuming is
-then the same command again: ``train.resume=auto`` picks the newest complete checkpoint.
+whole log in ``<output_dir>/train.log``, and can **stop** the run after a given step with
+``train.stop_after`` (the run saves that step's checkpoint and exits; its LR schedule still spans
+``train.steps``), the way a time-boxed job ends. Resuming is then the same command again:
+``train.resume=auto`` picks the newest complete checkpoint.
 
 :func:`read_metrics` reads the per-rank JSONL files the trainer writes (:mod:`qwenkit.metrics`).
 """
@@ -42,11 +43,11 @@ class TrainRun:
     returncode: int
     seconds: float
     log: Path
-    stopped_after: int | None = None  # the step whose checkpoint was complete when the run was stopped
+    stopped_after: int | None = None  # the step the run was stopped after, its checkpoint complete
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 or self.stopped_after is not None
+        return self.returncode == 0
 
 
 def free_port() -> int:
@@ -90,60 +91,44 @@ def train(
     echo: Callable[[str], None] = print,
     timeout_s: float = 900,
 ) -> TrainRun:
-    """Run ``qwenkit train`` to the end, or until the checkpoint of step ``stop_after`` is complete."""
+    """Run ``qwenkit train`` to the end, or (``stop_after``) to that step and its checkpoint."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    cmd = train_command(config, output_dir, nproc, list(overrides or []))
+    overrides = list(overrides or []) + ([f"train.stop_after={stop_after}"] if stop_after else [])
+    cmd = train_command(config, output_dir, nproc, overrides)
     echo("$ qwenkit " + shlex.join(cmd[3:]))
     log_path = output_dir / "train.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    stopped = None
     with log_path.open("a") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)  # fmt: skip
         lines: queue.Queue[str | None] = queue.Queue()
         reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
         reader.start()
-        done = False
-
-        def take(line: str) -> None:
-            log.write(line)
-            if stopped is None and PROGRESS.search(line):  # a stopped job's dying words stay in the log
-                echo(line.rstrip())
-
-        while not done:
+        while True:
             try:  # print from this thread: a notebook routes only its own thread's output to the cell
                 line = lines.get(timeout=0.05)
             except queue.Empty:
                 line = ""
             if line is None:
-                done = True
-            elif line:
-                take(line)
-            if stopped is None and stop_after is not None and _checkpoint_complete(output_dir, stop_after):
-                while not done:  # what the run printed up to the checkpoint is shown before the stop
-                    try:
-                        line = lines.get_nowait()
-                    except queue.Empty:
-                        break
-                    if line is None:
-                        done = True
-                    else:
-                        take(line)
-                stopped = stop_after
-                echo(f"-- checkpoint of step {stop_after} is complete: stopping the run (SIGTERM to its process "
-                     f"group; its last output, the ranks' tracebacks included, is in {log_path.name})")
-                _terminate(proc)
+                break
+            if line:
+                log.write(line)
+                if PROGRESS.search(line):
+                    echo(line.rstrip())
             if time.perf_counter() - t0 > timeout_s:
                 _terminate(proc)
                 raise TimeoutError(f"qwenkit train ran over {timeout_s:.0f} s; log: {log_path}")
         code = proc.wait()
+    stopped = stop_after if stop_after and code == 0 and _checkpoint_complete(output_dir, stop_after) else None
     run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, stopped)
     if not run.ok:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"qwenkit train failed with exit code {code}; last lines of {log_path}:\n{tail}")
-    echo(f"-- {'stopped' if stopped else 'finished'} after {run.seconds:.0f} s")
+    if stop_after and stopped is None:
+        raise RuntimeError(f"the run ended without a complete checkpoint of step {stop_after}; log: {log_path}")
+    echo(f"-- {f'stopped after step {stopped}' if stopped else 'finished'} after {run.seconds:.0f} s")
     return run
 
 

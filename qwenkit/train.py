@@ -146,6 +146,7 @@ class Trainer:
         self.out_dir = Path(cfg.train.output_dir)
         self.history: list[dict] = []  # one dict of metrics per step run here
         self.start_step = 0  # the step resumed from (0: fresh)
+        self.last_step = cfg.train.stop_after or cfg.train.steps  # this invocation ends here
         self.checkpoint: Path | None = None  # the last checkpoint written
         self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
 
@@ -155,10 +156,10 @@ class Trainer:
         self.model_path = qmodel.resolve_path(self.cfg.model)
         self.rt = fsdp.init_distributed(self.cfg.parallel)
         self.setup()
-        if self.start_step < self.cfg.train.steps:
+        if self.start_step < self.last_step:
             self.train()
         elif self.rt.rank == 0:
-            log.info("already at step %d of %d: nothing to train", self.start_step, self.cfg.train.steps)
+            log.info("already at step %d of %d: nothing to train", self.start_step, self.last_step)
         fsdp.shutdown(self.rt)
 
     def setup(self) -> None:
@@ -224,7 +225,7 @@ class Trainer:
         # disable=None: a bar on a terminal, none in batch logs (which get the step lines below)
         bar = tqdm(total=t.steps, initial=self.start_step, disable=None if main_rank else True, desc="train")
         try:
-            for step in range(self.start_step + 1, t.steps + 1):
+            for step in range(self.start_step + 1, self.last_step + 1):
                 began = time.perf_counter()
                 reset_peak_memory(rt.device)
                 values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches)
@@ -237,12 +238,12 @@ class Trainer:
                 window.step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
-                if main_rank and (step % t.log_every == 0 or step == t.steps):
+                if main_rank and (step % t.log_every == 0 or step == self.last_step):
                     tqdm.write(
                         f"step {step}/{t.steps}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.3f}  "
                         f"lr {values['lr']:.2e}  {values['tokens_per_s']:.0f} tok/s  {values['step_time']:.2f} s"
                     )
-                if (ck.every and step % ck.every == 0) or (step == t.steps and ck.save_final):
+                if (ck.every and step % ck.every == 0) or (step == self.last_step and ck.save_final):
                     self.checkpoint = ckpt.save(
                         ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer, self.scheduler,
                         self.bundle.sampler, rt.device, ck.keep_last,

@@ -1,4 +1,4 @@
-"""Notebook 02's run control: stop at a checkpoint (with a stand-in for qwenkit train), metrics reading."""
+"""Notebook 02's run control: stop after a step (with a stand-in for qwenkit train), metrics reading."""
 
 import json
 import sys
@@ -8,36 +8,46 @@ import pytest
 
 from qwenkit import results, runs
 
-# Prints step lines like the trainer; writes the checkpoint of step 2 after step 2, then hangs
-# (as the real run would go on training): train(stop_after=2) must stop it right there.
+# Prints step lines like the trainer and honours train.stop_after=N from its arguments: stops
+# after step N with that step's checkpoint written, as qwenkit train does.
 FAKE_TRAINER = textwrap.dedent("""
-    import pathlib, sys, time
+    import pathlib, sys
     out = pathlib.Path(sys.argv[1])
-    for step in range(1, 100):
-        print(f"step {step}/99  loss {5 - step * 0.1:.4f}", flush=True)
+    stop = [int(a.split("=")[1]) for a in sys.argv[2:] if a.startswith("train.stop_after=")]
+    last = stop[0] if stop else 5
+    for step in range(1, last + 1):
+        print(f"step {step}/5  loss {5 - step * 0.1:.4f}", flush=True)
         print("noise line not shown", flush=True)
-        if step == 2:
-            ck = out / "checkpoints" / "step-00000002"
-            ck.mkdir(parents=True)
-            (ck / "COMPLETE.json").write_text("{}")
-            print(f"checkpoint saved: {ck}", flush=True)
-            time.sleep(60)
+    if "no-checkpoint" not in sys.argv:
+        ck = out / "checkpoints" / f"step-{last:08d}"
+        ck.mkdir(parents=True)
+        (ck / "COMPLETE.json").write_text("{}")
+        print(f"checkpoint saved: {ck}", flush=True)
 """)
 
 
-def test_train_stops_the_job_once_the_checkpoint_is_complete(tmp_path, monkeypatch):
+def _fake(monkeypatch, tmp_path, *extra):
     script = tmp_path / "fake_trainer.py"
     script.write_text(FAKE_TRAINER)
-    out = tmp_path / "run"
     monkeypatch.setattr(runs, "train_command", lambda config, output_dir, nproc, overrides: [
-        sys.executable, "-u", str(script), str(output_dir)])  # fmt: skip
+        sys.executable, "-u", str(script), str(output_dir), *overrides, *extra])  # fmt: skip
+
+
+def test_train_stops_after_the_step_with_its_checkpoint(tmp_path, monkeypatch):
+    _fake(monkeypatch, tmp_path)
     shown = []
-    run = runs.train("unused.yaml", out, stop_after=2, echo=shown.append, timeout_s=30)
-    assert run.stopped_after == 2 and run.ok and run.seconds < 20
-    assert run.returncode != 0  # it was terminated, not finished
-    assert [s for s in shown if s.startswith("step")] == ["step 1/99  loss 4.9000", "step 2/99  loss 4.8000"]
+    run = runs.train("unused.yaml", tmp_path / "run", stop_after=2, echo=shown.append, timeout_s=30)
+    assert run.stopped_after == 2 and run.ok and run.returncode == 0
+    assert "train.stop_after=2" in run.command
+    assert [s for s in shown if s.startswith("step")] == ["step 1/5  loss 4.9000", "step 2/5  loss 4.8000"]
     assert not any("noise" in s for s in shown)
     assert "noise line not shown" in run.log.read_text()  # everything is in the log
+
+
+def test_a_stop_without_its_checkpoint_is_an_error(tmp_path, monkeypatch):
+    _fake(monkeypatch, tmp_path, "no-checkpoint")
+    with pytest.raises(RuntimeError, match="without a complete checkpoint of step 2"):
+        runs.train("unused.yaml", tmp_path / "run", stop_after=2, echo=lambda s: None, timeout_s=30)
 
 
 def test_a_failing_run_raises_with_the_end_of_its_log(tmp_path, monkeypatch):
@@ -78,7 +88,7 @@ def test_save_checks_the_resumed_curve_against_the_uninterrupted_one(tmp_path):
         return [{"metric": "loss", "series": "rank 0", "x": s, "value": v, "rank": 0} for s, v in values.items()]
 
     a = {1: 3.0, 2: 2.0, 3: 1.0, 4: 0.5}
-    stopped = runs.TrainRun(tmp_path, [], -15, 1.0, tmp_path / "log", stopped_after=2)
+    stopped = runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log", stopped_after=2)
     good = runs.save(tmp_path, rows(a), rows(a), 2, stopped)
     assert good["resume_matches"] and good["resumed_steps"] == 2 and good["loss_decreased"]
     assert json.loads((tmp_path / "metrics.json").read_text())["passed"]
