@@ -114,25 +114,6 @@ def count_flops(config, shapes) -> dict:
     return {"text": text, "vision": vision}
 
 
-def gemm_peak(device: str, dtype_name: str, n: int = 4096, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n x n GEMM on this device, measured now."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -233,7 +214,9 @@ def main(argv=None) -> int:
             variants.append("liger")
         except ImportError:
             print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
-    peak_flops = gemm_peak(args.device, shapes["dtype"])
+    from qwenkit.perf import matmul_peak
+
+    peak_flops = matmul_peak(torch.device(args.device), getattr(torch, shapes["dtype"]), size=4096)["flops_per_s"]
     flops = count_flops(make_config(shapes), shapes)
     print(f"shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
           f"measured {shapes['dtype']} GEMM peak {peak_flops / 1e9:,.0f} GFLOP/s; "

@@ -85,8 +85,9 @@ def _status_bytes(field: str) -> int:
 def _head_case(case: dict[str, Any]) -> dict[str, Any]:
     """Run one loss-head case in this process (the worker side of :func:`head_measure`)."""
     import torch.nn.functional as F
+    from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy, full_cross_entropy
+    from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy
 
     if case["device"].startswith("npu"):
         import torch_npu  # noqa: F401  (registers the npu device type in this fresh process)
@@ -103,8 +104,8 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
     if variant == "full":
         chunk = None
 
-        def loss_fn():
-            return full_cross_entropy(F.linear(hidden, weight), labels)  # logits [1, N, V]
+        def loss_fn():  # HF's own head: lm_head logits [1, N, V], then its causal-LM loss
+            return ForCausalLMLoss(F.linear(hidden, weight), labels, vocab_size=v)
 
     else:
         chunk = auto_chunk_size(n, v, case.get("budget_mb", 512) * MiB) if variant == "auto" else int(variant)
@@ -146,7 +147,8 @@ def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _case(variant, seq_len, hidden, vocab, dtype, device, repeats) -> dict[str, Any]:
+def head_case(variant, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0) -> dict[str, Any]:
+    """The description of one loss-head case, as :func:`head_measure` takes it."""
     return {
         "variant": str(variant),
         "seq_len": int(seq_len),
@@ -171,7 +173,7 @@ def head_sweep(
     rows = []
     for seq in seq_lens:
         for variant in ("full", chunk_size):
-            row = head_measure(_case(variant, seq, hidden, vocab, dtype, device, repeats))
+            row = head_measure(head_case(variant, seq, hidden, vocab, dtype, device, repeats))
             row["head"] = "full" if variant == "full" else "chunked"
             rows.append(row)
     return rows
@@ -187,7 +189,7 @@ def chunk_sweep(
     repeats: int = 2,
 ) -> list[dict[str, Any]]:
     """The chunked head at one sequence length over chunk sizes."""
-    return [head_measure(_case(c, seq_len, hidden, vocab, dtype, device, repeats)) for c in chunk_sizes]
+    return [head_measure(head_case(c, seq_len, hidden, vocab, dtype, device, repeats)) for c in chunk_sizes]
 
 
 def recommend_chunk(rows: list[dict[str, Any]], time_slack: float = 0.10) -> int:
@@ -318,19 +320,6 @@ def fused_vs_unfused(model, batches: list[dict[str, torch.Tensor]], steps: int, 
     return {"available": True, "route": route, "active": report.active, "unfused_ms": unfused, "fused_ms": fused}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m qwenkit.perf CASE_JSON   (one loss-head case; see head_measure)", file=sys.stderr)
-        return 2
-    print(json.dumps(_head_case(json.loads(argv[0]))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # ---------------------------------------------------------------------------------------------
 # Summaries and result files
 
@@ -406,3 +395,16 @@ def save(out_dir, sweep, chunks, recommended: int, util: dict[str, Any], fused: 
     passed = ratios["peak_ratio"] < 1.0 and util["mfu"] > 0
     results.write_metrics(out_dir, "04_performance_profiling", summary, passed, **values)
     return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m qwenkit.perf CASE_JSON   (one loss-head case; see head_measure)", file=sys.stderr)
+        return 2
+    print(json.dumps(_head_case(json.loads(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
