@@ -14,10 +14,10 @@ logits, then ``ForCausalLMLoss``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from qwenkit.perf import head_case, head_measure
+from qwenkit.results import write_jsonl
 
 MiB = 2**20
 GiB = 2**30
@@ -66,9 +66,7 @@ def main(argv=None) -> int:
         print(f"floor at chunk {c} (grad W + grad h + one chunk): {floor / GiB:.2f} GiB "
               f"= {floor / (full['peak_mb'] * MiB):.2f} of full")
     if args.out:
-        with open(args.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out)
     return 0
 
 

@@ -215,6 +215,7 @@ def main(argv=None) -> int:
         except ImportError:
             print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
     from qwenkit.perf import matmul_peak
+    from qwenkit.results import write_jsonl
 
     peak_flops = matmul_peak(torch.device(args.device), getattr(torch, shapes["dtype"]), size=4096)["flops_per_s"]
     flops = count_flops(make_config(shapes), shapes)
@@ -239,9 +240,7 @@ def main(argv=None) -> int:
     print(f"\nfloor: weights + grads + AdamW (2 states) = 4 x {pb / GiB:.2f} GiB, + one logits chunk "
           f"{chunk / GiB:.2f} GiB = {floor / GiB:.2f} GiB ({floor / base['peak_bytes']:.2f} of HF's peak)")
     if args.out:
-        with open(args.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_jsonl(rows, args.out)
     return 0
 
 
