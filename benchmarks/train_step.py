@@ -8,6 +8,8 @@ Every variant runs in a fresh subprocess with the same config, seed, weights and
   layers and vision blocks;
 - ``chunk-foreach`` (on request): chunk loss with HF's optimizer, to separate the two savings.
 
+Every variant runs with the allocator setting ``qwenkit train`` gives CPU ranks
+(``MALLOC_MMAP_THRESHOLD_``, see ``qwenkit.launch``), unless the caller's environment sets it.
 The qwenkit variants use the optimizer qwenkit trains with (fused AdamW, in place); the HF
 baseline uses plain AdamW, whose foreach step allocates a parameter-sized temporary.
 
@@ -29,6 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from qwenkit.launch import CPU_MALLOC_ENV
 
 GiB = 2**30
 
@@ -179,7 +183,8 @@ def worker(args) -> dict:
 def _spawn(args, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--device", args.device,
            "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # the same allocator for every variant
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"variant {variant} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -139,7 +139,9 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
     """One loss-head case in a fresh Python process; its result row."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    from qwenkit.launch import CPU_MALLOC_ENV
+
+    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # as qwenkit train's CPU ranks
     cmd = [sys.executable, "-m", "qwenkit.perf", json.dumps(case)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     if out.returncode != 0:

@@ -151,3 +151,14 @@ def test_train_on_npu(tmp_path):
 
     out = _accelerator_run(tmp_path, "npu", torch.npu.device_count())
     assert (out / "profile").is_dir()
+
+
+def test_cpu_ranks_get_a_pinned_mmap_threshold_unless_the_user_set_one():
+    from qwenkit import config as qconfig
+    from qwenkit.launch import CPU_MALLOC_ENV, rank_environment
+
+    cpu = qconfig.load(overrides=["parallel.device=cpu"])
+    assert rank_environment(cpu, {"PATH": "/bin"}) == {"PATH": "/bin", **CPU_MALLOC_ENV}
+    assert rank_environment(cpu, {"MALLOC_MMAP_THRESHOLD_": "4096"})["MALLOC_MMAP_THRESHOLD_"] == "4096"
+    cuda = qconfig.load(overrides=["parallel.device=cuda"])
+    assert "MALLOC_MMAP_THRESHOLD_" not in rank_environment(cuda, {})
