@@ -101,3 +101,12 @@ class Processor:
         if hasattr(image_processor, "min_pixels"):  # 4.57 resizes by the attributes: make `size` agree
             image_processor.size = {"shortest_edge": image_processor.min_pixels, "longest_edge": image_processor.max_pixels}
         return cls(tokenizer, image_processor)
+
+
+def load_processor(cfg, model_dir: str | Path | None = None) -> Processor:
+    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds."""
+    if model_dir is None:
+        from qwenkit.model import resolve_path
+
+        model_dir = resolve_path(cfg.model)
+    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)

@@ -17,8 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwenkit import config as qconfig
-from qwenkit import model as qmodel
 from qwenkit import results
 from qwenkit.processor import SPECIAL_TOKENS, Processor
 
@@ -29,13 +27,6 @@ STYLE = {
     "special": "color:#8250df;font-weight:600",
     "image": "background:#ddf4ff;border:1px solid #54aeff;border-radius:3px;padding:0 3px;color:#0969da",
 }
-
-
-def load_processor(cfg: qconfig.Config) -> Processor:
-    """The tokenizer and image processor of ``model.path``, with ``data``'s pixel bounds."""
-    return Processor.from_pretrained(
-        qmodel.resolve_path(cfg.model), min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from qwenkit import config as qconfig
 from qwenkit import fsdp, patches
 from qwenkit import model as qmodel
 from qwenkit.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
-from qwenkit.processor import Processor
+from qwenkit.processor import load_processor
 from qwenkit.profiling import ProfileWindow
 
 log = logging.getLogger("qwenkit.train")
@@ -171,9 +171,7 @@ class Trainer:
         set_seed(t.seed)
 
         model_path = self.model_path
-        processor = Processor.from_pretrained(
-            model_path, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
-        )
+        processor = load_processor(cfg, model_path)
         build_data = self.data_builder
         if build_data is None:
             from qwenkit.data import build as build_data

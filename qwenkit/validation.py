@@ -25,8 +25,7 @@ import torch
 from qwenkit import config as qconfig
 from qwenkit import model as qmodel
 from qwenkit import results
-from qwenkit.processor import Processor
-from qwenkit.samples import load_processor
+from qwenkit.processor import Processor, load_processor
 
 MODALITIES = ("text", "image-text")
 # (rtol, atol) per dtype: fp32 sums in another order differ by a few ulps of the sums; bf16 and

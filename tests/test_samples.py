@@ -8,6 +8,7 @@ from PIL import Image
 
 from qwenkit import config as qconfig
 from qwenkit import data, samples
+from qwenkit.processor import load_processor
 
 MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"
 
@@ -43,7 +44,7 @@ def bad_dataset(tmp_path):
 
 def test_bad_samples_tables_and_metrics(tmp_path, bad_dataset, tiny_path):
     cfg = qconfig.load(overrides={"data.path": str(bad_dataset)})
-    processor = samples.load_processor(cfg)
+    processor = load_processor(cfg)
     dataset, report = data.read_dataset(cfg.data, processor)
     by_reason, messages = samples.bad_sample_rows(report)
     assert {r["reason"] for r in by_reason} == {"missing_image", "bad_role"}
@@ -58,7 +59,7 @@ def test_bad_samples_tables_and_metrics(tmp_path, bad_dataset, tiny_path):
 
 def test_distributions_of_the_tiny_set(tiny_path):
     cfg = qconfig.load(overrides={"data.tiny_samples": 6})
-    dataset, _ = data.read_dataset(cfg.data, samples.load_processor(cfg))
+    dataset, _ = data.read_dataset(cfg.data, load_processor(cfg))
     dist = samples.distributions(dataset)
     assert dist["image_tokens"] == [16] * 6 and dist["images"] == [1] * 6
     assert all(t > img + learned for t, img, learned in zip(dist["tokens"], dist["image_tokens"], dist["learned_tokens"]))
@@ -69,7 +70,7 @@ def test_distributions_of_the_tiny_set(tiny_path):
 @pytest.mark.skipif(not MLLM_DEMO.is_file(), reason=f"{MLLM_DEMO} is not here (a sibling of this checkout)")
 def test_mllm_demo_renders_multi_turn_and_cjk(tiny_path):
     cfg = qconfig.load(overrides={"data.path": str(MLLM_DEMO), "data.max_length": 2048})
-    dataset, report = data.read_dataset(cfg.data, samples.load_processor(cfg))
+    dataset, report = data.read_dataset(cfg.data, load_processor(cfg))
     assert len(dataset) == 6 and report.skipped == 0
     pages = [samples.render_sample(dataset, i) for i in range(len(dataset))]
     assert all(p.count("<img ") >= 1 for p in pages)

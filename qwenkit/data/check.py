@@ -17,7 +17,7 @@ from qwenkit.data import read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
-from qwenkit.processor import Processor, pixel_bounds
+from qwenkit.processor import load_processor, pixel_bounds
 
 MAX_LISTED = 200  # bad rows printed one by one; the counts by reason are always complete
 
@@ -65,9 +65,7 @@ def check_main(args) -> int:
 
     try:
         model_dir = resolve_path(cfg.model)
-        processor = Processor.from_pretrained(
-            model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels
-        )
+        processor = load_processor(cfg, model_dir)
         dataset, report = read_dataset(cfg.data, processor, stop_at_first=False)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
