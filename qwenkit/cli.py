@@ -6,7 +6,11 @@ Each subcommand lives in the module that owns its concern; this file only parses
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+
+# a dotted override (train.steps=30), wherever it stands among the options
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
 
 
 def _train(args) -> int:
@@ -73,7 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides = [a for a in argv if OVERRIDE.match(a)]
+    args = build_parser().parse_args([a for a in argv if not OVERRIDE.match(a)])
+    if hasattr(args, "overrides"):
+        args.overrides = overrides + list(args.overrides)
+    elif overrides:
+        print(f"qwenkit {args.command}: takes no overrides, got {' '.join(overrides)}", file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
 
 

@@ -162,3 +162,13 @@ def test_cpu_ranks_get_a_pinned_mmap_threshold_unless_the_user_set_one():
     assert rank_environment(cpu, {"MALLOC_MMAP_THRESHOLD_": "4096"})["MALLOC_MMAP_THRESHOLD_"] == "4096"
     cuda = qconfig.load(overrides=["parallel.device=cuda"])
     assert "MALLOC_MMAP_THRESHOLD_" not in rank_environment(cuda, {})
+
+
+def test_overrides_may_stand_before_or_after_options(monkeypatch):
+    from qwenkit import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_train", lambda args: seen.update(vars(args)) or 0)  # main builds its parser after
+    assert cli.main(["train", "train.steps=3", "--nproc", "2", "loss.chunk_size=64"]) == 0
+    assert seen["nproc"] == 2 and seen["overrides"] == ["train.steps=3", "loss.chunk_size=64"]
+    assert cli.main(["export", "a", "b", "train.steps=3"]) == 2  # export takes no overrides
