@@ -176,7 +176,6 @@ class Trainer:
         if build_data is None:
             from qwenkit.data import build as build_data
         self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
-        self.bundle.report.check_fraction(cfg.data.max_bad_fraction)
 
         model = qmodel.build(cfg.model, cfg.loss)
         fused = patches.apply(model, ops=cfg.model.fused_ops)
