@@ -118,19 +118,12 @@ def count_flops(config, shapes) -> dict:
     return {"text": text, "vision": vision}
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 def worker(args) -> dict:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from qwenkit.model import QwenkitQwen2_5_VL
+    from qwenkit.perf import status_bytes
 
     shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
     device = torch.device(args.device)
@@ -171,7 +164,7 @@ def worker(args) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status("VmHWM")
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else status_bytes("VmHWM")
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": peak, "params": n_params,

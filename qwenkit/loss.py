@@ -175,16 +175,10 @@ def full_cross_entropy(
     return (per_token * token_weights(shifted, reduction, num_items_in_batch, num_samples)).sum()
 
 
-def chunk_bytes(chunk: int, vocab_size: int) -> int:
-    """Bytes of one float32 logits chunk (the loss head's transient beyond grad_W and grad_h)."""
-    return chunk * vocab_size * 4
-
-
 __all__ = [
     "IGNORE_INDEX",
     "REDUCTIONS",
     "auto_chunk_size",
-    "chunk_bytes",
     "chunked_linear_cross_entropy",
     "full_cross_entropy",
     "shift_labels",

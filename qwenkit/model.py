@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from qwenkit.loss import chunked_linear_cross_entropy, full_cross_entropy
@@ -112,7 +112,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         accumulation steps) for ``token_mean``; ``num_samples``: samples of the global batch
         for ``sample_mean``. Both default to this batch's own counts.
         """
-        kwargs = _drop_unsupported(self.model.forward, kwargs)
+        kwargs = _drop_unsupported(kwargs)
         idle = None
         if self._vision_idle(kwargs) and input_ids is not None and kwargs.get("inputs_embeds") is None:
             # Ranks with images run embed_tokens, then the vision tower, then the decoder; a
@@ -120,8 +120,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             kwargs["inputs_embeds"] = self.model.get_input_embeddings()(input_ids)
             idle = self._idle_vision_term()
         if not self.chunk_loss:
-            out = self._hf_forward(input_ids, labels, use_cache, logits_to_keep, True,
-                                   num_items_in_batch, num_samples, kwargs)
+            out = self._hf_forward(input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs)
             if idle is not None and out.loss is not None:
                 out.loss = out.loss + idle
             return out.to_tuple() if return_dict is False else out
@@ -164,25 +163,31 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         tensors = [out] if torch.is_tensor(out) else [t for t in out.values() if torch.is_tensor(t)]
         return sum(t.sum() for t in tensors) * 0.0
 
-    def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, return_dict,
-                    num_items_in_batch, num_samples, kwargs):
+    def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs):
         if self.loss_reduction == "token_mean" or labels is None:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return super().forward(input_ids=input_ids, labels=labels, use_cache=use_cache,
-                                   logits_to_keep=logits_to_keep, return_dict=return_dict, **kwargs)
+                                   logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         # sample_mean / raw: HF's head gives the logits, qwenkit's reference loss reduces them
         out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                               return_dict=True, **kwargs)
         if out.logits.shape[1] != labels.shape[1]:
             raise ValueError(f"loss_type={self.loss_reduction!r} needs logits for every position (logits_to_keep=0)")
         out.loss = full_cross_entropy(out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples)
-        return out.to_tuple() if return_dict is False else out
+        return out
 
 
-def _drop_unsupported(forward, kwargs: dict) -> dict:
-    """transformers 4.57 has no ``mm_token_type_ids``; drop it there instead of leaking it."""
-    if "mm_token_type_ids" in kwargs and "mm_token_type_ids" not in inspect.signature(forward).parameters:
+@functools.cache
+def needs_mm_token_type_ids() -> bool:
+    """transformers 5.x builds 3-D mRoPE positions only when ``mm_token_type_ids`` is passed;
+    4.57 has no such argument (it finds image tokens in ``input_ids``)."""
+    return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters
+
+
+def _drop_unsupported(kwargs: dict) -> dict:
+    """On 4.57, drop ``mm_token_type_ids`` instead of leaking it into the attention kwargs."""
+    if "mm_token_type_ids" in kwargs and not needs_mm_token_type_ids():
         kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
     return kwargs
 

@@ -74,7 +74,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 2048, repe
 # Loss-head cases, each in a fresh process
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -122,11 +122,11 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     if device.type == "cpu":
-        base = _status_bytes("VmRSS")
+        base = status_bytes("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := current RSS
         first = one_pass()
-        peak = _status_bytes("VmHWM") - base
+        peak = status_bytes("VmHWM") - base
     else:
         synchronize(device)
         base = torch.accelerator.memory_allocated()

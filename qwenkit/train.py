@@ -151,8 +151,8 @@ class Trainer:
         self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
 
     def run(self) -> None:
-        # Before the process group exists: with one, transformers' save_pretrained writes weights
-        # on rank 0 only, and the embedded tiny checkpoint is written by whichever rank gets here.
+        # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
+        # from any number of ranks anyway (temp dir + rename, rank 0 alone under a process group)
         self.model_path = qmodel.resolve_path(self.cfg.model)
         self.rt = fsdp.init_distributed(self.cfg.parallel)
         self.setup()

@@ -59,8 +59,7 @@ def _train_runs(rank, out, runs, grad_accum):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_path):
-    # The tiny checkpoints are written here, before any process group exists: under one,
-    # transformers' save_pretrained writes weights on rank 0 only (the launcher does the same).
+    # The tiny checkpoints are written once here, as the launcher does, so the ranks only read them.
     ensure_checkpoint(tie_word_embeddings=True)
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     check_ranks(_train_runs, 1, one, RUNS_1, 2)
@@ -171,3 +170,19 @@ def _mixed_modalities(rank, out):
 def test_ranks_with_and_without_images_agree(tmp_path, tiny_path):
     check_ranks(_mixed_modalities, 2, tmp_path)
     assert (tmp_path / "ok").is_file()
+
+
+def _tiny_under_group(rank, root):
+    dist.init_process_group("gloo")
+    path = ensure_checkpoint(root=root)  # collectively: rank 0 writes, the others wait for it
+    assert (path / "model.safetensors").is_file(), f"rank {rank}: no weights in {path}"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tiny_checkpoint_written_under_a_process_group_has_weights(tmp_path):
+    """transformers' save_pretrained writes weights on rank 0 only under a process group."""
+    check_ranks(_tiny_under_group, 2, tmp_path)
+    (written,) = [p for p in tmp_path.iterdir() if p.name.startswith("tiny-")]
+    assert (written / "model.safetensors").is_file()

@@ -21,7 +21,8 @@ from qwenkit.data.conversation import Conversation, parse_row
 from qwenkit.data.images import ImageProbe, load, predict_grid, resolve
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample, BadSampleReport
-from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length, needs_mm_token_type_ids
+from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
+from qwenkit.model import needs_mm_token_type_ids
 from qwenkit.processor import Processor
 
 

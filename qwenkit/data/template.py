@@ -17,7 +17,6 @@ Token layout, identical to the chat template shipped with Qwen2-VL / Qwen2.5-VL 
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 
 from qwenkit.data.conversation import IMAGE_PLACEHOLDER, Conversation
@@ -25,14 +24,6 @@ from qwenkit.data.report import BadSample
 from qwenkit.processor import Processor
 
 IGNORE_INDEX = -100
-
-
-@functools.cache
-def needs_mm_token_type_ids() -> bool:
-    """transformers 5.x builds 3-D mRoPE positions only when ``mm_token_type_ids`` is passed."""
-    import transformers
-
-    return "mm_token_type_ids" in inspect.signature(transformers.Qwen2_5_VLModel.forward).parameters
 
 
 @dataclass
