@@ -178,10 +178,9 @@ class Trainer:
         self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
 
         model = qmodel.build(cfg.model, cfg.loss)
-        fused = patches.apply(model, ops=cfg.model.fused_ops)
+        patches.apply(model, ops=cfg.model.fused_ops)  # logs its report
         model.vision_every_step = rt.world_size > 1
         if main_rank:
-            log.info("%s", fused)
             log.info("parameters:\n%s", qmodel.format_manifest(qmodel.parameter_manifest(model)))
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
