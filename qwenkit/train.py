@@ -264,7 +264,11 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     loss_sum = torch.zeros((), device=rt.device)
     for batch in micro:
         with fsdp.activation_offload(cfg.parallel.activation_offload, rt.device):
-            out = model(**_to(batch, rt.device), num_items_in_batch=num_items, num_samples=num_samples)
+            # use_cache=False: HF's config defaults to a KV cache, which training never needs and
+            # which a recomputed decoder layer would extend a second time in its backward
+            out = model(
+                **_to(batch, rt.device), use_cache=False, num_items_in_batch=num_items, num_samples=num_samples
+            )
         (out.loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
         loss_sum += out.loss.detach().float()
     norm = grad_norm(params, t.max_grad_norm)
