@@ -58,7 +58,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_size: int | str = "auto"
         self.chunk_budget_bytes = 512 * 2**20
         self.loss_reduction = "token_mean"
-        self.micro_batch_split = 1
         # Data parallel: every rank must run the (sharded) vision tower in every step, or FSDP's
         # collectives mismatch when one rank's micro-batch has no image. Set by the trainer.
         self.vision_every_step = False
@@ -69,7 +68,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         chunk_size: int | str = "auto",
         loss_type: str = "token_mean",
         chunk_budget_mb: int = 512,
-        micro_batch_split: int = 1,
     ) -> QwenkitQwen2_5_VL:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -77,7 +75,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
         self.chunk_loss, self.chunk_size, self.loss_reduction = chunk, chunk_size, loss_type
         self.chunk_budget_bytes = chunk_budget_mb * 2**20
-        self.micro_batch_split = micro_batch_split
         return self
 
     def _check_chunk_args(self, labels, use_cache, logits_to_keep) -> None:
@@ -89,11 +86,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             raise ValueError(f"chunk loss needs logits_to_keep=0, got {logits_to_keep!r}")
         if self.loss_reduction == "raw":
             raise ValueError("loss_type='raw' (unreduced per-token loss) is not available with chunk loss")
-        if self.micro_batch_split != 1:
-            raise ValueError(
-                f"micro_batch_split={self.micro_batch_split} is not available with chunk loss: "
-                "hidden states and mRoPE position ids disagree on the batch dim"
-            )
 
     def forward(
         self,
@@ -304,7 +296,6 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
             chunk_size=loss_cfg.chunk_size,
             loss_type=loss_cfg.loss_type,
             chunk_budget_mb=loss_cfg.chunk_budget_mb,
-            micro_batch_split=loss_cfg.micro_batch_split,
         )
     freeze(model, model_cfg.freeze)
     return model

@@ -174,7 +174,6 @@ def test_tied_embeddings_in_both_modes(make_model, batch_factory):
         ({"use_cache": True}, {}, "use_cache=False"),
         ({"logits_to_keep": 1}, {}, "logits_to_keep=0"),
         ({}, {"loss_type": "raw"}, "'raw'"),
-        ({}, {"micro_batch_split": 2}, "micro_batch_split=2"),
     ],
 )
 def test_illegal_chunk_calls_raise_before_any_compute(make_model, batch_factory, kwargs, setup, pattern):
