@@ -77,9 +77,12 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_budget_bytes = chunk_budget_mb * 2**20
         return self
 
-    def _check_chunk_args(self, labels, use_cache, logits_to_keep) -> None:
-        if labels is None:
-            raise ValueError("chunk loss needs labels: it returns a loss, not logits (set chunk_loss=False to get logits)")
+    def _check_chunk_args(self, labels, shifted, use_cache, logits_to_keep) -> None:
+        if labels is None and shifted is None:
+            raise ValueError(
+                "chunk loss needs labels (or shift_labels): it returns a loss, not logits "
+                "(set chunk_loss=False to get logits)"
+            )
         if use_cache:
             raise ValueError("chunk loss needs use_cache=False: no KV cache is kept in training")
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -121,10 +124,13 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             if idle is not None and out.loss is not None:
                 out.loss = out.loss + idle
             return out.to_tuple() if return_dict is False else out
-        self._check_chunk_args(labels, use_cache, logits_to_keep)
+        # pre-shifted labels (sequence parallelism): used as given, as HF's ForCausalLMLoss does
+        shifted = kwargs.pop("shift_labels", None)
+        self._check_chunk_args(labels, shifted, use_cache, logits_to_keep)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
         loss_fn = functools.partial(
             chunked_linear_cross_entropy,
+            shifted=shifted,
             reduction=self.loss_reduction,
             chunk_size=self.chunk_size,
             chunk_budget_bytes=self.chunk_budget_bytes,
@@ -167,11 +173,14 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             return super().forward(input_ids=input_ids, labels=labels, use_cache=use_cache,
                                    logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         # sample_mean / raw: HF's head gives the logits, qwenkit's reference loss reduces them
+        shifted = kwargs.pop("shift_labels", None)
         out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                               return_dict=True, **kwargs)
         if out.logits.shape[1] != labels.shape[1]:
             raise ValueError(f"loss_type={self.loss_reduction!r} needs logits for every position (logits_to_keep=0)")
-        out.loss = full_cross_entropy(out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples)
+        out.loss = full_cross_entropy(
+            out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples, shifted=shifted
+        )
         return out
 
 
