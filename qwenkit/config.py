@@ -106,6 +106,8 @@ class TrainConfig:
     seed: int = 42
     output_dir: str = "runs/tiny"
     resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint directory
+    # resume (or start fresh) behind newer checkpoints in output_dir: they move to superseded-<time>/
+    resume_older: bool = False
     log_every: int = 1
 
 
