@@ -8,6 +8,7 @@ from PIL import Image
 
 from qwenkit import config as qconfig
 from qwenkit import data
+from qwenkit.data.check import percentiles
 from qwenkit.model import load_processor
 from qwenkit.notebooks import samples
 
@@ -64,7 +65,7 @@ def test_distributions_of_the_tiny_set(tiny_path):
     dist = samples.distributions(dataset)
     assert dist["image_tokens"] == [16] * 6 and dist["images"] == [1] * 6
     assert all(t > img + learned for t, img, learned in zip(dist["tokens"], dist["image_tokens"], dist["learned_tokens"]))
-    p = samples.percentiles(dist["tokens"])
+    p = percentiles(dist["tokens"])
     assert p["min"] <= p["p50"] <= p["max"]
 
 

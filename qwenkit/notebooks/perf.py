@@ -33,7 +33,7 @@ import torch
 
 from qwenkit import patches
 from qwenkit.launch import CPU_MALLOC_ENV
-from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy
+from qwenkit.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
 from qwenkit.notebooks import results
 from qwenkit.patches import dispatch
 
@@ -103,7 +103,7 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
     weight = torch.empty(v, h, device=device, dtype=dtype).normal_().mul_(0.02).requires_grad_()  # [V, H]
     hidden = torch.empty(1, n, h, device=device, dtype=dtype).normal_().requires_grad_()  # [1, N, H]
     labels = torch.randint(0, v, (1, n), device=device)
-    labels[:, : n // 4] = -100  # a prompt that is not learned
+    labels[:, : n // 4] = IGNORE_INDEX  # a prompt that is not learned
     variant = case["variant"]
     if variant == "full":
         chunk = None

@@ -109,12 +109,6 @@ def histogram(values: Sequence[float], title: str, x_title: str, limit: float | 
     return _finish(fig, title, height=360)
 
 
-def bars(labels: Sequence[str], values: Sequence[float], title: str, y_title: str = "") -> go.Figure:
-    fig = go.Figure(go.Bar(x=list(labels), y=list(values), marker_color=COLOURS[0], text=list(values)))
-    fig.update_yaxes(title=y_title)
-    return _finish(fig, title, height=360)
-
-
 # ---------------------------------------------------------------------------------------------
 # 02: training metrics (long-format rows: metric, series, x = step, value)
 

@@ -8,7 +8,8 @@ whole log in ``<output_dir>/train.log``, and can **stop** the run after a given 
 ``train.steps``), the way a time-boxed job ends. Resuming is then the same command again:
 ``train.resume=auto`` picks the newest complete checkpoint.
 
-:func:`read_metrics` reads the per-rank JSONL files the trainer writes (:mod:`qwenkit.metrics`).
+:func:`qwenkit.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
+and :func:`save` turn them into the notebook's table and result files.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from qwenkit import checkpoint as ckpt
+from qwenkit.metrics import series
 from qwenkit.notebooks import results
 
 # Lines of the run's output worth showing live; everything goes to train.log.
@@ -146,23 +148,6 @@ def _terminate(proc: subprocess.Popen, grace_s: float = 15) -> None:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics
-
-
-def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
-    """Every rank's metric rows (long format, ``x`` = step). A step logged twice keeps both rows."""
-    rows: list[dict[str, Any]] = []
-    for path in sorted((Path(output_dir) / "metrics").glob("rank-*.jsonl")):
-        rows.extend(results.read_jsonl(path))
-    return rows
-
-
-def series(rows: list[dict[str, Any]], metric: str, rank: int = 0) -> dict[int, float]:
-    """``{step: value}`` of one metric on one rank; a step logged again after a resume keeps the last."""
-    return {r["x"]: r["value"] for r in rows if r["metric"] == metric and r.get("rank", 0) == rank}
 
 
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

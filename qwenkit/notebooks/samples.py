@@ -14,15 +14,15 @@ import html
 import io
 from typing import Any
 
-import numpy as np
 import torch
 
 from qwenkit.data import REASONS
+from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.notebooks import results
 from qwenkit.processor import SPECIAL_TOKENS, Processor
 
-IGNORE_INDEX = -100
 STYLE = {
     "learned": "background:#c8f7c5;border-bottom:2px solid #1a7f37",
     "context": "",
@@ -44,14 +44,6 @@ def distributions(dataset) -> dict[str, list[int]]:
         "learned_tokens": [s.label_tokens for s in dataset.samples],
         "images": [len(s.grids) for s in dataset.samples],
     }
-
-
-def percentiles(values: list[int]) -> dict[str, float]:
-    if not values:
-        return {}
-    a = np.asarray(values)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"min": int(a.min()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": int(a.max())}
 
 
 def bad_sample_rows(report, limit: int = 50) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

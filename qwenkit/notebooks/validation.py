@@ -26,6 +26,7 @@ from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit import model as qmodel
 from qwenkit.config import DTYPES
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.model import load_processor
 from qwenkit.notebooks import kernel, results
 from qwenkit.processor import Processor
@@ -108,7 +109,7 @@ def compare(
     cases, per_param = [], []
     for modality in modalities:
         batch = data.to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
-        tokens = int((batch["labels"][:, 1:] != -100).sum())
+        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         for reduction in reductions:
             model.configure_loss(chunk=False, loss_type=reduction)
             ref_loss, ref_grads = loss_and_grads(model, batch)
