@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from qwenkit import checkpoint as ckpt
+from qwenkit import metrics
 from qwenkit.metrics import series
-from qwenkit.notebooks import results
+from qwenkit.notebooks import plots, results
 
 # Lines of the run's output worth showing live; everything goes to train.log.
 PROGRESS = re.compile(r"^(step \d+/\d+|checkpoint saved|.*resumed from|.*already at step|.*no checkpoint to resume)"
@@ -199,3 +200,29 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
     )
     results.write_metrics(out_dir, "02_sharded_training", summary, passed, **values)
     return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures, drawn from the runs' metric files alone
+
+UNINTERRUPTED, RESUMED = "uninterrupted", "stopped_and_resumed"  # the two runs' folders in output_dir
+
+
+def summary_table(run_dir):
+    rows = summary_rows(metrics.read(run_dir))
+    return plots.table(rows, list(rows[0]), title="Per rank")
+
+
+def metrics_figure(run_dir, title: str = "Training metrics per rank"):
+    return plots.training_metrics(metrics.read(run_dir), title=title)
+
+
+def resume_figure(out_dir, stop_after: int):
+    a, b = (metrics.read(Path(out_dir) / name) for name in (UNINTERRUPTED, RESUMED))
+    return plots.resume_overlay(series(a, "loss"), series(b, "loss"), stop_after)
+
+
+def figures(out_dir, stop_after: int) -> list:
+    """Every figure of notebook 02, in the order it shows them."""
+    run = Path(out_dir) / UNINTERRUPTED
+    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, stop_after)]
