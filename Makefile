@@ -2,7 +2,7 @@
 #   make report   creates .venv, installs qwenkit, runs the main job on the embedded tiny default
 #   make test     creates .venv and .venv-tf457, installs, runs the whole test suite on
 #                 transformers 5.x and the model/loss/data subset on transformers 4.57.6
-# Before a release (not in CI: it downloads ~2.7 GB):
+# Before a release (not in CI: it downloads ~3 GB):
 #   make test-compat  creates .venv-compat with the oldest supported stack (torch 2.7.1,
 #                 transformers 4.57.6) and runs every test that does not need the notebooks extra
 PYTHON ?= python3

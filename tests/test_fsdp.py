@@ -228,4 +228,4 @@ def test_meta_init_reads_each_shard_like_from_pretrained(tmp_path, tiny_path):
         got = torch.load(tmp_path / f"{name}.pt")
         assert got.keys() == ref.keys(), name
         for key, value in ref.items():
-            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{name} {k}: {m}")
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key, r=name: f"{r} {k}: {m}")
