@@ -13,12 +13,12 @@ TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,video,dev]'
 	touch $@
 
 $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt
 	$(PYTHON) -m venv $(VENV457)
-	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,dev]'
+	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,video,dev]'
 	touch $@
 
 test: test-main test-tf457
