@@ -201,7 +201,7 @@ def test_template_batch_and_hf_chat_template(tmp_path, processor):
 
     rows = json.loads(path.read_text())
     video = 0
-    for b, (sample, row) in enumerate(zip(samples, rows)):
+    for sample, row in zip(samples, rows):
         ids = sample["input_ids"]
         spans = runs(ids == processor.video_token_id)
         n_videos = len(row["videos"])

@@ -44,13 +44,13 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
         )
         image_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.grids)
         video_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.video_grids)
+        video = f"{video_tokens} video, " if metas else ""
         lines.append(
-            f"tokens in total: {lengths.sum()} ({image_tokens} image, {video_tokens} video, "
-            f"{sum(s.label_tokens for s in infos)} learned)"
+            f"tokens in total: {lengths.sum()} ({image_tokens} image, {video}{sum(s.label_tokens for s in infos)} learned)"
         )
         truncated = sum(s.truncated for s in infos)
         if truncated:
-            lines.append(f"truncated after the last image: {truncated}")
+            lines.append(f"truncated after the last image or video: {truncated}")
     if report.skipped:
         lines.append("bad samples by reason:")
         for reason, n in sorted(report.by_reason.items(), key=lambda kv: -kv[1]):
@@ -85,7 +85,7 @@ def check_main(args) -> int:
     d = cfg.data
     print(f"processor: {model_dir} (model.path={cfg.model.path}), images resized to {lo}..{hi} pixels")
     print(
-        f"videos: {d.video_fps:g} fps, {d.video_min_frames}..{d.video_max_frames} frames, frames within "
+        f"video sampling: {d.video_fps:g} fps, {d.video_min_frames}..{d.video_max_frames} frames, frames within "
         f"{d.min_pixels}..{d.video_max_pixels} pixels and {d.video_total_pixels} per video"
     )
     print(summarize(dataset, report, cfg.data.max_length))
