@@ -18,7 +18,7 @@ import torch
 
 from qwenkit.config import DataConfig
 from qwenkit.data.conversation import Conversation, parse_row
-from qwenkit.data.images import ImageProbe, load, predict_grid, resolve
+from qwenkit.data.images import ImageProbe, ImageRef, load, predict_grid, resolve
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample, BadSampleReport
 from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
@@ -109,11 +109,13 @@ class EncodedDataset:
             )  # [S]
         return sample
 
-    def _videos(self, conv: Conversation, info: SampleInfo) -> dict[str, torch.Tensor]:
+    def video_refs(self, conv: Conversation, info: SampleInfo) -> list[ImageRef]:
         base = self.sources[info.source].base_dir
-        refs = resolve(conv.videos, conv.where, base, self.data.video_dir or self.data.image_dir, kind="video")
+        return resolve(conv.videos, conv.where, base, self.data.video_dir or self.data.image_dir, kind="video")
+
+    def _videos(self, conv: Conversation, info: SampleInfo) -> dict[str, torch.Tensor]:
         pixels, grids, seconds = [], [], []
-        for ref, meta in zip(refs, info.videos):
+        for ref, meta in zip(self.video_refs(conv, info), info.videos):
             patches, plan = self.video_processor.load(ref, meta, conv.where)
             pixels.append(patches)
             grids.append(plan.grid)

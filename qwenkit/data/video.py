@@ -220,8 +220,9 @@ class VideoProcessor:
         x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, gh/m, gw/m, m, m, C, T, p, p]
         return torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, c * self.temporal * p * p))
 
-    def load(self, ref: ImageRef, meta: VideoMeta, where: Location) -> tuple[torch.Tensor, VideoPlan]:
-        """The planned frames of a probed video as patches; raises if the file changed since the probe."""
+    def frames(self, ref: ImageRef, meta: VideoMeta, where: Location) -> tuple[list[np.ndarray], VideoPlan]:
+        """The planned frames of a probed video, RGB ``[H, W, 3]`` uint8 at their original size;
+        raises if the file changed since the probe."""
         plan = self.plan(meta, where, ref.label)
         try:
             now, kept = _decode(ref, frozenset(plan.indices))
@@ -232,4 +233,9 @@ class VideoProcessor:
                 f"{where}: {ref.label} now decodes as {now}, but the scan measured {meta}; "
                 "was the file changed after the dataset was built?"
             )
-        return self.pixels([kept[i] for i in plan.indices], plan), plan
+        return [kept[i] for i in plan.indices], plan
+
+    def load(self, ref: ImageRef, meta: VideoMeta, where: Location) -> tuple[torch.Tensor, VideoPlan]:
+        """The planned frames of a probed video as patches, and the plan."""
+        frames, plan = self.frames(ref, meta, where)
+        return self.pixels(frames, plan), plan
