@@ -233,14 +233,20 @@ def test_template_batch_and_hf_chat_template(tmp_path, processor):
     assert batch["num_items"] == (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
-def test_video_dir_and_image_dir_resolve_relative_paths(tmp_path, processor):
-    write_video(tmp_path / "media" / "clip.avi", 64, 48, 8, 4)
-    (tmp_path / "data.json").write_text(json.dumps([video_row()]))
+def test_video_entries_relative_absolute_dirs_and_bytes(tmp_path, processor):
+    clip = write_video(tmp_path / "media" / "clip.avi", 64, 48, 8, 4)
+    (tmp_path / "data.json").write_text(json.dumps([video_row(), video_row(videos=[str(clip)])]))
     for key in ("video_dir", "image_dir"):
         dataset, report = read_dataset(cfg_of(**{key: str(tmp_path / "media")}).data, processor, str(tmp_path / "data.json"))
-        assert (len(dataset), report.skipped) == (1, 0), key
+        assert (len(dataset), report.skipped) == (2, 0), key
     _, report = read_dataset(cfg_of().data, processor, str(tmp_path / "data.json"))
-    assert report.by_reason == {"missing_video": 1}
+    assert report.by_reason == {"missing_video": 1}  # relative to the file's directory: not there
+    # an HF dataset with the clip's bytes embedded, as a Video/binary column holds them
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([video_row(videos=[{"bytes": clip.read_bytes(), "path": "clip.avi"}])])
+    dataset, report = read_dataset(cfg_of().data, processor, ds)
+    assert (len(dataset), report.skipped) == (1, 0)
+    assert dataset[0]["video_grid_thw"].tolist() == [list(dataset.samples[0].video_grids[0])]
 
 
 # ---------------------------------------------------------------------------------------------
