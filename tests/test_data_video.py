@@ -28,8 +28,7 @@ from qwenkit.data.images import ImageRef
 from qwenkit.data.report import Location
 from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.data.video import VideoMeta, VideoProcessor, probe
-from qwenkit.model import needs_mm_token_type_ids
-from qwenkit.processor import Processor
+from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 pytest.importorskip("av")
 

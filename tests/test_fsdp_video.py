@@ -36,7 +36,7 @@ def _write_rows(root):
 
 def _batches(path, ranks_rows):
     from qwenkit.data import build
-    from qwenkit.processor import load_processor
+    from qwenkit.model import load_processor
 
     cfg = qconfig.load(overrides=[f"data.path={path}", "data.shuffle=false", "train.micro_batch_size=1"])
     bundle = build(cfg, load_processor(cfg))
