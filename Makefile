@@ -20,12 +20,12 @@ COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py tests/tes
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,video,dev]'
 	touch $@
 
 $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt
 	$(PYTHON) -m venv $(VENV457)
-	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,dev]'
+	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,video,dev]'
 	touch $@
 
 $(VENVCOMPAT)/.installed: pyproject.toml constraints/compat.txt
