@@ -252,11 +252,17 @@ class Trainer:
             metrics.close()
 
 
+def _input_tokens(batch: dict) -> torch.Tensor:
+    """Real (non-pad) tokens of a micro-batch: a packed row has no padding and no attention_mask."""
+    mask = batch.get("attention_mask")
+    return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel())
+
+
 def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     t = cfg.train
     micro = [next(batches) for _ in range(t.grad_accum)]
     counts = torch.stack(
-        [torch.stack([b.pop("num_items"), b.pop("num_samples"), b["attention_mask"].sum()]) for b in micro]
+        [torch.stack([b.pop("num_items"), b.pop("num_samples"), _input_tokens(b)]) for b in micro]
     ).sum(0)  # [3]: label tokens, samples, input tokens of this rank's step
     counts = counts.to(rt.device)
     dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
