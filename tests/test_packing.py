@@ -155,3 +155,68 @@ def test_npu_fusion_attention_packed_equals_padded(processor, make_model, batch_
     loss_padded, _ = forward_backward(model, to(Collator(processor)(samples)))
     loss_packed, _ = forward_backward(model, to(Collator(processor, packing=True)(samples)))
     torch.testing.assert_close(loss_packed, loss_padded, rtol=2e-2, atol=2e-2)  # bf16
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the trainer, on 2 gloo ranks
+
+TRAIN_BASE = ["data.tiny_samples=48", "train.micro_batch_size=4", "train.steps=6", "train.warmup_steps=2"]
+BUDGET = ["data.packing=true", "data.max_tokens_per_batch=300", "data.max_length=300"]
+TRAIN_RUNS = {  # name: overrides; "budget-resumed" stops after step 3 and resumes in a second run
+    "padded": ["data.packing=false"],
+    "packed": ["data.packing=true"],
+    "budget": BUDGET,
+    "budget-resumed": BUDGET,
+}
+
+
+def _train_worker(rank, out):
+    import torch.distributed as dist
+
+    from qwenkit import config as qconfig
+    from qwenkit import train
+
+    dist.init_process_group("gloo")
+    for name, extra in TRAIN_RUNS.items():
+        cfg = TRAIN_BASE + extra + [f"train.output_dir={out / name}"]
+        if name == "budget-resumed":
+            train.run(qconfig.load(overrides=cfg + ["train.stop_after=3", "train.resume=none"]))
+            train.run(qconfig.load(overrides=cfg + ["train.resume=auto", "checkpoint.save_final=false"]))
+        else:
+            train.run(qconfig.load(overrides=cfg + ["train.resume=none", "checkpoint.save_final=false"]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_path):  # tiny_path: written before the ranks start
+    from multiproc import check_ranks
+
+    out = tmp_path_factory.mktemp("packing")
+    check_ranks(_train_worker, 2, out)
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained):
+    from qwenkit import metrics
+
+    for rank in (0, 1):
+        padded, packed = ({m: metrics.series(trained / run / "metrics" / f"rank-{rank:05d}.jsonl", m)
+                           for m in ("loss", "valid_tokens", "padding_fraction")} for run in ("padded", "packed"))
+        assert sorted(padded["loss"]) == sorted(packed["loss"]) == list(range(1, 7))
+        for step, loss in padded["loss"].items():
+            assert packed["loss"][step] == pytest.approx(loss, rel=2e-4), step
+        assert packed["valid_tokens"] == padded["valid_tokens"]
+        assert set(packed["padding_fraction"].values()) == {0.0}
+        assert all(p > 0 for p in padded["padding_fraction"].values())  # the padded run had padding to lose
+
+
+@pytest.mark.slow
+def test_token_budget_with_packing_resumes_bit_identical(trained):
+    from qwenkit import metrics
+
+    for rank in (0, 1):
+        straight = metrics.series(trained / "budget" / "metrics" / f"rank-{rank:05d}.jsonl", "loss")
+        resumed = metrics.series(trained / "budget-resumed" / "metrics" / f"rank-{rank:05d}.jsonl", "loss")
+        assert sorted(straight) == list(range(1, 7)) and resumed == straight
