@@ -118,6 +118,8 @@ def test_packed_collation(processor):
     assert packed["pixel_values"][:, 0].tolist() == [1] * 4 + [2] * 4 and packed["image_grid_thw"].shape == (2, 3)
     assert packed["video_grid_thw"].tolist() == [[2, 2, 2]] and packed["second_per_grid_ts"].tolist() == [0.5]
     assert packed["pixel_values_videos"].shape == (8, 3)
+    alone = Collator(processor, packing=True)(samples[:1])  # one sample: a row without boundaries
+    assert alone["labels"].tolist() == [[5, 6, 7]] and alone["packed_seq_lens"].tolist() == [3]
 
 
 def test_packed_row_refuses_a_cache_and_a_mask(processor, make_model, batch_factory):

@@ -77,7 +77,7 @@ class Collator:
 
     def _pack(self, samples, lengths: list[int]) -> dict[str, torch.Tensor]:
         batch = {key: torch.cat([s[key] for s in samples])[None, :].long() for key in SEQUENCE_KEYS if key in samples[0]}
-        starts = torch.tensor(lengths[:-1]).cumsum(0)  # where samples 2.. begin
+        starts = torch.tensor(lengths[:-1], dtype=torch.long).cumsum(0)  # where samples 2.. begin
         batch["labels"][0, starts] = IGNORE_INDEX  # no sample predicts the next one's first token
         batch["packed_seq_lens"] = torch.tensor(lengths, dtype=torch.long)  # [B]
         return batch
