@@ -52,6 +52,22 @@ def percentiles(values: list[int]) -> dict[str, float]:
     return {"min": int(a.min()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": int(a.max())}
 
 
+def padding(lengths: list[int], micro_batch_size: int, seed: int) -> list[dict[str, Any]]:
+    """Padding of one epoch at ``micro_batch_size``, padded (as the training sampler groups the
+    samples) and packed (``data.packing``): rows of layout, micro-batches, positions, pad fraction."""
+    from qwenkit.data import ResumableSampler
+
+    batches = ResumableSampler(len(lengths), micro_batch_size, seed).epoch_batches(0)
+    real = sum(lengths[i] for b in batches for i in b)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return [
+        {"layout": f"padded, {micro_batch_size} per micro-batch", "micro-batches": len(batches),
+         "positions": padded, "padding fraction": 1 - real / padded},
+        {"layout": "packed (data.packing: true)", "micro-batches": len(batches),
+         "positions": real, "padding fraction": 0.0},
+    ]  # fmt: skip
+
+
 def bad_sample_rows(report, limit: int = 50) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(by_reason, first_messages)`` table rows of a :class:`BadSampleReport`."""
     from qwenkit.data import REASONS
@@ -152,8 +168,13 @@ def render_sample(dataset, i: int) -> str:
 # Results
 
 
-def save(out_dir, data_path: str, dataset, report, max_length: int, device: str = "cpu") -> dict[str, Any]:
-    """``data_summary.csv`` (per-sample counts, long format) and ``metrics.json``; returns the metrics."""
+def save(
+    out_dir, data_path: str, dataset, report, max_length: int, device: str = "cpu", padding_rows=None
+) -> dict[str, Any]:
+    """``data_summary.csv`` (per-sample counts, long format) and ``metrics.json``; returns the metrics.
+
+    ``padding_rows``: :func:`padding`'s table, recorded as ``padding_fraction`` by layout.
+    """
     dist = distributions(dataset)
     rows = [
         results.record(metric, value, unit="token" if metric != "images" else "image", series=str(data_path),
@@ -175,6 +196,7 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
         "learned_tokens_total": int(sum(dist["learned_tokens"])),
         "images": int(sum(dist["images"])),
         "over_max_length": over,
+        "padding_fraction": {r["layout"]: r["padding fraction"] for r in padding_rows or []},
     }
     summary = (
         f"{len(dataset)} good / {report.skipped} bad of {report.total} rows"

@@ -75,3 +75,13 @@ def test_mllm_demo_renders_multi_turn_and_cjk(tiny_path):
     pages = [samples.render_sample(dataset, i) for i in range(len(dataset))]
     assert all(p.count("<img ") >= 1 for p in pages)
     assert any("\ufffd" not in p and any("\u4e00" <= ch <= "\u9fff" for ch in p) for p in pages)  # CJK decoded whole
+
+
+def test_padding_of_an_epoch_padded_vs_packed():
+    lengths = [10, 30, 20, 40, 5, 5, 50, 10]
+    rows = samples.padding(lengths, micro_batch_size=4, seed=0)
+    batches = data.ResumableSampler(len(lengths), 4, seed=0).epoch_batches(0)
+    padded = sum(4 * max(lengths[i] for i in b) for b in batches)
+    assert rows[0]["positions"] == padded and rows[0]["micro-batches"] == 2
+    assert rows[0]["padding fraction"] == pytest.approx(1 - sum(lengths) / padded)
+    assert rows[1]["positions"] == sum(lengths) and rows[1]["padding fraction"] == 0.0
