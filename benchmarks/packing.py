@@ -88,7 +88,7 @@ def worker(args) -> dict:
 
     from qwenkit.data import Collator
     from qwenkit.model import QwenkitQwen2_5_VL
-    from qwenkit.perf import status_bytes
+    from qwenkit.notebooks.perf import status_bytes
 
     config = make_config(CPU_SHAPES)
     config._attn_implementation = "sdpa"
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
-    from qwenkit.results import write_jsonl
+    from qwenkit.notebooks.results import write_jsonl
 
     lengths = sorted(len(s["input_ids"]) for s in make_samples(args.samples, args.max_length, args.seed))
     print(f"text-1024 x 4 layers, V=151,936, chunk loss, fp32 CPU; {args.samples} samples, lengths: "

@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel
+from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from qwenkit.config import DTYPES
 from qwenkit.loss import chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.processor import Processor, needs_mm_token_type_ids
+from qwenkit.tiny import ensure_checkpoint
 
 log = logging.getLogger(__name__)
 LOSS_TYPES = ("token_mean", "sample_mean", "raw")
@@ -248,13 +251,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         return out
 
 
-@functools.cache
-def needs_mm_token_type_ids() -> bool:
-    """transformers 5.x builds 3-D mRoPE positions only when ``mm_token_type_ids`` is passed;
-    4.57 has no such argument (it finds image tokens in ``input_ids``)."""
-    return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters
-
-
 # The parent's forward parameters, in its order (they differ between transformers 4.57 and 5.x).
 _PARENT_PARAMS = [
     p for name, p in inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters.items()
@@ -323,14 +319,9 @@ REGISTRY: dict[str, type[Qwen2_5_VLForConditionalGeneration]] = {"qwen2_5_vl": Q
 for _cls in REGISTRY.values():
     _register_checkpoint_format(_cls)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_path(model_cfg) -> Path:
     """``tiny`` becomes the cached tiny checkpoint directory; anything else must be a directory."""
     if model_cfg.path == "tiny":
-        from qwenkit.tiny import ensure_checkpoint
-
         return ensure_checkpoint(tie_word_embeddings=model_cfg.tie_word_embeddings)
     path = Path(model_cfg.path).expanduser()
     if not (path / "config.json").is_file():
@@ -339,6 +330,17 @@ def resolve_path(model_cfg) -> Path:
             "(weights are never downloaded) or 'tiny'"
         )
     return path
+
+
+def load_processor(cfg, model_dir: str | Path | None = None) -> Processor:
+    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds.
+
+    Here rather than in :mod:`qwenkit.processor` because it needs :func:`resolve_path`, which
+    may write the tiny checkpoint, and :mod:`qwenkit.tiny` itself builds on the processor.
+    """
+    if model_dir is None:
+        model_dir = resolve_path(cfg.model)
+    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
 
 def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> QwenkitQwen2_5_VL:
