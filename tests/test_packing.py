@@ -163,8 +163,9 @@ def test_npu_fusion_attention_packed_equals_padded(processor, make_model, batch_
 # Through the trainer, on 2 gloo ranks
 
 TRAIN_BASE = ["data.tiny_samples=48", "train.micro_batch_size=4", "train.steps=6", "train.warmup_steps=2"]
-BUDGET = ["data.packing=true", "data.max_tokens_per_batch=300", "data.max_length=300"]
-TRAIN_RUNS = {  # name: overrides; "budget-resumed" stops after step 3 and resumes in a second run
+# ~5 samples per micro-batch; resuming across epoch ends is covered by test_data_sampler
+BUDGET = ["data.packing=true", "data.max_tokens_per_batch=300", "data.max_length=300", "train.steps=4"]
+TRAIN_RUNS = {  # name: overrides; "budget-resumed" stops after step 2 and resumes in a second run
     "padded": ["data.packing=false"],
     "packed": ["data.packing=true"],
     "budget": BUDGET,
@@ -182,7 +183,7 @@ def _train_worker(rank, out):
     for name, extra in TRAIN_RUNS.items():
         cfg = TRAIN_BASE + extra + [f"train.output_dir={out / name}"]
         if name == "budget-resumed":
-            train.run(qconfig.load(overrides=cfg + ["train.stop_after=3", "train.resume=none"]))
+            train.run(qconfig.load(overrides=cfg + ["train.stop_after=2", "train.resume=none"]))
             train.run(qconfig.load(overrides=cfg + ["train.resume=auto", "checkpoint.save_final=false"]))
         else:
             train.run(qconfig.load(overrides=cfg + ["train.resume=none", "checkpoint.save_final=false"]))
@@ -195,7 +196,7 @@ def trained(tmp_path_factory, tiny_path):  # tiny_path: written before the ranks
     from multiproc import check_ranks
 
     out = tmp_path_factory.mktemp("packing")
-    check_ranks(_train_worker, 2, out)
+    check_ranks(_train_worker, 2, out, timeout=600)  # five short runs; the 180 s default is for one
     return out
 
 
@@ -221,4 +222,4 @@ def test_token_budget_with_packing_resumes_bit_identical(trained):
     for rank in (0, 1):
         straight = metrics.series(trained / "budget" / "metrics" / f"rank-{rank:05d}.jsonl", "loss")
         resumed = metrics.series(trained / "budget-resumed" / "metrics" / f"rank-{rank:05d}.jsonl", "loss")
-        assert sorted(straight) == list(range(1, 7)) and resumed == straight
+        assert sorted(straight) == list(range(1, 5)) and resumed == straight
