@@ -11,7 +11,7 @@ VENV457 ?= .venv-tf457
 VENVCOMPAT ?= .venv-compat
 PIP_FLAGS ?= -q --disable-pip-version-check
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today).
-TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_patches.py
+TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_patches.py tests/test_packing.py
 # Tests that import the notebooks extra (papermill, nbformat, ipywidgets; plotly through
 # qwenkit.notebooks.kernel), which the compat environment leaves out.
 COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py tests/test_plots.py tests/test_validation.py

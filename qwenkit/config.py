@@ -70,6 +70,8 @@ class DataConfig:
     max_bad_fraction: float = 0.01  # training fails if more than this fraction is skipped
     shuffle: bool = True
     num_workers: int = 0
+    packing: bool = False  # padding-free: each micro-batch is one row of its samples, attention kept per sample
+    max_tokens_per_batch: int = 0  # >0: fill micro-batches up to this many tokens (train.micro_batch_size unused)
     tiny_samples: int = 64  # size of the embedded synthetic dataset (path=tiny)
 
 
@@ -360,6 +362,19 @@ def validate(cfg: Config) -> list[str]:
     )
     need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     need(d.tiny_samples > 0, f"data.tiny_samples must be > 0, got {d.tiny_samples}")
+    need(d.max_tokens_per_batch >= 0, f"data.max_tokens_per_batch must be >= 0 (0: off), got {d.max_tokens_per_batch}")
+    if d.max_tokens_per_batch:
+        need(
+            d.max_tokens_per_batch >= d.max_length,
+            f"data.max_tokens_per_batch={d.max_tokens_per_batch} is below data.max_length={d.max_length}: "
+            "a sample of the longest allowed length would fit in no micro-batch",
+        )
+    if d.packing:
+        need(
+            lo.loss_type != "sample_mean",
+            "loss.loss_type: 'sample_mean' is not available with data.packing=true "
+            "(a packed row is one row of several samples); use token_mean or data.packing=false",
+        )
 
     if isinstance(lo.chunk_size, int):
         need(lo.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {lo.chunk_size}")

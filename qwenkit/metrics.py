@@ -10,7 +10,8 @@ run appends, so a step repeated after a crash appears twice (readers keep the la
 
 Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before clipping), ``lr``,
 ``step_time``, ``tokens_per_s`` (input tokens of the global batch, padding excluded),
-``samples_per_s``, ``valid_tokens`` (label tokens of the global batch), ``peak_memory`` (this
+``samples_per_s``, ``valid_tokens`` (label tokens of the global batch), ``padding_fraction`` (pad
+positions / all positions the global batch computed: 0 with ``data.packing``), ``peak_memory`` (this
 rank: accelerator peak allocated during the step, or the process's peak RSS on CPU).
 """
 
@@ -33,6 +34,7 @@ UNITS = {
     "tokens_per_s": "token/s",
     "samples_per_s": "sample/s",
     "valid_tokens": "token",
+    "padding_fraction": "1",
     "peak_memory": "MiB",
 }
 

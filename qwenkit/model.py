@@ -102,6 +102,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         num_samples: int | torch.Tensor | None = None,
+        packed_seq_lens: torch.Tensor | None = None,
         **kwargs,
     ):
         """HF's forward, or (``chunk_loss``) backbone + chunked loss head.
@@ -110,7 +111,9 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         signature is the parent's, see :func:`_forward_signature`), plus these keywords:
         ``num_items_in_batch``: valid label tokens of the global batch (all ranks and
         accumulation steps) for ``token_mean``; ``num_samples``: samples of the global batch
-        for ``sample_mean``. Both default to this batch's own counts.
+        for ``sample_mean``. Both default to this batch's own counts. ``packed_seq_lens``: the
+        sample lengths of a packed row (see :mod:`qwenkit.data.collator`); the positions are
+        then computed per sample (:meth:`packed_position_ids`).
         """
         if args:
             kwargs = _bind_positional(args, kwargs)
@@ -118,6 +121,11 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         labels = kwargs.pop("labels", None)
         use_cache = kwargs.pop("use_cache", None)
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
+        if packed_seq_lens is not None:
+            if use_cache:
+                raise ValueError("a packed row needs use_cache=False: with a KV cache transformers ignores the packing")
+            use_cache = False  # HF's default (config.use_cache) would build a cache and an unpacked causal mask
+            kwargs["position_ids"] = self.packed_position_ids(input_ids, packed_seq_lens, kwargs)
         kwargs = _drop_unsupported(kwargs)
         idle = None
         missing = self._idle_vision_calls(kwargs)
@@ -156,6 +164,63 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             return 0
         made = (kwargs.get("pixel_values") is not None) + (kwargs.get("pixel_values_videos") is not None)
         return max(0, 1 + self.video_every_step - made)
+
+    def packed_position_ids(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, media: dict) -> torch.Tensor:
+        """Positions ``[4, 1, ΣL]`` of a packed row: ``[text; t; h; w]``, each sample starting at 0.
+
+        The t/h/w rows of each sample come from the model's own ``get_rope_index`` run on that
+        sample alone (its images and videos at whatever offset they sit), so they equal the
+        unpacked sample's. The text row is ``0 .. L-1`` per sample: transformers (4.57 and 5.x)
+        reads a 4-row ``position_ids`` as packed, finds the sample boundaries where the text
+        row does not step by 1 (``masking_utils.find_packed_sequence_indices``) and builds a
+        block-causal mask (sdpa, eager) or varlen boundaries (flash attention) from it; the
+        packed row must therefore come without an ``attention_mask``.
+        """
+        if input_ids is None or input_ids.shape[0] != 1:
+            raise ValueError("packed_seq_lens needs input_ids of one packed row [1, sum(lengths)]")
+        if media.get("attention_mask") is not None:
+            raise ValueError("a packed row takes no attention_mask: the block mask comes from the positions")
+        lengths = seq_lens.tolist()
+        if sum(lengths) != input_ids.shape[1]:
+            raise ValueError(f"packed_seq_lens sum to {sum(lengths)}, but the row has {input_ids.shape[1]} tokens")
+        cfg, merge = self.config, self.config.vision_config.spatial_merge_size
+        grids = {
+            cfg.image_token_id: list(media.get("image_grid_thw") if media.get("image_grid_thw") is not None else []),
+            cfg.video_token_id: list(media.get("video_grid_thw") if media.get("video_grid_thw") is not None else []),
+        }
+        seconds = media.get("second_per_grid_ts")
+        seconds = list(seconds) if seconds is not None else None
+        types = media.get("mm_token_type_ids")
+        rows, start = [], 0
+        for length in lengths:
+            ids = input_ids[:, start : start + length]  # [1, L]
+            mine = {}  # this sample's grids: as many as cover its placeholder tokens
+            for token, queue in grids.items():
+                need, taken = int((ids == token).sum()), []
+                while need > 0:
+                    if not queue:
+                        raise ValueError("packed row: fewer image/video grids than placeholder tokens")
+                    taken.append(queue.pop(0))
+                    need -= int(taken[-1].prod()) // merge**2
+                mine[token] = torch.stack(taken) if taken else None
+            kwargs = {"image_grid_thw": mine[cfg.image_token_id], "video_grid_thw": mine[cfg.video_token_id]}
+            if mine[cfg.video_token_id] is not None and seconds is not None:
+                n = len(mine[cfg.video_token_id])
+                kwargs["second_per_grid_ts"] = torch.stack(seconds[:n])
+                seconds = seconds[n:]
+            if needs_mm_token_type_ids():
+                kwargs["mm_token_type_ids"] = (
+                    types[:, start : start + length] if types is not None else self._token_types(ids)
+                )
+            mrope, _ = self.model.get_rope_index(ids, **kwargs)  # [3, 1, L]
+            text = torch.arange(length, device=ids.device, dtype=mrope.dtype).view(1, 1, -1)
+            rows.append(torch.cat([text, mrope]))  # [4, 1, L]
+            start += length
+        return torch.cat(rows, dim=2)  # [4, 1, ΣL]
+
+    def _token_types(self, ids: torch.Tensor) -> torch.Tensor:
+        """transformers 5.x token types (0 text, 1 image, 2 video) when the batch has none."""
+        return (ids == self.config.image_token_id).long() + 2 * (ids == self.config.video_token_id).long()
 
     def _idle_vision_term(self) -> torch.Tensor:
         """0 x (vision tower on one blank merged patch): same collectives on every rank, no effect.
@@ -206,7 +271,10 @@ def _forward_signature() -> inspect.Signature:
     working on every transformers version without copying its parameter list.
     """
     own = inspect.signature(QwenkitQwen2_5_VL.forward).parameters
-    extra = [own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in ("return_dict", "num_items_in_batch", "num_samples")]
+    extra = [
+        own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for n in ("return_dict", "num_items_in_batch", "num_samples", "packed_seq_lens")
+    ]
     return inspect.Signature([own["self"], *_PARENT_PARAMS, *extra, own["kwargs"]])
 
 

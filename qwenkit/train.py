@@ -270,12 +270,22 @@ class Trainer:
             metrics.close()
 
 
+def _counts(batch: dict) -> torch.Tensor:
+    """``[label tokens, samples, input tokens, positions]`` of a micro-batch; pops the first two.
+
+    Input tokens exclude padding (a packed row has none, and no attention_mask); positions are
+    what the model computes, padding included.
+    """
+    mask = batch.get("attention_mask")
+    positions = torch.tensor(batch["input_ids"].numel())
+    tokens = mask.sum() if mask is not None else positions
+    return torch.stack([batch.pop("num_items"), batch.pop("num_samples"), tokens, positions])
+
+
 def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     t = cfg.train
     micro = [next(batches) for _ in range(t.grad_accum)]
-    counts = torch.stack(
-        [torch.stack([b.pop("num_items"), b.pop("num_samples"), b["attention_mask"].sum()]) for b in micro]
-    ).sum(0)  # [3]: label tokens, samples, input tokens of this rank's step
+    counts = torch.stack([_counts(b) for b in micro]).sum(0)  # [4] of this rank's step, see _counts
     counts = counts.to(rt.device)
     dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
     num_items, num_samples = counts[0], counts[1]
@@ -291,14 +301,19 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
         loss_sum += out.loss.detach().float()
     norm = grad_norm(params, t.max_grad_norm)
     dist.all_reduce(loss_sum)
-    loss, norm_value, items, samples, tokens = torch.cat([torch.stack([loss_sum, norm.float()]), counts.float()]).tolist()
+    loss, norm_value, items, samples, tokens, positions = torch.cat(
+        [torch.stack([loss_sum, norm.float()]), counts.float()]
+    ).tolist()
     if not (math.isfinite(loss) and math.isfinite(norm_value)):
         raise NonFiniteError(step, loss, norm_value)
     lr = optimizer.param_groups[0]["lr"]  # the LR this step applies (one group, see build_optimizer)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens}
+    return {
+        "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
+        "padding_fraction": 1.0 - tokens / positions,
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

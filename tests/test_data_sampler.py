@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qwenkit import config as qconfig
-from qwenkit.data import ResumableSampler, build
+from qwenkit.data import ResumableSampler, TokenBudgetSampler, build
 
 
 def take(iterable, n):
@@ -75,10 +75,20 @@ def batches_equal(x, y):
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+LAYOUTS = {
+    "padded": {},
+    "packed": {"data.packing": True},
+    "packed-budget": {"data.packing": True, "data.max_tokens_per_batch": 160, "data.max_length": 160},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_bundle_batches_resume(processor, world_size):
+def test_bundle_batches_resume(processor, world_size, layout):
     """DataBundle.batches(): state taken between two batches resumes at the next one."""
-    cfg = qconfig.load(overrides={"data.tiny_samples": 10, "train.micro_batch_size": 2, "train.seed": 7})
+    cfg = qconfig.load(
+        overrides={"data.tiny_samples": 10, "train.micro_batch_size": 2, "train.seed": 7, **LAYOUTS[layout]}
+    )
     for rank in range(world_size):
         reference = take(build(cfg, processor, rank, world_size).batches(), 7)
         bundle = build(cfg, processor, rank, world_size)
@@ -104,3 +114,63 @@ def test_worker_processes_keep_order_and_position(processor):
     del it
     assert all(batches_equal(x, y) for x, y in zip(got, reference, strict=True))
     assert bundle.sampler.state_dict()["epoch"] == 1 and bundle.sampler.state_dict()["batch"] == 2
+
+
+def long_tailed(n, seed=0):
+    """Log-normal sample lengths (median ~150), capped at 900."""
+    rng = torch.Generator().manual_seed(seed)
+    return torch.exp(5.0 + 0.9 * torch.randn(n, generator=rng)).clamp(8, 900).long().tolist()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_token_budget_never_exceeds_and_covers_every_sample_once(packed, world_size):
+    lengths, budget = long_tailed(301), 1000
+    ranks = [
+        TokenBudgetSampler(lengths, budget, seed=4, rank=r, world_size=world_size, packed=packed, window=64)
+        for r in range(world_size)
+    ]
+    for epoch in range(2):
+        per_rank = [r.epoch_batches(epoch) for r in ranks]
+        assert len({len(b) for b in per_rank}) == 1  # every rank: the same number of micro-batches
+        flat = [i for batches in per_rank for b in batches for i in b]
+        assert sorted(flat) == list(range(len(lengths)))  # every sample exactly once per epoch
+        for batch in (b for batches in per_rank for b in batches):
+            cost = sum(lengths[i] for i in batch) if packed else len(batch) * max(lengths[i] for i in batch)
+            assert 0 < cost <= budget
+    assert ranks[0].epoch_batches(0) != ranks[0].epoch_batches(1)  # reshuffled
+    # the budget is used: far fewer micro-batches than samples
+    assert len(ranks[0].epoch_batches(0)) * world_size < len(lengths) / 2
+
+
+@pytest.mark.parametrize("stop", [0, 5, 23])
+def test_token_budget_resume_equals_uninterrupted(stop):
+    lengths = long_tailed(97, seed=1)
+    make = lambda: TokenBudgetSampler(lengths, 1200, seed=3, rank=1, world_size=2, packed=True, window=32)  # noqa: E731
+    reference = take(make(), 40)  # crosses epoch ends (their batch counts differ)
+    first = make()
+    seen = take(first, stop)
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert seen + take(resumed, 40 - stop) == reference
+
+
+def test_token_budget_checks_samples_and_resume_layout():
+    with pytest.raises(ValueError, match=r"sample 2 has 700 tokens, more than data.max_tokens_per_batch=600"):
+        TokenBudgetSampler([10, 20, 700], 600, seed=0)
+    saved = TokenBudgetSampler([10, 20, 30, 40], 600, seed=0).state_dict()
+    with pytest.raises(ValueError, match=r"lengths_crc"):
+        TokenBudgetSampler([10, 20, 30, 41], 600, seed=0).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"max_tokens: saved 600, now 500"):
+        TokenBudgetSampler([10, 20, 30, 40], 500, seed=0).load_state_dict(saved)
+    # splitting keeps the ranks even: 3 samples that fit one batch become 2 batches on 2 ranks
+    two = [TokenBudgetSampler([10, 20, 30], 600, seed=0, rank=r, world_size=2, packed=True) for r in (0, 1)]
+    assert sorted(i for s in two for b in s.epoch_batches(0) for i in b) == [0, 1, 2]
+    assert [len(s.epoch_batches(0)) for s in two] == [1, 1]
+
+
+def test_token_budget_config_is_checked():
+    with pytest.raises(qconfig.ConfigError, match=r"data.max_tokens_per_batch=512 is below data.max_length=1024"):
+        qconfig.load(overrides={"data.max_tokens_per_batch": 512})
+    with pytest.raises(qconfig.ConfigError, match=r"'sample_mean' is not available with data.packing=true"):
+        qconfig.load(overrides={"data.packing": True, "loss.loss_type": "sample_mean"})

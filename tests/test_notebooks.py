@@ -123,6 +123,8 @@ def test_smoke_01_data_prep(smoke_run):
     assert m["passed"] and v["good"] == 16 and v["bad"] == 0
     assert v["image_tokens_total"] == 16 * 16  # one 112 px image = 16 tokens per sample
     assert 0 < v["learned_tokens_total"] < v["tokens"]["max"] * 16
+    padded, packed = v["padding_fraction"].values()  # micro-batch 4: padded vs data.packing
+    assert 0 < padded < 1 and packed == 0
     page = (smoke_run[0] / "01_data_prep.html").read_text()
     assert "learned" in page and "data:image/png;base64," in page  # rendered samples with their images
 

@@ -60,6 +60,18 @@ def test_perf_figures_and_the_npu_reference_is_labelled_as_recorded():
     assert all(t.marker.color == plots.REFERENCE_COLOUR or t.line.color == plots.REFERENCE_COLOUR for t in fig.data)
 
 
+def test_packing_benchmark_figure():
+    rows = [
+        {"variant": v, "effective_tokens_per_s": tps, "speedup": tps / 100, "peak_bytes": mem * 2**30,
+         "padding_fraction": pad}
+        for v, tps, mem, pad in (("padded", 100, 4.0, 0.4), ("packed", 150, 3.5, 0.0), ("budget", 160, 3.0, 0.0))
+    ]  # fmt: skip
+    fig = plots.packing(rows, "t")
+    assert len(fig.data) == 3 and list(fig.data[0].x) == ["padded", "packed", "budget"]
+    assert list(fig.data[0].text) == ["1.00x", "1.50x", "1.60x"] and list(fig.data[1].text)[2] == "0.75x"
+    assert list(fig.data[2].y) == [0.4, 0.0, 0.0]
+
+
 def test_table_formats_and_flags_failures():
     fig = plots.table([{"a": 1.23456e-7, "ok": True}, {"a": 2.0, "ok": False}], ["a", "ok"], formats={"a": ".1e"})
     cells = fig.data[0].cells.values

@@ -103,3 +103,13 @@ def test_video_sample_renders_frames_and_token_counts(tmp_path, tiny_path):
     assert page.count("<figure") == 4 and "frame 0 · 0.0 s" in page and "frame 29 · 2.9 s" in page
     values = samples.save(tmp_path / "out", str(tmp_path / "d.json"), dataset, report, max_length=1024)
     assert (values["videos"], values["video_tokens_total"]) == (1, tokens)
+
+
+def test_padding_of_an_epoch_padded_vs_packed():
+    lengths = [10, 30, 20, 40, 5, 5, 50, 10]
+    rows = samples.padding(lengths, micro_batch_size=4, seed=0)
+    batches = data.ResumableSampler(len(lengths), 4, seed=0).epoch_batches(0)
+    padded = sum(4 * max(lengths[i] for i in b) for b in batches)
+    assert rows[0]["positions"] == padded and rows[0]["micro-batches"] == 2
+    assert rows[0]["padding fraction"] == pytest.approx(1 - sum(lengths) / padded)
+    assert rows[1]["positions"] == sum(lengths) and rows[1]["padding fraction"] == 0.0

@@ -1,4 +1,4 @@
-"""The data pipeline: rows → checked conversations → qwen2vl tokens → padded micro-batches.
+"""The data pipeline: rows → checked conversations → qwen2vl tokens → padded or packed micro-batches.
 
 :func:`build` is the one entry point a training run uses::
 
@@ -31,7 +31,7 @@ from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset, scan
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
-from qwenkit.data.sampler import ResumableSampler
+from qwenkit.data.sampler import ResumableSampler, TokenBudgetSampler
 from qwenkit.processor import Processor
 from qwenkit.tiny import ensure_dataset
 
@@ -44,6 +44,7 @@ __all__ = [
     "DataError",
     "EncodedDataset",
     "ResumableSampler",
+    "TokenBudgetSampler",
     "build",
     "read_dataset",
     "sample_batches",
@@ -118,10 +119,20 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
             report.skipped,
         )
     report.check_fraction(data.max_bad_fraction)
-    sampler = ResumableSampler(
-        len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size
+    return DataBundle(
+        dataset, make_sampler(cfg, dataset, rank, world_size), Collator(processor, data.packing), report,
+        data.num_workers,
     )
-    return DataBundle(dataset, sampler, Collator(processor), report, data.num_workers)
+
+
+def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: int) -> ResumableSampler:
+    """A fixed ``train.micro_batch_size``, or micro-batches filled to ``data.max_tokens_per_batch``."""
+    data = cfg.data
+    if data.max_tokens_per_batch:
+        return TokenBudgetSampler(
+            dataset.lengths, data.max_tokens_per_batch, cfg.train.seed, data.shuffle, rank, world_size, data.packing
+        )
+    return ResumableSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,19 +1,32 @@
-"""Samples → one right-padded micro-batch, with the label-token count the loss divides by.
+"""Samples → one micro-batch (right-padded, or packed without padding), with the label-token count.
 
 The batch keeps HF's argument names, so the trainer can call the model with it after popping
-``num_items`` and ``num_samples``:
+``num_items`` and ``num_samples``.
+
+Padded (default):
 
 - ``input_ids [B, S]`` padded with the pad token, ``attention_mask [B, S]`` (1 on real tokens),
-  ``labels [B, S]`` padded with ``-100``, ``mm_token_type_ids [B, S]`` when samples carry it;
-- ``pixel_values [P, C*T*patch²]`` and ``image_grid_thw [I, 3]`` concatenated in sample order
-  (the model scatters image features into pad tokens in that order), only if any sample has images;
-- ``pixel_values_videos [P', C*T*patch²]``, ``video_grid_thw [V, 3]`` and ``second_per_grid_ts [V]``
-  the same way for videos;
+  ``labels [B, S]`` padded with ``-100``, ``mm_token_type_ids [B, S]`` when samples carry it.
+  Right padding keeps every sample's positions (and mRoPE indices) equal to an unpadded run.
+
+Packed (``packing=True``, padding-free):
+
+- the same samples concatenated into one row: ``input_ids``, ``labels``, ``mm_token_type_ids``
+  ``[1, ΣL]``, no ``attention_mask`` (transformers builds the block-causal mask from the
+  positions), and ``packed_seq_lens [B]``: each sample's length, from which the model computes
+  per-sample positions (:meth:`qwenkit.model.QwenkitQwen2_5_VL.packed_position_ids`);
+- the first label of every sample after the first is ``-100``: the last token of sample ``k``
+  must not learn to predict sample ``k+1``'s first token. A padded row never predicts its first
+  label either, so loss, ``num_items`` and gradients equal the padded batch's.
+
+Both modes:
+
+- every other key a sample carries is per-media (``pixel_values``, ``image_grid_thw``,
+  ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ...): concatenated along
+  dim 0 in sample order, which is the order the model scatters features into placeholder tokens;
 - ``num_items``: label tokens that count after HF's causal shift, ``(labels[:, 1:] != -100).sum()``;
   summed over ranks and accumulation steps it is the ``token_mean`` denominator;
 - ``num_samples``: ``B``.
-
-Right padding keeps every sample's positions (and mRoPE indices) equal to an unpadded run.
 """
 
 from __future__ import annotations
@@ -24,11 +37,11 @@ from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor
 
 SEQUENCE_KEYS = ("input_ids", "labels", "mm_token_type_ids")
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 class Collator:
-    def __init__(self, processor: Processor):
+    def __init__(self, processor: Processor, packing: bool = False):
+        self.packing = packing
         self.pad_values = {
             "input_ids": processor.pad_token_id,
             "labels": IGNORE_INDEX,
@@ -39,6 +52,15 @@ class Collator:
         if not samples:
             raise ValueError("cannot collate an empty list of samples")
         lengths = [len(s["input_ids"]) for s in samples]
+        batch = self._pack(samples, lengths) if self.packing else self._pad(samples, lengths)
+        media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS})
+        for key in media:
+            batch[key] = torch.cat([s[key] for s in samples if key in s])
+        batch["num_items"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        batch["num_samples"] = torch.tensor(len(samples), dtype=torch.long)
+        return batch
+
+    def _pad(self, samples, lengths: list[int]) -> dict[str, torch.Tensor]:
         width = max(lengths)
         batch: dict[str, torch.Tensor] = {}
         for key in SEQUENCE_KEYS:
@@ -51,10 +73,11 @@ class Collator:
         batch["attention_mask"] = (
             torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         ).long()  # [B, S]
-        for key in MEDIA_KEYS:
-            parts = [s[key] for s in samples if key in s]
-            if parts:
-                batch[key] = torch.cat(parts)
-        batch["num_items"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-        batch["num_samples"] = torch.tensor(len(samples), dtype=torch.long)
+        return batch
+
+    def _pack(self, samples, lengths: list[int]) -> dict[str, torch.Tensor]:
+        batch = {key: torch.cat([s[key] for s in samples])[None, :].long() for key in SEQUENCE_KEYS if key in samples[0]}
+        starts = torch.tensor(lengths[:-1], dtype=torch.long).cumsum(0)  # where samples 2.. begin
+        batch["labels"][0, starts] = IGNORE_INDEX  # no sample predicts the next one's first token
+        batch["packed_seq_lens"] = torch.tensor(lengths, dtype=torch.long)  # [B]
         return batch

@@ -67,6 +67,11 @@ class EncodedDataset:
         return len(self.samples)
 
     @property
+    def lengths(self) -> list[int]:
+        """Tokens per good sample (the token-budget sampler and the padding table read them)."""
+        return [s.length for s in self.samples]
+
+    @property
     def has_videos(self) -> bool:
         """Whether any good sample has a video (every rank then runs the vision tower twice a step)."""
         return any(s.videos for s in self.samples)

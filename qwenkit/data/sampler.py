@@ -1,5 +1,9 @@
 """A rank's micro-batches of sample indices, epoch after epoch, with a position that survives a resume.
 
+:class:`ResumableSampler` takes a fixed number of samples per micro-batch;
+:class:`TokenBudgetSampler` fills micro-batches up to a token budget. Both share the position
+and resume logic below.
+
 Epoch ``e`` orders all samples by a permutation seeded with ``(seed, e)`` (or keeps file
 order with ``shuffle=False``), the same on every rank. Global batch ``k`` is the slice
 ``order[k*G : (k+1)*G]`` with ``G = batch_size * world_size``; rank ``r`` takes its
@@ -14,6 +18,7 @@ with exactly the batches an uninterrupted run would have produced.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -40,7 +45,7 @@ class ResumableSampler:
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self.batch = 0
-        self._cached: tuple[int, list[list[int]]] | None = None
+        self._cached: dict[int, list[list[int]]] = {}  # two epochs: a prefetching loader runs ahead
 
     @property
     def batches_per_epoch(self) -> int:
@@ -49,27 +54,31 @@ class ResumableSampler:
     def __len__(self) -> int:
         return self.batches_per_epoch
 
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """All samples in epoch ``epoch``'s order, the same on every rank."""
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        rng = np.random.default_rng([self.seed % 2**64, epoch])  # SeedSequence wants seeds >= 0
+        return rng.permutation(self.num_samples)
+
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of epoch ``epoch``, in order."""
-        if self._cached is None or self._cached[0] != epoch:
-            if self.shuffle:
-                rng = np.random.default_rng([self.seed % 2**64, epoch])  # SeedSequence wants seeds >= 0
-                order = rng.permutation(self.num_samples)
-            else:
-                order = np.arange(self.num_samples)
-            g, b = self.batch_size * self.world_size, self.batch_size
-            start = self.rank * b
-            batches = [
-                order[k * g + start : k * g + start + b].tolist() for k in range(self.batches_per_epoch)
-            ]
-            self._cached = (epoch, batches)
-        return self._cached[1]
+        if epoch not in self._cached:
+            self._cached = {e: b for e, b in self._cached.items() if e == epoch - 1}
+            self._cached[epoch] = self._rank_batches(epoch)
+        return self._cached[epoch]
+
+    def _rank_batches(self, epoch: int) -> list[list[int]]:
+        order = self.epoch_order(epoch)
+        g, b = self.batch_size * self.world_size, self.batch_size
+        start = self.rank * b
+        return [order[k * g + start : k * g + start + b].tolist() for k in range(self.batches_per_epoch)]
 
     def plan(self) -> Iterator[tuple[int, int, list[int]]]:
         """Endless ``(epoch, batch, indices)`` from the current position; does not move it."""
         epoch, batch = self.epoch, self.batch
         while True:
-            if batch >= self.batches_per_epoch:
+            if batch >= len(self.epoch_batches(epoch)):
                 epoch, batch = epoch + 1, 0
             yield epoch, batch, self.epoch_batches(epoch)[batch]
             batch += 1
@@ -96,18 +105,132 @@ class ResumableSampler:
             "world_size": self.world_size,
         }
 
+    # the state keys that define the data layout, and the settings a person changes to match them
+    LAYOUT_KEYS = ("seed", "shuffle", "num_samples", "batch_size", "world_size")
+    LAYOUT_SETTINGS = "the same dataset, train.seed, data.shuffle, train.micro_batch_size and world size"
+
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by :meth:`state_dict`; the data layout must be the same."""
         mine = self.state_dict()
         wrong = [
             f"{key}: saved {state.get(key)!r}, now {mine[key]!r}"
-            for key in ("seed", "shuffle", "num_samples", "batch_size", "world_size")
+            for key in self.LAYOUT_KEYS
             if state.get(key) != mine[key]
         ]
         if wrong:
             raise ValueError(
                 "cannot resume the data order: the saved sampler state does not match this run ("
                 + "; ".join(wrong)
-                + "); the same dataset, train.seed, data.shuffle, train.micro_batch_size and world size are needed"
+                + f"); {self.LAYOUT_SETTINGS} are needed"
             )
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+
+class TokenBudgetSampler(ResumableSampler):
+    """Micro-batches filled up to ``max_tokens`` tokens instead of a fixed number of samples.
+
+    Epoch ``e`` (same permutation as :class:`ResumableSampler`) is cut into windows of
+    ``window`` samples; inside a window samples go longest first, each into the first
+    micro-batch where it still fits (first-fit decreasing), so a batch holds samples of similar
+    length and little budget is left unused. A micro-batch's cost is what it computes:
+    ``len(batch) * longest`` tokens when padded, the sum of the lengths when packed
+    (``packed=True``). The epoch's micro-batches are dealt to the ranks round-robin; when their
+    number is not a multiple of the world size, the batches with the most samples are split in
+    two (halves stay under the budget) until it is, so every rank takes the same number of
+    micro-batches per step and every sample is seen once per epoch. Only when no batch has two
+    samples left to split are the last few micro-batches dropped.
+
+    The plan of an epoch is a pure function of the seed, the lengths and the settings, so the
+    position ``(epoch, batch)`` resumes it exactly; the state carries a checksum of the lengths
+    so a resume on a changed dataset is refused.
+    """
+
+    LAYOUT_KEYS = ("seed", "shuffle", "num_samples", "max_tokens", "packed", "window", "lengths_crc", "world_size")
+    LAYOUT_SETTINGS = "the same dataset, train.seed, data.shuffle, data.max_tokens_per_batch, data.packing and world size"
+
+    def __init__(
+        self,
+        lengths,
+        max_tokens: int,
+        seed: int,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        packed: bool = False,
+        window: int = 1024,
+    ):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        too_long = np.flatnonzero(self.lengths > max_tokens)
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(
+                f"sample {i} has {int(self.lengths[i])} tokens, more than data.max_tokens_per_batch={max_tokens} "
+                f"({too_long.size} such samples)"
+            )
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.max_tokens, self.packed, self.window = max_tokens, packed, window
+        super().__init__(len(self.lengths), 1, seed, shuffle, rank, world_size)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Of the current epoch: the count changes from epoch to epoch with the order."""
+        return len(self.epoch_batches(self.epoch))
+
+    def _rank_batches(self, epoch: int) -> list[list[int]]:
+        order = self.epoch_order(epoch)
+        batches = [b for w in range(0, len(order), self.window) for b in self._fill(order[w : w + self.window])]
+        batches = self._balance(batches)
+        return batches[self.rank :: self.world_size]
+
+    def _fill(self, window: np.ndarray) -> list[list[int]]:
+        """Longest first; each sample into the first batch it fits in (first-fit decreasing).
+
+        Padded, a batch costs ``rows * its first (longest) length``: once full it stays full, so
+        only the newest batch is open (first fit is next fit). Packed, a batch stays open while
+        the shortest sample of the window still fits.
+        """
+        window = window[np.argsort(-self.lengths[window], kind="stable")]
+        shortest = int(self.lengths[window[-1]])
+        batches: list[list[int]] = []
+        open_: list[tuple[list[int], list[int]]] = []  # (batch, [tokens used]) that may take more
+        for i in window.tolist():
+            n = int(self.lengths[i])
+            for batch, used in open_:
+                cost = used[0] + n if self.packed else (len(batch) + 1) * int(self.lengths[batch[0]])
+                if cost <= self.max_tokens:
+                    batch.append(i)
+                    used[0] = cost
+                    break
+            else:
+                batches.append([i])
+                if not self.packed:
+                    open_.clear()
+                open_.append((batches[-1], [n]))
+            if self.packed:
+                open_ = [(b, u) for b, u in open_ if u[0] + shortest <= self.max_tokens]
+        return batches
+
+    def _balance(self, batches: list[list[int]]) -> list[list[int]]:
+        """Make the number of batches a multiple of the world size (see the class docstring)."""
+        while len(batches) % self.world_size:
+            k = max(range(len(batches)), key=lambda j: len(batches[j]))
+            if len(batches[k]) < 2:
+                return batches[: len(batches) - len(batches) % self.world_size]
+            b = batches[k]
+            batches[k : k + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+        return batches
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+            "max_tokens": self.max_tokens,
+            "packed": self.packed,
+            "window": self.window,
+            "lengths_crc": zlib.crc32(self.lengths.tobytes()),
+            "world_size": self.world_size,
+        }

@@ -303,3 +303,24 @@ def npu_reference(ref: dict[str, Any]) -> go.Figure:
     title = (f"RECORDED REFERENCE, not this run: {ref['hardware']}, {ref['model']}, {ref['steps']} steps "
              f"(fused ops {speedup:.2f}x)")  # fmt: skip
     return _finish(fig, title, height=400)
+
+
+def packing(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
+    """``benchmarks/packing.py --out`` rows: effective tokens/s, peak memory and padding per variant.
+
+    Bars are labelled with their ratio to the first variant (padded), as the benchmark prints them.
+    """
+    fig = make_subplots(rows=1, cols=3, subplot_titles=["effective (non-pad) tokens/s", "peak memory (GiB)",
+                                                        "padding fraction"])  # fmt: skip
+    names = [r["variant"] for r in rows]
+    base = rows[0]
+    panels = (
+        ([r["effective_tokens_per_s"] for r in rows], [f"{r['speedup']:.2f}x" for r in rows]),
+        ([r["peak_bytes"] / 2**30 for r in rows], [f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" for r in rows]),
+        ([r["padding_fraction"] for r in rows], [f"{r['padding_fraction']:.1%}" for r in rows]),
+    )
+    for col, (values, text) in enumerate(panels, start=1):
+        fig.add_trace(go.Bar(x=names, y=values, text=text, textposition="outside", showlegend=False,
+                             marker_color=[COLOURS[k % len(COLOURS)] for k in range(len(rows))]), row=1, col=col)  # fmt: skip
+        fig.update_yaxes(range=[0, max(max(values), 1e-9) * 1.25], row=1, col=col)
+    return _finish(fig, title, height=400)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwenkit.data import REASONS
+from qwenkit.data import REASONS, ResumableSampler
 from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
 from qwenkit.loss import IGNORE_INDEX
@@ -52,6 +52,20 @@ def distributions(dataset) -> dict[str, list[int]]:
         "images": [len(s.grids) for s in dataset.samples],
         "videos": [len(s.video_grids) for s in dataset.samples],
     }
+
+
+def padding(lengths: list[int], micro_batch_size: int, seed: int) -> list[dict[str, Any]]:
+    """Padding of one epoch at ``micro_batch_size``, padded (as the training sampler groups the
+    samples) and packed (``data.packing``): rows of layout, micro-batches, positions, pad fraction."""
+    batches = ResumableSampler(len(lengths), micro_batch_size, seed).epoch_batches(0)
+    real = sum(lengths[i] for b in batches for i in b)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return [
+        {"layout": f"padded, {micro_batch_size} per micro-batch", "micro-batches": len(batches),
+         "positions": padded, "padding fraction": 1 - real / padded},
+        {"layout": "packed (data.packing: true)", "micro-batches": len(batches),
+         "positions": real, "padding fraction": 0.0},
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,9 +188,14 @@ def render_sample(dataset, i: int) -> str:
 UNITS = {"images": "image", "videos": "video"}
 
 
-def save(out_dir, data_path: str, dataset, report, max_length: int, device: str = "cpu") -> dict[str, Any]:
+def save(
+    out_dir, data_path: str, dataset, report, max_length: int, device: str = "cpu", padding_rows=None
+) -> dict[str, Any]:
     """``data_summary.csv`` (per-sample counts, bad samples, the length limit; long format) and
-    ``metrics.json``; returns the metrics. The figures are drawn from these files (:func:`figures`)."""
+    ``metrics.json``; returns the metrics. The figures are drawn from these files (:func:`figures`).
+
+    ``padding_rows``: :func:`padding`'s table, recorded as ``padding_fraction`` by layout.
+    """
     dist = distributions(dataset)
     rows = [
         results.record(metric, value, unit=UNITS.get(metric, "token"), series=str(data_path),
@@ -188,6 +207,10 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
     rows += [results.record("bad_sample", i, series="message", x_name="message", x=m, device=device)
              for i, m in enumerate(report.messages[:BAD_LISTED])]  # fmt: skip
     rows.append(results.record("max_length", max_length, unit="token", series="data.max_length", device=device))
+    rows += [results.record(f"padding_{key}", r[col], unit=unit, series=r["layout"], device=device)
+             for r in padding_rows or []
+             for key, col, unit in (("micro_batches", "micro-batches", "batch"), ("positions", "positions", "token"),
+                                    ("fraction", "padding fraction", "ratio"))]  # fmt: skip
     results.write_csv(rows, f"{out_dir}/{SUMMARY_FILE}")
     tokens = percentiles(dist["tokens"])
     over = sum(t > max_length for t in dist["tokens"])
@@ -203,6 +226,7 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
         "video_tokens_total": int(sum(dist["video_tokens"])),
         "videos": int(sum(dist["videos"])),
         "over_max_length": over,
+        "padding_fraction": {r["layout"]: r["padding fraction"] for r in padding_rows or []},
     }
     summary = (
         f"{len(dataset)} good / {report.skipped} bad of {report.total} rows"
@@ -259,6 +283,25 @@ def distribution_figures(out_dir) -> list:
     return figures
 
 
+def padding_figure(out_dir):
+    """The padded-vs-packed table of one epoch (:func:`padding`), or None when it was not recorded."""
+    rows = results.read_csv(f"{out_dir}/{SUMMARY_FILE}")
+    layouts = [r["series"] for r in results.select(rows, metric="padding_fraction")]
+    if not layouts:
+        return None
+
+    def value(metric: str, layout: str) -> float:
+        (row,) = results.select(rows, metric=metric, series=layout)
+        return row["value"]
+
+    table = [{"layout": layout, "micro-batches": int(value("padding_micro_batches", layout)),
+              "positions": int(value("padding_positions", layout)),
+              "padding fraction": value("padding_fraction", layout)} for layout in layouts]  # fmt: skip
+    return plots.table(table, ["layout", "micro-batches", "positions", "padding fraction"],
+                       title="Padding of one epoch", formats={"padding fraction": ".1%"})  # fmt: skip
+
+
 def figures(out_dir) -> list:
     """Every figure of notebook 01, in the order it shows them."""
-    return bad_sample_figures(out_dir) + distribution_figures(out_dir)
+    padding = padding_figure(out_dir)
+    return bad_sample_figures(out_dir) + distribution_figures(out_dir) + ([padding] if padding is not None else [])
