@@ -60,7 +60,7 @@ def test_a_failing_rank_fails_the_command(tmp_path):
     error = "ValueError: model.freeze: no module 'model.no_such_module'"
     # the first line about the failure names the rank, the exception and that rank's log
     first = next(line for line in proc.stderr.splitlines() if "Error" in line or "failed" in line)
-    found = re.fullmatch(rf"qwenkit train: rank (\d) failed: {re.escape(error)} \(log: (.+)\)", first)
+    found = re.fullmatch(rf"qwenkit train: rank (\d) failed: {re.escape(error)}[^(]* \(log: (.+)\)", first)
     assert found, proc.stderr[-3000:]
     log = Path(found.group(2))
     assert log == out / "logs" / f"rank-0000{found.group(1)}.log"
