@@ -256,7 +256,7 @@ def test_killed_save_leaves_the_previous_checkpoint_selected(out):
     assert ckpt.latest(out / "K" / "checkpoints").name == "step-00000003"
     k2 = _result(out, "K2")
     assert k2["start"] == 3
-    killed = metrics.series(out / "K2" / "metrics-killed" / "rank-00000.jsonl", "loss")
+    killed = metrics.series(metrics.read(out / "K2" / "metrics-killed" / "rank-00000.jsonl"), "loss")
     assert k2["losses"] == [killed[4]]  # step 4 again, from the checkpoint, bit for bit
     # K2's own save of step 4 completed, pruned step 2 (keep_last=2) and removed the stale temp dir
     root = out / "K2" / "checkpoints"
