@@ -25,6 +25,12 @@ def _data_check(args) -> int:
     return check_main(args)
 
 
+def _data_prepare(args) -> int:
+    from qwenkit.data.prepare import prepare_main
+
+    return prepare_main(args)
+
+
 def _export(args) -> int:
     from qwenkit.checkpoint import export_main
 
@@ -58,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", default=None, help="params/*.yaml whose data/model sections to use")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
     c.set_defaults(func=_data_check)
+    pr = dsub.add_parser("prepare", help="scan a dataset and write its index cache (data.cache_dir) before training")
+    pr.add_argument("path", help="JSON/JSONL file, directory, HF dataset directory, or 'tiny'")
+    pr.add_argument("--config", default=None, help="the run's params/*.yaml (its data/model sections key the cache)")
+    pr.add_argument("--num-proc", type=int, default=None, help="scan processes (overrides data.num_proc)")
+    pr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
+    pr.set_defaults(func=_data_prepare)
 
     e = sub.add_parser("export", help="export a checkpoint to a Hugging Face safetensors directory")
     e.add_argument("checkpoint", help="checkpoint directory (a step-N folder, or a run's output_dir for the newest)")

@@ -60,6 +60,10 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0
     tiny_samples: int = 64  # size of the embedded synthetic dataset (path=tiny)
+    cache_dir: str | None = None  # prepared-index cache; None: $QWENKIT_CACHE/data-index (~/.cache/qwenkit/data-index)
+    fingerprint: Literal["stat", "content"] = "stat"  # data files keyed by path/size/mtime, or by a content hash
+    num_proc: int = 1  # scan processes per rank on a cold cache (rows are also split across ranks)
+    verify_images: Literal["header", "full"] = "header"  # scan: header (+ end marker) or a full decode
 
 
 @dataclass
@@ -322,6 +326,7 @@ def validate(cfg: Config) -> list[str]:
     )
     need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     need(d.tiny_samples > 0, f"data.tiny_samples must be > 0, got {d.tiny_samples}")
+    need(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
 
     if isinstance(lo.chunk_size, int):
         need(lo.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {lo.chunk_size}")

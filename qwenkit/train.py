@@ -255,9 +255,13 @@ class Trainer:
 def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     t = cfg.train
     micro = [next(batches) for _ in range(t.grad_accum)]
+    none = torch.tensor(0)
     counts = torch.stack(
-        [torch.stack([b.pop("num_items"), b.pop("num_samples"), b["attention_mask"].sum()]) for b in micro]
-    ).sum(0)  # [3]: label tokens, samples, input tokens of this rank's step
+        [
+            torch.stack([b.pop("num_items"), b.pop("num_samples"), b["attention_mask"].sum(), b.pop("num_bad", none)])
+            for b in micro
+        ]
+    ).sum(0)  # [4]: label tokens, samples, input tokens, bad samples skipped while loading, of this rank's step
     counts = counts.to(rt.device)
     dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
     num_items, num_samples = counts[0], counts[1]
@@ -269,14 +273,17 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
         loss_sum += out.loss.detach().float()
     norm = grad_norm(params, t.max_grad_norm)
     dist.all_reduce(loss_sum)
-    loss, norm_value, items, samples, tokens = torch.cat([torch.stack([loss_sum, norm.float()]), counts.float()]).tolist()
+    loss, norm_value, items, samples, tokens, bad = torch.cat([torch.stack([loss_sum, norm.float()]), counts.float()]).tolist()
     if not (math.isfinite(loss) and math.isfinite(norm_value)):
         raise NonFiniteError(step, loss, norm_value)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens}
+    return {
+        "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
+        "bad_samples": int(bad),
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,16 +4,21 @@ Unlike training, the check never stops at the first bad row and never skips sile
 lists every bad row (file, row, reason) and exits 1 if there is any, 2 if the dataset or the
 config cannot be read at all, 0 otherwise. Token counts use the tokenizer and image processor
 of ``model.path`` (the tiny one by default; pass ``--config`` for a real checkpoint's).
+
+The check always decodes every image in full (``data.verify_images: full``) and scans afresh;
+it then says whether the index cache holds this dataset under the config as training would
+use it (``qwenkit data prepare`` builds that index).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
 
 from qwenkit import config as qconfig
-from qwenkit.data import read_dataset
+from qwenkit.data import cache, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
@@ -25,20 +30,20 @@ MAX_LISTED = 200  # bad rows printed one by one; the counts by reason are always
 def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int) -> str:
     """The check's report as text: counts, token-length distribution, bad samples by reason."""
     lines = [f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read"]
-    infos = dataset.samples
-    lines.append(f"images: {sum(len(s.grids) for s in infos)}")
-    if infos:
-        lengths = np.array([s.length for s in infos])
+    index = dataset.index
+    lines.append(f"images: {len(index.media_grid)}")
+    if len(index):
+        lengths = index.length.astype(np.int64)
         p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
         lines.append(
             f"tokens per sample: min {lengths.min()}, p50 {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, "
             f"max {lengths.max()}, mean {lengths.mean():.1f} (data.max_length={max_length})"
         )
-        image_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.grids)
+        image_tokens = int(index.media_grid.astype(np.int64).prod(axis=1).sum()) // dataset.processor.merge_size**2
         lines.append(
-            f"tokens in total: {lengths.sum()} ({image_tokens} image, {sum(s.label_tokens for s in infos)} learned)"
+            f"tokens in total: {lengths.sum()} ({image_tokens} image, {int(index.label_tokens.sum())} learned)"
         )
-        truncated = sum(s.truncated for s in infos)
+        truncated = int(index.truncated.sum())
         if truncated:
             lines.append(f"truncated after the last image: {truncated}")
     if report.skipped:
@@ -66,7 +71,9 @@ def check_main(args) -> int:
     try:
         model_dir = resolve_path(cfg.model)
         processor = load_processor(cfg, model_dir)
-        dataset, report = read_dataset(cfg.data, processor, stop_at_first=False)
+        full = dataclasses.replace(cfg.data, verify_images="full")
+        dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False)
+        cache_line = cache.status(open_dataset(cfg.data), processor, cfg.data)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2
@@ -74,6 +81,7 @@ def check_main(args) -> int:
     print(f"dataset: {args.path}")
     print(f"processor: {model_dir} (model.path={cfg.model.path}), images resized to {lo}..{hi} pixels")
     print(summarize(dataset, report, cfg.data.max_length))
+    print(cache_line)
     if report.skipped:
         print(f"FAILED: {report.skipped} bad sample{'s' if report.skipped != 1 else ''}")
         return 1

@@ -9,7 +9,9 @@ The batch keeps HF's argument names, so the trainer can call the model with it a
   (the model scatters image features into pad tokens in that order), only if any sample has images;
 - ``num_items``: label tokens that count after HF's causal shift, ``(labels[:, 1:] != -100).sum()``;
   summed over ranks and accumulation steps it is the ``token_mean`` denominator;
-- ``num_samples``: ``B``.
+- ``num_samples``: ``B``;
+- ``num_bad``: bad samples skipped while loading these samples (``data.on_bad_sample: skip``
+  replaces each by the next good one), present only when there were some.
 
 Right padding keeps every sample's positions (and mRoPE indices) equal to an unpadded run.
 """
@@ -55,4 +57,7 @@ class Collator:
                 batch[key] = torch.cat(parts)
         batch["num_items"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         batch["num_samples"] = torch.tensor(len(samples), dtype=torch.long)
+        bad = [s["num_bad"] for s in samples if "num_bad" in s]
+        if bad:
+            batch["num_bad"] = torch.stack(bad).sum()
         return batch
