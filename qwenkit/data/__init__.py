@@ -34,7 +34,7 @@ import torch
 
 from qwenkit.config import Config, DataConfig
 from qwenkit.data.collator import Collator
-from qwenkit.data.cache import prepare
+from qwenkit.data import cache
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
@@ -117,7 +117,7 @@ def read_dataset(
     says whether the index came from the cache.
     """
     sources = open_dataset(data, source)
-    prepared = prepare(sources, processor, data, rank, world_size, use_cache)
+    prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache)
     index = prepared.index
     if stop_at_first and index.bad:
         raise index.bad[0].error()

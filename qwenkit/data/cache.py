@@ -42,6 +42,11 @@ ENCODING_KEYS = (
     "image_dir", "template", "system_prompt", "max_length", "truncate_text",
     "min_pixels", "max_pixels", "min_image_side", "max_aspect_ratio", "verify_images",
 )  # fmt: skip
+# data settings that leave the index as it is (path and tiny_samples are in it through the files)
+RUN_KEYS = (
+    "path", "tiny_samples", "on_bad_sample", "max_bad_fraction", "shuffle", "num_workers",
+    "cache_dir", "fingerprint", "num_proc",
+)  # fmt: skip
 
 
 def cache_dir(data: DataConfig) -> Path:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -142,7 +143,7 @@ class SampleIndex:
                 if header.get("format") != FORMAT:
                     return None
                 columns = {k: z[k] for k in z.files if k != "header"}
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # cut short, damaged, foreign
             return None
         bad = [BadRecord(**b) for b in header.pop("bad")]
         return cls(columns, bad, header["total"]), header
