@@ -34,13 +34,16 @@ STYLE = {
 
 
 def distributions(dataset) -> dict[str, list[int]]:
-    """Per good sample: total tokens, image tokens, learned tokens, images."""
-    image_tokens = [sum(dataset.processor.image_tokens(g) for g in s.grids) for s in dataset.samples]
+    """Per good sample: total tokens, image tokens, learned tokens, images (from the index arrays)."""
+    index = dataset.index
+    per_item = index.media_grid.astype(np.int64).prod(axis=1) // dataset.processor.merge_size**2  # [M]
+    row_of_item = np.repeat(np.arange(len(index)), index.media_per_row)  # [M]
+    image_tokens = np.bincount(row_of_item, weights=per_item, minlength=len(index))  # [N]
     return {
-        "tokens": [s.length for s in dataset.samples],
-        "image_tokens": image_tokens,
-        "learned_tokens": [s.label_tokens for s in dataset.samples],
-        "images": [len(s.grids) for s in dataset.samples],
+        "tokens": index.length.tolist(),
+        "image_tokens": image_tokens.astype(np.int64).tolist(),
+        "learned_tokens": index.label_tokens.tolist(),
+        "images": index.media_per_row.tolist(),
     }
 
 
