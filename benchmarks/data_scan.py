@@ -11,7 +11,12 @@ Each measurement runs in a fresh process with the default run config (tiny proce
 - warm start: a fresh process opening the dataset and reading its index from the cache
   (fingerprint + index file), and, separately, the first sample (which parses the JSON file);
 - the index's bytes per good row and the peak RSS of the measuring process (its scan
-  processes' peak in brackets) — one rank's share.
+  processes' peak in brackets) — one rank's share;
+- the CPU seconds of the measurement (the process and its scan processes) and, from them, the
+  wall time the scan would take on free cores: the serial part (the process's own CPU) plus the
+  scan processes' CPU divided by their number. On a shared machine the kernel gives a session
+  one share of the CPUs however many processes it runs, so measured wall-time ratios there say
+  nothing about parallelism; the CPU columns still do.
 
     python benchmarks/data_scan.py                      # 20k and 100k rows
     python benchmarks/data_scan.py --sizes 20000 --procs 1 2 4
@@ -66,6 +71,11 @@ def _peak_rss_mib(who: int) -> float:
     return resource.getrusage(who).ru_maxrss / 1024
 
 
+def _cpu_s(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def measure(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
     """One measurement in this (fresh) process: ``cold`` scans and writes, ``warm`` reads."""
     from qwenkit import config as qconfig
@@ -74,9 +84,10 @@ def measure(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
 
     cfg = qconfig.load(overrides={"data.path": path, "data.cache_dir": cache_dir, "data.num_proc": num_proc})
     processor = load_processor(cfg)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), _cpu_s(resource.RUSAGE_SELF)
     dataset, report = read_dataset(cfg.data, processor)
     seconds = time.perf_counter() - began
+    cpu = _cpu_s(resource.RUSAGE_SELF) - cpu
     first = time.perf_counter()
     dataset[0]
     first = time.perf_counter() - first
@@ -84,6 +95,7 @@ def measure(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
         "mode": mode, "num_proc": num_proc, "rows": report.total, "good": len(dataset), "seconds": seconds,
         "first_sample_s": first, "origin": dataset.index_origin, "bytes_per_row": dataset.index.bytes_per_row(),
         "rss_mib": _peak_rss_mib(resource.RUSAGE_SELF), "children_rss_mib": _peak_rss_mib(resource.RUSAGE_CHILDREN),
+        "cpu_s": cpu, "children_cpu_s": _cpu_s(resource.RUSAGE_CHILDREN),
     }  # fmt: skip
 
 
@@ -113,23 +125,28 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(path, cache_dir, int(num_proc), mode)))
         return 0
     root = Path(args.root)
-    print(f"{'rows':>7} {'mode':<6} {'procs':>5} {'seconds':>8} {'rows/s':>8} {'vs 1 proc':>9} {'B/row':>6} {'peak RSS MiB (scan procs)':>26}")
+    print(
+        f"{'rows':>7} {'mode':<5} {'procs':>5} {'wall s':>7} {'rows/s':>7} {'vs 1':>5} {'CPU s (procs)':>14} "
+        f"{'free-core s':>11} {'rows/s':>7} {'vs 1':>5} {'B/row':>6} {'peak RSS MiB (procs)':>20}"
+    )
     for n in args.sizes:
         path = make_dataset(root, n)
         cache_dir = root / f"cache-{n}"
-        base = None
+        base = base_free = None
         for num_proc in args.procs:
             r = run(path, cache_dir, num_proc, "cold")
             rate = r["rows"] / r["seconds"]
-            base = base or rate
+            free = r["cpu_s"] + r["children_cpu_s"] / num_proc if num_proc > 1 else r["cpu_s"]
+            base, base_free = base or rate, base_free or r["rows"] / free
             print(
-                f"{n:>7} {'cold':<6} {num_proc:>5} {r['seconds']:>8.2f} {rate:>8.0f} {rate / base:>8.2f}x "
-                f"{r['bytes_per_row']:>6.1f} {r['rss_mib']:>12.0f} ({r['children_rss_mib']:.0f})"
+                f"{n:>7} {'cold':<5} {num_proc:>5} {r['seconds']:>7.2f} {rate:>7.0f} {rate / base:>4.2f}x "
+                f"{r['cpu_s']:>6.1f} ({r['children_cpu_s']:>5.1f}) {free:>11.2f} {r['rows'] / free:>7.0f} "
+                f"{r['rows'] / free / base_free:>4.2f}x {r['bytes_per_row']:>6.1f} {r['rss_mib']:>9.0f} ({r['children_rss_mib']:.0f})"
             )
         r = run(path, cache_dir, 1, "warm")
         print(
-            f"{n:>7} {'warm':<6} {'':>5} {r['seconds']:>8.2f} {'':>8} {'':>9} {r['bytes_per_row']:>6.1f} "
-            f"{r['rss_mib']:>12.0f}      first sample (parses the JSON) {r['first_sample_s']:.2f} s"
+            f"{n:>7} {'warm':<5} {'':>5} {r['seconds']:>7.2f} {'':>7} {'':>5} {r['cpu_s']:>6.2f} {'':>7} {'':>11} {'':>7} {'':>5} "
+            f"{r['bytes_per_row']:>6.1f} {r['rss_mib']:>9.0f}   first sample (parses the JSON): {r['first_sample_s']:.2f} s"
         )
     return 0
 

@@ -90,12 +90,16 @@ def test_second_read_comes_from_the_cache_and_equals_the_scan(tmp_path, processo
     assert second.index_origin.startswith("index from cache")
     same_index(first.index, second.index)
     assert report2.messages == report.messages and report2.total == report.total == N_ROWS
-    assert [f.name for f in (tmp_path / "cache").iterdir()] == [cache.index_path(second.sources, processor, data).name]
+    assert [f.name for f in (tmp_path / "cache").iterdir()] == [
+        cache.index_path(second.sources, processor, data).name
+    ]
     for i in range(len(first)):
         x, y = first[i], second[i]
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     assert first.samples[3] == second.samples[3] and second.samples[3].grids == second.index.grids(3)
-    assert isinstance(second.lengths, np.ndarray) and second.lengths.tolist() == [s.length for s in first.samples]
+    assert isinstance(second.lengths, np.ndarray) and second.lengths.tolist() == [
+        s.length for s in first.samples
+    ]
 
 
 def test_every_data_setting_is_classified():
@@ -118,7 +122,9 @@ CHANGED = {
 }
 
 
-@pytest.mark.parametrize("key", [k for k in cache.ENCODING_KEYS if k != "template"])  # template: one value today
+@pytest.mark.parametrize(
+    "key", [k for k in cache.ENCODING_KEYS if k != "template"]
+)  # template: one value today
 def test_each_encoding_setting_changes_the_fingerprint(tmp_path, processor, tiny_path, key):
     path = write_set(tmp_path / "d", corrupt=False)
     read_dataset(data_cfg(path, tmp_path), processor)
@@ -126,7 +132,9 @@ def test_each_encoding_setting_changes_the_fingerprint(tmp_path, processor, tiny
     changed = data_cfg(path, tmp_path, **{key: value})
     proc = processor
     if key in ("min_pixels", "max_pixels"):  # as load_processor builds it for the run
-        proc = Processor.from_pretrained(tiny_path, min_pixels=changed.min_pixels, max_pixels=changed.max_pixels)
+        proc = Processor.from_pretrained(
+            tiny_path, min_pixels=changed.min_pixels, max_pixels=changed.max_pixels
+        )
     assert read_dataset(changed, proc)[0].index_origin.startswith("scanned")
     assert read_dataset(changed, proc)[0].index_origin.startswith("index from cache")
 
@@ -192,7 +200,13 @@ def test_a_killed_writer_leaves_no_index_and_a_damaged_one_is_not_trusted(tmp_pa
 
 def test_resume_after_a_data_change_is_refused(tmp_path, processor):
     path = write_set(tmp_path / "d", corrupt=False, missing=())
-    cfg = qconfig.load(overrides={"data.path": str(path), "data.cache_dir": str(tmp_path / "cache"), "train.micro_batch_size": 1})
+    cfg = qconfig.load(
+        overrides={
+            "data.path": str(path),
+            "data.cache_dir": str(tmp_path / "cache"),
+            "train.micro_batch_size": 1,
+        }
+    )
     state = build(cfg, processor).sampler.state_dict()
     rows = json.loads(path.read_text())
     path.write_text(json.dumps(rows + rows[:1]))
@@ -229,7 +243,10 @@ def test_full_verification_finds_what_the_header_check_cannot(tmp_path, processo
     header, _ = read_dataset(data_cfg(path, tmp_path), processor)
     full, report = read_dataset(data_cfg(path, tmp_path, verify_images="full"), processor)
     assert len(header) == N_ROWS - 1 and len(full) == N_ROWS - 2
-    assert f"{path}: row {CORRUPT_ROW}: corrupt_image: image 0 of 1 ('{CORRUPT_ROW}.png'): cannot decode" in report.messages[0]
+    assert (
+        f"{path}: row {CORRUPT_ROW}: corrupt_image: image 0 of 1 ('{CORRUPT_ROW}.png'): cannot decode"
+        in report.messages[0]
+    )
 
 
 def test_bad_sample_at_load_time_skip_replaces_it_by_the_next_and_counts(tmp_path, processor):
@@ -246,7 +263,10 @@ def test_bad_sample_at_load_time_skip_replaces_it_by_the_next_and_counts(tmp_pat
 def test_bad_sample_at_load_time_error_names_file_and_row(tmp_path, processor):
     path = write_set(tmp_path / "d")
     dataset, _ = read_dataset(data_cfg(path, tmp_path, on_bad_sample="error"), processor)
-    with pytest.raises(BadSample, match=rf"{path}: row {CORRUPT_ROW}: corrupt_image: image 0 of 1 \('{CORRUPT_ROW}.png'\): cannot decode"):
+    with pytest.raises(
+        BadSample,
+        match=rf"{path}: row {CORRUPT_ROW}: corrupt_image: image 0 of 1 \('{CORRUPT_ROW}.png'\): cannot decode",
+    ):
         dataset[CORRUPT_ROW]
 
 
@@ -263,7 +283,9 @@ def _two_ranks(rank, out: Path, path: Path):
     scan_cfg = dataclasses.replace(cfg.data, num_proc=2)
     dataset, report = read_dataset(scan_cfg, load_processor(cfg), rank=rank, world_size=2)
     np.savez(out / f"rank{rank}.npz", **dataset.index.columns)
-    (out / f"rank{rank}.json").write_text(json.dumps({"origin": dataset.index_origin, "messages": report.messages}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"origin": dataset.index_origin, "messages": report.messages})
+    )
     train.run(cfg)  # reads the index the scan above wrote
     dist.barrier()
     dist.destroy_process_group()
@@ -274,7 +296,9 @@ def two_ranks(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("ranks")
     # 10 rows: row 5 is dropped at scan; rank 1 loads good samples 2, 3 in step 1, and 2 is corrupt
     path = write_set(out / "d", n=10)
-    check_ranks(_two_ranks, 2, out, path, timeout=300)  # scan + 2 training steps per rank; CI machines are shared
+    check_ranks(
+        _two_ranks, 2, out, path, timeout=300
+    )  # scan + 2 training steps per rank; CI machines are shared
     return out, path
 
 
@@ -312,9 +336,15 @@ def test_prepare_then_check_reports_the_cache(tmp_path, capsys):
     cache_dir = f"data.cache_dir={tmp_path / 'cache'}"
     assert cli_main(["data", "check", str(path), cache_dir]) == 1  # full decode: the damaged image is bad
     out = capsys.readouterr().out
-    assert f"{path}: row {CORRUPT_ROW}: corrupt_image" in out and f"cache: none for this data and config in {tmp_path / 'cache'}" in out
+    assert (
+        f"{path}: row {CORRUPT_ROW}: corrupt_image" in out
+        and f"cache: none for this data and config in {tmp_path / 'cache'}" in out
+    )
     assert cli_main(["data", "prepare", str(path), "--num-proc", "2", cache_dir]) == 0
     out = capsys.readouterr().out
     assert "scanned 12 rows" in out and "x 2 processes" in out and "rows: 12 read, 11 good, 1 bad" in out
     assert cli_main(["data", "check", str(path), cache_dir]) == 1
-    assert re.search(rf"cache: {tmp_path / 'cache'}/\w+\.npz matches \(built .*, 11 good of 12 rows", capsys.readouterr().out)
+    assert re.search(
+        rf"cache: {tmp_path / 'cache'}/\w+\.npz matches \(built .*, 11 good of 12 rows",
+        capsys.readouterr().out,
+    )

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from qwenkit.config import Config, DataConfig
-from qwenkit.data.collator import Collator
 from qwenkit.data import cache
+from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
@@ -76,6 +76,8 @@ class DataBundle:
             for indices in self.sampler:
                 yield self.collator([self.dataset[i] for i in indices])
             return
+        for source in self.dataset.sources:
+            source.parse()  # here, once, not in every worker the DataLoader forks
         positions, plan = itertools.tee(self.sampler.plan())
         loader = torch.utils.data.DataLoader(
             self.dataset,

@@ -79,7 +79,9 @@ def _processor_key(processor: Processor) -> dict:
     text = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
     return {
         "tokenizer": hashlib.sha256(text.encode()).hexdigest(),
-        "image_processor": json.loads(json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)),
+        "image_processor": json.loads(
+            json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)
+        ),
     }
 
 
@@ -126,7 +128,13 @@ def prepare(
     if _all_ranks(loaded is not None, world_size):
         index, header = loaded
         seconds = time.perf_counter() - began
-        return Prepared(index, True, path, seconds, f"index from cache {path} (built {header['built']}; read in {seconds:.2f} s)")
+        return Prepared(
+            index,
+            True,
+            path,
+            seconds,
+            f"index from cache {path} (built {header['built']}; read in {seconds:.2f} s)",
+        )
 
     num_proc = data.num_proc if num_proc is None else num_proc
     starts = row_ranges(sources)  # parses every file: each rank needs the rows to load samples anyway
@@ -135,7 +143,9 @@ def prepare(
     index = scan_parallel(sources, processor, data, lo, hi, data.verify_images == "full", num_proc)
     if world_size > 1 and dist.is_initialized():
         pieces: list = [None] * world_size
-        dist.all_gather_object(pieces, index)  # rank r's piece is rows lo:hi of rank r: concat keeps row order
+        dist.all_gather_object(
+            pieces, index
+        )  # rank r's piece is rows lo:hi of rank r: concat keeps row order
         index = SampleIndex.concat(pieces)
     files = [BadRecord.of(s, src.error) for s, src in enumerate(sources) if src.error is not None]
     if files:  # an unreadable file counts as one bad entry, listed before the rows of later files
@@ -167,7 +177,11 @@ def status(sources: list[Source], processor: Processor, data: DataConfig) -> str
     loaded = SampleIndex.load(path)
     if loaded is None:
         others = sorted(p.name for p in cache_dir(data).glob("*.npz")) if cache_dir(data).is_dir() else []
-        hint = f" ({len(others)} other index file{'s' if len(others) != 1 else ''} there do not match)" if others else ""
+        hint = (
+            f" ({len(others)} other index file{'s' if len(others) != 1 else ''} there do not match)"
+            if others
+            else ""
+        )
         return f"cache: none for this data and config in {cache_dir(data)}{hint}; `qwenkit data prepare` builds it"
     index, header = loaded
     return (

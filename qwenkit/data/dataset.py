@@ -68,7 +68,12 @@ class EncodedDataset:
     """
 
     def __init__(
-        self, sources: list[Source], index: SampleIndex, processor: Processor, data: DataConfig, origin: str = "scanned"
+        self,
+        sources: list[Source],
+        index: SampleIndex,
+        processor: Processor,
+        data: DataConfig,
+        origin: str = "scanned",
     ):
         self.sources, self.index, self.processor, self.data = sources, index, processor, data
         self.template = Qwen2VLTemplate(processor, data.system_prompt)
@@ -122,7 +127,9 @@ class EncodedDataset:
                 )
             sample["pixel_values"] = pixels["pixel_values"]  # [P, C*T*patch²]
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
-        enc = fit_length(self.template.encode(conv, grids_of), conv, self.data.max_length, self.data.truncate_text)
+        enc = fit_length(
+            self.template.encode(conv, grids_of), conv, self.data.max_length, self.data.truncate_text
+        )
         input_ids = torch.tensor(enc.input_ids, dtype=torch.long)  # [S]
         sample["input_ids"] = input_ids
         sample["labels"] = torch.tensor(enc.labels, dtype=torch.long)  # [S]
@@ -157,7 +164,9 @@ def scan_rows(
             except BadSample as e:
                 bad.append(BadRecord.of(s, e))
                 continue
-            for name, value in zip(("source", "row", "length", "label_tokens", "truncated"), (s, r, length, learned, truncated)):
+            for name, value in zip(
+                ("source", "row", "length", "label_tokens", "truncated"), (s, r, length, learned, truncated)
+            ):
                 cols[name].append(value)
             cols["media_count"].append(len(grids))
             cols["media_kind"].extend([MEDIA_KINDS["image"]] * len(grids))
@@ -196,7 +205,7 @@ def scan_parallel(
     if num_proc <= 1 or hi - lo < 2 * num_proc:
         return scan_rows(sources, processor, data, lo, hi, full)
     for source in sources:
-        source.error  # parse every file once, before the fork, so no child parses it again
+        source.parse()  # once, before the fork, so no child parses it again
     global _FORKED
     edges = np.linspace(lo, hi, 4 * num_proc + 1).astype(np.int64)  # a few pieces per process: balance
     pieces = list(zip(edges[:-1].tolist(), edges[1:].tolist()))

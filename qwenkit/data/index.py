@@ -36,7 +36,13 @@ import numpy as np
 from qwenkit.data.report import BadSample, BadSampleReport, Location
 
 MEDIA_KINDS = {"image": 0}
-ROW_COLUMNS = {"source": np.int32, "row": np.int32, "length": np.int32, "label_tokens": np.int32, "truncated": np.bool_}
+ROW_COLUMNS = {
+    "source": np.int32,
+    "row": np.int32,
+    "length": np.int32,
+    "label_tokens": np.int32,
+    "truncated": np.bool_,
+}
 MEDIA_COLUMNS = {"media_kind": np.uint8, "media_grid": np.int32}
 FORMAT = 1  # bump when the columns or their meaning change: older cache files are then ignored
 
@@ -115,7 +121,9 @@ class SampleIndex:
     @classmethod
     def concat(cls, pieces: list[SampleIndex]) -> SampleIndex:
         """Pieces scanned over consecutive row ranges, in order, as one index."""
-        cols = {name: np.concatenate([p.columns[name] for p in pieces]) for name in (*ROW_COLUMNS, *MEDIA_COLUMNS)}
+        cols = {
+            name: np.concatenate([p.columns[name] for p in pieces]) for name in (*ROW_COLUMNS, *MEDIA_COLUMNS)
+        }
         counts = np.concatenate([p.media_per_row for p in pieces])
         cols["media_offsets"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return cls(cols, [b for p in pieces for b in p.bad], sum(p.total for p in pieces))
@@ -158,5 +166,7 @@ def to_index(lists: dict[str, list], bad: list[BadRecord], total: int) -> Sample
     cols = {name: np.asarray(lists[name], dtype=dt) for name, dt in ROW_COLUMNS.items()}
     cols["media_kind"] = np.asarray(lists["media_kind"], dtype=np.uint8)
     cols["media_grid"] = np.asarray(lists["media_grid"], dtype=np.int32).reshape(-1, 3)
-    cols["media_offsets"] = np.concatenate([[0], np.cumsum(lists["media_count"], dtype=np.int64)]).astype(np.int64)
+    cols["media_offsets"] = np.concatenate([[0], np.cumsum(lists["media_count"], dtype=np.int64)]).astype(
+        np.int64
+    )
     return SampleIndex(cols, bad, total)

@@ -18,7 +18,9 @@ from qwenkit.processor import load_processor
 
 
 def prepare_main(args) -> int:
-    overrides = list(args.overrides) + ([f"data.num_proc={args.num_proc}"] if args.num_proc is not None else [])
+    overrides = list(args.overrides) + (
+        [f"data.num_proc={args.num_proc}"] if args.num_proc is not None else []
+    )
     try:
         cfg = qconfig.load(args.config, overrides)
     except qconfig.ConfigError as e:

@@ -48,6 +48,10 @@ class JsonSource:
         self._rows: list[Any] | None = None
         self._lines: list[int | None] = []
 
+    def parse(self) -> None:
+        """Read the file now (before forking workers that would each read it otherwise)."""
+        self._parsed()
+
     def _parsed(self) -> list[Any]:
         if self._rows is None:
             self._rows = []
@@ -132,6 +136,9 @@ class HFSource:
 
     def __len__(self) -> int:
         return self._len
+
+    def parse(self) -> None:
+        """Nothing to do: Arrow tables are memory-mapped."""
 
     def location(self, i: int) -> Location:
         return Location(self.name, row=i)
