@@ -38,6 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from qwenkit.config import DTYPES
+from qwenkit.model import resolve_path
+
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE.json"
 PREFIX = "step-"
@@ -257,8 +260,6 @@ def export(checkpoint: str | Path, out: str | Path, cfg) -> Path:
     """
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    from qwenkit.model import DTYPES, resolve_path
-
     ckpt, out = resolve(checkpoint), Path(out)
     base = resolve_path(cfg.model)
     config = AutoConfig.from_pretrained(base, local_files_only=True)
@@ -291,14 +292,3 @@ def run_config_path(checkpoint: str | Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"no config.yaml in the run directory {str(ckpt.parent.parent)!r}; pass --config")
     return path
-
-
-def export_main(args) -> int:
-    """``qwenkit export CHECKPOINT OUT [--config params.yaml]``."""
-    from qwenkit import config as qconfig
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = qconfig.load(args.config or run_config_path(args.checkpoint))
-    out = export(args.checkpoint, args.out, cfg)
-    print(f"exported {resolve(args.checkpoint)} to {out}")
-    return 0

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
+import torch
 import yaml
 
+from qwenkit.patches import OPS
+
 Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
 
 
 class ConfigError(ValueError):
@@ -176,14 +181,18 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
     return cfg
 
 
-def from_dict(raw: dict[str, Any]) -> Config:
-    problems: list[str] = []
-    cfg = _build(Config, raw, "", problems)
-    if not problems:
-        problems.extend(validate(cfg))
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+def write_config(cfg: Config, output_dir: str | Path) -> Path:
+    """``<output_dir>/config.yaml``: the resolved config every rank reads and ``qwenkit export`` finds.
+
+    Written to a temporary name and renamed, so a reader never sees half a file.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / "config.yaml"
+    tmp = path.with_name(f".config.yaml.{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+    return path
 
 
 def _parse_overrides(overrides, problems: list[str]):
@@ -308,8 +317,6 @@ def validate(cfg: Config) -> list[str]:
     m, d, lo, par, t, ck, pr = cfg.model, cfg.data, cfg.loss, cfg.parallel, cfg.train, cfg.checkpoint, cfg.profile
     need(m.logits_to_keep >= 0, f"model.logits_to_keep must be >= 0, got {m.logits_to_keep}")
     if isinstance(m.fused_ops, list):
-        from qwenkit.patches import OPS
-
         for op in m.fused_ops:
             need(op in OPS, f"model.fused_ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
     need(d.max_length > 0, f"data.max_length must be > 0, got {d.max_length}")

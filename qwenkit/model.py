@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel
+from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from qwenkit.config import DTYPES
 from qwenkit.loss import chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.processor import Processor, needs_mm_token_type_ids
+from qwenkit.tiny import ensure_checkpoint
 
 log = logging.getLogger(__name__)
 LOSS_TYPES = ("token_mean", "sample_mean", "raw")
@@ -97,10 +100,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
+        *args,
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         num_samples: int | torch.Tensor | None = None,
@@ -108,10 +108,18 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
     ):
         """HF's forward, or (``chunk_loss``) backbone + chunked loss head.
 
+        Takes the parent's parameters, by name or in the parent's positional order (its
+        signature is the parent's, see :func:`_forward_signature`), plus these keywords:
         ``num_items_in_batch``: valid label tokens of the global batch (all ranks and
         accumulation steps) for ``token_mean``; ``num_samples``: samples of the global batch
         for ``sample_mean``. Both default to this batch's own counts.
         """
+        if args:
+            kwargs = _bind_positional(args, kwargs)
+        input_ids = kwargs.pop("input_ids", None)
+        labels = kwargs.pop("labels", None)
+        use_cache = kwargs.pop("use_cache", None)
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)
         kwargs = _drop_unsupported(kwargs)
         idle = None
         if self._vision_idle(kwargs) and input_ids is not None and kwargs.get("inputs_embeds") is None:
@@ -178,11 +186,39 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         return out
 
 
-@functools.cache
-def needs_mm_token_type_ids() -> bool:
-    """transformers 5.x builds 3-D mRoPE positions only when ``mm_token_type_ids`` is passed;
-    4.57 has no such argument (it finds image tokens in ``input_ids``)."""
-    return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters
+# The parent's forward parameters, in its order (they differ between transformers 4.57 and 5.x).
+_PARENT_PARAMS = [
+    p for name, p in inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters.items()
+    if name != "self" and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+]  # fmt: skip
+
+
+def _forward_signature() -> inspect.Signature:
+    """``self``, the parent's parameters, then qwenkit's keywords and ``**kwargs``.
+
+    HF's ``generate`` checks its model kwargs (``pixel_values``, ``video_grid_thw``, ...) against
+    ``inspect.signature(model.forward)`` and refuses any it does not find there; HF's test suite
+    reads it to pick tests (``inputs_embeds``). Declaring the parent's signature keeps both
+    working on every transformers version without copying its parameter list.
+    """
+    own = inspect.signature(QwenkitQwen2_5_VL.forward).parameters
+    extra = [own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in ("return_dict", "num_items_in_batch", "num_samples")]
+    return inspect.Signature([own["self"], *_PARENT_PARAMS, *extra, own["kwargs"]])
+
+
+def _bind_positional(args: tuple, kwargs: dict) -> dict:
+    """Positional arguments by the parent's order (``model(input_ids, attention_mask)`` as in HF)."""
+    if len(args) > len(_PARENT_PARAMS):
+        raise TypeError(f"forward() takes at most {len(_PARENT_PARAMS)} positional arguments, got {len(args)}")
+    kwargs = dict(kwargs)
+    for param, value in zip(_PARENT_PARAMS, args):
+        if param.name in kwargs:
+            raise TypeError(f"forward() got multiple values for argument {param.name!r}")
+        kwargs[param.name] = value
+    return kwargs
+
+
+QwenkitQwen2_5_VL.forward.__signature__ = _forward_signature()
 
 
 def _drop_unsupported(kwargs: dict) -> dict:
@@ -215,14 +251,9 @@ REGISTRY: dict[str, type[Qwen2_5_VLForConditionalGeneration]] = {"qwen2_5_vl": Q
 for _cls in REGISTRY.values():
     _register_checkpoint_format(_cls)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_path(model_cfg) -> Path:
     """``tiny`` becomes the cached tiny checkpoint directory; anything else must be a directory."""
     if model_cfg.path == "tiny":
-        from qwenkit.tiny import ensure_checkpoint
-
         return ensure_checkpoint(tie_word_embeddings=model_cfg.tie_word_embeddings)
     path = Path(model_cfg.path).expanduser()
     if not (path / "config.json").is_file():
@@ -231,6 +262,17 @@ def resolve_path(model_cfg) -> Path:
             "(weights are never downloaded) or 'tiny'"
         )
     return path
+
+
+def load_processor(cfg, model_dir: str | Path | None = None) -> Processor:
+    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds.
+
+    Here rather than in :mod:`qwenkit.processor` because it needs :func:`resolve_path`, which
+    may write the tiny checkpoint, and :mod:`qwenkit.tiny` itself builds on the processor.
+    """
+    if model_dir is None:
+        model_dir = resolve_path(cfg.model)
+    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
 
 def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> QwenkitQwen2_5_VL:

@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
@@ -44,11 +43,11 @@ from tqdm import tqdm
 
 from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
-from qwenkit import fsdp, patches
+from qwenkit import data, fsdp, patches
 from qwenkit import model as qmodel
 from qwenkit.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
-from qwenkit.processor import load_processor
 from qwenkit.profiling import ProfileWindow
+from qwenkit.weights import load_hf_weights
 
 log = logging.getLogger("qwenkit.train")
 
@@ -114,16 +113,6 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def write_config(cfg, output_dir: Path) -> Path:
-    """The resolved config next to the run's outputs (``qwenkit export`` reads it)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    path = output_dir / "config.yaml"
-    tmp = path.with_name(f".config.yaml.{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
-    return path
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -166,15 +155,13 @@ class Trainer:
         cfg, rt, t = self.cfg, self.rt, self.cfg.train
         main_rank = rt.rank == 0
         if main_rank:
-            write_config(cfg, self.out_dir)
+            qconfig.write_config(cfg, self.out_dir)
             log.info("rank 0 of %d on %s (%s)", rt.world_size, rt.device, rt.backend)
         set_seed(t.seed)
 
         model_path = self.model_path
-        processor = load_processor(cfg, model_path)
-        build_data = self.data_builder
-        if build_data is None:
-            from qwenkit.data import build as build_data
+        processor = qmodel.load_processor(cfg, model_path)
+        build_data = self.data_builder or data.build
         self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
 
         model = qmodel.build(cfg.model, cfg.loss)
@@ -186,8 +173,6 @@ class Trainer:
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed
         if cfg.model.init_device == "meta":
-            from qwenkit.weights import load_hf_weights
-
             fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)
             n = load_hf_weights(model, model_path)
             if main_rank:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -87,8 +86,8 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
 
 
 def test_torchrun_command_for_multi_node():
-    args = argparse.Namespace(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
-    cmd = launch.torchrun_command(Path("runs/x/config.yaml"), 8, args)
+    rdzv = launch.Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
+    cmd = launch.torchrun_command(Path("runs/x/config.yaml"), 8, rdzv)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd

@@ -34,8 +34,7 @@ from qwenkit.data.index import MEDIA_KINDS, BadRecord, SampleIndex, SampleInfo, 
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample
 from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
-from qwenkit.model import needs_mm_token_type_ids
-from qwenkit.processor import Processor
+from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)
 
