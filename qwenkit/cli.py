@@ -40,9 +40,16 @@ def _data_check(args) -> int:
 
 
 def _data_prepare(args) -> int:
-    from qwenkit.data.prepare import prepare_main
+    from qwenkit.data import prepare  # tokenizer and image stack: data prepare only
 
-    return prepare_main(args)
+    overrides = list(args.overrides) + ([f"data.num_proc={args.num_proc}"] if args.num_proc is not None else [])
+    try:
+        cfg = qconfig.load(args.config, overrides)
+    except qconfig.ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    cfg.data.path = args.path
+    return prepare.prepare(cfg)
 
 
 def _export(args) -> int:

@@ -24,7 +24,8 @@ from qwenkit.cli import main as cli_main
 from qwenkit.config import DataConfig
 from qwenkit.data import BadSample, Collator, build, cache, read_dataset
 from qwenkit.data.index import SampleIndex
-from qwenkit.processor import Processor, load_processor
+from qwenkit.model import load_processor
+from qwenkit.processor import Processor
 
 N_ROWS = 12
 CORRUPT_ROW = 2  # its PNG has a damaged compressed stream: header and IEND intact

@@ -14,21 +14,11 @@ import sys
 from qwenkit import config as qconfig
 from qwenkit.data import cache, open_dataset
 from qwenkit.data.reader import DataError
-from qwenkit.processor import load_processor
+from qwenkit.model import load_processor, resolve_path
 
 
-def prepare_main(args) -> int:
-    overrides = list(args.overrides) + (
-        [f"data.num_proc={args.num_proc}"] if args.num_proc is not None else []
-    )
-    try:
-        cfg = qconfig.load(args.config, overrides)
-    except qconfig.ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    cfg.data.path = args.path
-    from qwenkit.model import resolve_path
-
+def prepare(cfg: qconfig.Config) -> int:
+    """``qwenkit data prepare``: write ``cfg.data.path``'s index; returns the command's exit status."""
     try:
         processor = load_processor(cfg, resolve_path(cfg.model))
         prepared = cache.prepare(open_dataset(cfg.data), processor, cfg.data)
@@ -36,7 +26,7 @@ def prepare_main(args) -> int:
         print(f"qwenkit data prepare: {e}", file=sys.stderr)
         return 2
     index = prepared.index
-    print(f"dataset: {args.path}")
+    print(f"dataset: {cfg.data.path}")
     print(prepared.origin)
     print(
         f"rows: {index.total} read, {len(index)} good, {len(index.bad)} bad; "
