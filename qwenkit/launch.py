@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
 from qwenkit.device import resolve_device
 from qwenkit.model import resolve_path
@@ -43,7 +44,18 @@ def check_before_spawn(cfg) -> list[str]:
         problems.append(str(e))
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
+    problems.extend(check_resume(cfg))
     return problems
+
+
+def check_resume(cfg) -> list[str]:
+    """The checkpoint ``train.resume`` names exists; newer ones would not be written over."""
+    try:
+        resume = ckpt.find_resume(cfg.train.resume, cfg.train.output_dir)
+    except ckpt.CheckpointError as e:
+        return [str(e)]
+    problem = ckpt.refuse_older_resume(resume, cfg.train.output_dir)
+    return [problem] if problem and not cfg.train.resume_older else []
 
 
 # glibc raises its mmap threshold to the largest block freed (up to 32 MiB), after which
@@ -64,8 +76,9 @@ def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
 
 
 def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[str]:
+    """torchrun's command line, run through :func:`quiet_torchrun` (``python -m qwenkit.launch``)."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "qwenkit.launch",
         f"--nnodes={rdzv.nnodes}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={rdzv.node_rank}",
@@ -100,5 +113,33 @@ def launch(
     print(f"qwenkit train: {shlex.join(cmd)}", flush=True)
     code = subprocess.call(cmd, env=rank_environment(cfg, os.environ))
     if code != 0:
-        print(f"qwenkit train: failed with exit code {code} (the failing rank's error is above)", file=sys.stderr)
+        logs = Path(cfg.train.output_dir) / "logs"
+        print(
+            f"qwenkit train: failed with exit code {code}; the failing rank's error is above "
+            f"(its 'qwenkit train: rank N failed' line), every rank's log is in {logs}/",
+            file=sys.stderr,
+        )
     return code
+
+
+def quiet_torchrun(argv: list[str]) -> int:
+    """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
+
+    A qwenkit rank reports its own failure, one line then the traceback (see
+    ``qwenkit.train.report_failure``), and exits with status 1; torchrun then stops the other
+    ranks and raises ``ChildFailedError``, whose printout is dropped here. torchrun's own
+    errors (bad arguments, rendezvous) still surface.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quiet_torchrun(sys.argv[1:]))

@@ -61,7 +61,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_size: int | str = "auto"
         self.chunk_budget_bytes = 512 * 2**20
         self.loss_reduction = "token_mean"
-        self.micro_batch_split = 1
         # Data parallel: every rank must run the (sharded) vision tower in every step, or FSDP's
         # collectives mismatch when one rank's micro-batch has no image. Set by the trainer.
         self.vision_every_step = False
@@ -72,7 +71,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         chunk_size: int | str = "auto",
         loss_type: str = "token_mean",
         chunk_budget_mb: int = 512,
-        micro_batch_split: int = 1,
     ) -> QwenkitQwen2_5_VL:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -80,23 +78,20 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
         self.chunk_loss, self.chunk_size, self.loss_reduction = chunk, chunk_size, loss_type
         self.chunk_budget_bytes = chunk_budget_mb * 2**20
-        self.micro_batch_split = micro_batch_split
         return self
 
-    def _check_chunk_args(self, labels, use_cache, logits_to_keep) -> None:
-        if labels is None:
-            raise ValueError("chunk loss needs labels: it returns a loss, not logits (set chunk_loss=False to get logits)")
+    def _check_chunk_args(self, labels, shifted, use_cache, logits_to_keep) -> None:
+        if labels is None and shifted is None:
+            raise ValueError(
+                "chunk loss needs labels (or shift_labels): it returns a loss, not logits "
+                "(set chunk_loss=False to get logits)"
+            )
         if use_cache:
             raise ValueError("chunk loss needs use_cache=False: no KV cache is kept in training")
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(f"chunk loss needs logits_to_keep=0, got {logits_to_keep!r}")
         if self.loss_reduction == "raw":
             raise ValueError("loss_type='raw' (unreduced per-token loss) is not available with chunk loss")
-        if self.micro_batch_split != 1:
-            raise ValueError(
-                f"micro_batch_split={self.micro_batch_split} is not available with chunk loss: "
-                "hidden states and mRoPE position ids disagree on the batch dim"
-            )
 
     def forward(
         self,
@@ -132,10 +127,13 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             if idle is not None and out.loss is not None:
                 out.loss = out.loss + idle
             return out.to_tuple() if return_dict is False else out
-        self._check_chunk_args(labels, use_cache, logits_to_keep)
+        # pre-shifted labels (sequence parallelism): used as given, as HF's ForCausalLMLoss does
+        shifted = kwargs.pop("shift_labels", None)
+        self._check_chunk_args(labels, shifted, use_cache, logits_to_keep)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
         loss_fn = functools.partial(
             chunked_linear_cross_entropy,
+            shifted=shifted,
             reduction=self.loss_reduction,
             chunk_size=self.chunk_size,
             chunk_budget_bytes=self.chunk_budget_bytes,
@@ -178,11 +176,14 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             return super().forward(input_ids=input_ids, labels=labels, use_cache=use_cache,
                                    logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         # sample_mean / raw: HF's head gives the logits, qwenkit's reference loss reduces them
+        shifted = kwargs.pop("shift_labels", None)
         out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                               return_dict=True, **kwargs)
         if out.logits.shape[1] != labels.shape[1]:
             raise ValueError(f"loss_type={self.loss_reduction!r} needs logits for every position (logits_to_keep=0)")
-        out.loss = full_cross_entropy(out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples)
+        out.loss = full_cross_entropy(
+            out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples, shifted=shifted
+        )
         return out
 
 
@@ -306,7 +307,6 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
             chunk_size=loss_cfg.chunk_size,
             loss_type=loss_cfg.loss_type,
             chunk_budget_mb=loss_cfg.chunk_budget_mb,
-            micro_batch_split=loss_cfg.micro_batch_split,
         )
     freeze(model, model_cfg.freeze)
     return model
