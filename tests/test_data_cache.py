@@ -123,9 +123,7 @@ CHANGED = {
 }
 
 
-@pytest.mark.parametrize(
-    "key", [k for k in cache.ENCODING_KEYS if k != "template"]
-)  # template: one value today
+@pytest.mark.parametrize("key", cache.ENCODING_KEYS)
 def test_each_encoding_setting_changes_the_fingerprint(tmp_path, processor, tiny_path, key):
     path = write_set(tmp_path / "d", corrupt=False)
     read_dataset(data_cfg(path, tmp_path), processor)

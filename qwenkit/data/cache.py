@@ -39,7 +39,7 @@ from qwenkit.processor import Processor
 
 # data settings that change the tokens, the grids or which rows are bad
 ENCODING_KEYS = (
-    "image_dir", "template", "system_prompt", "max_length", "truncate_text",
+    "image_dir", "system_prompt", "max_length", "truncate_text",
     "min_pixels", "max_pixels", "min_image_side", "max_aspect_ratio", "verify_images",
 )  # fmt: skip
 # data settings that leave the index as it is (path and tiny_samples are in it through the files)
