@@ -33,7 +33,8 @@ from qwenkit.data.images import ImageProbe, load, predict_grid, resolve
 from qwenkit.data.index import MEDIA_KINDS, BadRecord, SampleIndex, SampleInfo, empty_columns, to_index
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample
-from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
+from qwenkit.data.template import Qwen2VLTemplate, fit_length
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)
