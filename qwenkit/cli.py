@@ -39,6 +39,19 @@ def _data_check(args) -> int:
     return check.check(cfg)
 
 
+def _data_prepare(args) -> int:
+    from qwenkit.data import prepare  # tokenizer and image stack: data prepare only
+
+    overrides = list(args.overrides) + ([f"data.num_proc={args.num_proc}"] if args.num_proc is not None else [])
+    try:
+        cfg = qconfig.load(args.config, overrides)
+    except qconfig.ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    cfg.data.path = args.path
+    return prepare.prepare(cfg)
+
+
 def _export(args) -> int:
     from qwenkit import checkpoint  # torch.distributed.checkpoint: export only
 
@@ -82,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", default=None, help="params/*.yaml whose data/model sections to use")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
     c.set_defaults(func=_data_check)
+    pr = dsub.add_parser("prepare", help="scan a dataset and write its index cache (data.cache_dir) before training")
+    pr.add_argument("path", help="JSON/JSONL file, directory, HF dataset directory, or 'tiny'")
+    pr.add_argument("--config", default=None, help="the run's params/*.yaml (its data/model sections key the cache)")
+    pr.add_argument("--num-proc", type=int, default=None, help="scan processes (overrides data.num_proc)")
+    pr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
+    pr.set_defaults(func=_data_prepare)
 
     e = sub.add_parser("export", help="export a checkpoint to a Hugging Face safetensors directory")
     e.add_argument("checkpoint", help="checkpoint directory (a step-N folder, or a run's output_dir for the newest)")

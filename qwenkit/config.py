@@ -73,6 +73,10 @@ class DataConfig:
     packing: bool = False  # padding-free: each micro-batch is one row of its samples, attention kept per sample
     max_tokens_per_batch: int = 0  # >0: fill micro-batches up to this many tokens (train.micro_batch_size unused)
     tiny_samples: int = 64  # size of the embedded synthetic dataset (path=tiny)
+    cache_dir: str | None = None  # prepared-index cache; None: $QWENKIT_CACHE/data-index (~/.cache/qwenkit/data-index)
+    fingerprint: Literal["stat", "content"] = "stat"  # data files keyed by path/size/mtime, or by a content hash
+    num_proc: int = 1  # scan processes per rank on a cold cache (rows are also split across ranks)
+    verify_images: Literal["header", "full"] = "header"  # scan: header (+ end marker) or a full decode
 
 
 @dataclass
@@ -375,6 +379,7 @@ def validate(cfg: Config) -> list[str]:
             "loss.loss_type: 'sample_mean' is not available with data.packing=true "
             "(a packed row is one row of several samples); use token_mean or data.packing=false",
         )
+    need(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
 
     if isinstance(lo.chunk_size, int):
         need(lo.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {lo.chunk_size}")

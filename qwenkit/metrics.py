@@ -11,8 +11,10 @@ run appends, so a step repeated after a crash appears twice (readers keep the la
 Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before clipping), ``lr``,
 ``step_time``, ``tokens_per_s`` (input tokens of the global batch, padding excluded),
 ``samples_per_s``, ``valid_tokens`` (label tokens of the global batch), ``padding_fraction`` (pad
-positions / all positions the global batch computed: 0 with ``data.packing``), ``peak_memory`` (this
-rank: accelerator peak allocated during the step, or the process's peak RSS on CPU).
+positions / all positions the global batch computed: 0 with ``data.packing``), ``bad_samples`` (bad
+samples skipped while loading the global batch, ``data.on_bad_sample: skip``; the same on every
+rank), ``peak_memory`` (this rank: accelerator peak allocated during the step, or the process's
+peak RSS on CPU).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ UNITS = {
     "samples_per_s": "sample/s",
     "valid_tokens": "token",
     "padding_fraction": "1",
+    "bad_samples": "sample",
     "peak_memory": "MiB",
 }
 

@@ -279,13 +279,14 @@ def _counts(batch: dict) -> torch.Tensor:
     mask = batch.get("attention_mask")
     positions = torch.tensor(batch["input_ids"].numel())
     tokens = mask.sum() if mask is not None else positions
-    return torch.stack([batch.pop("num_items"), batch.pop("num_samples"), tokens, positions])
+    bad = batch.pop("num_bad", torch.tensor(0))  # bad samples skipped while loading (on_bad_sample: skip)
+    return torch.stack([batch.pop("num_items"), batch.pop("num_samples"), tokens, positions, bad])
 
 
 def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     t = cfg.train
     micro = [next(batches) for _ in range(t.grad_accum)]
-    counts = torch.stack([_counts(b) for b in micro]).sum(0)  # [4] of this rank's step, see _counts
+    counts = torch.stack([_counts(b) for b in micro]).sum(0)  # [5] of this rank's step, see _counts
     counts = counts.to(rt.device)
     dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
     num_items, num_samples = counts[0], counts[1]
@@ -301,7 +302,7 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
         loss_sum += out.loss.detach().float()
     norm = grad_norm(params, t.max_grad_norm)
     dist.all_reduce(loss_sum)
-    loss, norm_value, items, samples, tokens, positions = torch.cat(
+    loss, norm_value, items, samples, tokens, positions, bad = torch.cat(
         [torch.stack([loss_sum, norm.float()]), counts.float()]
     ).tolist()
     if not (math.isfinite(loss) and math.isfinite(norm_value)):
@@ -313,6 +314,7 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     return {
         "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
         "padding_fraction": 1.0 - tokens / positions,
+        "bad_samples": int(bad),
     }  # fmt: skip
 
 

@@ -55,6 +55,9 @@ def test_wrong_types_name_key_and_value(override, pattern):
         ("train.steps=0", r"train\.steps must be > 0, got 0"),
         ("loss.chunk_size=-4", r"loss\.chunk_size must be > 0 or 'auto', got -4"),
         ("data.max_bad_fraction=1.5", r"data\.max_bad_fraction must be in \[0, 1\], got 1\.5"),
+        ("data.num_proc=0", r"data\.num_proc must be >= 1, got 0"),
+        ("data.verify_images=decode", r"data\.verify_images: got 'decode'"),
+        ("data.fingerprint=mtime", r"data\.fingerprint: got 'mtime'"),
         ("train.betas=[0.9]", r"train\.betas must be two numbers"),
     ],
 )

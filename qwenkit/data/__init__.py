@@ -11,10 +11,16 @@ file, row and reason; ``skip`` drops bad rows, logs them with their reasons, and
 more than ``data.max_bad_fraction`` of the rows are bad. A JSON file that does not parse at all
 is never skipped: how many rows it held is unknown.
 
+The scan's result is a prepared index cached under ``data.cache_dir`` (:mod:`.cache`): a
+start with the same data files, processor and encoding settings reads it instead of scanning.
+Bad samples met only when a sample is loaded follow the same policy (see :mod:`.dataset`).
+
 Modules: :mod:`.reader` (files and HF datasets), :mod:`.conversation` (row layout, roles,
 turns), :mod:`.images` (image entries, decoding, grids), :mod:`.template` (qwen2vl tokens and
-labels), :mod:`.dataset` (scan and lazy encoding), :mod:`.collator`, :mod:`.sampler`,
-:mod:`.report` (bad-sample reasons and counts), :mod:`.check` (``qwenkit data check``).
+labels), :mod:`.dataset` (scan and lazy encoding), :mod:`.index` (the index as arrays),
+:mod:`.cache` (fingerprint, parallel cold scan, cache file), :mod:`.collator`, :mod:`.sampler`,
+:mod:`.report` (bad-sample reasons and counts), :mod:`.check` (``qwenkit data check``),
+:mod:`.prepare` (``qwenkit data prepare``).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from qwenkit.config import Config, DataConfig
+from qwenkit.data import cache
 from qwenkit.data.collator import Collator
-from qwenkit.data.dataset import EncodedDataset, scan
+from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
 from qwenkit.data.sampler import ResumableSampler, TokenBudgetSampler
@@ -46,6 +53,7 @@ __all__ = [
     "ResumableSampler",
     "TokenBudgetSampler",
     "build",
+    "open_dataset",
     "read_dataset",
     "sample_batches",
     "text_only",
@@ -73,6 +81,8 @@ class DataBundle:
             for indices in self.sampler:
                 yield self.collator([self.dataset[i] for i in indices])
             return
+        for source in self.dataset.sources:
+            source.parse()  # here, once, not in every worker the DataLoader forks
         positions, plan = itertools.tee(self.sampler.plan())
         loader = torch.utils.data.DataLoader(
             self.dataset,
@@ -85,15 +95,39 @@ class DataBundle:
             yield collated
 
 
-def read_dataset(data: DataConfig, processor: Processor, source=None, stop_at_first: bool = False):
-    """Scan a dataset: ``(EncodedDataset, BadSampleReport)``; ``source`` overrides ``data.path``.
+def open_dataset(data: DataConfig, source=None) -> list:
+    """The sources of ``source`` (default ``data.path``; ``"tiny"`` is the embedded synthetic set).
 
-    ``source`` may be a path or a ``datasets.Dataset``; ``"tiny"`` is the embedded synthetic set.
+    ``source`` may be a path or a ``datasets.Dataset``.
     """
     source = data.path if source is None else source
     if isinstance(source, str) and source == "tiny":
         source = ensure_dataset(data.tiny_samples, seed=0)
-    return scan(open_sources(source), processor, data, stop_at_first)
+    return open_sources(source)
+
+
+def read_dataset(
+    data: DataConfig,
+    processor: Processor,
+    source=None,
+    stop_at_first: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    use_cache: bool = True,
+):
+    """A dataset's index, from the cache or scanned: ``(EncodedDataset, BadSampleReport)``.
+
+    ``source`` overrides ``data.path`` (see :func:`open_dataset`); ``stop_at_first`` raises the
+    first bad row (in file and row order) as a :class:`BadSample`. ``dataset.index_origin``
+    says whether the index came from the cache.
+    """
+    sources = open_dataset(data, source)
+    prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache)
+    index = prepared.index
+    if stop_at_first and index.bad:
+        raise index.bad[0].error()
+    dataset = EncodedDataset(sources, index, processor, data, prepared.origin)
+    return dataset, index.report()
 
 
 def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1, source=None) -> DataBundle:
@@ -103,8 +137,10 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     an unparseable file, fewer samples than one global batch).
     """
     data = cfg.data
-    dataset, report = read_dataset(data, processor, source, stop_at_first=data.on_bad_sample == "error")
-    unreadable = [str(s.error) for s in dataset.sources if s.error is not None]
+    dataset, report = read_dataset(
+        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size
+    )
+    unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
     if unreadable:
         raise ValueError(
             "unreadable dataset files cannot be skipped (the number of rows lost is unknown):\n  "
@@ -113,10 +149,11 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     if rank == 0:
         report.log()
         log.info(
-            "data: %d samples from %s (%d skipped)",
+            "data: %d samples from %s (%d skipped); %s",
             len(dataset),
             data.path if source is None else source,
             report.skipped,
+            dataset.index_origin,
         )
     report.check_fraction(data.max_bad_fraction)
     return DataBundle(

@@ -4,16 +4,21 @@ Unlike training, the check never stops at the first bad row and never skips sile
 lists every bad row (file, row, reason) and exits 1 if there is any, 2 if the dataset or the
 config cannot be read at all, 0 otherwise. Token counts use the tokenizer and image processor
 of ``model.path`` (the tiny one by default; pass ``--config`` for a real checkpoint's).
+
+The check always decodes every image in full (``data.verify_images: full``) and scans afresh;
+it then says whether the index cache holds this dataset under the config as training would
+use it (``qwenkit data prepare`` builds that index).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
 
 from qwenkit import config as qconfig
-from qwenkit.data import read_dataset
+from qwenkit.data import cache, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
@@ -35,30 +40,31 @@ def percentiles(values: list[int]) -> dict[str, float]:
 def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int) -> str:
     """The check's report as text: counts, token-length distribution, bad samples by reason."""
     lines = [f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read"]
-    infos = dataset.samples
-    lines.append(f"images: {sum(len(s.grids) for s in infos)}")
-    metas = [m for s in infos for m in s.videos]
-    if metas:
+    index = dataset.index
+    images, videos = index.kind_mask("image"), index.kind_mask("video")
+    lines.append(f"images: {int(images.sum())}")
+    if videos.any():
+        meta = index.media_meta[videos]  # [n_videos, 4]: frames, fps, width, height
         temporal = dataset.processor.image_processor.temporal_patch_size
-        sampled = sum(g[0] * temporal for s in infos for g in s.video_grids)
+        sampled = int(index.media_grid[videos, 0].sum()) * temporal
         lines.append(
-            f"videos: {len(metas)}, {sum(m.frames / m.fps for m in metas):.1f} s, "
-            f"{sum(m.frames for m in metas)} frames decoded, {sampled} sampled"
+            f"videos: {int(videos.sum())}, {(meta[:, 0] / meta[:, 1]).sum():.1f} s, "
+            f"{int(meta[:, 0].sum())} frames decoded, {sampled} sampled"
         )
-    if infos:
-        lengths = np.array([s.length for s in infos])
+    if len(index):
+        lengths = index.length.astype(np.int64)
         p = percentiles(lengths.tolist())
         lines.append(
             f"tokens per sample: min {p['min']}, p50 {p['p50']:.0f}, p90 {p['p90']:.0f}, p99 {p['p99']:.0f}, "
             f"max {p['max']}, mean {lengths.mean():.1f} (data.max_length={max_length})"
         )
-        image_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.grids)
-        video_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.video_grids)
-        video = f"{video_tokens} video, " if metas else ""
+        media_tokens = index.media_grid.astype(np.int64).prod(axis=1) // dataset.processor.merge_size**2  # [M]
+        video = f"{int(media_tokens[videos].sum())} video, " if videos.any() else ""
         lines.append(
-            f"tokens in total: {lengths.sum()} ({image_tokens} image, {video}{sum(s.label_tokens for s in infos)} learned)"
+            f"tokens in total: {lengths.sum()} ({int(media_tokens[images].sum())} image, {video}"
+            f"{int(index.label_tokens.sum())} learned)"
         )
-        truncated = sum(s.truncated for s in infos)
+        truncated = int(index.truncated.sum())
         if truncated:
             lines.append(f"truncated after the last image or video: {truncated}")
     if report.skipped:
@@ -82,7 +88,9 @@ def check(cfg: qconfig.Config) -> int:
     try:
         model_dir = resolve_path(cfg.model)
         processor = load_processor(cfg, model_dir)
-        dataset, report = read_dataset(cfg.data, processor, stop_at_first=False)
+        full = dataclasses.replace(cfg.data, verify_images="full")
+        dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False)
+        cache_line = cache.status(open_dataset(cfg.data), processor, cfg.data)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2
@@ -95,6 +103,7 @@ def check(cfg: qconfig.Config) -> int:
         f"{d.min_pixels}..{d.video_max_pixels} pixels and {d.video_total_pixels} per video"
     )
     print(summarize(dataset, report, cfg.data.max_length))
+    print(cache_line)
     if report.skipped:
         print(f"FAILED: {report.skipped} bad sample{'s' if report.skipped != 1 else ''}")
         return 1

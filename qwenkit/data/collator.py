@@ -26,7 +26,9 @@ Both modes:
   dim 0 in sample order, which is the order the model scatters features into placeholder tokens;
 - ``num_items``: label tokens that count after HF's causal shift, ``(labels[:, 1:] != -100).sum()``;
   summed over ranks and accumulation steps it is the ``token_mean`` denominator;
-- ``num_samples``: ``B``.
+- ``num_samples``: ``B``;
+- ``num_bad``: bad samples skipped while loading these samples (``data.on_bad_sample: skip``
+  replaces each by the next good one), present only when there were some.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ class Collator:
             raise ValueError("cannot collate an empty list of samples")
         lengths = [len(s["input_ids"]) for s in samples]
         batch = self._pack(samples, lengths) if self.packing else self._pad(samples, lengths)
-        media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS})
+        media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS and k != "num_bad"})
         for key in media:
             batch[key] = torch.cat([s[key] for s in samples if key in s])
         batch["num_items"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         batch["num_samples"] = torch.tensor(len(samples), dtype=torch.long)
+        bad = [s["num_bad"] for s in samples if "num_bad" in s]
+        if bad:
+            batch["num_bad"] = torch.stack(bad).sum()
         return batch
 
     def _pad(self, samples, lengths: list[int]) -> dict[str, torch.Tensor]:

@@ -1,44 +1,61 @@
-"""The build-time scan of every row, and the lazily encoded dataset of the rows that passed.
+"""The scan of every row into a :class:`~qwenkit.data.index.SampleIndex`, and the lazily
+encoded dataset of the rows that passed.
 
-:func:`scan` reads every row once: conversation checks, every image and video decoded in full
-(so a truncated file shows now, not at step 9,000) and measured, and the token count computed
-from the predicted image and video grids. It keeps a small :class:`SampleInfo` per good row, so the report,
-the length distribution and the ``max_bad_fraction`` check all exist before training starts.
+:func:`scan_rows` reads a range of rows: conversation checks, every image measured and checked
+(``data.verify_images``: header and end marker, or a full decode), and the token count computed
+from the predicted image grids. :func:`scan_parallel` splits a range over ``data.num_proc``
+forked processes; :mod:`qwenkit.data.cache` splits the rows over ranks and keeps the result.
+So the report, the length distribution and the ``max_bad_fraction`` check all exist before
+training starts.
 
 :class:`EncodedDataset` encodes a sample when it is indexed (pixels are large: a dataset's
 worth would not fit in memory) and checks that the image processor's grids equal the scan's
-prediction, so the token count the scan promised is the one the model sees.
+prediction, so the token count the scan promised is the one the model sees. A sample that
+turns out bad only when loaded (an image corrupt inside its compressed data, which a header
+check cannot see) follows ``data.on_bad_sample``: ``error`` raises it, naming file and row;
+``skip`` logs it and hands out the next good sample in dataset order instead. The stand-in
+depends only on the index, so every rank makes the same choice for the same sample and every
+rank still gets a full micro-batch: no rank waits in a collective for one that skipped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import multiprocessing
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from qwenkit.config import DataConfig
 from qwenkit.data.conversation import Conversation, parse_row
 from qwenkit.data.images import ImageProbe, ImageRef, load, predict_grid, resolve
+from qwenkit.data.index import MEDIA_KINDS, BadRecord, SampleIndex, SampleInfo, empty_columns, to_index
 from qwenkit.data.reader import HFSource, JsonSource
-from qwenkit.data.report import BadSample, BadSampleReport
+from qwenkit.data.report import BadSample
 from qwenkit.data.template import Qwen2VLTemplate, fit_length
 from qwenkit.data.video import VideoMeta, VideoProbe, VideoProcessor
 from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 
+log = logging.getLogger(__name__)
 
-@dataclass(slots=True)
-class SampleInfo:
-    """What the scan learned about one good row."""
+Source = JsonSource | HFSource
 
-    source: int  # index into the dataset's sources
-    row: int
-    length: int  # tokens, images included, after data.max_length
-    grids: list[tuple[int, int, int]]
-    label_tokens: int  # learned tokens (assistant replies and their <|im_end|>)
-    truncated: bool
-    videos: list[VideoMeta]  # what the probe measured; the plan (frames, grid) follows from it
-    video_grids: list[tuple[int, int, int]]
+
+class SampleView(Sequence):
+    """``dataset.samples[i]``: a :class:`SampleInfo` made from the index on access."""
+
+    def __init__(self, index: SampleIndex):
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> SampleInfo:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.index.info(i % len(self))
 
 
 class EncodedDataset:
@@ -48,62 +65,82 @@ class EncodedDataset:
     images, ``pixel_values [P, C*T*patch²]`` and ``image_grid_thw [n_images, 3]``; when it has
     videos, ``pixel_values_videos [P', C*T*patch²]``, ``video_grid_thw [n_videos, 3]`` and
     ``second_per_grid_ts [n_videos]``; ``mm_token_type_ids [S]`` (1 on image pad tokens, 2 on
-    video pad tokens) where transformers needs it.
+    video pad tokens) where transformers needs it; ``num_bad``
+    (a scalar) only when bad samples were skipped to reach it (``data.on_bad_sample: skip``).
+    ``index_origin`` says where the index came from (see :mod:`qwenkit.data.cache`).
     """
 
     def __init__(
         self,
-        sources: list[JsonSource | HFSource],
-        samples: list[SampleInfo],
+        sources: list[Source],
+        index: SampleIndex,
         processor: Processor,
         data: DataConfig,
+        origin: str = "scanned",
     ):
-        self.sources, self.samples, self.processor, self.data = sources, samples, processor, data
+        self.sources, self.index, self.processor, self.data = sources, index, processor, data
         self.template = Qwen2VLTemplate(processor, data.system_prompt)
         self.video_processor = VideoProcessor.from_config(processor.image_processor, data)
         self.with_mm_token_type_ids = needs_mm_token_type_ids()
+        self.samples = SampleView(index)
+        self.index_origin = origin
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.index)
 
     @property
-    def lengths(self) -> list[int]:
-        """Tokens per good sample (the token-budget sampler and the padding table read them)."""
-        return [s.length for s in self.samples]
+    def lengths(self) -> np.ndarray:
+        """Tokens per good sample, ``[N]`` int32: the index's own column, no copy."""
+        return self.index.length
 
     @property
     def has_videos(self) -> bool:
         """Whether any good sample has a video (every rank then runs the vision tower twice a step)."""
-        return any(s.videos for s in self.samples)
+        return self.index.has_videos
 
     def conversation(self, i: int) -> Conversation:
-        info = self.samples[i]
-        source = self.sources[info.source]
-        return parse_row(source.row(info.row), source.location(info.row))
+        source = self.sources[int(self.index.source[i])]
+        row = int(self.index.row[i])
+        return parse_row(source.row(row), source.location(row))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        info = self.samples[i]
+        n = len(self)
+        for k in range(n):
+            try:
+                sample = self.encode((i + k) % n)
+            except BadSample as bad:
+                if self.data.on_bad_sample == "error":
+                    raise
+                log.warning("skipping bad sample met while loading: %s", bad)
+                continue
+            if k:
+                sample["num_bad"] = torch.tensor(k)
+            return sample
+        raise ValueError(f"every one of the {n} samples failed to load; see the warnings above")
+
+    def encode(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample ``i`` as model inputs; raises :class:`BadSample` when its images or videos fail to load."""
+        grids_of = self.index.grids(i)
+        video_grids = self.index.grids(i, "video")
         conv = self.conversation(i)
-        refs = resolve(conv.images, conv.where, self.sources[info.source].base_dir, self.data.image_dir)
+        source = self.sources[int(self.index.source[i])]
+        refs = resolve(conv.images, conv.where, source.base_dir, self.data.image_dir)
         sample: dict[str, torch.Tensor] = {}
         if refs:
             images = [load(ref, conv.where) for ref in refs]
             pixels = self.processor.image_processor(images=images, return_tensors="pt")
             grids = [tuple(int(x) for x in g) for g in pixels["image_grid_thw"]]
-            if grids != info.grids:
+            if grids != grids_of:
                 raise RuntimeError(
-                    f"{conv.where}: the image processor made grids {grids} but the scan predicted {info.grids}; "
+                    f"{conv.where}: the image processor made grids {grids} but the scan predicted {grids_of}; "
                     "were the images changed after the dataset was built?"
                 )
             sample["pixel_values"] = pixels["pixel_values"]  # [P, C*T*patch²]
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
-        if info.videos:
-            sample.update(self._videos(conv, info))
+        if video_grids:
+            sample.update(self._videos(conv, self.video_refs(i, conv), self.index.videos(i)))
         enc = fit_length(
-            self.template.encode(conv, info.grids, info.video_grids),
-            conv,
-            self.data.max_length,
-            self.data.truncate_text,
+            self.template.encode(conv, grids_of, video_grids), conv, self.data.max_length, self.data.truncate_text
         )
         input_ids = torch.tensor(enc.input_ids, dtype=torch.long)  # [S]
         sample["input_ids"] = input_ids
@@ -115,13 +152,14 @@ class EncodedDataset:
             )  # [S]
         return sample
 
-    def video_refs(self, conv: Conversation, info: SampleInfo) -> list[ImageRef]:
-        base = self.sources[info.source].base_dir
+    def video_refs(self, i: int, conv: Conversation) -> list[ImageRef]:
+        """Where sample ``i``'s videos are (``conv`` is its conversation)."""
+        base = self.sources[int(self.index.source[i])].base_dir
         return resolve(conv.videos, conv.where, base, self.data.video_dir or self.data.image_dir, kind="video")
 
-    def _videos(self, conv: Conversation, info: SampleInfo) -> dict[str, torch.Tensor]:
+    def _videos(self, conv: Conversation, refs: list[ImageRef], metas: list[VideoMeta]) -> dict[str, torch.Tensor]:
         pixels, grids, seconds = [], [], []
-        for ref, meta in zip(self.video_refs(conv, info), info.videos):
+        for ref, meta in zip(refs, metas):
             patches, plan = self.video_processor.load(ref, meta, conv.where)
             pixels.append(patches)
             grids.append(plan.grid)
@@ -133,35 +171,50 @@ class EncodedDataset:
         }
 
 
-def scan(
-    sources: list[JsonSource | HFSource], processor: Processor, data: DataConfig, stop_at_first: bool
-) -> tuple[EncodedDataset, BadSampleReport]:
-    """Check every row; ``stop_at_first`` raises the first :class:`BadSample`, else all are counted."""
+# ---------------------------------------------------------------------------------------------
+# The scan
+
+
+def row_ranges(sources: list[Source]) -> np.ndarray:
+    """``starts [len(sources) + 1]``: source ``s`` holds global rows ``starts[s]:starts[s+1]``."""
+    return np.concatenate([[0], np.cumsum([len(s) for s in sources])]).astype(np.int64)
+
+
+def scan_rows(
+    sources: list[Source], processor: Processor, data: DataConfig, lo: int, hi: int, full: bool
+) -> SampleIndex:
+    """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it)."""
     template = Qwen2VLTemplate(processor, data.system_prompt)
-    probe = ImageProbe(data.min_image_side, data.max_aspect_ratio)
+    probe = ImageProbe(data.min_image_side, data.max_aspect_ratio, full)
     videos = _VideoScan(VideoProbe(), VideoProcessor.from_config(processor.image_processor, data), data)
-    report = BadSampleReport()
-    samples: list[SampleInfo] = []
+    starts = row_ranges(sources)
+    cols, bad, total = empty_columns(), [], 0
     for s, source in enumerate(sources):
-        if source.error is not None:  # the whole file is unreadable; it has no rows
-            if stop_at_first:
-                raise source.error
-            report.add_bad(source.error)
-        for r in range(len(source)):
+        a, b = max(lo, starts[s]), min(hi, starts[s + 1])
+        for r in range(a - starts[s], b - starts[s]):
+            total += 1
             try:
-                samples.append(_scan_row(source, s, r, template, probe, videos, data))
-            except BadSample as bad:
-                if stop_at_first:
-                    raise
-                report.add_bad(bad)
-            else:
-                report.add_ok()
-    return EncodedDataset(sources, samples, processor, data), report
+                length, grids, learned, truncated, metas, video_grids = _scan_row(
+                    source, r, template, probe, videos, data
+                )
+            except BadSample as e:
+                bad.append(BadRecord.of(s, e))
+                continue
+            for name, value in zip(
+                ("source", "row", "length", "label_tokens", "truncated"), (s, r, length, learned, truncated)
+            ):
+                cols[name].append(value)
+            cols["media_count"].append(len(grids) + len(video_grids))
+            cols["media_kind"].extend([MEDIA_KINDS["image"]] * len(grids) + [MEDIA_KINDS["video"]] * len(video_grids))
+            cols["media_grid"].extend(grids + video_grids)
+            cols["media_meta"].extend([(0.0, 0.0, 0.0, 0.0)] * len(grids))
+            cols["media_meta"].extend((m.frames, m.fps, m.width, m.height) for m in metas)
+    return to_index(cols, bad, total)
 
 
 def _scan_row(
-    source, s: int, r: int, template: Qwen2VLTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig
-) -> SampleInfo:
+    source: Source, r: int, template: Qwen2VLTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig
+):
     conv = parse_row(source.row(r), source.location(r))
     grids = []
     for ref in resolve(conv.images, conv.where, source.base_dir, data.image_dir):
@@ -173,9 +226,7 @@ def _scan_row(
     metas, video_grids = videos.measure(conv, source.base_dir)
     enc = fit_length(template.encode(conv, grids, video_grids), conv, data.max_length, data.truncate_text)
     learned = sum(label != IGNORE_INDEX for label in enc.labels[1:])
-    return SampleInfo(
-        s, r, len(enc.input_ids), grids, learned, enc.truncated_from is not None, metas, video_grids
-    )
+    return len(enc.input_ids), grids, learned, enc.truncated_from is not None, metas, video_grids
 
 
 class _VideoScan:
@@ -191,3 +242,32 @@ class _VideoScan:
             metas.append(meta)
             grids.append(self.processor.plan(meta, conv.where, ref.label).grid)
         return metas, grids
+
+
+# what forked scan processes read: set just before the fork, so nothing is pickled but row ranges
+_FORKED: tuple | None = None
+
+
+def _scan_forked(bounds: tuple[int, int]) -> SampleIndex:
+    sources, processor, data, full = _FORKED
+    return scan_rows(sources, processor, data, bounds[0], bounds[1], full)
+
+
+def scan_parallel(
+    sources: list[Source], processor: Processor, data: DataConfig, lo: int, hi: int, full: bool, num_proc: int
+) -> SampleIndex:
+    """:func:`scan_rows` over ``lo:hi`` with ``num_proc`` processes (forked: the parsed rows and
+    the processor are shared copy-on-write, not pickled); pieces come back in row order."""
+    if num_proc <= 1 or hi - lo < 2 * num_proc:
+        return scan_rows(sources, processor, data, lo, hi, full)
+    for source in sources:
+        source.parse()  # once, before the fork, so no child parses it again
+    global _FORKED
+    edges = np.linspace(lo, hi, 4 * num_proc + 1).astype(np.int64)  # a few pieces per process: balance
+    pieces = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+    _FORKED = (sources, processor, data, full)
+    try:
+        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+            return SampleIndex.concat(pool.map(_scan_forked, pieces, chunksize=1))
+    finally:
+        _FORKED = None

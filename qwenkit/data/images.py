@@ -10,6 +10,16 @@ An image entry in a row may be
 :func:`predict_grid` gives the ``(t, h, w)`` patch grid the image processor will produce from
 the image size alone, so the dataset scan knows every sample's token count without running
 the (slow) pixel pipeline; the dataset checks the prediction against the processor later.
+
+The scan measures images in one of two ways (``data.verify_images``):
+
+- ``header`` (default): the size from the file header, plus, for JPEG and PNG, the file's
+  end marker (``FFD9``, ``IEND``), so a truncated file — the common corruption, a copy cut
+  short — is still found at scan time for the price of reading a few bytes. A file without its
+  marker is decoded in full before it is called corrupt (some writers append padding).
+  Corruption inside the compressed data shows only when the sample is loaded, where
+  ``data.on_bad_sample`` handles it (see :class:`qwenkit.data.dataset.EncodedDataset`).
+- ``full``: every image decoded in full (what ``qwenkit data check`` always does).
 """
 
 from __future__ import annotations
@@ -103,6 +113,32 @@ def _decode(ref: ImageRef) -> Image.Image:
         raise _Unreadable("corrupt_image", f"cannot decode: {e}") from None
 
 
+# bytes that must appear near the end of a complete file, by PIL format name
+END_MARKERS = {"JPEG": b"\xff\xd9", "PNG": b"IEND", "MPO": b"\xff\xd9"}
+END_WINDOW = 64  # how far from the end the marker may sit (writers may pad after it)
+
+
+def _measure(ref: ImageRef, full: bool) -> tuple[int, int]:
+    """The ``(w, h)`` of an image: decoded in full, or read from the header and end marker."""
+    if full:
+        return _decode(ref).size
+    if ref.data is None and not ref.path.is_file():
+        raise _Unreadable("missing_image", f"no such file {str(ref.path)!r}")
+    try:
+        with Image.open(io.BytesIO(ref.data) if ref.data is not None else ref.path) as im:
+            size, marker = im.size, END_MARKERS.get(im.format)
+            if marker is None:
+                return size
+            fp = im.fp
+            fp.seek(0, io.SEEK_END)
+            fp.seek(max(0, fp.tell() - END_WINDOW))
+            if marker in fp.read():
+                return size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise _Unreadable("corrupt_image", f"cannot decode: {e}") from None
+    return _decode(ref).size  # no end marker: the decoder says whether the file is really cut short
+
+
 def check_shape(
     size: tuple[int, int], ref: ImageRef, where: Location, min_side: int, max_aspect_ratio: float
 ) -> None:
@@ -130,10 +166,13 @@ def predict_grid(size: tuple[int, int], image_processor) -> tuple[int, int, int]
 
 
 class ImageProbe:
-    """Decode-and-measure with a cache: datasets often reuse one image file in many rows."""
+    """Measure-and-check with a cache: datasets often reuse one image file in many rows.
 
-    def __init__(self, min_side: int, max_aspect_ratio: float):
-        self.min_side, self.max_aspect_ratio = min_side, max_aspect_ratio
+    ``full``: decode every image in full instead of reading its header and end marker.
+    """
+
+    def __init__(self, min_side: int, max_aspect_ratio: float, full: bool = False):
+        self.min_side, self.max_aspect_ratio, self.full = min_side, max_aspect_ratio, full
         self._seen: dict[Path, tuple[int, int] | _Unreadable] = {}
 
     def size(self, ref: ImageRef, where: Location) -> tuple[int, int]:
@@ -142,7 +181,7 @@ class ImageProbe:
         result = self._seen.get(key) if key is not None else None
         if result is None:
             try:
-                result = _decode(ref).size
+                result = _measure(ref, self.full)
             except _Unreadable as e:
                 result = e
             if key is not None:

@@ -33,37 +33,57 @@ class DataError(ValueError):
 
 
 class JsonSource:
-    """Rows of one ``.json`` (array) or ``.jsonl`` file."""
+    """Rows of one ``.json`` (array) or ``.jsonl`` file.
+
+    The file is parsed on first use, not when the source is opened: a start on a warm index
+    cache (:mod:`qwenkit.data.cache`) only needs the file's name and ``stat``, and the rows
+    are read when the first sample is.
+    """
 
     def __init__(self, path: Path):
         self.path = path
         self.name = str(path)
         self.base_dir = path.parent
-        self.error: BadSample | None = None  # the whole file is unreadable
-        self._rows: list[Any] = []
+        self._error: BadSample | None = None
+        self._rows: list[Any] | None = None
         self._lines: list[int | None] = []
-        if path.suffix == ".jsonl":
-            self._read_jsonl()
-        else:
-            self._read_json()
+
+    def parse(self) -> None:
+        """Read the file now (before forking workers that would each read it otherwise)."""
+        self._parsed()
+
+    def _parsed(self) -> list[Any]:
+        if self._rows is None:
+            self._rows = []
+            if self.path.suffix == ".jsonl":
+                self._read_jsonl()
+            else:
+                self._read_json()
+        return self._rows
+
+    @property
+    def error(self) -> BadSample | None:
+        """The whole file is unreadable (it then has no rows)."""
+        self._parsed()
+        return self._error
 
     def _read_json(self) -> None:
         try:
             text = self.path.read_bytes().decode("utf-8-sig")
         except UnicodeDecodeError as e:
-            self.error = BadSample(
+            self._error = BadSample(
                 Location(self.name), "malformed_json", f"not UTF-8 text ({e.reason} at byte {e.start})"
             )
             return
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            self.error = BadSample(
+            self._error = BadSample(
                 Location(self.name, line=e.lineno), "malformed_json", f"column {e.colno}: {e.msg}"
             )
             return
         if not isinstance(data, list):
-            self.error = BadSample(
+            self._error = BadSample(
                 Location(self.name),
                 "bad_format",
                 f"top level must be a JSON array of rows, got {type(data).__name__}",
@@ -85,13 +105,14 @@ class JsonSource:
                 self._rows.append(_Malformed(f"column {e.colno}: {e.msg}"))
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._parsed())
 
     def location(self, i: int) -> Location:
+        self._parsed()
         return Location(self.name, row=i, line=self._lines[i])
 
     def row(self, i: int) -> Any:
-        row = self._rows[i]
+        row = self._parsed()[i]
         if isinstance(row, _Malformed):
             raise BadSample(self.location(i), "malformed_json", row.detail)
         return row
@@ -109,11 +130,15 @@ class HFSource:
         self.name = name
         self.base_dir = base_dir
         self.error: BadSample | None = None
+        self.fingerprint: str = dataset._fingerprint  # datasets' own hash of its files and transforms
         self._arrow = dataset.with_format("arrow")
         self._len = len(dataset)
 
     def __len__(self) -> int:
         return self._len
+
+    def parse(self) -> None:
+        """Nothing to do: Arrow tables are memory-mapped."""
 
     def location(self, i: int) -> Location:
         return Location(self.name, row=i)

@@ -42,15 +42,24 @@ FRAMES_SHOWN = 4  # sampled frames rendered per video, spread over the clip
 
 
 def distributions(dataset) -> dict[str, list[int]]:
-    """Per good sample: total tokens, image tokens, video tokens, learned tokens, images, videos."""
-    tokens = dataset.processor.image_tokens  # t*h*w/merge², for images and videos alike
+    """Per good sample: total tokens, image tokens, video tokens, learned tokens, images, videos
+    (from the index arrays)."""
+    index = dataset.index
+    per_item = index.media_grid.astype(np.int64).prod(axis=1) // dataset.processor.merge_size**2  # [M]
+    row_of_item = np.repeat(np.arange(len(index)), index.media_per_row)  # [M]
+
+    def per_row(kind: str, weights: np.ndarray) -> list[int]:
+        mask = index.kind_mask(kind)
+        return np.bincount(row_of_item[mask], weights=weights[mask], minlength=len(index)).astype(np.int64).tolist()
+
+    ones = np.ones(len(per_item))
     return {
-        "tokens": [s.length for s in dataset.samples],
-        "image_tokens": [sum(tokens(g) for g in s.grids) for s in dataset.samples],
-        "video_tokens": [sum(tokens(g) for g in s.video_grids) for s in dataset.samples],
-        "learned_tokens": [s.label_tokens for s in dataset.samples],
-        "images": [len(s.grids) for s in dataset.samples],
-        "videos": [len(s.video_grids) for s in dataset.samples],
+        "tokens": index.length.tolist(),
+        "image_tokens": per_row("image", per_item),
+        "video_tokens": per_row("video", per_item),
+        "learned_tokens": index.label_tokens.tolist(),
+        "images": per_row("image", ones),
+        "videos": per_row("video", ones),
     }
 
 
@@ -129,7 +138,7 @@ def sample_videos(dataset, i: int) -> list[tuple[list, Any, Any]]:
     info = dataset.samples[i]
     conv = dataset.conversation(i)
     out = []
-    for ref, meta in zip(dataset.video_refs(conv, info), info.videos):
+    for ref, meta in zip(dataset.video_refs(i, conv), info.videos):
         frames, plan = dataset.video_processor.frames(ref, meta, conv.where)
         out.append(([Image.fromarray(f) for f in frames], plan, meta))
     return out
