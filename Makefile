@@ -30,7 +30,7 @@ $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt
 
 $(VENVCOMPAT)/.installed: pyproject.toml constraints/compat.txt
 	$(PYTHON) -m venv $(VENVCOMPAT)
-	$(VENVCOMPAT)/bin/pip install $(PIP_FLAGS) -c constraints/compat.txt -e '.[datasets,dev]'
+	$(VENVCOMPAT)/bin/pip install $(PIP_FLAGS) -c constraints/compat.txt -e '.[datasets,video,dev]'
 	touch $@
 
 test: test-main test-tf457
