@@ -11,7 +11,12 @@ run appends, so a step repeated after a crash appears twice (readers keep the la
 Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before clipping), ``lr``,
 ``step_time``, ``tokens_per_s`` (input tokens of the global batch, padding excluded),
 ``samples_per_s``, ``valid_tokens`` (label tokens of the global batch), ``peak_memory`` (this
-rank: accelerator peak allocated during the step, or the process's peak RSS on CPU).
+rank: accelerator peak allocated during the step, or the process's peak RSS on CPU). With an eval
+set (:mod:`qwenkit.evaluate`): ``eval_loss`` (token mean over the whole eval set) at step 0, every
+``train.eval_every`` steps and at the end, ``eval_accuracy`` (exact match) at step 0 and the end.
+
+``train.report_to: [tensorboard]`` also writes every metric of rank 0 as a TensorBoard scalar
+(tag = metric, global step = x) under ``<output_dir>/tensorboard`` (the ``tensorboard`` extra).
 """
 
 from __future__ import annotations
@@ -34,15 +39,21 @@ UNITS = {
     "samples_per_s": "sample/s",
     "valid_tokens": "token",
     "peak_memory": "MiB",
+    "eval_loss": "nat",
+    "eval_accuracy": "1",
 }
+REPORT_TO = ("tensorboard",)
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path, rank: int, device: torch.device):
+    def __init__(self, output_dir: str | Path, rank: int, device: torch.device, report_to: list[str] = ()):
         self.path = Path(output_dir) / "metrics" / f"rank-{rank:05d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.device = rank, str(device)
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()
+        self._tensorboard = None
+        if "tensorboard" in report_to and rank == 0:
+            self._tensorboard = tensorboard_writer(Path(output_dir) / "tensorboard")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
@@ -60,10 +71,28 @@ class MetricsWriter:
                 "rank": self.rank,
             }
             self._file.write(json.dumps(row) + "\n")
+            if self._tensorboard is not None:
+                self._tensorboard.add_scalar(metric, float(value), global_step=step)
         self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def tensorboard_writer(log_dir: Path):
+    """torch's SummaryWriter, imported only when asked for: the tensorboard package is an extra."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            f"train.report_to=[tensorboard] needs the tensorboard package ({e}); "
+            "install it with `pip install qwenkit[tensorboard]`"
+        ) from None
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 def read(path: str | Path) -> list[dict]:

@@ -59,8 +59,9 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_budget_bytes = 512 * 2**20
         self.loss_reduction = "token_mean"
         self.micro_batch_split = 1
-        # Data parallel: every rank must run the (sharded) vision tower in every step, or FSDP's
-        # collectives mismatch when one rank's micro-batch has no image. Set by the trainer.
+        # Data parallel: every rank must run the (sharded) vision tower in every forward (training
+        # and eval loss), or FSDP's collectives mismatch when one rank's micro-batch has no
+        # image. Set by the trainer.
         self.vision_every_step = False
 
     def configure_loss(
@@ -143,7 +144,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
     def _vision_idle(self, kwargs) -> bool:
         return (
             self.vision_every_step
-            and self.training
             and kwargs.get("pixel_values") is None
             and kwargs.get("pixel_values_videos") is None
         )

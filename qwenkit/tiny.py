@@ -47,6 +47,7 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle")
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four")
+EVAL_SEED = 1  # the held-out synthetic set (data.tiny_eval_samples); training rows use seed 0
 
 
 def tiny_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:

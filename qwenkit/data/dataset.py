@@ -12,13 +12,14 @@ prediction, so the token count the scan promised is the one the model sees.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from qwenkit.config import DataConfig
 from qwenkit.data.conversation import Conversation, parse_row
-from qwenkit.data.images import ImageProbe, load, predict_grid, resolve
+from qwenkit.data.images import ImageProbe, ImageRef, load, predict_grid, resolve
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample, BadSampleReport
 from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
@@ -69,10 +70,53 @@ class EncodedDataset:
         source = self.sources[info.source]
         return parse_row(source.row(info.row), source.location(info.row))
 
+    def image_refs(self, i: int, conv: Conversation | None = None) -> list[ImageRef]:
+        conv = self.conversation(i) if conv is None else conv
+        return resolve(conv.images, conv.where, self.sources[self.samples[i].source].base_dir, self.data.image_dir)
+
+    def subset(self, indices: list[int]) -> EncodedDataset:
+        """The samples at ``indices`` (in that order), sharing sources and processor."""
+        return EncodedDataset(self.sources, [self.samples[i] for i in indices], self.processor, self.data)
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         info = self.samples[i]
         conv = self.conversation(i)
-        refs = resolve(conv.images, conv.where, self.sources[info.source].base_dir, self.data.image_dir)
+        sample = self._pixels(i, conv)
+        enc = fit_length(
+            self.template.encode(conv, info.grids), conv, self.data.max_length, self.data.truncate_text
+        )
+        input_ids = torch.tensor(enc.input_ids, dtype=torch.long)  # [S]
+        sample["input_ids"] = input_ids
+        sample["labels"] = torch.tensor(enc.labels, dtype=torch.long)  # [S]
+        if self.with_mm_token_type_ids:
+            sample["mm_token_type_ids"] = (input_ids == self.processor.image_token_id).long()  # [S]
+        return sample
+
+    def prompt(self, i: int) -> tuple[dict[str, torch.Tensor], Conversation]:
+        """Generation inputs of sample ``i``: every turn before its last reply, then the assistant header.
+
+        Returns ``(inputs, conversation)``; ``inputs`` holds ``input_ids [1, S]``,
+        ``attention_mask [1, S]``, the pixels and grids of every image, and
+        ``mm_token_type_ids [1, S]`` where transformers needs it. The reference answer is
+        ``conversation.turns[-1][1]``.
+        """
+        info = self.samples[i]
+        conv = self.conversation(i)
+        if conv.turns[-1][0] != "assistant":
+            raise ValueError(f"{conv.where}: the last turn is not an assistant reply; nothing to compare a generation to")
+        asked = dataclasses.replace(conv, turns=conv.turns[:-1])
+        ids = self.template.encode(asked, info.grids).input_ids + self.template.headers["assistant"]
+        inputs = self._pixels(i, conv)
+        input_ids = torch.tensor([ids], dtype=torch.long)  # [1, S]
+        inputs["input_ids"] = input_ids
+        inputs["attention_mask"] = torch.ones_like(input_ids)
+        if self.with_mm_token_type_ids:
+            inputs["mm_token_type_ids"] = (input_ids == self.processor.image_token_id).long()  # [1, S]
+        return inputs, conv
+
+    def _pixels(self, i: int, conv: Conversation) -> dict[str, torch.Tensor]:
+        info = self.samples[i]
+        refs = self.image_refs(i, conv)
         sample: dict[str, torch.Tensor] = {}
         if refs:
             images = [load(ref, conv.where) for ref in refs]
@@ -85,14 +129,6 @@ class EncodedDataset:
                 )
             sample["pixel_values"] = pixels["pixel_values"]  # [P, C*T*patch²]
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
-        enc = fit_length(
-            self.template.encode(conv, info.grids), conv, self.data.max_length, self.data.truncate_text
-        )
-        input_ids = torch.tensor(enc.input_ids, dtype=torch.long)  # [S]
-        sample["input_ids"] = input_ids
-        sample["labels"] = torch.tensor(enc.labels, dtype=torch.long)  # [S]
-        if self.with_mm_token_type_ids:
-            sample["mm_token_type_ids"] = (input_ids == self.processor.image_token_id).long()  # [S]
         return sample
 
 
