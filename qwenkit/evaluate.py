@@ -40,9 +40,11 @@ def eval_loss(model: nn.Module, dataset, collator, batch_size: int, rank: int, w
     mine = list(range(rank, len(dataset), world_size))
     per_rank = math.ceil(len(dataset) / world_size)
     batches = math.ceil(per_rank / batch_size)
-    was_training, reduction = model.training, model.loss_reduction
+    # HF's own class (qwenkit eval on an export) has no loss_reduction: its loss is a token mean
+    was_training, reduction = model.training, getattr(model, "loss_reduction", None)
     model.eval()
-    model.loss_reduction = "token_mean"  # the eval loss is a token mean whatever the training loss is
+    if reduction is not None:
+        model.loss_reduction = "token_mean"  # the eval loss is a token mean whatever the training loss is
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, label tokens]
     try:
         for b in range(batches):
@@ -58,7 +60,8 @@ def eval_loss(model: nn.Module, dataset, collator, batch_size: int, rank: int, w
             out = model(**batch, num_items_in_batch=1)  # token_mean over 1 item: the sum
             total += torch.stack([out.loss.detach().double(), items.to(device).double()])
     finally:
-        model.loss_reduction = reduction
+        if reduction is not None:
+            model.loss_reduction = reduction
         model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -108,3 +111,63 @@ class Evaluator:
         if dist.is_initialized():
             dist.broadcast(result, src=0)  # every rank logs the same value; the others waited here
         return result.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# qwenkit eval RUN_OR_CHECKPOINT
+
+
+def load_for_eval(target: str | Path, config_path: str | Path | None = None):
+    """``(model, processor, cfg, name)`` for a run's output_dir, a checkpoint, or an HF export directory.
+
+    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.checkpoint.load_hf`),
+    with the config the run saved; an export (a directory with ``config.json``) is loaded with
+    ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
+    """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from qwenkit import checkpoint as ckpt
+    from qwenkit import config as qconfig
+    from qwenkit.model import DTYPES
+    from qwenkit.processor import load_processor
+
+    target = Path(target)
+    if (target / "config.json").is_file():
+        cfg = qconfig.load(config_path)
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            target, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+        )
+        return model, load_processor(cfg, target), cfg, target.name
+    step = ckpt.resolve(target)
+    cfg = qconfig.load(config_path or ckpt.run_config_path(step))
+    return ckpt.load_hf(step, cfg), load_processor(cfg), cfg, step.name
+
+
+def eval_main(args) -> int:
+    """``qwenkit eval RUN_OR_CHECKPOINT [--data PATH] [--samples N]``: eval loss, accuracy, JSONL."""
+    import logging
+
+    from qwenkit import data as qdata
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model, processor, cfg, name = load_for_eval(args.target, args.config)
+    if args.data is not None:
+        dataset, report = qdata.read_dataset(cfg.data, processor, args.data)
+        report.log()
+    else:
+        dataset = qdata.build(cfg, processor).eval_dataset
+        if dataset is None:
+            raise SystemExit(
+                f"qwenkit eval: the run's config gives no eval set (data.eval_path, data.eval_fraction or "
+                f"data.tiny_eval_samples); pass --data PATH"
+            )
+    samples = cfg.train.eval_samples if args.samples is None else args.samples
+    collator = qdata.Collator(processor)
+    loss = eval_loss(model, dataset, collator, cfg.train.micro_batch_size, 0, 1, torch.device("cpu"))
+    rows = qgen.generate_rows(model, dataset, list(range(min(samples, len(dataset)))), cfg.train.eval_max_new_tokens)
+    out = Path(args.out) if args.out else Path(args.target) / "eval" / f"cli-{name}.jsonl"
+    qgen.write_jsonl(rows, out)
+    print(f"eval_loss {loss:.4f}")
+    print(f"eval_accuracy {qgen.accuracy(rows):.4f} ({sum(r.match for r in rows)}/{len(rows)} exact matches)")
+    print(f"generations: {out}")
+    return 0
