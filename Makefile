@@ -13,7 +13,7 @@ TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,tensorboard,dev]'
 	touch $@
 
 $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt

@@ -197,3 +197,19 @@ def test_resume_keeps_the_eval_schedule(tmp_path):
     assert [e["step"] for e in whole.evals] == [0, 3, 4]
     assert [e["step"] for e in first.evals] == [0] and [e["step"] for e in second.evals] == [3, 4]
     assert first.evals + second.evals == whole.evals  # DCP resume is bit-identical
+
+
+def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = qconfig.load(overrides=BASE + ["train.steps=1", "train.eval_samples=1", "train.eval_max_new_tokens=2",
+                                         "train.report_to=[tensorboard]", f"train.output_dir={tmp_path}"])  # fmt: skip
+    train.run(cfg)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    jsonl = metrics.read(tmp_path / "metrics" / "rank-00000.jsonl")
+    assert set(events.Tags()["scalars"]) == {r["metric"] for r in jsonl}
+    for row in jsonl:
+        (point,) = [e for e in events.Scalars(row["metric"]) if e.step == row["x"]]
+        assert point.value == pytest.approx(row["value"], rel=1e-6)
