@@ -157,7 +157,7 @@ def two_ranks(tmp_path_factory, tiny_path):
 def test_eval_loss_and_accuracy_do_not_depend_on_world_size(two_ranks, tmp_path):
     cfg = qconfig.load(
         overrides=BASE + ["train.steps=2", "train.eval_every=1", "train.eval_samples=3", "train.eval_max_new_tokens=6",
-                          f"train.output_dir={tmp_path}"]
+                          f"train.output_dir={tmp_path}", "train.micro_batch_size=4"]  # the same global batch
     )  # fmt: skip
     one = train.Trainer(cfg)
     one.run()
@@ -183,7 +183,7 @@ def test_generation_under_fsdp_equals_generation_from_the_export(two_ranks, tmp_
     rows = [r.to_json() for r in qgen.generate_rows(model, eval_set, [0, 1, 2], max_new_tokens=6)]
     logged = qgen.read_jsonl(evaluate.generations_path(two_ranks / "two", 2))
     assert logged == rows
-    assert all(r["generated"] for r in rows) and all(r["images"] and r["reference"] for r in rows)
+    assert all(r["images"] and r["reference"] for r in rows)
 
 
 def test_resume_keeps_the_eval_schedule(tmp_path):
