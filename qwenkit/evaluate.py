@@ -128,7 +128,7 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
 
     from qwenkit import checkpoint as ckpt
     from qwenkit import config as qconfig
-    from qwenkit.model import DTYPES
+    from qwenkit.config import DTYPES
     from qwenkit.processor import load_processor
 
     target = Path(target)
@@ -158,8 +158,8 @@ def eval_main(args) -> int:
         dataset = qdata.build(cfg, processor).eval_dataset
         if dataset is None:
             raise SystemExit(
-                f"qwenkit eval: the run's config gives no eval set (data.eval_path, data.eval_fraction or "
-                f"data.tiny_eval_samples); pass --data PATH"
+                "qwenkit eval: the run's config gives no eval set (data.eval_path, data.eval_fraction or "
+                "data.tiny_eval_samples); pass --data PATH"
             )
     samples = cfg.train.eval_samples if args.samples is None else args.samples
     collator = qdata.Collator(processor)

@@ -138,15 +138,19 @@ def chunked_linear_cross_entropy(
     chunk_budget_bytes: int = 512 * 2**20,
     num_items_in_batch: int | torch.Tensor | None = None,
     num_samples: int | torch.Tensor | None = None,
+    shifted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal-LM loss of ``hidden [B, S, H]`` against unshifted ``labels [B, S]``.
 
     Equal to HF's ``ForCausalLMLoss(lm_head(hidden), labels)`` (``token_mean``, with
     ``num_items_in_batch`` giving the global normaliser) in value and in every gradient.
+    ``shifted``: labels already shifted (HF's ``shift_labels``, as sequence parallelism passes
+    them, each rank holding a slice); used as given, and ``labels`` is then not read.
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
-    shifted = shift_labels(labels)  # [B, S]
+    if shifted is None:
+        shifted = shift_labels(labels)  # [B, S]
+    if hidden.shape[:-1] != shifted.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
     weights = token_weights(shifted, reduction, num_items_in_batch, num_samples).reshape(-1).float()
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     if chunk_size == "auto":
@@ -164,9 +168,14 @@ def full_cross_entropy(
     reduction: str = "token_mean",
     num_items_in_batch: int | torch.Tensor | None = None,
     num_samples: int | torch.Tensor | None = None,
+    shifted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference (full logits) loss for every reduction, incl. ``raw`` (per-token, [B, S])."""
-    shifted = shift_labels(labels)
+    """Reference (full logits) loss for every reduction, incl. ``raw`` (per-token, [B, S]).
+
+    ``shifted``: pre-shifted labels (HF's ``shift_labels``), used instead of shifting ``labels``.
+    """
+    if shifted is None:
+        shifted = shift_labels(labels)
     per_token = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(shifted.shape)  # [B, S]
