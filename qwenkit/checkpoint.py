@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from qwenkit.config import DTYPES
+from qwenkit.fsdp import _parameters_on_meta
 from qwenkit.model import resolve_path
 
 log = logging.getLogger(__name__)
@@ -334,8 +335,6 @@ def load_hf(checkpoint: str | Path, cfg):
     (rotary ``inv_freq``) are in no checkpoint: they keep the values computed at construction.
     """
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
-
-    from qwenkit.fsdp import _parameters_on_meta
 
     ckpt = resolve(checkpoint)
     base = resolve_path(cfg.model)

@@ -50,7 +50,7 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from qwenkit.evaluate import eval_main
+    from qwenkit.evaluate import eval_main  # the model, data and generation stack: eval only
 
     return eval_main(args)
 

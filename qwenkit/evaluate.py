@@ -19,15 +19,22 @@ evaluation writes them to ``<output_dir>/eval/step-NNNNNN.jsonl``.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import Qwen2_5_VLForConditionalGeneration
 
+from qwenkit import checkpoint as ckpt
+from qwenkit import config as qconfig
+from qwenkit import data as qdata
 from qwenkit import generate as qgen
+from qwenkit.config import DTYPES
 from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.model import load_processor
 
 
 def generations_path(output_dir: str | Path, step: int) -> Path:
@@ -97,8 +104,6 @@ class Evaluator:
         return values
 
     def accuracy(self, step: int, model: nn.Module) -> float:
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
         main_rank = self.rank == 0
         # HF's own class on the full weights: what from_pretrained on an export of them gives
         copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, self.device, main_rank)
@@ -124,13 +129,6 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
     with the config the run saved; an export (a directory with ``config.json``) is loaded with
     ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
     """
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from qwenkit import checkpoint as ckpt
-    from qwenkit import config as qconfig
-    from qwenkit.config import DTYPES
-    from qwenkit.processor import load_processor
-
     target = Path(target)
     if (target / "config.json").is_file():
         cfg = qconfig.load(config_path)
@@ -145,10 +143,6 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
 
 def eval_main(args) -> int:
     """``qwenkit eval RUN_OR_CHECKPOINT [--data PATH] [--samples N]``: eval loss, accuracy, JSONL."""
-    import logging
-
-    from qwenkit import data as qdata
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, processor, cfg, name = load_for_eval(args.target, args.config)
     if args.data is not None:

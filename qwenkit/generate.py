@@ -25,6 +25,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import GenerationConfig
+
+from qwenkit.fsdp import _parameters_on_meta
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,6 @@ def generate_rows(model: nn.Module, dataset, indices: list[int], max_new_tokens:
 
     One row per ``generate`` call: no padding, so a row's tokens do not depend on its batch.
     """
-    from transformers import GenerationConfig
-
     tok = dataset.processor.tokenizer
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     config = GenerationConfig(
@@ -120,10 +122,6 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     parameters on meta (buffers such as rotary ``inv_freq`` computed for real), then takes the
     gathered full tensors, so it never initialises weights it would overwrite.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from qwenkit.fsdp import _parameters_on_meta
-
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not main_rank:
         return None

@@ -34,7 +34,7 @@ from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
 from qwenkit.data.sampler import ResumableSampler
 from qwenkit.processor import Processor
-from qwenkit.tiny import ensure_dataset
+from qwenkit.tiny import EVAL_SEED, ensure_dataset
 
 __all__ = [
     "REASONS",
@@ -158,8 +158,6 @@ def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: 
         report.check_fraction(data.max_bad_fraction)
         where = data.eval_path
     elif data.tiny_eval_samples > 0 and source is None and data.path == "tiny":
-        from qwenkit.tiny import EVAL_SEED, ensure_dataset
-
         held_out, _ = read_dataset(data, processor, ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED))
         where = f"synthetic, seed {EVAL_SEED}"
     else:
