@@ -20,7 +20,8 @@ from typing import Any, Literal, Union
 import torch
 import yaml
 
-from qwenkit.patches import OPS
+from qwenkit.loss import LOSS_TYPES
+from qwenkit.patches import BACKENDS, OPS, dispatch
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
@@ -42,6 +43,8 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     freeze: list[str] = field(default_factory=list)  # module paths, e.g. ["model.visual"]
     fused_ops: Literal["auto", "off"] | list[str] = "auto"  # or a subset of qwenkit.patches.OPS
+    # auto: NPU tensors run torch_npu, CUDA tensors Liger (when installed); npu | cuda: that route only
+    fused_backend: Literal[BACKENDS] = "auto"
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
     tie_word_embeddings: bool = False  # only for path=tiny (HF checkpoints carry their own)
 
@@ -73,7 +76,7 @@ class LossConfig:
     chunk_size: int | Literal["auto"] = "auto"  # tokens per logits chunk
     chunk_budget_mb: int = 512  # memory budget of one fp32 logits chunk, for chunk_size=auto
     # "raw" (unreduced per-token loss) is an API output (model.configure_loss), never a training loss
-    loss_type: Literal["token_mean", "sample_mean", "raw"] = "token_mean"
+    loss_type: Literal[LOSS_TYPES] = "token_mean"
 
 
 @dataclass
@@ -320,6 +323,13 @@ def validate(cfg: Config) -> list[str]:
     if isinstance(m.fused_ops, list):
         for op in m.fused_ops:
             need(op in OPS, f"model.fused_ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
+    if m.fused_backend != "auto" and m.fused_ops != "off":
+        library = dispatch.ROUTES[m.fused_backend].LIBRARY
+        need(
+            dispatch.installed(library),
+            f"model.fused_backend={m.fused_backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed; "
+            "use auto (each tensor's device picks its kernels) or install it",
+        )
     need(d.max_length > 0, f"data.max_length must be > 0, got {d.max_length}")
     need(d.min_pixels > 0, f"data.min_pixels must be > 0, got {d.min_pixels}")
     need(

@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-REDUCTIONS = ("token_mean", "sample_mean")
+IGNORE_INDEX = -100  # label of a position the loss skips (HF's and torch's convention)
+REDUCTIONS = ("token_mean", "sample_mean")  # what the chunked head computes
+LOSS_TYPES = (*REDUCTIONS, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -186,6 +187,7 @@ def full_cross_entropy(
 
 __all__ = [
     "IGNORE_INDEX",
+    "LOSS_TYPES",
     "REDUCTIONS",
     "auto_chunk_size",
     "chunked_linear_cross_entropy",

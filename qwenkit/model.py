@@ -25,12 +25,11 @@ from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from qwenkit.config import DTYPES
-from qwenkit.loss import chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.loss import LOSS_TYPES, chunked_linear_cross_entropy, full_cross_entropy
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 from qwenkit.tiny import ensure_checkpoint
 
 log = logging.getLogger(__name__)
-LOSS_TYPES = ("token_mean", "sample_mean", "raw")
 
 
 class ChunkedLMHead(nn.Linear):

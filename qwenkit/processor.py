@@ -1,9 +1,11 @@
 """Image-only Qwen2.5-VL processor: a tokenizer plus transformers' Qwen2-VL image processor.
 
-``Qwen2_5_VLProcessor`` insists on a video processor, which imports torchvision (optional here,
-see DESIGN.md). Training only needs the tokenizer and the image processor, so this class holds
-those two and reads/writes the same files as an HF checkpoint directory: a real Qwen2.5-VL
-checkpoint loads with :meth:`Processor.from_pretrained`, and so does the embedded tiny one.
+``Qwen2_5_VLProcessor`` insists on a video processor, which imports torchvision: optional here,
+because a torchvision wheel built for another device (PyPI's is CUDA-linked) fails to import on
+a CPU-only machine and then breaks transformers' imports with it. Training only needs the
+tokenizer and the image processor, so this class holds those two and reads/writes the same files
+as an HF checkpoint directory: a real Qwen2.5-VL checkpoint loads with
+:meth:`Processor.from_pretrained`, and so does the embedded tiny one.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from PIL import Image
 
 from qwenkit import config as qconfig
 from qwenkit import data
+from qwenkit.data.check import percentiles
 from qwenkit.model import load_processor
 from qwenkit.notebooks import samples
 
@@ -47,15 +48,21 @@ def test_bad_samples_tables_and_metrics(tmp_path, bad_dataset, tiny_path):
     cfg = qconfig.load(overrides={"data.path": str(bad_dataset)})
     processor = load_processor(cfg)
     dataset, report = data.read_dataset(cfg.data, processor)
-    by_reason, messages = samples.bad_sample_rows(report)
-    assert {r["reason"] for r in by_reason} == {"missing_image", "bad_role"}
-    assert all("d.json: row" in m["bad sample"] for m in messages)
     html = samples.render_sample(dataset, 0)
     assert "data:image/png;base64," in html and "Red." in html and "&lt;image: " in html
     values = samples.save(tmp_path / "out", str(bad_dataset), dataset, report, max_length=1024)
     assert (values["good"], values["bad"], values["rows"]) == (1, 2, 3)
     doc = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert doc["passed"] and "1 good / 2 bad of 3 rows" in doc["summary"]
+    # the tables are drawn from data_summary.csv alone
+    by_reason, messages = (f.data[0].cells.values for f in samples.bad_sample_figures(tmp_path / "out"))
+    assert set(by_reason[0]) == {"missing_image", "bad_role"}
+    assert len(messages[1]) == 2 and all("d.json: row" in m for m in messages[1])
+    dist = samples.distributions(dataset)
+    tokens, image_tokens, learned = samples.distribution_figures(tmp_path / "out")
+    assert [list(f.data[0].x) for f in (tokens, image_tokens, learned)] == [
+        dist["tokens"], dist["image_tokens"], dist["learned_tokens"]
+    ]
 
 
 def test_distributions_of_the_tiny_set(tiny_path):
@@ -64,7 +71,7 @@ def test_distributions_of_the_tiny_set(tiny_path):
     dist = samples.distributions(dataset)
     assert dist["image_tokens"] == [16] * 6 and dist["images"] == [1] * 6
     assert all(t > img + learned for t, img, learned in zip(dist["tokens"], dist["image_tokens"], dist["learned_tokens"]))
-    p = samples.percentiles(dist["tokens"])
+    p = percentiles(dist["tokens"])
     assert p["min"] <= p["p50"] <= p["max"]
 
 

@@ -23,6 +23,15 @@ from qwenkit.processor import pixel_bounds
 MAX_LISTED = 200  # bad rows printed one by one; the counts by reason are always complete
 
 
+def percentiles(values: list[int]) -> dict[str, float]:
+    """``min``, ``p50``, ``p90``, ``p99``, ``max`` of token counts (empty for no values)."""
+    if not values:
+        return {}
+    a = np.asarray(values)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"min": int(a.min()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": int(a.max())}
+
+
 def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int) -> str:
     """The check's report as text: counts, token-length distribution, bad samples by reason."""
     lines = [f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read"]
@@ -30,10 +39,10 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
     lines.append(f"images: {sum(len(s.grids) for s in infos)}")
     if infos:
         lengths = np.array([s.length for s in infos])
-        p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+        p = percentiles(lengths.tolist())
         lines.append(
-            f"tokens per sample: min {lengths.min()}, p50 {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, "
-            f"max {lengths.max()}, mean {lengths.mean():.1f} (data.max_length={max_length})"
+            f"tokens per sample: min {p['min']}, p50 {p['p50']:.0f}, p90 {p['p90']:.0f}, p99 {p['p99']:.0f}, "
+            f"max {p['max']}, mean {lengths.mean():.1f} (data.max_length={max_length})"
         )
         image_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.grids)
         lines.append(

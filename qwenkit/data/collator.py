@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor
 
 SEQUENCE_KEYS = ("input_ids", "labels", "mm_token_type_ids")

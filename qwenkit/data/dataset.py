@@ -22,7 +22,8 @@ from qwenkit.data.conversation import Conversation, parse_row
 from qwenkit.data.images import ImageProbe, ImageRef, load, predict_grid, resolve
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample, BadSampleReport
-from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
+from qwenkit.data.template import Qwen2VLTemplate, fit_length
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 
@@ -59,10 +60,6 @@ class EncodedDataset:
 
     def __len__(self) -> int:
         return len(self.samples)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [s.length for s in self.samples]
 
     def conversation(self, i: int) -> Conversation:
         info = self.samples[i]

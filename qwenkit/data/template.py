@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from qwenkit.data.conversation import IMAGE_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor
-
-IGNORE_INDEX = -100
 
 
 @dataclass

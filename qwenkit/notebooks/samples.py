@@ -14,15 +14,17 @@ import html
 import io
 from typing import Any
 
-import numpy as np
 import torch
 
 from qwenkit.data import REASONS
+from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
-from qwenkit.notebooks import results
+from qwenkit.loss import IGNORE_INDEX
+from qwenkit.notebooks import plots, results
 from qwenkit.processor import SPECIAL_TOKENS, Processor
 
-IGNORE_INDEX = -100
+SUMMARY_FILE = "data_summary.csv"
+BAD_LISTED = 50  # bad-sample messages kept in the result file and shown in the report
 STYLE = {
     "learned": "background:#c8f7c5;border-bottom:2px solid #1a7f37",
     "context": "",
@@ -44,24 +46,6 @@ def distributions(dataset) -> dict[str, list[int]]:
         "learned_tokens": [s.label_tokens for s in dataset.samples],
         "images": [len(s.grids) for s in dataset.samples],
     }
-
-
-def percentiles(values: list[int]) -> dict[str, float]:
-    if not values:
-        return {}
-    a = np.asarray(values)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"min": int(a.min()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": int(a.max())}
-
-
-def bad_sample_rows(report, limit: int = 50) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(by_reason, first_messages)`` table rows of a :class:`BadSampleReport`."""
-    by_reason = [
-        {"reason": r, "samples": n, "meaning": REASONS[r]}
-        for r, n in sorted(report.by_reason.items(), key=lambda kv: -kv[1])
-    ]
-    messages = [{"#": i, "bad sample": m} for i, m in enumerate(report.messages[:limit])]
-    return by_reason, messages
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +135,8 @@ def render_sample(dataset, i: int) -> str:
 
 
 def save(out_dir, data_path: str, dataset, report, max_length: int, device: str = "cpu") -> dict[str, Any]:
-    """``data_summary.csv`` (per-sample counts, long format) and ``metrics.json``; returns the metrics."""
+    """``data_summary.csv`` (per-sample counts, bad samples, the length limit; long format) and
+    ``metrics.json``; returns the metrics. The figures are drawn from these files (:func:`figures`)."""
     dist = distributions(dataset)
     rows = [
         results.record(metric, value, unit="token" if metric != "images" else "image", series=str(data_path),
@@ -160,7 +145,10 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
         for i, value in enumerate(values)
     ]
     rows += [results.record("bad_samples", n, series=reason, device=device) for reason, n in report.by_reason.items()]
-    results.write_csv(rows, f"{out_dir}/data_summary.csv")
+    rows += [results.record("bad_sample", i, series="message", x_name="message", x=m, device=device)
+             for i, m in enumerate(report.messages[:BAD_LISTED])]  # fmt: skip
+    rows.append(results.record("max_length", max_length, unit="token", series="data.max_length", device=device))
+    results.write_csv(rows, f"{out_dir}/{SUMMARY_FILE}")
     tokens = percentiles(dist["tokens"])
     over = sum(t > max_length for t in dist["tokens"])
     values = {
@@ -187,3 +175,44 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
 
 def tensor_shapes(batch: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures, drawn from the result files alone
+
+
+def bad_sample_figures(out_dir) -> list:
+    """The bad-sample tables (by reason, then the first messages); none when every row was good."""
+    rows = results.read_csv(f"{out_dir}/{SUMMARY_FILE}")
+    counts = sorted(results.select(rows, metric="bad_samples"), key=lambda r: -r["value"])
+    if not counts:
+        return []
+    bad = int(sum(r["value"] for r in counts))
+    good = len(results.select(rows, metric="tokens"))  # one row per good sample
+    by_reason = [{"reason": r["series"], "samples": int(r["value"]), "meaning": REASONS[r["series"]]} for r in counts]
+    first = [{"#": int(r["value"]), "bad sample": r["x"]} for r in results.select(rows, metric="bad_sample")]
+    return [
+        plots.table(by_reason, ["reason", "samples", "meaning"], title=f"{bad} bad of {good + bad} rows"),
+        plots.table(first, ["#", "bad sample"], title=f"Bad samples (first {BAD_LISTED})"),
+    ]
+
+
+def distribution_figures(out_dir) -> list:
+    """Histograms of tokens (with the data.max_length line), image tokens and learned tokens per sample."""
+    rows = results.read_csv(f"{out_dir}/{SUMMARY_FILE}")
+
+    def values(metric: str) -> list[float]:
+        return [r["value"] for r in results.select(rows, metric=metric)]
+
+    (limit,) = values("max_length")
+    return [
+        plots.histogram(values("tokens"), "Tokens per sample (text + image)", "tokens", limit=int(limit),
+                        limit_name="data.max_length"),  # fmt: skip
+        plots.histogram(values("image_tokens"), "Image tokens per sample", "image tokens"),
+        plots.histogram(values("learned_tokens"), "Learned tokens per sample (labels the loss counts)", "tokens"),
+    ]
+
+
+def figures(out_dir) -> list:
+    """Every figure of notebook 01, in the order it shows them."""
+    return bad_sample_figures(out_dir) + distribution_figures(out_dir)
