@@ -20,7 +20,7 @@ COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py tests/tes
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,video,dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,video,tensorboard,dev]'
 	touch $@
 
 $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt

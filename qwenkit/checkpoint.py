@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from qwenkit.config import DTYPES
+from qwenkit.fsdp import _parameters_on_meta
 from qwenkit.model import resolve_path
 
 log = logging.getLogger(__name__)
@@ -312,19 +313,40 @@ PROCESSOR_FILES = (
 def export(checkpoint: str | Path, out: str | Path, cfg) -> Path:
     """Write a checkpoint's model as an HF directory (safetensors, config, processor files).
 
+    Runs in one process without a process group (see :func:`load_hf`); ``save_pretrained``
+    writes HF's own key layout, so ``from_pretrained`` loads it back.
+    """
+    out = Path(out)
+    base = resolve_path(cfg.model)
+    hf = load_hf(checkpoint, cfg)
+    hf.save_pretrained(out)
+    for name in PROCESSOR_FILES:
+        if (base / name).is_file():
+            shutil.copy2(base / name, out / name)
+    log.debug("exported %s to %s", resolve(checkpoint), out)
+    return out
+
+
+def load_hf(checkpoint: str | Path, cfg):
+    """A checkpoint's model as a plain ``Qwen2_5_VLForConditionalGeneration`` on the CPU.
+
     Runs in one process without a process group: DCP gathers every shard into full tensors of
-    a plain ``Qwen2_5_VLForConditionalGeneration`` (built on meta, then given CPU storage), which
-    ``save_pretrained`` writes in HF's own key layout, so ``from_pretrained`` loads it back.
+    the HF model built with parameters on meta, then given CPU storage. Non-persistent buffers
+    (rotary ``inv_freq``) are in no checkpoint: they keep the values computed at construction.
     """
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    ckpt, out = resolve(checkpoint), Path(out)
+    ckpt = resolve(checkpoint)
     base = resolve_path(cfg.model)
     config = AutoConfig.from_pretrained(base, local_files_only=True)
-    with torch.device("meta"):
+    with _parameters_on_meta():
         hf = Qwen2_5_VLForConditionalGeneration(config)
+    buffers = {name: buf.clone() for name, buf in hf.named_buffers()}
     hf.to_empty(device="cpu")
     hf.to(DTYPES[cfg.model.dtype])
+    for name, buf in buffers.items():
+        module_name, _, leaf = name.rpartition(".")
+        hf.get_submodule(module_name)._buffers[leaf] = buf
     state = hf.state_dict()
     saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
     wanted = {k: v for k, v in state.items() if f"model.{k}" in saved}
@@ -335,12 +357,7 @@ def export(checkpoint: str | Path, out: str | Path, cfg) -> Path:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load({"model": wanted}, checkpoint_id=str(ckpt), no_dist=True)
-    hf.save_pretrained(out)
-    for name in PROCESSOR_FILES:
-        if (base / name).is_file():
-            shutil.copy2(base / name, out / name)
-    log.debug("exported %s to %s", ckpt, out)
-    return out
+    return hf
 
 
 def run_config_path(checkpoint: str | Path) -> Path:

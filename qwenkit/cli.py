@@ -1,4 +1,4 @@
-"""The ``qwenkit`` command: train, data check, export, notebooks.
+"""The ``qwenkit`` command: train, data check, export, eval, notebooks.
 
 Each subcommand lives in the module that owns its concern; this file only parses and dispatches.
 """
@@ -62,6 +62,12 @@ def _export(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from qwenkit.evaluate import eval_main  # the model, data and generation stack: eval only
+
+    return eval_main(args)
+
+
 def _notebooks(args) -> int:
     from qwenkit.notebooks import runner  # papermill and nbconvert (the notebooks extra): notebooks only
 
@@ -107,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output directory")
     e.add_argument("--config", default=None, help="the run's params/*.yaml (default: the one saved with the run)")
     e.set_defaults(func=_export)
+
+    v = sub.add_parser("eval", help="eval loss and exact-match accuracy of a run, checkpoint or export")
+    v.add_argument("target", metavar="RUN_OR_CHECKPOINT", help="a run's output_dir, a step-N checkpoint, or an export")
+    v.add_argument("--data", default=None, help="eval dataset (default: the run's eval set)")
+    v.add_argument("--samples", type=int, default=None, help="rows to generate for accuracy (default: train.eval_samples)")
+    v.add_argument("--config", default=None, help="params/*.yaml (default: the one saved with the run)")
+    v.add_argument("--out", default=None, help="generations JSONL (default: RUN_OR_CHECKPOINT/eval/cli-<name>.jsonl)")
+    v.set_defaults(func=_eval)
 
     n = sub.add_parser("notebooks", help="run the notebooks with papermill and render HTML reports")
     nsub = n.add_subparsers(dest="notebooks_command", required=True)

@@ -77,6 +77,9 @@ class DataConfig:
     fingerprint: Literal["stat", "content"] = "stat"  # data files keyed by path/size/mtime, or by a content hash
     num_proc: int = 1  # scan processes per rank on a cold cache (rows are also split across ranks)
     verify_images: Literal["header", "full"] = "header"  # scan: header (+ end marker) or a full decode
+    eval_path: str | None = None  # held-out set, any format data.path takes
+    eval_fraction: float = 0.0  # or hold out this fraction of data.path's rows (split by train.seed)
+    tiny_eval_samples: int = 0  # path=tiny: held-out synthetic rows drawn with another seed (0: none)
 
 
 @dataclass
@@ -129,6 +132,10 @@ class TrainConfig:
     # resume (or start fresh) behind newer checkpoints in output_dir: they move to superseded-<time>/
     resume_older: bool = False
     log_every: int = 1
+    eval_every: int = 0  # eval loss every N steps; always at step 0 and train.steps when an eval set exists
+    eval_samples: int = 16  # eval rows whose greedy replies give eval_accuracy (step 0 and the end); 0: none
+    eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
+    report_to: list[Literal["tensorboard"]] = field(default_factory=list)  # besides the metrics JSONL
 
 
 @dataclass
@@ -380,6 +387,12 @@ def validate(cfg: Config) -> list[str]:
             "(a packed row is one row of several samples); use token_mean or data.packing=false",
         )
     need(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
+    need(0.0 <= d.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    need(
+        d.eval_path is None or d.eval_fraction == 0.0,
+        f"data.eval_path ({d.eval_path!r}) and data.eval_fraction ({d.eval_fraction}) both give an eval set; keep one",
+    )
+    need(d.tiny_eval_samples >= 0, f"data.tiny_eval_samples must be >= 0, got {d.tiny_eval_samples}")
 
     if isinstance(lo.chunk_size, int):
         need(lo.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {lo.chunk_size}")
@@ -410,6 +423,9 @@ def validate(cfg: Config) -> list[str]:
     )
     need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0, got {t.max_grad_norm}")
     need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+    need(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
+    need(t.eval_samples >= 0, f"train.eval_samples must be >= 0, got {t.eval_samples}")
+    need(t.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {t.eval_max_new_tokens}")
 
     need(ck.every >= 0, f"checkpoint.every must be >= 0, got {ck.every}")
     need(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")

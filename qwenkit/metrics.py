@@ -14,7 +14,12 @@ Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before cli
 positions / all positions the global batch computed: 0 with ``data.packing``), ``bad_samples`` (bad
 samples skipped while loading the global batch, ``data.on_bad_sample: skip``; the same on every
 rank), ``peak_memory`` (this rank: accelerator peak allocated during the step, or the process's
-peak RSS on CPU).
+peak RSS on CPU). With an eval set (:mod:`qwenkit.evaluate`): ``eval_loss`` (token mean over the whole eval set) at
+step 0, every ``train.eval_every`` steps and at the end, ``eval_accuracy`` (exact match) at step 0
+and the end.
+
+``train.report_to: [tensorboard]`` also writes every metric of rank 0 as a TensorBoard scalar
+(tag = metric, global step = x) under ``<output_dir>/tensorboard`` (the ``tensorboard`` extra).
 """
 
 from __future__ import annotations
@@ -39,15 +44,21 @@ UNITS = {
     "padding_fraction": "1",
     "bad_samples": "sample",
     "peak_memory": "MiB",
+    "eval_loss": "nat",
+    "eval_accuracy": "1",
 }
+REPORT_TO = ("tensorboard",)
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path, rank: int, device: torch.device):
+    def __init__(self, output_dir: str | Path, rank: int, device: torch.device, report_to: list[str] = ()):
         self.path = Path(output_dir) / "metrics" / f"rank-{rank:05d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.device = rank, str(device)
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()
+        self._tensorboard = None
+        if "tensorboard" in report_to and rank == 0:
+            self._tensorboard = tensorboard_writer(Path(output_dir) / "tensorboard")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
@@ -65,10 +76,28 @@ class MetricsWriter:
                 "rank": self.rank,
             }
             self._file.write(json.dumps(row) + "\n")
+            if self._tensorboard is not None:
+                self._tensorboard.add_scalar(metric, float(value), global_step=step)
         self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def tensorboard_writer(log_dir: Path):
+    """torch's SummaryWriter, imported only when asked for: the tensorboard package is an extra."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            f"train.report_to=[tensorboard] needs the tensorboard package ({e}); "
+            "install it with `pip install qwenkit[tensorboard]`"
+        ) from None
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 def read(path: str | Path) -> list[dict]:

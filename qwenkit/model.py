@@ -60,8 +60,9 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_size: int | str = "auto"
         self.chunk_budget_bytes = 512 * 2**20
         self.loss_reduction = "token_mean"
-        # Data parallel: every rank must run the (sharded) vision tower in every step, or FSDP's
-        # collectives mismatch when one rank's micro-batch has no image. Set by the trainer.
+        # Data parallel: every rank must run the (sharded) vision tower in every forward (training
+        # and eval loss), or FSDP's collectives mismatch when one rank's micro-batch has no
+        # image. Set by the trainer.
         self.vision_every_step = False
         # Data with videos: HF runs the tower once per modality present (images, then videos), so a
         # rank with both makes two calls; with this set every rank makes two, an idle call standing
@@ -160,7 +161,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
 
     def _idle_vision_calls(self, kwargs) -> int:
         """Vision-tower calls this rank must add so that every rank makes the same number."""
-        if not (self.vision_every_step and self.training):
+        if not self.vision_every_step:  # training and eval loss alike
             return 0
         made = (kwargs.get("pixel_values") is not None) + (kwargs.get("pixel_values_videos") is not None)
         return max(0, 1 + self.video_every_step - made)

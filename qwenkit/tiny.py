@@ -47,6 +47,7 @@ COLOURS = {
 SHAPES = ("circle", "square", "triangle")
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four")
+EVAL_SEED = 1  # the held-out synthetic set (data.tiny_eval_samples); training rows use seed 0
 
 
 def tiny_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
@@ -222,7 +223,7 @@ def _draw(rng: random.Random, side: int = TINY_IMAGE_SIDE):
     background = (20, 20, 20) if colour != "white" else (90, 90, 90)
     image = Image.new("RGB", (side, side), background)
     draw = ImageDraw.Draw(image)
-    quadrants = rng.sample(range(4), count)
+    quadrants = sorted(rng.sample(range(4), count))  # reading order: "the first shape" is well defined
     half = side // 2
     for q in quadrants:
         x0, y0 = (q % 2) * half + 8, (q // 2) * half + 8
@@ -279,7 +280,7 @@ def write_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
 def ensure_dataset(n: int = 64, seed: int = 0, root: str | Path | None = None) -> Path:
     """The synthetic dataset in the cache folder, written once per (n, seed)."""
     root = Path(root) if root is not None else _cache_root()
-    path = root / f"tiny-data-n{n}-s{seed}-v1"
+    path = root / f"tiny-data-n{n}-s{seed}-v2"
     if (path / "tiny.json").is_file():
         return path / "tiny.json"
     root.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,10 @@ One optimizer step:
 3. grad norm over all shards, one all-reduce of the loss, and one host sync (``.tolist()``) for
    logging and the NaN/inf check: a non-finite loss or grad norm raises :class:`NonFiniteError`
    with the step number *before* the optimizer step, so the weights are not updated;
-4. clip to ``train.max_grad_norm``, AdamW step (at the LR logged), LR-scheduler step; metrics to JSONL
-   (:mod:`qwenkit.metrics`), the profiler window (:mod:`qwenkit.profiling`), and a DCP
+4. clip to ``train.max_grad_norm``, AdamW step (at the LR logged), LR-scheduler step; with an
+   eval set, eval loss and accuracy when due (:mod:`qwenkit.evaluate`; also once before the
+   first step); metrics to JSONL (:mod:`qwenkit.metrics`), the profiler window
+   (:mod:`qwenkit.profiling`), and a DCP
    checkpoint every ``checkpoint.every`` steps and at the end (:mod:`qwenkit.checkpoint`).
 """
 
@@ -45,6 +47,7 @@ from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
 from qwenkit import data, fsdp, patches
 from qwenkit import model as qmodel
+from qwenkit.evaluate import Evaluator
 from qwenkit.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
 from qwenkit.profiling import ProfileWindow
 from qwenkit.weights import load_hf_weights
@@ -150,6 +153,8 @@ class Trainer:
         self.start_step = 0  # the step resumed from (0: fresh)
         self.last_step = cfg.train.stop_after or cfg.train.steps  # this invocation ends here
         self.checkpoint: Path | None = None  # the last checkpoint written
+        self.evals: list[dict] = []  # {"step", "eval_loss"[, "eval_accuracy"]} per evaluation run here
+        self.evaluator: Evaluator | None = None
         self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
 
     def run(self) -> None:
@@ -196,6 +201,10 @@ class Trainer:
             log.info("%s", plan.describe())
         model.train()
         self.model = model
+        if self.bundle.eval_dataset is not None:
+            self.evaluator = Evaluator(
+                cfg, self.bundle.eval_dataset, self.bundle.collator, rt.rank, rt.world_size, rt.device, self.out_dir
+            )
         self.optimizer = build_optimizer(model, t)
         if resume is None:
             if main_rank:
@@ -234,11 +243,13 @@ class Trainer:
         main_rank = rt.rank == 0
         params = [p for p in self.model.parameters() if p.requires_grad]
         batches = self.bundle.batches()  # created after the resume: starts at the restored position
-        metrics = MetricsWriter(self.out_dir, rt.rank, rt.device)
+        metrics = MetricsWriter(self.out_dir, rt.rank, rt.device, t.report_to)
         window = ProfileWindow(cfg.profile, rt.device, self.out_dir, rt.rank)
         # disable=None: a bar on a terminal, none in batch logs (which get the step lines below)
         bar = tqdm(total=t.steps, initial=self.start_step, disable=None if main_rank else True, desc="train")
         try:
+            if self.start_step == 0 and self.evaluator is not None:
+                metrics.write(0, self.evaluate(0))
             for step in range(self.start_step + 1, self.last_step + 1):
                 began = time.perf_counter()
                 reset_peak_memory(rt.device)
@@ -247,6 +258,8 @@ class Trainer:
                 values["tokens_per_s"] = values.pop("tokens") / values["step_time"]
                 values["samples_per_s"] = values.pop("samples") / values["step_time"]
                 values["peak_memory"] = peak_memory_mib(rt.device)
+                if self.evaluator is not None and self.evaluator.due(step):
+                    values.update(self.evaluate(step))
                 metrics.write(step, values)
                 self.history.append({"step": step, **values})
                 window.step()
@@ -268,6 +281,14 @@ class Trainer:
             bar.close()
             window.close()
             metrics.close()
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Eval loss (and accuracy) of the current weights; collective, see :mod:`qwenkit.evaluate`."""
+        values = self.evaluator.run(step, self.model)
+        self.evals.append({"step": step, **values})
+        if self.rt.rank == 0:
+            tqdm.write(f"eval at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        return values
 
 
 def _counts(batch: dict) -> torch.Tensor:

@@ -162,12 +162,19 @@ def _mixed_modalities(rank, out):
     loss = model(**batches[rank], num_items_in_batch=total).loss
     (loss * 2).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    model.eval()  # eval loss (qwenkit.evaluate): in eval mode too, every rank runs the vision tower
+    with torch.no_grad():
+        evaluated = model(**batches[rank], num_items_in_batch=total).loss
+    dist.all_reduce(evaluated)
     if rank == 0:
         ref = build_model(chunk=True, seed=4)
         for b in batches:
             ref(**b, num_items_in_batch=total).loss.backward()
         for n, p in ref.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, **FP32, msg=lambda m, n=n: f"{n}: {m}")
+        with torch.no_grad():
+            want = sum(ref.eval()(**b, num_items_in_batch=total).loss for b in batches)
+        torch.testing.assert_close(evaluated, want, **FP32)
         (out / "ok").write_text("ok")
     dist.barrier()
     dist.destroy_process_group()

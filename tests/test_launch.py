@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,10 +14,10 @@ import pytest
 from multiproc import free_port
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import cli, launch, metrics
+from qwenkit import cli, generate, launch, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0"]
+SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2"]
 
 
 def _qwenkit(*args, timeout=240):
@@ -43,14 +44,44 @@ def test_train_then_export(tmp_path):
     for rank in (0, 1):
         rows = [r for r in metrics.read(out) if r["rank"] == rank]
         assert {r["metric"] for r in rows} == set(metrics.UNITS)
-        assert sorted({r["x"] for r in rows}) == [1, 2, 3]
+        assert sorted({r["x"] for r in rows}) == [0, 1, 2, 3]  # x = 0: the eval before the first step
+        assert sorted(metrics.series(out / "metrics" / f"rank-{rank:05d}.jsonl", "eval_accuracy")) == [0, 3]
         assert all(r["rank"] == rank and r["device"] == "cpu" for r in rows)
-    assert re.search(r"step 3/3  loss \d", proc.stdout)
+    assert re.search(r"step 3/3  loss \d", proc.stdout) and "eval at step 3: eval_loss" in proc.stdout
+    assert len(generate.read_jsonl(out / "eval" / "step-000003.jsonl")) == 2
     assert "part" in proc.stderr and "trainable" in proc.stderr  # the parameter manifest is logged
 
     exported = _qwenkit("export", str(out), str(tmp_path / "hf"))  # finds out/config.yaml itself
     assert exported.returncode == 0, exported.stderr
     Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf")
+
+    # qwenkit eval on the run (its newest checkpoint, its own eval set) gives the trainer's numbers
+    evaluated = _qwenkit("eval", str(out), "--samples", "2")
+    assert evaluated.returncode == 0, evaluated.stderr
+    logged = {m: metrics.series(out / "metrics" / "rank-00000.jsonl", m)[3] for m in ("eval_loss", "eval_accuracy")}
+    assert f"eval_loss {logged['eval_loss']:.4f}" in evaluated.stdout
+    assert f"eval_accuracy {logged['eval_accuracy']:.4f}" in evaluated.stdout
+    assert generate.read_jsonl(out / "eval" / "cli-step-00000003.jsonl") == generate.read_jsonl(
+        out / "eval" / "step-000003.jsonl"
+    )
+    held_out = out / "eval" / "held_out.jsonl"  # the export, with another data file and sample count
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in _tiny_rows(3)))
+    evaluated = _qwenkit("eval", str(tmp_path / "hf"), "--data", str(held_out), "--samples", "3",
+                         "--config", str(out / "config.yaml"))  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "eval_loss " in evaluated.stdout and "/3 exact matches)" in evaluated.stdout
+    assert len(generate.read_jsonl(tmp_path / "hf" / "eval" / "cli-hf.jsonl")) == 3
+
+
+def _tiny_rows(n):
+    """The first n rows of the tiny eval set, with absolute image paths (so the file may live anywhere)."""
+    from qwenkit.tiny import EVAL_SEED, ensure_dataset
+
+    path = ensure_dataset(4, seed=EVAL_SEED)
+    rows = json.loads(path.read_text())[:n]
+    for row in rows:
+        row["images"] = [str(path.parent / image) for image in row["images"]]
+    return rows
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from qwenkit.config import Config, DataConfig
@@ -40,7 +41,7 @@ from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
 from qwenkit.data.sampler import ResumableSampler, TokenBudgetSampler
 from qwenkit.processor import Processor
-from qwenkit.tiny import ensure_dataset
+from qwenkit.tiny import EVAL_SEED, ensure_dataset
 
 __all__ = [
     "REASONS",
@@ -56,9 +57,13 @@ __all__ = [
     "open_dataset",
     "read_dataset",
     "sample_batches",
+    "split_eval",
     "text_only",
     "to_device",
 ]
+
+# Another stream of train.seed than the sampler's epochs use, so the split and the order are independent.
+EVAL_SPLIT_STREAM = 2**32 - 1
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,7 @@ class DataBundle:
     collator: Collator
     report: BadSampleReport
     num_workers: int = 0
+    eval_dataset: EncodedDataset | None = None  # held-out rows (data.eval_path, eval_fraction, tiny_eval_samples)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Endless collated micro-batches for this rank, from the sampler's position on.
@@ -156,9 +162,10 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
             dataset.index_origin,
         )
     report.check_fraction(data.max_bad_fraction)
+    dataset, eval_dataset = _eval_set(cfg, processor, dataset, rank, world_size, source)
     return DataBundle(
         dataset, make_sampler(cfg, dataset, rank, world_size), Collator(processor, data.packing), report,
-        data.num_workers,
+        data.num_workers, eval_dataset,
     )
 
 
@@ -170,6 +177,47 @@ def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: in
             dataset.lengths, data.max_tokens_per_batch, cfg.train.seed, data.shuffle, rank, world_size, data.packing
         )
     return ResumableSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size)
+
+
+def split_eval(dataset: EncodedDataset, fraction: float, seed: int) -> tuple[EncodedDataset, EncodedDataset]:
+    """``(train, eval)``: ``round(fraction * n)`` rows (at least 1) held out, chosen by ``seed``.
+
+    The two are disjoint sets of the scanned rows; both keep file order, and the split depends
+    only on the rows that passed the scan, the fraction and the seed (the same on every rank).
+    """
+    n = len(dataset)
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise ValueError(f"data.eval_fraction={fraction} holds out {k} of {n} rows: nothing is left to train on")
+    order = np.random.default_rng([seed % 2**64, EVAL_SPLIT_STREAM]).permutation(n)
+    return dataset.subset(sorted(order[k:].tolist())), dataset.subset(sorted(order[:k].tolist()))
+
+
+def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: int, world_size: int, source):
+    """``(train rows, eval rows or None)`` from data.eval_path, data.eval_fraction or data.tiny_eval_samples."""
+    data = cfg.data
+    if data.eval_fraction > 0:
+        dataset, held_out = split_eval(dataset, data.eval_fraction, cfg.train.seed)
+        where = f"{data.eval_fraction:g} of data.path held out (train.seed={cfg.train.seed})"
+    elif data.eval_path is not None:
+        held_out, report = read_dataset(
+            data, processor, data.eval_path, data.on_bad_sample == "error", rank=rank, world_size=world_size
+        )
+        if rank == 0:
+            report.log()
+        report.check_fraction(data.max_bad_fraction)
+        where = data.eval_path
+    elif data.tiny_eval_samples > 0 and source is None and data.path == "tiny":
+        eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED)
+        held_out, _ = read_dataset(data, processor, eval_rows, rank=rank, world_size=world_size)
+        where = f"synthetic, seed {EVAL_SEED}"
+    else:
+        return dataset, None
+    if len(held_out) == 0:
+        raise ValueError(f"the eval set ({where}) has no usable rows")
+    if rank == 0:
+        log.info("eval data: %d samples (%s); training on %d", len(held_out), where, len(dataset))
+    return dataset, held_out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ ENCODING_KEYS = (
 # data settings that leave the index as it is (path and tiny_samples are in it through the files)
 RUN_KEYS = (
     "path", "tiny_samples", "on_bad_sample", "max_bad_fraction", "shuffle", "num_workers",
-    "cache_dir", "fingerprint", "num_proc", "packing", "max_tokens_per_batch",
+    "cache_dir", "fingerprint", "num_proc", "packing", "max_tokens_per_batch", "eval_path", "eval_fraction",
+    "tiny_eval_samples",
 )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ rank still gets a full micro-batch: no rank waits in a collective for one that s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 from collections.abc import Sequence
@@ -103,6 +104,16 @@ class EncodedDataset:
         row = int(self.index.row[i])
         return parse_row(source.row(row), source.location(row))
 
+    def image_refs(self, i: int, conv: Conversation | None = None) -> list[ImageRef]:
+        """Where sample ``i``'s images are (``conv``: its conversation, read when not given)."""
+        conv = self.conversation(i) if conv is None else conv
+        base = self.sources[int(self.index.source[i])].base_dir
+        return resolve(conv.images, conv.where, base, self.data.image_dir)
+
+    def subset(self, indices: list[int]) -> EncodedDataset:
+        """The samples at ``indices`` (in that order), sharing sources and processor."""
+        return EncodedDataset(self.sources, self.index.take(indices), self.processor, self.data, self.index_origin)
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         n = len(self)
         for k in range(n):
@@ -120,11 +131,52 @@ class EncodedDataset:
 
     def encode(self, i: int) -> dict[str, torch.Tensor]:
         """Sample ``i`` as model inputs; raises :class:`BadSample` when its images or videos fail to load."""
-        grids_of = self.index.grids(i)
-        video_grids = self.index.grids(i, "video")
         conv = self.conversation(i)
-        source = self.sources[int(self.index.source[i])]
-        refs = resolve(conv.images, conv.where, source.base_dir, self.data.image_dir)
+        sample = self._media(i, conv)
+        enc = fit_length(
+            self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video")),
+            conv,
+            self.data.max_length,
+            self.data.truncate_text,
+        )
+        input_ids = torch.tensor(enc.input_ids, dtype=torch.long)  # [S]
+        sample["input_ids"] = input_ids
+        sample["labels"] = torch.tensor(enc.labels, dtype=torch.long)  # [S]
+        if self.with_mm_token_type_ids:
+            sample["mm_token_type_ids"] = self._token_types(input_ids)  # [S]
+        return sample
+
+    def prompt(self, i: int) -> tuple[dict[str, torch.Tensor], Conversation]:
+        """Generation inputs of sample ``i``: every turn before its last reply, then the assistant header.
+
+        Returns ``(inputs, conversation)``; ``inputs`` holds ``input_ids [1, S]``,
+        ``attention_mask [1, S]``, the pixels and grids of every image and video, and
+        ``mm_token_type_ids [1, S]`` where transformers needs it. The reference answer is
+        ``conversation.turns[-1][1]``.
+        """
+        conv = self.conversation(i)
+        if conv.turns[-1][0] != "assistant":
+            raise ValueError(f"{conv.where}: the last turn is not an assistant reply; nothing to compare a generation to")
+        asked = dataclasses.replace(conv, turns=conv.turns[:-1])
+        encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"))
+        inputs = self._media(i, conv)
+        input_ids = torch.tensor([encoded.input_ids + self.template.headers["assistant"]], dtype=torch.long)  # [1, S]
+        inputs["input_ids"] = input_ids
+        inputs["attention_mask"] = torch.ones_like(input_ids)
+        if self.with_mm_token_type_ids:
+            inputs["mm_token_type_ids"] = self._token_types(input_ids)  # [1, S]
+        return inputs, conv
+
+    def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """transformers 5.x's ``mm_token_type_ids``: 0 text, 1 image pad, 2 video pad."""
+        return (input_ids == self.processor.image_token_id).long() + 2 * (
+            input_ids == self.processor.video_token_id
+        ).long()
+
+    def _media(self, i: int, conv: Conversation) -> dict[str, torch.Tensor]:
+        """Sample ``i``'s image and video tensors, checked against the scan's grids."""
+        grids_of = self.index.grids(i)
+        refs = self.image_refs(i, conv)
         sample: dict[str, torch.Tensor] = {}
         if refs:
             images = [load(ref, conv.where) for ref in refs]
@@ -137,19 +189,8 @@ class EncodedDataset:
                 )
             sample["pixel_values"] = pixels["pixel_values"]  # [P, C*T*patch²]
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
-        if video_grids:
+        if self.index.grids(i, "video"):
             sample.update(self._videos(conv, self.video_refs(i, conv), self.index.videos(i)))
-        enc = fit_length(
-            self.template.encode(conv, grids_of, video_grids), conv, self.data.max_length, self.data.truncate_text
-        )
-        input_ids = torch.tensor(enc.input_ids, dtype=torch.long)  # [S]
-        sample["input_ids"] = input_ids
-        sample["labels"] = torch.tensor(enc.labels, dtype=torch.long)  # [S]
-        if self.with_mm_token_type_ids:
-            sample["mm_token_type_ids"] = (
-                (input_ids == self.processor.image_token_id).long()
-                + 2 * (input_ids == self.processor.video_token_id).long()
-            )  # [S]
         return sample
 
     def video_refs(self, i: int, conv: Conversation) -> list[ImageRef]:

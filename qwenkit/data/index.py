@@ -149,6 +149,17 @@ class SampleIndex:
         cols["media_offsets"] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return cls(cols, [b for p in pieces for b in p.bad], sum(p.total for p in pieces))
 
+    def take(self, indices) -> SampleIndex:
+        """The rows at ``indices`` (in that order) with their media items; bad records are not carried."""
+        rows = np.asarray(indices, dtype=np.int64)
+        cols = {name: self.columns[name][rows] for name in ROW_COLUMNS}
+        lo, hi = self.media_offsets[rows], self.media_offsets[rows + 1]  # [n]
+        items = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)] or [np.zeros(0, np.int64)]).astype(np.int64)
+        for name in MEDIA_COLUMNS:
+            cols[name] = self.columns[name][items]
+        cols["media_offsets"] = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+        return SampleIndex(cols, [], len(rows))
+
     # -- the cache file -------------------------------------------------------------------------
 
     def save(self, path: Path, meta: dict) -> None:

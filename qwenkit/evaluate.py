@@ -1,0 +1,167 @@
+"""Held-out evaluation during training: eval loss on every rank, generation accuracy on rank 0.
+
+Schedule (:meth:`Evaluator.due`): before the first step (step 0, fresh runs only), every
+``train.eval_every`` steps, and at ``train.steps``. It depends on the step alone, so a resumed
+run evaluates at exactly the steps an uninterrupted one does.
+
+**Eval loss** is the token mean over the *whole* eval set, whatever the world size: rank ``r``
+takes rows ``r, r + W, r + 2W, ...`` in micro-batches of ``train.micro_batch_size``; every
+forward returns its batch's *sum* of token losses (``num_items_in_batch=1`` with the
+``token_mean`` reduction), and one all-reduce of ``[sum, tokens]`` gives the mean. All ranks
+run the same number of forwards (FSDP's collectives need that): a rank out of rows runs a row
+with every label ignored, which adds 0 to both. It runs in ``eval()`` mode under
+``torch.no_grad()``: no activations kept, no gradients, parameters untouched.
+
+**Accuracy** is the exact match of greedy replies on the first ``train.eval_samples`` eval rows,
+generated on rank 0 from the gathered full weights (see :mod:`qwenkit.generate`); each
+evaluation writes them to ``<output_dir>/eval/step-NNNNNN.jsonl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from qwenkit import checkpoint as ckpt
+from qwenkit import config as qconfig
+from qwenkit import data as qdata
+from qwenkit import generate as qgen
+from qwenkit.config import DTYPES
+from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.model import load_processor
+
+
+def generations_path(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / "eval" / f"step-{step:06d}.jsonl"
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, dataset, collator, batch_size: int, rank: int, world_size: int, device) -> float:
+    """Global token-mean loss of ``model`` over all of ``dataset`` (collective: every rank calls it)."""
+    mine = list(range(rank, len(dataset), world_size))
+    per_rank = math.ceil(len(dataset) / world_size)
+    batches = math.ceil(per_rank / batch_size)
+    # HF's own class (qwenkit eval on an export) has no loss_reduction: its loss is a token mean
+    was_training, reduction = model.training, getattr(model, "loss_reduction", None)
+    model.eval()
+    if reduction is not None:
+        model.loss_reduction = "token_mean"  # the eval loss is a token mean whatever the training loss is
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, label tokens]
+    try:
+        for b in range(batches):
+            rows = [dataset[i] for i in mine[b * batch_size : (b + 1) * batch_size]]
+            if not rows:  # this rank is out of rows: same collectives, nothing counted
+                filler = dataset[0]
+                filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
+                rows = [filler]
+            batch = collator(rows)
+            items = batch.pop("num_items")
+            batch.pop("num_samples")
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out = model(**batch, num_items_in_batch=1)  # token_mean over 1 item: the sum
+            total += torch.stack([out.loss.detach().double(), items.to(device).double()])
+    finally:
+        if reduction is not None:
+            model.loss_reduction = reduction
+        model.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    loss_sum, tokens = total.tolist()
+    if tokens == 0:
+        raise ValueError("the eval set has no label tokens (no assistant reply survived data.max_length)")
+    return loss_sum / tokens
+
+
+class Evaluator:
+    """One rank's evaluation of a training run (see the module docstring)."""
+
+    def __init__(self, cfg, dataset, collator, rank: int, world_size: int, device, output_dir: str | Path):
+        self.cfg, self.dataset, self.collator = cfg, dataset, collator
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.output_dir = Path(output_dir)
+        self.samples = list(range(min(cfg.train.eval_samples, len(dataset))))
+
+    def due(self, step: int) -> bool:
+        t = self.cfg.train
+        return step == 0 or step == t.steps or (t.eval_every > 0 and step % t.eval_every == 0)
+
+    def generates(self, step: int) -> bool:
+        return bool(self.samples) and step in (0, self.cfg.train.steps)
+
+    def run(self, step: int, model: nn.Module) -> dict[str, float]:
+        """``eval_loss`` (and ``eval_accuracy`` at step 0 and the last step); collective."""
+        t = self.cfg.train
+        values = {"eval_loss": eval_loss(model, self.dataset, self.collator, t.micro_batch_size,
+                                         self.rank, self.world_size, self.device)}  # fmt: skip
+        if self.generates(step):
+            values["eval_accuracy"] = self.accuracy(step, model)
+        return values
+
+    def accuracy(self, step: int, model: nn.Module) -> float:
+        main_rank = self.rank == 0
+        # HF's own class on the full weights: what from_pretrained on an export of them gives
+        copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, self.device, main_rank)
+        result = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if main_rank:
+            rows = qgen.generate_rows(copy, self.dataset, self.samples, self.cfg.train.eval_max_new_tokens)
+            qgen.write_jsonl(rows, generations_path(self.output_dir, step))
+            result += qgen.accuracy(rows)
+            del copy
+        if dist.is_initialized():
+            dist.broadcast(result, src=0)  # every rank logs the same value; the others waited here
+        return result.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# qwenkit eval RUN_OR_CHECKPOINT
+
+
+def load_for_eval(target: str | Path, config_path: str | Path | None = None):
+    """``(model, processor, cfg, name)`` for a run's output_dir, a checkpoint, or an HF export directory.
+
+    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.checkpoint.load_hf`),
+    with the config the run saved; an export (a directory with ``config.json``) is loaded with
+    ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
+    """
+    target = Path(target)
+    if (target / "config.json").is_file():
+        cfg = qconfig.load(config_path)
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            target, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+        )
+        return model, load_processor(cfg, target), cfg, target.name
+    step = ckpt.resolve(target)
+    cfg = qconfig.load(config_path or ckpt.run_config_path(step))
+    return ckpt.load_hf(step, cfg), load_processor(cfg), cfg, step.name
+
+
+def eval_main(args) -> int:
+    """``qwenkit eval RUN_OR_CHECKPOINT [--data PATH] [--samples N]``: eval loss, accuracy, JSONL."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model, processor, cfg, name = load_for_eval(args.target, args.config)
+    if args.data is not None:
+        dataset, report = qdata.read_dataset(cfg.data, processor, args.data)
+        report.log()
+    else:
+        dataset = qdata.build(cfg, processor).eval_dataset
+        if dataset is None:
+            raise SystemExit(
+                "qwenkit eval: the run's config gives no eval set (data.eval_path, data.eval_fraction or "
+                "data.tiny_eval_samples); pass --data PATH"
+            )
+    samples = cfg.train.eval_samples if args.samples is None else args.samples
+    collator = qdata.Collator(processor)
+    loss = eval_loss(model, dataset, collator, cfg.train.micro_batch_size, 0, 1, torch.device("cpu"))
+    rows = qgen.generate_rows(model, dataset, list(range(min(samples, len(dataset)))), cfg.train.eval_max_new_tokens)
+    out = Path(args.out) if args.out else Path(args.target) / "eval" / f"cli-{name}.jsonl"
+    qgen.write_jsonl(rows, out)
+    print(f"eval_loss {loss:.4f}")
+    print(f"eval_accuracy {qgen.accuracy(rows):.4f} ({sum(r.match for r in rows)}/{len(rows)} exact matches)")
+    print(f"generations: {out}")
+    return 0

@@ -1,0 +1,215 @@
+"""Evaluation: held-out split, eval loss against a hand computation and across world sizes,
+no change to the weights, the eval schedule across a resume, exact match, generation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import build_model
+from multiproc import check_ranks
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from qwenkit import checkpoint as ckpt
+from qwenkit import config as qconfig
+from qwenkit import data, evaluate, metrics, train
+from qwenkit import generate as qgen
+from qwenkit.data.template import IGNORE_INDEX
+
+BASE = ["train.resume=none", "data.tiny_samples=16", "data.tiny_eval_samples=5", "train.micro_batch_size=2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact match
+
+
+@pytest.mark.parametrize(
+    ("generated", "reference", "expected"),
+    [
+        ("They are red.", "They are red.", True),
+        ("  they   ARE red.\n", "They are red.", True),  # case and whitespace runs
+        ("They are red", "They are red.", False),  # punctuation counts
+        ("They are red. They are red.", "They are red.", False),
+        ("", "", True),
+        ("", "A circle.", False),
+        ("A\tcircle.", "a circle.", True),
+    ],
+)
+def test_exact_match_normalises_case_and_whitespace_only(generated, reference, expected):
+    assert qgen.exact_match(generated, reference) is expected
+
+
+def test_accuracy_is_the_fraction_of_matches():
+    rows = [qgen.Generation(i, "", [], "A circle.", g) for i, g in enumerate(["a circle.", "A square.", "A CIRCLE."])]
+    assert qgen.accuracy(rows) == pytest.approx(2 / 3)
+    assert qgen.accuracy([]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Eval data
+
+
+def _keys(dataset) -> set[tuple[int, int]]:
+    return {(s.source, s.row) for s in dataset.samples}
+
+
+def test_eval_fraction_split_is_disjoint_deterministic_and_seeded(processor):
+    cfg = qconfig.load(overrides=["data.eval_fraction=0.25", "train.seed=7", "data.tiny_samples=16"])
+    full, _ = data.read_dataset(cfg.data, processor)
+    bundle = data.build(cfg, processor)
+    train_rows, eval_rows = _keys(bundle.dataset), _keys(bundle.eval_dataset)
+    assert len(eval_rows) == 4 and not train_rows & eval_rows and train_rows | eval_rows == _keys(full)
+    assert bundle.sampler.num_samples == len(bundle.dataset) == 12  # the sampler only sees training rows
+    again = data.build(cfg, processor, rank=1, world_size=2)  # same split on every rank
+    assert _keys(again.eval_dataset) == eval_rows
+    other = data.build(qconfig.load(overrides=["data.eval_fraction=0.25", "train.seed=8", "data.tiny_samples=16"]), processor)
+    assert _keys(other.eval_dataset) != eval_rows
+
+
+def test_eval_path_and_tiny_held_out_set(processor, tmp_path):
+    from qwenkit.tiny import EVAL_SEED, write_dataset
+
+    cfg = qconfig.load(overrides=["data.tiny_samples=16", "data.tiny_eval_samples=6"])
+    bundle = data.build(cfg, processor)
+    assert len(bundle.eval_dataset) == 6 and len(bundle.dataset) == 16
+    train_images = {str(bundle.dataset.image_refs(i)[0].path) for i in range(len(bundle.dataset))}
+    eval_images = {str(bundle.eval_dataset.image_refs(i)[0].path) for i in range(6)}
+    assert not train_images & eval_images and f"-s{EVAL_SEED}-" in next(iter(eval_images))
+    path = write_dataset(tmp_path, n=3, seed=5)
+    bundle = data.build(qconfig.load(overrides=["data.tiny_samples=16", f"data.eval_path={path}"]), processor)
+    assert len(bundle.eval_dataset) == 3 and len(bundle.dataset) == 16
+    assert data.build(qconfig.load(overrides=["data.tiny_samples=16"]), processor).eval_dataset is None
+
+
+def test_config_refuses_two_eval_sets_and_bad_ranges():
+    with pytest.raises(qconfig.ConfigError) as e:
+        qconfig.load(overrides=["data.eval_path=x.json", "data.eval_fraction=0.1", "data.tiny_eval_samples=-1",
+                                "train.eval_every=-1", "train.eval_max_new_tokens=0", "train.eval_samples=-2"])  # fmt: skip
+    for key in ("data.eval_path", "data.tiny_eval_samples", "train.eval_every", "train.eval_max_new_tokens",
+                "train.eval_samples"):  # fmt: skip
+        assert key in str(e.value)
+    with pytest.raises(qconfig.ConfigError, match="train.report_to"):
+        qconfig.load(overrides=["train.report_to=[wandb]"])
+    with pytest.raises(qconfig.ConfigError, match="data.eval_fraction must be in"):
+        qconfig.load(overrides=["data.eval_fraction=1.0"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Eval loss
+
+
+def _hand_eval_loss(model, dataset) -> float:
+    """Sum of every label token's cross-entropy over the eval set / their number, one row at a time."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(dataset)):
+            row = dataset[i]
+            batch = {k: v[None] if k in ("input_ids", "labels", "mm_token_type_ids") else v for k, v in row.items()}
+            labels = batch.pop("labels")
+            logits = Qwen2_5_VLForConditionalGeneration.forward(model, **batch).logits  # [1, S, V]
+            target = labels[0, 1:]
+            total += F.cross_entropy(logits[0, :-1].double(), target, ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += int((target != IGNORE_INDEX).sum())
+    return total / count
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+def test_eval_loss_is_the_token_mean_over_the_whole_set_and_leaves_the_weights_alone(processor, chunk):
+    cfg = qconfig.load(overrides=BASE + ["loss.loss_type=sample_mean"])  # eval is a token mean anyway
+    bundle = data.build(cfg, processor)
+    model = build_model(chunk=chunk, seed=3)
+    model.loss_reduction = "sample_mean"
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = evaluate.eval_loss(model, bundle.eval_dataset, bundle.collator, 2, 0, 1, torch.device("cpu"))
+    assert got == pytest.approx(_hand_eval_loss(model, bundle.eval_dataset), rel=1e-5)
+    assert model.training and model.loss_reduction == "sample_mean"  # restored
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _eval_worker(rank, out):
+    dist.init_process_group("gloo")
+    cfg = qconfig.load(
+        overrides=BASE + ["train.steps=2", "train.eval_every=1", "train.eval_samples=3", "train.eval_max_new_tokens=6",
+                          f"train.output_dir={out / 'two'}", "checkpoint.save_final=true"]
+    )  # fmt: skip
+    trainer = train.Trainer(cfg)
+    trainer.run()
+    if rank == 0:
+        (out / "two-evals.json").write_text(json.dumps(trainer.evals))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("eval")
+    check_ranks(_eval_worker, 2, out)
+    return out
+
+
+@pytest.mark.slow
+def test_eval_loss_and_accuracy_do_not_depend_on_world_size(two_ranks, tmp_path):
+    cfg = qconfig.load(
+        overrides=BASE + ["train.steps=2", "train.eval_every=1", "train.eval_samples=3", "train.eval_max_new_tokens=6",
+                          f"train.output_dir={tmp_path}", "train.micro_batch_size=4"]  # the same global batch
+    )  # fmt: skip
+    one = train.Trainer(cfg)
+    one.run()
+    two = json.loads((two_ranks / "two-evals.json").read_text())
+    assert [e["step"] for e in two] == [e["step"] for e in one.evals] == [0, 1, 2]
+    # step 0: same weights, 5 rows split 3 + 2 (one rank runs an ignored filler row) vs one process
+    assert two[0]["eval_loss"] == pytest.approx(one.evals[0]["eval_loss"], rel=1e-6)
+    for a, b in zip(two[1:], one.evals[1:]):  # after training steps: fp32 sums in another order
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-4)
+    assert {"eval_accuracy"} <= two[0].keys() and {"eval_accuracy"} <= two[2].keys() and "eval_accuracy" not in two[1]
+    for rank in (0, 1):  # every rank logs the eval metrics at x = step
+        path = two_ranks / "two" / "metrics" / f"rank-{rank:05d}.jsonl"
+        assert metrics.series(path, "eval_loss").keys() == {0, 1, 2}
+        assert metrics.series(path, "eval_accuracy").keys() == {0, 2}
+
+
+@pytest.mark.slow
+def test_generation_under_fsdp_equals_generation_from_the_export(two_ranks, tmp_path, processor):
+    cfg = qconfig.load(overrides=BASE)
+    export = ckpt.export(two_ranks / "two" / "checkpoints" / "step-00000002", tmp_path / "hf", cfg)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export)
+    eval_set = data.build(cfg, processor).eval_dataset
+    rows = [r.to_json() for r in qgen.generate_rows(model, eval_set, [0, 1, 2], max_new_tokens=6)]
+    logged = qgen.read_jsonl(evaluate.generations_path(two_ranks / "two", 2))
+    assert logged == rows
+    assert all(r["images"] and r["reference"] for r in rows)
+
+
+def test_resume_keeps_the_eval_schedule(tmp_path):
+    common = BASE + ["train.steps=4", "train.eval_every=3", "train.eval_samples=0", "checkpoint.every=1"]
+    whole = train.Trainer(qconfig.load(overrides=common + [f"train.output_dir={tmp_path / 'whole'}"]))
+    whole.run()
+    first = train.Trainer(qconfig.load(overrides=common + ["train.stop_after=2", f"train.output_dir={tmp_path / 'cut'}"]))
+    first.run()
+    second = train.Trainer(qconfig.load(overrides=common + ["train.resume=auto", f"train.output_dir={tmp_path / 'cut'}"]))
+    second.run()
+    assert [e["step"] for e in whole.evals] == [0, 3, 4]
+    assert [e["step"] for e in first.evals] == [0] and [e["step"] for e in second.evals] == [3, 4]
+    assert first.evals + second.evals == whole.evals  # DCP resume is bit-identical
+
+
+def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = qconfig.load(overrides=BASE + ["train.steps=1", "train.eval_samples=1", "train.eval_max_new_tokens=2",
+                                         "train.report_to=[tensorboard]", f"train.output_dir={tmp_path}"])  # fmt: skip
+    train.run(cfg)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    jsonl = metrics.read(tmp_path / "metrics" / "rank-00000.jsonl")
+    assert set(events.Tags()["scalars"]) == {r["metric"] for r in jsonl}
+    for row in jsonl:
+        (point,) = [e for e in events.Scalars(row["metric"]) if e.step == row["x"]]
+        assert point.value == pytest.approx(row["value"], rel=1e-6)
