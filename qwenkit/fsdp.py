@@ -90,6 +90,28 @@ def shutdown(runtime: Runtime) -> None:
         dist.destroy_process_group()
 
 
+def hsdp_problem(parallel_cfg) -> str | None:
+    """Why HSDP cannot run with this backend and torch, or None.
+
+    FSDP2 in torch 2.7 all-reduces HSDP's replicate dimension with ``ReduceOp.AVG``, which gloo
+    does not have (seen on 2.7.1: ``Cannot use ReduceOp.AVG with Gloo``; 2.13 works). NCCL and
+    HCCL have AVG.
+    """
+    if parallel_cfg.hsdp_replicas <= 1:
+        return None
+    backend = parallel_cfg.backend
+    if backend == "auto":
+        backend = BACKENDS[resolve_device(parallel_cfg.device)]
+    major, minor = (int(x) for x in str(torch.__version__).split("+")[0].split(".")[:2])
+    if backend == "gloo" and (major, minor) < (2, 8):
+        return (
+            f"parallel.hsdp_replicas={parallel_cfg.hsdp_replicas} on gloo needs torch >= 2.8 (torch "
+            f"{torch.__version__}'s FSDP2 averages the replicas with ReduceOp.AVG, which gloo lacks); "
+            "use parallel.hsdp_replicas=1 on CPU, or run HSDP on NCCL/HCCL"
+        )
+    return None
+
+
 def build_mesh(runtime: Runtime, hsdp_replicas: int = 1) -> DeviceMesh:
     """1-D FSDP mesh, or 2-D HSDP mesh: replicate across ``hsdp_replicas``, shard within each."""
     world, r = runtime.world_size, hsdp_replicas

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
+from qwenkit import fsdp
 from qwenkit.device import resolve_device
 from qwenkit.model import resolve_path
 
@@ -45,6 +46,9 @@ def check_before_spawn(cfg) -> list[str]:
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     problems.extend(check_resume(cfg))
+    hsdp = fsdp.hsdp_problem(cfg.parallel)
+    if hsdp:
+        problems.append(hsdp)
     return problems
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from multiproc import free_port
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -126,6 +127,18 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
     assert cli.main(["train", "--nnodes", "2", "--node-rank", "2", f"train.output_dir={out}"]) == 2
     assert "--node-rank must be in [0, --nnodes=2)" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("version, refused", [("2.7.1", True), ("2.7.1+cpu", True), ("2.13.0", False)])
+def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypatch, capsys, version, refused):
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: 0)  # a run that would start reports success
+    out = tmp_path / "run"
+    code = cli.main(["train", "--nproc", "2", "parallel.hsdp_replicas=2", "parallel.device=cpu", f"train.output_dir={out}"])
+    err = capsys.readouterr().err
+    assert (code == 2) == refused, err
+    assert ("parallel.hsdp_replicas=2 on gloo needs torch >= 2.8" in err) == refused
+    assert (not out.exists()) == refused
 
 
 def test_torchrun_command_for_multi_node():
