@@ -60,6 +60,12 @@ class DataConfig:
     max_pixels: int = 28 * 28 * 256
     min_image_side: int = 28  # smaller images are bad samples
     max_aspect_ratio: float = 200.0  # Qwen2-VL's processor refuses more extreme images
+    video_dir: str | None = None  # base for relative video paths (default: data.image_dir, else the file's directory)
+    video_fps: float = 2.0  # frames sampled per second of video
+    video_min_frames: int = 4  # videos with fewer decodable frames are bad samples (short_video)
+    video_max_frames: int = 128  # sampled frames per video at most (longer videos are sampled sparser)
+    video_max_pixels: int = 28 * 28 * 128  # per frame; the lower bound is data.min_pixels
+    video_total_pixels: int = 28 * 28 * 2048  # per video, all frames: caps a video near this/784 tokens
     on_bad_sample: Literal["error", "skip"] = "skip"
     max_bad_fraction: float = 0.01  # training fails if more than this fraction is skipped
     shuffle: bool = True
@@ -331,6 +337,23 @@ def validate(cfg: Config) -> list[str]:
     )
     need(d.min_image_side >= 1, f"data.min_image_side must be >= 1, got {d.min_image_side}")
     need(d.max_aspect_ratio >= 1, f"data.max_aspect_ratio must be >= 1, got {d.max_aspect_ratio}")
+    need(d.video_fps > 0, f"data.video_fps must be > 0, got {d.video_fps}")
+    need(
+        d.video_min_frames >= 2,
+        f"data.video_min_frames must be >= 2 (one temporal patch), got {d.video_min_frames}",
+    )
+    need(
+        d.video_max_frames >= d.video_min_frames,
+        f"data.video_max_frames must be >= data.video_min_frames ({d.video_min_frames}), got {d.video_max_frames}",
+    )
+    need(
+        d.video_max_pixels >= d.min_pixels,
+        f"data.video_max_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.video_max_pixels}",
+    )
+    need(
+        d.video_total_pixels >= d.min_pixels,
+        f"data.video_total_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.video_total_pixels}",
+    )
     need(
         0.0 <= d.max_bad_fraction <= 1.0,
         f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}",

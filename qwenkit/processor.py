@@ -79,7 +79,7 @@ class Processor:
         return self.image_processor.merge_size
 
     def image_tokens(self, image_grid_thw) -> int:
-        """Number of ``<|image_pad|>`` tokens for one image: t*h*w / merge²."""
+        """Number of ``<|image_pad|>`` (or ``<|video_pad|>``) tokens for one image (video): t*h*w / merge²."""
         t, h, w = (int(x) for x in image_grid_thw)
         return t * h * w // self.merge_size**2
 

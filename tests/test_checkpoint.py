@@ -78,6 +78,8 @@ def _record_applied_lr(build):
         opt.applied = []
 
         def note(o, args, kwargs):
+            if o.param_groups[0]["lr"] == 0.0:  # DCP's get_state_dict initialises an empty state by
+                return  # one step at LR 0 (the schedule never is 0: min_lr_ratio > 0, warmup from 1)
             adam_steps = float(next(iter(o.state.values()))["step"]) if o.state else 0.0
             o.applied.append({"lr": o.param_groups[0]["lr"], "adam_steps": adam_steps})
 

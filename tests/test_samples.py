@@ -83,3 +83,23 @@ def test_mllm_demo_renders_multi_turn_and_cjk(tiny_path):
     pages = [samples.render_sample(dataset, i) for i in range(len(dataset))]
     assert all(p.count("<img ") >= 1 for p in pages)
     assert any("\ufffd" not in p and any("\u4e00" <= ch <= "\u9fff" for ch in p) for p in pages)  # CJK decoded whole
+
+
+def test_video_sample_renders_frames_and_token_counts(tmp_path, tiny_path):
+    pytest.importorskip("av")
+    from videos import write_video
+
+    write_video(tmp_path / "clip.avi", 96, 72, 30, 10)  # 3 s at 10 fps: 6 frames sampled at 2 fps
+    rows = [{"messages": [{"role": "user", "content": "<video>What moves?"}, {"role": "assistant", "content": "A square."}],
+             "videos": ["clip.avi"]}]  # fmt: skip
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    cfg = qconfig.load(overrides={"data.path": str(tmp_path / "d.json")})
+    dataset, report = data.read_dataset(cfg.data, load_processor(cfg))
+    grid = dataset.samples[0].video_grids[0]
+    tokens = dataset.processor.image_tokens(grid)
+    assert grid[0] == 3 and samples.distributions(dataset)["video_tokens"] == [tokens]
+    page = samples.render_sample(dataset, 0)
+    assert f"&lt;video: {tokens} tokens&gt;" in page and f"{tokens} tokens (3 x {tokens // 3})" in page
+    assert page.count("<figure") == 4 and "frame 0 · 0.0 s" in page and "frame 29 · 2.9 s" in page
+    values = samples.save(tmp_path / "out", str(tmp_path / "d.json"), dataset, report, max_length=1024)
+    assert (values["videos"], values["video_tokens_total"]) == (1, tokens)

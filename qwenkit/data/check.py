@@ -37,6 +37,14 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
     lines = [f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read"]
     infos = dataset.samples
     lines.append(f"images: {sum(len(s.grids) for s in infos)}")
+    metas = [m for s in infos for m in s.videos]
+    if metas:
+        temporal = dataset.processor.image_processor.temporal_patch_size
+        sampled = sum(g[0] * temporal for s in infos for g in s.video_grids)
+        lines.append(
+            f"videos: {len(metas)}, {sum(m.frames / m.fps for m in metas):.1f} s, "
+            f"{sum(m.frames for m in metas)} frames decoded, {sampled} sampled"
+        )
     if infos:
         lengths = np.array([s.length for s in infos])
         p = percentiles(lengths.tolist())
@@ -45,12 +53,14 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
             f"max {p['max']}, mean {lengths.mean():.1f} (data.max_length={max_length})"
         )
         image_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.grids)
+        video_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.video_grids)
+        video = f"{video_tokens} video, " if metas else ""
         lines.append(
-            f"tokens in total: {lengths.sum()} ({image_tokens} image, {sum(s.label_tokens for s in infos)} learned)"
+            f"tokens in total: {lengths.sum()} ({image_tokens} image, {video}{sum(s.label_tokens for s in infos)} learned)"
         )
         truncated = sum(s.truncated for s in infos)
         if truncated:
-            lines.append(f"truncated after the last image: {truncated}")
+            lines.append(f"truncated after the last image or video: {truncated}")
     if report.skipped:
         lines.append("bad samples by reason:")
         for reason, n in sorted(report.by_reason.items(), key=lambda kv: -kv[1]):
@@ -78,7 +88,12 @@ def check(cfg: qconfig.Config) -> int:
         return 2
     lo, hi = pixel_bounds(processor.image_processor)
     print(f"dataset: {cfg.data.path}")
+    d = cfg.data
     print(f"processor: {model_dir} (model.path={cfg.model.path}), images resized to {lo}..{hi} pixels")
+    print(
+        f"video sampling: {d.video_fps:g} fps, {d.video_min_frames}..{d.video_max_frames} frames, frames within "
+        f"{d.min_pixels}..{d.video_max_pixels} pixels and {d.video_total_pixels} per video"
+    )
     print(summarize(dataset, report, cfg.data.max_length))
     if report.skipped:
         print(f"FAILED: {report.skipped} bad sample{'s' if report.skipped != 1 else ''}")

@@ -112,10 +112,11 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
         peak = status_bytes("VmHWM") - base
     else:
         synchronize(device)
-        base = torch.accelerator.memory_allocated()
-        torch.accelerator.reset_peak_memory_stats()
+        memory = torch.get_device_module(device.type)  # torch.accelerator's memory calls need torch 2.8+
+        base = memory.memory_allocated(device)
+        memory.reset_peak_memory_stats(device)
         first = one_pass()
-        peak = torch.accelerator.max_memory_allocated() - base
+        peak = memory.max_memory_allocated(device) - base
     times = [1e3 * t for t in ([one_pass() for _ in range(case["repeats"])] or [first])]
     # the median is the point; min and max are its spread, drawn as error bars
     return {**case, "chunk_size": chunk, "time_ms": statistics.median(times), "time_min_ms": min(times),
