@@ -26,8 +26,8 @@ from qwenkit.cli import main as cli_main
 from qwenkit.data import DataError, build, read_dataset
 from qwenkit.data.images import ImageRef
 from qwenkit.data.report import Location
-from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.data.video import VideoMeta, VideoProcessor, probe
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 pytest.importorskip("av")

@@ -5,7 +5,7 @@ Two kinds of measurement, kept apart because they need different isolation:
 - **Loss-head sweeps** (:func:`head_sweep`, :func:`chunk_sweep`): the lm_head + cross-entropy
   forward and backward at a given hidden size, vocabulary and sequence length, full logits vs
   chunked. This is the only part of a training step the two heads do differently. Each case runs
-  in a **fresh process** (``python -m qwenkit.notebooks.perf CASE_JSON``), so its peak memory is its
+  in a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``), so its peak memory is its
   own: on CPU the peak RSS (VmHWM, reset through ``/proc/self/clear_refs`` once the inputs
   exist), on an accelerator the allocator's peak. The first pass gives the memory, the next
   ``repeats`` passes the time (median).
@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,12 +32,10 @@ from typing import Any
 import torch
 
 from qwenkit import patches
-from qwenkit.launch import CPU_MALLOC_ENV
-from qwenkit.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
 from qwenkit.notebooks import plots, results
+from qwenkit.notebooks.measure import head_case, head_measure, matmul_peak  # noqa: F401 (notebook 04 calls perf.matmul_peak)
 from qwenkit.patches import dispatch
 
-MiB = 2**20
 STEP_FORMATS = {"flops_per_step": ".3e", "achieved_flops_per_s": ".3e", "matmul_peak_flops_per_s": ".3e",
                 "mfu": ".2%", "step_ms": ".1f", "tokens_per_s": ".0f"}  # fmt: skip
 OP_FORMATS = {"share": ".1%", "self_cpu_ms": ".2f", "cpu_total_ms": ".2f", "self_device_ms": ".2f"}
@@ -55,124 +52,8 @@ NPU_REFERENCE = {
 }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
-
-
 # ---------------------------------------------------------------------------------------------
-# Matmul peak
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> dict[str, Any]:
-    """Best achieved FLOP/s of a square ``size`` GEMM: the ceiling MFU is measured against.
-
-    ``benchmarks/train_step.py`` measures its peak with this function at the same default size:
-    smaller GEMMs do not reach the peak (a 1024^3 one is dominated by call overhead on a GPU).
-    """
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # first call: library and allocator warm-up, not timed
-    synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    flops = 2 * size**3
-    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "seconds": best, "flops_per_s": flops / best}
-
-
-# ---------------------------------------------------------------------------------------------
-# Loss-head cases, each in a fresh process
-
-
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _head_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Run one loss-head case in this process (the worker side of :func:`head_measure`)."""
-    import torch.nn.functional as F
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    if case["device"].startswith("npu"):
-        import torch_npu  # noqa: F401  (registers the npu device type in this fresh process)
-    device = torch.device(case["device"])
-    dtype = getattr(torch, case["dtype"])
-    n, h, v = case["seq_len"], case["hidden"], case["vocab"]
-    torch.manual_seed(0)
-    # initialised in place, so no temporary inflates the baseline
-    weight = torch.empty(v, h, device=device, dtype=dtype).normal_().mul_(0.02).requires_grad_()  # [V, H]
-    hidden = torch.empty(1, n, h, device=device, dtype=dtype).normal_().requires_grad_()  # [1, N, H]
-    labels = torch.randint(0, v, (1, n), device=device)
-    labels[:, : n // 4] = IGNORE_INDEX  # a prompt that is not learned
-    variant = case["variant"]
-    if variant == "full":
-        chunk = None
-
-        def loss_fn():  # HF's own head: lm_head logits [1, N, V], then its causal-LM loss
-            return ForCausalLMLoss(F.linear(hidden, weight), labels, vocab_size=v)
-
-    else:
-        chunk = auto_chunk_size(n, v, case.get("budget_mb", 512) * MiB) if variant == "auto" else int(variant)
-
-        def loss_fn():
-            return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
-
-    def one_pass() -> float:
-        weight.grad = hidden.grad = None
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss_fn().backward()
-        synchronize(device)
-        return time.perf_counter() - t0
-
-    if device.type == "cpu":
-        base = status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS
-        first = one_pass()
-        peak = status_bytes("VmHWM") - base
-    else:
-        synchronize(device)
-        memory = torch.get_device_module(device.type)  # torch.accelerator's memory calls need torch 2.8+
-        base = memory.memory_allocated(device)
-        memory.reset_peak_memory_stats(device)
-        first = one_pass()
-        peak = memory.max_memory_allocated(device) - base
-    times = [1e3 * t for t in ([one_pass() for _ in range(case["repeats"])] or [first])]
-    # the median is the point; min and max are its spread, drawn as error bars
-    return {**case, "chunk_size": chunk, "time_ms": statistics.median(times), "time_min_ms": min(times),
-            "time_max_ms": max(times), "peak_mb": peak / MiB}  # fmt: skip
-
-
-def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
-    """One loss-head case in a fresh Python process; its result row."""
-    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # as qwenkit train's CPU ranks
-    cmd = [sys.executable, "-m", "qwenkit.notebooks.perf", json.dumps(case)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError(f"loss-head case {case} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def head_case(variant, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0) -> dict[str, Any]:
-    """The description of one loss-head case, as :func:`head_measure` takes it."""
-    return {
-        "variant": str(variant),
-        "seq_len": int(seq_len),
-        "hidden": int(hidden),
-        "vocab": int(vocab),
-        "dtype": dtype,
-        "device": str(device),
-        "repeats": int(repeats),
-    }
+# Loss-head sweeps, each case in a fresh process (qwenkit.notebooks.measure)
 
 
 def head_sweep(
@@ -485,16 +366,3 @@ def save(out_dir, sweep, recommended: int, util: dict[str, Any], fused: dict[str
     passed = ratios["peak_ratio"] < 1.0 and util["mfu"] > 0
     results.write_metrics(out_dir, "04_performance_profiling", summary, passed, **values)
     return values
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m qwenkit.notebooks.perf CASE_JSON   (one loss-head case; see head_measure)", file=sys.stderr)
-        return 2
-    print(json.dumps(_head_case(json.loads(argv[0]))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
