@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-DEMO = Path("/work/shared/data/mllm_demo/mllm_demo.json")
+DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
 
 
 def make_dataset(root: Path, n: int, demo: Path = DEMO) -> Path:

@@ -20,7 +20,7 @@ from qwenkit.data.images import predict_grid
 from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 
-MLLM_DEMO = Path("/work/shared/data/mllm_demo/mllm_demo.json")
+MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
 needs_demo = pytest.mark.skipif(
     not MLLM_DEMO.is_file(), reason="the mllm_demo dataset is not on this machine"
 )
