@@ -102,10 +102,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
 
     def forward(
         self,
-        input_ids: torch.LongTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
+        *args,
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         num_samples: int | torch.Tensor | None = None,
@@ -113,10 +110,18 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
     ):
         """HF's forward, or (``chunk_loss``) backbone + chunked loss head.
 
+        Takes the parent's parameters, by name or in the parent's positional order (its
+        signature is the parent's, see :func:`_forward_signature`), plus these keywords:
         ``num_items_in_batch``: valid label tokens of the global batch (all ranks and
         accumulation steps) for ``token_mean``; ``num_samples``: samples of the global batch
         for ``sample_mean``. Both default to this batch's own counts.
         """
+        if args:
+            kwargs = _bind_positional(args, kwargs)
+        input_ids = kwargs.pop("input_ids", None)
+        labels = kwargs.pop("labels", None)
+        use_cache = kwargs.pop("use_cache", None)
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)
         kwargs = _drop_unsupported(kwargs)
         idle = None
         if self._vision_idle(kwargs) and input_ids is not None and kwargs.get("inputs_embeds") is None:
@@ -188,6 +193,41 @@ def needs_mm_token_type_ids() -> bool:
     """transformers 5.x builds 3-D mRoPE positions only when ``mm_token_type_ids`` is passed;
     4.57 has no such argument (it finds image tokens in ``input_ids``)."""
     return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters
+
+
+# The parent's forward parameters, in its order (they differ between transformers 4.57 and 5.x).
+_PARENT_PARAMS = [
+    p for name, p in inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters.items()
+    if name != "self" and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+]  # fmt: skip
+
+
+def _forward_signature() -> inspect.Signature:
+    """``self``, the parent's parameters, then qwenkit's keywords and ``**kwargs``.
+
+    HF's ``generate`` checks its model kwargs (``pixel_values``, ``video_grid_thw``, ...) against
+    ``inspect.signature(model.forward)`` and refuses any it does not find there; HF's test suite
+    reads it to pick tests (``inputs_embeds``). Declaring the parent's signature keeps both
+    working on every transformers version without copying its parameter list.
+    """
+    own = inspect.signature(QwenkitQwen2_5_VL.forward).parameters
+    extra = [own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in ("return_dict", "num_items_in_batch", "num_samples")]
+    return inspect.Signature([own["self"], *_PARENT_PARAMS, *extra, own["kwargs"]])
+
+
+def _bind_positional(args: tuple, kwargs: dict) -> dict:
+    """Positional arguments by the parent's order (``model(input_ids, attention_mask)`` as in HF)."""
+    if len(args) > len(_PARENT_PARAMS):
+        raise TypeError(f"forward() takes at most {len(_PARENT_PARAMS)} positional arguments, got {len(args)}")
+    kwargs = dict(kwargs)
+    for param, value in zip(_PARENT_PARAMS, args):
+        if param.name in kwargs:
+            raise TypeError(f"forward() got multiple values for argument {param.name!r}")
+        kwargs[param.name] = value
+    return kwargs
+
+
+QwenkitQwen2_5_VL.forward.__signature__ = _forward_signature()
 
 
 def _drop_unsupported(kwargs: dict) -> dict:
