@@ -65,7 +65,7 @@ class DataConfig:
 @dataclass
 class LossConfig:
     chunk: bool = True  # chunked cross-entropy in the lm_head: full [B, S, V] logits never exist
-    chunk_size: int | Literal["auto"] = "auto"  # tokens per logits chunk
+    chunk_size: int | Literal["auto"] = "auto"  # labelled tokens per logits chunk (ignored ones are skipped)
     chunk_budget_mb: int = 512  # memory budget of one fp32 logits chunk, for chunk_size=auto
     loss_type: Literal["token_mean", "sample_mean", "raw"] = "token_mean"  # raw: unreduced, needs chunk=false
     micro_batch_split: int = 1  # split the loss head by batch rows; chunk loss needs 1

@@ -1,11 +1,14 @@
 """Chunked linear cross-entropy vs full-logits references (HF's own ForCausalLMLoss first)."""
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from qwenkit.loss import (
+    CHUNK_MULTIPLE,
     IGNORE_INDEX,
     auto_chunk_size,
     chunked_linear_cross_entropy,
@@ -149,10 +152,15 @@ def test_no_full_logits_tensor_in_forward_or_backward():
     assert max(torch.Size(sh).numel() for sh in vocab_sized) <= chunk * v
 
 
-def test_auto_chunk_size_respects_the_budget():
-    assert auto_chunk_size(10_000, 151_936, 512 * 2**20) == 832  # 883 rows fit, rounded to 64
-    assert auto_chunk_size(100, 151_936, 512 * 2**20) == 100  # never more than the tokens
-    assert auto_chunk_size(10_000, 151_936, 1) == 64  # at least one multiple
+def test_auto_chunk_size_fits_the_budget_in_even_matmul_friendly_chunks():
+    v, budget = 151_936, 512 * 2**20
+    cap = budget // (v * 4) // CHUNK_MULTIPLE * CHUNK_MULTIPLE  # largest multiple within the budget
+    for rows in (1, 100, 200, 883, 990, 2047, 4096, 10_000):
+        c = auto_chunk_size(rows, v, budget)
+        assert c % CHUNK_MULTIPLE == 0 and c * v * 4 <= budget, (rows, c)
+        assert math.ceil(rows / c) == math.ceil(rows / cap), (rows, c)  # no more chunks than needed
+    assert auto_chunk_size(990, v, budget) == 512  # two even chunks (512 + 478), not 768 + a thin 222
+    assert auto_chunk_size(10, v, 1) == CHUNK_MULTIPLE  # at least one multiple
 
 
 def test_bad_arguments_raise_clear_errors():
