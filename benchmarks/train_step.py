@@ -126,7 +126,7 @@ def worker(args) -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from qwenkit.model import QwenkitQwen2_5_VL
-    from qwenkit.perf import status_bytes
+    from qwenkit.notebooks.perf import status_bytes
 
     shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
     device = torch.device(args.device)
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
         except ImportError:
             print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
     from qwenkit.loss import auto_chunk_size
-    from qwenkit.perf import matmul_peak
-    from qwenkit.results import write_jsonl
+    from qwenkit.notebooks.perf import matmul_peak
+    from qwenkit.notebooks.results import write_jsonl
 
     peak_flops = matmul_peak(torch.device(args.device), getattr(torch, shapes["dtype"]), size=4096)["flops_per_s"]
     flops = count_flops(make_config(shapes), shapes)

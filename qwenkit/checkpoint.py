@@ -4,7 +4,7 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
 
 - the DCP files of ``{"model": ..., "optimizer": ...}`` from ``get_state_dict`` (each rank writes
   its own shards; a load reshards them to whatever the loading job's sharding is);
-- ``train_state.pt``: step and LR-scheduler state (the same on every rank, written by rank 0);
+- ``train_state.pt``: the step (the same on every rank, written by rank 0);
 - ``rank-00000.pt`` ...: per rank, the data position (``sampler.state_dict()``) and the RNG
   states of python, numpy, torch CPU and the accelerator;
 - ``COMPLETE.json``, written last.
@@ -12,8 +12,14 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
 Saving is atomic: everything is written under ``.tmp-step-00000012``; after a barrier (every
 rank done) rank 0 writes ``COMPLETE.json`` and renames the directory. A save killed midway
 leaves a ``.tmp-*`` directory that is never picked as latest (and is removed by the next save),
-so the previous checkpoint stays the one a resume selects. Only the newest
-``checkpoint.keep_last`` complete checkpoints are kept.
+so the previous checkpoint stays the one a resume selects.
+
+No checkpoint is lost by surprise: a save never replaces a complete checkpoint, and pruning
+(``checkpoint.keep_last``) removes only checkpoints *older* than the one just written, never it
+and never a newer one. Resuming from a checkpoint older than the newest in the output_dir (or
+starting fresh next to checkpoints) would write over that newer history, so it is refused
+unless ``train.resume_older`` is set; then the newer checkpoints are moved, whole, to
+``checkpoints/superseded-<time>/`` (out of reach of ``resume: auto`` and pruning), never deleted.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from qwenkit.config import DTYPES
+from qwenkit.model import resolve_path
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE.json"
@@ -69,12 +78,47 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
         p for p in root.iterdir()
         if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and (p / COMPLETE).is_file()
     ]  # fmt: skip
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(found, key=step_of)
 
 
 def latest(root: str | Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
+def newer_checkpoints(resume: Path | None, output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``output_dir`` past the resume point (all of them for a fresh start)."""
+    start = 0 if resume is None else int(json.loads((resume / COMPLETE).read_text())["step"])
+    return [p for p in complete_checkpoints(checkpoint_root(output_dir)) if step_of(p) > start]
+
+
+def refuse_older_resume(resume: Path | None, output_dir: str | Path) -> str | None:
+    """The problem with resuming there (``None`` when no newer checkpoint would be written over)."""
+    newer = newer_checkpoints(resume, output_dir)
+    if not newer:
+        return None
+    start = f"train.resume={str(resume)!r}" if resume is not None else "a fresh start (train.resume=none)"
+    return (
+        f"{start} is older than checkpoints in {str(checkpoint_root(output_dir))!r}: "
+        f"{', '.join(p.name for p in newer)}; resume from the newest (train.resume=auto), use another "
+        "train.output_dir, or set train.resume_older=true to move them to checkpoints/superseded-<time>/"
+    )
+
+
+def set_aside(newer: list[Path]) -> Path | None:
+    """Move ``newer`` checkpoints into ``checkpoints/superseded-<time>/``; returns that directory."""
+    if not newer:
+        return None
+    dest = newer[0].parent / f"superseded-{time.strftime('%Y%m%dT%H%M%S')}"
+    dest.mkdir()
+    for path in newer:
+        os.rename(path, dest / path.name)
+    _fsync_dir(newer[0].parent)
+    return dest
 
 
 def find_resume(resume: str, output_dir: str | Path) -> Path | None:
@@ -132,10 +176,16 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 # Save
 
 
-def save(root: str | Path, step: int, model, optimizer, scheduler, sampler, device: torch.device, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
+def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.device, keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the final directory.
+
+    Raises :class:`CheckpointError` on every rank, before writing anything, when a complete
+    checkpoint of that step exists already (the trainer refuses the runs that would get here).
+    """
     root, rank = Path(root), dist.get_rank()
     tmp, final = root / f"{TMP_PREFIX}{step:08d}", step_dir(root, step)
+    if (final / COMPLETE).is_file():
+        raise CheckpointError(f"checkpoint {str(final)!r} exists already; a save never replaces one")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{TMP_PREFIX}*"):  # left by a save that was killed
@@ -146,19 +196,28 @@ def save(root: str | Path, step: int, model, optimizer, scheduler, sampler, devi
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     _write(tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
     if rank == 0:
-        _write(tmp / "train_state.pt", {"step": step, "scheduler": scheduler.state_dict()})
+        _write(tmp / "train_state.pt", {"step": step})
     dist.barrier()  # every rank's files are on disk
     if rank == 0:
         marker = {"step": step, "world_size": dist.get_world_size(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         _write_text(tmp / COMPLETE, json.dumps(marker))
-        if final.exists():  # the same step saved again after a resume
+        if final.exists():  # an incomplete leftover (no COMPLETE.json), never a finished checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
-        for old in complete_checkpoints(root)[:-keep_last]:
+        for old in prunable(root, final, keep_last):
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def prunable(root: Path, written: Path, keep_last: int) -> list[Path]:
+    """What ``keep_last`` lets a save of ``written`` remove: the oldest of the checkpoints before it.
+
+    ``written`` counts as one of the kept; checkpoints of later steps are never touched.
+    """
+    older = [p for p in complete_checkpoints(root) if step_of(p) < step_of(written)]
+    return older[: max(0, len(older) - (keep_last - 1))]
 
 
 def _write(path: Path, obj) -> None:
@@ -187,9 +246,12 @@ def _fsync_dir(path: Path) -> None:
 # Load
 
 
-def load(path: str | Path, model, optimizer, scheduler, sampler, device: torch.device,
+def load(path: str | Path, model, optimizer, sampler, device: torch.device,
          load_optimizer: bool = True, load_rng: bool = True) -> int:
     """Collective: restore a checkpoint into the (sharded) model and the rest; returns its step.
+
+    The LR schedule is not restored: it is a function of the step and the run's config, which
+    the trainer applies after the load (see ``qwenkit.train.seek_schedule``).
 
     Any failure on any rank is raised on every rank (no rank is left waiting in a collective),
     as a :class:`CheckpointError` naming the directory.
@@ -218,7 +280,6 @@ def load(path: str | Path, model, optimizer, scheduler, sampler, device: torch.d
             state = {"model": get_model_state_dict(model)}
             dcp.load(state, checkpoint_id=str(path))
             set_model_state_dict(model, state["model"])
-        scheduler.load_state_dict(train_state["scheduler"])
         sampler.load_state_dict(rank_state["sampler"])
         if load_rng:
             set_rng_state(rank_state["rng"], device)
@@ -257,8 +318,6 @@ def export(checkpoint: str | Path, out: str | Path, cfg) -> Path:
     """
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    from qwenkit.model import DTYPES, resolve_path
-
     ckpt, out = resolve(checkpoint), Path(out)
     base = resolve_path(cfg.model)
     config = AutoConfig.from_pretrained(base, local_files_only=True)
@@ -291,14 +350,3 @@ def run_config_path(checkpoint: str | Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"no config.yaml in the run directory {str(ckpt.parent.parent)!r}; pass --config")
     return path
-
-
-def export_main(args) -> int:
-    """``qwenkit export CHECKPOINT OUT [--config params.yaml]``."""
-    from qwenkit import config as qconfig
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = qconfig.load(args.config or run_config_path(args.checkpoint))
-    out = export(args.checkpoint, args.out, cfg)
-    print(f"exported {resolve(args.checkpoint)} to {out}")
-    return 0

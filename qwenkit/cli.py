@@ -6,35 +6,59 @@ Each subcommand lives in the module that owns its concern; this file only parses
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
+
+from qwenkit import config as qconfig
 
 # a dotted override (train.steps=30), wherever it stands among the options
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
 
 
-def _train(args) -> int:
-    from qwenkit.launch import launch
+# Each subcommand imports its own stack when it runs, so `qwenkit --help` or a data check does
+# not load torch.distributed, and `notebooks run` alone needs the notebooks extra.
 
-    return launch(args)
+
+def _train(args) -> int:
+    from qwenkit.launch import Rendezvous, launch  # torch.distributed and the model: train only
+
+    rdzv = Rendezvous(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    return launch(args.config, args.overrides, args.nproc, rdzv)
 
 
 def _data_check(args) -> int:
-    from qwenkit.data.check import check_main
+    from qwenkit.data import check  # tokenizer and image stack: data check only
 
-    return check_main(args)
+    try:
+        cfg = qconfig.load(args.config, args.overrides)
+    except qconfig.ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    cfg.data.path = args.path
+    return check.check(cfg)
 
 
 def _export(args) -> int:
-    from qwenkit.checkpoint import export_main
+    from qwenkit import checkpoint  # torch.distributed.checkpoint: export only
 
-    return export_main(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
+    out = checkpoint.export(args.checkpoint, args.out, cfg)
+    print(f"exported {checkpoint.resolve(args.checkpoint)} to {out}")
+    return 0
 
 
 def _notebooks(args) -> int:
-    from qwenkit.notebooks import run_main
+    from qwenkit.notebooks import runner  # papermill and nbconvert (the notebooks extra): notebooks only
 
-    return run_main(args)
+    try:
+        out_dir, outcomes = runner.run(args.params, args.only, args.out, args.run_name)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"qwenkit notebooks run: {e}", file=sys.stderr)
+        return 2
+    print(f"index: {out_dir / 'index.html'}")
+    return 0 if all(o.status == "passed" for o in outcomes) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

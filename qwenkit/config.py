@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
+import torch
 import yaml
 
+from qwenkit.patches import OPS
+
 Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
 
 
 class ConfigError(ValueError):
@@ -38,8 +43,6 @@ class ModelConfig:
     freeze: list[str] = field(default_factory=list)  # module paths, e.g. ["model.visual"]
     fused_ops: Literal["auto", "off"] | list[str] = "auto"  # or a subset of qwenkit.patches.OPS
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
-    use_cache: bool = False  # KV cache in training forward; must stay off with chunk loss
-    logits_to_keep: int = 0  # 0 keeps all positions; chunk loss needs 0
     tie_word_embeddings: bool = False  # only for path=tiny (HF checkpoints carry their own)
 
 
@@ -47,7 +50,6 @@ class ModelConfig:
 class DataConfig:
     path: str = "tiny"  # "tiny" (embedded synthetic set), a JSON/JSONL file, a directory, or an HF dataset dir
     image_dir: str | None = None  # base for relative image paths (default: the dataset file's directory)
-    template: Literal["qwen2vl"] = "qwen2vl"
     system_prompt: str = "You are a helpful assistant."
     max_length: int = 1024  # tokens per sample, images included
     truncate_text: bool = False  # over-long samples: cut text after the last image instead of dropping
@@ -67,8 +69,8 @@ class LossConfig:
     chunk: bool = True  # chunked cross-entropy in the lm_head: full [B, S, V] logits never exist
     chunk_size: int | Literal["auto"] = "auto"  # labelled tokens per logits chunk (ignored ones are skipped)
     chunk_budget_mb: int = 512  # memory budget of one fp32 logits chunk, for chunk_size=auto
-    loss_type: Literal["token_mean", "sample_mean", "raw"] = "token_mean"  # raw: unreduced, needs chunk=false
-    micro_batch_split: int = 1  # split the loss head by batch rows; chunk loss needs 1
+    # "raw" (unreduced per-token loss) is an API output (model.configure_loss), never a training loss
+    loss_type: Literal["token_mean", "sample_mean", "raw"] = "token_mean"
 
 
 @dataclass
@@ -109,6 +111,8 @@ class TrainConfig:
     seed: int = 42
     output_dir: str = "runs/tiny"
     resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint directory
+    # resume (or start fresh) behind newer checkpoints in output_dir: they move to superseded-<time>/
+    resume_older: bool = False
     log_every: int = 1
 
 
@@ -172,14 +176,18 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
     return cfg
 
 
-def from_dict(raw: dict[str, Any]) -> Config:
-    problems: list[str] = []
-    cfg = _build(Config, raw, "", problems)
-    if not problems:
-        problems.extend(validate(cfg))
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+def write_config(cfg: Config, output_dir: str | Path) -> Path:
+    """``<output_dir>/config.yaml``: the resolved config every rank reads and ``qwenkit export`` finds.
+
+    Written to a temporary name and renamed, so a reader never sees half a file.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / "config.yaml"
+    tmp = path.with_name(f".config.yaml.{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+    return path
 
 
 def _parse_overrides(overrides, problems: list[str]):
@@ -302,10 +310,7 @@ def validate(cfg: Config) -> list[str]:
             p.append(msg)
 
     m, d, lo, par, t, ck, pr = cfg.model, cfg.data, cfg.loss, cfg.parallel, cfg.train, cfg.checkpoint, cfg.profile
-    need(m.logits_to_keep >= 0, f"model.logits_to_keep must be >= 0, got {m.logits_to_keep}")
     if isinstance(m.fused_ops, list):
-        from qwenkit.patches import OPS
-
         for op in m.fused_ops:
             need(op in OPS, f"model.fused_ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
     need(d.max_length > 0, f"data.max_length must be > 0, got {d.max_length}")
@@ -326,23 +331,11 @@ def validate(cfg: Config) -> list[str]:
     if isinstance(lo.chunk_size, int):
         need(lo.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {lo.chunk_size}")
     need(lo.chunk_budget_mb > 0, f"loss.chunk_budget_mb must be > 0, got {lo.chunk_budget_mb}")
-    need(lo.micro_batch_split >= 1, f"loss.micro_batch_split must be >= 1, got {lo.micro_batch_split}")
-    if lo.chunk:
-        need(
-            lo.loss_type != "raw",
-            "loss.loss_type: 'raw' (unreduced per-token loss) is not allowed with loss.chunk=true; "
-            "use token_mean or sample_mean, or set loss.chunk=false",
-        )
-        need(
-            lo.micro_batch_split == 1,
-            f"loss.micro_batch_split: got {lo.micro_batch_split}, must be 1 with loss.chunk=true "
-            "(hidden states and mRoPE position ids disagree on the batch dim)",
-        )
-        need(not m.use_cache, "model.use_cache: got true, must be false with loss.chunk=true")
-        need(
-            m.logits_to_keep == 0,
-            f"model.logits_to_keep: got {m.logits_to_keep}, must be 0 with loss.chunk=true",
-        )
+    need(
+        lo.loss_type != "raw",
+        "loss.loss_type: 'raw' (unreduced per-token loss) is an API output "
+        "(model.configure_loss(loss_type='raw')), not a training loss; use token_mean or sample_mean",
+    )
 
     need(par.nproc >= 1, f"parallel.nproc must be >= 1, got {par.nproc}")
     need(par.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {par.hsdp_replicas}")

@@ -35,7 +35,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from qwenkit.model import DTYPES
+from qwenkit.config import DTYPES
+from qwenkit.device import resolve_device
 
 log = logging.getLogger(__name__)
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -55,29 +56,6 @@ class Runtime:
     device: torch.device
     backend: str
     owns_group: bool  # this process created the process group, so it also destroys it
-
-
-def resolve_device(name: str) -> str:
-    """``auto`` picks cuda, then npu (torch_npu), then cpu."""
-    if name != "auto":
-        if name == "cuda" and not torch.cuda.is_available():
-            raise ValueError("parallel.device='cuda' but no CUDA device is visible")
-        if name == "npu" and not _npu_available():
-            raise ValueError("parallel.device='npu' but torch_npu is not installed or no NPU is visible")
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    if _npu_available():
-        return "npu"
-    return "cpu"
-
-
-def _npu_available() -> bool:
-    try:
-        import torch_npu  # noqa: F401
-    except ImportError:
-        return False
-    return torch.npu.is_available()
 
 
 def init_distributed(parallel_cfg) -> Runtime:

@@ -16,15 +16,27 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
+from qwenkit.device import resolve_device
+from qwenkit.model import resolve_path
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where this node sits among the nodes of a job (torchrun's static rendezvous)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 6000
 
 
 def check_before_spawn(cfg) -> list[str]:
     """Problems that would otherwise surface only inside every rank; empty when all is well."""
-    from qwenkit.model import resolve_path
-
     problems = []
     try:
         resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
@@ -32,7 +44,18 @@ def check_before_spawn(cfg) -> list[str]:
         problems.append(str(e))
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
+    problems.extend(check_resume(cfg))
     return problems
+
+
+def check_resume(cfg) -> list[str]:
+    """The checkpoint ``train.resume`` names exists; newer ones would not be written over."""
+    try:
+        resume = ckpt.find_resume(cfg.train.resume, cfg.train.output_dir)
+    except ckpt.CheckpointError as e:
+        return [str(e)]
+    problem = ckpt.refuse_older_resume(resume, cfg.train.output_dir)
+    return [problem] if problem and not cfg.train.resume_older else []
 
 
 # glibc raises its mmap threshold to the largest block freed (up to 32 MiB), after which
@@ -44,8 +67,6 @@ CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
     """The ranks' environment: ``base`` plus the CPU allocator setting when ranks run on CPU."""
-    from qwenkit.fsdp import resolve_device
-
     env = dict(base)
     device = cfg.parallel.device
     if device == "cpu" or (device == "auto" and resolve_device("auto") == "cpu"):
@@ -54,41 +75,71 @@ def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def torchrun_command(config_path: Path, nproc: int, args) -> list[str]:
+def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[str]:
+    """torchrun's command line, run through :func:`quiet_torchrun` (``python -m qwenkit.launch``)."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={args.nnodes}",
+        sys.executable, "-m", "qwenkit.launch",
+        f"--nnodes={rdzv.nnodes}",
         f"--nproc-per-node={nproc}",
-        f"--node-rank={args.node_rank}",
-        f"--master-addr={args.master_addr}",
-        f"--master-port={args.master_port}",
+        f"--node-rank={rdzv.node_rank}",
+        f"--master-addr={rdzv.master_addr}",
+        f"--master-port={rdzv.master_port}",
         "-m", "qwenkit.train", "--config", str(config_path),
     ]  # fmt: skip
 
 
-def launch(args) -> int:
-    """``args``: config, nproc, nnodes, node_rank, master_addr, master_port, overrides (see qwenkit.cli)."""
-    from qwenkit.train import write_config
-
-    overrides = list(args.overrides)
-    if args.nproc is not None:
-        overrides.append(f"parallel.nproc={args.nproc}")
+def launch(
+    config: str | None, overrides: list[str], nproc: int | None = None, rdzv: Rendezvous = Rendezvous()
+) -> int:
+    """``qwenkit train``: ``config`` (a params YAML or None for the defaults) with dotted
+    ``overrides``; ``nproc`` overrides ``parallel.nproc``. Returns the exit status."""
+    overrides = list(overrides)
+    if nproc is not None:
+        overrides.append(f"parallel.nproc={nproc}")
     try:
-        cfg = qconfig.load(args.config, overrides)
+        cfg = qconfig.load(config, overrides)
     except qconfig.ConfigError as e:
         print(f"qwenkit train: {e}", file=sys.stderr)
         return 2
-    if not 0 <= args.node_rank < args.nnodes:
-        print(f"qwenkit train: --node-rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}", file=sys.stderr)
+    if not 0 <= rdzv.node_rank < rdzv.nnodes:
+        print(f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}", file=sys.stderr)
         return 2
     problems = check_before_spawn(cfg)
     if problems:
         print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
         return 2
-    config_path = write_config(cfg, Path(cfg.train.output_dir))
-    cmd = torchrun_command(config_path, cfg.parallel.nproc, args)
+    config_path = qconfig.write_config(cfg, cfg.train.output_dir)
+    cmd = torchrun_command(config_path, cfg.parallel.nproc, rdzv)
     print(f"qwenkit train: {shlex.join(cmd)}", flush=True)
     code = subprocess.call(cmd, env=rank_environment(cfg, os.environ))
     if code != 0:
-        print(f"qwenkit train: failed with exit code {code} (the failing rank's error is above)", file=sys.stderr)
+        logs = Path(cfg.train.output_dir) / "logs"
+        print(
+            f"qwenkit train: failed with exit code {code}; the failing rank's error is above "
+            f"(its 'qwenkit train: rank N failed' line), every rank's log is in {logs}/",
+            file=sys.stderr,
+        )
     return code
+
+
+def quiet_torchrun(argv: list[str]) -> int:
+    """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
+
+    A qwenkit rank reports its own failure, one line then the traceback (see
+    ``qwenkit.train.report_failure``), and exits with status 1; torchrun then stops the other
+    ranks and raises ``ChildFailedError``, whose printout is dropped here. torchrun's own
+    errors (bad arguments, rendezvous) still surface.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quiet_torchrun(sys.argv[1:]))

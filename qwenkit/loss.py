@@ -211,6 +211,7 @@ def chunked_linear_cross_entropy(
     chunk_budget_bytes: int = 512 * 2**20,
     num_items_in_batch: int | torch.Tensor | None = None,
     num_samples: int | torch.Tensor | None = None,
+    shifted: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     skip_ignored: bool = True,
 ) -> torch.Tensor:
@@ -218,15 +219,18 @@ def chunked_linear_cross_entropy(
 
     Equal to HF's ``ForCausalLMLoss(lm_head(hidden), labels)`` (``token_mean``, with
     ``num_items_in_batch`` giving the global normaliser) in value and in every gradient.
+    ``shifted``: labels already shifted (HF's ``shift_labels``, as sequence parallelism passes
+    them, each rank holding a slice); used as given, and ``labels`` is then not read.
     ``skip_ignored=False`` projects every position (the head before ignored rows were skipped;
     kept for benchmarks and as a reference); the result is the same either way.
     """
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
+    if shifted is None:
+        shifted = shift_labels(labels)  # [B, S]
+    if hidden.shape[:-1] != shifted.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
     if not (chunk_size == "auto" or (isinstance(chunk_size, int) and chunk_size > 0)):
         raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
     dtype = compute_dtype(hidden, weight)
-    shifted = shift_labels(labels)  # [B, S]
     weights = token_weights(shifted, reduction, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
     shifted = shifted.reshape(-1)  # [N]
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
@@ -255,9 +259,14 @@ def full_cross_entropy(
     reduction: str = "token_mean",
     num_items_in_batch: int | torch.Tensor | None = None,
     num_samples: int | torch.Tensor | None = None,
+    shifted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference (full logits) loss for every reduction, incl. ``raw`` (per-token, [B, S])."""
-    shifted = shift_labels(labels)
+    """Reference (full logits) loss for every reduction, incl. ``raw`` (per-token, [B, S]).
+
+    ``shifted``: pre-shifted labels (HF's ``shift_labels``), used instead of shifting ``labels``.
+    """
+    if shifted is None:
+        shifted = shift_labels(labels)
     per_token = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(shifted.shape)  # [B, S]

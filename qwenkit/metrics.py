@@ -5,7 +5,7 @@ Each line is one measurement::
     {"metric": "loss", "unit": "nat", "series": "rank 0", "x_name": "step", "x": 12, "value": 2.31,
      "device": "cuda:0", "version": "0.1.0", "timestamp": "2025-01-01T12:00:00.123+00:00", "rank": 0}
 
-the fields of :mod:`qwenkit.results`' long format plus ``rank``; ``x`` is the optimizer step (1-based). Files: ``<output_dir>/metrics/rank-00000.jsonl``; a resumed
+the fields of :mod:`qwenkit.notebooks.results`' long format plus ``rank``; ``x`` is the optimizer step (1-based). Files: ``<output_dir>/metrics/rank-00000.jsonl``; a resumed
 run appends, so a step repeated after a crash appears twice (readers keep the last).
 
 Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before clipping), ``lr``,

@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel
+from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from qwenkit.config import DTYPES
 from qwenkit.loss import chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.processor import Processor, needs_mm_token_type_ids
+from qwenkit.tiny import ensure_checkpoint
 
 log = logging.getLogger(__name__)
 LOSS_TYPES = ("token_mean", "sample_mean", "raw")
@@ -63,7 +66,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_size: int | str = "auto"
         self.chunk_budget_bytes = 512 * 2**20
         self.loss_reduction = "token_mean"
-        self.micro_batch_split = 1
         # Data parallel: every rank must run the (sharded) vision tower in every step, or FSDP's
         # collectives mismatch when one rank's micro-batch has no image. Set by the trainer.
         self.vision_every_step = False
@@ -74,7 +76,6 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         chunk_size: int | str = "auto",
         loss_type: str = "token_mean",
         chunk_budget_mb: int = 512,
-        micro_batch_split: int = 1,
     ) -> QwenkitQwen2_5_VL:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -82,23 +83,20 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
         self.chunk_loss, self.chunk_size, self.loss_reduction = chunk, chunk_size, loss_type
         self.chunk_budget_bytes = chunk_budget_mb * 2**20
-        self.micro_batch_split = micro_batch_split
         return self
 
-    def _check_chunk_args(self, labels, use_cache, logits_to_keep) -> None:
-        if labels is None:
-            raise ValueError("chunk loss needs labels: it returns a loss, not logits (set chunk_loss=False to get logits)")
+    def _check_chunk_args(self, labels, shifted, use_cache, logits_to_keep) -> None:
+        if labels is None and shifted is None:
+            raise ValueError(
+                "chunk loss needs labels (or shift_labels): it returns a loss, not logits "
+                "(set chunk_loss=False to get logits)"
+            )
         if use_cache:
             raise ValueError("chunk loss needs use_cache=False: no KV cache is kept in training")
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(f"chunk loss needs logits_to_keep=0, got {logits_to_keep!r}")
         if self.loss_reduction == "raw":
             raise ValueError("loss_type='raw' (unreduced per-token loss) is not available with chunk loss")
-        if self.micro_batch_split != 1:
-            raise ValueError(
-                f"micro_batch_split={self.micro_batch_split} is not available with chunk loss: "
-                "hidden states and mRoPE position ids disagree on the batch dim"
-            )
 
     def forward(
         self,
@@ -134,10 +132,13 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             if idle is not None and out.loss is not None:
                 out.loss = out.loss + idle
             return out.to_tuple() if return_dict is False else out
-        self._check_chunk_args(labels, use_cache, logits_to_keep)
+        # pre-shifted labels (sequence parallelism): used as given, as HF's ForCausalLMLoss does
+        shifted = kwargs.pop("shift_labels", None)
+        self._check_chunk_args(labels, shifted, use_cache, logits_to_keep)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
         loss_fn = functools.partial(
             chunked_linear_cross_entropy,
+            shifted=shifted,
             reduction=self.loss_reduction,
             chunk_size=self.chunk_size,
             chunk_budget_bytes=self.chunk_budget_bytes,
@@ -180,19 +181,15 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             return super().forward(input_ids=input_ids, labels=labels, use_cache=use_cache,
                                    logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         # sample_mean / raw: HF's head gives the logits, qwenkit's reference loss reduces them
+        shifted = kwargs.pop("shift_labels", None)
         out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                               return_dict=True, **kwargs)
         if out.logits.shape[1] != labels.shape[1]:
             raise ValueError(f"loss_type={self.loss_reduction!r} needs logits for every position (logits_to_keep=0)")
-        out.loss = full_cross_entropy(out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples)
+        out.loss = full_cross_entropy(
+            out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples, shifted=shifted
+        )
         return out
-
-
-@functools.cache
-def needs_mm_token_type_ids() -> bool:
-    """transformers 5.x builds 3-D mRoPE positions only when ``mm_token_type_ids`` is passed;
-    4.57 has no such argument (it finds image tokens in ``input_ids``)."""
-    return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters
 
 
 # The parent's forward parameters, in its order (they differ between transformers 4.57 and 5.x).
@@ -260,14 +257,9 @@ REGISTRY: dict[str, type[Qwen2_5_VLForConditionalGeneration]] = {"qwen2_5_vl": Q
 for _cls in REGISTRY.values():
     _register_checkpoint_format(_cls)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_path(model_cfg) -> Path:
     """``tiny`` becomes the cached tiny checkpoint directory; anything else must be a directory."""
     if model_cfg.path == "tiny":
-        from qwenkit.tiny import ensure_checkpoint
-
         return ensure_checkpoint(tie_word_embeddings=model_cfg.tie_word_embeddings)
     path = Path(model_cfg.path).expanduser()
     if not (path / "config.json").is_file():
@@ -276,6 +268,17 @@ def resolve_path(model_cfg) -> Path:
             "(weights are never downloaded) or 'tiny'"
         )
     return path
+
+
+def load_processor(cfg, model_dir: str | Path | None = None) -> Processor:
+    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds.
+
+    Here rather than in :mod:`qwenkit.processor` because it needs :func:`resolve_path`, which
+    may write the tiny checkpoint, and :mod:`qwenkit.tiny` itself builds on the processor.
+    """
+    if model_dir is None:
+        model_dir = resolve_path(cfg.model)
+    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
 
 
 def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> QwenkitQwen2_5_VL:
@@ -309,7 +312,6 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
             chunk_size=loss_cfg.chunk_size,
             loss_type=loss_cfg.loss_type,
             chunk_budget_mb=loss_cfg.chunk_budget_mb,
-            micro_batch_split=loss_cfg.micro_batch_split,
         )
     freeze(model, model_cfg.freeze)
     return model

@@ -8,9 +8,11 @@ checkpoint loads with :meth:`Processor.from_pretrained`, and so does the embedde
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5_VLModel
 
 try:  # transformers 5.x: the PIL backend needs no torchvision
     from transformers import Qwen2VLImageProcessorPil as ImageProcessor
@@ -103,10 +105,8 @@ class Processor:
         return cls(tokenizer, image_processor)
 
 
-def load_processor(cfg, model_dir: str | Path | None = None) -> Processor:
-    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds."""
-    if model_dir is None:
-        from qwenkit.model import resolve_path
-
-        model_dir = resolve_path(cfg.model)
-    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+@functools.cache
+def needs_mm_token_type_ids() -> bool:
+    """Whether samples carry ``mm_token_type_ids``: transformers 5.x builds 3-D mRoPE positions
+    only when it is passed; 4.57 has no such argument (it finds image tokens in ``input_ids``)."""
+    return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters

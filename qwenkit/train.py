@@ -16,7 +16,7 @@ One optimizer step:
 3. grad norm over all shards, one all-reduce of the loss, and one host sync (``.tolist()``) for
    logging and the NaN/inf check: a non-finite loss or grad norm raises :class:`NonFiniteError`
    with the step number *before* the optimizer step, so the weights are not updated;
-4. clip to ``train.max_grad_norm``, AdamW step, LR-scheduler step; metrics to JSONL
+4. clip to ``train.max_grad_norm``, AdamW step (at the LR logged), LR-scheduler step; metrics to JSONL
    (:mod:`qwenkit.metrics`), the profiler window (:mod:`qwenkit.profiling`), and a DCP
    checkpoint every ``checkpoint.every`` steps and at the end (:mod:`qwenkit.checkpoint`).
 """
@@ -30,25 +30,24 @@ import os
 import random
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
-from qwenkit import fsdp, patches
+from qwenkit import data, fsdp, patches
 from qwenkit import model as qmodel
 from qwenkit.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
-from qwenkit.processor import load_processor
 from qwenkit.profiling import ProfileWindow
+from qwenkit.weights import load_hf_weights
 
 log = logging.getLogger("qwenkit.train")
 
@@ -82,7 +81,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, train_cfg):
+def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters: model.freeze froze the whole model")
@@ -91,12 +90,25 @@ def build_optimizer(model: nn.Module, train_cfg):
     optimizer = torch.optim.AdamW(
         params, lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay, fused=fused
     )
+    return optimizer
+
+
+def build_scheduler(optimizer, train_cfg, done: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of *this* run's config, positioned after ``done`` optimizer steps.
+
+    A resume follows the config it runs with: step ``s`` uses ``train.lr * lr_factor(s)`` with
+    this run's ``warmup_steps``, ``steps`` and ``min_lr_ratio``, whether or not the optimizer
+    state was loaded and whatever LR the checkpoint's run used. Built after the load, it sets
+    every param group's LR, so the LR an optimizer step applies is the one logged.
+    """
     t = train_cfg
+    for group in optimizer.param_groups:
+        group["initial_lr"] = t.lr  # what LambdaLR scales; a loaded optimizer carries the old run's
     # LambdaLR passes the number of steps taken so far; the step about to run is that + 1.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda done: lr_factor(done + 1, t.warmup_steps, t.steps, t.min_lr_ratio)
+    # last_epoch=done-1: the constructor takes one step itself (-1: a fresh start).
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda n: lr_factor(n + 1, t.warmup_steps, t.steps, t.min_lr_ratio), last_epoch=done - 1
     )
-    return optimizer, scheduler
 
 
 def grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -112,16 +124,6 @@ def grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
 
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def write_config(cfg, output_dir: Path) -> Path:
-    """The resolved config next to the run's outputs (``qwenkit export`` reads it)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    path = output_dir / "config.yaml"
-    tmp = path.with_name(f".config.yaml.{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,15 +168,14 @@ class Trainer:
         cfg, rt, t = self.cfg, self.rt, self.cfg.train
         main_rank = rt.rank == 0
         if main_rank:
-            write_config(cfg, self.out_dir)
+            qconfig.write_config(cfg, self.out_dir)
             log.info("rank 0 of %d on %s (%s)", rt.world_size, rt.device, rt.backend)
         set_seed(t.seed)
+        resume = self.resume_point()  # before anything is built: a refused resume fails fast
 
         model_path = self.model_path
-        processor = load_processor(cfg, model_path)
-        build_data = self.data_builder
-        if build_data is None:
-            from qwenkit.data import build as build_data
+        processor = qmodel.load_processor(cfg, model_path)
+        build_data = self.data_builder or data.build
         self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
 
         model = qmodel.build(cfg.model, cfg.loss)
@@ -186,8 +187,6 @@ class Trainer:
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed
         if cfg.model.init_device == "meta":
-            from qwenkit.weights import load_hf_weights
-
             fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)
             n = load_hf_weights(model, model_path)
             if main_rank:
@@ -196,19 +195,37 @@ class Trainer:
             log.info("%s", plan.describe())
         model.train()
         self.model = model
-        self.optimizer, self.scheduler = build_optimizer(model, t)
-
-        resume = ckpt.find_resume(t.resume, self.out_dir)
+        self.optimizer = build_optimizer(model, t)
         if resume is None:
             if main_rank:
                 log.info("no checkpoint to resume from (train.resume=%s): starting fresh", t.resume)
-            return
-        self.start_step = ckpt.load(
-            resume, model, self.optimizer, self.scheduler, self.bundle.sampler, rt.device,
-            cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng,
-        )
-        if main_rank:
-            log.info("resumed from %s at step %d", resume, self.start_step)
+        else:
+            self.start_step = ckpt.load(
+                resume, model, self.optimizer, self.bundle.sampler, rt.device,
+                cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng,
+            )
+            if main_rank:
+                log.info("resumed from %s at step %d", resume, self.start_step)
+        self.scheduler = build_scheduler(self.optimizer, t, self.start_step)
+
+    def resume_point(self) -> Path | None:
+        """The checkpoint ``train.resume`` names; newer ones in output_dir are never written over.
+
+        The launcher refuses such a run before any rank starts; this check covers ranks started
+        another way. With ``train.resume_older`` rank 0 moves the newer ones aside (not deleted).
+        """
+        t, main_rank = self.cfg.train, self.rt.rank == 0
+        resume = ckpt.find_resume(t.resume, self.out_dir)
+        problem = ckpt.refuse_older_resume(resume, self.out_dir)
+        if problem and not t.resume_older:
+            raise ckpt.CheckpointError(problem)
+        if problem:
+            dist.barrier()  # every rank has looked before rank 0 moves anything
+            if main_rank:
+                moved = ckpt.set_aside(ckpt.newer_checkpoints(resume, self.out_dir))
+                log.warning("train.resume_older: moved the newer checkpoints to %s", moved)
+            dist.barrier()
+        return resume
 
     def train(self) -> None:
         cfg, rt = self.cfg, self.rt
@@ -241,7 +258,7 @@ class Trainer:
                     )
                 if (ck.every and step % ck.every == 0) or (step == self.last_step and ck.save_final):
                     self.checkpoint = ckpt.save(
-                        ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer, self.scheduler,
+                        ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer,
                         self.bundle.sampler, rt.device, ck.keep_last,
                     )
                     if main_rank:
@@ -264,7 +281,11 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     loss_sum = torch.zeros((), device=rt.device)
     for batch in micro:
         with fsdp.activation_offload(cfg.parallel.activation_offload, rt.device):
-            out = model(**_to(batch, rt.device), num_items_in_batch=num_items, num_samples=num_samples)
+            # use_cache=False: HF's config defaults to a KV cache, which training never needs and
+            # which a recomputed decoder layer would extend a second time in its backward
+            out = model(
+                **_to(batch, rt.device), use_cache=False, num_items_in_batch=num_items, num_samples=num_samples
+            )
         (out.loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
         loss_sum += out.loss.detach().float()
     norm = grad_norm(params, t.max_grad_norm)
@@ -272,7 +293,7 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     loss, norm_value, items, samples, tokens = torch.cat([torch.stack([loss_sum, norm.float()]), counts.float()]).tolist()
     if not (math.isfinite(loss) and math.isfinite(norm_value)):
         raise NonFiniteError(step, loss, norm_value)
-    lr = scheduler.get_last_lr()[0]
+    lr = optimizer.param_groups[0]["lr"]  # the LR this step applies (one group, see build_optimizer)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -283,34 +304,61 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
 # Entry point (one per rank, under torchrun)
 
 
-def _setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+def _setup_logging(rank: int, output_dir: Path) -> Path:
+    """Console: INFO on rank 0, warnings on the others; every rank's INFO log in its own file.
+
+    Returns that file, ``<output_dir>/logs/rank-NNNNN.log`` (appended to by a resumed run).
+    """
+    path = output_dir / "logs" / f"rank-{rank:05d}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    console, file = logging.StreamHandler(), logging.FileHandler(path)
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    for handler in (console, file):
+        handler.setFormatter(fmt)
+    logging.basicConfig(level=logging.INFO, handlers=[console, file])
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
+    return path
 
 
-@record
+def report_failure(rank: int, error: BaseException, log_path: Path | None) -> str:
+    """One line first (rank, exception, log), the traceback below it, once; returns the line.
+
+    torchrun would print a failing rank's traceback up to three times (the rank, its error file,
+    the agent's summary): the rank reports here and exits with status 1 instead of raising, and
+    the launcher's torchrun wrapper (:mod:`qwenkit.launch`) keeps the agent's summary quiet.
+    """
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    where = f"log: {log_path}" if log_path is not None else "no log file: failed before logging started"
+    line = f"qwenkit train: rank {rank} failed: {type(error).__name__}: {message} ({where})"
+    details = "".join(traceback.format_exception(error))
+    print(f"{line}\n{details}", file=sys.stderr, flush=True)
+    if log_path is not None:
+        logging.shutdown()  # flush the file handler before appending to its file
+        with open(log_path, "a") as f:
+            f.write(f"{line}\n{details}")
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qwenkit.train", description="one rank of a qwenkit training run")
     p.add_argument("--config", required=True, help="the resolved YAML the launcher wrote")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
-    _setup_logging(rank)
-    cfg = qconfig.load(args.config, args.overrides)
+    log_path = None
     try:
+        cfg = qconfig.load(args.config, args.overrides)
+        log_path = _setup_logging(rank, Path(cfg.train.output_dir))
         run(cfg)
-    except NonFiniteError as e:
-        log.error("%s", e)
-        raise
+    except Exception as e:  # noqa: BLE001 - every failure is reported the same readable way
+        report_failure(rank, e, log_path)
+        return 1
     return 0
 
 

@@ -4,9 +4,14 @@ Two job launches share the work (each launch costs seconds of imports on 2 cores
 
 1. ``A`` trains 8 steps straight; ``B`` the same with a checkpoint every 4 steps; ``K`` saves every
    step and is killed (``os._exit``) in the middle of saving step 4.
+   ``E`` trains 4 steps with a checkpoint every 2.
 2. in fresh processes: ``C`` resumes ``B`` from step 4 (its step-8 checkpoint removed, as if the
-   job had stopped there); ``D`` the same without the optimizer state; ``K2`` resumes ``K``;
-   ``X`` tries a copy of ``B`` whose metadata is corrupt.
+   job had stopped there); ``D`` the same without the optimizer state; ``L`` the same with
+   another ``train.lr``; ``K2`` resumes ``K``; ``X`` tries a copy of ``B`` whose metadata is
+   corrupt; ``E2`` and ``E3`` resume copies of ``E`` from step 2, behind its step 4 (refused;
+   then asked for with ``train.resume_older``).
+
+Every optimizer records the LR each step applies and its Adam step count (a step pre-hook).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -25,8 +31,8 @@ from multiproc import check_ranks, run_ranks
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import checkpoint as ckpt
+from qwenkit import cli, data, metrics, train
 from qwenkit import config as qconfig
-from qwenkit import data, metrics, train
 
 BASE = [
     "train.steps=8",
@@ -35,6 +41,14 @@ BASE = [
     "data.tiny_samples=16",  # 4 global batches per epoch: 8 steps cross an epoch boundary
     "checkpoint.save_final=true",
 ]
+NEW_LR = 5e-4  # L resumes B with another train.lr
+E_RUN = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=1"]
+
+
+def _schedule(lr, steps, total=8):
+    """The LR config-driven steps should apply: train.lr * lr_factor with BASE's warmup and floor."""
+    defaults = qconfig.TrainConfig()
+    return [lr * train.lr_factor(s, 2, total, defaults.min_lr_ratio) for s in steps]
 
 
 def _recording_builder(path):
@@ -56,6 +70,23 @@ def _recording_builder(path):
     return build
 
 
+def _record_applied_lr(build):
+    """train.build_optimizer whose optimizer notes, before each step, the LR and Adam steps it has."""
+
+    def wrapped(model, train_cfg):
+        opt = build(model, train_cfg)
+        opt.applied = []
+
+        def note(o, args, kwargs):
+            adam_steps = float(next(iter(o.state.values()))["step"]) if o.state else 0.0
+            o.applied.append({"lr": o.param_groups[0]["lr"], "adam_steps": adam_steps})
+
+        opt.register_step_pre_hook(note)
+        return opt
+
+    return wrapped
+
+
 def _run(out, name, overrides, rank):
     run_dir = out / name
     run_dir.mkdir(exist_ok=True)
@@ -66,16 +97,22 @@ def _run(out, name, overrides, rank):
     except ckpt.CheckpointError as e:
         (run_dir / f"error-rank{rank}.txt").write_text(str(e))
     if rank == 0:
+        applied = trainer.optimizer.applied if trainer.optimizer is not None else []
         (run_dir / "result.json").write_text(
-            json.dumps({"start": trainer.start_step, "losses": [h["loss"] for h in trainer.history]})
-        )
+            json.dumps({
+                "start": trainer.start_step, "losses": [h["loss"] for h in trainer.history],
+                "logged_lr": [h["lr"] for h in trainer.history], "applied": applied,
+            })
+        )  # fmt: skip
     return trainer
 
 
 def _first_launch(rank, out):
     dist.init_process_group("gloo")
+    train.build_optimizer = _record_applied_lr(train.build_optimizer)
     _run(out, "A", ["checkpoint.save_final=false"], rank)
     _run(out, "B", ["train.stop_after=4"], rank)  # stops after step 4 (its final checkpoint), schedule of 8
+    _run(out, "E", ["train.steps=4", "checkpoint.every=2"], rank)
     real_write = ckpt._write
 
     def dying_write(path, obj):  # step 4's DCP shards are on disk, its rank files are not
@@ -91,6 +128,7 @@ def _second_launch(rank, out, processor_path):
     from qwenkit.processor import Processor
 
     dist.init_process_group("gloo")
+    train.build_optimizer = _record_applied_lr(train.build_optimizer)
     trainer = _run(out, "C", [], rank)
     model = trainer.model
     model.configure_loss(chunk=False)
@@ -102,6 +140,16 @@ def _second_launch(rank, out, processor_path):
     if rank == 0:
         torch.save({"batch": batch, "logits": logits}, out / "C" / "logits.pt")
     _run(out, "D", ["checkpoint.load_optimizer=false"], rank)
+    _run(out, "L", [f"train.lr={NEW_LR}"], rank)
+    behind = [f"train.resume={out / 'E2' / 'checkpoints' / 'step-00000002'}", *E_RUN]
+    _run(out, "E2", behind, rank)
+    behind = [f"train.resume={out / 'E3' / 'checkpoints' / 'step-00000002'}", *E_RUN, "train.resume_older=true"]
+    e3 = _run(out, "E3", behind, rank)
+    try:  # E3's step 4 again: a save never replaces a complete checkpoint
+        ckpt.save(ckpt.checkpoint_root(out / "E3"), 4, e3.model, e3.optimizer, e3.bundle.sampler,
+                  torch.device("cpu"), keep_last=1)  # fmt: skip
+    except ckpt.CheckpointError as e:
+        (out / "E3" / f"replace-rank{rank}.txt").write_text(str(e))
     _run(out, "K2", ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=2"], rank)
     _run(out, "X", [], rank)
     dist.barrier()
@@ -113,8 +161,10 @@ def out(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("ckpt")
     codes = run_ranks(_first_launch, 2, out)
     assert codes == [17, 17], f"first launch: exit codes {codes}, expected both ranks killed in K's save"
-    for copy in ("C", "D", "X"):
+    for copy in ("C", "D", "L", "X"):
         shutil.copytree(out / "B" / "checkpoints", out / copy / "checkpoints")
+    for copy in ("E2", "E3"):
+        shutil.copytree(out / "E" / "checkpoints", out / copy / "checkpoints")
     (out / "X" / "checkpoints" / "step-00000004" / ".metadata").write_bytes(b"not a DCP metadata file")
     shutil.copytree(out / "K" / "checkpoints", out / "K2" / "checkpoints")
     os.rename(out / "K" / "metrics", out / "K2" / "metrics-killed")
@@ -148,7 +198,52 @@ def test_resume_without_optimizer_state(out):
     c, d = _result(out, "C"), _result(out, "D")
     assert d["start"] == 4
     assert d["losses"][0] == c["losses"][0]  # same weights and batch
+    # the optimizer after the load: C's AdamW has taken 4 steps, D's is fresh (no moments, step 0)
+    assert [a["adam_steps"] for a in c["applied"]] == [4.0, 5.0, 6.0, 7.0]
+    assert [a["adam_steps"] for a in d["applied"]] == [0.0, 1.0, 2.0, 3.0]
     assert d["losses"][1] != c["losses"][1]  # a fresh AdamW takes another step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, lr", [("C", None), ("D", None), ("L", NEW_LR)])
+def test_lr_applied_after_resume_is_the_lr_logged(out, name, lr):
+    """The resume follows the running config's schedule at its step; the LR used is the LR logged."""
+    got = _result(out, name)
+    want = _schedule(lr or qconfig.TrainConfig().lr, range(5, 9))
+    applied = [a["lr"] for a in got["applied"]]
+    assert applied == pytest.approx(want, rel=1e-12)
+    assert got["logged_lr"] == applied
+
+
+@pytest.mark.slow
+def test_resume_behind_a_newer_checkpoint_is_refused_and_nothing_changes(out):
+    e = _result(out, "E")
+    root = out / "E2" / "checkpoints"
+    for rank in (0, 1):
+        message = (out / "E2" / f"error-rank{rank}.txt").read_text()
+        assert "step-00000004" in message and "train.resume_older" in message
+    assert _result(out, "E2")["losses"] == []
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000002", "step-00000004"]
+    original = out / "E" / "checkpoints" / "step-00000004" / ckpt.COMPLETE
+    assert (root / "step-00000004" / ckpt.COMPLETE).read_text() == original.read_text()
+    assert len(e["losses"]) == 4
+
+
+@pytest.mark.slow
+def test_resume_older_sets_the_newer_checkpoint_aside_and_keeps_what_it_writes(out):
+    e, e3 = _result(out, "E"), _result(out, "E3")
+    root = out / "E3" / "checkpoints"
+    assert e3["start"] == 2 and e3["losses"] == e["losses"][2:]
+    # keep_last=1: the new step 4 pruned step 2 and stays; the old step 4 was moved, not deleted
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000004"]
+    (aside,) = root.glob("superseded-*")
+    original = out / "E" / "checkpoints" / "step-00000004" / ckpt.COMPLETE
+    assert (aside / "step-00000004" / ckpt.COMPLETE).read_text() == original.read_text()
+    assert (root / "step-00000004" / ckpt.COMPLETE).read_text() != original.read_text()
+    assert ckpt.latest(root) == root / "step-00000004"
+    for rank in (0, 1):  # saving step 4 once more is refused, the checkpoint stays
+        assert "exists already" in (out / "E3" / f"replace-rank{rank}.txt").read_text()
+    assert ckpt.latest(root) == root / "step-00000004"
 
 
 @pytest.mark.slow
@@ -219,3 +314,36 @@ def test_rng_state_round_trip(tmp_path):
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert first[:2] == again[:2]
     assert torch.equal(first[2], again[2])
+
+
+def _fake_checkpoints(output_dir, steps):
+    root = ckpt.checkpoint_root(output_dir)
+    for step in steps:
+        ckpt.step_dir(root, step).mkdir(parents=True)
+        (ckpt.step_dir(root, step) / ckpt.COMPLETE).write_text(json.dumps({"step": step}))
+    return root
+
+
+def test_pruning_never_removes_the_checkpoint_written_or_a_newer_one(tmp_path):
+    root = _fake_checkpoints(tmp_path, [10, 20, 25, 30])
+    written = ckpt.step_dir(root, 25)  # a save of step 25 next to a step-30 checkpoint
+    assert ckpt.prunable(root, written, keep_last=1) == [ckpt.step_dir(root, 10), ckpt.step_dir(root, 20)]
+    assert ckpt.prunable(root, written, keep_last=2) == [ckpt.step_dir(root, 10)]
+    assert ckpt.prunable(root, ckpt.step_dir(root, 10), keep_last=1) == []
+
+
+@pytest.mark.parametrize(
+    "resume, refused", [("step-00000002", True), ("none", True), ("auto", False), ("step-00000004", False)]
+)
+def test_launcher_refuses_a_resume_behind_newer_checkpoints(tmp_path, monkeypatch, capsys, resume, refused):
+    spawned = []
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: spawned.append(a) or 0)
+    root = _fake_checkpoints(tmp_path, [2, 4])
+    target = resume if resume in ("none", "auto") else str(root / resume)
+    args = ["train", f"train.output_dir={tmp_path}", f"train.resume={target}"]
+    assert cli.main(args) == (2 if refused else 0)
+    assert bool(spawned) is not refused
+    if refused:
+        assert "step-00000004" in capsys.readouterr().err
+        assert cli.main([*args, "train.resume_older=true"]) == 0  # asked for explicitly: starts
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000002", "step-00000004"]

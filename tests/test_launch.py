@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -56,9 +55,21 @@ def test_train_then_export(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_fails_the_command(tmp_path):
-    proc, _ = _train(tmp_path, "model.freeze=[model.no_such_module]")
+    proc, out = _train(tmp_path, "model.freeze=[model.no_such_module]")
     assert proc.returncode != 0
-    assert "model.freeze: no module 'model.no_such_module'" in proc.stdout + proc.stderr
+    error = "ValueError: model.freeze: no module 'model.no_such_module'"
+    # the first line about the failure names the rank, the exception and that rank's log
+    first = next(line for line in proc.stderr.splitlines() if "Error" in line or "failed" in line)
+    found = re.fullmatch(rf"qwenkit train: rank (\d) failed: {re.escape(error)}[^(]* \(log: (.+)\)", first)
+    assert found, proc.stderr[-3000:]
+    log = Path(found.group(2))
+    assert log == out / "logs" / f"rank-0000{found.group(1)}.log"
+    assert first in log.read_text() and "Traceback (most recent call last)" in log.read_text()
+    # the details below it, once per failed rank: no torchelastic summary repeating them
+    failed = len(re.findall(r"^qwenkit train: rank \d failed: ", proc.stderr, flags=re.M))
+    assert 1 <= failed <= 2
+    assert proc.stderr.count("Traceback (most recent call last)") == failed, proc.stderr[-3000:]
+    assert "ChildFailedError" not in proc.stderr
 
 
 @pytest.mark.slow
@@ -87,9 +98,9 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
 
 
 def test_torchrun_command_for_multi_node():
-    args = argparse.Namespace(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
-    cmd = launch.torchrun_command(Path("runs/x/config.yaml"), 8, args)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    rdzv = launch.Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
+    cmd = launch.torchrun_command(Path("runs/x/config.yaml"), 8, rdzv)
+    assert cmd[1:3] == ["-m", "qwenkit.launch"]  # torchrun, through quiet_torchrun
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
     assert cmd[-4:] == ["-m", "qwenkit.train", "--config", "runs/x/config.yaml"]

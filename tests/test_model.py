@@ -6,6 +6,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
 from qwenkit import model as qmodel
+from qwenkit.loss import shift_labels
 
 # fp32 on both sides; the chunked head sums in another order, so allow a few ulps of the sums.
 FP32 = dict(rtol=1e-5, atol=1e-7)
@@ -103,6 +104,30 @@ def test_reductions_match_the_full_logits_head(make_model, batch_factory, reduct
     _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
 
 
+@pytest.mark.parametrize("reduction", ["token_mean", "sample_mean"])
+def test_shift_labels_are_used_as_given(make_model, batch_factory, reduction):
+    """Pre-shifted labels (sequence parallelism passes them) replace the shift of ``labels``,
+    as in HF's ForCausalLMLoss; the chunked head gives HF's loss and gradients for each."""
+    hf, ours = _pair(make_model)
+    hf.configure_loss(chunk=False, loss_type=reduction)
+    ours.configure_loss(chunk=True, loss_type=reduction, chunk_size=11)
+    batch = batch_factory(images_per_sample=(1, 0))
+    plain = shift_labels(batch["labels"]).contiguous()  # HF views it flat
+    g = torch.Generator().manual_seed(0)
+    variants = [
+        plain,
+        torch.where(torch.rand(plain.shape, generator=g) < 0.5, -100, plain),  # fewer learned tokens
+        torch.where(plain != -100, torch.randint(0, 300, plain.shape, generator=g), plain),  # other targets
+    ]
+    losses = []
+    for shifted in variants:
+        with_shift = {**batch, "shift_labels": shifted}
+        want, got = _loss_and_grads(hf, with_shift), _loss_and_grads(ours, with_shift)
+        _assert_same(want, got)
+        losses.append(got[0].item())
+    assert len(set(losses)) == 3  # each set of shifted labels is what the loss used
+
+
 def test_non_chunk_mode_is_hf_forward(make_model, batch_factory, tiny_path):
     ours = make_model(chunk=False)
     stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path)
@@ -174,7 +199,6 @@ def test_tied_embeddings_in_both_modes(make_model, batch_factory):
         ({"use_cache": True}, {}, "use_cache=False"),
         ({"logits_to_keep": 1}, {}, "logits_to_keep=0"),
         ({}, {"loss_type": "raw"}, "'raw'"),
-        ({}, {"micro_batch_split": 2}, "micro_batch_split=2"),
     ],
 )
 def test_illegal_chunk_calls_raise_before_any_compute(make_model, batch_factory, kwargs, setup, pattern):

@@ -7,35 +7,35 @@ import ipywidgets
 import nbformat
 import pytest
 
-from qwenkit import notebooks, widgets
+from qwenkit.notebooks import kernel, runner, widgets
 
 ROOT = Path(__file__).resolve().parent.parent
 NBS = [Path(f"/x/notebooks/{n}.ipynb") for n in ("01_data_prep", "02_sharded_training", "03_chunk_loss_validation")]
 
 
 def test_select_by_number_name_or_stem():
-    assert notebooks.select(NBS, None) == NBS
-    assert notebooks.select(NBS, ["3", "01"]) == [NBS[0], NBS[2]]
-    assert notebooks.select(NBS, ["sharded_training", "02_sharded_training.ipynb"]) == [NBS[1]]
+    assert runner.select(NBS, None) == NBS
+    assert runner.select(NBS, ["3", "01"]) == [NBS[0], NBS[2]]
+    assert runner.select(NBS, ["sharded_training", "02_sharded_training.ipynb"]) == [NBS[1]]
     with pytest.raises(ValueError, match="--only '7' matches no notebook"):
-        notebooks.select(NBS, ["7"])
+        runner.select(NBS, ["7"])
 
 
 def test_paths_resolve_against_the_project_root_from_anywhere(monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT / "notebooks")  # where JupyterLab runs a notebook
-    assert notebooks.project_root() == ROOT
-    assert notebooks.project_path("params/tiny_cpu.yaml") == ROOT / "params" / "tiny_cpu.yaml"
-    assert notebooks.project_path("/abs/x") == Path("/abs/x")
-    cfg = notebooks.load_config({"data.path": "../shared/x.json", "model.path": "tiny", "train.steps": 3})
+    assert kernel.project_root() == ROOT
+    assert kernel.project_path("params/tiny_cpu.yaml") == ROOT / "params" / "tiny_cpu.yaml"
+    assert kernel.project_path("/abs/x") == Path("/abs/x")
+    cfg = kernel.load_config({"data.path": "../shared/x.json", "model.path": "tiny", "train.steps": 3})
     assert cfg.data.path == str((ROOT / "../shared/x.json").resolve()) and cfg.model.path == "tiny"
     assert cfg.train.steps == 3
 
 
 def test_list_parameters():
-    assert notebooks.int_list("7, 64,1024") == [7, 64, 1024]
-    assert notebooks.str_list("text, image-text,") == ["text", "image-text"]
+    assert kernel.int_list("7, 64,1024") == [7, 64, 1024]
+    assert kernel.str_list("text, image-text,") == ["text", "image-text"]
     with pytest.raises(ValueError, match="comma-separated integers"):
-        notebooks.int_list("7,big")
+        kernel.int_list("7,big")
 
 
 def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):
@@ -48,11 +48,11 @@ def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):
     src.parent.mkdir()
     nbformat.write(nb, str(src))
     out = tmp_path / "reports"
-    outcome = notebooks.execute(src, out, "smoke", {})
+    outcome = runner.execute(src, out, "smoke", {})
     assert outcome.status == "error" and "ZeroDivisionError" in outcome.summary
     page = outcome.html.read_text()
     assert "ZeroDivisionError" in page and "The notebook stopped with an error" in page
-    index = notebooks.write_index(out, [outcome], "r1", "smoke").read_text()
+    index = runner.write_index(out, [outcome], "r1", "smoke").read_text()
     assert 'href="09_broken.html"' in index and ">error<" in index
 
 

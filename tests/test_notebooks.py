@@ -14,10 +14,10 @@ import nbformat
 import pytest
 import yaml
 
-from qwenkit import notebooks
+from qwenkit.notebooks import runner
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = notebooks.list_notebooks(ROOT)
+NOTEBOOKS = runner.list_notebooks(ROOT)
 NAMES = [nb.stem for nb in NOTEBOOKS]
 REQUIRED_SETS = ("smoke", "default", "gpu", "npu")
 
@@ -55,13 +55,13 @@ def test_parameters_cell_is_flat_commented_scalars(path):
         assert "  # " in line, f"{path.name}: parameter without a comment: {line!r}"
         names.append(stmt[0].targets[0].id)
     # papermill reads every one of them (a '=' in a comment made it skip lines before)
-    assert list(notebooks.notebook_parameters(path)) == names
-    assert notebooks.OUTPUT_PARAM in names
+    assert list(runner.notebook_parameters(path)) == names
+    assert runner.OUTPUT_PARAM in names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
 def test_every_params_key_is_a_parameter(path):
-    known = notebooks.notebook_parameters(path)
+    known = runner.notebook_parameters(path)
     folder = ROOT / "params" / path.stem
     sets = {p.stem for p in folder.glob("*.yaml")}
     assert set(REQUIRED_SETS) <= sets, f"{folder} lacks {set(REQUIRED_SETS) - sets}"
@@ -73,7 +73,7 @@ def test_every_params_key_is_a_parameter(path):
             assert type(value) is type(default) or {type(value), type(default)} == {int, float}, (
                 f"{yml}: {key}={value!r} is a {type(value).__name__}, the notebook's default a {type(default).__name__}"
             )
-        notebooks.load_params(path, yml.stem, ROOT)  # the runner's own check agrees
+        runner.load_params(path, yml.stem, ROOT)  # the runner's own check agrees
 
 
 def test_runner_rejects_unknown_keys_and_sets(tmp_path):
@@ -86,11 +86,11 @@ def test_runner_rejects_unknown_keys_and_sets(tmp_path):
     (root / "params" / "03_chunk_loss_validation" / "typo.yaml").write_text("chunk_size: 64\n")
     (root / "params" / "03_chunk_loss_validation" / "out.yaml").write_text("output_dir: x\n")
     with pytest.raises(ValueError, match="'chunk_size' not in the parameters cell"):
-        notebooks.load_params(nb, "typo", root)
+        runner.load_params(nb, "typo", root)
     with pytest.raises(ValueError, match="set by the runner"):
-        notebooks.load_params(nb, "out", root)
+        runner.load_params(nb, "out", root)
     with pytest.raises(FileNotFoundError, match="no parameter set 'nope'.*available: out, typo"):
-        notebooks.load_params(nb, "nope", root)
+        runner.load_params(nb, "nope", root)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_runner_rejects_unknown_keys_and_sets(tmp_path):
 def smoke_run(tmp_path_factory):
     """One runner call for all four notebooks (the expensive part: about two minutes on 2 cores)."""
     out = tmp_path_factory.mktemp("reports")
-    run_dir, outcomes = notebooks.run("smoke", out=out, run_name="smoke", root=ROOT)
+    run_dir, outcomes = runner.run("smoke", out=out, run_name="smoke", root=ROOT)
     return run_dir, {o.notebook: o for o in outcomes}
 
 
@@ -175,7 +175,7 @@ def test_reports_are_standalone_with_code_hidden(smoke_run):
     for name in NAMES:
         page = (run_dir / f"{name}.html").read_text()
         assert "cdnjs.cloudflare.com" not in page and "unpkg.com" not in page, f"{name}: a CDN script"
-        assert "notebooks.setup()" not in page, f"{name}: code is shown"
+        assert "kernel.setup()" not in page, f"{name}: code is shown"
         assert page.count('class="plotly-graph-div"') >= 2, f"{name}: plotly figures missing"
 
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from qwenkit import config as qconfig
+from qwenkit import data
 from qwenkit import model as qmodel
-from qwenkit import perf, validation
+from qwenkit.notebooks import perf
 
 
 def test_recommend_chunk_takes_memory_only_while_time_allows():
@@ -36,7 +37,7 @@ def test_matmul_peak_and_model_step_measurements(tiny_path, processor):
     assert peak["flops_per_s"] > 0
     cfg = qconfig.load()
     model = qmodel.build(cfg.model, cfg.loss)
-    batches = validation.validation_batches(cfg, processor, "image-text", 1, 2)
+    batches = data.sample_batches(cfg, processor, 1, 2)
     flops = perf.step_flops(model, batches[0])
     params = sum(p.numel() for p in model.parameters())
     assert flops >= 2 * params * perf.tokens_in(batches[0])  # at least the forward's weight matmuls

@@ -4,7 +4,7 @@ import json
 
 import plotly.graph_objects as go
 
-from qwenkit import perf, plots
+from qwenkit.notebooks import perf, plots
 
 
 def _train_rows():

@@ -3,7 +3,7 @@
 import json
 import math
 
-from qwenkit import results
+from qwenkit.notebooks import results
 
 
 def test_csv_round_trip_keeps_numbers(tmp_path):

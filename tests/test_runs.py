@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from qwenkit import results, runs
+from qwenkit.notebooks import results, runs
 
 # Prints step lines like the trainer and honours train.stop_after=N from its arguments: stops
 # after step N with that step's checkpoint written, as qwenkit train does.

@@ -7,8 +7,9 @@ import pytest
 from PIL import Image
 
 from qwenkit import config as qconfig
-from qwenkit import data, samples
-from qwenkit.processor import load_processor
+from qwenkit import data
+from qwenkit.model import load_processor
+from qwenkit.notebooks import samples
 
 MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"
 

@@ -33,6 +33,7 @@ from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
 from qwenkit.data.sampler import ResumableSampler
 from qwenkit.processor import Processor
+from qwenkit.tiny import ensure_dataset
 
 __all__ = [
     "REASONS",
@@ -45,6 +46,9 @@ __all__ = [
     "ResumableSampler",
     "build",
     "read_dataset",
+    "sample_batches",
+    "text_only",
+    "to_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,8 +91,6 @@ def read_dataset(data: DataConfig, processor: Processor, source=None, stop_at_fi
     """
     source = data.path if source is None else source
     if isinstance(source, str) and source == "tiny":
-        from qwenkit.tiny import ensure_dataset
-
         source = ensure_dataset(data.tiny_samples, seed=0)
     return scan(open_sources(source), processor, data, stop_at_first)
 
@@ -120,3 +122,42 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
         len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size
     )
     return DataBundle(dataset, sampler, Collator(processor), report, data.num_workers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed batches for measurements (notebooks 03 and 04, tests): no sampler, no shuffling
+
+
+def text_only(sample: dict[str, torch.Tensor], processor: Processor) -> dict[str, torch.Tensor]:
+    """The sample without its vision spans (start, pad and end tokens) and pixels."""
+    vision = torch.tensor([processor.vision_start_id, processor.image_token_id, processor.vision_end_id])
+    keep = ~torch.isin(sample["input_ids"], vision)  # [S]
+    return {k: v[keep] for k, v in sample.items() if k in ("input_ids", "labels", "mm_token_type_ids")}
+
+
+def sample_batches(
+    cfg: Config, processor: Processor, count: int, batch_size: int, text: bool = False
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` collated batches of ``batch_size`` consecutive samples of ``cfg.data.path``.
+
+    ``text``: the same samples with their vision spans removed (:func:`text_only`). The batches
+    carry no ``num_items``/``num_samples``: the model counts a lone batch itself.
+    """
+    dataset, _ = read_dataset(cfg.data, processor)
+    if len(dataset) == 0:
+        raise ValueError(f"data.path={cfg.data.path!r} has no usable samples")
+    collate = Collator(processor)
+    out = []
+    for b in range(count):
+        samples = [dataset[(b * batch_size + i) % len(dataset)] for i in range(batch_size)]
+        if text:
+            samples = [text_only(s, processor) for s in samples]
+        batch = collate(samples)
+        del batch["num_items"], batch["num_samples"]
+        out.append(batch)
+    return out
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``batch`` on ``device``, its floating-point tensors (pixels) in ``dtype``."""
+    return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}

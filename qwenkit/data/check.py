@@ -17,7 +17,8 @@ from qwenkit.data import read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
-from qwenkit.processor import load_processor, pixel_bounds
+from qwenkit.model import load_processor, resolve_path
+from qwenkit.processor import pixel_bounds
 
 MAX_LISTED = 200  # bad rows printed one by one; the counts by reason are always complete
 
@@ -54,15 +55,11 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
     return "\n".join(lines)
 
 
-def check_main(args) -> int:
-    try:
-        cfg = qconfig.load(args.config, args.overrides)
-    except qconfig.ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    cfg.data.path = args.path
-    from qwenkit.model import resolve_path
+def check(cfg: qconfig.Config) -> int:
+    """``qwenkit data check``: scan ``cfg.data.path`` with ``cfg.model``'s processor and print a summary.
 
+    Returns the command's exit status: 0 all good, 1 bad samples, 2 unreadable data or model.
+    """
     try:
         model_dir = resolve_path(cfg.model)
         processor = load_processor(cfg, model_dir)
@@ -71,7 +68,7 @@ def check_main(args) -> int:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2
     lo, hi = pixel_bounds(processor.image_processor)
-    print(f"dataset: {args.path}")
+    print(f"dataset: {cfg.data.path}")
     print(f"processor: {model_dir} (model.path={cfg.model.path}), images resized to {lo}..{hi} pixels")
     print(summarize(dataset, report, cfg.data.max_length))
     if report.skipped:

@@ -22,8 +22,7 @@ from qwenkit.data.images import ImageProbe, load, predict_grid, resolve
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample, BadSampleReport
 from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
-from qwenkit.model import needs_mm_token_type_ids
-from qwenkit.processor import Processor
+from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 
 @dataclass(slots=True)

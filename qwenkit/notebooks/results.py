@@ -5,7 +5,7 @@ A long-format row is one measured number with what it is and where it came from:
     metric, unit, series, x_name, x, value, device, version, timestamp
 
 ``series`` names the variant a number belongs to (``"chunk 64"``, ``"image-text/token_mean"``),
-``x_name``/``x`` the swept quantity (``"seq_len"``, ``2048``). Figures in :mod:`qwenkit.plots`
+``x_name``/``x`` the swept quantity (``"seq_len"``, ``2048``). Figures in :mod:`qwenkit.notebooks.plots`
 are built from these rows, so a report can be redrawn from its files alone.
 
 ``metrics.json`` holds a notebook's headline: a one-line ``summary`` (the report index shows it),

@@ -8,7 +8,7 @@ For each selected notebook ``notebooks/NN_name.ipynb`` and parameter set ``param
    ``reports/<run>/NN_name.ipynb``, with ``output_dir = reports/<run>/NN_name/`` injected: the
    notebook writes its CSV/JSONL results and ``metrics.json`` there;
 3. nbconvert renders ``reports/<run>/NN_name.html``: code hidden, a run-info header added,
-   no CDN script (plotly.js is embedded by :func:`qwenkit.plots.setup`), so it works offline;
+   no CDN script (plotly.js is embedded by :func:`qwenkit.notebooks.plots.setup`), so it works offline;
 4. ``reports/<run>/index.html`` links every report with the one-line summary from its
    ``metrics.json``, and ``reports/latest`` points at the run.
 
@@ -19,11 +19,9 @@ failed in the index; the command then exits 1.
 from __future__ import annotations
 
 import datetime
-import html
 import logging
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,112 +30,13 @@ from typing import Any
 import yaml
 
 import qwenkit
-from qwenkit import results
+from qwenkit.notebooks import pages, results
+from qwenkit.notebooks.kernel import project_root
 
 log = logging.getLogger(__name__)
 
 KERNEL = "python3"
 OUTPUT_PARAM = "output_dir"  # every notebook has it; the runner sets it
-# lab template without its CDN scripts (require.js, MathJax, Mermaid, widget manager): the
-# reports need none of them, and a report must open offline without network errors.
-REPORT_TEMPLATE = """{%- extends 'index.html.j2' -%}
-{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
-{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
-{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
-{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
-"""
-
-
-# ---------------------------------------------------------------------------------------------
-# Where things are
-
-
-def project_root(start: str | Path | None = None) -> Path:
-    """The checkout holding ``notebooks/`` and ``params/``: above ``start`` (default: cwd), else the package's."""
-    here = Path(start or Path.cwd()).resolve()
-    for d in (here, *here.parents):
-        if (d / "notebooks").is_dir() and (d / "params").is_dir() and (d / "qwenkit").is_dir():
-            return d
-    src = Path(__file__).resolve().parent.parent
-    if (src / "notebooks").is_dir():
-        return src
-    raise FileNotFoundError(f"no qwenkit checkout (notebooks/ and params/) at or above {here}")
-
-
-def project_path(path: str | Path) -> Path:
-    """``path`` as given if absolute, else relative to the project root (not to the notebook's folder).
-
-    JupyterLab runs a notebook in ``notebooks/``, papermill wherever it is told; parameters such as
-    ``data_path: tiny_data/x.json`` mean the same file in both.
-    """
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else (project_root() / p).resolve()
-
-
-PATH_KEYS = ("model.path", "data.path", "data.image_dir", "train.output_dir")
-
-
-def load_config(overrides: dict[str, Any], path: str | None = None):
-    """A validated :class:`qwenkit.config.Config` from a notebook's parameters.
-
-    ``overrides`` are dotted keys (``{"data.path": data_path}``); path values other than
-    ``tiny`` are resolved with :func:`project_path`, so the notebook and papermill agree.
-    """
-    from qwenkit import config as qconfig
-
-    resolved = {
-        k: str(project_path(v)) if k in PATH_KEYS and isinstance(v, str) and v not in ("tiny", "") else v
-        for k, v in overrides.items()
-    }
-    return qconfig.load(str(project_path(path)) if path else None, resolved)
-
-
-def output_folder(output_dir: str) -> Path:
-    """The notebook's results folder (created), resolved like every other path parameter."""
-    out = project_path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def int_list(text: str) -> list[int]:
-    """``"64, 256,1024"`` -> ``[64, 256, 1024]``: list parameters stay flat strings in the parameters cell."""
-    try:
-        return [int(x) for x in str_list(text)]
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def str_list(text: str) -> list[str]:
-    return [x.strip() for x in str(text).split(",") if x.strip()]
-
-
-def setup() -> None:
-    """First call of every notebook: plotly renderer and plotly.js, quiet transformers, INFO logs."""
-    from qwenkit import plots
-
-    plots.setup()
-    try:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except ImportError:
-        pass
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
-
-
-def show_results(out_dir: str | Path) -> None:
-    """Print a notebook's summary, whether its checks passed, and the result files it wrote."""
-    out = Path(out_dir)
-    doc = results.read_metrics(out)
-    if doc is None:
-        print(f"no {results.METRICS_FILE} in {out}")
-        return
-    print(f"{'PASSED' if doc['passed'] else 'CHECKS FAILED'}: {doc['summary']}")
-    print(f"result files in {out}:")
-    for p in sorted(out.iterdir()):
-        if p.is_file():
-            print(f"  {p.name:<28} {p.stat().st_size:>10,} bytes")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +165,7 @@ def render_html(executed: Path, outcome: Outcome) -> Path:
     nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0, _run_info_cell(outcome))
     exporter = HTMLExporter(
         template_name="lab",
-        extra_loaders=[jinja2.DictLoader({"qwenkit_report.html.j2": REPORT_TEMPLATE})],
+        extra_loaders=[jinja2.DictLoader({"qwenkit_report.html.j2": pages.REPORT_TEMPLATE})],
         template_file="qwenkit_report.html.j2",
         exclude_input=True,
         exclude_input_prompt=True,
@@ -304,37 +203,19 @@ def write_index(out_dir: Path, outcomes: list[Outcome], run_name: str, params_na
 
     import torch
 
-    rows = []
-    for o in outcomes:
-        colour = {"passed": "#1a7f37", "checks failed": "#b35900"}.get(o.status, "#c62828")
-        files = ", ".join(
-            f'<a href="{html.escape(o.notebook)}/{html.escape(p.name)}">{html.escape(p.name)}</a>'
-            for p in sorted((out_dir / o.notebook).glob("*")) if p.is_file()
-        )  # fmt: skip
-        rows.append(
-            f'<tr><td><a href="{html.escape(o.html.name)}">{html.escape(o.notebook)}</a></td>'
-            f'<td style="color:{colour};font-weight:600">{o.status}</td>'
-            f"<td>{html.escape(o.summary)}</td><td>{o.seconds:.0f} s</td><td class=files>{files}</td></tr>"
-        )
+    rows = [
+        pages.index_row(o.notebook, o.html.name, o.status, o.summary, o.seconds,
+                        [p.name for p in sorted((out_dir / o.notebook).glob("*")) if p.is_file()])
+        for o in outcomes
+    ]  # fmt: skip
     total = sum(o.seconds for o in outcomes)
-    page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>qwenkit reports: {html.escape(run_name)}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2rem; color: #222; }}
-table {{ border-collapse: collapse; width: 100%; }}
-td, th {{ border-bottom: 1px solid #ddd; padding: .5rem .7rem; text-align: left; vertical-align: top; }}
-th {{ background: #f5f5f5; }} .files {{ font-size: .85em; }} .meta {{ color: #666; }}
-</style></head><body>
-<h1>qwenkit reports: {html.escape(run_name)}</h1>
-<p class="meta">parameter set <b>{html.escape(params_name)}</b>; {len(outcomes)} notebooks in {total:.0f} s;
-written {datetime.datetime.now():%Y-%m-%d %H:%M}; qwenkit {qwenkit.__version__}, torch {torch.__version__},
-Python {platform.python_version()} on {html.escape(platform.node())}</p>
-<table><tr><th>notebook</th><th>status</th><th>summary</th><th>time</th><th>result files</th></tr>
-{chr(10).join(rows)}
-</table></body></html>
-"""
+    meta = (
+        f"parameter set {params_name}; {len(outcomes)} notebooks in {total:.0f} s; "
+        f"written {datetime.datetime.now():%Y-%m-%d %H:%M}; qwenkit {qwenkit.__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()} on {platform.node()}"
+    )
     path = out_dir / "index.html"
-    path.write_text(page)
+    path.write_text(pages.index_page(run_name, meta, rows))
     return path
 
 
@@ -379,13 +260,3 @@ def _point_latest(out_root: Path, run_name: str) -> None:
             os.symlink(run_name, latest)
     except OSError as e:  # e.g. a file system without symlinks; the run folder is what matters
         log.warning("could not point %s at %s: %s", latest, run_name, e)
-
-
-def run_main(args) -> int:
-    try:
-        out_dir, outcomes = run(args.params, args.only, args.out, args.run_name)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"qwenkit notebooks run: {e}", file=sys.stderr)
-        return 2
-    print(f"index: {out_dir / 'index.html'}")
-    return 0 if all(o.status == "passed" for o in outcomes) else 1

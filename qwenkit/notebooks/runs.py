@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qwenkit import results
+from qwenkit import checkpoint as ckpt
+from qwenkit.notebooks import results
 
 # Lines of the run's output worth showing live; everything goes to train.log.
 PROGRESS = re.compile(r"^(step \d+/\d+|checkpoint saved|.*resumed from|.*already at step|.*no checkpoint to resume)"
@@ -77,8 +78,6 @@ def train_command(config: str | Path, output_dir: str | Path, nproc: int, overri
 
 
 def _checkpoint_complete(output_dir: Path, step: int) -> bool:
-    from qwenkit import checkpoint as ckpt
-
     return (ckpt.step_dir(ckpt.checkpoint_root(output_dir), step) / ckpt.COMPLETE).is_file()
 
 

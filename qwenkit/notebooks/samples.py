@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwenkit import results
+from qwenkit.data import REASONS
+from qwenkit.data.images import load, resolve
+from qwenkit.notebooks import results
 from qwenkit.processor import SPECIAL_TOKENS, Processor
 
 IGNORE_INDEX = -100
@@ -54,8 +56,6 @@ def percentiles(values: list[int]) -> dict[str, float]:
 
 def bad_sample_rows(report, limit: int = 50) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(by_reason, first_messages)`` table rows of a :class:`BadSampleReport`."""
-    from qwenkit.data import REASONS
-
     by_reason = [
         {"reason": r, "samples": n, "meaning": REASONS[r]}
         for r, n in sorted(report.by_reason.items(), key=lambda kv: -kv[1])
@@ -110,8 +110,6 @@ def _thumbnail(image, side: int = 160) -> str:
 
 def sample_images(dataset, i: int) -> list:
     """The PIL images of good sample ``i``, in placeholder order."""
-    from qwenkit.data.images import load, resolve
-
     info = dataset.samples[i]
     conv = dataset.conversation(i)
     refs = resolve(conv.images, conv.where, dataset.sources[info.source].base_dir, dataset.data.image_dir)

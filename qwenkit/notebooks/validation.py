@@ -5,7 +5,7 @@ The reference is what ``tests/test_model.py`` compares against: HF's own forward
 The same model is switched between the two heads (:meth:`configure_loss`), so the weights are
 identical by construction and any difference is the loss head's.
 
-1. :func:`validation_batches` takes real samples from a dataset through :mod:`qwenkit.data`;
+1. :func:`validation_batches` takes real samples from a dataset (:func:`qwenkit.data.sample_batches`);
    the ``text`` modality is the same samples with their vision spans and pixels removed.
 2. :func:`compare` runs full and chunked heads over chunk sizes x reductions x modalities and
    reports, per case, the loss difference and the largest gradient difference over all
@@ -23,9 +23,12 @@ from typing import Any
 import torch
 
 from qwenkit import config as qconfig
+from qwenkit import data
 from qwenkit import model as qmodel
-from qwenkit import results
-from qwenkit.processor import Processor, load_processor
+from qwenkit.config import DTYPES
+from qwenkit.model import load_processor
+from qwenkit.notebooks import kernel, results
+from qwenkit.processor import Processor
 
 MODALITIES = ("text", "image-text")
 # (rtol, atol) per dtype: fp32 sums in another order differ by a few ulps of the sums; bf16 and
@@ -46,50 +49,13 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return TOLERANCES[dtype]
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    """``auto``: the current accelerator (CUDA, or an Ascend NPU when torch_npu is installed), else CPU."""
-    if name in ("auto", "npu"):
-        try:  # registers the "npu" device type with torch; absent everywhere but Ascend machines
-            import torch_npu  # noqa: F401
-        except ImportError:
-            pass
-    if name == "auto":
-        return torch.accelerator.current_accelerator() or torch.device("cpu")
-    return torch.device(name)
-
-
-def text_only(sample: dict[str, torch.Tensor], processor: Processor) -> dict[str, torch.Tensor]:
-    """The sample without its vision spans (start, pad and end tokens) and pixels."""
-    vision = torch.tensor([processor.vision_start_id, processor.image_token_id, processor.vision_end_id])
-    keep = ~torch.isin(sample["input_ids"], vision)  # [S]
-    return {k: v[keep] for k, v in sample.items() if k in ("input_ids", "labels", "mm_token_type_ids")}
-
-
 def validation_batches(
     cfg: qconfig.Config, processor: Processor, modality: str, count: int, batch_size: int
 ) -> list[dict[str, torch.Tensor]]:
-    """``count`` collated batches of ``batch_size`` consecutive samples of ``cfg.data.path``."""
-    from qwenkit.data import Collator, read_dataset
-
+    """``count`` batches of ``batch_size`` samples in ``modality`` (:func:`qwenkit.data.sample_batches`)."""
     if modality not in MODALITIES:
         raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}")
-    dataset, _ = read_dataset(cfg.data, processor)
-    if len(dataset) == 0:
-        raise ValueError(f"data.path={cfg.data.path!r} has no usable samples")
-    collate = Collator(processor)
-    out = []
-    for b in range(count):
-        samples = [dataset[(b * batch_size + i) % len(dataset)] for i in range(batch_size)]
-        if modality == "text":
-            samples = [text_only(s, processor) for s in samples]
-        batch = collate(samples)
-        del batch["num_items"], batch["num_samples"]  # the model counts a lone batch itself
-        out.append(batch)
-    return out
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
+    return data.sample_batches(cfg, processor, count, batch_size, text=modality == "text")
 
 
 def loss_and_grads(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -134,14 +100,14 @@ def compare(
     ``atol`` and ``passed`` (loss and every gradient element within tolerance).
     ``per_param``: the gradient differences of each parameter, for the chunk-size view.
     """
-    dev = pick_device(device)
+    dev = kernel.device(device)
     processor = load_processor(cfg)
     model = qmodel.build(cfg.model, cfg.loss, device=dev)
-    dtype = qmodel.DTYPES[cfg.model.dtype]
+    dtype = DTYPES[cfg.model.dtype]
     rtol, atol = tolerance(dtype)
     cases, per_param = [], []
     for modality in modalities:
-        batch = to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
+        batch = data.to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
         tokens = int((batch["labels"][:, 1:] != -100).sum())
         for reduction in reductions:
             model.configure_loss(chunk=False, loss_type=reduction)
@@ -194,10 +160,10 @@ def adamw_curves(
     Returns ``{"step", "mode", "loss"}`` rows for ``mode`` in ``full`` and ``chunk``; batches are
     used in turn, so both runs see exactly the same data in the same order.
     """
-    dev = pick_device(device)
+    dev = kernel.device(device)
     processor = load_processor(cfg)
-    dtype = qmodel.DTYPES[cfg.model.dtype]
-    batches = [to_device(b, dev, dtype) for b in validation_batches(cfg, processor, modality, num_batches, batch_size)]
+    dtype = DTYPES[cfg.model.dtype]
+    batches = [data.to_device(b, dev, dtype) for b in validation_batches(cfg, processor, modality, num_batches, batch_size)]
     rows = []
     for mode in ("full", "chunk"):
         torch.manual_seed(seed)
@@ -242,7 +208,7 @@ def save(out_dir, cases, per_param, curves, dtype: str = "float32", device: str 
          for r in curves],
         f"{out_dir}/adamw_curves.csv",
     )
-    torch_dtype = qmodel.DTYPES[dtype]
+    torch_dtype = DTYPES[dtype]
     rtol, atol = tolerance(torch_dtype)
     diff = [abs(d["diff"]) for d in curve_difference(curves)]
     chunk_losses = [r["loss"] for r in curves if r["mode"] == "chunk"]

@@ -5,7 +5,7 @@ Two kinds of measurement, kept apart because they need different isolation:
 - **Loss-head sweeps** (:func:`head_sweep`, :func:`chunk_sweep`): the lm_head + cross-entropy
   forward and backward at a given hidden size, vocabulary and sequence length, full logits vs
   chunked. This is the only part of a training step the two heads do differently. Each case runs
-  in a **fresh process** (``python -m qwenkit.perf CASE_JSON``), so its peak memory is its
+  in a **fresh process** (``python -m qwenkit.notebooks.perf CASE_JSON``), so its peak memory is its
   own: on CPU the peak RSS (VmHWM, reset through ``/proc/self/clear_refs`` once the inputs
   exist), on an accelerator the allocator's peak. The first pass gives the memory, the next
   ``repeats`` passes the time (median).
@@ -30,6 +30,12 @@ import time
 from typing import Any
 
 import torch
+
+from qwenkit import patches
+from qwenkit.launch import CPU_MALLOC_ENV
+from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy
+from qwenkit.notebooks import results
+from qwenkit.patches import dispatch
 
 MiB = 2**20
 
@@ -87,8 +93,6 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy
-
     if case["device"].startswith("npu"):
         import torch_npu  # noqa: F401  (registers the npu device type in this fresh process)
     device = torch.device(case["device"])
@@ -141,10 +145,8 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
     """One loss-head case in a fresh Python process; its result row."""
-    from qwenkit.launch import CPU_MALLOC_ENV
-
     env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # as qwenkit train's CPU ranks
-    cmd = [sys.executable, "-m", "qwenkit.perf", json.dumps(case)]
+    cmd = [sys.executable, "-m", "qwenkit.notebooks.perf", json.dumps(case)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"loss-head case {case} failed:\n{out.stderr[-2000:]}")
@@ -308,16 +310,12 @@ def _native_stderr_silenced():
 
 def fused_available(device: torch.device) -> tuple[bool, str]:
     """Whether fused kernels exist for ``device`` here, and what runs there (the patch route)."""
-    from qwenkit.patches import dispatch
-
     route = dispatch.routes("auto").get(device.type, "original")
     return not route.startswith("original"), route
 
 
 def fused_vs_unfused(model, batches: list[dict[str, torch.Tensor]], steps: int, warmup: int = 1) -> dict[str, Any]:
     """Step times with HF's ops and with qwenkit's fused ops on the same model (patched, then reverted)."""
-    from qwenkit import patches
-
     device = next(model.parameters()).device
     ok, route = fused_available(device)
     if not ok:
@@ -366,8 +364,6 @@ def head_ratios(sweep: list[dict[str, Any]]) -> dict[str, float]:
 def save(out_dir, sweep, chunks, recommended: int, util: dict[str, Any], fused: dict[str, Any],
          ops: list[dict[str, Any]], device: str) -> dict[str, Any]:  # fmt: skip
     """``loss_head.csv``, ``model_step.csv``, ``top_ops.csv`` (long format) and ``metrics.json``."""
-    from qwenkit import results
-
     rows = []
     for r in sweep:
         for metric, unit in (("time_ms", "ms"), ("peak_mb", "MiB")):
@@ -411,7 +407,7 @@ def save(out_dir, sweep, chunks, recommended: int, util: dict[str, Any], fused: 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m qwenkit.perf CASE_JSON   (one loss-head case; see head_measure)", file=sys.stderr)
+        print("usage: python -m qwenkit.notebooks.perf CASE_JSON   (one loss-head case; see head_measure)", file=sys.stderr)
         return 2
     print(json.dumps(_head_case(json.loads(argv[0]))))
     return 0

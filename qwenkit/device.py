@@ -1,0 +1,38 @@
+"""Which device a process runs on: the one rule for ``auto`` that trainer, launcher and notebooks share.
+
+``auto`` picks CUDA, then an Ascend NPU (when ``torch_npu`` is installed and sees one), then CPU.
+An explicit ``cuda`` or ``npu`` that is not there fails here, naming the setting, rather than at
+the first tensor moved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+def resolve_device(name: str, key: str = "parallel.device") -> str:
+    """``auto`` picks cuda, then npu (torch_npu), then cpu; ``key`` names the setting in errors."""
+    if name not in DEVICES:
+        raise ValueError(f"{key}={name!r}: expected one of {', '.join(DEVICES)}")
+    if name != "auto":
+        if name == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{key}='cuda' but no CUDA device is visible")
+        if name == "npu" and not npu_available():
+            raise ValueError(f"{key}='npu' but torch_npu is not installed or no NPU is visible")
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    if npu_available():
+        return "npu"
+    return "cpu"
+
+
+def npu_available() -> bool:
+    """Whether an Ascend NPU is usable; importing ``torch_npu`` also registers the ``npu`` device type."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()

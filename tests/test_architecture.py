@@ -1,0 +1,128 @@
+"""The package's shape, as docs/ARCHITECTURE.md describes it: checked on the source, not by convention.
+
+- no import cycles among qwenkit modules (function-level imports count: a cycle hidden in a
+  function still couples the two modules);
+- at most 8 imports of qwenkit modules inside functions, each with a reason on its line;
+- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.train``);
+- the training kit never imports the notebook layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "qwenkit"
+MAX_FUNCTION_IMPORTS = 8
+ENTRY_POINTS = {"qwenkit.cli", "qwenkit.train"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """The qwenkit modules an import statement loads (``from qwenkit import x``: ``qwenkit.x`` when a module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "qwenkit"]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")[: None if is_package else -1]
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join([*parts, base] if base else parts)
+    if base.split(".")[0] != "qwenkit":
+        return []
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+
+
+def _imports() -> list[tuple[str, int, str, bool, str]]:
+    """``(module, line, imported module, inside a function, source line)`` for every qwenkit import."""
+    rows = []
+    for module, path in MODULES.items():
+        source = path.read_text()
+        lines = source.splitlines()
+        is_package = path.name == "__init__.py"
+        todo: list[tuple[ast.AST, bool]] = [(ast.parse(source), False)]
+        while todo:
+            node, in_function = todo.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for target in _imported(child, module, is_package):
+                        rows.append((module, child.lineno, target, in_function, lines[child.lineno - 1]))
+                nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                todo.append((child, nested))
+    return rows
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(u: str) -> list[str] | None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(edges.get(u, ())):
+            if state.get(v) == 1:
+                return [*stack[stack.index(v):], v]
+            if v not in state and (found := visit(v)):
+                return found
+        stack.pop()
+        state[u] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycles():
+    edges: dict[str, set[str]] = {}
+    for module, _, target, _, _ in _imports():
+        if target != module:
+            edges.setdefault(module, set()).add(target)
+    cycle = _cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_few_function_level_imports_each_with_a_reason():
+    inside = sorted({(m, line, text.strip()) for m, line, _, in_fn, text in _imports() if in_fn})
+    listing = "\n".join(f"{m}:{line}: {text}" for m, line, text in inside)
+    assert len(inside) <= MAX_FUNCTION_IMPORTS, f"{len(inside)} function-level qwenkit imports:\n{listing}"
+    unexplained = [f"{m}:{line}: {text}" for m, line, text in inside if "#" not in text]
+    assert not unexplained, "function-level imports need a one-line reason as a comment:\n" + "\n".join(unexplained)
+
+
+def test_argparse_only_at_entry_points():
+    users = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "argparse" or "argparse" in names:
+                users.add(module)
+    assert users <= ENTRY_POINTS, f"argparse outside the entry points: {sorted(users - ENTRY_POINTS)}"
+
+
+def test_the_kit_never_imports_the_notebook_layer():
+    upward = sorted(
+        f"{m}:{line}: {text.strip()}"
+        for m, line, target, _, text in _imports()
+        if not m.startswith("qwenkit.notebooks") and m != "qwenkit.cli" and target.startswith("qwenkit.notebooks")
+    )
+    assert not upward, "the training kit imports the notebook layer:\n" + "\n".join(upward)
+
