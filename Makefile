@@ -2,23 +2,35 @@
 #   make report   creates .venv, installs qwenkit, runs the main job on the embedded tiny default
 #   make test     creates .venv and .venv-tf457, installs, runs the whole test suite on
 #                 transformers 5.x and the model/loss/data subset on transformers 4.57.6
+# Before a release (not in CI: it downloads ~3 GB):
+#   make test-compat  creates .venv-compat with the oldest supported stack (torch 2.7.1,
+#                 transformers 4.57.6) and runs every test that does not need the notebooks extra
 PYTHON ?= python3
 VENV ?= .venv
 VENV457 ?= .venv-tf457
+VENVCOMPAT ?= .venv-compat
 PIP_FLAGS ?= -q --disable-pip-version-check
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today).
 TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_patches.py
+# Tests that import the notebooks extra (papermill, nbformat, ipywidgets; plotly through
+# qwenkit.notebooks.kernel), which the compat environment leaves out.
+COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py tests/test_plots.py tests/test_validation.py
 
-.PHONY: test test-main test-tf457 report train bench lint clean chromium
+.PHONY: test test-main test-tf457 test-compat report train bench lint clean chromium
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,video,dev]'
 	touch $@
 
 $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt
 	$(PYTHON) -m venv $(VENV457)
-	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,dev]'
+	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,video,dev]'
+	touch $@
+
+$(VENVCOMPAT)/.installed: pyproject.toml constraints/compat.txt
+	$(PYTHON) -m venv $(VENVCOMPAT)
+	$(VENVCOMPAT)/bin/pip install $(PIP_FLAGS) -c constraints/compat.txt -e '.[datasets,dev]'
 	touch $@
 
 test: test-main test-tf457
@@ -36,6 +48,9 @@ test-main: $(VENV)/.installed chromium
 test-tf457: $(VENV457)/.installed
 	$(VENV457)/bin/python -m pytest -q -rs $(TF457_TESTS)
 
+test-compat: $(VENVCOMPAT)/.installed
+	$(VENVCOMPAT)/bin/python -m pytest -q -rs $(addprefix --ignore=,$(COMPAT_IGNORE))
+
 report: $(VENV)/.installed
 	$(VENV)/bin/qwenkit notebooks run --params default
 
@@ -49,4 +64,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check qwenkit tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(VENV457) reports runs .pytest_cache
+	rm -rf $(VENV) $(VENV457) $(VENVCOMPAT) reports runs .pytest_cache

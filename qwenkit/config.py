@@ -20,7 +20,8 @@ from typing import Any, Literal, Union
 import torch
 import yaml
 
-from qwenkit.patches import OPS
+from qwenkit.loss import LOSS_TYPES
+from qwenkit.patches import BACKENDS, OPS, dispatch
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
@@ -42,6 +43,8 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     freeze: list[str] = field(default_factory=list)  # module paths, e.g. ["model.visual"]
     fused_ops: Literal["auto", "off"] | list[str] = "auto"  # or a subset of qwenkit.patches.OPS
+    # auto: NPU tensors run torch_npu, CUDA tensors Liger (when installed); npu | cuda: that route only
+    fused_backend: Literal[BACKENDS] = "auto"
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
     tie_word_embeddings: bool = False  # only for path=tiny (HF checkpoints carry their own)
 
@@ -57,6 +60,12 @@ class DataConfig:
     max_pixels: int = 28 * 28 * 256
     min_image_side: int = 28  # smaller images are bad samples
     max_aspect_ratio: float = 200.0  # Qwen2-VL's processor refuses more extreme images
+    video_dir: str | None = None  # base for relative video paths (default: data.image_dir, else the file's directory)
+    video_fps: float = 2.0  # frames sampled per second of video
+    video_min_frames: int = 4  # videos with fewer decodable frames are bad samples (short_video)
+    video_max_frames: int = 128  # sampled frames per video at most (longer videos are sampled sparser)
+    video_max_pixels: int = 28 * 28 * 128  # per frame; the lower bound is data.min_pixels
+    video_total_pixels: int = 28 * 28 * 2048  # per video, all frames: caps a video near this/784 tokens
     on_bad_sample: Literal["error", "skip"] = "skip"
     max_bad_fraction: float = 0.01  # training fails if more than this fraction is skipped
     shuffle: bool = True
@@ -70,7 +79,7 @@ class LossConfig:
     chunk_size: int | Literal["auto"] = "auto"  # labelled tokens per logits chunk (ignored ones are skipped)
     chunk_budget_mb: int = 512  # memory budget of one fp32 logits chunk, for chunk_size=auto
     # "raw" (unreduced per-token loss) is an API output (model.configure_loss), never a training loss
-    loss_type: Literal["token_mean", "sample_mean", "raw"] = "token_mean"
+    loss_type: Literal[LOSS_TYPES] = "token_mean"
 
 
 @dataclass
@@ -313,6 +322,13 @@ def validate(cfg: Config) -> list[str]:
     if isinstance(m.fused_ops, list):
         for op in m.fused_ops:
             need(op in OPS, f"model.fused_ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
+    if m.fused_backend != "auto" and m.fused_ops != "off":
+        library = dispatch.ROUTES[m.fused_backend].LIBRARY
+        need(
+            dispatch.installed(library),
+            f"model.fused_backend={m.fused_backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed; "
+            "use auto (each tensor's device picks its kernels) or install it",
+        )
     need(d.max_length > 0, f"data.max_length must be > 0, got {d.max_length}")
     need(d.min_pixels > 0, f"data.min_pixels must be > 0, got {d.min_pixels}")
     need(
@@ -321,6 +337,23 @@ def validate(cfg: Config) -> list[str]:
     )
     need(d.min_image_side >= 1, f"data.min_image_side must be >= 1, got {d.min_image_side}")
     need(d.max_aspect_ratio >= 1, f"data.max_aspect_ratio must be >= 1, got {d.max_aspect_ratio}")
+    need(d.video_fps > 0, f"data.video_fps must be > 0, got {d.video_fps}")
+    need(
+        d.video_min_frames >= 2,
+        f"data.video_min_frames must be >= 2 (one temporal patch), got {d.video_min_frames}",
+    )
+    need(
+        d.video_max_frames >= d.video_min_frames,
+        f"data.video_max_frames must be >= data.video_min_frames ({d.video_min_frames}), got {d.video_max_frames}",
+    )
+    need(
+        d.video_max_pixels >= d.min_pixels,
+        f"data.video_max_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.video_max_pixels}",
+    )
+    need(
+        d.video_total_pixels >= d.min_pixels,
+        f"data.video_total_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.video_total_pixels}",
+    )
     need(
         0.0 <= d.max_bad_fraction <= 1.0,
         f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}",

@@ -33,8 +33,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-REDUCTIONS = ("token_mean", "sample_mean")
+IGNORE_INDEX = -100  # label of a position the loss skips (HF's and torch's convention)
+REDUCTIONS = ("token_mean", "sample_mean")  # what the chunked head computes
+LOSS_TYPES = (*REDUCTIONS, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
 # chunk_size=auto rounds chunks to this many rows: GEMM tiles on CPU (oneDNN/MKL) and GPU/NPU
 # (tensor-core tiles) are powers of two up to 128/256; see benchmarks/chunk_loss.py for the sweep.
 CHUNK_MULTIPLE = 128
@@ -278,6 +279,7 @@ def full_cross_entropy(
 __all__ = [
     "CHUNK_MULTIPLE",
     "IGNORE_INDEX",
+    "LOSS_TYPES",
     "REDUCTIONS",
     "auto_chunk_size",
     "chunked_linear_cross_entropy",

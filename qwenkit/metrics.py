@@ -67,14 +67,25 @@ class MetricsWriter:
 
 
 def read(path: str | Path) -> list[dict]:
-    """All rows of a metrics file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a run's metrics: ``path`` is a run's output_dir (every rank's file, rank by
+    rank) or one rank's JSONL file. A step logged twice (resumed run) keeps both rows; a
+    half-written last line (a run still writing) is left out."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted((path / "metrics").glob("rank-*.jsonl"))
+    rows = []
+    for file in files:
+        with file.open() as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                if line.strip():
+                    rows.append(json.loads(line))
+    return rows
 
 
-def series(path: str | Path, metric: str) -> dict[int, float]:
-    """``{step: value}`` of one metric; for a step logged twice (resume), the last row wins."""
-    return {row["x"]: row["value"] for row in read(path) if row["metric"] == metric}
+def series(rows: list[dict], metric: str, rank: int = 0) -> dict[int, float]:
+    """``{step: value}`` of one metric on one rank; for a step logged twice (resume), the last row wins."""
+    return {r["x"]: r["value"] for r in rows if r["metric"] == metric and r.get("rank", 0) == rank}
 
 
 def peak_memory_mib(device: torch.device) -> float:

@@ -25,12 +25,11 @@ from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from qwenkit.config import DTYPES
-from qwenkit.loss import chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.loss import LOSS_TYPES, chunked_linear_cross_entropy, full_cross_entropy
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 from qwenkit.tiny import ensure_checkpoint
 
 log = logging.getLogger(__name__)
-LOSS_TYPES = ("token_mean", "sample_mean", "raw")
 
 
 class ChunkedLMHead(nn.Linear):
@@ -69,6 +68,10 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         # Data parallel: every rank must run the (sharded) vision tower in every step, or FSDP's
         # collectives mismatch when one rank's micro-batch has no image. Set by the trainer.
         self.vision_every_step = False
+        # Data with videos: HF runs the tower once per modality present (images, then videos), so a
+        # rank with both makes two calls; with this set every rank makes two, an idle call standing
+        # in for a missing modality. Set by the trainer when the dataset has videos.
+        self.video_every_step = False
 
     def configure_loss(
         self,
@@ -122,11 +125,12 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
         kwargs = _drop_unsupported(kwargs)
         idle = None
-        if self._vision_idle(kwargs) and input_ids is not None and kwargs.get("inputs_embeds") is None:
+        missing = self._idle_vision_calls(kwargs)
+        if missing and input_ids is not None and kwargs.get("inputs_embeds") is None:
             # Ranks with images run embed_tokens, then the vision tower, then the decoder; a
-            # text-only rank must issue FSDP's collectives in that same order.
+            # rank short of a modality must issue FSDP's collectives in that same order.
             kwargs["inputs_embeds"] = self.model.get_input_embeddings()(input_ids)
-            idle = self._idle_vision_term()
+            idle = sum(self._idle_vision_term() for _ in range(missing))
         if not self.chunk_loss:
             out = self._hf_forward(input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs)
             if idle is not None and out.loss is not None:
@@ -151,13 +155,12 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         out = CausalLMOutputWithPast(loss=loss, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out.to_tuple() if return_dict is False else out
 
-    def _vision_idle(self, kwargs) -> bool:
-        return (
-            self.vision_every_step
-            and self.training
-            and kwargs.get("pixel_values") is None
-            and kwargs.get("pixel_values_videos") is None
-        )
+    def _idle_vision_calls(self, kwargs) -> int:
+        """Vision-tower calls this rank must add so that every rank makes the same number."""
+        if not (self.vision_every_step and self.training):
+            return 0
+        made = (kwargs.get("pixel_values") is not None) + (kwargs.get("pixel_values_videos") is not None)
+        return max(0, 1 + self.video_every_step - made)
 
     def _idle_vision_term(self) -> torch.Tensor:
         """0 x (vision tower on one blank merged patch): same collectives on every rank, no effect.

@@ -1,9 +1,11 @@
 """Image-only Qwen2.5-VL processor: a tokenizer plus transformers' Qwen2-VL image processor.
 
-``Qwen2_5_VLProcessor`` insists on a video processor, which imports torchvision (optional here,
-see DESIGN.md). Training only needs the tokenizer and the image processor, so this class holds
-those two and reads/writes the same files as an HF checkpoint directory: a real Qwen2.5-VL
-checkpoint loads with :meth:`Processor.from_pretrained`, and so does the embedded tiny one.
+``Qwen2_5_VLProcessor`` insists on a video processor, which imports torchvision: optional here,
+because a torchvision wheel built for another device (PyPI's is CUDA-linked) fails to import on
+a CPU-only machine and then breaks transformers' imports with it. Training only needs the
+tokenizer and the image processor, so this class holds those two and reads/writes the same files
+as an HF checkpoint directory: a real Qwen2.5-VL checkpoint loads with
+:meth:`Processor.from_pretrained`, and so does the embedded tiny one.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Processor:
         return self.image_processor.merge_size
 
     def image_tokens(self, image_grid_thw) -> int:
-        """Number of ``<|image_pad|>`` tokens for one image: t*h*w / merge²."""
+        """Number of ``<|image_pad|>`` (or ``<|video_pad|>``) tokens for one image (video): t*h*w / merge²."""
         t, h, w = (int(x) for x in image_grid_thw)
         return t * h * w // self.merge_size**2
 

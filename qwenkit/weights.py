@@ -1,9 +1,12 @@
 """Load a Hugging Face checkpoint's safetensors straight into FSDP2 shards (meta-device init).
 
 With ``model.init_device: meta`` the model is built without storage, sharded, given storage for
-its shards only (:func:`qwenkit.fsdp.materialize`), and then filled here through DCP's
-``HuggingFaceStorageReader``: each rank reads just the rows of each tensor that its shards hold
-(``safe_open(...).get_slice``), so no rank ever holds the whole model.
+its shards only (:func:`qwenkit.fsdp.materialize`), and then filled here: each rank reads just
+the rows of each tensor that its shards hold (``safe_open(...).get_slice``), so no rank ever
+holds the whole model. torch 2.8+ does this through DCP's ``HuggingFaceStorageReader``; older
+torch (2.7, what torch_npu 2.7.1 pairs with) lacks it, and :func:`read_slices` reads the same
+rows with safetensors directly, each shard's place in the full tensor taken from the DTensor's
+chunk list, as DCP's planner does.
 
 Qwen2.5-VL checkpoints name tensors in one of two layouts: the hub's (``model.layers.*``,
 ``visual.*``, which transformers 5.x also writes) and transformers 4.52+'s in-memory one
@@ -15,14 +18,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+except ImportError:  # torch < 2.8
+    HuggingFaceStorageReader = None
 
 from qwenkit.fsdp import module_path
 
@@ -42,21 +52,59 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     Every model tensor must be found, except a tied weight whose partner is in the files
     (tied checkpoints store ``embed_tokens`` only). Returns the number of tensors read.
     """
-    reader = HuggingFaceStorageReader(str(path))
-    file_keys = list(reader.read_metadata().state_dict_metadata)
-    if not file_keys:
+    files = tensor_files(path)
+    if not files:
         raise FileNotFoundError(f"model.path={str(path)!r}: no *.safetensors weights found")
-    by_model_key = {model_key(k): k for k in file_keys}
+    by_model_key = {model_key(k): k for k in files}
     state = get_model_state_dict(model)  # sharded DTensors, keys without wrapper segments
     to_load = {by_model_key[k]: t for k, t in state.items() if k in by_model_key}
     missing = [k for k in state if k not in by_model_key and not _tied_partner_loaded(model, k, by_model_key)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise KeyError(f"model.path={str(path)!r}: the checkpoint lacks {shown}")
-    dcp.load(to_load, storage_reader=reader)  # in place, each rank only its own shard rows
+    if HuggingFaceStorageReader is not None:
+        dcp.load(to_load, storage_reader=HuggingFaceStorageReader(str(path)))  # in place, own rows only
+    else:
+        read_slices(to_load, files)
     loaded = {model_key(k): t for k, t in to_load.items()}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     return len(to_load)
+
+
+def tensor_files(path: str | Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the ``*.safetensors`` file holding it (headers only are read)."""
+    files = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    return files
+
+
+@torch.no_grad()  # the targets are parameters: filled in place, no autograd history
+def read_slices(targets: dict[str, torch.Tensor], files: dict[str, Path]) -> None:
+    """Copy into each target (a sharded DTensor or a plain tensor) its rows of the file tensor."""
+    by_file: dict[Path, list[str]] = {}
+    for key in targets:
+        by_file.setdefault(files[key], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for key in keys:
+                target = targets[key]
+                source = f.get_slice(key)
+                if list(source.get_shape()) != list(target.shape):
+                    raise ValueError(
+                        f"{file}: tensor {key!r} has shape {source.get_shape()}, the model's is {list(target.shape)}"
+                    )
+                if not isinstance(target, DTensor):
+                    target.copy_(f.get_tensor(key))
+                    continue
+                local = target.to_local()
+                if local.numel() == 0:  # a rank past the last row of an unevenly sharded tensor
+                    continue
+                # one chunk per rank for FSDP2 (Shard(0), HSDP's Replicate): where its rows lie
+                (chunk,) = target.__create_chunk_list__()
+                index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                local.copy_(source[index])
 
 
 def _tied_partner_loaded(model: nn.Module, key: str, available: dict[str, str]) -> bool:

@@ -118,6 +118,18 @@ def test_unknown_fused_op():
         config.load(overrides=["model.fused_ops=[rms_norm, gelu]"])
 
 
+def test_fused_backend_is_refused_without_its_library(monkeypatch):
+    from qwenkit.patches import dispatch
+
+    monkeypatch.setattr(dispatch, "installed", lambda library: library == "torch_npu")
+    with pytest.raises(ConfigError, match=r"model\.fused_backend='cuda' needs liger-kernel, which is not installed"):
+        config.load(overrides=["model.fused_backend=cuda"])
+    assert config.load(overrides=["model.fused_backend=cuda", "model.fused_ops='off'"]).model.fused_backend == "cuda"
+    assert config.load(overrides=["model.fused_backend=npu"]).model.fused_backend == "npu"
+    with pytest.raises(ConfigError, match=r"model\.fused_backend"):
+        config.load(overrides=["model.fused_backend=tpu"])
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(tmp_path / "nope.yaml")

@@ -17,7 +17,7 @@ from PIL import Image
 from qwenkit import config as qconfig
 from qwenkit.data import Collator, build, read_dataset
 from qwenkit.data.images import predict_grid
-from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 MLLM_DEMO = Path("/work/shared/data/mllm_demo/mllm_demo.json")

@@ -193,3 +193,46 @@ def test_tiny_checkpoint_written_under_a_process_group_has_weights(tmp_path):
     check_ranks(_tiny_under_group, 2, tmp_path)
     (written,) = [p for p in tmp_path.iterdir() if p.name.startswith("tiny-")]
     assert (written / "model.safetensors").is_file()
+
+
+def _meta_init_readers(rank, out):
+    """Meta init on 3 ranks (uneven row shards: 32 rows -> 11, 11, 10) through each weight reader
+    this torch has: DCP's HuggingFaceStorageReader (torch 2.8+) and the safetensors slice reader."""
+    from qwenkit import model as qmodel
+    from qwenkit import weights
+
+    dist.init_process_group("gloo")
+    cfg = qconfig.load(overrides=["model.init_device=meta"])
+    rt = fsdp.Runtime(rank, 3, rank, torch.device("cpu"), "gloo", False)
+    dcp_reader = weights.HuggingFaceStorageReader
+    for name, reader in {"dcp": dcp_reader, "slices": None}.items():
+        if name == "dcp" and reader is None:
+            continue  # torch < 2.8
+        weights.HuggingFaceStorageReader = reader
+        model = qmodel.build(cfg.model, cfg.loss)
+        fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt))
+        fsdp.materialize(model, rt.device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))  # a row no reader fills stays NaN
+        weights.load_hf_weights(model, ensure_checkpoint())
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(state, out / f"{name}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_meta_init_reads_each_shard_like_from_pretrained(tmp_path, tiny_path):
+    from qwenkit import model as qmodel
+    from qwenkit import weights
+
+    check_ranks(_meta_init_readers, 3, tmp_path)
+    ref = qmodel.build(qconfig.load().model).state_dict()
+    readers = ["slices"] + (["dcp"] if weights.HuggingFaceStorageReader is not None else [])
+    for name in readers:
+        got = torch.load(tmp_path / f"{name}.pt")
+        assert got.keys() == ref.keys(), name
+        for key, value in ref.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key, r=name: f"{r} {k}: {m}")

@@ -7,14 +7,18 @@ from __future__ import annotations
 import ast
 import html
 import json
+import shutil
 from pathlib import Path
 
 import chromium
 import nbformat
+import plotly.io as pio
 import pytest
 import yaml
 
-from qwenkit.notebooks import runner
+from qwenkit.notebooks import perf, runner, runs, samples, validation
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = runner.list_notebooks(ROOT)
@@ -224,3 +228,37 @@ def test_interactive_true_adds_widget_controls(tmp_path):
     outputs = [o for c in nbformat.read(str(out), as_version=4).cells if c.cell_type == "code" for o in c.outputs]
     views = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert len(views) == 1, "one sample browser"
+
+
+# ---------------------------------------------------------------------------------------------
+# Every figure comes from the result files
+
+
+def _redrawn(name: str, folder: Path) -> list:
+    if name == "02_sharded_training":
+        stop_after = json.loads((folder / "metrics.json").read_text())["values"]["stopped_after"]
+        return runs.figures(folder, stop_after)
+    module = {"01_data_prep": samples, "03_chunk_loss_validation": validation, "04_performance_profiling": perf}[name]
+    return module.figures(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_figures_redraw_from_the_result_files_alone(smoke_run, name, tmp_path):
+    """Copy only the CSV/JSON/JSONL a notebook wrote, re-draw its figures from them, and compare
+    every trace with what the executed notebook showed."""
+    run_dir, _ = smoke_run
+    for path in (run_dir / name).rglob("*"):
+        if path.suffix in (".csv", ".json", ".jsonl"):
+            copy = tmp_path / path.relative_to(run_dir / name)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy)
+    shown = [
+        o["data"][PLOTLY_MIME]["data"]
+        for c in nbformat.read(str(run_dir / f"{name}.ipynb"), as_version=4).cells if c.cell_type == "code"
+        for o in c.outputs if PLOTLY_MIME in o.get("data", {})
+    ]  # fmt: skip
+    redrawn = [json.loads(pio.to_json(f))["data"] for f in _redrawn(name, tmp_path)]
+    assert len(redrawn) == len(shown) >= 3, f"{name}: {len(redrawn)} figures re-drawn, {len(shown)} shown"
+    for i, (again, seen) in enumerate(zip(redrawn, shown)):
+        assert again == seen, f"{name}: figure {i + 1} differs when drawn from the result files"

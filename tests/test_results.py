@@ -20,13 +20,6 @@ def test_csv_round_trip_keeps_numbers(tmp_path):
     assert results.select(back, series="full")[0]["unit"] == "ms"
 
 
-def test_jsonl_ignores_a_half_written_last_line(tmp_path):
-    path = results.write_jsonl([{"x": 1}, {"x": 2}], tmp_path / "m.jsonl")
-    with path.open("a") as f:
-        f.write('{"x": 3')  # a writer caught mid-line
-    assert results.read_jsonl(path) == [{"x": 1}, {"x": 2}]
-
-
 def test_metrics_json_is_strict_json(tmp_path):
     results.write_metrics(tmp_path, "03", "all good", True, max_diff=1e-7, bad=math.nan, nested={"a": math.inf})
     doc = json.loads((tmp_path / "metrics.json").read_text())  # strict parse: no NaN tokens

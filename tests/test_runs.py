@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from qwenkit import metrics
 from qwenkit.notebooks import results, runs
 
 # Prints step lines like the trainer and honours train.stop_after=N from its arguments: stops
@@ -74,9 +75,12 @@ def test_metrics_of_a_resumed_run_keep_the_last_value_of_each_step(tmp_path):
     rows1 = [results.record("peak_memory", 100.0 + s, x_name="step", x=s, series="rank 1") | {"rank": 1} for s in (1, 2, 3)]
     results.write_jsonl(rows0, tmp_path / "metrics" / "rank-00000.jsonl")
     results.write_jsonl(rows1, tmp_path / "metrics" / "rank-00001.jsonl")
-    rows = runs.read_metrics(tmp_path)
-    assert runs.series(rows, "loss") == {1: 3.0, 2: 2.0, 3: 1.5}
-    assert runs.series(rows, "peak_memory", rank=1) == {1: 101.0, 2: 102.0, 3: 103.0}
+    with (tmp_path / "metrics" / "rank-00001.jsonl").open("a") as f:
+        f.write('{"metric": "loss", "x": 4')  # a writer caught mid-line
+    rows = metrics.read(tmp_path)
+    assert len(rows) == len(rows0) + len(rows1) and metrics.read(tmp_path / "metrics" / "rank-00001.jsonl") == rows1
+    assert metrics.series(rows, "loss") == {1: 3.0, 2: 2.0, 3: 1.5}
+    assert metrics.series(rows, "peak_memory", rank=1) == {1: 101.0, 2: 102.0, 3: 103.0}
     summary = runs.summary_rows(rows)
     assert [r["rank"] for r in summary] == [0, 1]
     assert summary[0]["first loss"] == 3.0 and summary[0]["last loss"] == 1.5

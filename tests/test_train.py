@@ -79,7 +79,7 @@ def test_nan_on_one_rank_stops_every_rank_before_the_update(out, tmp_path):
     got = torch.load(out / "nan.pt")
     assert got["step"] == POISONED_BATCH + 1
     assert got["message"].startswith("step 3: non-finite loss nan")
-    assert sorted(metrics.series(out / "nan" / "metrics" / "rank-00001.jsonl", "loss")) == [1, 2]
+    assert sorted(metrics.series(metrics.read(out / "nan"), "loss", rank=1)) == [1, 2]
     # the weights are still those of the checkpoint written after step 2, bit for bit
     dcp_to_torch_save(out / "nan" / "checkpoints" / "step-00000002", tmp_path / "step2.pt")
     saved = torch.load(tmp_path / "step2.pt")["model"]

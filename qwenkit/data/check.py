@@ -23,25 +23,44 @@ from qwenkit.processor import pixel_bounds
 MAX_LISTED = 200  # bad rows printed one by one; the counts by reason are always complete
 
 
+def percentiles(values: list[int]) -> dict[str, float]:
+    """``min``, ``p50``, ``p90``, ``p99``, ``max`` of token counts (empty for no values)."""
+    if not values:
+        return {}
+    a = np.asarray(values)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"min": int(a.min()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": int(a.max())}
+
+
 def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int) -> str:
     """The check's report as text: counts, token-length distribution, bad samples by reason."""
     lines = [f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read"]
     infos = dataset.samples
     lines.append(f"images: {sum(len(s.grids) for s in infos)}")
+    metas = [m for s in infos for m in s.videos]
+    if metas:
+        temporal = dataset.processor.image_processor.temporal_patch_size
+        sampled = sum(g[0] * temporal for s in infos for g in s.video_grids)
+        lines.append(
+            f"videos: {len(metas)}, {sum(m.frames / m.fps for m in metas):.1f} s, "
+            f"{sum(m.frames for m in metas)} frames decoded, {sampled} sampled"
+        )
     if infos:
         lengths = np.array([s.length for s in infos])
-        p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+        p = percentiles(lengths.tolist())
         lines.append(
-            f"tokens per sample: min {lengths.min()}, p50 {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, "
-            f"max {lengths.max()}, mean {lengths.mean():.1f} (data.max_length={max_length})"
+            f"tokens per sample: min {p['min']}, p50 {p['p50']:.0f}, p90 {p['p90']:.0f}, p99 {p['p99']:.0f}, "
+            f"max {p['max']}, mean {lengths.mean():.1f} (data.max_length={max_length})"
         )
         image_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.grids)
+        video_tokens = sum(dataset.processor.image_tokens(g) for s in infos for g in s.video_grids)
+        video = f"{video_tokens} video, " if metas else ""
         lines.append(
-            f"tokens in total: {lengths.sum()} ({image_tokens} image, {sum(s.label_tokens for s in infos)} learned)"
+            f"tokens in total: {lengths.sum()} ({image_tokens} image, {video}{sum(s.label_tokens for s in infos)} learned)"
         )
         truncated = sum(s.truncated for s in infos)
         if truncated:
-            lines.append(f"truncated after the last image: {truncated}")
+            lines.append(f"truncated after the last image or video: {truncated}")
     if report.skipped:
         lines.append("bad samples by reason:")
         for reason, n in sorted(report.by_reason.items(), key=lambda kv: -kv[1]):
@@ -69,7 +88,12 @@ def check(cfg: qconfig.Config) -> int:
         return 2
     lo, hi = pixel_bounds(processor.image_processor)
     print(f"dataset: {cfg.data.path}")
+    d = cfg.data
     print(f"processor: {model_dir} (model.path={cfg.model.path}), images resized to {lo}..{hi} pixels")
+    print(
+        f"video sampling: {d.video_fps:g} fps, {d.video_min_frames}..{d.video_max_frames} frames, frames within "
+        f"{d.min_pixels}..{d.video_max_pixels} pixels and {d.video_total_pixels} per video"
+    )
     print(summarize(dataset, report, cfg.data.max_length))
     if report.skipped:
         print(f"FAILED: {report.skipped} bad sample{'s' if report.skipped != 1 else ''}")

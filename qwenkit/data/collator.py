@@ -7,6 +7,8 @@ The batch keeps HF's argument names, so the trainer can call the model with it a
   ``labels [B, S]`` padded with ``-100``, ``mm_token_type_ids [B, S]`` when samples carry it;
 - ``pixel_values [P, C*T*patch²]`` and ``image_grid_thw [I, 3]`` concatenated in sample order
   (the model scatters image features into pad tokens in that order), only if any sample has images;
+- ``pixel_values_videos [P', C*T*patch²]``, ``video_grid_thw [V, 3]`` and ``second_per_grid_ts [V]``
+  the same way for videos;
 - ``num_items``: label tokens that count after HF's causal shift, ``(labels[:, 1:] != -100).sum()``;
   summed over ranks and accumulation steps it is the ``token_mean`` denominator;
 - ``num_samples``: ``B``.
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor
 
 SEQUENCE_KEYS = ("input_ids", "labels", "mm_token_type_ids")
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 class Collator:
@@ -49,7 +51,7 @@ class Collator:
         batch["attention_mask"] = (
             torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         ).long()  # [B, S]
-        for key in IMAGE_KEYS:
+        for key in MEDIA_KEYS:
             parts = [s[key] for s in samples if key in s]
             if parts:
                 batch[key] = torch.cat(parts)

@@ -6,6 +6,9 @@ Accepted layouts, as written by LLaMA-Factory, MindSpeed-MM and ms-swift:
 - sharegpt: ``{"conversations": [{"from": "human", "value": "..."}, ...], "images": [...]}``,
   roles ``human``/``gpt``/``system``, optionally a top-level ``"system"`` string.
 
+Either layout may carry ``"videos": [...]`` with ``<video>`` placeholders, alone or mixed with
+images: the k-th ``<image>`` is ``images[k]`` and the k-th ``<video>`` is ``videos[k]``.
+
 An optional ``"id"`` field is carried into error messages. Every problem raises
 :class:`~qwenkit.data.report.BadSample` naming the message index (counting from 0).
 """
@@ -20,6 +23,7 @@ from qwenkit.data.report import BadSample, Location
 from qwenkit.processor import SPECIAL_TOKENS
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
 
 
@@ -31,6 +35,7 @@ class Conversation:
     system: str | None
     turns: list[tuple[str, str]]
     images: list[Any]  # raw image entries, in placeholder order; see qwenkit.data.images
+    videos: list[Any] = dataclasses.field(default_factory=list)  # raw video entries; see qwenkit.data.video
 
 
 def parse_row(row: Any, where: Location) -> Conversation:
@@ -51,9 +56,11 @@ def parse_row(row: Any, where: Location) -> Conversation:
     else:
         offset = 0
     _check_turns(messages, offset, where)
-    images = _images(row, where)
-    _check_placeholders(system, messages, offset, len(images), where)
-    return Conversation(where, system or None, messages, images)
+    images = _media(row, "images", where)
+    videos = _media(row, "videos", where)
+    _check_placeholders(system, messages, offset, IMAGE_PLACEHOLDER, len(images), where)
+    _check_placeholders(system, messages, offset, VIDEO_PLACEHOLDER, len(videos), where)
+    return Conversation(where, system or None, messages, images, videos)
 
 
 def _messages(row: dict, where: Location) -> list[tuple[str, str]]:
@@ -118,22 +125,22 @@ def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location) -> 
             raise BadSample(where, "empty_reply", f"message {i + offset} is an empty assistant reply")
 
 
-def _images(row: dict, where: Location) -> list[Any]:
-    if row.get("videos"):
-        raise BadSample(where, "bad_format", "videos are not supported; only images")
-    images = row.get("images")
-    if images is None:
+def _media(row: dict, key: str, where: Location) -> list[Any]:
+    """The row's ``images`` or ``videos`` entries as a list (a single entry may stand alone)."""
+    entries = row.get(key)
+    if entries is None:
         return []
-    if isinstance(images, (str, bytes, dict)):
-        return [images]
-    if not isinstance(images, list):
-        raise BadSample(where, "bad_format", f"'images' must be a list, got {type(images).__name__}")
-    return images
+    if isinstance(entries, (str, bytes, dict)):
+        return [entries]
+    if not isinstance(entries, list):
+        raise BadSample(where, "bad_format", f"'{key}' must be a list, got {type(entries).__name__}")
+    return entries
 
 
 def _check_placeholders(
-    system: str | None, turns: list[tuple[str, str]], offset: int, n_images: int, where: Location
+    system: str | None, turns: list[tuple[str, str]], offset: int, placeholder: str, n_media: int, where: Location
 ) -> None:
+    kind = "image" if placeholder == IMAGE_PLACEHOLDER else "video"
     texts = ([("system", system, 0)] if system else []) + [
         (role, text, i + offset) for i, (role, text) in enumerate(turns)
     ]
@@ -142,17 +149,17 @@ def _check_placeholders(
         for token in SPECIAL_TOKENS:
             if token in text:
                 raise BadSample(where, "bad_format", f"message {i} contains the reserved token {token!r}")
-        count = text.count(IMAGE_PLACEHOLDER)
+        count = text.count(placeholder)
         if count and role != "user":
             raise BadSample(
                 where,
-                "image_count",
-                f"message {i} ({role}) contains {IMAGE_PLACEHOLDER}; images go in user messages",
+                f"{kind}_count",
+                f"message {i} ({role}) contains {placeholder}; {kind}s go in user messages",
             )
         found += count
-    if found != n_images:
+    if found != n_media:
         raise BadSample(
             where,
-            "image_count",
-            f"{found} {IMAGE_PLACEHOLDER} placeholder{'s' if found != 1 else ''} but {n_images} image{'s' if n_images != 1 else ''}",
+            f"{kind}_count",
+            f"{found} {placeholder} placeholder{'s' if found != 1 else ''} but {n_media} {kind}{'s' if n_media != 1 else ''}",
         )

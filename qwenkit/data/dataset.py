@@ -1,8 +1,8 @@
 """The build-time scan of every row, and the lazily encoded dataset of the rows that passed.
 
-:func:`scan` reads every row once: conversation checks, every image decoded in full (so a
-truncated file shows now, not at step 9,000) and measured, and the token count computed from
-the predicted image grids. It keeps a small :class:`SampleInfo` per good row, so the report,
+:func:`scan` reads every row once: conversation checks, every image and video decoded in full
+(so a truncated file shows now, not at step 9,000) and measured, and the token count computed
+from the predicted image and video grids. It keeps a small :class:`SampleInfo` per good row, so the report,
 the length distribution and the ``max_bad_fraction`` check all exist before training starts.
 
 :class:`EncodedDataset` encodes a sample when it is indexed (pixels are large: a dataset's
@@ -18,10 +18,12 @@ import torch
 
 from qwenkit.config import DataConfig
 from qwenkit.data.conversation import Conversation, parse_row
-from qwenkit.data.images import ImageProbe, load, predict_grid, resolve
+from qwenkit.data.images import ImageProbe, ImageRef, load, predict_grid, resolve
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample, BadSampleReport
-from qwenkit.data.template import IGNORE_INDEX, Qwen2VLTemplate, fit_length
+from qwenkit.data.template import Qwen2VLTemplate, fit_length
+from qwenkit.data.video import VideoMeta, VideoProbe, VideoProcessor
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor, needs_mm_token_type_ids
 
 
@@ -35,14 +37,18 @@ class SampleInfo:
     grids: list[tuple[int, int, int]]
     label_tokens: int  # learned tokens (assistant replies and their <|im_end|>)
     truncated: bool
+    videos: list[VideoMeta]  # what the probe measured; the plan (frames, grid) follows from it
+    video_grids: list[tuple[int, int, int]]
 
 
 class EncodedDataset:
     """Good samples, encoded on access: ``dataset[i]`` is one sample's model inputs.
 
     A sample dict holds ``input_ids [S]``, ``labels [S]`` (``-100`` ignored), and, when it has
-    images, ``pixel_values [P, C*T*patch²]`` and ``image_grid_thw [n_images, 3]``;
-    ``mm_token_type_ids [S]`` (1 on image pad tokens) where transformers needs it.
+    images, ``pixel_values [P, C*T*patch²]`` and ``image_grid_thw [n_images, 3]``; when it has
+    videos, ``pixel_values_videos [P', C*T*patch²]``, ``video_grid_thw [n_videos, 3]`` and
+    ``second_per_grid_ts [n_videos]``; ``mm_token_type_ids [S]`` (1 on image pad tokens, 2 on
+    video pad tokens) where transformers needs it.
     """
 
     def __init__(
@@ -54,14 +60,16 @@ class EncodedDataset:
     ):
         self.sources, self.samples, self.processor, self.data = sources, samples, processor, data
         self.template = Qwen2VLTemplate(processor, data.system_prompt)
+        self.video_processor = VideoProcessor.from_config(processor.image_processor, data)
         self.with_mm_token_type_ids = needs_mm_token_type_ids()
 
     def __len__(self) -> int:
         return len(self.samples)
 
     @property
-    def lengths(self) -> list[int]:
-        return [s.length for s in self.samples]
+    def has_videos(self) -> bool:
+        """Whether any good sample has a video (every rank then runs the vision tower twice a step)."""
+        return any(s.videos for s in self.samples)
 
     def conversation(self, i: int) -> Conversation:
         info = self.samples[i]
@@ -84,15 +92,40 @@ class EncodedDataset:
                 )
             sample["pixel_values"] = pixels["pixel_values"]  # [P, C*T*patch²]
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
+        if info.videos:
+            sample.update(self._videos(conv, info))
         enc = fit_length(
-            self.template.encode(conv, info.grids), conv, self.data.max_length, self.data.truncate_text
+            self.template.encode(conv, info.grids, info.video_grids),
+            conv,
+            self.data.max_length,
+            self.data.truncate_text,
         )
         input_ids = torch.tensor(enc.input_ids, dtype=torch.long)  # [S]
         sample["input_ids"] = input_ids
         sample["labels"] = torch.tensor(enc.labels, dtype=torch.long)  # [S]
         if self.with_mm_token_type_ids:
-            sample["mm_token_type_ids"] = (input_ids == self.processor.image_token_id).long()  # [S]
+            sample["mm_token_type_ids"] = (
+                (input_ids == self.processor.image_token_id).long()
+                + 2 * (input_ids == self.processor.video_token_id).long()
+            )  # [S]
         return sample
+
+    def video_refs(self, conv: Conversation, info: SampleInfo) -> list[ImageRef]:
+        base = self.sources[info.source].base_dir
+        return resolve(conv.videos, conv.where, base, self.data.video_dir or self.data.image_dir, kind="video")
+
+    def _videos(self, conv: Conversation, info: SampleInfo) -> dict[str, torch.Tensor]:
+        pixels, grids, seconds = [], [], []
+        for ref, meta in zip(self.video_refs(conv, info), info.videos):
+            patches, plan = self.video_processor.load(ref, meta, conv.where)
+            pixels.append(patches)
+            grids.append(plan.grid)
+            seconds.append(plan.second_per_grid)
+        return {
+            "pixel_values_videos": torch.cat(pixels),  # [P', C*T*patch²]
+            "video_grid_thw": torch.tensor(grids, dtype=torch.long),  # [n_videos, 3]
+            "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32),  # [n_videos]
+        }
 
 
 def scan(
@@ -101,6 +134,7 @@ def scan(
     """Check every row; ``stop_at_first`` raises the first :class:`BadSample`, else all are counted."""
     template = Qwen2VLTemplate(processor, data.system_prompt)
     probe = ImageProbe(data.min_image_side, data.max_aspect_ratio)
+    videos = _VideoScan(VideoProbe(), VideoProcessor.from_config(processor.image_processor, data), data)
     report = BadSampleReport()
     samples: list[SampleInfo] = []
     for s, source in enumerate(sources):
@@ -110,7 +144,7 @@ def scan(
             report.add_bad(source.error)
         for r in range(len(source)):
             try:
-                samples.append(_scan_row(source, s, r, template, probe, data))
+                samples.append(_scan_row(source, s, r, template, probe, videos, data))
             except BadSample as bad:
                 if stop_at_first:
                     raise
@@ -121,7 +155,7 @@ def scan(
 
 
 def _scan_row(
-    source, s: int, r: int, template: Qwen2VLTemplate, probe: ImageProbe, data: DataConfig
+    source, s: int, r: int, template: Qwen2VLTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig
 ) -> SampleInfo:
     conv = parse_row(source.row(r), source.location(r))
     grids = []
@@ -131,6 +165,24 @@ def _scan_row(
             grids.append(predict_grid(size, template.processor.image_processor))
         except ValueError as e:  # the processor's own limits (e.g. aspect ratio > 200)
             raise BadSample(conv.where, "aspect_ratio", f"{ref.label}: {e}") from None
-    enc = fit_length(template.encode(conv, grids), conv, data.max_length, data.truncate_text)
+    metas, video_grids = videos.measure(conv, source.base_dir)
+    enc = fit_length(template.encode(conv, grids, video_grids), conv, data.max_length, data.truncate_text)
     learned = sum(label != IGNORE_INDEX for label in enc.labels[1:])
-    return SampleInfo(s, r, len(enc.input_ids), grids, learned, enc.truncated_from is not None)
+    return SampleInfo(
+        s, r, len(enc.input_ids), grids, learned, enc.truncated_from is not None, metas, video_grids
+    )
+
+
+class _VideoScan:
+    """The scan's video step: probe each clip (cached), then predict its grid from the metadata."""
+
+    def __init__(self, probe: VideoProbe, processor: VideoProcessor, data: DataConfig):
+        self.probe, self.processor, self.base = probe, processor, data.video_dir or data.image_dir
+
+    def measure(self, conv: Conversation, base_dir) -> tuple[list[VideoMeta], list[tuple[int, int, int]]]:
+        metas, grids = [], []
+        for ref in resolve(conv.videos, conv.where, base_dir, self.base, kind="video"):
+            meta = self.probe.meta(ref, conv.where)
+            metas.append(meta)
+            grids.append(self.processor.plan(meta, conv.where, ref.label).grid)
+        return metas, grids

@@ -42,13 +42,15 @@ class ImageRef:
 
 
 def resolve(
-    entries: list[Any], where: Location, base_dir: Path | None, image_dir: str | None
+    entries: list[Any], where: Location, base_dir: Path | None, image_dir: str | None, kind: str = "image"
 ) -> list[ImageRef]:
+    """``kind`` ("image" or "video") names the entries in messages and picks the data-URI prefix
+    and bad-sample reason; videos resolve exactly like images (see :mod:`qwenkit.data.video`)."""
     base = Path(image_dir).expanduser() if image_dir else base_dir
-    return [_resolve_one(e, f"image {k} of {len(entries)}", where, base) for k, e in enumerate(entries)]
+    return [_resolve_one(e, f"{kind} {k} of {len(entries)}", where, base, kind) for k, e in enumerate(entries)]
 
 
-def _resolve_one(entry: Any, label: str, where: Location, base: Path | None) -> ImageRef:
+def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kind: str) -> ImageRef:
     if isinstance(entry, dict):
         if entry.get("bytes"):
             name = f" ({entry['path']!r})" if entry.get("path") else ""
@@ -62,13 +64,13 @@ def _resolve_one(entry: Any, label: str, where: Location, base: Path | None) -> 
             "bad_format",
             f"{label} must be a path, base64 data URI or {{bytes, path}}, got {entry!r:.80}",
         )
-    if entry.startswith("data:image/"):
+    if entry.startswith(f"data:{kind}/"):
         try:
             return ImageRef(
                 f"{label} (data URI)", data=base64.b64decode(entry.split(",", 1)[1], validate=True)
             )
         except (IndexError, binascii.Error) as e:
-            raise BadSample(where, "corrupt_image", f"{label}: bad base64 data URI ({e})") from None
+            raise BadSample(where, f"corrupt_{kind}", f"{label}: bad base64 data URI ({e})") from None
     path = Path(entry).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path

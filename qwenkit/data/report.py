@@ -26,6 +26,10 @@ REASONS = {
     "corrupt_image": "an image cannot be decoded (corrupt or truncated)",
     "small_image": "an image side is shorter than data.min_image_side",
     "aspect_ratio": "an image is more elongated than data.max_aspect_ratio",
+    "video_count": "the number of <video> placeholders differs from the number of videos",
+    "missing_video": "a video file does not exist",
+    "corrupt_video": "a video cannot be decoded (corrupt, truncated, no video stream)",
+    "short_video": "a video has fewer frames than data.video_min_frames",
     "too_long": "the sample has more tokens than data.max_length",
 }
 

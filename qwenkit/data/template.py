@@ -7,7 +7,8 @@ Token layout, identical to the chat template shipped with Qwen2-VL / Qwen2.5-VL 
     <|im_start|>assistant\\n{reply}<|im_end|>\\n
 
 - each ``<image>`` placeholder becomes one vision span with ``n = t*h*w / merge²`` pad tokens,
-  ``(t, h, w)`` being that image's patch grid;
+  ``(t, h, w)`` being that image's patch grid; each ``<video>`` the same with ``<|video_pad|>``
+  (a video's ``t`` is its number of temporal patches);
 - labels learn only the assistant replies and their ``<|im_end|>`` (the model must learn to
   stop); everything else, the ``\\n`` after ``<|im_end|>`` included, is ``IGNORE_INDEX``;
 - text is tokenized piece by piece between special tokens, so a reply's tokens are the ones
@@ -17,20 +18,22 @@ Token layout, identical to the chat template shipped with Qwen2-VL / Qwen2.5-VL 
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
-from qwenkit.data.conversation import IMAGE_PLACEHOLDER, Conversation
+from qwenkit.data.conversation import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor
 
-IGNORE_INDEX = -100
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
 @dataclass
 class Encoded:
     input_ids: list[int]
     labels: list[int]
-    images_end: int  # tokens up to and including the last <|vision_end|> (0 without images)
+    images_end: int  # tokens up to and including the last <|vision_end|> (0 without images or videos)
     truncated_from: int | None = None  # original length when data.truncate_text cut the tail
 
 
@@ -48,8 +51,14 @@ class Qwen2VLTemplate:
             role: self._encode_text(f"<|im_start|>{role}\n") for role in ("system", "user", "assistant")
         }
 
-    def encode(self, conv: Conversation, grids: list[tuple[int, int, int]]) -> Encoded:
-        """Token ids and labels of ``conv``; ``grids[k]`` is the patch grid of image ``k``."""
+    def encode(
+        self,
+        conv: Conversation,
+        grids: list[tuple[int, int, int]],
+        video_grids: list[tuple[int, int, int]] = (),
+    ) -> Encoded:
+        """Token ids and labels of ``conv``; ``grids[k]`` / ``video_grids[k]`` is the patch grid
+        of image / video ``k``."""
         ids: list[int] = []
         labels: list[int] = []
         images_end = 0
@@ -61,24 +70,24 @@ class Qwen2VLTemplate:
         system = conv.system if conv.system is not None else self.system_prompt
         if system:
             add(self.headers["system"] + self._encode_text(system) + [self.im_end] + self.newline)
-        grid_iter = iter(grids)
+        pads = {
+            IMAGE_PLACEHOLDER: (iter(grids), self.processor.image_token_id),
+            VIDEO_PLACEHOLDER: (iter(video_grids), self.processor.video_token_id),
+        }
         for role, text in conv.turns:
             add(self.headers[role])
             if role == "assistant":
                 add(self._encode_text(text) + [self.im_end], learn=True)
                 add(self.newline)
                 continue
-            pieces = text.split(IMAGE_PLACEHOLDER)
-            for k, piece in enumerate(pieces):
-                add(self._encode_text(piece))
-                if k < len(pieces) - 1:
-                    n = self.processor.image_tokens(next(grid_iter))
-                    add(
-                        [self.processor.vision_start_id]
-                        + [self.processor.image_token_id] * n
-                        + [self.processor.vision_end_id]
-                    )
-                    images_end = len(ids)
+            for piece in _PLACEHOLDERS.split(text):  # text, placeholder, text, ...
+                if piece not in pads:
+                    add(self._encode_text(piece))
+                    continue
+                grid_iter, pad = pads[piece]
+                n = self.processor.image_tokens(next(grid_iter))
+                add([self.processor.vision_start_id] + [pad] * n + [self.processor.vision_end_id])
+                images_end = len(ids)
             add([self.im_end] + self.newline)
         return Encoded(ids, labels, images_end)
 
@@ -86,8 +95,8 @@ class Qwen2VLTemplate:
 def fit_length(enc: Encoded, conv: Conversation, max_length: int, truncate_text: bool) -> Encoded:
     """Apply ``data.max_length``: keep, cut text after the last image, or raise ``too_long``.
 
-    An image span is never cut: the vision tower would produce more features than there are
-    pad tokens. A sample whose kept part learns nothing is dropped too.
+    An image or video span is never cut: the vision tower would produce more features than
+    there are pad tokens. A sample whose kept part learns nothing is dropped too.
     """
     n = len(enc.input_ids)
     if n <= max_length:

@@ -27,17 +27,21 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from qwenkit import patches
 from qwenkit.launch import CPU_MALLOC_ENV
-from qwenkit.loss import auto_chunk_size, chunked_linear_cross_entropy
-from qwenkit.notebooks import results
+from qwenkit.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
+from qwenkit.notebooks import plots, results
 from qwenkit.patches import dispatch
 
 MiB = 2**20
+STEP_FORMATS = {"flops_per_step": ".3e", "achieved_flops_per_s": ".3e", "matmul_peak_flops_per_s": ".3e",
+                "mfu": ".2%", "step_ms": ".1f", "tokens_per_s": ".0f"}  # fmt: skip
+OP_FORMATS = {"share": ".1%", "self_cpu_ms": ".2f", "cpu_total_ms": ".2f", "self_device_ms": ".2f"}
 
 # The original integration's observations on Ascend, recorded by hand: reference points to
 # compare against, never results of a qwenkit run.
@@ -60,8 +64,12 @@ def synchronize(device: torch.device) -> None:
 # Matmul peak
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> dict[str, Any]:
-    """Best achieved FLOP/s of a square ``size`` GEMM: the ceiling MFU is measured against."""
+def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> dict[str, Any]:
+    """Best achieved FLOP/s of a square ``size`` GEMM: the ceiling MFU is measured against.
+
+    ``benchmarks/train_step.py`` measures its peak with this function at the same default size:
+    smaller GEMMs do not reach the peak (a 1024^3 one is dominated by call overhead on a GPU).
+    """
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # first call: library and allocator warm-up, not timed
@@ -103,7 +111,7 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
     weight = torch.empty(v, h, device=device, dtype=dtype).normal_().mul_(0.02).requires_grad_()  # [V, H]
     hidden = torch.empty(1, n, h, device=device, dtype=dtype).normal_().requires_grad_()  # [1, N, H]
     labels = torch.randint(0, v, (1, n), device=device)
-    labels[:, : round(n * case.get("ignored", 0.25))] = -100  # a prompt (and image) that is not learned
+    labels[:, : round(n * case.get("ignored", 0.25))] = IGNORE_INDEX  # a prompt (and image) that is not learned
     skip = case.get("skip_ignored", True)
     variant = case["variant"]
     if variant == "full":
@@ -135,12 +143,15 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
         peak = status_bytes("VmHWM") - base
     else:
         synchronize(device)
-        base = torch.accelerator.memory_allocated()
-        torch.accelerator.reset_peak_memory_stats()
+        memory = torch.get_device_module(device.type)  # torch.accelerator's memory calls need torch 2.8+
+        base = memory.memory_allocated(device)
+        memory.reset_peak_memory_stats(device)
         first = one_pass()
-        peak = torch.accelerator.max_memory_allocated() - base
-    times = [one_pass() for _ in range(case["repeats"])] or [first]
-    return {**case, "chunk_size": chunk, "time_ms": 1e3 * statistics.median(times), "peak_mb": peak / MiB}
+        peak = memory.max_memory_allocated(device) - base
+    times = [1e3 * t for t in ([one_pass() for _ in range(case["repeats"])] or [first])]
+    # the median is the point; min and max are its spread, drawn as error bars
+    return {**case, "chunk_size": chunk, "time_ms": statistics.median(times), "time_min_ms": min(times),
+            "time_max_ms": max(times), "peak_mb": peak / MiB}  # fmt: skip
 
 
 def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
@@ -361,30 +372,111 @@ def head_ratios(sweep: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def save(out_dir, sweep, chunks, recommended: int, util: dict[str, Any], fused: dict[str, Any],
-         ops: list[dict[str, Any]], device: str) -> dict[str, Any]:  # fmt: skip
-    """``loss_head.csv``, ``model_step.csv``, ``top_ops.csv`` (long format) and ``metrics.json``."""
-    rows = []
-    for r in sweep:
-        for metric, unit in (("time_ms", "ms"), ("peak_mb", "MiB")):
-            rows.append(results.record(metric, r[metric], unit=unit, series=f"{r['head']} head", x_name="seq_len",
-                                       x=r["seq_len"], device=device))  # fmt: skip
-    for r in chunks:
-        for metric, unit in (("time_ms", "ms"), ("peak_mb", "MiB")):
-            rows.append(results.record(metric, r[metric], unit=unit, series=f"chunk sweep at {r['seq_len']}",
-                                       x_name="chunk_size", x=r["chunk_size"], device=device))  # fmt: skip
-    results.write_csv(rows, f"{out_dir}/loss_head.csv")
-    step_rows = [results.record(k, v, series="model step", device=device) for k, v in util.items()]
-    for name in ("unfused_ms", "fused_ms"):
-        for i, t in enumerate(fused.get(name, [])):
-            step_rows.append(results.record("step_time", t, unit="ms", series=name.removesuffix("_ms"),
-                                            x_name="step", x=i + 1, device=device))  # fmt: skip
-    results.write_csv(step_rows, f"{out_dir}/model_step.csv")
+HEAD_METRICS = (("time_ms", "ms"), ("time_min_ms", "ms"), ("time_max_ms", "ms"), ("peak_mb", "MiB"))
+OP_COLUMNS = ("calls", "self_cpu_ms", "cpu_total_ms", "self_device_ms", "share")
+
+
+def _head_rows(rows, series, x_name: str, device: str) -> list[dict[str, Any]]:
+    return [results.record(metric, r[metric], unit=unit, series=series(r), x_name=x_name, x=r[x_name], device=device)
+            for r in rows for metric, unit in HEAD_METRICS]  # fmt: skip
+
+
+def _read_head_rows(path, x_name: str) -> list[dict[str, Any]]:
+    out: dict[tuple, dict[str, Any]] = {}
+    for r in results.read_csv(path):
+        out.setdefault((r["series"], r["x"]), {"series": r["series"], x_name: r["x"]})[r["metric"]] = r["value"]
+    return list(out.values())
+
+
+def write_head_sweep(out_dir, sweep, device: str) -> None:
+    """``loss_head.csv``: time (median, min, max) and peak memory per head and sequence length."""
+    results.write_csv(_head_rows(sweep, lambda r: f"{r['head']} head", "seq_len", device), f"{out_dir}/loss_head.csv")
+
+
+def write_chunk_sweep(out_dir, chunks, device: str) -> None:
+    """``chunk_sweep.csv``: the chunked head at one sequence length over chunk sizes."""
+    results.write_csv(_head_rows(chunks, lambda r: f"chunk sweep at {r['seq_len']}", "chunk_size", device),
+                      f"{out_dir}/chunk_sweep.csv")  # fmt: skip
+
+
+def write_model_step(out_dir, util: dict[str, Any], device: str) -> None:
+    """``model_step.csv``: the training step's time, FLOPs and MFU."""
+    results.write_csv([results.record(k, v, series="model step", device=device) for k, v in util.items()],
+                      f"{out_dir}/model_step.csv")  # fmt: skip
+
+
+def write_top_ops(out_dir, ops: list[dict[str, Any]], device: str) -> None:
+    """``top_ops.csv``: the profiler's top operators (series = operator, x = rank)."""
     results.write_csv(
-        [results.record("self_time", r["self_device_ms"] or r["self_cpu_ms"], unit="ms", series=r["op"],
-                        x_name="rank", x=i + 1, device=device) for i, r in enumerate(ops)],  # fmt: skip
+        [results.record(col, r[col], series=r["op"], x_name="rank", x=i + 1, device=device)
+         for i, r in enumerate(ops) for col in OP_COLUMNS],  # fmt: skip
         f"{out_dir}/top_ops.csv",
     )
+
+
+def write_fused(out_dir, fused: dict[str, Any], device: str) -> None:
+    """``fused_steps.csv``: step times with HF's and with the fused ops (empty without fused kernels)."""
+    results.write_csv(
+        [results.record("step_time", t, unit="ms", series=name.removesuffix("_ms"), x_name="step", x=i + 1, device=device)
+         for name in ("unfused_ms", "fused_ms") for i, t in enumerate(fused.get(name, []))],  # fmt: skip
+        f"{out_dir}/fused_steps.csv",
+    )
+
+
+def write_reference(out_dir) -> None:
+    """``npu_reference.json``: the recorded NPU numbers, beside the run's own results."""
+    Path(f"{out_dir}/npu_reference.json").write_text(json.dumps(NPU_REFERENCE, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures, drawn from the result files alone
+
+
+def head_sweep_figure(out_dir, title: str = "Loss head: full vs chunked"):
+    rows = _read_head_rows(f"{out_dir}/loss_head.csv", "seq_len")
+    return plots.head_sweep([{**r, "head": r["series"].removesuffix(" head")} for r in rows], title)
+
+
+def chunk_sweep_figure(out_dir, title: str = "Chunk size: smallest memory within 10% of the fastest"):
+    rows = _read_head_rows(f"{out_dir}/chunk_sweep.csv", "chunk_size")
+    return plots.chunk_sweep(rows, recommend_chunk(rows), title)
+
+
+def model_step_table(out_dir, title: str = "Training step"):
+    util = {r["metric"]: r["value"] for r in results.read_csv(f"{out_dir}/model_step.csv")}
+    return plots.table([util], list(util), title=title, formats=STEP_FORMATS)
+
+
+def top_ops_table(out_dir, title: str = "Top operators by self time"):
+    ops: dict[str, dict[str, Any]] = {}
+    for r in results.read_csv(f"{out_dir}/top_ops.csv"):
+        ops.setdefault(r["series"], {"op": r["series"]})[r["metric"]] = r["value"]
+    rows = [{**o, "calls": int(o["calls"])} for o in ops.values()]
+    return plots.table(rows, ["op", *OP_COLUMNS], title=title, formats=OP_FORMATS)
+
+
+def fused_figure(out_dir, title: str = "Step time, unfused vs fused"):
+    """The box plot of fused vs unfused step times; None when the device had no fused kernels."""
+    rows = results.read_csv(f"{out_dir}/fused_steps.csv")
+    if not rows:
+        return None
+    return plots.step_times({s: [r["value"] for r in rows if r["series"] == s] for s in ("unfused", "fused")}, title)
+
+
+def reference_figure(out_dir):
+    ref = json.loads(Path(f"{out_dir}/npu_reference.json").read_text())
+    return plots.npu_reference({**ref, "loss_range": tuple(ref["loss_range"])})
+
+
+def figures(out_dir) -> list:
+    """Every figure of notebook 04, in the order it shows them."""
+    figs = [head_sweep_figure(out_dir), chunk_sweep_figure(out_dir), model_step_table(out_dir), top_ops_table(out_dir),
+            fused_figure(out_dir), reference_figure(out_dir)]  # fmt: skip
+    return [f for f in figs if f is not None]
+
+
+def save(out_dir, sweep, recommended: int, util: dict[str, Any], fused: dict[str, Any], device: str) -> dict[str, Any]:
+    """``metrics.json`` (the CSVs are written as each part is measured: ``write_*``); returns its values."""
     ratios = head_ratios(sweep)
     values = {"head": ratios, "recommended_chunk": recommended, **util, "fused_available": fused["available"],
               "fused_route": fused["route"], "device": device}  # fmt: skip

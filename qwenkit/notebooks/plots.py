@@ -109,12 +109,6 @@ def histogram(values: Sequence[float], title: str, x_title: str, limit: float | 
     return _finish(fig, title, height=360)
 
 
-def bars(labels: Sequence[str], values: Sequence[float], title: str, y_title: str = "") -> go.Figure:
-    fig = go.Figure(go.Bar(x=list(labels), y=list(values), marker_color=COLOURS[0], text=list(values)))
-    fig.update_yaxes(title=y_title)
-    return _finish(fig, title, height=360)
-
-
 # ---------------------------------------------------------------------------------------------
 # 02: training metrics (long-format rows: metric, series, x = step, value)
 
@@ -239,14 +233,22 @@ def grad_diff_per_param(per_param: Sequence[dict[str, Any]], chunk_size: int) ->
 # 04: performance
 
 
+def _spread(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Error bars from each point's median down to its fastest and up to its slowest pass, when measured."""
+    if not all("time_min_ms" in r and "time_max_ms" in r for r in rows):
+        return None
+    return dict(type="data", symmetric=False, array=[r["time_max_ms"] - r["time_ms"] for r in rows],
+                arrayminus=[r["time_ms"] - r["time_min_ms"] for r in rows])  # fmt: skip
+
+
 def head_sweep(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
-    """Step time and peak memory vs sequence length, one line per head."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["forward + backward time (ms)", "peak memory (MiB)"])
+    """Step time (median, bars from fastest to slowest pass) and peak memory vs sequence length, one line per head."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["forward + backward time (ms): median, min-max", "peak memory (MiB)"])
     for k, (name, rs) in enumerate(_groups(rows, "head").items()):
         rs = sorted(rs, key=lambda r: r["seq_len"])
         x = [r["seq_len"] for r in rs]
         colour = COLOURS[k % len(COLOURS)]
-        fig.add_trace(go.Scatter(x=x, y=[r["time_ms"] for r in rs], name=name, legendgroup=name,
+        fig.add_trace(go.Scatter(x=x, y=[r["time_ms"] for r in rs], name=name, legendgroup=name, error_y=_spread(rs),
                                  mode="lines+markers", line_color=colour), row=1, col=1)  # fmt: skip
         fig.add_trace(go.Scatter(x=x, y=[r["peak_mb"] for r in rs], name=name, legendgroup=name, showlegend=False,
                                  mode="lines+markers", line_color=colour), row=1, col=2)  # fmt: skip
@@ -261,7 +263,7 @@ def chunk_sweep(rows: Sequence[dict[str, Any]], recommended: int, title: str) ->
     x = [r["chunk_size"] for r in rows]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Scatter(x=x, y=[r["time_ms"] for r in rows], name="time (ms)", mode="lines+markers",
-                             line_color=COLOURS[0]), secondary_y=False)  # fmt: skip
+                             error_y=_spread(rows), line_color=COLOURS[0]), secondary_y=False)  # fmt: skip
     fig.add_trace(go.Scatter(x=x, y=[r["peak_mb"] for r in rows], name="peak memory (MiB)", mode="lines+markers",
                              line_color=COLOURS[3]), secondary_y=True)  # fmt: skip
     best = next(r for r in rows if r["chunk_size"] == recommended)

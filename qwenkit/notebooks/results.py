@@ -102,19 +102,6 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every complete JSON line of ``path``; a half-written last line (a live run) is left out."""
-    rows = []
-    with Path(path).open() as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            line = line.strip()
-            if line:
-                rows.append(json.loads(line))
-    return rows
-
-
 def select(rows: Iterable[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
     """Rows whose fields equal every ``where`` value, e.g. ``select(rows, metric="loss")``."""
     return [r for r in rows if all(r.get(k) == v for k, v in where.items())]

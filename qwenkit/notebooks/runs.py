@@ -8,7 +8,8 @@ whole log in ``<output_dir>/train.log``, and can **stop** the run after a given 
 ``train.steps``), the way a time-boxed job ends. Resuming is then the same command again:
 ``train.resume=auto`` picks the newest complete checkpoint.
 
-:func:`read_metrics` reads the per-rank JSONL files the trainer writes (:mod:`qwenkit.metrics`).
+:func:`qwenkit.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
+and :func:`save` turn them into the notebook's table and result files.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from qwenkit import checkpoint as ckpt
-from qwenkit.notebooks import results
+from qwenkit import metrics
+from qwenkit.metrics import series
+from qwenkit.notebooks import plots, results
 
 # Lines of the run's output worth showing live; everything goes to train.log.
 PROGRESS = re.compile(r"^(step \d+/\d+|checkpoint saved|.*resumed from|.*already at step|.*no checkpoint to resume)"
@@ -148,23 +151,6 @@ def _terminate(proc: subprocess.Popen, grace_s: float = 15) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-# ---------------------------------------------------------------------------------------------
-# Metrics
-
-
-def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
-    """Every rank's metric rows (long format, ``x`` = step). A step logged twice keeps both rows."""
-    rows: list[dict[str, Any]] = []
-    for path in sorted((Path(output_dir) / "metrics").glob("rank-*.jsonl")):
-        rows.extend(results.read_jsonl(path))
-    return rows
-
-
-def series(rows: list[dict[str, Any]], metric: str, rank: int = 0) -> dict[int, float]:
-    """``{step: value}`` of one metric on one rank; a step logged again after a resume keeps the last."""
-    return {r["x"]: r["value"] for r in rows if r["metric"] == metric and r.get("rank", 0) == rank}
-
-
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per rank: steps, first and last loss, median step time and tokens/s, max peak memory."""
     out = []
@@ -214,3 +200,29 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
     )
     results.write_metrics(out_dir, "02_sharded_training", summary, passed, **values)
     return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures, drawn from the runs' metric files alone
+
+UNINTERRUPTED, RESUMED = "uninterrupted", "stopped_and_resumed"  # the two runs' folders in output_dir
+
+
+def summary_table(run_dir):
+    rows = summary_rows(metrics.read(run_dir))
+    return plots.table(rows, list(rows[0]), title="Per rank")
+
+
+def metrics_figure(run_dir, title: str = "Training metrics per rank"):
+    return plots.training_metrics(metrics.read(run_dir), title=title)
+
+
+def resume_figure(out_dir, stop_after: int):
+    a, b = (metrics.read(Path(out_dir) / name) for name in (UNINTERRUPTED, RESUMED))
+    return plots.resume_overlay(series(a, "loss"), series(b, "loss"), stop_after)
+
+
+def figures(out_dir, stop_after: int) -> list:
+    """Every figure of notebook 02, in the order it shows them."""
+    run = Path(out_dir) / UNINTERRUPTED
+    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, stop_after)]

@@ -1,9 +1,10 @@
 """A dataset as the model will see it, for notebook 01: distributions and rendered samples.
 
-:func:`render_sample` shows one encoded sample as HTML: its images (thumbnails embedded as
-PNG data URIs, so a report stays one file) and its templated token stream, token runs coloured
-by what they are: **learned** (labels kept: assistant replies and their ``<|im_end|>``),
-context (ignored by the loss), special tokens, and image spans collapsed to one chip per image.
+:func:`render_sample` shows one encoded sample as HTML: its images and a few of each video's
+sampled frames (thumbnails embedded as PNG data URIs, so a report stays one file) and its
+templated token stream, token runs coloured by what they are: **learned** (labels kept:
+assistant replies and their ``<|im_end|>``), context (ignored by the loss), special tokens, and
+image / video spans collapsed to one chip each with its token count.
 The colouring comes from the sample's ``labels`` tensor, i.e. from exactly what training uses.
 """
 
@@ -18,17 +19,22 @@ import numpy as np
 import torch
 
 from qwenkit.data import REASONS
+from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
-from qwenkit.notebooks import results
+from qwenkit.loss import IGNORE_INDEX
+from qwenkit.notebooks import plots, results
 from qwenkit.processor import SPECIAL_TOKENS, Processor
 
-IGNORE_INDEX = -100
+SUMMARY_FILE = "data_summary.csv"
+BAD_LISTED = 50  # bad-sample messages kept in the result file and shown in the report
 STYLE = {
     "learned": "background:#c8f7c5;border-bottom:2px solid #1a7f37",
     "context": "",
     "special": "color:#8250df;font-weight:600",
     "image": "background:#ddf4ff;border:1px solid #54aeff;border-radius:3px;padding:0 3px;color:#0969da",
+    "video": "background:#fff1e5;border:1px solid #fb8f44;border-radius:3px;padding:0 3px;color:#bc4c00",
 }
+FRAMES_SHOWN = 4  # sampled frames rendered per video, spread over the clip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -36,32 +42,16 @@ STYLE = {
 
 
 def distributions(dataset) -> dict[str, list[int]]:
-    """Per good sample: total tokens, image tokens, learned tokens, images."""
-    image_tokens = [sum(dataset.processor.image_tokens(g) for g in s.grids) for s in dataset.samples]
+    """Per good sample: total tokens, image tokens, video tokens, learned tokens, images, videos."""
+    tokens = dataset.processor.image_tokens  # t*h*w/merge², for images and videos alike
     return {
         "tokens": [s.length for s in dataset.samples],
-        "image_tokens": image_tokens,
+        "image_tokens": [sum(tokens(g) for g in s.grids) for s in dataset.samples],
+        "video_tokens": [sum(tokens(g) for g in s.video_grids) for s in dataset.samples],
         "learned_tokens": [s.label_tokens for s in dataset.samples],
         "images": [len(s.grids) for s in dataset.samples],
+        "videos": [len(s.video_grids) for s in dataset.samples],
     }
-
-
-def percentiles(values: list[int]) -> dict[str, float]:
-    if not values:
-        return {}
-    a = np.asarray(values)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"min": int(a.min()), "p50": float(p50), "p90": float(p90), "p99": float(p99), "max": int(a.max())}
-
-
-def bad_sample_rows(report, limit: int = 50) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(by_reason, first_messages)`` table rows of a :class:`BadSampleReport`."""
-    by_reason = [
-        {"reason": r, "samples": n, "meaning": REASONS[r]}
-        for r, n in sorted(report.by_reason.items(), key=lambda kv: -kv[1])
-    ]
-    messages = [{"#": i, "bad sample": m} for i, m in enumerate(report.messages[:limit])]
-    return by_reason, messages
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,11 +59,11 @@ def bad_sample_rows(report, limit: int = 50) -> tuple[list[dict[str, Any]], list
 
 
 def segments(input_ids: list[int], labels: list[int], processor: Processor) -> list[tuple[str, str]]:
-    """``(kind, text)`` runs of one sample: kind in learned / context / special / image.
+    """``(kind, text)`` runs of one sample: kind in learned / context / special / image / video.
 
     Consecutive tokens of one kind are decoded together, so a character split over several
-    byte-level tokens (CJK text) comes out whole. An image span's pad tokens become one
-    ``image`` run whose text is the token count.
+    byte-level tokens (CJK text) comes out whole. An image (video) span's pad tokens become one
+    ``image`` (``video``) run whose text is the token count.
     """
     tok = processor.tokenizer
     special = {tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -81,6 +71,8 @@ def segments(input_ids: list[int], labels: list[int], processor: Processor) -> l
     def kind(i: int) -> str:
         if input_ids[i] == processor.image_token_id:
             return "image"
+        if input_ids[i] == processor.video_token_id:
+            return "video"
         if labels[i] != IGNORE_INDEX:
             return "learned"
         return "special" if input_ids[i] in special else "context"
@@ -95,7 +87,7 @@ def segments(input_ids: list[int], labels: list[int], processor: Processor) -> l
             runs.append((k, [t]))
     out = []
     for k, ids in runs:
-        text = f"{len(ids)}" if k == "image" else tok.decode(ids, skip_special_tokens=False)
+        text = f"{len(ids)}" if k in ("image", "video") else tok.decode(ids, skip_special_tokens=False)
         out.append((k, text))
     return out
 
@@ -116,8 +108,38 @@ def sample_images(dataset, i: int) -> list:
     return [load(ref, conv.where) for ref in refs]
 
 
+def sample_videos(dataset, i: int) -> list[tuple[list, Any, Any]]:
+    """Per video of good sample ``i``: its sampled frames as PIL images, its ``VideoPlan`` and ``VideoMeta``."""
+    from PIL import Image
+
+    info = dataset.samples[i]
+    conv = dataset.conversation(i)
+    out = []
+    for ref, meta in zip(dataset.video_refs(conv, info), info.videos):
+        frames, plan = dataset.video_processor.frames(ref, meta, conv.where)
+        out.append(([Image.fromarray(f) for f in frames], plan, meta))
+    return out
+
+
+def _video_strip(k: int, frames: list, plan, meta, processor: Processor) -> str:
+    """A few of one video's sampled frames, with the seconds they stand at and the token count."""
+    shown = sorted({round(j) for j in np.linspace(0, len(frames) - 1, min(FRAMES_SHOWN, len(frames)))})
+    thumbs = "".join(
+        f'<figure style="display:inline-block;margin:4px;text-align:center">'
+        f'<img src="{_thumbnail(frames[j], 120)}" style="border:1px solid #ccc;max-height:120px">'
+        f'<figcaption style="font-size:11px;color:#666">frame {plan.indices[j]} · {plan.indices[j] / meta.fps:.1f} s</figcaption></figure>'
+        for j in shown
+    )
+    t, h, w = plan.grid
+    caption = (
+        f"video {k}: {len(frames)} of {meta.frames} frames ({meta.frames / meta.fps:.1f} s) sampled, resized to {plan.size[1]}x{plan.size[0]} px, "
+        f"grid {plan.grid}, {processor.image_tokens(plan.grid)} tokens ({t} x {h * w // processor.merge_size**2})"
+    )
+    return f'<div style="{STYLE["video"]};display:inline-block;margin:4px">{html.escape(caption)}<br>{thumbs}</div>'
+
+
 def render_sample(dataset, i: int) -> str:
-    """Sample ``i`` as a self-contained HTML block: where it is from, images, coloured tokens."""
+    """Sample ``i`` as a self-contained HTML block: where it is from, images, video frames, coloured tokens."""
     sample = dataset[i]
     info = dataset.samples[i]
     ids = sample["input_ids"].tolist()
@@ -127,15 +149,15 @@ def render_sample(dataset, i: int) -> str:
         f'<img src="{_thumbnail(im)}" title="{im.width}x{im.height} px, grid {g}" '
         f'style="margin:4px;border:1px solid #ccc;max-height:160px">'
         for im, g in zip(sample_images(dataset, i), info.grids)
-    )
+    ) + "".join(_video_strip(k, *video, dataset.processor) for k, video in enumerate(sample_videos(dataset, i)))
     spans = []
     for k, text in segments(ids, labels, dataset.processor):
-        if k == "image":
-            spans.append(f'<span style="{STYLE[k]}">&lt;image: {text} tokens&gt;</span>')
+        if k in ("image", "video"):
+            spans.append(f'<span style="{STYLE[k]}">&lt;{k}: {text} tokens&gt;</span>')
         else:
             spans.append(f'<span style="{STYLE[k]}">{html.escape(text)}</span>')
     learned = sum(label != IGNORE_INDEX for label in labels)
-    legend = " ".join(f'<span style="{STYLE[k]}">{k}</span>' for k in ("learned", "context", "special", "image"))
+    legend = " ".join(f'<span style="{STYLE[k]}">{k}</span>' for k in ("learned", "context", "special", "image", "video"))
     return (
         f'<div style="border:1px solid #ddd;border-radius:6px;padding:10px;margin:8px 0">'
         f"<div><b>sample {i}</b> &middot; {where} &middot; {len(ids)} tokens, {learned} learned"
@@ -149,18 +171,24 @@ def render_sample(dataset, i: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # Results
 
+UNITS = {"images": "image", "videos": "video"}
+
 
 def save(out_dir, data_path: str, dataset, report, max_length: int, device: str = "cpu") -> dict[str, Any]:
-    """``data_summary.csv`` (per-sample counts, long format) and ``metrics.json``; returns the metrics."""
+    """``data_summary.csv`` (per-sample counts, bad samples, the length limit; long format) and
+    ``metrics.json``; returns the metrics. The figures are drawn from these files (:func:`figures`)."""
     dist = distributions(dataset)
     rows = [
-        results.record(metric, value, unit="token" if metric != "images" else "image", series=str(data_path),
+        results.record(metric, value, unit=UNITS.get(metric, "token"), series=str(data_path),
                        x_name="sample", x=i, device=device)  # fmt: skip
         for metric, values in dist.items()
         for i, value in enumerate(values)
     ]
     rows += [results.record("bad_samples", n, series=reason, device=device) for reason, n in report.by_reason.items()]
-    results.write_csv(rows, f"{out_dir}/data_summary.csv")
+    rows += [results.record("bad_sample", i, series="message", x_name="message", x=m, device=device)
+             for i, m in enumerate(report.messages[:BAD_LISTED])]  # fmt: skip
+    rows.append(results.record("max_length", max_length, unit="token", series="data.max_length", device=device))
+    results.write_csv(rows, f"{out_dir}/{SUMMARY_FILE}")
     tokens = percentiles(dist["tokens"])
     over = sum(t > max_length for t in dist["tokens"])
     values = {
@@ -172,6 +200,8 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
         "image_tokens_total": int(sum(dist["image_tokens"])),
         "learned_tokens_total": int(sum(dist["learned_tokens"])),
         "images": int(sum(dist["images"])),
+        "video_tokens_total": int(sum(dist["video_tokens"])),
+        "videos": int(sum(dist["videos"])),
         "over_max_length": over,
     }
     summary = (
@@ -179,7 +209,8 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
         + (f" ({report.reasons_line()})" if report.skipped else "")
         + (f"; tokens p50 {tokens['p50']:.0f}, max {tokens['max']}" if tokens else "")
         + f"; {values['images']} images, {values['image_tokens_total']} image tokens, "
-        f"{values['learned_tokens_total']} learned tokens"
+        + (f"{values['videos']} videos, {values['video_tokens_total']} video tokens, " if values["videos"] else "")
+        + f"{values['learned_tokens_total']} learned tokens"
     )
     results.write_metrics(out_dir, "01_data_prep", summary, passed=len(dataset) > 0, **values)
     return values
@@ -187,3 +218,47 @@ def save(out_dir, data_path: str, dataset, report, max_length: int, device: str 
 
 def tensor_shapes(batch: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures, drawn from the result files alone
+
+
+def bad_sample_figures(out_dir) -> list:
+    """The bad-sample tables (by reason, then the first messages); none when every row was good."""
+    rows = results.read_csv(f"{out_dir}/{SUMMARY_FILE}")
+    counts = sorted(results.select(rows, metric="bad_samples"), key=lambda r: -r["value"])
+    if not counts:
+        return []
+    bad = int(sum(r["value"] for r in counts))
+    good = len(results.select(rows, metric="tokens"))  # one row per good sample
+    by_reason = [{"reason": r["series"], "samples": int(r["value"]), "meaning": REASONS[r["series"]]} for r in counts]
+    first = [{"#": int(r["value"]), "bad sample": r["x"]} for r in results.select(rows, metric="bad_sample")]
+    return [
+        plots.table(by_reason, ["reason", "samples", "meaning"], title=f"{bad} bad of {good + bad} rows"),
+        plots.table(first, ["#", "bad sample"], title=f"Bad samples (first {BAD_LISTED})"),
+    ]
+
+
+def distribution_figures(out_dir) -> list:
+    """Histograms of tokens (with the data.max_length line), image tokens, video tokens (when any) and learned tokens per sample."""
+    rows = results.read_csv(f"{out_dir}/{SUMMARY_FILE}")
+
+    def values(metric: str) -> list[float]:
+        return [r["value"] for r in results.select(rows, metric=metric)]
+
+    (limit,) = values("max_length")
+    figures = [
+        plots.histogram(values("tokens"), "Tokens per sample (text + image + video)", "tokens", limit=int(limit),
+                        limit_name="data.max_length"),  # fmt: skip
+        plots.histogram(values("image_tokens"), "Image tokens per sample", "image tokens"),
+    ]
+    if sum(values("videos")):
+        figures.append(plots.histogram(values("video_tokens"), "Video tokens per sample", "video tokens"))
+    figures.append(plots.histogram(values("learned_tokens"), "Learned tokens per sample (labels the loss counts)", "tokens"))
+    return figures
+
+
+def figures(out_dir) -> list:
+    """Every figure of notebook 01, in the order it shows them."""
+    return bad_sample_figures(out_dir) + distribution_figures(out_dir)

@@ -26,8 +26,9 @@ from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit import model as qmodel
 from qwenkit.config import DTYPES
+from qwenkit.loss import IGNORE_INDEX
 from qwenkit.model import load_processor
-from qwenkit.notebooks import kernel, results
+from qwenkit.notebooks import kernel, plots, results
 from qwenkit.processor import Processor
 
 MODALITIES = ("text", "image-text")
@@ -108,7 +109,7 @@ def compare(
     cases, per_param = [], []
     for modality in modalities:
         batch = data.to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
-        tokens = int((batch["labels"][:, 1:] != -100).sum())
+        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         for reduction in reductions:
             model.configure_loss(chunk=False, loss_type=reduction)
             ref_loss, ref_grads = loss_and_grads(model, batch)
@@ -186,28 +187,97 @@ def curve_difference(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"step": s, "diff": chunk[s] - full[s]} for s in sorted(full) if s in chunk]
 
 
-def save(out_dir, cases, per_param, curves, dtype: str = "float32", device: str = "cpu") -> dict[str, Any]:
-    """``chunk_vs_full.csv``, ``grad_diff_per_param.csv``, ``adamw_curves.csv`` (long format) and
-    ``metrics.json`` with the worst differences; returns the metrics' values."""
-    rows = [
-        results.record(metric, float(c[metric]), series=f"{c['modality']}/{c['reduction']}",
-                       x_name="chunk_size", x=c["chunk_size"], device=device)  # fmt: skip
-        for c in cases
-        for metric in ("loss_full", "loss_chunk", "loss_abs_diff", "loss_rel_diff", "grad_max_abs_diff",
-                       "grad_max_rel_diff", "passed")  # fmt: skip
-    ]
-    results.write_csv(rows, f"{out_dir}/chunk_vs_full.csv")
+CASE_METRICS = ("tokens", "loss_full", "loss_chunk", "loss_abs_diff", "loss_rel_diff", "grad_max_abs_diff",
+                "grad_max_rel_diff", "passed")  # fmt: skip
+CASE_COLUMNS = ["modality", "reduction", "chunk_size", "tokens", "loss_full", "loss_abs_diff", "loss_rel_diff",
+                "grad_max_abs_diff", "grad_max_rel_diff", "worst_param", "passed"]  # fmt: skip
+CASE_FORMATS = {"loss_abs_diff": ".1e", "loss_rel_diff": ".1e", "grad_max_abs_diff": ".1e", "grad_max_rel_diff": ".1e",
+                "loss_full": ".5f"}  # fmt: skip
+
+
+def write_cases(out_dir, cases, per_param, device: str = "cpu") -> None:
+    """``chunk_vs_full.csv`` (one row per case and metric) and ``grad_diff_per_param.csv``, long format."""
+    results.write_csv(
+        [results.record(metric, float(c[metric]), series=f"{c['modality']}/{c['reduction']}",
+                        x_name="chunk_size", x=c["chunk_size"], device=device)  # fmt: skip
+         for c in cases for metric in CASE_METRICS],
+        f"{out_dir}/chunk_vs_full.csv",
+    )
     results.write_csv(
         [results.record(metric, r[metric], series=f"{r['modality']}/{r['reduction']}/{r['param']}",
                         x_name="chunk_size", x=r["chunk_size"], device=device)  # fmt: skip
          for r in per_param for metric in ("max_abs_diff", "max_rel_diff")],
         f"{out_dir}/grad_diff_per_param.csv",
     )
+
+
+def write_curves(out_dir, curves, device: str = "cpu") -> None:
+    """``adamw_curves.csv``: the loss of both heads per step, long format."""
     results.write_csv(
         [results.record("loss", r["loss"], unit="nat", series=r["mode"], x_name="step", x=r["step"], device=device)
          for r in curves],
         f"{out_dir}/adamw_curves.csv",
     )
+
+
+def read_cases(out_dir) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(cases, per_param)`` as :func:`compare` returned them, from the two CSVs :func:`write_cases` wrote."""
+    per_param: dict[tuple, dict[str, Any]] = {}
+    for r in results.read_csv(f"{out_dir}/grad_diff_per_param.csv"):
+        modality, reduction, param = r["series"].split("/", 2)
+        row = per_param.setdefault((modality, reduction, r["x"], param), dict(
+            modality=modality, reduction=reduction, chunk_size=r["x"], param=param))  # fmt: skip
+        row[r["metric"]] = r["value"]
+    cases: dict[tuple, dict[str, Any]] = {}
+    for r in results.read_csv(f"{out_dir}/chunk_vs_full.csv"):
+        modality, reduction = r["series"].split("/", 1)
+        row = cases.setdefault((modality, reduction, r["x"]), dict(modality=modality, reduction=reduction, chunk_size=r["x"]))
+        row[r["metric"]] = r["value"]
+    for (modality, reduction, chunk), row in cases.items():
+        row["tokens"], row["passed"] = int(row["tokens"]), bool(row["passed"])
+        params = [p for (m, red, c, _), p in per_param.items() if (m, red, c) == (modality, reduction, chunk)]
+        row["worst_param"] = max(params, key=lambda p: p["max_abs_diff"])["param"]  # first of equals, as compare()
+    return list(cases.values()), list(per_param.values())
+
+
+def read_curves(out_dir) -> list[dict[str, Any]]:
+    return [{"step": r["x"], "mode": r["series"], "loss": r["value"]} for r in results.read_csv(f"{out_dir}/adamw_curves.csv")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures, drawn from the result files alone
+
+
+def cases_table(out_dir):
+    return plots.table(read_cases(out_dir)[0], CASE_COLUMNS, title="Chunked vs full head (max over all parameters)",
+                       formats=CASE_FORMATS)  # fmt: skip
+
+
+def chunk_figure(out_dir):
+    return plots.grad_diff_by_chunk(read_cases(out_dir)[0])
+
+
+def chunk_sizes(out_dir) -> list[int]:
+    return sorted({r["chunk_size"] for r in read_cases(out_dir)[1]})
+
+
+def param_figure(out_dir, chunk_size: int):
+    return plots.grad_diff_per_param(read_cases(out_dir)[1], chunk_size)
+
+
+def curves_figure(out_dir, title: str = "AdamW training: full vs chunked loss head"):
+    return plots.loss_curves(read_curves(out_dir), title=title)
+
+
+def figures(out_dir) -> list:
+    """Every figure of notebook 03, in the order it shows them (the per-parameter view at its static choice)."""
+    return [cases_table(out_dir), chunk_figure(out_dir), param_figure(out_dir, chunk_sizes(out_dir)[0]),
+            curves_figure(out_dir)]  # fmt: skip
+
+
+def save(out_dir, cases, per_param, curves, dtype: str = "float32", device: str = "cpu") -> dict[str, Any]:
+    """``metrics.json`` with the worst differences (the CSVs are written as each part is computed:
+    :func:`write_cases`, :func:`write_curves`); returns the metrics' values."""
     torch_dtype = DTYPES[dtype]
     rtol, atol = tolerance(torch_dtype)
     diff = [abs(d["diff"]) for d in curve_difference(curves)]

@@ -32,7 +32,7 @@ from qwenkit.patches.dispatch import DeviceOf, Router
 from qwenkit.patches.report import OpReport, PatchError, PatchReport
 
 OPS = ("rms_norm", "vision_rope", "swiglu")  # model.fused_ops is validated against this
-BACKENDS = ("auto", "npu", "cuda")
+BACKENDS = ("auto", "npu", "cuda")  # model.fused_backend
 DISABLE_ENV = ("QWENKIT_DISABLE_FUSED", "QWEN25VL_DISABLE_NPU_FUSION")
 
 __all__ = ["OPS", "BACKENDS", "PatchError", "PatchReport", "apply", "disabled_by", "fused_enabled", "revert"]

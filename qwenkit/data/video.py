@@ -1,0 +1,241 @@
+"""Video entries → PyAV-decoded frames → the patches, grid and time step Qwen2.5-VL takes.
+
+transformers' Qwen2-VL video processor imports torchvision (kept optional, see the README), so
+this module does its work with PyAV (FFmpeg bindings, the ``video`` extra), PIL and numpy. Video
+entries in a row resolve like images (:func:`qwenkit.data.images.resolve`, base directory
+``data.video_dir``, else ``data.image_dir``, else the dataset file's directory).
+
+1. **Probe** (:func:`probe`, at scan time): decode every frame once, without colour conversion,
+   so a truncated or corrupt file is a bad sample now and not at step 9,000; keep
+   :class:`VideoMeta` (decodable frames, frame rate, frame size).
+2. **Plan** (:meth:`VideoProcessor.plan`, from the metadata alone, as qwen-vl-utils does):
+   ``n = frames / fps · data.video_fps``, clamped to ``[video_min_frames, min(video_max_frames,
+   frames)]`` and floored to a multiple of the temporal patch (2); frame indices are
+   ``linspace(0, frames - 1, n)`` rounded. Each frame is smart-resized (factor ``patch · merge``
+   = 28) into ``[data.min_pixels, max(min(video_max_pixels, video_total_pixels · 2 // n),
+   1.05 · min_pixels)]``, the per-frame share of the video's total budget that transformers'
+   Qwen2-VL video processor applies with ``cap_pixels_per_frame``. The grid is
+   ``(n / 2, h / 14, w / 14)``; a video costs ``t·h·w / 4`` ``<|video_pad|>`` tokens.
+3. **Pixels** (:meth:`VideoProcessor.load`): decode again keeping only the planned frames,
+   resize each with PIL bicubic (as the image processor does), rescale and normalise with the
+   image processor's constants, and flatten to ``[t·h·w, C·2·14²]`` in the image processor's
+   order (merge windows contiguous), so the vision tower reads videos as it reads images.
+4. **Time**: ``second_per_grid = 2 / sample_fps`` with ``sample_fps = n / frames · fps``, the
+   real seconds between two temporal patches, which mRoPE turns into time positions.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from qwenkit.data.images import ImageRef, smart_resize
+from qwenkit.data.reader import DataError
+from qwenkit.data.report import BadSample, Location
+
+
+@dataclass(frozen=True)
+class VideoMeta:
+    """What the probe measured: everything :meth:`VideoProcessor.plan` needs."""
+
+    frames: int  # frames that decode
+    fps: float  # the stream's average frame rate
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    indices: tuple[int, ...]  # sampled frames, in order
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    size: tuple[int, int]  # (height, width) every sampled frame is resized to
+    second_per_grid: float  # seconds between two temporal patches
+
+
+class _Unreadable(Exception):
+    def __init__(self, reason: str, detail: str):
+        self.reason, self.detail = reason, detail
+
+
+def import_av():
+    """PyAV, imported only when a dataset holds videos."""
+    try:
+        import av
+    except ImportError:
+        raise DataError(
+            "the dataset has videos; reading them needs PyAV (FFmpeg bindings): pip install 'qwenkit[video]'"
+        ) from None
+    return av
+
+
+def _decode(ref: ImageRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMeta, dict[int, np.ndarray]]:
+    """Decode every frame of the first video stream; return the metadata and frames ``keep`` as RGB."""
+    av = import_av()
+    if ref.data is None and not ref.path.is_file():
+        raise _Unreadable("missing_video", f"no such file {str(ref.path)!r}")
+    source = io.BytesIO(ref.data) if ref.data is not None else str(ref.path)
+    kept: dict[int, np.ndarray] = {}
+    n = width = height = 0
+    try:
+        with av.open(source) as container:
+            if not container.streams.video:
+                raise _Unreadable("corrupt_video", "the file has no video stream")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            rate = stream.average_rate or stream.guessed_rate
+            declared = stream.frames  # 0 when the container does not say (mkv, webm)
+            for frame in container.decode(stream):
+                if n == 0:
+                    width, height = frame.width, frame.height
+                if n in keep:
+                    kept[n] = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
+                n += 1
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise _Unreadable("corrupt_video", f"cannot decode: {e}") from None
+    if n == 0:
+        raise _Unreadable("corrupt_video", "no frame decodes")
+    if n < declared:
+        raise _Unreadable("corrupt_video", f"the header promises {declared} frames but only {n} decode (truncated?)")
+    if not rate or rate <= 0:
+        raise _Unreadable("corrupt_video", "the stream has no frame rate")
+    return VideoMeta(n, float(rate), width, height), kept
+
+
+def probe(ref: ImageRef, where: Location) -> VideoMeta:
+    """Decode the whole video once (so truncation shows) and measure it; raises :class:`BadSample`."""
+    try:
+        return _decode(ref)[0]
+    except _Unreadable as e:
+        raise BadSample(where, e.reason, f"{ref.label}: {e.detail}") from None
+
+
+class VideoProbe:
+    """:func:`probe` with a cache: datasets often reuse one clip in many rows."""
+
+    def __init__(self):
+        self._seen: dict = {}
+
+    def meta(self, ref: ImageRef, where: Location) -> VideoMeta:
+        key = ref.path if ref.data is None else None
+        result = self._seen.get(key) if key is not None else None
+        if result is None:
+            try:
+                result = _decode(ref)[0]
+            except _Unreadable as e:
+                result = e
+            if key is not None:
+                self._seen[key] = result
+        if isinstance(result, _Unreadable):
+            raise BadSample(where, result.reason, f"{ref.label}: {result.detail}")
+        return result
+
+
+class VideoProcessor:
+    """Frame sampling, resizing and patchification of Qwen2-VL videos (see the module docstring).
+
+    Patch, merge and temporal sizes, and the normalisation constants, are the image processor's:
+    a Qwen2.5-VL checkpoint has one vision tower for both.
+    """
+
+    def __init__(
+        self,
+        *,
+        fps: float,
+        min_frames: int,
+        max_frames: int,
+        min_pixels: int,
+        max_pixels: int,
+        total_pixels: int,
+        patch_size: int,
+        merge_size: int,
+        temporal_patch_size: int,
+        image_mean,
+        image_std,
+        rescale_factor: float,
+    ):
+        self.fps, self.min_frames, self.max_frames = fps, min_frames, max_frames
+        self.min_pixels, self.max_pixels, self.total_pixels = min_pixels, max_pixels, total_pixels
+        self.patch, self.merge, self.temporal = patch_size, merge_size, temporal_patch_size
+        self.mean = np.asarray(image_mean, dtype=np.float32)
+        self.std = np.asarray(image_std, dtype=np.float32)
+        self.rescale_factor = rescale_factor
+
+    @classmethod
+    def from_config(cls, image_processor, data) -> VideoProcessor:
+        """``data``'s sampling and pixel bounds, the image processor's patching and constants."""
+        return cls(
+            fps=data.video_fps,
+            min_frames=data.video_min_frames,
+            max_frames=data.video_max_frames,
+            min_pixels=data.min_pixels,
+            max_pixels=data.video_max_pixels,
+            total_pixels=data.video_total_pixels,
+            patch_size=image_processor.patch_size,
+            merge_size=image_processor.merge_size,
+            temporal_patch_size=image_processor.temporal_patch_size,
+            image_mean=image_processor.image_mean,
+            image_std=image_processor.image_std,
+            rescale_factor=image_processor.rescale_factor,
+        )
+
+    def plan(self, meta: VideoMeta, where: Location, label: str) -> VideoPlan:
+        """Which frames, at what size, on what grid: the video's token count before any pixel is read."""
+        if meta.frames < self.min_frames:
+            raise BadSample(
+                where,
+                "short_video",
+                f"{label} has {meta.frames} frame{'s' if meta.frames != 1 else ''}, fewer than "
+                f"data.video_min_frames={self.min_frames}",
+            )
+        t = self.temporal
+        lo = math.ceil(self.min_frames / t) * t
+        hi = min(self.max_frames, meta.frames) // t * t
+        wanted = meta.frames / meta.fps * self.fps
+        n = int(min(max(wanted, lo), hi) // t * t)
+        indices = tuple(int(i) for i in np.linspace(0, meta.frames - 1, n).round())
+        frame_budget = max(min(self.max_pixels, self.total_pixels * t // n), int(self.min_pixels * 1.05))
+        factor = self.patch * self.merge
+        try:
+            h, w = smart_resize(meta.height, meta.width, factor=factor, min_pixels=self.min_pixels, max_pixels=frame_budget)
+        except ValueError as e:  # the processor's own limit: aspect ratio > 200
+            raise BadSample(where, "aspect_ratio", f"{label} is {meta.width}x{meta.height} px: {e}") from None
+        sample_fps = n / meta.frames * meta.fps
+        return VideoPlan(indices, (n // t, h // self.patch, w // self.patch), (h, w), t / sample_fps)
+
+    def pixels(self, frames: list[np.ndarray], plan: VideoPlan) -> torch.Tensor:
+        """``[t·h·w, C·T·patch²]`` float32 patches of the sampled RGB frames (``[H, W, 3]`` uint8 each)."""
+        rh, rw = plan.size
+        resized = np.stack(
+            [np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC), dtype=np.float32) for f in frames]
+        )  # [n, H, W, C]
+        resized = (resized * np.float32(self.rescale_factor) - self.mean) / self.std
+        t, gh, gw = plan.grid
+        m, p, c = self.merge, self.patch, resized.shape[-1]
+        x = resized.transpose(0, 3, 1, 2).reshape(t, self.temporal, c, gh // m, m, p, gw // m, m, p)
+        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, gh/m, gw/m, m, m, C, T, p, p]
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, c * self.temporal * p * p))
+
+    def frames(self, ref: ImageRef, meta: VideoMeta, where: Location) -> tuple[list[np.ndarray], VideoPlan]:
+        """The planned frames of a probed video, RGB ``[H, W, 3]`` uint8 at their original size;
+        raises if the file changed since the probe."""
+        plan = self.plan(meta, where, ref.label)
+        try:
+            now, kept = _decode(ref, frozenset(plan.indices))
+        except _Unreadable as e:
+            raise BadSample(where, e.reason, f"{ref.label}: {e.detail}") from None
+        if now != meta:
+            raise RuntimeError(
+                f"{where}: {ref.label} now decodes as {now}, but the scan measured {meta}; "
+                "was the file changed after the dataset was built?"
+            )
+        return [kept[i] for i in plan.indices], plan
+
+    def load(self, ref: ImageRef, meta: VideoMeta, where: Location) -> tuple[torch.Tensor, VideoPlan]:
+        """The planned frames of a probed video as patches, and the plan."""
+        frames, plan = self.frames(ref, meta, where)
+        return self.pixels(frames, plan), plan
