@@ -5,10 +5,15 @@ own: on CPU the peak RSS (VmHWM, reset through /proc/self/clear_refs once the in
 an accelerator the allocator's peak. The number reported is the loss head's whole transient:
 everything forward + backward allocates beyond the inputs, the lm_head weight gradient included
 (V x H x 4 bytes; it bounds any ratio from below). The baseline is HF's own head: ``lm_head``
-logits, then ``ForCausalLMLoss``.
+logits, then ``ForCausalLMLoss`` (its cost does not depend on how many labels are ignored, so it
+is measured once per length).
 
-    python benchmarks/chunk_loss.py                       # Qwen2.5-VL-3B head, S=2048 and 4096
-    python benchmarks/chunk_loss.py --seq 1024 --chunks 512 auto --repeats 2
+For each share of ignored labels (a leading prompt of -100) it shows the dense chunked head
+(every position projected, ``skip_ignored=False``, auto chunk) and the skipping head (only
+labelled rows) at each chunk size; ``dense`` and ``/dense`` compare the two.
+
+    python benchmarks/chunk_loss.py                       # Qwen2.5-VL-3B head, S=2048 and 4096; 0/50/90% ignored
+    python benchmarks/chunk_loss.py --seq 2048 --ignored 0.5 --chunks 512 768 1024 auto --repeats 1
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=0, help="timed passes after the memory pass (0: time that one)")
+    p.add_argument("--ignored", type=float, nargs="+", default=[0.0, 0.5, 0.9], help="shares of ignored labels")
     p.add_argument("--out", default=None, help="also write the result rows as JSON lines here")
     args = p.parse_args(argv)
     if args.device.startswith("cuda"):
@@ -41,26 +47,33 @@ def main(argv=None) -> int:
             print("skipped: --device cuda but no CUDA device is available")
             return 0
 
-    def measure(variant, seq):
-        return head_measure(head_case(variant, seq, args.hidden, args.vocab, args.dtype, args.device, args.repeats))
+    def measure(variant, seq, ignored, skip=True):
+        case = head_case(variant, seq, args.hidden, args.vocab, args.dtype, args.device, args.repeats, ignored, skip)
+        return head_measure(case)
 
     weight_grad = args.vocab * args.hidden * 4
     print(f"loss head H={args.hidden} V={args.vocab:,} {args.dtype} on {args.device}; "
           f"lm_head weight grad alone = {weight_grad / GiB:.2f} GiB (in every variant's peak)")
     rows = []
     for seq in args.seq:
-        full = measure("full", seq)
+        full = measure("full", seq, 0.0)
         rows.append(full)
-        print(f"\nS={seq}")
-        print(f"{'variant':<14}{'chunk':>7}{'time s':>9}{'peak GiB':>10}{'time/full':>11}{'peak/full':>11}")
-        print(f"{'HF full':<14}{'-':>7}{full['time_ms'] / 1e3:>9.2f}{full['peak_mb'] / 1024:>10.2f}{1:>11.2f}{1:>11.2f}")
-        for chunk in args.chunks:
-            r = measure(chunk, seq)
-            r["time_ratio"] = r["time_ms"] / full["time_ms"]
-            r["peak_ratio"] = r["peak_mb"] / full["peak_mb"]
-            rows.append(r)
-            print(f"{'chunked ' + chunk:<14}{r['chunk_size']:>7}{r['time_ms'] / 1e3:>9.2f}{r['peak_mb'] / 1024:>10.2f}"
-                  f"{r['time_ratio']:>11.2f}{r['peak_ratio']:>11.2f}")
+        for ignored in args.ignored:
+            dense = measure("auto", seq, ignored, skip=False)
+            print(f"\nS={seq}, {100 * ignored:.0f}% of the labels ignored")
+            print(f"{'variant':<16}{'chunk':>7}{'time s':>9}{'peak GiB':>10}{'time/full':>11}{'peak/full':>11}"
+                  f"{'time/dense':>12}{'peak/dense':>12}")
+            print(f"{'HF full':<16}{'-':>7}{full['time_ms'] / 1e3:>9.2f}{full['peak_mb'] / 1024:>10.2f}"
+                  f"{1:>11.2f}{1:>11.2f}{'':>12}{'':>12}")
+            for name, r in [("dense auto", dense)] + [(f"skip {c}", measure(c, seq, ignored)) for c in args.chunks]:
+                r["time_ratio"] = r["time_ms"] / full["time_ms"]
+                r["peak_ratio"] = r["peak_mb"] / full["peak_mb"]
+                r["time_vs_dense"] = r["time_ms"] / dense["time_ms"]
+                r["peak_vs_dense"] = r["peak_mb"] / dense["peak_mb"]
+                rows.append(r)
+                print(f"{name:<16}{r['chunk_size']:>7}{r['time_ms'] / 1e3:>9.2f}{r['peak_mb'] / 1024:>10.2f}"
+                      f"{r['time_ratio']:>11.2f}{r['peak_ratio']:>11.2f}{r['time_vs_dense']:>12.2f}"
+                      f"{r['peak_vs_dense']:>12.2f}")
         c = min(1024, seq)
         floor = weight_grad + seq * args.hidden * 4 + c * args.vocab * 4
         print(f"floor at chunk {c} (grad W + grad h + one chunk): {floor / GiB:.2f} GiB "

@@ -88,7 +88,7 @@ def worker(args) -> dict:
 
     from qwenkit.data import Collator
     from qwenkit.model import QwenkitQwen2_5_VL
-    from qwenkit.notebooks.perf import status_bytes
+    from qwenkit.notebooks.measure import status_bytes
 
     config = make_config(CPU_SHAPES)
     config._attn_implementation = "sdpa"

@@ -3,7 +3,9 @@
 Every variant runs in a fresh subprocess with the same config, seed, weights and batch:
 
 - ``hf``: stock ``Qwen2_5_VLForConditionalGeneration`` with labels (full logits), AdamW;
-- ``chunk``: qwenkit's model, chunked loss head;
+- ``chunk-dense``: qwenkit's chunked head projecting every position (the head before it learned
+  to skip ignored labels);
+- ``chunk``: qwenkit's model, chunked loss head projecting only the labelled positions;
 - ``chunk+recompute``: the same with non-reentrant activation checkpointing of the decoder
   layers and vision blocks;
 - ``chunk-foreach`` (on request): chunk loss with HF's optimizer, to separate the two savings.
@@ -13,7 +15,8 @@ Every variant runs with the allocator setting ``qwenkit train`` gives CPU ranks
 The qwenkit variants use the optimizer qwenkit trains with (fused AdamW, in place); the HF
 baseline uses plain AdamW, whose foreach step allocates a parameter-sized temporary.
 
-It prints the median step time, tokens/s, the process's peak memory (whole step: weights,
+The batch is one image-text sample whose prompt and image are ignored (-100), as in SFT; the
+share of ignored labels is printed. It prints the median step time, tokens/s, the process's peak memory (whole step: weights,
 gradients, AdamW state, activations, loss head) and the ratios to HF, the memory floor
 (weights + gradients + AdamW state + one logits chunk), and model FLOPs utilisation against a
 matmul peak measured in this same run (best of several large square GEMMs).
@@ -135,6 +138,7 @@ def worker(args) -> dict:
         model = Qwen2_5_VLForConditionalGeneration(config)
     else:
         model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto")
+        model.lm_head.skip_ignored = args.variant != "chunk-dense"
     model.to(device=device, dtype=dtype).train()
     if args.variant == "chunk+recompute":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
         print("skipped: --device cuda but no CUDA device is available")
         return 0
     shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
-    variants = args.variants or ["hf", "chunk", "chunk+recompute"]
+    variants = args.variants or ["hf", "chunk-dense", "chunk", "chunk+recompute"]
     if args.device == "cuda" and args.variants is None:
         try:
             import liger_kernel  # noqa: F401
@@ -212,11 +216,15 @@ def main(argv=None) -> int:
             variants.append("liger")
         except ImportError:
             print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
+    from qwenkit.loss import auto_chunk_size
     from qwenkit.notebooks.measure import matmul_peak
     from qwenkit.notebooks.results import write_jsonl
 
     peak_flops = matmul_peak(torch.device(args.device), getattr(torch, shapes["dtype"]), size=4096)["flops_per_s"]
     flops = count_flops(make_config(shapes), shapes)
+    labels = make_batch(shapes, "cpu")["labels"]
+    valid = int((labels[:, 1:] != -100).sum())  # positions the skipping head projects
+    print(f"batch: {labels.numel()} tokens, {valid} labelled, {1 - valid / labels.numel():.0%} of the labels ignored")
     print(f"shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
           f"measured {shapes['dtype']} GEMM peak {peak_flops / 1e9:,.0f} GFLOP/s; "
           f"step FLOPs: text {flops['text'] / 1e12:.2f} T, vision {flops['vision'] / 1e12:.3f} T")
@@ -232,8 +240,13 @@ def main(argv=None) -> int:
         print(f"{r['variant']:<17}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['tokens'] / r['step_s']:>9.0f}{r['peak_bytes'] / GiB:>10.2f}"
               f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['mfu_text']:>10.2f}{r['mfu_all']:>9.2f}"
               f"{r['losses'][0]:>12.5f}")
+    by_name = {r["variant"]: r for r in rows}
+    if "chunk" in by_name and "chunk-dense" in by_name:
+        skip, dense = by_name["chunk"], by_name["chunk-dense"]
+        print(f"\nskipping head vs dense chunk head: time {skip['step_s'] / dense['step_s']:.2f}x, "
+              f"peak {skip['peak_bytes'] / dense['peak_bytes']:.2f}x")
     pb = base["param_bytes"]
-    chunk = min(shapes["seq"], 832) * VOCAB * 4
+    chunk = auto_chunk_size(valid, VOCAB, 512 * 2**20) * VOCAB * 4
     floor = 4 * pb + chunk
     print(f"\nfloor: weights + grads + AdamW (2 states) = 4 x {pb / GiB:.2f} GiB, + one logits chunk "
           f"{chunk / GiB:.2f} GiB = {floor / GiB:.2f} GiB ({floor / base['peak_bytes']:.2f} of HF's peak)")

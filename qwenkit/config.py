@@ -85,7 +85,7 @@ class DataConfig:
 @dataclass
 class LossConfig:
     chunk: bool = True  # chunked cross-entropy in the lm_head: full [B, S, V] logits never exist
-    chunk_size: int | Literal["auto"] = "auto"  # tokens per logits chunk
+    chunk_size: int | Literal["auto"] = "auto"  # labelled tokens per logits chunk (ignored ones are skipped)
     chunk_budget_mb: int = 512  # memory budget of one fp32 logits chunk, for chunk_size=auto
     # "raw" (unreduced per-token loss) is an API output (model.configure_loss), never a training loss
     loss_type: Literal[LOSS_TYPES] = "token_mean"

@@ -1,19 +1,24 @@
-"""Chunked linear cross-entropy: the loss of ``hidden @ weight.T`` without the full logits.
+"""Chunked linear cross-entropy: the loss of ``hidden @ weight.T (+ bias)`` without the full logits.
 
 HF's loss head materialises ``logits [N, V]`` in forward, a float32 copy and a log-softmax of
 the same size, and their gradient in backward: about 3 x N x V x 4 bytes at once. For
-Qwen2.5-VL (V = 151,936) and N = 4096 tokens that is ~7.5 GiB. Here the tokens are processed
-``chunk`` rows at a time, and everything backward needs is computed in the same pass:
+Qwen2.5-VL (V = 151,936) and N = 4096 tokens that is ~7.5 GiB. Here only the rows that carry a
+label are projected, ``chunk`` rows at a time, and everything backward needs is computed in the
+same pass:
 
-1. ``logits = h_c @ W.T``                   # [C, V], the only chunk-sized buffer
+0. ``rows = positions whose shifted label != -100``  # in VL SFT often 50-90% are ignored
+1. ``logits = h[rows_c] @ W.T (+ b)``       # [C, V], the only chunk-sized buffer
 2. ``lse = log(sum(exp(logits - max))) + max``, done in place on that buffer
 3. ``loss_c = sum(w_i * (lse_i - logits[i, y_i]))`` with per-token weights ``w`` (the reduction)
 4. the buffer becomes ``dlogits = w * (softmax - onehot(y))`` in place
-5. ``grad_h[c] = dlogits @ W`` and ``grad_W += dlogits.T @ h_c``
+5. ``grad_h[rows_c] = dlogits @ W``, ``grad_W += dlogits.T @ h[rows_c]``, ``grad_b += dlogits.sum(0)``
 
-Backward only scales the stored ``grad_h`` and ``grad_W`` by the incoming gradient. Peak extra
-memory is one ``[C, V]`` float32 chunk plus ``grad_h [N, H]`` and ``grad_W [V, H]`` (the latter
-exists in any loss implementation: it is the weight's gradient).
+Ignored positions have weight 0, so skipping them changes no loss and no gradient: their rows
+of ``grad_h`` are zero. Backward only scales the stored gradients by the incoming gradient.
+Peak extra memory is one ``[C, V]`` float32 chunk plus ``grad_h [N, H]`` and ``grad_W [V, H]``
+float32 (1.16 GiB at Qwen2.5-VL-3B sizes, 2.2 GiB at 7B; it exists in any loss implementation:
+it is the weight's gradient). Without grad (evaluation) only the loss is computed: no gradient
+matmul and no gradient buffer.
 
 Reductions are expressed as per-token weights, so one kernel serves them all:
 ``token_mean``: ``w = 1 / num_items`` (valid tokens of the *global* batch when given), and
@@ -22,12 +27,18 @@ Reductions are expressed as per-token weights, so one kernel serves them all:
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # label of a position the loss skips (HF's and torch's convention)
 REDUCTIONS = ("token_mean", "sample_mean")  # what the chunked head computes
 LOSS_TYPES = (*REDUCTIONS, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
+# chunk_size=auto rounds chunks to this many rows: GEMM tiles on CPU (oneDNN/MKL) and GPU/NPU
+# (tensor-core tiles) are powers of two up to 128/256; see benchmarks/chunk_loss.py for the sweep.
+CHUNK_MULTIPLE = 128
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -59,75 +70,137 @@ def token_weights(
     raise ValueError(f"loss reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def auto_chunk_size(num_tokens: int, vocab_size: int, budget_bytes: int, multiple: int = 64) -> int:
-    """Largest multiple of ``multiple`` whose float32 [chunk, V] buffer fits ``budget_bytes``."""
-    rows = budget_bytes // (vocab_size * 4)
-    rows = max(multiple, rows // multiple * multiple)
-    return min(rows, max(num_tokens, 1))
+def auto_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int, multiple: int = CHUNK_MULTIPLE) -> int:
+    """Rows per chunk for ``num_rows`` projected (labelled) rows: equal chunks, matmul-friendly.
+
+    The fewest chunks whose float32 ``[chunk, V]`` buffer fits ``budget_bytes``, split evenly
+    (no thin last chunk) and rounded up to ``multiple`` rows, never above the budget's largest
+    multiple (at least one multiple).
+    """
+    cap = max(multiple, budget_bytes // (vocab_size * 4) // multiple * multiple)
+    if num_rows <= 0:
+        return cap
+    even = math.ceil(num_rows / math.ceil(num_rows / cap))
+    return min(cap, math.ceil(even / multiple) * multiple)
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, weight)`` would compute in: autocast's, or the common one.
+
+    Under autocast F.linear casts both operands (an fp32 head weight with bf16 activations is
+    the usual mix); outside it F.linear refuses mixed dtypes, and so does this head.
+    """
+    device_type = hidden.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise RuntimeError(
+            f"lm_head: hidden states are {hidden.dtype} but the weight is {weight.dtype}; F.linear (HF's head) "
+            "refuses this mix outside autocast as well: cast the model to one dtype or run under torch.autocast"
+        )
+    return weight.dtype
+
+
+def _chunk_pass(hidden, weight, bias, targets, weights, rows, chunk, need_h, need_w, need_b):
+    """Loss, and the gradients asked for, of the rows ``rows`` (all rows when None).
+
+    hidden [N, H], weight [V, H], bias [V] or None, all in the compute dtype; targets [N];
+    weights [N] float32; rows [M] int64 indices or None. Returns (loss, grad_h [N, H] or None,
+    grad_w [V, H] float32 or None, grad_b [V] float32 or None).
+    """
+    n_rows = hidden.shape[0] if rows is None else rows.numel()
+    grad_h = None
+    if need_h:
+        # skipped rows get zero gradient; with every row projected each one is written once
+        grad_h = torch.empty_like(hidden) if rows is None else torch.zeros_like(hidden)  # [N, H]
+    # grad W is written by the first chunk and accumulated by the others: no zero-fill pass
+    # over [V, H] (1.16 GiB at Qwen2.5-VL-3B sizes); zeros only when there is no chunk at all
+    alloc = torch.empty if n_rows > 0 else torch.zeros
+    grad_w = alloc(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, n_rows, chunk):
+        end = min(start + chunk, n_rows)
+        if rows is None:
+            h, y, w = hidden[start:end], targets[start:end], weights[start:end]  # [C, H], [C], [C]
+        else:
+            idx = rows[start:end]  # [C]
+            h, y, w = hidden.index_select(0, idx), targets[idx], weights[idx]
+        logits = (h @ weight.T).float()  # [C, V]; a no-op cast in fp32, HF's upcast in bf16
+        if bias is not None:
+            logits += bias
+        valid = y != IGNORE_INDEX  # all True for gathered rows; the dense path keeps ignored ones
+        y_safe = torch.where(valid, y, 0)
+        target_logit = logits.gather(1, y_safe[:, None]).squeeze(1)  # [C]
+        row_max = logits.amax(dim=1, keepdim=True)  # [C, 1]
+        logits.sub_(row_max).exp_()  # in place: exp(logits - max)
+        sum_exp = logits.sum(dim=1, keepdim=True)  # [C, 1]
+        lse = sum_exp.log().squeeze(1) + row_max.squeeze(1)  # [C]
+        # where(): an ignored token has w = 0 and adds exactly 0, never 0 * NaN
+        loss += torch.where(valid, w * (lse - target_logit), 0.0).sum()
+        if need_h or need_w or need_b:
+            # dL/dlogits = w * (softmax - onehot), built in the same buffer
+            logits.mul_((w / sum_exp.squeeze(1))[:, None])
+            logits[torch.arange(end - start, device=y.device), y_safe] -= torch.where(valid, w, 0.0)
+            if need_b:
+                grad_b += logits.sum(0)  # bias gradient from the fp32 buffer
+            dlogits = logits.to(hidden.dtype)  # no copy in fp32
+            if need_h and rows is None:
+                torch.mm(dlogits, weight, out=grad_h[start:end])
+            elif need_h:
+                grad_h.index_copy_(0, idx, dlogits @ weight)  # [C, H] scattered back to its positions
+            if need_w and dlogits.dtype == torch.float32:
+                if start == 0:
+                    torch.mm(dlogits.T, h, out=grad_w)  # [V, H]
+                else:
+                    grad_w.addmm_(dlogits.T, h)  # accumulated in place
+            elif need_w:
+                part = dlogits.T @ h  # low-precision GEMM as HF's, summed over chunks in fp32
+                if start == 0:
+                    grad_w.copy_(part)
+                else:
+                    grad_w.add_(part)
+            del dlogits
+        # Free this chunk's buffer now: rebinding `logits` in the next iteration would allocate
+        # the next [C, V] while this one is still referenced (two chunks at peak, not one).
+        del logits
+    return loss, grad_h, grad_w, grad_b
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, weights, chunk_size):
-        # hidden [N, H], weight [V, H], targets [N] (ignore_index allowed), weights [N] float32
-        n = hidden.shape[0]
-        need_h = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
-        # grad W is written by the first chunk and accumulated by the others: no zero-fill pass
-        # over [V, H] (0.58 GiB at Qwen2.5-VL-3B sizes); zeros only when there is no chunk at all
-        alloc = torch.empty if n > 0 else torch.zeros
-        grad_w = alloc(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            h = hidden[start:end]  # [C, H]
-            y = targets[start:end]  # [C]
-            w = weights[start:end]  # [C]
-            logits = (h @ weight.T).float()  # [C, V]; a no-op cast in fp32, HF's upcast in bf16
-            valid = y != IGNORE_INDEX
-            y_safe = torch.where(valid, y, 0)
-            target_logit = logits.gather(1, y_safe[:, None]).squeeze(1)  # [C]
-            row_max = logits.amax(dim=1, keepdim=True)  # [C, 1]
-            logits.sub_(row_max).exp_()  # in place: exp(logits - max)
-            sum_exp = logits.sum(dim=1, keepdim=True)  # [C, 1]
-            lse = sum_exp.log().squeeze(1) + row_max.squeeze(1)  # [C]
-            # where(): a chunk of ignored tokens has w = 0 and adds exactly 0, never 0 * NaN
-            loss += torch.where(valid, w * (lse - target_logit), 0.0).sum()
-            if need_h or need_w:
-                # dL/dlogits = w * (softmax - onehot), built in the same buffer
-                logits.mul_((w / sum_exp.squeeze(1))[:, None])
-                logits[torch.arange(end - start, device=y.device), y_safe] -= torch.where(valid, w, 0.0)
-                dlogits = logits.to(hidden.dtype)  # no copy in fp32
-                if need_h:
-                    torch.mm(dlogits, weight, out=grad_h[start:end])
-                if need_w and dlogits.dtype == torch.float32:
-                    if start == 0:
-                        torch.mm(dlogits.T, h, out=grad_w)  # [V, H]
-                    else:
-                        grad_w.addmm_(dlogits.T, h)  # accumulated in place
-                elif need_w:
-                    part = dlogits.T @ h  # low-precision GEMM as HF's, summed over chunks in fp32
-                    if start == 0:
-                        grad_w.copy_(part)
-                    else:
-                        grad_w.add_(part)
-                del dlogits
-            # Free this chunk's buffer now: rebinding `logits` in the next iteration would allocate
-            # the next [C, V] while this one is still referenced (two chunks at peak, not one).
-            del logits
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+    def forward(ctx, hidden, weight, bias, targets, weights, rows, chunk, dtype):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        with _autocast_off(hidden.device.type):  # operands are cast to `dtype` here, as autocast would
+            w_c = weight.to(dtype)  # no copy when the dtypes agree
+            b_c = bias.to(dtype) if bias is not None else None
+            loss, grad_h, grad_w, grad_b = _chunk_pass(
+                hidden.to(dtype), w_c, b_c, targets, weights, rows, chunk, need_h, need_w, need_b
+            )
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
         # Scale in place: a second [V, H] buffer here would double the weight-gradient memory.
         # (These buffers belong to this node alone; backward runs once without retain_graph.)
-        gh = grad_h.mul_(grad_loss.to(grad_h.dtype)) if grad_h is not None else None
-        gw = grad_w.mul_(grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
+        gh = grad_h.mul_(grad_loss.to(grad_h.dtype)).to(h_dtype) if grad_h is not None else None
+        gw = grad_w.mul_(grad_loss).to(w_dtype) if grad_w is not None else None
+        gb = grad_b.mul_(grad_loss).to(b_dtype) if grad_b is not None else None
+        return gh, gw, gb, None, None, None, None, None
+
+
+def _autocast_off(device_type: str):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _keep_on_device(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def chunked_linear_cross_entropy(
@@ -140,27 +213,45 @@ def chunked_linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     num_samples: int | torch.Tensor | None = None,
     shifted: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    skip_ignored: bool = True,
 ) -> torch.Tensor:
-    """Causal-LM loss of ``hidden [B, S, H]`` against unshifted ``labels [B, S]``.
+    """Causal-LM loss of ``hidden [B, S, H]`` (``@ weight.T + bias``) against unshifted ``labels [B, S]``.
 
     Equal to HF's ``ForCausalLMLoss(lm_head(hidden), labels)`` (``token_mean``, with
     ``num_items_in_batch`` giving the global normaliser) in value and in every gradient.
     ``shifted``: labels already shifted (HF's ``shift_labels``, as sequence parallelism passes
     them, each rank holding a slice); used as given, and ``labels`` is then not read.
+    ``skip_ignored=False`` projects every position (the head before ignored rows were skipped;
+    kept for benchmarks and as a reference); the result is the same either way.
     """
     if shifted is None:
         shifted = shift_labels(labels)  # [B, S]
     if hidden.shape[:-1] != shifted.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
-    weights = token_weights(shifted, reduction, num_items_in_batch, num_samples).reshape(-1).float()
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    if chunk_size == "auto":
-        chunk = auto_chunk_size(h.shape[0], weight.shape[0], chunk_budget_bytes)
-    elif isinstance(chunk_size, int) and chunk_size > 0:
-        chunk = chunk_size
-    else:
+    if not (chunk_size == "auto" or (isinstance(chunk_size, int) and chunk_size > 0)):
         raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
-    return _ChunkedLinearCrossEntropy.apply(h, weight, shifted.reshape(-1), weights, chunk)
+    dtype = compute_dtype(hidden, weight)
+    weights = token_weights(shifted, reduction, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
+    shifted = shifted.reshape(-1)  # [N]
+    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    rows = None
+    if skip_ignored:
+        rows = (shifted != IGNORE_INDEX).nonzero().squeeze(1)  # [M]; one host sync: M sizes the chunks
+        if rows.numel() == h.shape[0]:
+            rows = None  # every row labelled: contiguous slices, no gather
+    n_rows = h.shape[0] if rows is None else rows.numel()
+    chunk = auto_chunk_size(n_rows, weight.shape[0], chunk_budget_bytes) if chunk_size == "auto" else chunk_size
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                         (bias is not None and bias.requires_grad))):  # fmt: skip
+        # evaluation: the loss alone, no gradient matmuls and no [V, H] gradient buffer
+        with torch.no_grad(), _autocast_off(h.device.type):
+            b_c = bias.to(dtype) if bias is not None else None
+            return _chunk_pass(h.to(dtype), weight.to(dtype), b_c, shifted, weights, rows, chunk, False, False, False)[0]
+    # The head's saved tensors are its finished gradients (grad W alone is 1.16 GiB in fp32 at 3B),
+    # not activations: identity hooks keep them on the device under activation offload (save_on_cpu).
+    with torch.autograd.graph.saved_tensors_hooks(_keep_on_device, _keep_on_device):
+        return _ChunkedLinearCrossEntropy.apply(h, weight, bias, shifted, weights, rows, chunk, dtype)
 
 
 def full_cross_entropy(
@@ -186,11 +277,13 @@ def full_cross_entropy(
 
 
 __all__ = [
+    "CHUNK_MULTIPLE",
     "IGNORE_INDEX",
     "LOSS_TYPES",
     "REDUCTIONS",
     "auto_chunk_size",
     "chunked_linear_cross_entropy",
+    "compute_dtype",
     "full_cross_entropy",
     "shift_labels",
     "token_weights",

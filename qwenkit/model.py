@@ -36,13 +36,18 @@ class ChunkedLMHead(nn.Linear):
     """``nn.Linear`` that, given labels and a loss function, returns the loss instead of logits.
 
     Called as ``lm_head(hidden)`` it is a plain linear layer (HF's non-chunk path, generation).
-    The parameter stays ``weight``, so checkpoints and tied embeddings are unchanged.
+    The parameter stays ``weight``, so checkpoints and tied embeddings are unchanged; a bias,
+    when the checkpoint has one, goes into the loss like ``F.linear``'s. ``skip_ignored``: project
+    only positions with a label (same loss and gradients; False projects every position, the
+    benchmarks' reference).
     """
+
+    skip_ignored = True
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, loss_fn=None) -> torch.Tensor:
         if loss_fn is None:
             return F.linear(hidden, self.weight, self.bias)
-        return loss_fn(hidden, self.weight, labels)
+        return loss_fn(hidden, self.weight, labels, bias=self.bias, skip_ignored=self.skip_ignored)
 
 
 class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):

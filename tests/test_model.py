@@ -262,3 +262,80 @@ def test_30_step_adamw_tracks_hf(make_model, batch_factory):
     hf, ours = curves
     assert max(abs(a - b) for a, b in zip(hf, ours)) <= 1e-5
     assert sum(ours[-3:]) < 0.8 * sum(ours[:3])
+
+
+@pytest.mark.parametrize("frac, tie", [(0.0, False), (0.5, True), (0.9, False), (1.0, False)])
+def test_skipping_head_equals_hf_at_ignored_fractions(make_model, batch_factory, frac, tie):
+    """Image tokens and a share of the text ignored; the global normaliser makes 100% well defined."""
+    hf, ours = _pair(make_model, tie_word_embeddings=tie)
+    ours.configure_loss(chunk=True, chunk_size=5)
+    batch = batch_factory(images_per_sample=(1, 0, 2), seed=4)
+    labels = batch["input_ids"].clone()  # 0%: every position, image tokens included
+    g = torch.Generator().manual_seed(9)
+    if frac:
+        labels[batch["mm_token_type_ids"] != 0] = -100
+        labels[torch.rand(labels.shape, generator=g) < frac] = -100
+    if frac >= 1:
+        labels[:] = -100
+    batch["labels"] = labels
+    kw = {"num_items_in_batch": torch.tensor(int((labels[:, 1:] != -100).sum()) + 3)}
+    _assert_same(_loss_and_grads(hf, batch, **kw), _loss_and_grads(ours, batch, **kw))
+
+
+def test_head_bias_goes_into_the_chunk_loss():
+    """A checkpoint whose lm_head has a bias: the chunked head equals F.linear + HF's loss, bias grad too."""
+    from functools import partial
+
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from qwenkit.loss import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    head = qmodel.ChunkedLMHead(24, 97, bias=True)
+    hidden = torch.randn(2, 11, 24, requires_grad=True)
+    labels = torch.randint(0, 97, (2, 11))
+    labels[:, :4] = -100
+    ref = ForCausalLMLoss(head(hidden), labels, vocab_size=97)
+    ref_grads = torch.autograd.grad(ref, (hidden, head.weight, head.bias))
+    got = head(hidden, labels=labels, loss_fn=partial(chunked_linear_cross_entropy, chunk_size=4))
+    torch.testing.assert_close(got, ref, **FP32)
+    for a, b in zip(torch.autograd.grad(got, (hidden, head.weight, head.bias)), ref_grads):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+def test_activation_offload_leaves_the_head_gradients_on_device(make_model, batch_factory, monkeypatch):
+    """parallel.activation_offload's save_on_cpu packs the backbone's activations, never the head's
+    finished fp32 grad W [V, H] (grad h [N, H] has the shape of backbone activations here; test_loss
+    checks it)."""
+    from qwenkit import fsdp
+
+    packed = []
+
+    class Counting(torch.autograd.graph.save_on_cpu):
+        def __init__(self, pin_memory=False, device_type="cuda"):
+            super().__init__(pin_memory, device_type)
+            inner = self.pack_hook
+
+            def pack(t):
+                packed.append(tuple(t.shape))
+                return inner(t)
+
+            self.pack_hook = pack
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
+    ours = make_model(chunk=True, seed=1)
+    batch = batch_factory(images_per_sample=(1, 0))
+    with fsdp.activation_offload(True, torch.device("cpu")):
+        loss = ours(**batch).loss
+    loss.backward()
+    assert packed, "activation offload packed nothing: the probe is broken"
+    assert tuple(ours.lm_head.weight.shape) not in packed, packed
+
+
+def test_loss_under_no_grad_equals_the_training_loss(make_model, batch_factory):
+    ours = make_model(chunk=True, seed=1)
+    batch = batch_factory(images_per_sample=(1, 2))
+    with torch.no_grad():
+        evaluated = ours(**batch).loss
+    assert evaluated.grad_fn is None
+    torch.testing.assert_close(evaluated, ours(**batch).loss.detach(), rtol=0, atol=0)

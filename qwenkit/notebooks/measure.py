@@ -82,7 +82,8 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
     weight = torch.empty(v, h, device=device, dtype=dtype).normal_().mul_(0.02).requires_grad_()  # [V, H]
     hidden = torch.empty(1, n, h, device=device, dtype=dtype).normal_().requires_grad_()  # [1, N, H]
     labels = torch.randint(0, v, (1, n), device=device)
-    labels[:, : n // 4] = IGNORE_INDEX  # a prompt that is not learned
+    labels[:, : round(n * case.get("ignored", 0.25))] = IGNORE_INDEX  # a prompt (and image) that is not learned
+    skip = case.get("skip_ignored", True)
     variant = case["variant"]
     if variant == "full":
         chunk = None
@@ -91,10 +92,11 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
             return ForCausalLMLoss(F.linear(hidden, weight), labels, vocab_size=v)
 
     else:
-        chunk = auto_chunk_size(n, v, case.get("budget_mb", 512) * MiB) if variant == "auto" else int(variant)
+        rows = int((labels[:, 1:] != IGNORE_INDEX).sum()) if skip else n  # the rows the head projects
+        chunk = auto_chunk_size(rows, v, case.get("budget_mb", 512) * MiB) if variant == "auto" else int(variant)
 
         def loss_fn():
-            return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+            return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk, skip_ignored=skip)
 
     def one_pass() -> float:
         weight.grad = hidden.grad = None
@@ -133,9 +135,16 @@ def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def head_case(variant, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0) -> dict[str, Any]:
-    """The description of one loss-head case, as :func:`head_measure` takes it."""
+def head_case(variant, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0, ignored=0.25,
+              skip_ignored=True) -> dict[str, Any]:  # fmt: skip
+    """The description of one loss-head case, as :func:`head_measure` takes it.
+
+    ``ignored``: the leading share of positions whose label is -100 (a prompt); ``skip_ignored``:
+    the chunked head projects only labelled rows (False: every row, the dense reference).
+    """
     return {
+        "ignored": float(ignored),
+        "skip_ignored": bool(skip_ignored),
         "variant": str(variant),
         "seq_len": int(seq_len),
         "hidden": int(hidden),
