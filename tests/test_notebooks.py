@@ -138,6 +138,17 @@ def test_smoke_02_sharded_training(smoke_run):
     assert v["stopped_after"] == 4 and v["resumed_steps"] == 4
     assert v["resume_matches"] and v["resume_max_abs_diff"] <= 1e-6  # DCP resume is bit-identical on gloo
     assert m["passed"]
+    # did it learn: held-out loss at step 0, every eval_every and the end; accuracy at step 0 and the end
+    assert v["eval_loss_steps"] == [0, 4, 8] and v["eval_accuracy_steps"] == [0, 8]
+    assert v["first_eval_loss"] > 0 and v["last_eval_loss"] > 0
+    assert 0 <= v["first_eval_accuracy"] <= 1 and 0 <= v["last_eval_accuracy"] <= 1
+    assert f"held-out accuracy {v['first_eval_accuracy']:.2f} -> {v['last_eval_accuracy']:.2f}" in m["summary"]
+    folder = smoke_run[0] / "02_sharded_training"
+    pairs = [json.loads(line) for line in (folder / runs.EVAL_SAMPLES).read_text().splitlines()]
+    assert len(pairs) == 2 and {(p["untrained_step"], p["trained_step"]) for p in pairs} == {(0, 8)}
+    page = (smoke_run[0] / "02_sharded_training.html").read_text()
+    assert 'class="eval-gallery"' in page and page.count("data:image/png;base64,") >= 2  # one thumbnail per row
+    assert "held-out accuracy" in (smoke_run[0] / "index.html").read_text()
 
 
 @pytest.mark.slow

@@ -99,3 +99,47 @@ def test_save_checks_the_resumed_curve_against_the_uninterrupted_one(tmp_path):
     drifted = runs.save(tmp_path, rows(a), rows({**a, 4: 0.6}), 2, stopped)
     assert not drifted["resume_matches"] and drifted["resume_max_abs_diff"] == pytest.approx(0.1)
     assert not json.loads((tmp_path / "metrics.json").read_text())["passed"]
+
+
+def _eval_jsonl(path, generated):
+    rows = [{"index": i, "prompt": f"user: <image> colour {i}?", "images": [str(img)], "reference": "red",
+             "generated": g, "match": g == "red"} for i, (img, g) in enumerate(generated)]  # fmt: skip
+    results.write_jsonl(rows, path)
+
+
+def test_eval_samples_pair_the_untrained_and_trained_answers_and_the_gallery_shows_them(tmp_path):
+    from PIL import Image
+
+    image = tmp_path / "im.png"
+    Image.new("RGB", (32, 32), "red").save(image)
+    run = tmp_path / "run"
+    _eval_jsonl(run / "eval" / "step-000000.jsonl", [(image, "blue"), ("embedded:0", "<b>")])
+    _eval_jsonl(run / "eval" / "step-000004.jsonl", [(image, "green"), ("embedded:0", "x")])
+    _eval_jsonl(run / "eval" / "step-000012.jsonl", [(image, "red"), ("embedded:0", "red")])
+    rows = runs.save_eval_samples(tmp_path / "out", run)
+    assert [(r["untrained"], r["trained"], r["untrained_step"], r["trained_step"]) for r in rows] == [
+        ("blue", "red", 0, 12), ("<b>", "red", 0, 12)]  # fmt: skip
+    assert [r["trained_match"] for r in rows] == [True, True] and not any(r["untrained_match"] for r in rows)
+    page = runs.gallery(tmp_path / "out").data
+    assert page.count("<tr>") == 3 and "untrained (step 0)" in page and "trained (step 12)" in page
+    assert page.count("data:image/png;base64,") == 1 and "<code>embedded:0</code>" in page  # a missing file: its label
+    assert "&lt;b&gt;" in page and "<b>" not in page  # answers are escaped
+    with pytest.raises(FileNotFoundError, match="no step-"):
+        runs.save_eval_samples(tmp_path / "out", tmp_path / "no-eval")
+
+
+def test_save_records_the_held_out_loss_and_accuracy_first_and_last(tmp_path):
+    rows = [{"metric": m, "series": "rank 0", "x": s, "value": v, "rank": 0}
+            for m, s, v in [("loss", 1, 3.0), ("loss", 2, 2.0), ("eval_loss", 0, 3.5), ("eval_loss", 1, 3.1),
+                            ("eval_loss", 2, 2.4), ("eval_accuracy", 0, 0.125), ("eval_accuracy", 2, 0.5)]]  # fmt: skip
+    stopped = runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log", stopped_after=1)
+    v = runs.save(tmp_path, rows, rows, 1, stopped)
+    assert (v["first_eval_loss"], v["last_eval_loss"]) == (3.5, 2.4)
+    assert (v["first_eval_accuracy"], v["last_eval_accuracy"], v["eval_accuracy_steps"]) == (0.125, 0.5, [0, 2])
+    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    assert "held-out accuracy 0.12 -> 0.50 (step 0 -> 2)" in summary
+    run = tmp_path / "run"
+    results.write_jsonl(rows, run / "metrics" / "rank-00000.jsonl")
+    loss_fig, acc_fig = runs.eval_figures(run)
+    assert [list(t.x) for t in loss_fig.data] == [[1, 2], [0, 1, 2]]  # training loss, then the eval loss
+    assert list(acc_fig.data[0].y) == [0.125, 0.5]

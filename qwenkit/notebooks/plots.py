@@ -168,6 +168,30 @@ def resume_overlay(
     return _finish(fig, f"Stop at step {resume_step} and resume vs uninterrupted: {metric}", height=520)
 
 
+def eval_over_training(train_loss: dict[int, float], eval_loss: dict[int, float]) -> go.Figure:
+    """Held-out loss (its own markers, at the evaluation steps) drawn over the training-loss curve."""
+    fig = go.Figure()
+    steps = sorted(train_loss)
+    fig.add_trace(go.Scatter(x=steps, y=[train_loss[s] for s in steps], name="training loss", mode="lines",
+                             line_color=COLOURS[0]))  # fmt: skip
+    esteps = sorted(eval_loss)
+    fig.add_trace(go.Scatter(x=esteps, y=[eval_loss[s] for s in esteps], name="eval loss (held-out)",
+                             mode="lines+markers", line=dict(color=COLOURS[1], dash="dash"), marker_size=9))  # fmt: skip
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="loss (token mean)")
+    return _finish(fig, "Training loss and held-out eval loss")
+
+
+def accuracy_before_after(accuracy: dict[int, float]) -> go.Figure:
+    """Exact-match accuracy on the held-out rows at each step it was measured (step 0 = untrained)."""
+    steps = sorted(accuracy)
+    labels = [f"step {s}" + (" (untrained)" if s == 0 else "") for s in steps]
+    fig = go.Figure(go.Bar(x=labels, y=[accuracy[s] for s in steps], text=[f"{accuracy[s]:.2f}" for s in steps],
+                           textposition="outside", marker_color=[COLOURS[3] if s == 0 else COLOURS[2] for s in steps]))  # fmt: skip
+    fig.update_yaxes(title_text="eval accuracy (exact match)", range=[0, 1.1])
+    return _finish(fig, "Held-out accuracy before and after training", height=360)
+
+
 # ---------------------------------------------------------------------------------------------
 # 03: chunk vs full
 

@@ -9,11 +9,15 @@ whole log in ``<output_dir>/train.log``, and can **stop** the run after a given 
 ``train.resume=auto`` picks the newest complete checkpoint.
 
 :func:`qwenkit.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
-and :func:`save` turn them into the notebook's table and result files.
+and :func:`save` turn them into the notebook's table and result files. :func:`save_eval_samples`
+pairs the held-out rows' untrained (step 0) and trained (last evaluation) answers into
+``eval_samples.jsonl``, which :func:`gallery` shows.
 """
 
 from __future__ import annotations
 
+import html
+import json
 import os
 import queue
 import re
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qwenkit import checkpoint as ckpt
-from qwenkit import metrics
+from qwenkit import generate, metrics
 from qwenkit.metrics import series
 from qwenkit.notebooks import plots, results
 
@@ -190,6 +194,11 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
         "resumed_steps": len([s for s in b if s > stop_after]),
         "resume_max_abs_diff": diff,
     }
+    for name in ("eval_loss", "eval_accuracy"):  # the trainer's held-out evaluations, step 0 and the end
+        ev = series(uninterrupted, name)
+        values[f"{name}_steps"] = sorted(ev)
+        values[f"first_{name}"] = ev[min(ev)] if ev else float("nan")
+        values[f"last_{name}"] = ev[max(ev)] if ev else float("nan")
     values["loss_decreased"] = bool(steps) and values["last_loss"] < values["first_loss"]
     values["resume_matches"] = bool(common) and diff <= 1e-6 and len(common) == len(steps)
     passed = values["loss_decreased"] and values["resume_matches"] and resumed_run.stopped_after is not None
@@ -198,8 +207,71 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
         f"{values['last_loss']:.3f}; stopped after step {stop_after} and resumed: max |loss diff| vs "
         f"uninterrupted {diff:.1e} over {len(common)} steps"
     )
+    if values["eval_accuracy_steps"]:
+        summary += (f"; held-out accuracy {values['first_eval_accuracy']:.2f} -> {values['last_eval_accuracy']:.2f}"
+                    f" (step {values['eval_accuracy_steps'][0]} -> {values['eval_accuracy_steps'][-1]})")  # fmt: skip
     results.write_metrics(out_dir, "02_sharded_training", summary, passed, **values)
     return values
+
+
+EVAL_SAMPLES = "eval_samples.jsonl"  # notebook 02's gallery rows: reference, untrained and trained answers
+
+
+def save_eval_samples(out_dir, run_dir) -> list[dict[str, Any]]:
+    """Pair each held-out row's answers at the first (step 0: untrained) and last evaluation of
+    ``run_dir`` into ``<out_dir>/eval_samples.jsonl``; returns the rows."""
+    files = sorted((Path(run_dir) / "eval").glob("step-*.jsonl"))  # zero-padded steps: sorted by step
+    if not files:
+        raise FileNotFoundError(f"{Path(run_dir) / 'eval'}: no step-*.jsonl; did the run have an eval set and train.eval_samples > 0?")
+    steps = [int(f.stem.split("-")[1]) for f in (files[0], files[-1])]
+    before, after = generate.read_jsonl(files[0]), {r["index"]: r for r in generate.read_jsonl(files[-1])}
+    rows = []
+    for b in before:
+        a = after.get(b["index"])
+        if a is None:
+            raise ValueError(f"{files[-1]}: eval row {b['index']} of {files[0]} is missing")
+        rows.append({
+            "index": b["index"], "prompt": b["prompt"], "images": b["images"], "reference": b["reference"],
+            "untrained_step": steps[0], "untrained": b["generated"], "untrained_match": b["match"],
+            "trained_step": steps[1], "trained": a["generated"], "trained_match": a["match"],
+        })  # fmt: skip
+    results.write_jsonl(rows, Path(out_dir) / EVAL_SAMPLES)
+    return rows
+
+
+def _image_cell(path: str) -> str:
+    """A thumbnail of an image file, or its label where the row's image is embedded or gone."""
+    from PIL import Image
+
+    from qwenkit.notebooks.samples import thumbnail
+
+    if Path(path).is_file():
+        with Image.open(path) as im:
+            return f'<img src="{thumbnail(im, 96)}" style="border:1px solid #ccc;max-height:96px">'
+    return f"<code>{html.escape(path)}</code>"
+
+
+def gallery(out_dir, limit: int = 8):
+    """The first ``limit`` held-out rows of ``eval_samples.jsonl`` as an HTML table: image,
+    reference, untrained and trained answers (green where they match the reference)."""
+    from IPython.display import HTML
+
+    rows = [json.loads(line) for line in (Path(out_dir) / EVAL_SAMPLES).read_text().splitlines() if line.strip()]
+    ok, bad = "background:#e6f4ea", "background:#fdecea"
+    cells = []
+    for r in rows[:limit]:
+        cells.append(
+            "<tr><td>" + "".join(_image_cell(p) for p in r["images"]) + "</td>"
+            f"<td><pre style='white-space:pre-wrap;margin:0'>{html.escape(r['prompt'])}</pre></td>"
+            f"<td>{html.escape(r['reference'])}</td>"
+            f"<td style='{ok if r['untrained_match'] else bad}'>{html.escape(r['untrained'])}</td>"
+            f"<td style='{ok if r['trained_match'] else bad}'>{html.escape(r['trained'])}</td></tr>"
+        )
+    step0, step1 = (rows[0]["untrained_step"], rows[0]["trained_step"]) if rows else (0, 0)
+    head = (f"<tr><th>image</th><th>prompt</th><th>reference</th><th>untrained (step {step0})</th>"
+            f"<th>trained (step {step1})</th></tr>")  # fmt: skip
+    return HTML(f'<table class="eval-gallery">{head}{"".join(cells)}</table>'
+                f"<p>{min(limit, len(rows))} of {len(rows)} held-out rows</p>")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +294,14 @@ def resume_figure(out_dir, stop_after: int):
     return plots.resume_overlay(series(a, "loss"), series(b, "loss"), stop_after)
 
 
+def eval_figures(run_dir) -> list:
+    """Held-out eval loss over the training loss, and accuracy at each step it was measured."""
+    rows = metrics.read(run_dir)
+    return [plots.eval_over_training(series(rows, "loss"), series(rows, "eval_loss")),
+            plots.accuracy_before_after(series(rows, "eval_accuracy"))]  # fmt: skip
+
+
 def figures(out_dir, stop_after: int) -> list:
     """Every figure of notebook 02, in the order it shows them."""
     run = Path(out_dir) / UNINTERRUPTED
-    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, stop_after)]
+    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, stop_after), *eval_figures(run)]

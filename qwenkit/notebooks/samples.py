@@ -115,7 +115,7 @@ def segments(input_ids: list[int], labels: list[int], processor: Processor) -> l
     return out
 
 
-def _thumbnail(image, side: int = 160) -> str:
+def thumbnail(image, side: int = 160) -> str:
     image = image.convert("RGB").copy()
     image.thumbnail((side, side))
     buf = io.BytesIO()
@@ -149,7 +149,7 @@ def _video_strip(k: int, frames: list, plan, meta, processor: Processor) -> str:
     shown = sorted({round(j) for j in np.linspace(0, len(frames) - 1, min(FRAMES_SHOWN, len(frames)))})
     thumbs = "".join(
         f'<figure style="display:inline-block;margin:4px;text-align:center">'
-        f'<img src="{_thumbnail(frames[j], 120)}" style="border:1px solid #ccc;max-height:120px">'
+        f'<img src="{thumbnail(frames[j], 120)}" style="border:1px solid #ccc;max-height:120px">'
         f'<figcaption style="font-size:11px;color:#666">frame {plan.indices[j]} · {plan.indices[j] / meta.fps:.1f} s</figcaption></figure>'
         for j in shown
     )
@@ -169,7 +169,7 @@ def render_sample(dataset, i: int) -> str:
     labels = sample["labels"].tolist()
     where = html.escape(str(dataset.conversation(i).where))
     images = "".join(
-        f'<img src="{_thumbnail(im)}" title="{im.width}x{im.height} px, grid {g}" '
+        f'<img src="{thumbnail(im)}" title="{im.width}x{im.height} px, grid {g}" '
         f'style="margin:4px;border:1px solid #ccc;max-height:160px">'
         for im, g in zip(sample_images(dataset, i), info.grids)
     ) + "".join(_video_strip(k, *video, dataset.processor) for k, video in enumerate(sample_videos(dataset, i)))
