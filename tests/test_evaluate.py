@@ -170,8 +170,8 @@ def test_eval_loss_and_accuracy_do_not_depend_on_world_size(two_ranks, tmp_path)
     assert {"eval_accuracy"} <= two[0].keys() and {"eval_accuracy"} <= two[2].keys() and "eval_accuracy" not in two[1]
     for rank in (0, 1):  # every rank logs the eval metrics at x = step
         path = two_ranks / "two" / "metrics" / f"rank-{rank:05d}.jsonl"
-        assert metrics.series(path, "eval_loss").keys() == {0, 1, 2}
-        assert metrics.series(path, "eval_accuracy").keys() == {0, 2}
+        assert metrics.series(metrics.read(path), "eval_loss", rank).keys() == {0, 1, 2}
+        assert metrics.series(metrics.read(path), "eval_accuracy", rank).keys() == {0, 2}
 
 
 @pytest.mark.slow

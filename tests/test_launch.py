@@ -46,7 +46,7 @@ def test_train_then_export(tmp_path):
         rows = [r for r in metrics.read(out) if r["rank"] == rank]
         assert {r["metric"] for r in rows} == set(metrics.UNITS)
         assert sorted({r["x"] for r in rows}) == [0, 1, 2, 3]  # x = 0: the eval before the first step
-        assert sorted(metrics.series(out / "metrics" / f"rank-{rank:05d}.jsonl", "eval_accuracy")) == [0, 3]
+        assert sorted(metrics.series(rows, "eval_accuracy", rank)) == [0, 3]
         assert all(r["rank"] == rank and r["device"] == "cpu" for r in rows)
     assert re.search(r"step 3/3  loss \d", proc.stdout) and "eval at step 3: eval_loss" in proc.stdout
     assert len(generate.read_jsonl(out / "eval" / "step-000003.jsonl")) == 2
@@ -59,7 +59,7 @@ def test_train_then_export(tmp_path):
     # qwenkit eval on the run (its newest checkpoint, its own eval set) gives the trainer's numbers
     evaluated = _qwenkit("eval", str(out), "--samples", "2")
     assert evaluated.returncode == 0, evaluated.stderr
-    logged = {m: metrics.series(out / "metrics" / "rank-00000.jsonl", m)[3] for m in ("eval_loss", "eval_accuracy")}
+    logged = {m: metrics.series(metrics.read(out / "metrics" / "rank-00000.jsonl"), m)[3] for m in ("eval_loss", "eval_accuracy")}
     assert f"eval_loss {logged['eval_loss']:.4f}" in evaluated.stdout
     assert f"eval_accuracy {logged['eval_accuracy']:.4f}" in evaluated.stdout
     assert generate.read_jsonl(out / "eval" / "cli-step-00000003.jsonl") == generate.read_jsonl(

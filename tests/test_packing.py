@@ -205,7 +205,7 @@ def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained):
     from qwenkit import metrics
 
     for rank in (0, 1):
-        padded, packed = ({m: metrics.series(trained / run / "metrics" / f"rank-{rank:05d}.jsonl", m)
+        padded, packed = ({m: metrics.series(metrics.read(trained / run / "metrics" / f"rank-{rank:05d}.jsonl"), m, rank)
                            for m in ("loss", "valid_tokens", "padding_fraction")} for run in ("padded", "packed"))
         assert sorted(padded["loss"]) == sorted(packed["loss"]) == list(range(1, 7))
         for step, loss in padded["loss"].items():
@@ -220,6 +220,6 @@ def test_token_budget_with_packing_resumes_bit_identical(trained):
     from qwenkit import metrics
 
     for rank in (0, 1):
-        straight = metrics.series(trained / "budget" / "metrics" / f"rank-{rank:05d}.jsonl", "loss")
-        resumed = metrics.series(trained / "budget-resumed" / "metrics" / f"rank-{rank:05d}.jsonl", "loss")
+        straight = metrics.series(metrics.read(trained / "budget" / "metrics" / f"rank-{rank:05d}.jsonl"), "loss", rank)
+        resumed = metrics.series(metrics.read(trained / "budget-resumed" / "metrics" / f"rank-{rank:05d}.jsonl"), "loss", rank)
         assert sorted(straight) == list(range(1, 5)) and resumed == straight
