@@ -27,3 +27,9 @@ def test_metrics_json_is_strict_json(tmp_path):
     assert doc["values"] == {"max_diff": 1e-7, "bad": None, "nested": {"a": None}}
     assert results.read_metrics(tmp_path)["notebook"] == "03"
     assert results.read_metrics(tmp_path / "missing") is None
+
+
+def test_jsonl_round_trip(tmp_path):
+    rows = [{"variant": "padded", "speedup": 1.0}, {"variant": "packed", "speedup": 1.38, "nested": [1, 2]}]
+    path = results.write_jsonl(rows, tmp_path / "b" / "r.jsonl")
+    assert results.read_jsonl(path) == rows

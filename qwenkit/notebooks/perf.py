@@ -340,10 +340,30 @@ def reference_figure(out_dir):
     return plots.npu_reference({**ref, "loss_range": tuple(ref["loss_range"])})
 
 
+PACKING_FILE = "packing.jsonl"
+
+
+def write_packing(out_dir, source) -> bool:
+    """Copy ``benchmarks/packing.py --out`` rows into the notebook's folder; False when there are none."""
+    source = Path(source)
+    if not source.is_file():
+        return False
+    results.write_jsonl(results.read_jsonl(source), Path(out_dir) / PACKING_FILE)
+    return True
+
+
+def packing_figure(out_dir):
+    """The packing benchmark's recorded rows (:func:`write_packing`), or None when none were copied."""
+    path = Path(out_dir) / PACKING_FILE
+    if not path.is_file():
+        return None
+    return plots.packing(results.read_jsonl(path), "Packing, RECORDED by benchmarks/packing.py (not measured here)")
+
+
 def figures(out_dir) -> list:
     """Every figure of notebook 04, in the order it shows them."""
     figs = [head_sweep_figure(out_dir), chunk_sweep_figure(out_dir), model_step_table(out_dir), top_ops_table(out_dir),
-            fused_figure(out_dir), reference_figure(out_dir)]  # fmt: skip
+            fused_figure(out_dir), reference_figure(out_dir), packing_figure(out_dir)]  # fmt: skip
     return [f for f in figs if f is not None]
 
 

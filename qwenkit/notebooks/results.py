@@ -102,6 +102,12 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines result file (a benchmark's ``--out``), in file order; blank lines skipped."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def select(rows: Iterable[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
     """Rows whose fields equal every ``where`` value, e.g. ``select(rows, metric="loss")``."""
     return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
