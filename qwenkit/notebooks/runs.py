@@ -34,10 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from qwenkit import checkpoint as ckpt
 from qwenkit import generate, metrics
 from qwenkit.metrics import series
 from qwenkit.notebooks import plots, results
+from qwenkit.notebooks.samples import thumbnail
 
 # Lines of the run's output worth showing live; everything goes to train.log.
 PROGRESS = re.compile(r"^(step \d+/\d+|checkpoint saved|.*resumed from|.*already at step|.*no checkpoint to resume)"
@@ -241,10 +244,6 @@ def save_eval_samples(out_dir, run_dir) -> list[dict[str, Any]]:
 
 def _image_cell(path: str) -> str:
     """A thumbnail of an image file, or its label where the row's image is embedded or gone."""
-    from PIL import Image
-
-    from qwenkit.notebooks.samples import thumbnail
-
     if Path(path).is_file():
         with Image.open(path) as im:
             return f'<img src="{thumbnail(im, 96)}" style="border:1px solid #ccc;max-height:96px">'
