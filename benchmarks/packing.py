@@ -30,7 +30,8 @@ import sys
 import time
 from types import SimpleNamespace
 
-from train_step import CPU_SHAPES, IMAGE_PAD, VISION_END, VISION_START, make_config
+from synthetic import IMAGE_PAD, VISION_END, VISION_START, make_config
+from train_step import CPU_SHAPES
 
 from qwenkit.launch import CPU_MALLOC_ENV
 
