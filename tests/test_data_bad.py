@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import make_cfg
 from PIL import Image
 
 from qwenkit import config as qconfig
@@ -39,8 +40,7 @@ def write_set(tmp_path: Path, bad_row: dict | str, n_good: int = 2, suffix: str 
 
 
 def scan(path, processor, **data):
-    cfg = qconfig.load(overrides={f"data.{k}": v for k, v in data.items()})
-    return read_dataset(cfg.data, processor, str(path), stop_at_first=False)
+    return read_dataset(make_cfg(**data).data, processor, str(path), stop_at_first=False)
 
 
 def only_bad(path, processor, reason: str, row: int | None = 2, **data) -> str:
