@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     def measure(variant, seq, ignored, skip=True):
         case = head_case(variant, seq, args.hidden, args.vocab, args.dtype, args.device, args.repeats, ignored, skip)
-        return head_measure(case)
+        return head_measure(case)[0]
 
     weight_grad = args.vocab * args.hidden * 4
     print(f"loss head H={args.hidden} V={args.vocab:,} {args.dtype} on {args.device}; "

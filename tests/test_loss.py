@@ -182,7 +182,7 @@ def test_peak_memory_is_one_chunk_above_the_gradients():
     from qwenkit.notebooks.measure import head_case, head_measure
 
     n, h, v, chunk = 2048, 64, 32_000, 512
-    row = head_measure(head_case(str(chunk), n, h, v))
+    [row] = head_measure(head_case(str(chunk), n, h, v))
     mib = 2**20
     floor = (v * h * 4 + n * h * 4 + chunk * v * 4) / mib
     assert floor * 0.9 < row["peak_mb"] < floor + 0.5 * chunk * v * 4 / mib

@@ -7,6 +7,7 @@ from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit import model as qmodel
 from qwenkit.notebooks import perf
+from qwenkit.notebooks.measure import MAX_ROUNDS, head_case, head_measure
 
 
 def test_recommend_chunk_takes_memory_only_while_time_allows():
@@ -27,8 +28,28 @@ def test_head_cases_in_fresh_processes_show_the_chunk_saving():
     full, chunked = rows
     assert (full["head"], chunked["head"], chunked["chunk_size"]) == ("full", "chunked", 64)
     assert full["time_ms"] > 0 and chunked["time_ms"] > 0
+    assert full["passes"] == chunked["passes"] == 1  # no minimum time: exactly the repeats asked for
     # full logits [512, 8192] fp32 = 16 MiB, held more than once; the chunk is 2 MiB
     assert full["peak_mb"] > chunked["peak_mb"] + 8
+
+
+def test_heads_sharing_a_process_have_the_peaks_they_have_alone():
+    """Reference: each head alone in its warmed-up process. Run in either order in one process,
+    each head's peak is its own: the warm-up round takes the math libraries' one-time buffers
+    out of the first head's peak, and the previous head's buffers are gone before the next."""
+    shape = dict(seq_len=1024, hidden=256, vocab=8192, repeats=1, warmup=1)
+    alone = {v: head_measure(head_case(v, **shape))[0]["peak_mb"] for v in ("full", "256")}
+    for order in (["full", "256"], ["256", "full"]):
+        for row in head_measure(head_case(order, **shape)):
+            assert row["peak_mb"] == pytest.approx(alone[row["variant"]], rel=0.03, abs=1.0), (order, row)
+    with pytest.raises(ValueError, match="warm-up round"):
+        head_case(["full", "256"], **{**shape, "warmup": 0})
+
+
+def test_cheap_cases_repeat_until_their_minimum_time():
+    rows = head_measure(head_case(["full", "64"], 128, 32, 1024, repeats=3, warmup=1, min_time_s=60.0))
+    assert [r["passes"] for r in rows] == [MAX_ROUNDS] * 2  # sub-ms passes: more rounds, capped, alike per head
+    assert all(r["time_min_ms"] <= r["time_ms"] <= r["time_max_ms"] for r in rows)
 
 
 def test_matmul_peak_and_model_step_measurements(tiny_path, processor):

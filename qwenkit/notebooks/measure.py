@@ -1,11 +1,13 @@
 """Measurement primitives shared by notebook 04 and ``benchmarks/``: the matmul peak, one loss-head
 case, and a measurement in a fresh process.
 
-A loss-head case (lm_head + cross-entropy forward and backward, full logits or chunked) runs in
-a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``), so its peak memory is
-its own: on CPU the peak RSS (VmHWM, reset through ``/proc/self/clear_refs`` once the inputs
-exist), on an accelerator the allocator's peak. The first pass gives the memory, the next
-``repeats`` passes the time. Kept apart from :mod:`qwenkit.notebooks.perf` so that tests and
+A loss-head case (lm_head + cross-entropy forward and backward, full logits or chunked, at one
+shape) runs in a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``), so the
+peak memory it reports is the head's own: on CPU the peak RSS (VmHWM, reset through
+``/proc/self/clear_refs`` once the inputs exist), on an accelerator the allocator's peak. A case
+may hold several variants (full and chunked, or chunk sizes): each one's first pass gives its
+memory, then their timed passes alternate, so a comparison of times is not a comparison of two
+moments of a shared machine's load. Kept apart from :mod:`qwenkit.notebooks.perf` so that tests and
 benchmarks need neither plotly nor the notebook extra.
 """
 
@@ -25,6 +27,7 @@ from qwenkit.launch import CPU_MALLOC_ENV
 from qwenkit.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
 
 MiB = 2**20
+MAX_ROUNDS = 50  # timed rounds of one case at most, however cheap its passes
 
 
 def synchronize(device: torch.device) -> None:
@@ -68,14 +71,29 @@ def status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _head_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Run one loss-head case in this process (the worker side of :func:`head_measure`)."""
+def _head_cases(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run the case's variants on one set of inputs in this process (the worker of :func:`head_measure`).
+
+    First ``warmup`` untimed rounds (every variant once): they pay the first-touch page faults,
+    kernel selection and the math libraries' workspaces (MKL keeps ~20 MiB of GEMM buffers after
+    the first pass; in a cold process they would land in whichever variant runs first). Then each
+    variant's memory pass, one at a time, from what the process holds once the previous variant's
+    gradients are dropped (its ``[N, V]`` and ``[C, V]`` buffers are mmapped under
+    ``CPU_MALLOC_ENV`` and go back to the OS when freed; an accelerator's allocated bytes count
+    only live tensors), so the order does not change a peak. Then timed rounds in which every
+    variant runs once, the order reversed every other round:
+    the variants share whatever load the machine has, pass by pass, instead of each meeting its
+    own minutes of it. Cheap cases run more rounds (until ``min_time_s`` of timed passes,
+    ``MAX_ROUNDS`` at most), so their medians rest on more passes than the long ones'.
+    """
     import torch.nn.functional as F
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     if case["device"].startswith("npu"):
         import torch_npu  # noqa: F401  (registers the npu device type in this fresh process)
     device = torch.device(case["device"])
+    if case["threads"] > 0:  # torch.set_num_threads: fewer threads than cores leave the others to the load
+        torch.set_num_threads(case["threads"])
     dtype = getattr(torch, case["dtype"])
     n, h, v = case["seq_len"], case["hidden"], case["vocab"]
     torch.manual_seed(0)
@@ -85,45 +103,60 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
     labels = torch.randint(0, v, (1, n), device=device)
     labels[:, : round(n * case.get("ignored", 0.25))] = IGNORE_INDEX  # a prompt (and image) that is not learned
     skip = case.get("skip_ignored", True)
-    variant = case["variant"]
-    if variant == "full":
-        chunk = None
+    rows = int((labels[:, 1:] != IGNORE_INDEX).sum()) if skip else n  # the rows the chunked head projects
 
-        def loss_fn():  # HF's own head: lm_head logits [1, N, V], then its causal-LM loss
-            return ForCausalLMLoss(F.linear(hidden, weight), labels, vocab_size=v)
-
-    else:
-        rows = int((labels[:, 1:] != IGNORE_INDEX).sum()) if skip else n  # the rows the head projects
+    def head(variant: str):
+        """(chunk size or None, the forward+backward of this head)."""
+        if variant == "full":  # HF's own head: lm_head logits [1, N, V], then its causal-LM loss
+            return None, lambda: ForCausalLMLoss(F.linear(hidden, weight), labels, vocab_size=v)
         chunk = auto_chunk_size(rows, v, case.get("budget_mb", 512) * MiB) if variant == "auto" else int(variant)
+        return chunk, lambda: chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk, skip_ignored=skip)
 
-        def loss_fn():
-            return chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk, skip_ignored=skip)
+    variants = case["variants"]
+    heads = {var: head(var) for var in variants}
 
-    def one_pass() -> float:
-        weight.grad = hidden.grad = None
+    def one_pass(var: str) -> float:
         synchronize(device)
         t0 = time.perf_counter()
-        loss_fn().backward()
+        heads[var][1]().backward()
         synchronize(device)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        weight.grad = hidden.grad = None  # the next pass, or the next variant's baseline, starts without them
+        return seconds
 
-    if device.type == "cpu":
-        base = status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS
-        first = one_pass()
-        peak = status_bytes("VmHWM") - base
-    else:
-        synchronize(device)
-        memory = torch.get_device_module(device.type)  # torch.accelerator's memory calls need torch 2.8+
-        base = memory.memory_allocated(device)
-        memory.reset_peak_memory_stats(device)
-        first = one_pass()
-        peak = memory.max_memory_allocated(device) - base
-    times = [1e3 * t for t in ([one_pass() for _ in range(case["repeats"])] or [first])]
+    for _ in range(case["warmup"]):  # before the baseline: the libraries' one-time buffers are nobody's peak
+        for var in variants:
+            one_pass(var)
+    peaks, times = {}, {var: [] for var in variants}
+    for var in variants:
+        if device.type == "cpu":
+            base = status_bytes("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := current RSS
+            first = one_pass(var)
+            peaks[var] = status_bytes("VmHWM") - base
+        else:
+            synchronize(device)
+            memory = torch.get_device_module(device.type)  # torch.accelerator's memory calls need torch 2.8+
+            base = memory.memory_allocated(device)
+            memory.reset_peak_memory_stats(device)
+            first = one_pass(var)
+            peaks[var] = memory.max_memory_allocated(device) - base
+        if not case["repeats"]:
+            times[var].append(first)  # no timed rounds asked for: the memory pass is the time
+    if case["repeats"]:
+        timed, r = 0.0, 0
+        while r < case["repeats"] or (timed < case["min_time_s"] and r < MAX_ROUNDS):
+            for var in (variants if r % 2 == 0 else variants[::-1]):
+                seconds = one_pass(var)
+                times[var].append(seconds)
+                timed += seconds
+            r += 1
+    shape = {k: val for k, val in case.items() if k != "variants"}
     # the median is the point; min and max are its spread, drawn as error bars
-    return {**case, "chunk_size": chunk, "time_ms": statistics.median(times), "time_min_ms": min(times),
-            "time_max_ms": max(times), "peak_mb": peak / MiB}  # fmt: skip
+    return [{**shape, "variant": var, "chunk_size": heads[var][0], "passes": len(times[var]),
+             "time_ms": 1e3 * statistics.median(times[var]), "time_min_ms": 1e3 * min(times[var]),
+             "time_max_ms": 1e3 * max(times[var]), "peak_mb": peaks[var] / MiB} for var in variants]  # fmt: skip
 
 
 def fresh_process(args: list[str], what: str, timeout_s: float | None = None) -> dict[str, Any]:
@@ -140,37 +173,50 @@ def fresh_process(args: list[str], what: str, timeout_s: float | None = None) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
-    """One loss-head case in a fresh Python process; its result row."""
+def head_measure(case: dict[str, Any], timeout_s: float = 600) -> list[dict[str, Any]]:
+    """A loss-head case (:func:`head_case`) in a fresh Python process; one result row per variant."""
     return fresh_process(["-m", "qwenkit.notebooks.measure", json.dumps(case)], f"loss-head case {case}", timeout_s)
 
 
-def head_case(variant, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0, ignored=0.25,
-              skip_ignored=True) -> dict[str, Any]:  # fmt: skip
-    """The description of one loss-head case, as :func:`head_measure` takes it.
+def head_case(variants, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0, ignored=0.25,
+              skip_ignored=True, warmup=0, min_time_s=0.0, threads=0) -> dict[str, Any]:  # fmt: skip
+    """The description of a loss-head case, as :func:`head_measure` takes it.
 
-    ``ignored``: the leading share of positions whose label is -100 (a prompt); ``skip_ignored``:
-    the chunked head projects only labelled rows (False: every row, the dense reference).
+    ``variants``: ``"full"`` (HF's head), a chunk size, ``"auto"``, or a list of them, measured on
+    the same inputs in one process with their timed passes interleaved (a list needs ``warmup``
+    >= 1). ``warmup``: untimed rounds before the memory passes; ``repeats``: timed rounds after
+    them (0: each variant's time is its memory pass, the benchmarks' cold pass); ``min_time_s``:
+    more rounds, up to ``MAX_ROUNDS``, until the timed passes add up to this. ``ignored``: the
+    leading share of positions whose label is -100 (a prompt); ``skip_ignored``: the chunked head
+    projects only labelled rows (False: every row, the dense reference). ``threads``: CPU threads
+    of the measuring process (0: torch's default, every core).
     """
-    return {
+    case = {
         "ignored": float(ignored),
         "skip_ignored": bool(skip_ignored),
-        "variant": str(variant),
+        "variants": [str(x) for x in (variants if isinstance(variants, (list, tuple)) else [variants])],
         "seq_len": int(seq_len),
         "hidden": int(hidden),
         "vocab": int(vocab),
         "dtype": dtype,
         "device": str(device),
         "repeats": int(repeats),
+        "warmup": int(warmup),
+        "min_time_s": float(min_time_s),
+        "threads": int(threads),
     }
+    if len(case["variants"]) > 1 and case["warmup"] < 1:
+        raise ValueError(f"head_case: variants {case['variants']} share a process; their peaks compare only after "
+                         "a warm-up round (warmup >= 1), else the first carries the libraries' one-time buffers")  # fmt: skip
+    return case
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m qwenkit.notebooks.measure CASE_JSON   (one loss-head case; see head_measure)", file=sys.stderr)
+        print("usage: python -m qwenkit.notebooks.measure CASE_JSON   (a loss-head case; see head_case)", file=sys.stderr)
         return 2
-    print(json.dumps(_head_case(json.loads(argv[0]))))
+    print(json.dumps(_head_cases(json.loads(argv[0]))))
     return 0
 
 

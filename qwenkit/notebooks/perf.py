@@ -4,11 +4,11 @@ Two kinds of measurement, kept apart because they need different isolation:
 
 - **Loss-head sweeps** (:func:`head_sweep`, :func:`chunk_sweep`): the lm_head + cross-entropy
   forward and backward at a given hidden size, vocabulary and sequence length, full logits vs
-  chunked. This is the only part of a training step the two heads do differently. Each case runs
-  in a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``), so its peak memory is its
-  own: on CPU the peak RSS (VmHWM, reset through ``/proc/self/clear_refs`` once the inputs
-  exist), on an accelerator the allocator's peak. The first pass gives the memory, the next
-  ``repeats`` passes the time (median).
+  chunked. This is the only part of a training step the two heads do differently. Each shape runs
+  in a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``): every variant's
+  first pass gives its peak memory (on CPU the peak RSS, on an accelerator the allocator's
+  peak), then the variants' timed passes alternate, after a warm-up round, so the times
+  compared met the same machine load (median, min and max of each).
 - **A model training step** (:func:`time_steps`, :func:`top_ops`, :func:`step_flops`,
   :func:`fused_vs_unfused`): forward, backward and AdamW on real batches, in this process. Model
   FLOPs are counted by ``torch.utils.flop_counter`` (every matmul, attention and convolution of
@@ -64,13 +64,15 @@ def head_sweep(
     dtype: str = "float32",
     device: str = "cpu",
     repeats: int = 2,
+    min_time_s: float = 0.0,
+    threads: int = 0,
 ) -> list[dict[str, Any]]:
-    """Full vs chunked head at each sequence length: rows with ``time_ms`` and ``peak_mb``."""
+    """Full vs chunked head at each sequence length (one process each): rows with ``time_ms`` and ``peak_mb``."""
     rows = []
     for seq in seq_lens:
-        for variant in ("full", chunk_size):
-            row = head_measure(head_case(variant, seq, hidden, vocab, dtype, device, repeats))
-            row["head"] = "full" if variant == "full" else "chunked"
+        for row in head_measure(head_case(["full", chunk_size], seq, hidden, vocab, dtype, device, repeats,
+                                          warmup=1, min_time_s=min_time_s, threads=threads)):  # fmt: skip
+            row["head"] = "full" if row["variant"] == "full" else "chunked"
             rows.append(row)
     return rows
 
@@ -83,9 +85,13 @@ def chunk_sweep(
     dtype: str = "float32",
     device: str = "cpu",
     repeats: int = 2,
+    min_time_s: float = 0.0,
+    threads: int = 0,
 ) -> list[dict[str, Any]]:
-    """The chunked head at one sequence length over chunk sizes."""
-    return [head_measure(head_case(c, seq_len, hidden, vocab, dtype, device, repeats)) for c in chunk_sizes]
+    """The chunked head at one sequence length over chunk sizes (one process, passes interleaved)."""
+    case = head_case(chunk_sizes, seq_len, hidden, vocab, dtype, device, repeats, warmup=1, min_time_s=min_time_s,
+                     threads=threads)
+    return head_measure(case)
 
 
 def recommend_chunk(rows: list[dict[str, Any]], time_slack: float = 0.10) -> int:
