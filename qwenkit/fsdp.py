@@ -237,7 +237,7 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh) -> ShardPlan:
     fully_shard(model, reshard_after_forward=False, **kwargs)
     sharded.append(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    plan.gradient_divisor = gradient_excess(kwargs, dtype)
+    plan.gradient_divisor = gradient_excess(mesh, kwargs["mp_policy"], dtype)
     if plan.gradient_divisor > 1:
         for module in sharded:
             module.set_all_reduce_hook(functools.partial(_divide_, by=plan.gradient_divisor))
@@ -255,8 +255,8 @@ class _Probe(nn.Module):
         return self.weight.sum()
 
 
-def gradient_excess(kwargs: dict, dtype: torch.dtype) -> int:
-    """How many times too large FSDP's reduced gradients come out with these ``fully_shard`` kwargs.
+def gradient_excess(mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, dtype: torch.dtype) -> int:
+    """How many times too large FSDP's reduced gradients come out on ``mesh``.
 
     1 where FSDP averages over the ranks, as documented (and as the trainer's ``loss *
     world_size`` assumes); the number of ranks where the backend sums instead. torch 2.7's gloo
@@ -264,21 +264,22 @@ def gradient_excess(kwargs: dict, dtype: torch.dtype) -> int:
     and FSDP2 reduces fp32/bf16 gradients with AVG, so on CPU every gradient came out
     ``world_size`` times too large. Asked of FSDP itself, on a throwaway module with the same mesh,
     mixed precision and parameter dtype, so the answer holds for whichever path (AVG, or pre/post
-    division with SUM for fp16) and whichever torch is installed; costs one tiny reduce-scatter.
+    division with SUM for fp16) the installed torch takes; costs one tiny reduce-scatter. Each
+    rank reads its own shard (the same answer on every rank: one backend, one collective).
     """
-    ranks = kwargs["mesh"].size()
+    ranks = mesh.size()
     if ranks == 1:
         return 1
-    probe = _Probe(ranks, dtype)
-    fully_shard(probe, **kwargs)
+    probe = _Probe(ranks, dtype)  # one element per rank: every rank's shard is one reduced value
+    fully_shard(probe, mesh=mesh, mp_policy=mp_policy)  # no CPU offload: it moves shards, not sums
     probe().backward()
-    got = probe.weight.grad.full_tensor().float()  # [ranks]: each rank contributed 1.0
+    got = probe.weight.grad.to_local().float()  # each rank contributed 1.0
     for divisor in (1, ranks):
         if torch.allclose(got, torch.full_like(got, float(divisor))):
             return divisor
     raise RuntimeError(
-        f"FSDP's gradient reduction over {ranks} ranks ({kwargs['mesh'].device_type}, torch "
-        f"{torch.__version__}) turned 1.0 on every rank into {got.tolist()}: neither the average nor the sum"
+        f"FSDP's gradient reduction over {ranks} ranks ({mesh.device_type}, torch {torch.__version__}) "
+        f"turned 1.0 on every rank into {got.tolist()}: neither the average nor the sum"
     )
 
 
