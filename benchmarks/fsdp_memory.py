@@ -17,45 +17,22 @@ import sys
 
 import torch
 import torch.multiprocessing as mp
+from synthetic import make_batch, make_config
 from torch.distributed.tensor import DTensor
-from transformers import Qwen2_5_VLConfig
 
 MiB = 2**20
 VOCAB = 8192
 IDS = {"image": VOCAB - 4, "video": VOCAB - 3, "vision_start": VOCAB - 2, "vision_end": VOCAB - 1}
-
-
-def config() -> Qwen2_5_VLConfig:
-    """The tiny architecture widened to ~20M parameters (real vocab and depth would not fit 2 CPU cores)."""
-    text = dict(
-        vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1_000_000.0,
-        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},  # sums to head_dim / 2 = 32
-        bos_token_id=VOCAB - 8, eos_token_id=VOCAB - 7, pad_token_id=VOCAB - 8, tie_word_embeddings=False,
-    )  # fmt: skip
-    vision = dict(
-        depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, patch_size=14, spatial_merge_size=2,
-        temporal_patch_size=2, window_size=56, fullatt_block_indexes=[3], out_hidden_size=384,
-    )  # fmt: skip
-    return Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IDS["image"], video_token_id=IDS["video"],
-        vision_start_token_id=IDS["vision_start"], vision_end_token_id=IDS["vision_end"], tie_word_embeddings=False,
-    )  # fmt: skip
-
-
-def batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    """One sample: 24 text tokens, a 56x56 image (4x4 patches -> 4 image tokens), 24 text tokens."""
-    g = torch.Generator().manual_seed(seed)
-    text = torch.randint(0, VOCAB - 8, (48,), generator=g)
-    ids = torch.cat([text[:24], torch.tensor([IDS["vision_start"]] + [IDS["image"]] * 4 + [IDS["vision_end"]]), text[24:]])
-    types = torch.zeros_like(ids, dtype=torch.int)
-    types[25:29] = 1
-    labels = torch.where(types == 0, ids, -100)
-    return {
-        "input_ids": ids[None], "attention_mask": torch.ones_like(ids)[None], "labels": labels[None],
-        "mm_token_type_ids": types[None], "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=g),
-        "image_grid_thw": torch.tensor([[1, 4, 4]]),
-    }  # fmt: skip
+# the tiny architecture widened to ~20M parameters (real vocab and depth would not fit 2 CPU cores)
+SHAPES = dict(
+    text=dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+              num_key_value_heads=2, mrope_section=[8, 12, 12]),  # sums to head_dim / 2 = 32
+    vision=dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, window_size=56,
+                fullatt_block_indexes=[3]),
+)  # fmt: skip
+TOKENS = dict(bos_token_id=VOCAB - 8, eos_token_id=VOCAB - 7, pad_token_id=VOCAB - 8)
+# one sample: 24 text tokens, a 56x56 image (4x4 patches -> 4 image tokens and 2 marks), 24 text tokens
+INPUTS = dict(seq=54, image_side=56)
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -73,11 +50,11 @@ def _rank(rank: int, world: int, port: int, results) -> None:
     cfg = qconfig.load(overrides=["parallel.device=cpu"])
     rt = fsdp.init_distributed(cfg.parallel)
     torch.manual_seed(0)
-    model = QwenkitQwen2_5_VL(config()).configure_loss(chunk=True)
+    model = QwenkitQwen2_5_VL(make_config(SHAPES, VOCAB, IDS, max_positions=4096, **TOKENS)).configure_loss(chunk=True)
     n_params = sum(p.numel() for p in model.parameters())
     fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(**batch()).loss.backward()
+    model(**make_batch(model.config, **INPUTS)).loss.backward()
     optimizer.step()
     held = {
         "params": sum(_bytes(p) for p in model.parameters()),

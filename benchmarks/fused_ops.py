@@ -27,71 +27,40 @@ import sys
 import time
 
 import torch
+from synthetic import make_batch, make_config
 
-# text / vision sizes; "100m" is ~100M parameters (text ~74M, vision ~25M) with the real layout
+# text / vision sizes (as benchmarks/synthetic.py takes them); "100m" is ~100M parameters (text
+# ~74M, vision ~25M) with the real layout
 SHAPES = {
     "tiny": None,  # the embedded tiny checkpoint's own config
     "100m": dict(
         text=dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=2, mrope_section=[8, 12, 12]),  # head_dim 64: sections sum to 32
-        vision=dict(depth=12, hidden_size=384, intermediate_size=1024, num_heads=6, out_hidden_size=768,
-                    window_size=112, fullatt_block_indexes=[3, 7, 11]),
+        vision=dict(depth=12, hidden_size=384, intermediate_size=1024, num_heads=6, fullatt_block_indexes=[3, 7, 11],
+                    tokens_per_second=2),
     ),
 }  # fmt: skip
-INPUTS = {"tiny": dict(text=128, image_side=112), "100m": dict(text=1024, image_side=448)}  # per sample
+# per sample: 128 / 1024 text tokens around the image's 16 / 256 tokens and its 2 marks
+INPUTS = {"tiny": dict(seq=146, image_side=112), "100m": dict(seq=1282, image_side=448)}
 # (loss rtol, gradient relative-norm error) when kernels run: bf16 / fp16 keep 8 / 11 mantissa bits
 TOLERANCES = {torch.bfloat16: (2e-2, 3e-2), torch.float16: (5e-3, 1e-2), torch.float32: (1e-4, 1e-3)}
 
 
 def model_config(name: str):
-    from transformers import AutoConfig, Qwen2_5_VLConfig
+    """The tiny checkpoint's config, or ``SHAPES[name]`` with the tiny checkpoint's vocabulary and token ids."""
+    from transformers import AutoConfig
 
     from qwenkit.tiny import ensure_checkpoint
 
     base = AutoConfig.from_pretrained(ensure_checkpoint(), local_files_only=True)
     if SHAPES[name] is None:
         return base
-    shape, tc = SHAPES[name], base.text_config
-    text = {k: v for k, v in shape["text"].items() if k != "mrope_section"}
-    text.update(
-        vocab_size=tc.vocab_size, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-        rope_scaling={"type": "mrope", "mrope_section": shape["text"]["mrope_section"]},
+    tc = base.text_config
+    ids = {k: getattr(base, f"{k}_token_id") for k in ("image", "video", "vision_start", "vision_end")}
+    return make_config(
+        SHAPES[name], vocab=tc.vocab_size, ids=ids, max_positions=8192, rms_norm_eps=1e-6,
         bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id,
     )  # fmt: skip
-    vision = dict(
-        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, **shape["vision"]
-    )
-    ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **{k: getattr(base, k) for k in ids})
-
-
-def synthetic_batch(config, batch: int, text: int, image_side: int, device) -> dict:
-    """``batch`` samples of ``text`` random tokens around one random image of ``image_side`` px."""
-    vc = config.vision_config
-    grid = image_side // vc.patch_size  # patches per side
-    n_image = grid * grid // vc.spatial_merge_size**2  # image tokens after the merge
-    g = torch.Generator().manual_seed(0)
-    ordinary = min(config.image_token_id, config.video_token_id, config.vision_start_token_id)
-    rows = []
-    for _ in range(batch):
-        words = torch.randint(0, ordinary, (text,), generator=g)
-        span = torch.tensor([config.vision_start_token_id] + [config.image_token_id] * n_image
-                            + [config.vision_end_token_id])  # fmt: skip
-        rows.append(torch.cat([words[: text // 2], span, words[text // 2 :]]))
-    input_ids = torch.stack(rows)
-    is_image = input_ids == config.image_token_id
-    labels = input_ids.masked_fill(is_image | (input_ids == config.vision_start_token_id)
-                                   | (input_ids == config.vision_end_token_id), -100)  # fmt: skip
-    pixel_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
-    out = {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "labels": labels,
-        "mm_token_type_ids": is_image.int(),  # 5.x builds 3-D mRoPE positions from it; 4.57 drops it
-        "pixel_values": torch.randn(batch * grid * grid, pixel_dim, generator=g),
-        "image_grid_thw": torch.tensor([[1, grid, grid]] * batch),
-    }
-    return {k: v.to(device) for k, v in out.items()}
 
 
 def build_pair(name: str, args, device, dtype):
@@ -151,7 +120,7 @@ def run(name: str, args, device, dtype) -> bool:
     reference, fused, report = build_pair(name, args, device, dtype)
     n_params = sum(p.numel() for p in reference.parameters())
     inputs = INPUTS[name]
-    batch = synthetic_batch(reference.config, args.batch, inputs["text"], inputs["image_side"], device)
+    batch = make_batch(reference.config, inputs["seq"], inputs["image_side"], samples=args.batch, device=device)
     print(f"\n== {name}: {n_params / 1e6:.1f}M parameters, {dtype} on {device}, batch {args.batch} x "
           f"{batch['input_ids'].shape[1]} tokens ({inputs['image_side']} px image each)")  # fmt: skip
     print(report)

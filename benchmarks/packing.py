@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
-from train_step import CPU_SHAPES, IMAGE_PAD, VISION_END, VISION_START, make_config
+from synthetic import IMAGE_PAD, VISION_END, VISION_START, make_config
+from train_step import CPU_SHAPES
 
-from qwenkit.launch import CPU_MALLOC_ENV
+from qwenkit.notebooks.measure import fresh_process, status_bytes
 
 GiB = 2**30
 PAD = 151_643  # <|endoftext|>
@@ -88,7 +87,6 @@ def worker(args) -> dict:
 
     from qwenkit.data import Collator
     from qwenkit.model import QwenkitQwen2_5_VL
-    from qwenkit.notebooks.measure import status_bytes
 
     config = make_config(CPU_SHAPES)
     config._attn_implementation = "sdpa"
@@ -123,14 +121,10 @@ def worker(args) -> dict:
 
 
 def _spawn(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--samples", str(args.samples),
+    cmd = [__file__, "--worker", "--variant", variant, "--samples", str(args.samples),
            "--max-length", str(args.max_length), "--max-tokens", str(args.max_tokens), "--seed", str(args.seed),
            "--micro-batch", str(args.micro_batch), "--repeats", str(args.repeats)]  # fmt: skip
-    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # the same allocator for every variant
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"variant {variant} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_process(cmd, f"variant {variant}")
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+from synthetic import QWEN_ORDINARY, VOCAB, make_batch, make_config
+
 from qwenkit.launch import CPU_MALLOC_ENV
 
 GiB = 2**30
@@ -51,67 +53,22 @@ GPU_3B_SHAPES = dict(  # Qwen2.5-VL-3B-Instruct
     vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, fullatt_block_indexes=[7, 15, 23, 31]),
     image_side=448, seq=4096, dtype="bfloat16", tie=True,
 )  # fmt: skip
-VOCAB = 151_936
-IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151_655, 151_656, 151_652, 151_653
+SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach")  # variants whose head projects only labelled rows
 
 
-def make_config(shapes):
-    from transformers import Qwen2_5_VLConfig
+def count_flops(config, shapes, head_rows: int) -> dict:
+    """Training FLOPs of one step: 6 x matmul params x tokens, plus attention (12 x L x S^2 x d).
 
-    t, v = shapes["text"], shapes["vision"]
-    text = dict(
-        vocab_size=VOCAB, hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
-        num_hidden_layers=t["num_hidden_layers"], num_attention_heads=t["num_attention_heads"],
-        num_key_value_heads=t["num_key_value_heads"], max_position_embeddings=32768, rope_theta=1e6,
-        rope_scaling={"type": "mrope", "mrope_section": t["mrope_section"]}, tie_word_embeddings=shapes["tie"],
-    )  # fmt: skip
-    vision = dict(
-        depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
-        num_heads=v["num_heads"], fullatt_block_indexes=v["fullatt_block_indexes"], out_hidden_size=t["hidden_size"],
-        window_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-    )  # fmt: skip
-    return Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
-        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=shapes["tie"],
-    )  # fmt: skip
-
-
-def make_batch(shapes, device):
-    """One sequence of ``seq`` tokens: a prompt, one image, and a learned reply (half the text)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    grid_side = shapes["image_side"] // 14
-    n_img = grid_side * grid_side // 4
-    n_text = shapes["seq"] - n_img - 2
-    prompt = n_text // 2
-    text = torch.randint(0, 150_000, (n_text,), generator=g)
-    ids = torch.cat([text[:prompt], torch.tensor([VISION_START]), torch.full((n_img,), IMAGE_PAD),
-                     torch.tensor([VISION_END]), text[prompt:]])  # fmt: skip
-    labels = ids.clone()
-    labels[: prompt + n_img + 2] = -100
-    types = torch.zeros_like(ids, dtype=torch.int)
-    types[prompt + 1 : prompt + 1 + n_img] = 1
-    batch = {
-        "input_ids": ids[None],
-        "attention_mask": torch.ones(1, ids.numel(), dtype=torch.long),
-        "labels": labels[None],
-        "mm_token_type_ids": types[None],
-        "pixel_values": torch.randn(grid_side * grid_side, 3 * 2 * 14 * 14, generator=g),
-        "image_grid_thw": torch.tensor([[1, grid_side, grid_side]]),
-    }
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def count_flops(config, shapes) -> dict:
-    """Training FLOPs of one step: 6 x matmul params x tokens, plus attention (12 x L x S^2 x d)."""
+    The lm_head counts ``head_rows`` positions: the sequence length for a head that projects
+    every position, the labelled positions for one that skips ignored labels (the FLOPs each
+    variant performs; recomputation is not counted, as usual for MFU)."""
     t, v = config.text_config, config.vision_config
     s = shapes["seq"]
     head_dim = t.hidden_size // t.num_attention_heads
     kv = t.num_key_value_heads * head_dim
     per_layer = t.hidden_size * (t.hidden_size * 2 + kv * 2) + 3 * t.hidden_size * t.intermediate_size
-    text_matmul = t.num_hidden_layers * per_layer + VOCAB * t.hidden_size  # + lm_head
-    text = 6 * text_matmul * s + 12 * t.num_hidden_layers * s * s * t.hidden_size
+    text = 6 * t.num_hidden_layers * per_layer * s + 12 * t.num_hidden_layers * s * s * t.hidden_size
+    text += 6 * VOCAB * t.hidden_size * head_rows
     patches = (shapes["image_side"] // 14) ** 2
     vh = v.hidden_size
     v_layer = vh * 3 * vh + vh * vh + 3 * vh * v.intermediate_size
@@ -138,7 +95,7 @@ def worker(args) -> dict:
         model = Qwen2_5_VLForConditionalGeneration(config)
     else:
         model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto")
-        model.lm_head.skip_ignored = args.variant != "chunk-dense"
+        model.lm_head.skip_ignored = args.variant in SKIPPING
     model.to(device=device, dtype=dtype).train()
     if args.variant == "chunk+recompute":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -147,7 +104,7 @@ def worker(args) -> dict:
 
         apply_liger_kernel_to_qwen2_5_vl(model=model, fused_linear_cross_entropy=True, rms_norm=False,
                                          swiglu=False, rope=False)  # fmt: skip
-    batch = make_batch(shapes, device)
+    batch = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY, device=device)
     # HF baseline: plain AdamW (foreach: one full-size temporary in step()). qwenkit trains with
     # the fused AdamW, which updates in place; "chunk-foreach" shows the loss head alone.
     fused = args.variant.startswith("chunk") and not args.variant.endswith("foreach")
@@ -221,13 +178,16 @@ def main(argv=None) -> int:
     from qwenkit.notebooks.results import write_jsonl
 
     peak_flops = matmul_peak(torch.device(args.device), getattr(torch, shapes["dtype"]), size=4096)["flops_per_s"]
-    flops = count_flops(make_config(shapes), shapes)
-    labels = make_batch(shapes, "cpu")["labels"]
+    config = make_config(shapes)
+    labels = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY)["labels"]
     valid = int((labels[:, 1:] != -100).sum())  # positions the skipping head projects
+    flops = count_flops(config, shapes, head_rows=shapes["seq"])
+    skipping_flops = count_flops(config, shapes, head_rows=valid)
     print(f"batch: {labels.numel()} tokens, {valid} labelled, {1 - valid / labels.numel():.0%} of the labels ignored")
     print(f"shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
           f"measured {shapes['dtype']} GEMM peak {peak_flops / 1e9:,.0f} GFLOP/s; "
-          f"step FLOPs: text {flops['text'] / 1e12:.2f} T, vision {flops['vision'] / 1e12:.3f} T")
+          f"step FLOPs: text {flops['text'] / 1e12:.2f} T ({skipping_flops['text'] / 1e12:.2f} T when the head skips "
+          f"ignored labels), vision {flops['vision'] / 1e12:.3f} T")
     rows = [_spawn(args, v) for v in variants]
     base = rows[0]
     print(f"\n{'variant':<17}{'optimizer':>15}{'step s':>8}{'tok/s':>9}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}"
@@ -235,8 +195,9 @@ def main(argv=None) -> int:
     for r in rows:
         r["time_ratio"] = r["step_s"] / base["step_s"]
         r["mem_ratio"] = r["peak_bytes"] / base["peak_bytes"]
-        r["mfu_text"] = flops["text"] / r["step_s"] / peak_flops
-        r["mfu_all"] = (flops["text"] + flops["vision"]) / r["step_s"] / peak_flops
+        done = skipping_flops if r["variant"] in SKIPPING else flops
+        r["mfu_text"] = done["text"] / r["step_s"] / peak_flops
+        r["mfu_all"] = (done["text"] + done["vision"]) / r["step_s"] / peak_flops
         print(f"{r['variant']:<17}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['tokens'] / r['step_s']:>9.0f}{r['peak_bytes'] / GiB:>10.2f}"
               f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['mfu_text']:>10.2f}{r['mfu_all']:>9.2f}"
               f"{r['losses'][0]:>12.5f}")

@@ -27,29 +27,27 @@ def _train(args) -> int:
     return launch(args.config, args.overrides, args.nproc, rdzv)
 
 
-def _data_check(args) -> int:
-    from qwenkit.data import check  # tokenizer and image stack: data check only
-
+def _on_dataset(args, command, overrides=()) -> int:
+    """``command(cfg)`` on the config of ``qwenkit data check|prepare``, its dataset the PATH argument."""
     try:
-        cfg = qconfig.load(args.config, args.overrides)
+        cfg = qconfig.load(args.config, [*args.overrides, *overrides])
     except qconfig.ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     cfg.data.path = args.path
-    return check.check(cfg)
+    return command(cfg)
+
+
+def _data_check(args) -> int:
+    from qwenkit.data import check  # tokenizer and image stack: data check only
+
+    return _on_dataset(args, check.check)
 
 
 def _data_prepare(args) -> int:
     from qwenkit.data import prepare  # tokenizer and image stack: data prepare only
 
-    overrides = list(args.overrides) + ([f"data.num_proc={args.num_proc}"] if args.num_proc is not None else [])
-    try:
-        cfg = qconfig.load(args.config, overrides)
-    except qconfig.ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    cfg.data.path = args.path
-    return prepare.prepare(cfg)
+    return _on_dataset(args, prepare.prepare, [f"data.num_proc={args.num_proc}"] if args.num_proc is not None else [])
 
 
 def _export(args) -> int:

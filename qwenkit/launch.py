@@ -80,9 +80,9 @@ def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
 
 
 def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[str]:
-    """torchrun's command line, run through :func:`quiet_torchrun` (``python -m qwenkit.launch``)."""
+    """torchrun's command line, run through :func:`qwenkit.torchrun.quiet_torchrun`."""
     return [
-        sys.executable, "-m", "qwenkit.launch",
+        sys.executable, "-m", "qwenkit.torchrun",
         f"--nnodes={rdzv.nnodes}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={rdzv.node_rank}",
@@ -124,26 +124,3 @@ def launch(
             file=sys.stderr,
         )
     return code
-
-
-def quiet_torchrun(argv: list[str]) -> int:
-    """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
-
-    A qwenkit rank reports its own failure, one line then the traceback (see
-    ``qwenkit.train.report_failure``), and exits with status 1; torchrun then stops the other
-    ranks and raises ``ChildFailedError``, whose printout is dropped here. torchrun's own
-    errors (bad arguments, rendezvous) still surface.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    try:
-        torchrun_main(argv)
-    except ChildFailedError as e:
-        _, failure = e.get_first_failure()
-        return failure.exitcode if failure.exitcode > 0 else 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(quiet_torchrun(sys.argv[1:]))

@@ -1,12 +1,16 @@
-"""Shared fixtures: the tiny checkpoint in a per-session cache, and hand-built model batches.
+"""Shared fixtures: the tiny checkpoint in a per-session cache, hand-built model batches, and
+the references the data tests compare against.
 
 Model and loss tests build their batches here, independently of ``qwenkit.data``, so a bug
-in the data pipeline cannot hide a bug in the model (and the other way round).
+in the data pipeline cannot hide a bug in the model (and the other way round). Data tests
+compare the pipeline's token ids with what transformers' own chat template makes of a row
+(:func:`hf_reference_ids`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -110,3 +114,41 @@ def batch_factory(processor):
         return make_batch(processor, **kw)
 
     return factory
+
+
+def make_cfg(**data):
+    """The default config with ``data.<key>=value`` overrides."""
+    return qconfig.load(overrides={f"data.{k}": v for k, v in data.items()})
+
+
+def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run of True in a 1-D bool tensor."""
+    out, start = [], None
+    for i, v in enumerate(mask.tolist() + [False]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def hf_reference_ids(processor, row: dict, image_grids, video_grids=()) -> list[int]:
+    """Token ids as transformers builds them: the checkpoint's chat template, then each
+    <|image_pad|> / <|video_pad|> expanded to t*h*w/merge² copies (what Qwen2VLProcessor does)."""
+    messages = []
+    for m in row["messages"]:
+        parts = []
+        for k, piece in enumerate(re.split(r"(<image>|<video>)", m["content"])):
+            if k % 2:  # a placeholder
+                parts.append({"type": piece.strip("<>")})
+            elif piece:
+                parts.append({"type": "text", "text": piece})
+        messages.append({"role": m["role"], "content": parts})
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False)
+    pieces = re.split(r"(<\|image_pad\|>|<\|video_pad\|>)", text)
+    grids = {"<|image_pad|>": list(image_grids), "<|video_pad|>": list(video_grids)}
+    assert {pad: pieces[1::2].count(pad) for pad in grids} == {pad: len(g) for pad, g in grids.items()}
+    left = {pad: iter(g) for pad, g in grids.items()}
+    text = "".join(p * processor.image_tokens(next(left[p])) if k % 2 else p for k, p in enumerate(pieces))
+    return processor.tokenizer.encode(text, add_special_tokens=False)

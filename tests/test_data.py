@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import hf_reference_ids, make_cfg, runs
 from PIL import Image
 
 from qwenkit import config as qconfig
@@ -26,48 +27,11 @@ needs_demo = pytest.mark.skipif(
 )
 
 
-def make_cfg(**data):
-    return qconfig.load(overrides={f"data.{k}": v for k, v in data.items()})
-
-
 @pytest.fixture(scope="module")
 def run_processor(tiny_path):
     """The processor a default run builds: the tiny tokenizer with data.min_pixels/max_pixels."""
     d = qconfig.load().data
     return Processor.from_pretrained(tiny_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
-
-
-def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of each run of True in a 1-D bool tensor."""
-    out, start = [], None
-    for i, v in enumerate(mask.tolist() + [False]):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
-def hf_reference_ids(processor: Processor, row: dict, grids: list) -> list[int]:
-    """Token ids as transformers builds them: the checkpoint's chat template, then each
-    <|image_pad|> expanded to t*h*w/merge² copies (what Qwen2VLProcessor does)."""
-    messages = []
-    for m in row["messages"]:
-        parts = []
-        for k, piece in enumerate(m["content"].split("<image>")):
-            if k:
-                parts.append({"type": "image"})
-            if piece:
-                parts.append({"type": "text", "text": piece})
-        messages.append({"role": m["role"], "content": parts})
-    text = processor.tokenizer.apply_chat_template(messages, tokenize=False)
-    pieces = text.split("<|image_pad|>")
-    assert len(pieces) == len(grids) + 1
-    text = pieces[0] + "".join(
-        "<|image_pad|>" * processor.image_tokens(g) + p for g, p in zip(grids, pieces[1:])
-    )
-    return processor.tokenizer.encode(text, add_special_tokens=False)
 
 
 def write_png(path: Path, size=(64, 48), colour=(200, 30, 30)) -> Path:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 import pytest
+from conftest import make_cfg
 from PIL import Image
 
 from qwenkit import config as qconfig
@@ -39,8 +41,7 @@ def write_set(tmp_path: Path, bad_row: dict | str, n_good: int = 2, suffix: str 
 
 
 def scan(path, processor, **data):
-    cfg = qconfig.load(overrides={f"data.{k}": v for k, v in data.items()})
-    return read_dataset(cfg.data, processor, str(path), stop_at_first=False)
+    return read_dataset(make_cfg(**data).data, processor, str(path), stop_at_first=False)
 
 
 def only_bad(path, processor, reason: str, row: int | None = 2, **data) -> str:
@@ -309,3 +310,16 @@ def test_check_lists_every_bad_sample_and_fails(tmp_path, capsys):
 def test_check_unreadable_path_exits_2(tmp_path, capsys):
     assert cli_main(["data", "check", str(tmp_path / "nope.json")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["data", "check", "tiny", "data.max_length=0"], r"data\.max_length must be > 0, got 0"),
+        (["data", "prepare", "tiny", "data.max_length=0"], r"data\.max_length must be > 0, got 0"),
+        (["data", "prepare", "tiny", "--num-proc", "0"], r"data\.num_proc must be >= 1, got 0"),
+    ],
+)
+def test_data_commands_refuse_a_bad_config_with_exit_2(argv, problem, capsys):
+    assert cli_main(argv) == 2
+    assert re.search(problem, capsys.readouterr().err)

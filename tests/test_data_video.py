@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import hf_reference_ids, make_cfg, runs
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 from videos import LOSSLESS, decode_all, frame, write_video
@@ -33,10 +34,6 @@ from qwenkit.processor import Processor, needs_mm_token_type_ids
 pytest.importorskip("av")
 
 HERE = Location("test.json", row=0)
-
-
-def cfg_of(**data):
-    return qconfig.load(overrides={f"data.{k}": v for k, v in data.items()})
 
 
 def video_row(text="<video>What moves?", reply="A red square.", videos=("clip.avi",), images=()):
@@ -107,7 +104,7 @@ def reference_pixels(path: Path, d, ip) -> tuple[list[int], tuple, np.ndarray, f
 )
 def test_frames_grid_and_pixels_equal_the_reference(tmp_path, processor, size, frames, fps, data):
     path = write_video(tmp_path / "clip.avi", *size, frames, fps, codec=LOSSLESS)
-    d = cfg_of(**data).data
+    d = make_cfg(**data).data
     vp = VideoProcessor.from_config(processor.image_processor, d)
     ref = ImageRef("v", path=path)
     pixels, plan = vp.load(ref, probe(ref, HERE), HERE)
@@ -123,7 +120,7 @@ def test_frames_grid_and_pixels_equal_the_reference(tmp_path, processor, size, f
 def test_spatial_part_equals_the_image_processor(tiny_path):
     """Frames A A B B make a 2-patch video; the image processor repeats a still image in time,
     so its patches of A and of B, concatenated, must be the video's patches."""
-    d = cfg_of().data
+    d = make_cfg().data
     vp = VideoProcessor.from_config(Processor.from_pretrained(tiny_path).image_processor, d)
     a, b = frame(3, 150, 97), frame(40, 150, 97)
     plan = vp.plan(VideoMeta(4, 2.0, 150, 97), HERE, "v")
@@ -139,7 +136,7 @@ def test_pyav_missing_names_the_extra(tmp_path, processor, monkeypatch):
     (tmp_path / "data.json").write_text(json.dumps([video_row()]))
     monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
     with pytest.raises(DataError, match=r"qwenkit\[video\]"):
-        read_dataset(cfg_of().data, processor, str(tmp_path / "data.json"))
+        read_dataset(make_cfg().data, processor, str(tmp_path / "data.json"))
 
 
 @pytest.mark.parametrize(
@@ -173,20 +170,9 @@ def write_mixed_set(root: Path) -> Path:
     return root / "data.json"
 
 
-def runs(mask):
-    out, start = [], None
-    for i, v in enumerate(mask.tolist() + [False]):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def test_template_batch_and_hf_chat_template(tmp_path, processor):
     path = write_mixed_set(tmp_path)
-    cfg = cfg_of(path=str(path), shuffle=False)
+    cfg = make_cfg(path=str(path), shuffle=False)
     bundle = build(cfg, processor)
     assert (len(bundle.dataset), bundle.report.skipped) == (2, 0)
     samples = [bundle.dataset[i] for i in range(2)]
@@ -209,20 +195,7 @@ def test_template_batch_and_hf_chat_template(tmp_path, processor):
             assert ids[s - 1] == processor.vision_start_id and ids[e] == processor.vision_end_id
         video += n_videos
         # the checkpoint's own chat template, each pad expanded to its span, gives the same ids
-        parts = []
-        for k, piece in enumerate(row["messages"][0]["content"].replace("<video>", "\0video\0").replace("<image>", "\0image\0").split("\0")):
-            if piece in ("video", "image") and k % 2:
-                parts.append({"type": piece})
-            elif piece:
-                parts.append({"type": "text", "text": piece})
-        messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": row["messages"][1]["content"]}]}]
-        text = processor.tokenizer.apply_chat_template(messages, tokenize=False)
-        for g in sample.get("image_grid_thw", []):
-            text = text.replace("<|image_pad|>", "<|IMG|>" * processor.image_tokens(g), 1)
-        for g in sample["video_grid_thw"]:
-            text = text.replace("<|video_pad|>", "<|VID|>" * processor.image_tokens(g), 1)
-        text = text.replace("<|IMG|>", "<|image_pad|>").replace("<|VID|>", "<|video_pad|>")
-        assert ids.tolist() == processor.tokenizer.encode(text, add_special_tokens=False)
+        assert ids.tolist() == hf_reference_ids(processor, row, sample.get("image_grid_thw", []), sample["video_grid_thw"])
         if needs_mm_token_type_ids():
             types = sample["mm_token_type_ids"]
             assert torch.equal(types == 2, ids == processor.video_token_id)
@@ -236,14 +209,14 @@ def test_video_entries_relative_absolute_dirs_and_bytes(tmp_path, processor):
     clip = write_video(tmp_path / "media" / "clip.avi", 64, 48, 8, 4)
     (tmp_path / "data.json").write_text(json.dumps([video_row(), video_row(videos=[str(clip)])]))
     for key in ("video_dir", "image_dir"):
-        dataset, report = read_dataset(cfg_of(**{key: str(tmp_path / "media")}).data, processor, str(tmp_path / "data.json"))
+        dataset, report = read_dataset(make_cfg(**{key: str(tmp_path / "media")}).data, processor, str(tmp_path / "data.json"))
         assert (len(dataset), report.skipped) == (2, 0), key
-    _, report = read_dataset(cfg_of().data, processor, str(tmp_path / "data.json"))
+    _, report = read_dataset(make_cfg().data, processor, str(tmp_path / "data.json"))
     assert report.by_reason == {"missing_video": 1}  # relative to the file's directory: not there
     # an HF dataset with the clip's bytes embedded, as a Video/binary column holds them
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_list([video_row(videos=[{"bytes": clip.read_bytes(), "path": "clip.avi"}])])
-    dataset, report = read_dataset(cfg_of().data, processor, ds)
+    dataset, report = read_dataset(make_cfg().data, processor, ds)
     assert (len(dataset), report.skipped) == (1, 0)
     assert dataset[0]["video_grid_thw"].tolist() == [list(dataset.samples[0].video_grids[0])]
 
@@ -280,7 +253,7 @@ def write_text_file(path: Path) -> str:
 )
 def test_bad_video_names_file_row_and_reason(tmp_path, processor, make, reason, detail):
     path = bad_set(tmp_path, make(tmp_path))
-    dataset, report = read_dataset(cfg_of().data, processor, str(path))
+    dataset, report = read_dataset(make_cfg().data, processor, str(path))
     assert report.by_reason == {reason: 1}, report.messages
     assert len(dataset) == 2
     message = report.messages[0]
@@ -300,7 +273,7 @@ def test_data_check_lists_bad_videos(tmp_path, capsys):
 
 
 def test_video_batch_forward_equals_hf(tmp_path, processor, make_model, tiny_path):
-    bundle = build(cfg_of(path=str(write_mixed_set(tmp_path)), shuffle=False), processor)
+    bundle = build(make_cfg(path=str(write_mixed_set(tmp_path)), shuffle=False), processor)
     batch = bundle.collator([bundle.dataset[i] for i in range(2)])
     batch.pop("num_samples")
     num_items = batch.pop("num_items")

@@ -144,10 +144,18 @@ def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypa
 def test_torchrun_command_for_multi_node():
     rdzv = launch.Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000)
     cmd = launch.torchrun_command(Path("runs/x/config.yaml"), 8, rdzv)
-    assert cmd[1:3] == ["-m", "qwenkit.launch"]  # torchrun, through quiet_torchrun
+    assert cmd[1:3] == ["-m", "qwenkit.torchrun"]  # torchrun, through quiet_torchrun
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
     assert cmd[-4:] == ["-m", "qwenkit.train", "--config", "runs/x/config.yaml"]
+
+
+def test_torchrun_process_does_not_import_the_training_kit():
+    # The launcher process only supervises the ranks; importing transformers and distributed
+    # checkpointing there cost every `qwenkit train` ~2 s before any rank started.
+    code = "import sys, qwenkit.torchrun; print(sorted(m for m in ('transformers', 'qwenkit.model', 'qwenkit.checkpoint') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
 
 
 def test_cluster_script(tmp_path):

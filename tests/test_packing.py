@@ -132,28 +132,26 @@ def test_packed_row_refuses_a_cache_and_a_mask(processor, make_model, batch_fact
         model(**inputs, attention_mask=torch.ones_like(packed["input_ids"]))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_flash_attention_varlen_packed_equals_padded(processor, make_model, batch_factory):
-    """flash_attention_2 reads the packed boundaries from the text positions (cu_seqlens)."""
-    pytest.importorskip("flash_attn")
-    samples = samples_of(processor, batch_factory(images_per_sample=IMAGES, seed=1))
-    model = make_model(chunk=True, seed=0, attn_implementation="flash_attention_2").to("cuda", torch.bfloat16)
-    to = lambda b: {k: v.to("cuda") for k, v in b.items()}  # noqa: E731
-    loss_padded, _ = forward_backward(model, to(Collator(processor)(samples)))
-    loss_packed, _ = forward_backward(model, to(Collator(processor, packing=True)(samples)))
-    torch.testing.assert_close(loss_packed, loss_padded, rtol=2e-2, atol=2e-2)  # bf16
+def _flash_attention_or_skip(device: str) -> None:
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        pytest.importorskip("flash_attn")
+    else:
+        torch_npu = pytest.importorskip("torch_npu")
+        if not torch_npu.npu.is_available():
+            pytest.skip("needs an Ascend NPU")
 
 
-@pytest.mark.npu
-def test_npu_fusion_attention_packed_equals_padded(processor, make_model, batch_factory):
-    """On Ascend, transformers routes flash_attention_2 to npu_fusion_attention with per-sample lengths."""
-    torch_npu = pytest.importorskip("torch_npu")
-    if not torch_npu.npu.is_available():
-        pytest.skip("needs an Ascend NPU")
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu)])
+def test_flash_attention_packed_equals_padded(device, processor, make_model, batch_factory):
+    """flash_attention_2 reads the packed boundaries from the text positions: flash-attn's varlen
+    kernel (cu_seqlens) on CUDA; on Ascend transformers routes it to npu_fusion_attention with
+    per-sample lengths."""
+    _flash_attention_or_skip(device)
     samples = samples_of(processor, batch_factory(images_per_sample=IMAGES, seed=1))
-    model = make_model(chunk=True, seed=0, attn_implementation="flash_attention_2").to("npu", torch.bfloat16)
-    to = lambda b: {k: v.to("npu") for k, v in b.items()}  # noqa: E731
+    model = make_model(chunk=True, seed=0, attn_implementation="flash_attention_2").to(device, torch.bfloat16)
+    to = lambda b: {k: v.to(device) for k, v in b.items()}  # noqa: E731
     loss_padded, _ = forward_backward(model, to(Collator(processor)(samples)))
     loss_packed, _ = forward_backward(model, to(Collator(processor, packing=True)(samples)))
     torch.testing.assert_close(loss_packed, loss_padded, rtol=2e-2, atol=2e-2)  # bf16

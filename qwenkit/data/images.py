@@ -28,9 +28,10 @@ import base64
 import binascii
 import importlib
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from PIL import Image
 
@@ -40,6 +41,8 @@ from qwenkit.processor import ImageProcessor, pixel_bounds
 # smart_resize from the module of the image-processor class in use (its location differs
 # between transformers 4.57 and 5.x, and 5.x's other copy imports torchvision).
 smart_resize = importlib.import_module(ImageProcessor.__module__).smart_resize
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,26 +94,31 @@ def load(ref: ImageRef, where: Location) -> Image.Image:
     """Decode the whole image (so truncation shows) and return it as RGB."""
     try:
         return _decode(ref)
-    except _Unreadable as e:
-        raise BadSample(where, e.reason, f"{ref.label}: {e.detail}") from None
+    except Unreadable as e:
+        raise e.bad_sample(ref, where) from None
 
 
-class _Unreadable(Exception):
+class Unreadable(Exception):
+    """Why an image or video file cannot be read: a bad-sample reason and its detail, no location yet."""
+
     def __init__(self, reason: str, detail: str):
         self.reason, self.detail = reason, detail
+
+    def bad_sample(self, ref: ImageRef, where: Location) -> BadSample:
+        return BadSample(where, self.reason, f"{ref.label}: {self.detail}")
 
 
 def _decode(ref: ImageRef) -> Image.Image:
     """The fully decoded image as RGB, converted while the file is still open."""
     if ref.data is None and not ref.path.is_file():
-        raise _Unreadable("missing_image", f"no such file {str(ref.path)!r}")
+        raise Unreadable("missing_image", f"no such file {str(ref.path)!r}")
     source = io.BytesIO(ref.data) if ref.data is not None else ref.path
     try:
         with Image.open(source) as im:
             im.load()
             return im.convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise _Unreadable("corrupt_image", f"cannot decode: {e}") from None
+        raise Unreadable("corrupt_image", f"cannot decode: {e}") from None
 
 
 # bytes that must appear near the end of a complete file, by PIL format name
@@ -123,7 +131,7 @@ def _measure(ref: ImageRef, full: bool) -> tuple[int, int]:
     if full:
         return _decode(ref).size
     if ref.data is None and not ref.path.is_file():
-        raise _Unreadable("missing_image", f"no such file {str(ref.path)!r}")
+        raise Unreadable("missing_image", f"no such file {str(ref.path)!r}")
     try:
         with Image.open(io.BytesIO(ref.data) if ref.data is not None else ref.path) as im:
             size, marker = im.size, END_MARKERS.get(im.format)
@@ -135,7 +143,7 @@ def _measure(ref: ImageRef, full: bool) -> tuple[int, int]:
             if marker in fp.read():
                 return size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise _Unreadable("corrupt_image", f"cannot decode: {e}") from None
+        raise Unreadable("corrupt_image", f"cannot decode: {e}") from None
     return _decode(ref).size  # no end marker: the decoder says whether the file is really cut short
 
 
@@ -165,28 +173,44 @@ def predict_grid(size: tuple[int, int], image_processor) -> tuple[int, int, int]
     return 1, rh // patch, rw // patch  # a still image is one temporal patch (the frame is repeated)
 
 
+class CachedProbe(Generic[T]):
+    """``measure(ref)`` once per file: datasets often reuse one image or clip in many rows.
+
+    Files are keyed by path (embedded bytes are measured each time). A file that cannot be read
+    is remembered too, and raised as a :class:`BadSample` at every row that uses it.
+    """
+
+    def __init__(self, measure: Callable[[ImageRef], T]):
+        self._measure = measure
+        self._seen: dict[Path, T | Unreadable] = {}
+
+    def __call__(self, ref: ImageRef, where: Location) -> T:
+        key = ref.path if ref.data is None else None
+        result = self._seen.get(key) if key is not None else None
+        if result is None:
+            try:
+                result = self._measure(ref)
+            except Unreadable as e:
+                result = e
+            if key is not None:
+                self._seen[key] = result
+        if isinstance(result, Unreadable):
+            raise result.bad_sample(ref, where)
+        return result
+
+
 class ImageProbe:
-    """Measure-and-check with a cache: datasets often reuse one image file in many rows.
+    """Measure-and-check with a cache (:class:`CachedProbe`).
 
     ``full``: decode every image in full instead of reading its header and end marker.
     """
 
     def __init__(self, min_side: int, max_aspect_ratio: float, full: bool = False):
-        self.min_side, self.max_aspect_ratio, self.full = min_side, max_aspect_ratio, full
-        self._seen: dict[Path, tuple[int, int] | _Unreadable] = {}
+        self.min_side, self.max_aspect_ratio = min_side, max_aspect_ratio
+        self._sizes = CachedProbe(lambda ref: _measure(ref, full))
 
     def size(self, ref: ImageRef, where: Location) -> tuple[int, int]:
         """The checked ``(w, h)`` of an image; raises :class:`BadSample` as :func:`load` and :func:`check_shape`."""
-        key = ref.path if ref.data is None else None
-        result = self._seen.get(key) if key is not None else None
-        if result is None:
-            try:
-                result = _measure(ref, self.full)
-            except _Unreadable as e:
-                result = e
-            if key is not None:
-                self._seen[key] = result
-        if isinstance(result, _Unreadable):
-            raise BadSample(where, result.reason, f"{ref.label}: {result.detail}")
-        check_shape(result, ref, where, self.min_side, self.max_aspect_ratio)
-        return result
+        size = self._sizes(ref, where)
+        check_shape(size, ref, where, self.min_side, self.max_aspect_ratio)
+        return size

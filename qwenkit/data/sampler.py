@@ -93,21 +93,14 @@ class ResumableSampler:
             self.advance_past(epoch, batch)
             yield indices
 
-    def state_dict(self) -> dict:
-        """JSON-able; the same on every rank (the rank is not part of it)."""
-        return {
-            "epoch": self.epoch,
-            "batch": self.batch,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "num_samples": self.num_samples,
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
-        }
-
-    # the state keys that define the data layout, and the settings a person changes to match them
+    # the attributes that define the data layout (saved with the position), and the settings a
+    # person changes to match them
     LAYOUT_KEYS = ("seed", "shuffle", "num_samples", "batch_size", "world_size")
     LAYOUT_SETTINGS = "the same dataset, train.seed, data.shuffle, train.micro_batch_size and world size"
+
+    def state_dict(self) -> dict:
+        """JSON-able; the same on every rank (the rank is not part of it)."""
+        return {"epoch": self.epoch, "batch": self.batch, **{key: getattr(self, key) for key in self.LAYOUT_KEYS}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by :meth:`state_dict`; the data layout must be the same."""
@@ -170,6 +163,7 @@ class TokenBudgetSampler(ResumableSampler):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.max_tokens, self.packed, self.window = max_tokens, packed, window
+        self.lengths_crc = zlib.crc32(self.lengths.tobytes())  # saved: a resume on changed lengths is refused
         super().__init__(len(self.lengths), 1, seed, shuffle, rank, world_size)
 
     @property
@@ -220,17 +214,3 @@ class TokenBudgetSampler(ResumableSampler):
             b = batches[k]
             batches[k : k + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
         return batches
-
-    def state_dict(self) -> dict:
-        return {
-            "epoch": self.epoch,
-            "batch": self.batch,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "num_samples": self.num_samples,
-            "max_tokens": self.max_tokens,
-            "packed": self.packed,
-            "window": self.window,
-            "lengths_crc": zlib.crc32(self.lengths.tobytes()),
-            "world_size": self.world_size,
-        }

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qwenkit.data.images import ImageRef, smart_resize
+from qwenkit.data.images import CachedProbe, ImageRef, Unreadable, smart_resize
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import BadSample, Location
 
@@ -57,11 +57,6 @@ class VideoPlan:
     second_per_grid: float  # seconds between two temporal patches
 
 
-class _Unreadable(Exception):
-    def __init__(self, reason: str, detail: str):
-        self.reason, self.detail = reason, detail
-
-
 def import_av():
     """PyAV, imported only when a dataset holds videos."""
     try:
@@ -77,14 +72,14 @@ def _decode(ref: ImageRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMet
     """Decode every frame of the first video stream; return the metadata and frames ``keep`` as RGB."""
     av = import_av()
     if ref.data is None and not ref.path.is_file():
-        raise _Unreadable("missing_video", f"no such file {str(ref.path)!r}")
+        raise Unreadable("missing_video", f"no such file {str(ref.path)!r}")
     source = io.BytesIO(ref.data) if ref.data is not None else str(ref.path)
     kept: dict[int, np.ndarray] = {}
     n = width = height = 0
     try:
         with av.open(source) as container:
             if not container.streams.video:
-                raise _Unreadable("corrupt_video", "the file has no video stream")
+                raise Unreadable("corrupt_video", "the file has no video stream")
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             rate = stream.average_rate or stream.guessed_rate
@@ -96,13 +91,13 @@ def _decode(ref: ImageRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMet
                     kept[n] = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
                 n += 1
     except (av.FFmpegError, OSError, ValueError) as e:
-        raise _Unreadable("corrupt_video", f"cannot decode: {e}") from None
+        raise Unreadable("corrupt_video", f"cannot decode: {e}") from None
     if n == 0:
-        raise _Unreadable("corrupt_video", "no frame decodes")
+        raise Unreadable("corrupt_video", "no frame decodes")
     if n < declared:
-        raise _Unreadable("corrupt_video", f"the header promises {declared} frames but only {n} decode (truncated?)")
+        raise Unreadable("corrupt_video", f"the header promises {declared} frames but only {n} decode (truncated?)")
     if not rate or rate <= 0:
-        raise _Unreadable("corrupt_video", "the stream has no frame rate")
+        raise Unreadable("corrupt_video", "the stream has no frame rate")
     return VideoMeta(n, float(rate), width, height), kept
 
 
@@ -110,29 +105,18 @@ def probe(ref: ImageRef, where: Location) -> VideoMeta:
     """Decode the whole video once (so truncation shows) and measure it; raises :class:`BadSample`."""
     try:
         return _decode(ref)[0]
-    except _Unreadable as e:
-        raise BadSample(where, e.reason, f"{ref.label}: {e.detail}") from None
+    except Unreadable as e:
+        raise e.bad_sample(ref, where) from None
 
 
 class VideoProbe:
-    """:func:`probe` with a cache: datasets often reuse one clip in many rows."""
+    """:func:`probe` with a cache (:class:`~qwenkit.data.images.CachedProbe`)."""
 
     def __init__(self):
-        self._seen: dict = {}
+        self._metas = CachedProbe(lambda ref: _decode(ref)[0])
 
     def meta(self, ref: ImageRef, where: Location) -> VideoMeta:
-        key = ref.path if ref.data is None else None
-        result = self._seen.get(key) if key is not None else None
-        if result is None:
-            try:
-                result = _decode(ref)[0]
-            except _Unreadable as e:
-                result = e
-            if key is not None:
-                self._seen[key] = result
-        if isinstance(result, _Unreadable):
-            raise BadSample(where, result.reason, f"{ref.label}: {result.detail}")
-        return result
+        return self._metas(ref, where)
 
 
 class VideoProcessor:
@@ -226,8 +210,8 @@ class VideoProcessor:
         plan = self.plan(meta, where, ref.label)
         try:
             now, kept = _decode(ref, frozenset(plan.indices))
-        except _Unreadable as e:
-            raise BadSample(where, e.reason, f"{ref.label}: {e.detail}") from None
+        except Unreadable as e:
+            raise e.bad_sample(ref, where) from None
         if now != meta:
             raise RuntimeError(
                 f"{where}: {ref.label} now decodes as {now}, but the scan measured {meta}; "

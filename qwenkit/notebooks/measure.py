@@ -1,4 +1,5 @@
-"""Measurement primitives shared by notebook 04 and ``benchmarks/``: the matmul peak and one loss-head case.
+"""Measurement primitives shared by notebook 04 and ``benchmarks/``: the matmul peak, one loss-head
+case, and a measurement in a fresh process.
 
 A loss-head case (lm_head + cross-entropy forward and backward, full logits or chunked) runs in
 a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``), so its peak memory is
@@ -125,14 +126,23 @@ def _head_case(case: dict[str, Any]) -> dict[str, Any]:
             "time_max_ms": max(times), "peak_mb": peak / MiB}  # fmt: skip
 
 
+def fresh_process(args: list[str], what: str, timeout_s: float | None = None) -> dict[str, Any]:
+    """``python ARGS`` in a fresh process, so its peak memory is its own; its last stdout line, as JSON.
+
+    It runs with the allocator setting ``qwenkit train`` gives CPU ranks (unless the caller's
+    environment sets it), so every measured variant allocates alike. ``what`` names it in the
+    error raised when it fails.
+    """
+    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def head_measure(case: dict[str, Any], timeout_s: float = 600) -> dict[str, Any]:
     """One loss-head case in a fresh Python process; its result row."""
-    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # as qwenkit train's CPU ranks
-    cmd = [sys.executable, "-m", "qwenkit.notebooks.measure", json.dumps(case)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError(f"loss-head case {case} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_process(["-m", "qwenkit.notebooks.measure", json.dumps(case)], f"loss-head case {case}", timeout_s)
 
 
 def head_case(variant, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0, ignored=0.25,
