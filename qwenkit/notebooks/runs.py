@@ -24,7 +24,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -62,13 +61,6 @@ class TrainRun:
         return self.returncode == 0
 
 
-def free_port() -> int:
-    """A TCP port free right now, so a run never collides with another job's rendezvous port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fresh_dir(path: str | Path) -> Path:
     """An empty run directory; a previous *qwenkit run* there is removed, anything else refused."""
     path = Path(path)
@@ -81,10 +73,11 @@ def fresh_dir(path: str | Path) -> Path:
 
 
 def train_command(config: str | Path, output_dir: str | Path, nproc: int, overrides: list[str]) -> list[str]:
-    """``qwenkit train`` with this Python (the kernel's environment), a free port and the run's output_dir."""
+    """``qwenkit train`` with this Python (the kernel's environment) and the run's output_dir (on one
+    node ``qwenkit train`` takes a free rendezvous port, so runs never collide with other jobs)."""
     return [
         sys.executable, "-m", "qwenkit.cli", "train", "--config", str(config), "--nproc", str(nproc),
-        "--master-port", str(free_port()), *overrides, f"train.output_dir={output_dir}",
+        *overrides, f"train.output_dir={output_dir}",
     ]  # fmt: skip
 
 
