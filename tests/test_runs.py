@@ -109,6 +109,9 @@ def test_metrics_of_a_resumed_run_keep_the_last_value_of_each_step(tmp_path):
     assert [r["rank"] for r in summary] == [0, 1]
     assert summary[0]["first loss"] == 3.0 and summary[0]["last loss"] == 1.5
     assert summary[1]["max peak memory (MiB)"] == 103.0
+    times = [results.record("step_time", t, x_name="step", x=s, series="rank 0") | {"rank": 0}
+             for s, t in [(1, 4.0), (2, 1.0), (3, 2.0), (4, 3.0)]]  # fmt: skip
+    assert runs.summary_rows(times)[0]["median step time (s)"] == 2.5  # an even count: the mean of the middle two
 
 
 def test_save_checks_the_resumed_curve_against_the_uninterrupted_one(tmp_path):

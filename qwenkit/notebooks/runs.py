@@ -24,6 +24,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -173,16 +174,16 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for rank in sorted({r.get("rank", 0) for r in rows}):
         loss = series(rows, "loss", rank)
-        step_time = sorted(series(rows, "step_time", rank).values())
-        tps = sorted(series(rows, "tokens_per_s", rank).values())
+        step_time = list(series(rows, "step_time", rank).values())
+        tps = list(series(rows, "tokens_per_s", rank).values())
         mem = series(rows, "peak_memory", rank).values()
         out.append({
             "rank": rank,
             "steps": len(loss),
             "first loss": loss[min(loss)] if loss else float("nan"),
             "last loss": loss[max(loss)] if loss else float("nan"),
-            "median step time (s)": step_time[len(step_time) // 2] if step_time else float("nan"),
-            "median tokens/s": tps[len(tps) // 2] if tps else float("nan"),
+            "median step time (s)": statistics.median(step_time) if step_time else float("nan"),
+            "median tokens/s": statistics.median(tps) if tps else float("nan"),
             "max peak memory (MiB)": max(mem, default=float("nan")),
         })  # fmt: skip
     return out
