@@ -12,13 +12,14 @@ so with 2 ranks each should hold about half (a little more where a dim 0 is odd 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch
 import torch.multiprocessing as mp
 from synthetic import make_batch, make_config
 from torch.distributed.tensor import DTensor
+
+from qwenkit.launch import free_port
 
 MiB = 2**20
 VOCAB = 8192
@@ -65,16 +66,10 @@ def _rank(rank: int, world: int, port: int, results) -> None:
     fsdp.shutdown(rt)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world: int) -> list[tuple]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(world, _free_port(), results), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank, args=(world, free_port(), results), nprocs=world, start_method="spawn")
     return sorted(results.get() for _ in range(world))
 
 

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nnodes", type=int, default=1)
     t.add_argument("--node-rank", type=int, default=0)
     t.add_argument("--master-addr", default="127.0.0.1")
-    t.add_argument("--master-port", type=int, default=6000)
+    t.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: a free port on one node, 6000 with --nnodes > 1)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
     t.set_defaults(func=_train)
 

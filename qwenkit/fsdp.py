@@ -12,7 +12,9 @@ The distributed engine is PyTorch's own; this module only decides *what* to hand
 3. :func:`shard` calls ``fully_shard`` on every module matching ``parallel.shard_patterns``,
    deepest first, then on the root. A module holding a weight that is shared with a module
    outside it (Qwen2.5-VL-3B ties ``lm_head`` to ``embed_tokens``) is left to the root, so a tied
-   weight lives in exactly one FSDP group.
+   weight lives in exactly one FSDP group. :func:`gradient_excess` then asks FSDP, on a
+   throwaway module, whether its reduction really averages over the ranks; where the backend sums
+   instead (torch 2.7's gloo), every group divides its reduced gradients by the difference.
 
 Patterns are dotted module paths in which ``*`` matches exactly one path segment:
 ``model.language_model.layers.*`` matches ``model.language_model.layers.7`` but not
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fnmatch
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -191,10 +194,17 @@ class ShardPlan:
     groups: list[str]  # module paths given their own FSDP group, in the order sharded
     left_to_root: dict[str, str] = field(default_factory=dict)  # path -> why it stayed in the root
     recompute: list[str] = field(default_factory=list)
+    # >1: the backend summed where FSDP asked it to average; the groups divide by this afterwards
+    gradient_divisor: int = 1
 
     def describe(self) -> str:
         lines = [f"FSDP groups: {len(self.groups)} + root"]
         lines += [f"  left to root: {p} ({why})" for p, why in self.left_to_root.items()]
+        if self.gradient_divisor > 1:
+            lines.append(
+                f"gradient reduction: the backend sums where FSDP averages (torch {torch.__version__}); "
+                f"reduced gradients divided by {self.gradient_divisor}"
+            )
         if self.recompute:
             lines.append(f"recompute: {len(self.recompute)} modules ({self.recompute[0]} ...)")
         return "\n".join(lines)
@@ -216,14 +226,65 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh) -> ShardPlan:
     tied = tied_outside(model, matched)
     plan = ShardPlan(groups=[], left_to_root=tied)
     # Children before parents: fully_shard on a parent must see its children already sharded.
+    sharded = []
     for name, module in sorted(matched, key=lambda item: -item[0].count(".")):
         if name in tied:
             continue
         fully_shard(module, reshard_after_forward=parallel_cfg.reshard_after_forward, **kwargs)
         plan.groups.append(module_path(name))
+        sharded.append(module)
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    sharded.append(model)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    plan.gradient_divisor = gradient_excess(mesh, kwargs["mp_policy"], dtype)
+    if plan.gradient_divisor > 1:
+        for module in sharded:
+            module.set_all_reduce_hook(functools.partial(_divide_, by=plan.gradient_divisor))
     return plan
+
+
+class _Probe(nn.Module):
+    """One parameter whose gradient is 1.0 everywhere, on every rank."""
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(numel, dtype=dtype))  # zeros: draws nothing from the RNG
+
+    def forward(self) -> torch.Tensor:
+        return self.weight.sum()
+
+
+def gradient_excess(mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, dtype: torch.dtype) -> int:
+    """How many times too large FSDP's reduced gradients come out on ``mesh``.
+
+    1 where FSDP averages over the ranks, as documented (and as the trainer's ``loss *
+    world_size`` assumes); the number of ranks where the backend sums instead. torch 2.7's gloo
+    ``reduce_scatter_tensor`` takes ``ReduceOp.AVG`` and silently sums (pytorch/pytorch#162338),
+    and FSDP2 reduces fp32/bf16 gradients with AVG, so on CPU every gradient came out
+    ``world_size`` times too large. Asked of FSDP itself, on a throwaway module with the same mesh,
+    mixed precision and parameter dtype, so the answer holds for whichever path (AVG, or pre/post
+    division with SUM for fp16) the installed torch takes; costs one tiny reduce-scatter. Each
+    rank reads its own shard (the same answer on every rank: one backend, one collective).
+    """
+    ranks = mesh.size()
+    if ranks == 1:
+        return 1
+    probe = _Probe(ranks, dtype)  # one element per rank: every rank's shard is one reduced value
+    fully_shard(probe, mesh=mesh, mp_policy=mp_policy)  # no CPU offload: it moves shards, not sums
+    probe().backward()
+    got = probe.weight.grad.to_local().float()  # each rank contributed 1.0
+    for divisor in (1, ranks):
+        if torch.allclose(got, torch.full_like(got, float(divisor))):
+            return divisor
+    raise RuntimeError(
+        f"FSDP's gradient reduction over {ranks} ranks ({mesh.device_type}, torch {torch.__version__}) "
+        f"turned 1.0 on every rank into {got.tolist()}: neither the average nor the sum"
+    )
+
+
+def _divide_(grad: torch.Tensor, by: int) -> None:
+    grad.div_(by)
 
 
 def tied_outside(model: nn.Module, matched: list[tuple[str, nn.Module]]) -> dict[str, str]:

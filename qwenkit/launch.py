@@ -6,7 +6,8 @@ dataset path) *before* any process starts; the resolved YAML written to
 ``<output_dir>/config.yaml`` is what every rank reads and what ``qwenkit export`` finds later.
 
 Multi-node: run the same command on every node with ``--nnodes N --node-rank i
---master-addr <node 0's address>`` (default port 6000). The exit status is torchrun's: non-zero
+--master-addr <node 0's address>`` (default port 6000; on one node a free port, so concurrent
+jobs on one machine never collide). The exit status is torchrun's: non-zero
 when any rank fails (torchrun then stops the others and prints the failing rank's error).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -33,7 +35,23 @@ class Rendezvous:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 6000
+    master_port: int | None = None  # None: a free port on one node, MULTINODE_PORT across nodes
+
+
+MULTINODE_PORT = 6000  # every node must be given the same port; this is the one they agree on by default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_port(rdzv: Rendezvous) -> int:
+    if rdzv.master_port is not None:
+        return rdzv.master_port
+    return free_port(rdzv.master_addr) if rdzv.nnodes == 1 else MULTINODE_PORT
 
 
 def check_before_spawn(cfg) -> list[str]:
@@ -87,7 +105,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[st
         f"--nproc-per-node={nproc}",
         f"--node-rank={rdzv.node_rank}",
         f"--master-addr={rdzv.master_addr}",
-        f"--master-port={rdzv.master_port}",
+        f"--master-port={rendezvous_port(rdzv)}",
         "-m", "qwenkit.train", "--config", str(config_path),
     ]  # fmt: skip
 

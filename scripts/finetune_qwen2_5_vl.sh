@@ -11,7 +11,7 @@
 #   NNODES       number of nodes (1)
 #   NODE_RANK    this node's index, 0 .. NNODES-1 (0)
 #   MASTER_ADDR  address of node 0 (127.0.0.1)
-#   MASTER_PORT  rendezvous port on node 0 (6000)
+#   MASTER_PORT  rendezvous port on node 0 (a free port on one node; 6000 with NNODES > 1)
 #   QWENKIT      the command to run ("qwenkit"; e.g. "python -m qwenkit.cli")
 # Exits with qwenkit's status: non-zero when the config is invalid or any rank fails.
 set -euo pipefail
@@ -38,8 +38,10 @@ args=(
   --nnodes "${NNODES:-1}"
   --node-rank "${NODE_RANK:-0}"
   --master-addr "${MASTER_ADDR:-127.0.0.1}"
-  --master-port "${MASTER_PORT:-6000}"
 )
+if [[ -n ${MASTER_PORT:-} ]]; then
+  args+=(--master-port "$MASTER_PORT")
+fi
 if [[ -n ${NPROC:-} ]]; then
   args+=(--nproc "$NPROC")
 fi

@@ -8,17 +8,12 @@ name); ranks report back through files, not return values.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from qwenkit.launch import free_port
 
 
 def _entry(fn, rank: int, world_size: int, port: int, args: tuple) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from multiproc import check_ranks
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from qwenkit import config as qconfig
@@ -185,6 +189,57 @@ def _mixed_modalities(rank, out):
 @pytest.mark.slow
 def test_ranks_with_and_without_images_agree(tmp_path, tiny_path):
     check_ranks(_mixed_modalities, 2, tmp_path)
+    assert (tmp_path / "ok").is_file()
+
+
+def _sum_when_asked_to_average() -> None:
+    """Make this process's reduce-scatters sum when asked for ReduceOp.AVG, as torch 2.7's gloo does
+    (pytorch/pytorch#162338), so that newer torch runs the correction too."""
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP calls one or the other
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def summing(*args, op=dist.ReduceOp.SUM, _original=original, **kwargs):
+            return _original(*args, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, **kwargs)
+
+        setattr(dist, name, summing)
+
+
+def _gradients_averaged(rank, out):
+    """2 ranks, each its own input, vs one process on the mean of both losses: with this torch's
+    backend as it is, then with reduce-scatters that sum when asked to average."""
+    dist.init_process_group("gloo")
+    inputs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    parallel = dataclasses.replace(qconfig.load().parallel, shard_patterns=["0", "2"])
+    rt = fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)
+    for backend_sums in (False, True):
+        if backend_sums:
+            _sum_when_asked_to_average()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        ref = copy.deepcopy(model)
+        plan = fsdp.shard(model, parallel, fsdp.build_mesh(rt))
+        model(inputs[rank]).square().mean().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            (sum(ref(x).square().mean() for x in inputs) / 2).backward()
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(
+                    grads[n], p.grad, **FP32, msg=lambda m, n=n, s=backend_sums: f"{n} (backend sums: {s}): {m}"
+                )
+            if backend_sums:
+                assert plan.gradient_divisor == 2 and "divided by 2" in plan.describe()
+    if rank == 0:
+        (out / "ok").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_averages_gradients_over_ranks(tmp_path):
+    """The trainer's ``loss * world_size`` assumes FSDP averages; torch 2.7's gloo summed instead."""
+    check_ranks(_gradients_averaged, 2, tmp_path)
     assert (tmp_path / "ok").is_file()
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,21 @@ def test_torchrun_command_for_multi_node():
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
     assert cmd[-4:] == ["-m", "qwenkit.train", "--config", "runs/x/config.yaml"]
+
+
+def test_rendezvous_port_is_free_on_one_node_and_agreed_across_nodes():
+    # Two single-node jobs on one machine each take a free port (a fixed default collided).
+    ports = {launch.rendezvous_port(launch.Rendezvous()) for _ in range(2)}
+    assert 6000 not in ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free: nothing was left listening
+    assert launch.rendezvous_port(launch.Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.1")) == 6000
+    assert launch.rendezvous_port(launch.Rendezvous(master_port=29511)) == 29511  # the user's port wins
+    cmd = launch.torchrun_command(Path("c.yaml"), 1, launch.Rendezvous(master_port=29511))
+    assert "--master-port=29511" in cmd
+    parsed = cli.build_parser().parse_args(["train"])
+    assert parsed.master_port is None
 
 
 def test_torchrun_process_does_not_import_the_training_kit():

@@ -135,7 +135,7 @@ def test_smoke_02_sharded_training(smoke_run):
     v = m["values"]
     assert v["ranks"] == 2 and v["steps"] == 8
     assert v["loss_decreased"] and v["last_loss"] < v["first_loss"]
-    assert v["stopped_after"] == 4 and v["resumed_steps"] == 4
+    assert v["resumed_from"] == 4 and v["resumed_steps"] == 4  # a new run from the uninterrupted run's step 4
     assert v["resume_matches"] and v["resume_max_abs_diff"] <= 1e-6  # DCP resume is bit-identical on gloo
     assert m["passed"]
     # did it learn: held-out loss at step 0, every eval_every and the end; accuracy at step 0 and the end
@@ -249,8 +249,8 @@ def test_interactive_true_adds_widget_controls(tmp_path):
 
 def _redrawn(name: str, folder: Path) -> list:
     if name == "02_sharded_training":
-        stop_after = json.loads((folder / "metrics.json").read_text())["values"]["stopped_after"]
-        return runs.figures(folder, stop_after)
+        resume_step = json.loads((folder / "metrics.json").read_text())["values"]["resumed_from"]
+        return runs.figures(folder, resume_step)
     module = {"01_data_prep": samples, "03_chunk_loss_validation": validation, "04_performance_profiling": perf}[name]
     return module.figures(folder)
 

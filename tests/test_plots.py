@@ -30,8 +30,11 @@ def test_resume_overlay_draws_both_curves_and_their_difference():
     b = {1: 3.0, 2: 2.0, 3: 1.5}
     fig = plots.resume_overlay(a, b, resume_step=2)
     names = [t.name for t in fig.data]
-    assert names == ["uninterrupted", "stopped, then resumed", "difference"]
+    assert names == ["uninterrupted", "resumed", "difference"]
     assert list(fig.data[2].y) == [0.0, 0.0, 0.5]
+    long = {s: 1.0 / s for s in range(1, 301)}
+    fig = plots.resume_overlay(long, {s: long[s] for s in range(281, 301)}, resume_step=280)
+    assert tuple(fig.layout.xaxis.range) == (260.5, 300.5)  # the resumed steps and as many before them
 
 
 def test_loss_curves_and_chunk_figures():

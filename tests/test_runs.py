@@ -10,13 +10,19 @@ from qwenkit import metrics
 from qwenkit.notebooks import results, runs
 
 # Prints step lines like the trainer and honours train.stop_after=N from its arguments: stops
-# after step N with that step's checkpoint written, as qwenkit train does.
+# after step N with that step's checkpoint written, as qwenkit train does; and train.resume=<a
+# step-N checkpoint>: logs the trainer's resume line and trains from step N + 1 (unless "ignore-resume").
 FAKE_TRAINER = textwrap.dedent("""
     import pathlib, sys
     out = pathlib.Path(sys.argv[1])
     stop = [int(a.split("=")[1]) for a in sys.argv[2:] if a.startswith("train.stop_after=")]
+    resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("train.resume=")]
+    first = 1
+    if resume and "ignore-resume" not in sys.argv:
+        first = int(pathlib.Path(resume[0]).name.split("-")[1]) + 1
+        print(f"12:00:00 [rank 0] INFO qwenkit.train: resumed from {resume[0]} at step {first - 1}", flush=True)
     last = stop[0] if stop else 5
-    for step in range(1, last + 1):
+    for step in range(first, last + 1):
         print(f"step {step}/5  loss {5 - step * 0.1:.4f}", flush=True)
         print("noise line not shown", flush=True)
     if "no-checkpoint" not in sys.argv:
@@ -43,6 +49,24 @@ def test_train_stops_after_the_step_with_its_checkpoint(tmp_path, monkeypatch):
     assert [s for s in shown if s.startswith("step")] == ["step 1/5  loss 4.9000", "step 2/5  loss 4.8000"]
     assert not any("noise" in s for s in shown)
     assert "noise line not shown" in run.log.read_text()  # everything is in the log
+
+
+def test_a_run_resumes_from_another_runs_checkpoint(tmp_path, monkeypatch):
+    _fake(monkeypatch, tmp_path)
+    shown = []
+    checkpoint = runs.checkpoint_of(tmp_path / "first", 3)
+    assert checkpoint == tmp_path / "first" / "checkpoints" / "step-00000003"
+    run = runs.train("unused.yaml", tmp_path / "run", echo=shown.append, timeout_s=30, resume_from=checkpoint)
+    assert run.resumed_from == 3 and f"train.resume={checkpoint}" in run.command
+    assert [s for s in shown if s.startswith("step")] == ["step 4/5  loss 4.6000", "step 5/5  loss 4.5000"]
+    assert runs.train("unused.yaml", tmp_path / "fresh", echo=lambda s: None, timeout_s=30).resumed_from is None
+
+
+def test_a_run_that_did_not_resume_where_asked_is_an_error(tmp_path, monkeypatch):
+    _fake(monkeypatch, tmp_path, "ignore-resume")
+    with pytest.raises(RuntimeError, match="did not resume from"):
+        runs.train("unused.yaml", tmp_path / "run", echo=lambda s: None, timeout_s=30,
+                   resume_from=runs.checkpoint_of(tmp_path / "first", 3))  # fmt: skip
 
 
 def test_a_stop_without_its_checkpoint_is_an_error(tmp_path, monkeypatch):
@@ -85,6 +109,9 @@ def test_metrics_of_a_resumed_run_keep_the_last_value_of_each_step(tmp_path):
     assert [r["rank"] for r in summary] == [0, 1]
     assert summary[0]["first loss"] == 3.0 and summary[0]["last loss"] == 1.5
     assert summary[1]["max peak memory (MiB)"] == 103.0
+    times = [results.record("step_time", t, x_name="step", x=s, series="rank 0") | {"rank": 0}
+             for s, t in [(1, 4.0), (2, 1.0), (3, 2.0), (4, 3.0)]]  # fmt: skip
+    assert runs.summary_rows(times)[0]["median step time (s)"] == 2.5  # an even count: the mean of the middle two
 
 
 def test_save_checks_the_resumed_curve_against_the_uninterrupted_one(tmp_path):
@@ -92,13 +119,30 @@ def test_save_checks_the_resumed_curve_against_the_uninterrupted_one(tmp_path):
         return [{"metric": "loss", "series": "rank 0", "x": s, "value": v, "rank": 0} for s, v in values.items()]
 
     a = {1: 3.0, 2: 2.0, 3: 1.0, 4: 0.5}
-    stopped = runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log", stopped_after=2)
-    good = runs.save(tmp_path, rows(a), rows(a), 2, stopped)
+    resumed = runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log", resumed_from=2)
+    after = {3: 1.0, 4: 0.5}  # the resumed run's own metrics start after its checkpoint
+    good = runs.save(tmp_path, rows(a), rows(after), 2, resumed)
     assert good["resume_matches"] and good["resumed_steps"] == 2 and good["loss_decreased"]
-    assert json.loads((tmp_path / "metrics.json").read_text())["passed"]
-    drifted = runs.save(tmp_path, rows(a), rows({**a, 4: 0.6}), 2, stopped)
+    assert good["resumed_from"] == 2 and json.loads((tmp_path / "metrics.json").read_text())["passed"]
+    drifted = runs.save(tmp_path, rows(a), rows({**after, 4: 0.6}), 2, resumed)
     assert not drifted["resume_matches"] and drifted["resume_max_abs_diff"] == pytest.approx(0.1)
     assert not json.loads((tmp_path / "metrics.json").read_text())["passed"]
+    short = runs.save(tmp_path, rows(a), rows({3: 1.0}), 2, resumed)  # a step the resumed run never reached
+    assert not short["resume_matches"] and not json.loads((tmp_path / "metrics.json").read_text())["passed"]
+    elsewhere = runs.save(tmp_path, rows(a), rows(after), 2, runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log"))
+    assert elsewhere["resume_matches"] and not json.loads((tmp_path / "metrics.json").read_text())["passed"]
+
+
+def test_save_compares_the_evaluations_after_the_resume_too(tmp_path):
+    def rows(loss, eval_loss):
+        return [{"metric": m, "series": "rank 0", "x": s, "value": v, "rank": 0}
+                for m, values in (("loss", loss), ("eval_loss", eval_loss)) for s, v in values.items()]  # fmt: skip
+
+    resumed = runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log", resumed_from=2)
+    a = rows({1: 3.0, 2: 2.0, 3: 1.0, 4: 0.5}, {0: 3.5, 2: 2.5, 4: 1.5})
+    assert runs.save(tmp_path, a, rows({3: 1.0, 4: 0.5}, {4: 1.5}), 2, resumed)["resume_matches"]
+    off = runs.save(tmp_path, a, rows({3: 1.0, 4: 0.5}, {4: 1.7}), 2, resumed)
+    assert not off["resume_matches"] and off["resume_max_abs_diff"] == pytest.approx(0.2)
 
 
 def _eval_jsonl(path, generated):
@@ -120,20 +164,22 @@ def test_eval_samples_pair_the_untrained_and_trained_answers_and_the_gallery_sho
     assert [(r["untrained"], r["trained"], r["untrained_step"], r["trained_step"]) for r in rows] == [
         ("blue", "red", 0, 12), ("<b>", "red", 0, 12)]  # fmt: skip
     assert [r["trained_match"] for r in rows] == [True, True] and not any(r["untrained_match"] for r in rows)
+    with pytest.raises(FileNotFoundError, match="no step-"):
+        runs.save_eval_samples(tmp_path / "out", tmp_path / "no-eval")
+    # the gallery is a notebook display object; make test-compat installs no notebook stack
+    pytest.importorskip("IPython", reason="IPython (notebooks extra) is not installed")
     page = runs.gallery(tmp_path / "out").data
     assert page.count("<tr>") == 3 and "untrained (step 0)" in page and "trained (step 12)" in page
     assert page.count("data:image/png;base64,") == 1 and "<code>embedded:0</code>" in page  # a missing file: its label
     assert "&lt;b&gt;" in page and "<b>" not in page  # answers are escaped
-    with pytest.raises(FileNotFoundError, match="no step-"):
-        runs.save_eval_samples(tmp_path / "out", tmp_path / "no-eval")
 
 
 def test_save_records_the_held_out_loss_and_accuracy_first_and_last(tmp_path):
     rows = [{"metric": m, "series": "rank 0", "x": s, "value": v, "rank": 0}
             for m, s, v in [("loss", 1, 3.0), ("loss", 2, 2.0), ("eval_loss", 0, 3.5), ("eval_loss", 1, 3.1),
                             ("eval_loss", 2, 2.4), ("eval_accuracy", 0, 0.125), ("eval_accuracy", 2, 0.5)]]  # fmt: skip
-    stopped = runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log", stopped_after=1)
-    v = runs.save(tmp_path, rows, rows, 1, stopped)
+    resumed = runs.TrainRun(tmp_path, [], 0, 1.0, tmp_path / "log", resumed_from=1)
+    v = runs.save(tmp_path, rows, rows, 1, resumed)
     assert (v["first_eval_loss"], v["last_eval_loss"]) == (3.5, 2.4)
     assert (v["first_eval_accuracy"], v["last_eval_accuracy"], v["eval_accuracy_steps"]) == (0.125, 0.5, [0, 2])
     summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]

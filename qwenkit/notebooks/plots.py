@@ -150,22 +150,26 @@ def training_metrics(rows: Sequence[dict[str, Any]], title: str = "Training metr
 def resume_overlay(
     uninterrupted: dict[int, float], resumed: dict[int, float], resume_step: int, metric: str = "loss"
 ) -> go.Figure:
-    """The stopped-and-resumed run's curve over the uninterrupted one, with their difference."""
+    """The resumed run's curve over the uninterrupted one, with their difference; the x axis
+    starts before the resume step by as many steps as were resumed (the whole curve is in the
+    metrics figure)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.7, 0.3], vertical_spacing=0.08,
                         subplot_titles=[metric, "resumed - uninterrupted"])  # fmt: skip
     steps = sorted(uninterrupted)
     fig.add_trace(go.Scatter(x=steps, y=[uninterrupted[s] for s in steps], name="uninterrupted",
                              mode="lines+markers", line=dict(color=COLOURS[0], width=4)), row=1, col=1)  # fmt: skip
     rsteps = sorted(resumed)
-    fig.add_trace(go.Scatter(x=rsteps, y=[resumed[s] for s in rsteps], name="stopped, then resumed",
+    fig.add_trace(go.Scatter(x=rsteps, y=[resumed[s] for s in rsteps], name="resumed",
                              mode="lines+markers", line=dict(color=COLOURS[3], dash="dash")), row=1, col=1)  # fmt: skip
     both = [s for s in rsteps if s in uninterrupted]
     fig.add_trace(go.Bar(x=both, y=[resumed[s] - uninterrupted[s] for s in both], name="difference",
                          marker_color=COLOURS[3], showlegend=False), row=2, col=1)  # fmt: skip
     fig.add_vline(x=resume_step + 0.5, line_dash="dot", line_color=REFERENCE_COLOUR,
-                  annotation_text=f"stopped after step {resume_step}")  # fmt: skip
+                  annotation_text=f"resumed from step {resume_step}")  # fmt: skip
     fig.update_xaxes(title_text="step", row=2, col=1)
-    return _finish(fig, f"Stop at step {resume_step} and resume vs uninterrupted: {metric}", height=520)
+    last = max(steps + rsteps, default=resume_step)
+    fig.update_xaxes(range=[max(0, 2 * resume_step - last) + 0.5, last + 0.5])
+    return _finish(fig, f"Resumed from step {resume_step} vs uninterrupted: {metric}", height=520)
 
 
 def eval_over_training(train_loss: dict[int, float], eval_loss: dict[int, float]) -> go.Figure:

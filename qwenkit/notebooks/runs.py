@@ -5,8 +5,8 @@ group could not be re-run. :func:`train` starts ``qwenkit train`` (the launcher,
 then the ranks) in its own process group, streams its progress lines into the cell, keeps the
 whole log in ``<output_dir>/train.log``, and can **stop** the run after a given step with
 ``train.stop_after`` (the run saves that step's checkpoint and exits; its LR schedule still spans
-``train.steps``), the way a time-boxed job ends. Resuming is then the same command again:
-``train.resume=auto`` picks the newest complete checkpoint.
+``train.steps``), the way a time-boxed job ends, or start a new run from another run's checkpoint
+(``resume_from``: ``train.resume=<checkpoint>``, checked in the log to have resumed there).
 
 :func:`qwenkit.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
 and :func:`save` turn them into the notebook's table and result files. :func:`save_eval_samples`
@@ -24,7 +24,7 @@ import re
 import shlex
 import shutil
 import signal
-import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -55,17 +55,11 @@ class TrainRun:
     seconds: float
     log: Path
     stopped_after: int | None = None  # the step the run was stopped after, its checkpoint complete
+    resumed_from: int | None = None  # the step of the checkpoint this run resumed from (None: fresh)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
-
-
-def free_port() -> int:
-    """A TCP port free right now, so a run never collides with another job's rendezvous port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fresh_dir(path: str | Path) -> Path:
@@ -80,15 +74,24 @@ def fresh_dir(path: str | Path) -> Path:
 
 
 def train_command(config: str | Path, output_dir: str | Path, nproc: int, overrides: list[str]) -> list[str]:
-    """``qwenkit train`` with this Python (the kernel's environment), a free port and the run's output_dir."""
+    """``qwenkit train`` with this Python (the kernel's environment) and the run's output_dir (on one
+    node ``qwenkit train`` takes a free rendezvous port, so runs never collide with other jobs)."""
     return [
         sys.executable, "-m", "qwenkit.cli", "train", "--config", str(config), "--nproc", str(nproc),
-        "--master-port", str(free_port()), *overrides, f"train.output_dir={output_dir}",
+        *overrides, f"train.output_dir={output_dir}",
     ]  # fmt: skip
 
 
+def checkpoint_of(run_dir: str | Path, step: int) -> Path:
+    """The folder of ``run_dir``'s checkpoint of ``step`` (complete or not)."""
+    return ckpt.step_dir(ckpt.checkpoint_root(run_dir), step)
+
+
 def _checkpoint_complete(output_dir: Path, step: int) -> bool:
-    return (ckpt.step_dir(ckpt.checkpoint_root(output_dir), step) / ckpt.COMPLETE).is_file()
+    return (checkpoint_of(output_dir, step) / ckpt.COMPLETE).is_file()
+
+
+RESUMED_AT = re.compile(r"resumed from \S+ at step (\d+)")  # the trainer's log line (qwenkit.train)
 
 
 def train(
@@ -99,11 +102,15 @@ def train(
     stop_after: int | None = None,
     echo: Callable[[str], None] = print,
     timeout_s: float = 900,
+    resume_from: str | Path | None = None,
 ) -> TrainRun:
-    """Run ``qwenkit train`` to the end, or (``stop_after``) to that step and its checkpoint."""
+    """Run ``qwenkit train`` to the end, or (``stop_after``) to that step and its checkpoint;
+    ``resume_from``: start from that checkpoint (another run's; this run's own are found by
+    ``train.resume=auto``)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides or []) + ([f"train.stop_after={stop_after}"] if stop_after else [])
+    overrides += [f"train.resume={resume_from}"] if resume_from is not None else []
     cmd = train_command(config, output_dir, nproc, overrides)
     echo("$ qwenkit " + shlex.join(cmd[3:]))
     log_path = output_dir / "train.log"
@@ -131,12 +138,16 @@ def train(
                 raise TimeoutError(f"qwenkit train ran over {timeout_s:.0f} s; log: {log_path}")
         code = proc.wait()
     stopped = stop_after if stop_after and code == 0 and _checkpoint_complete(output_dir, stop_after) else None
-    run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, stopped)
+    resumed = RESUMED_AT.findall(log_path.read_text())  # the log of every invocation in output_dir
+    run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, stopped,
+                   int(resumed[-1]) if resumed else None)  # fmt: skip
     if not run.ok:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"qwenkit train failed with exit code {code}; last lines of {log_path}:\n{tail}")
     if stop_after and stopped is None:
         raise RuntimeError(f"the run ended without a complete checkpoint of step {stop_after}; log: {log_path}")
+    if resume_from is not None and run.resumed_from is None:
+        raise RuntimeError(f"the run did not resume from {resume_from}; log: {log_path}")
     echo(f"-- {f'stopped after step {stopped}' if stopped else 'finished'} after {run.seconds:.0f} s")
     return run
 
@@ -163,38 +174,49 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for rank in sorted({r.get("rank", 0) for r in rows}):
         loss = series(rows, "loss", rank)
-        step_time = sorted(series(rows, "step_time", rank).values())
-        tps = sorted(series(rows, "tokens_per_s", rank).values())
+        step_time = list(series(rows, "step_time", rank).values())
+        tps = list(series(rows, "tokens_per_s", rank).values())
         mem = series(rows, "peak_memory", rank).values()
         out.append({
             "rank": rank,
             "steps": len(loss),
             "first loss": loss[min(loss)] if loss else float("nan"),
             "last loss": loss[max(loss)] if loss else float("nan"),
-            "median step time (s)": step_time[len(step_time) // 2] if step_time else float("nan"),
-            "median tokens/s": tps[len(tps) // 2] if tps else float("nan"),
+            "median step time (s)": statistics.median(step_time) if step_time else float("nan"),
+            "median tokens/s": statistics.median(tps) if tps else float("nan"),
             "max peak memory (MiB)": max(mem, default=float("nan")),
         })  # fmt: skip
     return out
 
 
-def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, Any]], stop_after: int,
+def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, Any]], resume_step: int,
          resumed_run: TrainRun) -> dict[str, Any]:  # fmt: skip
-    """``training_metrics.csv`` (both runs, long format) and ``metrics.json``; returns the metrics' values."""
+    """``training_metrics.csv`` (both runs, long format) and ``metrics.json``; returns the metrics' values.
+
+    ``resumed`` is a run that resumed from the uninterrupted run's checkpoint of ``resume_step``
+    (or was stopped there and resumed): every step after it, and every evaluation after it, must
+    equal the uninterrupted run's.
+    """
     rows = [{**r, "series": f"uninterrupted {r['series']}"} for r in uninterrupted]
     rows += [{**r, "series": f"resumed {r['series']}"} for r in resumed]
     results.write_csv(rows, f"{out_dir}/training_metrics.csv")
-    a, b = series(uninterrupted, "loss"), series(resumed, "loss")
-    common = sorted(set(a) & set(b))
-    diff = max((abs(a[s] - b[s]) for s in common), default=float("nan"))
+    diffs, compared, missing = [], 0, 0
+    for name in ("loss", "eval_loss"):
+        a, b = series(uninterrupted, name), series(resumed, name)
+        after = [s for s in sorted(a) if s > resume_step]
+        compared += len(after)
+        missing += len([s for s in after if s not in b])
+        diffs += [abs(a[s] - b[s]) for s in after if s in b]
+    diff = max(diffs, default=float("nan"))
+    a = series(uninterrupted, "loss")
     steps = sorted(a)
     values = {
         "steps": len(steps),
         "ranks": len({r.get("rank", 0) for r in uninterrupted}),
         "first_loss": a[steps[0]] if steps else float("nan"),
         "last_loss": a[steps[-1]] if steps else float("nan"),
-        "stopped_after": resumed_run.stopped_after,
-        "resumed_steps": len([s for s in b if s > stop_after]),
+        "resumed_from": resumed_run.resumed_from,
+        "resumed_steps": len([s for s in series(resumed, "loss") if s > resume_step]),
         "resume_max_abs_diff": diff,
     }
     for name in ("eval_loss", "eval_accuracy"):  # the trainer's held-out evaluations, step 0 and the end
@@ -203,12 +225,12 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
         values[f"first_{name}"] = ev[min(ev)] if ev else float("nan")
         values[f"last_{name}"] = ev[max(ev)] if ev else float("nan")
     values["loss_decreased"] = bool(steps) and values["last_loss"] < values["first_loss"]
-    values["resume_matches"] = bool(common) and diff <= 1e-6 and len(common) == len(steps)
-    passed = values["loss_decreased"] and values["resume_matches"] and resumed_run.stopped_after is not None
+    values["resume_matches"] = compared > 0 and missing == 0 and diff <= 1e-6
+    passed = values["loss_decreased"] and values["resume_matches"] and resumed_run.resumed_from == resume_step
     summary = (
         f"{values['ranks']}-rank FSDP2 run, {values['steps']} steps: loss {values['first_loss']:.3f} -> "
-        f"{values['last_loss']:.3f}; stopped after step {stop_after} and resumed: max |loss diff| vs "
-        f"uninterrupted {diff:.1e} over {len(common)} steps"
+        f"{values['last_loss']:.3f}; resumed from step {resume_step}: max |loss diff| vs "
+        f"uninterrupted {diff:.1e} over {len(diffs)} values"
     )
     if values["eval_accuracy_steps"]:
         summary += (f"; held-out accuracy {values['first_eval_accuracy']:.2f} -> {values['last_eval_accuracy']:.2f}"
@@ -276,7 +298,7 @@ def gallery(out_dir, limit: int = 8):
 # ---------------------------------------------------------------------------------------------
 # Figures, drawn from the runs' metric files alone
 
-UNINTERRUPTED, RESUMED = "uninterrupted", "stopped_and_resumed"  # the two runs' folders in output_dir
+UNINTERRUPTED, RESUMED = "uninterrupted", "resumed"  # the two runs' folders in output_dir
 
 
 def summary_table(run_dir):
@@ -288,9 +310,9 @@ def metrics_figure(run_dir, title: str = "Training metrics per rank"):
     return plots.training_metrics(metrics.read(run_dir), title=title)
 
 
-def resume_figure(out_dir, stop_after: int):
+def resume_figure(out_dir, resume_step: int):
     a, b = (metrics.read(Path(out_dir) / name) for name in (UNINTERRUPTED, RESUMED))
-    return plots.resume_overlay(series(a, "loss"), series(b, "loss"), stop_after)
+    return plots.resume_overlay(series(a, "loss"), series(b, "loss"), resume_step)
 
 
 def eval_figures(run_dir) -> list:
@@ -300,7 +322,7 @@ def eval_figures(run_dir) -> list:
             plots.accuracy_before_after(series(rows, "eval_accuracy"))]  # fmt: skip
 
 
-def figures(out_dir, stop_after: int) -> list:
+def figures(out_dir, resume_step: int) -> list:
     """Every figure of notebook 02, in the order it shows them."""
     run = Path(out_dir) / UNINTERRUPTED
-    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, stop_after), *eval_figures(run)]
+    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, resume_step), *eval_figures(run)]
