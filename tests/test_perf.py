@@ -56,6 +56,8 @@ def test_matmul_peak_and_model_step_measurements(tiny_path, processor):
     cpu = torch.device("cpu")
     peak = perf.matmul_peak(cpu, torch.float32, size=256, repeats=2)
     assert peak["flops_per_s"] > 0
+    assert peak["passes"] > 2  # a sub-ms GEMM repeats for min_time_s, not just twice (one busy moment was its peak)
+    assert perf.matmul_peak(cpu, torch.float32, size=64, repeats=3, min_time_s=0)["passes"] == 3
     cfg = qconfig.load()
     model = qmodel.build(cfg.model, cfg.loss)
     batches = data.sample_batches(cfg, processor, 1, 2)

@@ -39,24 +39,31 @@ def synchronize(device: torch.device) -> None:
 # Matmul peak
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> dict[str, Any]:
+def matmul_peak(
+    device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5, min_time_s: float = 0.5
+) -> dict[str, Any]:
     """Best achieved FLOP/s of a square ``size`` GEMM: the ceiling MFU is measured against.
 
     ``benchmarks/train_step.py`` measures its peak with this function at the same default size:
     smaller GEMMs do not reach the peak (a 1024^3 one is dominated by call overhead on a GPU).
+    At least ``repeats`` passes, and more until ``min_time_s`` of them (at most 10,000): a small
+    GEMM's few passes can all fall into one busy moment of a shared machine (a 256^3 GEMM once
+    measured 6 GFLOP/s instead of ~320, which put a model step's "MFU" above 1).
     """
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # first call: library and allocator warm-up, not timed
     synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
+    best, spent, passes = float("inf"), 0.0, 0
+    while passes < repeats or (spent < min_time_s and passes < 10_000):
         t0 = time.perf_counter()
         a @ b
         synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        best, spent, passes = min(best, took), spent + took, passes + 1
     flops = 2 * size**3
-    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "seconds": best, "flops_per_s": flops / best}
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "seconds": best, "flops_per_s": flops / best,
+            "passes": passes}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
