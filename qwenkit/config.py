@@ -134,6 +134,9 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # eval loss every N steps; always at step 0 and train.steps when an eval set exists
     eval_samples: int = 16  # eval rows whose greedy replies give eval_accuracy (step 0 and the end); 0: none
+    # also eval_accuracy every N steps (0: step 0 and the end only); each one gathers the full
+    # weights on rank 0 and generates there while the other ranks wait
+    eval_accuracy_every: int = 0
     eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
     report_to: list[Literal["tensorboard"]] = field(default_factory=list)  # besides the metrics JSONL
 
@@ -425,6 +428,7 @@ def validate(cfg: Config) -> list[str]:
     need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
     need(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
     need(t.eval_samples >= 0, f"train.eval_samples must be >= 0, got {t.eval_samples}")
+    need(t.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {t.eval_accuracy_every}")
     need(t.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {t.eval_max_new_tokens}")
 
     need(ck.every >= 0, f"checkpoint.every must be >= 0, got {ck.every}")

@@ -89,13 +89,15 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         t = self.cfg.train
-        return step == 0 or step == t.steps or (t.eval_every > 0 and step % t.eval_every == 0)
+        return step == 0 or step == t.steps or _every(step, t.eval_every) or self.generates(step)
 
     def generates(self, step: int) -> bool:
-        return bool(self.samples) and step in (0, self.cfg.train.steps)
+        t = self.cfg.train
+        return bool(self.samples) and (step in (0, t.steps) or _every(step, t.eval_accuracy_every))
 
     def run(self, step: int, model: nn.Module) -> dict[str, float]:
-        """``eval_loss`` (and ``eval_accuracy`` at step 0 and the last step); collective."""
+        """``eval_loss`` (and ``eval_accuracy`` at step 0, the last step and every
+        ``train.eval_accuracy_every``); collective."""
         t = self.cfg.train
         values = {"eval_loss": eval_loss(model, self.dataset, self.collator, t.micro_batch_size,
                                          self.rank, self.world_size, self.device)}  # fmt: skip
@@ -116,6 +118,10 @@ class Evaluator:
         if dist.is_initialized():
             dist.broadcast(result, src=0)  # every rank logs the same value; the others waited here
         return result.item()
+
+
+def _every(step: int, n: int) -> bool:
+    return n > 0 and step % n == 0
 
 
 # ---------------------------------------------------------------------------------------------

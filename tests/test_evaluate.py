@@ -87,9 +87,10 @@ def test_eval_path_and_tiny_held_out_set(processor, tmp_path):
 def test_config_refuses_two_eval_sets_and_bad_ranges():
     with pytest.raises(qconfig.ConfigError) as e:
         qconfig.load(overrides=["data.eval_path=x.json", "data.eval_fraction=0.1", "data.tiny_eval_samples=-1",
-                                "train.eval_every=-1", "train.eval_max_new_tokens=0", "train.eval_samples=-2"])  # fmt: skip
+                                "train.eval_every=-1", "train.eval_max_new_tokens=0", "train.eval_samples=-2",
+                                "train.eval_accuracy_every=-1"])  # fmt: skip
     for key in ("data.eval_path", "data.tiny_eval_samples", "train.eval_every", "train.eval_max_new_tokens",
-                "train.eval_samples"):  # fmt: skip
+                "train.eval_samples", "train.eval_accuracy_every"):  # fmt: skip
         assert key in str(e.value)
     with pytest.raises(qconfig.ConfigError, match="train.report_to"):
         qconfig.load(overrides=["train.report_to=[wandb]"])
@@ -197,6 +198,18 @@ def test_resume_keeps_the_eval_schedule(tmp_path):
     assert [e["step"] for e in whole.evals] == [0, 3, 4]
     assert [e["step"] for e in first.evals] == [0] and [e["step"] for e in second.evals] == [3, 4]
     assert first.evals + second.evals == whole.evals  # DCP resume is bit-identical
+
+
+def test_eval_accuracy_every_adds_accuracy_between_the_ends(tmp_path):
+    common = BASE + ["train.steps=4", "train.eval_every=3", "train.eval_samples=2", "train.eval_max_new_tokens=3"]
+    trainer = train.Trainer(qconfig.load(overrides=common + ["train.eval_accuracy_every=2", f"train.output_dir={tmp_path}"]))
+    trainer.run()
+    # eval_loss wherever an evaluation runs: step 0, every 3, every accuracy step, the end
+    assert [e["step"] for e in trainer.evals] == [0, 2, 3, 4]
+    assert [e["step"] for e in trainer.evals if "eval_accuracy" in e] == [0, 2, 4]
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [f"step-{s:06d}.jsonl" for s in (0, 2, 4)]
+    rows = metrics.read(tmp_path / "metrics" / "rank-00000.jsonl")
+    assert metrics.series(rows, "eval_accuracy").keys() == {0, 2, 4}
 
 
 def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):

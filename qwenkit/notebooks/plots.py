@@ -193,7 +193,7 @@ def accuracy_before_after(accuracy: dict[int, float]) -> go.Figure:
     fig = go.Figure(go.Bar(x=labels, y=[accuracy[s] for s in steps], text=[f"{accuracy[s]:.2f}" for s in steps],
                            textposition="outside", marker_color=[COLOURS[3] if s == 0 else COLOURS[2] for s in steps]))  # fmt: skip
     fig.update_yaxes(title_text="eval accuracy (exact match)", range=[0, 1.1])
-    return _finish(fig, "Held-out accuracy before and after training", height=360)
+    return _finish(fig, "Held-out accuracy: untrained, during and after training", height=360)
 
 
 # ---------------------------------------------------------------------------------------------

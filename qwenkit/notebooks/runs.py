@@ -201,7 +201,7 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
     rows += [{**r, "series": f"resumed {r['series']}"} for r in resumed]
     results.write_csv(rows, f"{out_dir}/training_metrics.csv")
     diffs, compared, missing = [], 0, 0
-    for name in ("loss", "eval_loss"):
+    for name in ("loss", "eval_loss", "eval_accuracy"):
         a, b = series(uninterrupted, name), series(resumed, name)
         after = [s for s in sorted(a) if s > resume_step]
         compared += len(after)
