@@ -69,3 +69,13 @@ def test_matmul_peak_and_model_step_measurements(tiny_path, processor):
     assert len(ops) == 5 and ops[0]["self_cpu_ms"] >= ops[-1]["self_cpu_ms"]
     assert perf.fused_available(cpu)[0] is False
     assert perf.fused_vs_unfused(model, batches, steps=1)["available"] is False
+
+
+def test_use_cpu_threads_sets_this_process_threads_on_cpu_only():
+    before = torch.get_num_threads()
+    try:
+        assert perf.use_cpu_threads(torch.device("cpu"), 1) == 1 == torch.get_num_threads()
+        assert perf.use_cpu_threads(torch.device("meta"), 3) == 1  # not a CPU measurement: left alone
+        assert perf.use_cpu_threads(torch.device("cpu"), 0) == 1  # 0: whatever torch has
+    finally:
+        torch.set_num_threads(before)

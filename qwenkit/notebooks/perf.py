@@ -56,6 +56,16 @@ NPU_REFERENCE = {
 # Loss-head sweeps, each case in a fresh process (qwenkit.notebooks.measure)
 
 
+def use_cpu_threads(device: torch.device, threads: int) -> int:
+    """On CPU with ``threads > 0``, run this process's torch ops on that many threads; returns the
+    number in use. On 2 busy cores every operator of a 2-thread pass waits for its slowest thread
+    (a model step measured 1,106 ms instead of ~17), so notebook 04 measures with one thread, as
+    each CPU rank of ``qwenkit train`` runs."""
+    if device.type == "cpu" and threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def head_sweep(
     seq_lens: list[int],
     chunk_size: int | str,
