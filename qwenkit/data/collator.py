@@ -39,6 +39,7 @@ from qwenkit.loss import IGNORE_INDEX
 from qwenkit.processor import Processor
 
 SEQUENCE_KEYS = ("input_ids", "labels", "mm_token_type_ids")
+COUNT_KEYS = ("num_bad",)  # per-sample counts: summed over the batch, present when any sample has one
 
 
 class Collator:
@@ -55,14 +56,15 @@ class Collator:
             raise ValueError("cannot collate an empty list of samples")
         lengths = [len(s["input_ids"]) for s in samples]
         batch = self._pack(samples, lengths) if self.packing else self._pad(samples, lengths)
-        media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS and k != "num_bad"})
+        media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS + COUNT_KEYS})
         for key in media:
             batch[key] = torch.cat([s[key] for s in samples if key in s])
+        for key in COUNT_KEYS:
+            counts = [s[key] for s in samples if key in s]
+            if counts:
+                batch[key] = torch.stack(counts).sum()
         batch["num_items"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
         batch["num_samples"] = torch.tensor(len(samples), dtype=torch.long)
-        bad = [s["num_bad"] for s in samples if "num_bad" in s]
-        if bad:
-            batch["num_bad"] = torch.stack(bad).sum()
         return batch
 
     def _pad(self, samples, lengths: list[int]) -> dict[str, torch.Tensor]:
