@@ -65,14 +65,12 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_size: int | str = "auto"
         self.chunk_budget_bytes = 512 * 2**20
         self.loss_reduction = "token_mean"
-        # Data parallel: every rank must run the (sharded) vision tower in every forward (training
-        # and eval loss), or FSDP's collectives mismatch when one rank's micro-batch has no
-        # image. Set by the trainer.
-        self.vision_every_step = False
-        # Data with videos: HF runs the tower once per modality present (images, then videos), so a
-        # rank with both makes two calls; with this set every rank makes two, an idle call standing
-        # in for a missing modality. Set by the trainer when the dataset has videos.
-        self.video_every_step = False
+        # Data parallel: every rank must run the (sharded) vision tower as many times in every
+        # forward (training and eval loss), or FSDP's collectives mismatch when one rank's
+        # micro-batch has no image. HF runs the tower once per modality present (images, then
+        # videos), so this is 1, or 2 for data with videos; idle calls stand in for a missing
+        # modality. 0: no padding (one process). Set by the trainer.
+        self.vision_calls_per_step = 0
 
     def configure_loss(
         self,
@@ -166,10 +164,8 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
 
     def _idle_vision_calls(self, kwargs) -> int:
         """Vision-tower calls this rank must add so that every rank makes the same number."""
-        if not self.vision_every_step:  # training and eval loss alike
-            return 0
         made = (kwargs.get("pixel_values") is not None) + (kwargs.get("pixel_values_videos") is not None)
-        return max(0, 1 + self.video_every_step - made)
+        return max(0, self.vision_calls_per_step - made)  # training and eval loss alike
 
     def packed_position_ids(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, media: dict) -> torch.Tensor:
         """Positions ``[4, 1, ΣL]`` of a packed row: ``[text; t; h; w]``, each sample starting at 0.

@@ -185,8 +185,7 @@ class Trainer:
 
         model = qmodel.build(cfg.model, cfg.loss)
         patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)  # logs its report
-        model.vision_every_step = rt.world_size > 1
-        model.video_every_step = model.vision_every_step and self.bundle.dataset.has_videos
+        model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
         if main_rank:
             log.info("parameters:\n%s", qmodel.format_manifest(qmodel.parameter_manifest(model)))
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)

@@ -161,7 +161,7 @@ def _mixed_modalities(rank, out):
     total = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
     cfg = qconfig.load()
     model = build_model(chunk=True, seed=4)
-    model.vision_every_step = True
+    model.vision_calls_per_step = 1
     model.train()
     rt = fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)
     fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt))

@@ -57,7 +57,7 @@ def _ranks(rank, out):
     for name, ranks_rows in CASES.items():
         batches, total = _batches(out / "data.json", ranks_rows)
         model = build_model(chunk=True, seed=4)
-        model.vision_every_step = model.video_every_step = True
+        model.vision_calls_per_step = 2  # images and videos
         model.train()
         fsdp.shard(model, qconfig.load().parallel, fsdp.build_mesh(rt))
         (model(**batches[rank], num_items_in_batch=total).loss * 2).backward()
