@@ -1,4 +1,4 @@
-"""Notebook 02's run control: stop after a step (with a stand-in for qwenkit train), metrics reading."""
+"""Notebook 02's run control: a run resumed from another's checkpoint (with a stand-in for qwenkit train), metrics reading."""
 
 import json
 import sys
@@ -9,27 +9,18 @@ import pytest
 from qwenkit import metrics
 from qwenkit.notebooks import results, runs
 
-# Prints step lines like the trainer and honours train.stop_after=N from its arguments: stops
-# after step N with that step's checkpoint written, as qwenkit train does; and train.resume=<a
-# step-N checkpoint>: logs the trainer's resume line and trains from step N + 1 (unless "ignore-resume").
+# Prints step lines like the trainer and honours train.resume=<a step-N checkpoint> from its
+# arguments: logs the trainer's resume line and trains from step N + 1 (unless "ignore-resume").
 FAKE_TRAINER = textwrap.dedent("""
     import pathlib, sys
-    out = pathlib.Path(sys.argv[1])
-    stop = [int(a.split("=")[1]) for a in sys.argv[2:] if a.startswith("train.stop_after=")]
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("train.resume=")]
     first = 1
     if resume and "ignore-resume" not in sys.argv:
         first = int(pathlib.Path(resume[0]).name.split("-")[1]) + 1
         print(f"12:00:00 [rank 0] INFO qwenkit.train: resumed from {resume[0]} at step {first - 1}", flush=True)
-    last = stop[0] if stop else 5
-    for step in range(first, last + 1):
+    for step in range(first, 6):
         print(f"step {step}/5  loss {5 - step * 0.1:.4f}", flush=True)
         print("noise line not shown", flush=True)
-    if "no-checkpoint" not in sys.argv:
-        ck = out / "checkpoints" / f"step-{last:08d}"
-        ck.mkdir(parents=True)
-        (ck / "COMPLETE.json").write_text("{}")
-        print(f"checkpoint saved: {ck}", flush=True)
 """)
 
 
@@ -40,13 +31,12 @@ def _fake(monkeypatch, tmp_path, *extra):
         sys.executable, "-u", str(script), str(output_dir), *overrides, *extra])  # fmt: skip
 
 
-def test_train_stops_after_the_step_with_its_checkpoint(tmp_path, monkeypatch):
+def test_train_shows_the_step_lines_and_logs_everything(tmp_path, monkeypatch):
     _fake(monkeypatch, tmp_path)
     shown = []
-    run = runs.train("unused.yaml", tmp_path / "run", stop_after=2, echo=shown.append, timeout_s=30)
-    assert run.stopped_after == 2 and run.ok and run.returncode == 0
-    assert "train.stop_after=2" in run.command
-    assert [s for s in shown if s.startswith("step")] == ["step 1/5  loss 4.9000", "step 2/5  loss 4.8000"]
+    run = runs.train("unused.yaml", tmp_path / "run", echo=shown.append, timeout_s=30)
+    assert run.ok and run.returncode == 0 and run.resumed_from is None
+    assert [s for s in shown if s.startswith("step")] == [f"step {s}/5  loss {5 - s * 0.1:.4f}" for s in range(1, 6)]
     assert not any("noise" in s for s in shown)
     assert "noise line not shown" in run.log.read_text()  # everything is in the log
 
@@ -67,12 +57,6 @@ def test_a_run_that_did_not_resume_where_asked_is_an_error(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="did not resume from"):
         runs.train("unused.yaml", tmp_path / "run", echo=lambda s: None, timeout_s=30,
                    resume_from=runs.checkpoint_of(tmp_path / "first", 3))  # fmt: skip
-
-
-def test_a_stop_without_its_checkpoint_is_an_error(tmp_path, monkeypatch):
-    _fake(monkeypatch, tmp_path, "no-checkpoint")
-    with pytest.raises(RuntimeError, match="without a complete checkpoint of step 2"):
-        runs.train("unused.yaml", tmp_path / "run", stop_after=2, echo=lambda s: None, timeout_s=30)
 
 
 def test_a_failing_run_raises_with_the_end_of_its_log(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,30 @@ from qwenkit.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_ent
 
 MiB = 2**20
 MAX_ROUNDS = 50  # timed rounds of one case at most, however cheap its passes
+
+
+def repeat(run: Callable[[], float], repeats: int, min_time_s: float, cap: int) -> int:
+    """Call ``run`` (which returns the seconds it took) at least ``repeats`` times, then more until
+    those seconds add up to ``min_time_s`` (``cap`` calls at most); returns the number of calls.
+
+    A cheap measurement's few passes can all fall into one busy moment of a shared machine; a
+    minimum time spreads them over many scheduler periods.
+    """
+    calls, spent = 0, 0.0
+    while calls < repeats or (spent < min_time_s and calls < cap):
+        spent += run()
+        calls += 1
+    return calls
+
+
+def use_cpu_threads(device: torch.device, threads: int) -> int:
+    """On CPU with ``threads > 0``, run this process's torch ops on that many threads; returns the
+    number in use. On 2 busy cores every operator of a 2-thread pass waits for its slowest thread
+    (a model step measured 1,106 ms instead of ~17), so notebook 04 measures with one thread, as
+    each CPU rank of ``qwenkit train`` runs."""
+    if device.type == "cpu" and threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def synchronize(device: torch.device) -> None:
@@ -46,24 +71,27 @@ def matmul_peak(
 
     ``benchmarks/train_step.py`` measures its peak with this function at the same default size:
     smaller GEMMs do not reach the peak (a 1024^3 one is dominated by call overhead on a GPU).
-    At least ``repeats`` passes, and more until ``min_time_s`` of them (at most 10,000): a small
-    GEMM's few passes can all fall into one busy moment of a shared machine (a 256^3 GEMM once
-    measured 6 GFLOP/s instead of ~320, which put a model step's "MFU" above 1).
+    At least ``repeats`` passes, and more until ``min_time_s`` of them (:func:`repeat`, at most
+    10,000): a 256^3 GEMM's best of 5 once measured 6 GFLOP/s instead of ~320, which put a model
+    step's "MFU" above 1.
     """
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # first call: library and allocator warm-up, not timed
     synchronize(device)
-    best, spent, passes = float("inf"), 0.0, 0
-    while passes < repeats or (spent < min_time_s and passes < 10_000):
+    times = []
+
+    def gemm() -> float:
         t0 = time.perf_counter()
         a @ b
         synchronize(device)
-        took = time.perf_counter() - t0
-        best, spent, passes = min(best, took), spent + took, passes + 1
-    flops = 2 * size**3
-    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "seconds": best, "flops_per_s": flops / best,
-            "passes": passes}  # fmt: skip
+        times.append(time.perf_counter() - t0)
+        return times[-1]
+
+    passes = repeat(gemm, repeats, min_time_s, cap=10_000)
+    best = min(times)
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "seconds": best,
+            "flops_per_s": 2 * size**3 / best, "passes": passes}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,8 +127,7 @@ def _head_cases(case: dict[str, Any]) -> list[dict[str, Any]]:
     if case["device"].startswith("npu"):
         import torch_npu  # noqa: F401  (registers the npu device type in this fresh process)
     device = torch.device(case["device"])
-    if case["threads"] > 0:  # torch.set_num_threads: fewer threads than cores leave the others to the load
-        torch.set_num_threads(case["threads"])
+    use_cpu_threads(device, case["threads"])
     dtype = getattr(torch, case["dtype"])
     n, h, v = case["seq_len"], case["hidden"], case["vocab"]
     torch.manual_seed(0)
@@ -151,14 +178,16 @@ def _head_cases(case: dict[str, Any]) -> list[dict[str, Any]]:
             peaks[var] = memory.max_memory_allocated(device) - base
         if not case["repeats"]:
             times[var].append(first)  # no timed rounds asked for: the memory pass is the time
+
+    def one_round() -> float:  # every variant once, the order reversed every other round
+        order = variants if len(times[variants[0]]) % 2 == 0 else variants[::-1]
+        seconds = {var: one_pass(var) for var in order}
+        for var, s in seconds.items():
+            times[var].append(s)
+        return sum(seconds.values())
+
     if case["repeats"]:
-        timed, r = 0.0, 0
-        while r < case["repeats"] or (timed < case["min_time_s"] and r < MAX_ROUNDS):
-            for var in (variants if r % 2 == 0 else variants[::-1]):
-                seconds = one_pass(var)
-                times[var].append(seconds)
-                timed += seconds
-            r += 1
+        repeat(one_round, case["repeats"], case["min_time_s"], cap=MAX_ROUNDS)
     shape = {k: val for k, val in case.items() if k != "variants"}
     # the median is the point; min and max are its spread, drawn as error bars
     return [{**shape, "variant": var, "chunk_size": heads[var][0], "passes": len(times[var]),

@@ -33,7 +33,12 @@ import torch
 
 from qwenkit import patches
 from qwenkit.notebooks import plots, results
-from qwenkit.notebooks.measure import head_case, head_measure, matmul_peak  # noqa: F401 (notebook 04 calls perf.matmul_peak)
+from qwenkit.notebooks.measure import (  # noqa: F401 (notebook 04 calls perf.matmul_peak and perf.use_cpu_threads)
+    head_case,
+    head_measure,
+    matmul_peak,
+    use_cpu_threads,
+)
 from qwenkit.patches import dispatch
 
 STEP_FORMATS = {"flops_per_step": ".3e", "achieved_flops_per_s": ".3e", "matmul_peak_flops_per_s": ".3e",
@@ -56,52 +61,22 @@ NPU_REFERENCE = {
 # Loss-head sweeps, each case in a fresh process (qwenkit.notebooks.measure)
 
 
-def use_cpu_threads(device: torch.device, threads: int) -> int:
-    """On CPU with ``threads > 0``, run this process's torch ops on that many threads; returns the
-    number in use. On 2 busy cores every operator of a 2-thread pass waits for its slowest thread
-    (a model step measured 1,106 ms instead of ~17), so notebook 04 measures with one thread, as
-    each CPU rank of ``qwenkit train`` runs."""
-    if device.type == "cpu" and threads > 0:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
-
-
-def head_sweep(
-    seq_lens: list[int],
-    chunk_size: int | str,
-    hidden: int,
-    vocab: int,
-    dtype: str = "float32",
-    device: str = "cpu",
-    repeats: int = 2,
-    min_time_s: float = 0.0,
-    threads: int = 0,
-) -> list[dict[str, Any]]:
-    """Full vs chunked head at each sequence length (one process each): rows with ``time_ms`` and ``peak_mb``."""
+def head_sweep(seq_lens: list[int], chunk_size: int | str, hidden: int, vocab: int, **how) -> list[dict[str, Any]]:
+    """Full vs chunked head at each sequence length (one process each, passes interleaved): rows
+    with ``time_ms`` and ``peak_mb``. ``how``: :func:`head_case`'s dtype, device, repeats,
+    min_time_s and threads."""
     rows = []
     for seq in seq_lens:
-        for row in head_measure(head_case(["full", chunk_size], seq, hidden, vocab, dtype, device, repeats,
-                                          warmup=1, min_time_s=min_time_s, threads=threads)):  # fmt: skip
+        for row in head_measure(head_case(["full", chunk_size], seq, hidden, vocab, warmup=1, **how)):
             row["head"] = "full" if row["variant"] == "full" else "chunked"
             rows.append(row)
     return rows
 
 
-def chunk_sweep(
-    seq_len: int,
-    chunk_sizes: list[int],
-    hidden: int,
-    vocab: int,
-    dtype: str = "float32",
-    device: str = "cpu",
-    repeats: int = 2,
-    min_time_s: float = 0.0,
-    threads: int = 0,
-) -> list[dict[str, Any]]:
-    """The chunked head at one sequence length over chunk sizes (one process, passes interleaved)."""
-    case = head_case(chunk_sizes, seq_len, hidden, vocab, dtype, device, repeats, warmup=1, min_time_s=min_time_s,
-                     threads=threads)
-    return head_measure(case)
+def chunk_sweep(seq_len: int, chunk_sizes: list[int], hidden: int, vocab: int, **how) -> list[dict[str, Any]]:
+    """The chunked head at one sequence length over chunk sizes (one process, passes interleaved);
+    ``how`` as for :func:`head_sweep`."""
+    return head_measure(head_case(chunk_sizes, seq_len, hidden, vocab, warmup=1, **how))
 
 
 def recommend_chunk(rows: list[dict[str, Any]], time_slack: float = 0.10) -> int:

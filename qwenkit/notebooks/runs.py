@@ -3,9 +3,7 @@
 The kernel never trains: FSDP2 needs one process per rank, and a kernel that joined a process
 group could not be re-run. :func:`train` starts ``qwenkit train`` (the launcher, then torchrun,
 then the ranks) in its own process group, streams its progress lines into the cell, keeps the
-whole log in ``<output_dir>/train.log``, and can **stop** the run after a given step with
-``train.stop_after`` (the run saves that step's checkpoint and exits; its LR schedule still spans
-``train.steps``), the way a time-boxed job ends, or start a new run from another run's checkpoint
+whole log in ``<output_dir>/train.log``, and can start a run from another run's checkpoint
 (``resume_from``: ``train.resume=<checkpoint>``, checked in the log to have resumed there).
 
 :func:`qwenkit.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
@@ -54,7 +52,6 @@ class TrainRun:
     returncode: int
     seconds: float
     log: Path
-    stopped_after: int | None = None  # the step the run was stopped after, its checkpoint complete
     resumed_from: int | None = None  # the step of the checkpoint this run resumed from (None: fresh)
 
     @property
@@ -87,10 +84,6 @@ def checkpoint_of(run_dir: str | Path, step: int) -> Path:
     return ckpt.step_dir(ckpt.checkpoint_root(run_dir), step)
 
 
-def _checkpoint_complete(output_dir: Path, step: int) -> bool:
-    return (checkpoint_of(output_dir, step) / ckpt.COMPLETE).is_file()
-
-
 RESUMED_AT = re.compile(r"resumed from \S+ at step (\d+)")  # the trainer's log line (qwenkit.train)
 
 
@@ -99,18 +92,15 @@ def train(
     output_dir: str | Path,
     nproc: int = 2,
     overrides: list[str] | None = None,
-    stop_after: int | None = None,
     echo: Callable[[str], None] = print,
     timeout_s: float = 900,
     resume_from: str | Path | None = None,
 ) -> TrainRun:
-    """Run ``qwenkit train`` to the end, or (``stop_after``) to that step and its checkpoint;
-    ``resume_from``: start from that checkpoint (another run's; this run's own are found by
-    ``train.resume=auto``)."""
+    """Run ``qwenkit train`` to the end; ``resume_from``: start from that checkpoint (another
+    run's; this run's own are found by ``train.resume=auto``)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    overrides = list(overrides or []) + ([f"train.stop_after={stop_after}"] if stop_after else [])
-    overrides += [f"train.resume={resume_from}"] if resume_from is not None else []
+    overrides = list(overrides or []) + ([f"train.resume={resume_from}"] if resume_from is not None else [])
     cmd = train_command(config, output_dir, nproc, overrides)
     echo("$ qwenkit " + shlex.join(cmd[3:]))
     log_path = output_dir / "train.log"
@@ -137,18 +127,14 @@ def train(
                 _terminate(proc)
                 raise TimeoutError(f"qwenkit train ran over {timeout_s:.0f} s; log: {log_path}")
         code = proc.wait()
-    stopped = stop_after if stop_after and code == 0 and _checkpoint_complete(output_dir, stop_after) else None
     resumed = RESUMED_AT.findall(log_path.read_text())  # the log of every invocation in output_dir
-    run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, stopped,
-                   int(resumed[-1]) if resumed else None)  # fmt: skip
+    run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, int(resumed[-1]) if resumed else None)
     if not run.ok:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"qwenkit train failed with exit code {code}; last lines of {log_path}:\n{tail}")
-    if stop_after and stopped is None:
-        raise RuntimeError(f"the run ended without a complete checkpoint of step {stop_after}; log: {log_path}")
     if resume_from is not None and run.resumed_from is None:
         raise RuntimeError(f"the run did not resume from {resume_from}; log: {log_path}")
-    echo(f"-- {f'stopped after step {stopped}' if stopped else 'finished'} after {run.seconds:.0f} s")
+    echo(f"-- finished after {run.seconds:.0f} s")
     return run
 
 
@@ -193,9 +179,8 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
          resumed_run: TrainRun) -> dict[str, Any]:  # fmt: skip
     """``training_metrics.csv`` (both runs, long format) and ``metrics.json``; returns the metrics' values.
 
-    ``resumed`` is a run that resumed from the uninterrupted run's checkpoint of ``resume_step``
-    (or was stopped there and resumed): every step after it, and every evaluation after it, must
-    equal the uninterrupted run's.
+    ``resumed`` is a run that resumed from the uninterrupted run's checkpoint of ``resume_step``:
+    every step after it, and every evaluation after it, must equal the uninterrupted run's.
     """
     rows = [{**r, "series": f"uninterrupted {r['series']}"} for r in uninterrupted]
     rows += [{**r, "series": f"resumed {r['series']}"} for r in resumed]
