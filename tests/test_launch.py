@@ -39,7 +39,7 @@ def _train(tmp_path, *overrides, nproc=2):
 
 @pytest.mark.slow
 def test_train_then_export(tmp_path):
-    proc, out = _train(tmp_path)
+    proc, out = _train(tmp_path, "train.eval_accuracy_every=2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (out / "config.yaml").is_file()
     assert (out / "checkpoints" / "step-00000003" / "COMPLETE.json").is_file()
@@ -47,10 +47,12 @@ def test_train_then_export(tmp_path):
         rows = [r for r in metrics.read(out) if r["rank"] == rank]
         assert {r["metric"] for r in rows} == set(metrics.UNITS)
         assert sorted({r["x"] for r in rows}) == [0, 1, 2, 3]  # x = 0: the eval before the first step
-        assert sorted(metrics.series(rows, "eval_accuracy", rank)) == [0, 3]
+        assert sorted(metrics.series(rows, "eval_accuracy", rank)) == [0, 2, 3]  # and every 2 steps
+        assert sorted(metrics.series(rows, "eval_loss", rank)) == [0, 2, 3]
         assert all(r["rank"] == rank and r["device"] == "cpu" for r in rows)
     assert re.search(r"step 3/3  loss \d", proc.stdout) and "eval at step 3: eval_loss" in proc.stdout
     assert len(generate.read_jsonl(out / "eval" / "step-000003.jsonl")) == 2
+    assert len(generate.read_jsonl(out / "eval" / "step-000002.jsonl")) == 2
     assert "part" in proc.stderr and "trainable" in proc.stderr  # the parameter manifest is logged
 
     exported = _qwenkit("export", str(out), str(tmp_path / "hf"))  # finds out/config.yaml itself
@@ -84,6 +86,14 @@ def _tiny_rows(n):
     for row in rows:
         row["images"] = [str(path.parent / image) for image in row["images"]]
     return rows
+
+
+def test_bad_eval_keys_are_refused_before_any_process_starts(tmp_path):
+    out = tmp_path / "run"
+    proc = _qwenkit("train", "train.eval_accuracy_every=-1", "train.eval_every=-2", f"train.output_dir={out}")
+    assert proc.returncode == 2
+    assert "train.eval_accuracy_every must be >= 0" in proc.stderr and "train.eval_every must be >= 0" in proc.stderr
+    assert not out.exists() and "torchrun" not in proc.stdout  # nothing written, nothing started
 
 
 @pytest.mark.slow
