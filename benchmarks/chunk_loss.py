@@ -1,6 +1,6 @@
 """Loss-head benchmark: HF's full-logits loss vs qwenkit's chunked loss, side by side.
 
-Each variant runs in a fresh subprocess (``qwenkit.notebooks.measure.head_measure``) so its peak memory is its
+Each variant runs in a fresh subprocess (``qwenkit.bench.measure.head_measure``) so its peak memory is its
 own: on CPU the peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs exist), on
 an accelerator the allocator's peak. The number reported is the loss head's whole transient:
 everything forward + backward allocates beyond the inputs, the lm_head weight gradient included
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qwenkit.notebooks.measure import head_case, head_measure
+from qwenkit.bench.measure import head_case, head_measure
 from qwenkit.notebooks.results import write_jsonl
 
 MiB = 2**20

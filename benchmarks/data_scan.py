@@ -80,7 +80,7 @@ def measure(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
     """One measurement in this (fresh) process: ``cold`` scans and writes, ``warm`` reads."""
     from qwenkit import config as qconfig
     from qwenkit.data import read_dataset
-    from qwenkit.model import load_processor
+    from qwenkit.model.paths import load_processor
 
     cfg = qconfig.load(overrides={"data.path": path, "data.cache_dir": cache_dir, "data.num_proc": num_proc})
     processor = load_processor(cfg)

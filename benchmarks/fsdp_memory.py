@@ -43,8 +43,8 @@ def _bytes(t: torch.Tensor) -> int:
 
 def _rank(rank: int, world: int, port: int, results) -> None:
     from qwenkit import config as qconfig
-    from qwenkit import fsdp
-    from qwenkit.model import QwenkitQwen2_5_VL
+    from qwenkit.distributed import fsdp
+    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from synthetic import IMAGE_PAD, VISION_END, VISION_START, make_config
 from train_step import CPU_SHAPES
 
-from qwenkit.notebooks.measure import fresh_process, status_bytes
+from qwenkit.bench.measure import fresh_process, status_bytes
 
 GiB = 2**30
 PAD = 151_643  # <|endoftext|>
@@ -86,7 +86,7 @@ def worker(args) -> dict:
     import torch
 
     from qwenkit.data import Collator
-    from qwenkit.model import QwenkitQwen2_5_VL
+    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
     config = make_config(CPU_SHAPES)
     config._attn_implementation = "sdpa"

@@ -37,7 +37,7 @@ import time
 
 from synthetic import QWEN_ORDINARY, VOCAB, make_batch, make_config
 
-from qwenkit.launch import CPU_MALLOC_ENV
+from qwenkit.device import CPU_MALLOC_ENV
 
 GiB = 2**30
 
@@ -82,8 +82,8 @@ def worker(args) -> dict:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from qwenkit.model import QwenkitQwen2_5_VL
-    from qwenkit.notebooks.measure import status_bytes
+    from qwenkit.bench.measure import status_bytes
+    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
     shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
     device = torch.device(args.device)
@@ -173,8 +173,8 @@ def main(argv=None) -> int:
             variants.append("liger")
         except ImportError:
             print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
-    from qwenkit.loss import auto_chunk_size
-    from qwenkit.notebooks.measure import matmul_peak
+    from qwenkit.bench.measure import matmul_peak
+    from qwenkit.model.loss import auto_chunk_size
     from qwenkit.notebooks.results import write_jsonl
 
     peak_flops = matmul_peak(torch.device(args.device), getattr(torch, shapes["dtype"]), size=4096)["flops_per_s"]

@@ -51,7 +51,7 @@ def _data_prepare(args) -> int:
 
 
 def _export(args) -> int:
-    from qwenkit import checkpoint  # torch.distributed.checkpoint: export only
+    from qwenkit.engine import checkpoint  # torch.distributed.checkpoint: export only
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
@@ -61,7 +61,7 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from qwenkit.evaluate import eval_main  # the model, data and generation stack: eval only
+    from qwenkit.engine.evaluate import eval_main  # the model, data and generation stack: eval only
 
     return eval_main(args)
 

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 import torch
 import yaml
 
-from qwenkit.loss import LOSS_TYPES
+from qwenkit.model.loss import LOSS_TYPES
 from qwenkit.patches import BACKENDS, OPS, dispatch
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = "qwen2_5_vl"  # registry key, see qwenkit.model.REGISTRY
+    name: str = "qwen2_5_vl"  # registry key, see qwenkit.model.registry.REGISTRY
     path: str = "tiny"  # "tiny" (embedded default) or a Hugging Face checkpoint directory
     dtype: Dtype = "float32"  # dtype the weights are loaded in
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"

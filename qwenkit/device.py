@@ -11,6 +11,12 @@ import torch
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 
+# glibc raises its mmap threshold to the largest block freed (up to 32 MiB), after which
+# activation-sized tensors come from the heap and fragment it: peak RSS then grew ~1 GiB above
+# the live tensors on the Qwen2.5-VL step benchmark, and steps ran slower. Pinning it keeps big
+# tensors mmapped, returned to the OS when freed. CPU ranks only; a value the user set wins.
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+
 
 def resolve_device(name: str, key: str = "parallel.device") -> str:
     """``auto`` picks cuda, then npu (torch_npu), then cpu; ``key`` names the setting in errors."""

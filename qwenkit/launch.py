@@ -21,11 +21,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
-from qwenkit import fsdp
-from qwenkit.device import resolve_device
-from qwenkit.model import resolve_path
+from qwenkit.device import CPU_MALLOC_ENV, resolve_device
+from qwenkit.distributed import fsdp
+from qwenkit.engine import checkpoint as ckpt
+from qwenkit.model.paths import resolve_path
 
 
 @dataclass(frozen=True)
@@ -80,13 +80,6 @@ def check_resume(cfg) -> list[str]:
     return [problem] if problem and not cfg.train.resume_older else []
 
 
-# glibc raises its mmap threshold to the largest block freed (up to 32 MiB), after which
-# activation-sized tensors come from the heap and fragment it: peak RSS then grew ~1 GiB above
-# the live tensors on the Qwen2.5-VL step benchmark, and steps ran slower. Pinning it keeps big
-# tensors mmapped, returned to the OS when freed. CPU ranks only; a value the user set wins.
-CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
-
-
 def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
     """The ranks' environment: ``base`` plus the CPU allocator setting when ranks run on CPU."""
     env = dict(base)
@@ -106,7 +99,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[st
         f"--node-rank={rdzv.node_rank}",
         f"--master-addr={rdzv.master_addr}",
         f"--master-port={rendezvous_port(rdzv)}",
-        "-m", "qwenkit.train", "--config", str(config_path),
+        "-m", "qwenkit.engine.train", "--config", str(config_path),
     ]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ def quiet_torchrun(argv: list[str]) -> int:
     """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
 
     A qwenkit rank reports its own failure, one line then the traceback (see
-    ``qwenkit.train.report_failure``), and exits with status 1; torchrun then stops the other
+    ``qwenkit.engine.train.report_failure``), and exits with status 1; torchrun then stops the other
     ranks and raises ``ChildFailedError``, whose printout is dropped here. torchrun's own
     errors (bad arguments, rendezvous) still surface.
     """

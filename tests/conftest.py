@@ -28,24 +28,24 @@ def _cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_path(_cache):
-    from qwenkit.tiny import ensure_checkpoint
+    from qwenkit.model.tiny import ensure_checkpoint
 
     return ensure_checkpoint()
 
 
 @pytest.fixture(scope="session")
 def processor(tiny_path):
-    from qwenkit.processor import Processor
+    from qwenkit.model.processor import Processor
 
     return Processor.from_pretrained(tiny_path)
 
 
 def build_model(chunk=False, seed=None, **overrides):
     """The tiny model in fp32 (eval mode: no dropout anyway, but deterministic by contract)."""
-    from qwenkit import model as qmodel
+    from qwenkit.model import registry
 
     cfg = qconfig.load(overrides={f"model.{k}": v for k, v in overrides.items()})
-    m = qmodel.build(cfg.model, cfg.loss)
+    m = registry.build(cfg.model, cfg.loss)
     m.configure_loss(chunk=chunk)
     if seed is not None:
         torch.manual_seed(seed)

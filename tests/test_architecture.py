@@ -3,7 +3,7 @@
 - no import cycles among qwenkit modules (function-level imports count: a cycle hidden in a
   function still couples the two modules);
 - at most 8 imports of qwenkit modules inside functions, each with a reason on its line;
-- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.train``);
+- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.train``);
 - the training kit never imports the notebook layer.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
 MAX_FUNCTION_IMPORTS = 8
-ENTRY_POINTS = {"qwenkit.cli", "qwenkit.train"}
+ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.train"}
 
 
 def _modules() -> dict[str, Path]:
@@ -126,3 +126,59 @@ def test_the_kit_never_imports_the_notebook_layer():
     )
     assert not upward, "the training kit imports the notebook layer:\n" + "\n".join(upward)
 
+
+
+# The floors, lowest first: a module may import its own floor and the floors this table names.
+# ``qwenkit`` is the package's own ``__init__`` (the version); ``entry`` are cli, launch, torchrun.
+FLOORS = {
+    "leaf": set(),  # config, device
+    "patches": {"leaf"},
+    "model": {"leaf"},
+    "distributed": {"leaf", "model"},
+    "data": {"leaf", "model"},
+    "engine": {"leaf", "patches", "model", "distributed", "data"},
+    "entry": {"leaf", "patches", "model", "distributed", "data", "engine", "bench", "notebooks"},
+    "bench": {"leaf", "patches", "model", "distributed", "data"},
+    "notebooks": {"leaf", "patches", "model", "distributed", "data", "engine", "bench"},
+}
+# Temporary, named exceptions to the table (module -> imported module).
+EXCEPTIONS = {
+    ("qwenkit.config", "qwenkit.patches"),
+    ("qwenkit.config", "qwenkit.patches.dispatch"),
+    ("qwenkit.config", "qwenkit.model.loss"),
+}
+# data needs the model floor's light modules (paths, processor, tokens, loss constants), never its code.
+MODEL_CODE = ("qwenkit.model.qwen2_5_vl", "qwenkit.model.registry")
+
+
+def floor_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "package"
+    if parts[1] in ("cli", "launch", "torchrun"):
+        return "entry"
+    if module in ("qwenkit.config", "qwenkit.device"):
+        return "leaf"
+    return parts[1]
+
+
+def test_every_module_has_a_floor():
+    unknown = sorted(m for m in MODULES if floor_of(m) not in FLOORS and floor_of(m) != "package")
+    assert not unknown, f"modules outside the floors of docs/ARCHITECTURE.md: {unknown}"
+
+
+def test_imports_go_down_the_floors():
+    upward = []
+    for m, line, target, _, text in _imports():
+        a, b = floor_of(m), floor_of(target)
+        if a == b or b == "package" or (m, target) in EXCEPTIONS:
+            continue
+        if b not in FLOORS.get(a, set()) or (a == "data" and target.startswith(MODEL_CODE)):
+            upward.append(f"{m}:{line}: {text.strip()}  ({a} -> {b})")
+    assert not upward, "imports against the floors of docs/ARCHITECTURE.md:\n" + "\n".join(upward)
+
+
+def test_floor_check_catches_an_upward_import():
+    assert "engine" not in FLOORS["model"] and "model" in FLOORS["data"]
+    assert floor_of("qwenkit.engine.train") == "engine" and floor_of("qwenkit.config") == "leaf"
+    assert floor_of("qwenkit.launch") == "entry" and floor_of("qwenkit.data.check") == "data"

@@ -30,9 +30,10 @@ from conftest import make_batch
 from multiproc import check_ranks, run_ranks
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import checkpoint as ckpt
-from qwenkit import cli, data, metrics, train
+from qwenkit import cli, data
 from qwenkit import config as qconfig
+from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import metrics, train
 
 BASE = [
     "train.steps=8",
@@ -127,7 +128,7 @@ def _first_launch(rank, out):
 
 
 def _second_launch(rank, out, processor_path):
-    from qwenkit.processor import Processor
+    from qwenkit.model.processor import Processor
 
     dist.init_process_group("gloo")
     train.build_optimizer = _record_applied_lr(train.build_optimizer)

@@ -18,8 +18,8 @@ from PIL import Image
 from qwenkit import config as qconfig
 from qwenkit.data import Collator, build, read_dataset
 from qwenkit.data.images import predict_grid
-from qwenkit.loss import IGNORE_INDEX
-from qwenkit.processor import Processor, needs_mm_token_type_ids
+from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
 MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
 needs_demo = pytest.mark.skipif(

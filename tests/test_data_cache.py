@@ -19,13 +19,13 @@ from multiproc import check_ranks
 from PIL import Image
 
 from qwenkit import config as qconfig
-from qwenkit import metrics, train
 from qwenkit.cli import main as cli_main
 from qwenkit.config import DataConfig
 from qwenkit.data import BadSample, Collator, build, cache, read_dataset
 from qwenkit.data.index import SampleIndex
-from qwenkit.model import load_processor
-from qwenkit.processor import Processor
+from qwenkit.engine import metrics, train
+from qwenkit.model.paths import load_processor
+from qwenkit.model.processor import Processor
 
 N_ROWS = 12
 CORRUPT_ROW = 2  # its PNG has a damaged compressed stream: header and IEND intact

@@ -22,14 +22,14 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from videos import LOSSLESS, decode_all, frame, write_video
 
 from qwenkit import config as qconfig
-from qwenkit import train
 from qwenkit.cli import main as cli_main
 from qwenkit.data import DataError, build, read_dataset
 from qwenkit.data.images import ImageRef
 from qwenkit.data.report import Location
 from qwenkit.data.video import VideoMeta, VideoProcessor, probe
-from qwenkit.loss import IGNORE_INDEX
-from qwenkit.processor import Processor, needs_mm_token_type_ids
+from qwenkit.engine import train
+from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
 pytest.importorskip("av")
 

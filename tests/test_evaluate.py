@@ -13,11 +13,12 @@ from conftest import build_model
 from multiproc import check_ranks
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
-from qwenkit import data, evaluate, metrics, train
-from qwenkit import generate as qgen
+from qwenkit import data
 from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import evaluate, metrics, train
+from qwenkit.engine import generate as qgen
 
 BASE = ["train.resume=none", "data.tiny_samples=16", "data.tiny_eval_samples=5", "train.micro_batch_size=2"]
 
@@ -70,7 +71,7 @@ def test_eval_fraction_split_is_disjoint_deterministic_and_seeded(processor):
 
 
 def test_eval_path_and_tiny_held_out_set(processor, tmp_path):
-    from qwenkit.tiny import EVAL_SEED, write_dataset
+    from qwenkit.model.tiny import EVAL_SEED, write_dataset
 
     cfg = qconfig.load(overrides=["data.tiny_samples=16", "data.tiny_eval_samples=6"])
     bundle = data.build(cfg, processor)

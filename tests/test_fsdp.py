@@ -13,8 +13,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from qwenkit import config as qconfig
-from qwenkit import fsdp, train
-from qwenkit.tiny import ensure_checkpoint
+from qwenkit.distributed import fsdp
+from qwenkit.engine import train
+from qwenkit.model.tiny import ensure_checkpoint
 
 # Both sides fp32; sums over ranks and micro-batches run in another order (the issue's bound).
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -153,7 +154,7 @@ def _mixed_modalities(rank, out):
     crash (the vision tower runs on every rank), and the gradients equal one process's."""
     from conftest import build_model, make_batch  # tests/ is on the spawned ranks' sys.path
 
-    from qwenkit.processor import Processor
+    from qwenkit.model.processor import Processor
 
     dist.init_process_group("gloo")
     proc = Processor.from_pretrained(ensure_checkpoint())
@@ -168,7 +169,7 @@ def _mixed_modalities(rank, out):
     loss = model(**batches[rank], num_items_in_batch=total).loss
     (loss * 2).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    model.eval()  # eval loss (qwenkit.evaluate): in eval mode too, every rank runs the vision tower
+    model.eval()  # eval loss (qwenkit.engine.evaluate): in eval mode too, every rank runs the vision tower
     with torch.no_grad():
         evaluated = model(**batches[rank], num_items_in_batch=total).loss
     dist.all_reduce(evaluated)
@@ -262,8 +263,8 @@ def test_tiny_checkpoint_written_under_a_process_group_has_weights(tmp_path):
 def _meta_init_readers(rank, out):
     """Meta init on 3 ranks (uneven row shards: 32 rows -> 11, 11, 10) through each weight reader
     this torch has: DCP's HuggingFaceStorageReader (torch 2.8+) and the safetensors slice reader."""
-    from qwenkit import model as qmodel
-    from qwenkit import weights
+    from qwenkit.distributed import weights
+    from qwenkit.model import registry
 
     dist.init_process_group("gloo")
     cfg = qconfig.load(overrides=["model.init_device=meta"])
@@ -273,7 +274,7 @@ def _meta_init_readers(rank, out):
         if name == "dcp" and reader is None:
             continue  # torch < 2.8
         weights.HuggingFaceStorageReader = reader
-        model = qmodel.build(cfg.model, cfg.loss)
+        model = registry.build(cfg.model, cfg.loss)
         fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt))
         fsdp.materialize(model, rt.device)
         with torch.no_grad():
@@ -289,11 +290,11 @@ def _meta_init_readers(rank, out):
 
 @pytest.mark.slow
 def test_meta_init_reads_each_shard_like_from_pretrained(tmp_path, tiny_path):
-    from qwenkit import model as qmodel
-    from qwenkit import weights
+    from qwenkit.distributed import weights
+    from qwenkit.model import registry
 
     check_ranks(_meta_init_readers, 3, tmp_path)
-    ref = qmodel.build(qconfig.load().model).state_dict()
+    ref = registry.build(qconfig.load().model).state_dict()
     readers = ["slices"] + (["dcp"] if weights.HuggingFaceStorageReader is not None else [])
     for name in readers:
         got = torch.load(tmp_path / f"{name}.pt")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from multiproc import check_ranks
 
 from qwenkit import config as qconfig
-from qwenkit import fsdp
+from qwenkit.distributed import fsdp
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # sums over ranks run in another order
 
@@ -36,7 +36,7 @@ def _write_rows(root):
 
 def _batches(path, ranks_rows):
     from qwenkit.data import build
-    from qwenkit.model import load_processor
+    from qwenkit.model.paths import load_processor
 
     cfg = qconfig.load(overrides=[f"data.path={path}", "data.shuffle=false", "train.micro_batch_size=1"])
     bundle = build(cfg, load_processor(cfg))

@@ -13,7 +13,7 @@ import torch
 from test_model import _video_batch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import model as qmodel
+from qwenkit.model import processor, qwen2_5_vl
 
 NEW_TOKENS = 6
 
@@ -30,7 +30,7 @@ def pair(make_model, tiny_path):
 def _prompt(batch: dict) -> dict:
     """A generation prompt: no labels; ``mm_token_type_ids`` only where transformers takes it."""
     keep = {k: v for k, v in batch.items() if k != "labels"}
-    if not qmodel.needs_mm_token_type_ids():
+    if not processor.needs_mm_token_type_ids():
         keep.pop("mm_token_type_ids", None)
     return keep
 
@@ -41,7 +41,7 @@ def _generate(model, **kwargs):
 
 
 def test_forward_exposes_the_parents_parameters():
-    ours = inspect.signature(qmodel.QwenkitQwen2_5_VL.forward).parameters
+    ours = inspect.signature(qwen2_5_vl.QwenkitQwen2_5_VL.forward).parameters
     parent = inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters
     assert list(ours)[: len(parent) - 1] == list(parent)[:-1]  # same names, same positional order
     assert {"num_items_in_batch", "num_samples", "return_dict", "kwargs"} <= set(ours)

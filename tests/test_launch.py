@@ -16,7 +16,8 @@ import torch
 from multiproc import free_port
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import cli, generate, launch, metrics
+from qwenkit import cli, launch
+from qwenkit.engine import generate, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2"]
@@ -79,7 +80,7 @@ def test_train_then_export(tmp_path):
 
 def _tiny_rows(n):
     """The first n rows of the tiny eval set, with absolute image paths (so the file may live anywhere)."""
-    from qwenkit.tiny import EVAL_SEED, ensure_dataset
+    from qwenkit.model.tiny import EVAL_SEED, ensure_dataset
 
     path = ensure_dataset(4, seed=EVAL_SEED)
     rows = json.loads(path.read_text())[:n]
@@ -158,7 +159,7 @@ def test_torchrun_command_for_multi_node():
     assert cmd[1:3] == ["-m", "qwenkit.torchrun"]  # torchrun, through quiet_torchrun
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
-    assert cmd[-4:] == ["-m", "qwenkit.train", "--config", "runs/x/config.yaml"]
+    assert cmd[-4:] == ["-m", "qwenkit.engine.train", "--config", "runs/x/config.yaml"]
 
 
 def test_rendezvous_port_is_free_on_one_node_and_agreed_across_nodes():
@@ -179,7 +180,7 @@ def test_rendezvous_port_is_free_on_one_node_and_agreed_across_nodes():
 def test_torchrun_process_does_not_import_the_training_kit():
     # The launcher process only supervises the ranks; importing transformers and distributed
     # checkpointing there cost every `qwenkit train` ~2 s before any rank started.
-    code = "import sys, qwenkit.torchrun; print(sorted(m for m in ('transformers', 'qwenkit.model', 'qwenkit.checkpoint') if m in sys.modules))"
+    code = "import sys, qwenkit.torchrun; print(sorted(m for m in ('transformers', 'qwenkit.model', 'qwenkit.engine.checkpoint') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
@@ -244,7 +245,7 @@ def test_train_on_npu(tmp_path):
 
 def test_cpu_ranks_get_a_pinned_mmap_threshold_unless_the_user_set_one():
     from qwenkit import config as qconfig
-    from qwenkit.launch import CPU_MALLOC_ENV, rank_environment
+    from qwenkit.device import CPU_MALLOC_ENV, rank_environment
 
     cpu = qconfig.load(overrides=["parallel.device=cpu"])
     assert rank_environment(cpu, {"PATH": "/bin"}) == {"PATH": "/bin", **CPU_MALLOC_ENV}

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from qwenkit.loss import (
+from qwenkit.model.loss import (
     CHUNK_MULTIPLE,
     IGNORE_INDEX,
     auto_chunk_size,
@@ -179,7 +179,7 @@ def test_peak_memory_is_one_chunk_above_the_gradients():
     Sized so a chunk (62.5 MiB) is mmapped and returned to the OS when freed; holding two
     chunks at once (the old buffer alive while the next one is allocated) fails this.
     """
-    from qwenkit.notebooks.measure import head_case, head_measure
+    from qwenkit.bench.measure import head_case, head_measure
 
     n, h, v, chunk = 2048, 64, 32_000, 512
     [row] = head_measure(head_case(str(chunk), n, h, v))

@@ -5,8 +5,8 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
-from qwenkit import model as qmodel
-from qwenkit.loss import shift_labels
+from qwenkit.model import qwen2_5_vl, registry
+from qwenkit.model.loss import shift_labels
 
 # fp32 on both sides; the chunked head sums in another order, so allow a few ulps of the sums.
 FP32 = dict(rtol=1e-5, atol=1e-7)
@@ -153,11 +153,11 @@ def test_chunk_with_recompute(make_model, batch_factory):
 
 def test_frozen_vision_tower_gets_no_grads(batch_factory):
     cfg = qconfig.load(overrides=["model.freeze=[model.visual]"])
-    model = qmodel.build(cfg.model, cfg.loss)
+    model = registry.build(cfg.model, cfg.loss)
     _, grads = _loss_and_grads(model, batch_factory(images_per_sample=(1, 1)))
     assert not any(n.startswith("model.visual") for n in grads)
     assert all(p.grad is None for p in model.model.visual.parameters())
-    manifest = qmodel.parameter_manifest(model)
+    manifest = registry.parameter_manifest(model)
     assert manifest["vision blocks"]["trainable"] == manifest["merger"]["trainable"] == 0
     assert manifest["language model"]["trainable"] == manifest["language model"]["total"] > 0
 
@@ -165,7 +165,7 @@ def test_frozen_vision_tower_gets_no_grads(batch_factory):
 def test_freeze_unknown_path_names_it():
     cfg = qconfig.load(overrides=["model.freeze=[model.vision]"])
     with pytest.raises(ValueError, match="model.freeze: no module 'model.vision'"):
-        qmodel.build(cfg.model, cfg.loss)
+        registry.build(cfg.model, cfg.loss)
 
 
 def test_sdpa_and_eager_agree(make_model, batch_factory):
@@ -187,7 +187,7 @@ def test_tuple_output(make_model, batch_factory):
 def test_tied_embeddings_in_both_modes(make_model, batch_factory):
     hf, ours = _pair(make_model, tie_word_embeddings=True)
     assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
-    assert isinstance(ours.lm_head, qmodel.ChunkedLMHead)
+    assert isinstance(ours.lm_head, qwen2_5_vl.ChunkedLMHead)
     batch = batch_factory(images_per_sample=(1, 0))
     _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
 
@@ -288,10 +288,10 @@ def test_head_bias_goes_into_the_chunk_loss():
 
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from qwenkit.loss import chunked_linear_cross_entropy
+    from qwenkit.model.loss import chunked_linear_cross_entropy
 
     torch.manual_seed(0)
-    head = qmodel.ChunkedLMHead(24, 97, bias=True)
+    head = qwen2_5_vl.ChunkedLMHead(24, 97, bias=True)
     hidden = torch.randn(2, 11, 24, requires_grad=True)
     labels = torch.randint(0, 97, (2, 11))
     labels[:, :4] = -100
@@ -307,7 +307,7 @@ def test_activation_offload_leaves_the_head_gradients_on_device(make_model, batc
     """parallel.activation_offload's save_on_cpu packs the backbone's activations, never the head's
     finished fp32 grad W [V, H] (grad h [N, H] has the shape of backbone activations here; test_loss
     checks it)."""
-    from qwenkit import fsdp
+    from qwenkit.distributed import fsdp
 
     packed = []
 

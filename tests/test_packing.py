@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qwenkit.data import Collator
-from qwenkit.model import needs_mm_token_type_ids
+from qwenkit.model.processor import needs_mm_token_type_ids
 
 IMAGES = (1, 0, 2, 1)  # images at different offsets: after text of random length, 2nd sample text-only
 
@@ -175,7 +175,7 @@ def _train_worker(rank, out):
     import torch.distributed as dist
 
     from qwenkit import config as qconfig
-    from qwenkit import train
+    from qwenkit.engine import train
 
     dist.init_process_group("gloo")
     for name, extra in TRAIN_RUNS.items():
@@ -200,7 +200,7 @@ def trained(tmp_path_factory, tiny_path):  # tiny_path: written before the ranks
 
 @pytest.mark.slow
 def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained):
-    from qwenkit import metrics
+    from qwenkit.engine import metrics
 
     for rank in (0, 1):
         padded, packed = ({m: metrics.series(metrics.read(trained / run / "metrics" / f"rank-{rank:05d}.jsonl"), m, rank)
@@ -215,7 +215,7 @@ def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained):
 
 @pytest.mark.slow
 def test_token_budget_with_packing_resumes_bit_identical(trained):
-    from qwenkit import metrics
+    from qwenkit.engine import metrics
 
     for rank in (0, 1):
         straight = metrics.series(metrics.read(trained / "budget" / "metrics" / f"rank-{rank:05d}.jsonl"), "loss", rank)

@@ -5,9 +5,9 @@ import torch
 
 from qwenkit import config as qconfig
 from qwenkit import data
-from qwenkit import model as qmodel
+from qwenkit.bench.measure import MAX_ROUNDS, head_case, head_measure
+from qwenkit.model import registry
 from qwenkit.notebooks import perf
-from qwenkit.notebooks.measure import MAX_ROUNDS, head_case, head_measure
 
 
 def test_recommend_chunk_takes_memory_only_while_time_allows():
@@ -59,7 +59,7 @@ def test_matmul_peak_and_model_step_measurements(tiny_path, processor):
     assert peak["passes"] > 2  # a sub-ms GEMM repeats for min_time_s, not just twice (one busy moment was its peak)
     assert perf.matmul_peak(cpu, torch.float32, size=64, repeats=3, min_time_s=0)["passes"] == 3
     cfg = qconfig.load()
-    model = qmodel.build(cfg.model, cfg.loss)
+    model = registry.build(cfg.model, cfg.loss)
     batches = data.sample_batches(cfg, processor, 1, 2)
     flops = perf.step_flops(model, batches[0])
     params = sum(p.numel() for p in model.parameters())

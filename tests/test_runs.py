@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from qwenkit import metrics
+from qwenkit.engine import metrics
 from qwenkit.notebooks import results, runs
 
 # Prints step lines like the trainer and honours train.resume=<a step-N checkpoint> from its
@@ -17,7 +17,7 @@ FAKE_TRAINER = textwrap.dedent("""
     first = 1
     if resume and "ignore-resume" not in sys.argv:
         first = int(pathlib.Path(resume[0]).name.split("-")[1]) + 1
-        print(f"12:00:00 [rank 0] INFO qwenkit.train: resumed from {resume[0]} at step {first - 1}", flush=True)
+        print(f"12:00:00 [rank 0] INFO qwenkit.engine.train: resumed from {resume[0]} at step {first - 1}", flush=True)
     for step in range(first, 6):
         print(f"step {step}/5  loss {5 - step * 0.1:.4f}", flush=True)
         print("noise line not shown", flush=True)

@@ -9,7 +9,7 @@ from PIL import Image
 from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit.data.check import percentiles
-from qwenkit.model import load_processor
+from qwenkit.model.paths import load_processor
 from qwenkit.notebooks import samples
 
 MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"

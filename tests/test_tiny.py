@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from qwenkit import tiny
-from qwenkit.processor import SPECIAL_TOKENS, Processor, pixel_bounds
+from qwenkit.model import tiny
+from qwenkit.model.processor import SPECIAL_TOKENS, Processor, pixel_bounds
 
 
 def test_processor_round_trips_through_save_and_load(tmp_path):

@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from qwenkit import config as qconfig
-from qwenkit import data, metrics, train
+from qwenkit import data
+from qwenkit.engine import metrics, train
 
 BASE = ["train.micro_batch_size=2", "data.tiny_samples=16", "train.resume=none", "checkpoint.save_final=false"]
 POISONED_BATCH = 2  # the third micro-batch of rank 1: step 3 with grad_accum=1

@@ -40,8 +40,8 @@ from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
 from qwenkit.data.sampler import ResumableSampler, TokenBudgetSampler
-from qwenkit.processor import Processor
-from qwenkit.tiny import EVAL_SEED, ensure_dataset
+from qwenkit.model.processor import Processor
+from qwenkit.model.tiny import EVAL_SEED, ensure_dataset
 
 __all__ = [
     "REASONS",

@@ -35,7 +35,7 @@ from qwenkit.config import DataConfig
 from qwenkit.data.dataset import Source, row_ranges, scan_parallel
 from qwenkit.data.index import FORMAT, BadRecord, SampleIndex
 from qwenkit.data.reader import HFSource
-from qwenkit.processor import Processor
+from qwenkit.model.processor import Processor
 
 # data settings that change the tokens, the grids or which rows are bad
 ENCODING_KEYS = (

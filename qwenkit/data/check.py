@@ -22,8 +22,8 @@ from qwenkit.data import cache, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
-from qwenkit.model import load_processor, resolve_path
-from qwenkit.processor import pixel_bounds
+from qwenkit.model.paths import load_processor, resolve_path
+from qwenkit.model.processor import pixel_bounds
 
 MAX_LISTED = 200  # bad rows printed one by one; the counts by reason are always complete
 

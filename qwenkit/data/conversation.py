@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qwenkit.data.report import BadSample, Location
-from qwenkit.processor import SPECIAL_TOKENS
+from qwenkit.model.processor import SPECIAL_TOKENS
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"

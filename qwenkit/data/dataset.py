@@ -36,8 +36,8 @@ from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample
 from qwenkit.data.template import Qwen2VLTemplate, fit_length
 from qwenkit.data.video import VideoMeta, VideoProbe, VideoProcessor
-from qwenkit.loss import IGNORE_INDEX
-from qwenkit.processor import Processor, needs_mm_token_type_ids
+from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar
 from PIL import Image
 
 from qwenkit.data.report import BadSample, Location
-from qwenkit.processor import ImageProcessor, pixel_bounds
+from qwenkit.model.processor import ImageProcessor, pixel_bounds
 
 # smart_resize from the module of the image-processor class in use (its location differs
 # between transformers 4.57 and 5.x, and 5.x's other copy imports torchvision).

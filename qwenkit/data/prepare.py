@@ -14,7 +14,7 @@ import sys
 from qwenkit import config as qconfig
 from qwenkit.data import cache, open_dataset
 from qwenkit.data.reader import DataError
-from qwenkit.model import load_processor, resolve_path
+from qwenkit.model.paths import load_processor, resolve_path
 
 
 def prepare(cfg: qconfig.Config) -> int:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from qwenkit.data.conversation import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
-from qwenkit.loss import IGNORE_INDEX
-from qwenkit.processor import Processor
+from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.processor import Processor
 
 _PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 

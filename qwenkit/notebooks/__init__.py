@@ -13,6 +13,6 @@ here; this layer imports the kit. Its modules:
 - one module per notebook's computations: :mod:`~qwenkit.notebooks.samples` (01 data prep),
   :mod:`~qwenkit.notebooks.runs` (02 sharded training), :mod:`~qwenkit.notebooks.validation`
   (03 chunk-loss validation), :mod:`~qwenkit.notebooks.perf` (04 performance profiling), with
-  :mod:`~qwenkit.notebooks.measure` (matmul peak, one loss-head case, a measurement in a
+  :mod:`~qwenkit.bench.measure` (matmul peak, one loss-head case, a measurement in a
   fresh process), which benchmarks share.
 """

@@ -5,7 +5,7 @@ Two kinds of measurement, kept apart because they need different isolation:
 - **Loss-head sweeps** (:func:`head_sweep`, :func:`chunk_sweep`): the lm_head + cross-entropy
   forward and backward at a given hidden size, vocabulary and sequence length, full logits vs
   chunked. This is the only part of a training step the two heads do differently. Each shape runs
-  in a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``): every variant's
+  in a **fresh process** (``python -m qwenkit.bench.measure CASE_JSON``): every variant's
   first pass gives its peak memory (on CPU the peak RSS, on an accelerator the allocator's
   peak), then the variants' timed passes alternate, after a warm-up round, so the times
   compared met the same machine load (median, min and max of each).
@@ -32,13 +32,13 @@ from typing import Any
 import torch
 
 from qwenkit import patches
-from qwenkit.notebooks import plots, results
-from qwenkit.notebooks.measure import (  # noqa: F401 (notebook 04 calls perf.matmul_peak and perf.use_cpu_threads)
+from qwenkit.bench.measure import (  # noqa: F401 (notebook 04 calls perf.matmul_peak and perf.use_cpu_threads)
     head_case,
     head_measure,
     matmul_peak,
     use_cpu_threads,
 )
+from qwenkit.notebooks import plots, results
 from qwenkit.patches import dispatch
 
 STEP_FORMATS = {"flops_per_step": ".3e", "achieved_flops_per_s": ".3e", "matmul_peak_flops_per_s": ".3e",
@@ -58,7 +58,7 @@ NPU_REFERENCE = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Loss-head sweeps, each case in a fresh process (qwenkit.notebooks.measure)
+# Loss-head sweeps, each case in a fresh process (qwenkit.bench.measure)
 
 
 def head_sweep(seq_lens: list[int], chunk_size: int | str, hidden: int, vocab: int, **how) -> list[dict[str, Any]]:

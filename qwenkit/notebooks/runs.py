@@ -6,7 +6,7 @@ then the ranks) in its own process group, streams its progress lines into the ce
 whole log in ``<output_dir>/train.log``, and can start a run from another run's checkpoint
 (``resume_from``: ``train.resume=<checkpoint>``, checked in the log to have resumed there).
 
-:func:`qwenkit.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
+:func:`qwenkit.engine.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
 and :func:`save` turn them into the notebook's table and result files. :func:`save_eval_samples`
 pairs the held-out rows' untrained (step 0) and trained (last evaluation) answers into
 ``eval_samples.jsonl``, which :func:`gallery` shows.
@@ -34,9 +34,9 @@ from typing import Any
 
 from PIL import Image
 
-from qwenkit import checkpoint as ckpt
-from qwenkit import generate, metrics
-from qwenkit.metrics import series
+from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import generate, metrics
+from qwenkit.engine.metrics import series
 from qwenkit.notebooks import plots, results
 from qwenkit.notebooks.samples import thumbnail
 
@@ -84,7 +84,7 @@ def checkpoint_of(run_dir: str | Path, step: int) -> Path:
     return ckpt.step_dir(ckpt.checkpoint_root(run_dir), step)
 
 
-RESUMED_AT = re.compile(r"resumed from \S+ at step (\d+)")  # the trainer's log line (qwenkit.train)
+RESUMED_AT = re.compile(r"resumed from \S+ at step (\d+)")  # the trainer's log line (qwenkit.engine.train)
 
 
 def train(

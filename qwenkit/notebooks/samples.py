@@ -21,9 +21,9 @@ import torch
 from qwenkit.data import REASONS, ResumableSampler
 from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
-from qwenkit.loss import IGNORE_INDEX
+from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.processor import SPECIAL_TOKENS, Processor
 from qwenkit.notebooks import plots, results
-from qwenkit.processor import SPECIAL_TOKENS, Processor
 
 SUMMARY_FILE = "data_summary.csv"
 BAD_LISTED = 50  # bad-sample messages kept in the result file and shown in the report

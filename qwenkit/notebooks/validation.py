@@ -1,7 +1,7 @@
 """Chunked loss vs HF's full-logits loss on one model and one batch: what notebook 03 reports.
 
 The reference is what ``tests/test_model.py`` compares against: HF's own forward for
-``token_mean``, and :func:`qwenkit.loss.full_cross_entropy` on HF's logits for ``sample_mean``.
+``token_mean``, and :func:`qwenkit.model.loss.full_cross_entropy` on HF's logits for ``sample_mean``.
 The same model is switched between the two heads (:meth:`configure_loss`), so the weights are
 identical by construction and any difference is the loss head's.
 
@@ -24,12 +24,12 @@ import torch
 
 from qwenkit import config as qconfig
 from qwenkit import data
-from qwenkit import model as qmodel
 from qwenkit.config import DTYPES
-from qwenkit.loss import IGNORE_INDEX
-from qwenkit.model import load_processor
+from qwenkit.model import registry
+from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.paths import load_processor
+from qwenkit.model.processor import Processor
 from qwenkit.notebooks import kernel, plots, results
-from qwenkit.processor import Processor
 
 MODALITIES = ("text", "image-text")
 # (rtol, atol) per dtype: fp32 sums in another order differ by a few ulps of the sums; bf16 and
@@ -103,7 +103,7 @@ def compare(
     """
     dev = kernel.device(device)
     processor = load_processor(cfg)
-    model = qmodel.build(cfg.model, cfg.loss, device=dev)
+    model = registry.build(cfg.model, cfg.loss, device=dev)
     dtype = DTYPES[cfg.model.dtype]
     rtol, atol = tolerance(dtype)
     cases, per_param = [], []
@@ -168,7 +168,7 @@ def adamw_curves(
     rows = []
     for mode in ("full", "chunk"):
         torch.manual_seed(seed)
-        model = qmodel.build(cfg.model, cfg.loss, device=dev)
+        model = registry.build(cfg.model, cfg.loss, device=dev)
         model.configure_loss(chunk=mode == "chunk", chunk_size=chunk_size, loss_type=cfg.loss.loss_type)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         for step in range(steps):

@@ -178,7 +178,7 @@ def activation_offload(enabled: bool, device: torch.device):
 
     The chunked loss head is exempt: what it saves are its finished gradients (fp32 grad W is
     2.2 GB at 7B), which would travel to host and back every micro-batch for nothing;
-    :func:`qwenkit.loss.chunked_linear_cross_entropy` keeps them on the device.
+    :func:`qwenkit.model.loss.chunked_linear_cross_entropy` keeps them on the device.
     """
     if not enabled:
         return contextlib.nullcontext()
@@ -310,7 +310,7 @@ def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = Fals
     """Give a meta-initialised, sharded model real (uninitialised) storage and real buffers.
 
     Only the shards get storage: a 7B model never sits whole in one rank's memory. Weights are
-    loaded afterwards (:func:`qwenkit.weights.load_hf_weights`). Non-persistent buffers (rotary
+    loaded afterwards (:func:`qwenkit.distributed.weights.load_hf_weights`). Non-persistent buffers (rotary
     ``inv_freq``) are not in any checkpoint, so they are recomputed by building the module tree
     once more with parameters on meta and buffers on the CPU, and copied over by name.
     """

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig
 
-from qwenkit.fsdp import _parameters_on_meta
+from qwenkit.distributed.fsdp import _parameters_on_meta
 
 log = logging.getLogger(__name__)
 

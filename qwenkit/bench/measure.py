@@ -2,7 +2,7 @@
 case, and a measurement in a fresh process.
 
 A loss-head case (lm_head + cross-entropy forward and backward, full logits or chunked, at one
-shape) runs in a **fresh process** (``python -m qwenkit.notebooks.measure CASE_JSON``), so the
+shape) runs in a **fresh process** (``python -m qwenkit.bench.measure CASE_JSON``), so the
 peak memory it reports is the head's own: on CPU the peak RSS (VmHWM, reset through
 ``/proc/self/clear_refs`` once the inputs exist), on an accelerator the allocator's peak. A case
 may hold several variants (full and chunked, or chunk sizes): each one's first pass gives its
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from qwenkit.launch import CPU_MALLOC_ENV
-from qwenkit.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
+from qwenkit.device import CPU_MALLOC_ENV
+from qwenkit.model.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
 
 MiB = 2**20
 MAX_ROUNDS = 50  # timed rounds of one case at most, however cheap its passes
@@ -211,7 +211,7 @@ def fresh_process(args: list[str], what: str, timeout_s: float | None = None) ->
 
 def head_measure(case: dict[str, Any], timeout_s: float = 600) -> list[dict[str, Any]]:
     """A loss-head case (:func:`head_case`) in a fresh Python process; one result row per variant."""
-    return fresh_process(["-m", "qwenkit.notebooks.measure", json.dumps(case)], f"loss-head case {case}", timeout_s)
+    return fresh_process(["-m", "qwenkit.bench.measure", json.dumps(case)], f"loss-head case {case}", timeout_s)
 
 
 def head_case(variants, seq_len, hidden, vocab, dtype="float32", device="cpu", repeats=0, ignored=0.25,
@@ -250,7 +250,7 @@ def head_case(variants, seq_len, hidden, vocab, dtype="float32", device="cpu", r
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m qwenkit.notebooks.measure CASE_JSON   (a loss-head case; see head_case)", file=sys.stderr)
+        print("usage: python -m qwenkit.bench.measure CASE_JSON   (a loss-head case; see head_case)", file=sys.stderr)
         return 2
     print(json.dumps(_head_cases(json.loads(argv[0]))))
     return 0

@@ -1,7 +1,7 @@
 """Load a Hugging Face checkpoint's safetensors straight into FSDP2 shards (meta-device init).
 
 With ``model.init_device: meta`` the model is built without storage, sharded, given storage for
-its shards only (:func:`qwenkit.fsdp.materialize`), and then filled here: each rank reads just
+its shards only (:func:`qwenkit.distributed.fsdp.materialize`), and then filled here: each rank reads just
 the rows of each tensor that its shards hold (``safe_open(...).get_slice``), so no rank ever
 holds the whole model. torch 2.8+ does this through DCP's ``HuggingFaceStorageReader``; older
 torch (2.7, what torch_npu 2.7.1 pairs with) lacks it, and :func:`read_slices` reads the same
@@ -34,7 +34,7 @@ try:
 except ImportError:  # torch < 2.8
     HuggingFaceStorageReader = None
 
-from qwenkit.fsdp import module_path
+from qwenkit.distributed.fsdp import module_path
 
 
 def model_key(file_key: str) -> str:

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL with a chunked loss head, the model registry, and the one ``build`` function.
+"""Qwen2.5-VL with a chunked loss head.
 
 :class:`QwenkitQwen2_5_VL` subclasses transformers' ``Qwen2_5_VLForConditionalGeneration``
 and keeps its state-dict keys. With ``chunk_loss`` off its forward *is* HF's. With it on:
@@ -7,27 +7,23 @@ and keeps its state-dict keys. With ``chunk_loss`` off its forward *is* HF's. Wi
    scatter, mRoPE positions) and returns ``last_hidden_state [B, S, H]``;
 2. hidden states, labels and the loss function go to **the lm_head module itself**, so FSDP2's
    pre-forward hook gathers ``lm_head.weight`` once for all chunks;
-3. :mod:`qwenkit.loss` computes the loss chunk by chunk; ``[B, S, V]`` logits never exist.
+3. :mod:`qwenkit.model.loss` computes the loss chunk by chunk; ``[B, S, V]`` logits never exist.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from qwenkit.config import DTYPES
-from qwenkit.loss import LOSS_TYPES, chunked_linear_cross_entropy, full_cross_entropy
-from qwenkit.processor import Processor, needs_mm_token_type_ids
-from qwenkit.tiny import ensure_checkpoint
+from qwenkit.model.loss import LOSS_TYPES, chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.model.processor import needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +298,7 @@ def _drop_unsupported(kwargs: dict) -> dict:
     return kwargs
 
 
-def _register_checkpoint_format(cls: type) -> None:
+def register_checkpoint_format(cls: type) -> None:
     """Give the subclass HF's key conversions, so checkpoints load and export like the parent's.
 
     transformers 5.x treats classes outside its package as custom code and skips the
@@ -319,108 +315,3 @@ def _register_checkpoint_format(cls: type) -> None:
     mapping = get_checkpoint_conversion_mapping(Qwen2_5_VLForConditionalGeneration.__name__)
     if mapping is not None:
         register_checkpoint_conversion_mapping(cls.__name__, mapping, overwrite=True)
-
-
-REGISTRY: dict[str, type[Qwen2_5_VLForConditionalGeneration]] = {"qwen2_5_vl": QwenkitQwen2_5_VL}
-for _cls in REGISTRY.values():
-    _register_checkpoint_format(_cls)
-
-def resolve_path(model_cfg) -> Path:
-    """``tiny`` becomes the cached tiny checkpoint directory; anything else must be a directory."""
-    if model_cfg.path == "tiny":
-        return ensure_checkpoint(tie_word_embeddings=model_cfg.tie_word_embeddings)
-    path = Path(model_cfg.path).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.path={model_cfg.path!r}: no config.json there; give a local Hugging Face checkpoint directory "
-            "(weights are never downloaded) or 'tiny'"
-        )
-    return path
-
-
-def load_processor(cfg, model_dir: str | Path | None = None) -> Processor:
-    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds.
-
-    Here rather than in :mod:`qwenkit.processor` because it needs :func:`resolve_path`, which
-    may write the tiny checkpoint, and :mod:`qwenkit.tiny` itself builds on the processor.
-    """
-    if model_dir is None:
-        model_dir = resolve_path(cfg.model)
-    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
-
-
-def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> QwenkitQwen2_5_VL:
-    """Build the model named by ``model_cfg.name`` from ``model_cfg.path`` (tiny or HF directory).
-
-    ``init_device=meta`` builds the module tree without storage (weights are loaded into the
-    FSDP shards later, see :mod:`qwenkit.fsdp`); otherwise HF's ``from_pretrained`` loads them.
-    """
-    if model_cfg.name not in REGISTRY:
-        raise ValueError(f"model.name={model_cfg.name!r} is not registered; known: {', '.join(REGISTRY)}")
-    cls = REGISTRY[model_cfg.name]
-    attn = model_cfg.attn_implementation
-    if attn == "flash_attention_2" and not any(importlib.util.find_spec(m) for m in ("flash_attn", "torch_npu")):
-        # on Ascend, transformers routes flash_attention_2 to torch_npu's kernel
-        raise ValueError("model.attn_implementation='flash_attention_2' needs flash-attn (CUDA) or torch_npu (Ascend)")
-    path = resolve_path(model_cfg)
-    dtype = DTYPES[model_cfg.dtype]
-    if model_cfg.init_device == "meta":
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        config._attn_implementation = attn
-        with torch.device("meta"):
-            model = cls(config).to(dtype)
-    else:
-        model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn, local_files_only=True)
-        if device is not None:
-            model.to(device)
-    model.name_or_path = str(path)
-    if loss_cfg is not None:
-        model.configure_loss(
-            chunk=loss_cfg.chunk,
-            chunk_size=loss_cfg.chunk_size,
-            loss_type=loss_cfg.loss_type,
-            chunk_budget_mb=loss_cfg.chunk_budget_mb,
-        )
-    freeze(model, model_cfg.freeze)
-    return model
-
-
-def freeze(model: nn.Module, paths: list[str]) -> None:
-    """Stop gradients for each listed module path (e.g. ``model.visual``)."""
-    for path in paths:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            raise ValueError(f"model.freeze: no module {path!r} in {type(model).__name__}") from None
-        module.requires_grad_(False)
-
-
-MANIFEST_PARTS = (
-    ("vision blocks", ("model.visual.patch_embed", "model.visual.blocks")),
-    ("merger", ("model.visual.merger",)),
-    ("language model", ("model.language_model",)),
-    ("lm_head", ("lm_head",)),
-)
-
-
-def parameter_manifest(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Total and trainable parameter counts per top-level part (tied weights counted once)."""
-    out = {name: {"total": 0, "trainable": 0} for name, _ in MANIFEST_PARTS}
-    out["other"] = {"total": 0, "trainable": 0}
-    for pname, param in model.named_parameters():  # named_parameters dedups tied weights
-        part = next((name for name, prefixes in MANIFEST_PARTS if pname.startswith(prefixes)), "other")
-        out[part]["total"] += param.numel()
-        out[part]["trainable"] += param.numel() if param.requires_grad else 0
-    if not out["other"]["total"]:
-        del out["other"]
-    return out
-
-
-def format_manifest(manifest: dict[str, dict[str, int]]) -> str:
-    lines = [f"{'part':<16}{'total':>14}{'trainable':>14}"]
-    for name, c in manifest.items():
-        lines.append(f"{name:<16}{c['total']:>14,}{c['trainable']:>14,}")
-    total = sum(c["total"] for c in manifest.values())
-    trainable = sum(c["trainable"] for c in manifest.values())
-    lines.append(f"{'all':<16}{total:>14,}{trainable:>14,}")
-    return "\n".join(lines)

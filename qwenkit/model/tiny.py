@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
 
-from qwenkit.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, ImageProcessor, Processor
+from qwenkit.model.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, ImageProcessor, Processor
 
 # Qwen2's pre-tokenizer regex. Without it transformers 5.x re-tokenizes differently after save/load.
 QWEN_PATTERN = (

@@ -14,7 +14,7 @@ import functools
 import inspect
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5_VLModel
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 try:  # transformers 5.x: the PIL backend needs no torchvision
     from transformers import Qwen2VLImageProcessorPil as ImageProcessor
@@ -110,5 +110,10 @@ class Processor:
 @functools.cache
 def needs_mm_token_type_ids() -> bool:
     """Whether samples carry ``mm_token_type_ids``: transformers 5.x builds 3-D mRoPE positions
-    only when it is passed; 4.57 has no such argument (it finds image tokens in ``input_ids``)."""
+    only when it is passed; 4.57 has no such argument (it finds image tokens in ``input_ids``).
+
+    The modeling module is imported here, on first use, so that the launcher and the data checks
+    (which import this module) do not load transformers' model code."""
+    from transformers import Qwen2_5_VLModel
+
     return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters

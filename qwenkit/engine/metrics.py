@@ -14,7 +14,7 @@ Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before cli
 positions / all positions the global batch computed: 0 with ``data.packing``), ``bad_samples`` (bad
 samples skipped while loading the global batch, ``data.on_bad_sample: skip``; the same on every
 rank), ``peak_memory`` (this rank: accelerator peak allocated during the step, or the process's
-peak RSS on CPU). With an eval set (:mod:`qwenkit.evaluate`): ``eval_loss`` (token mean over the whole eval set) at
+peak RSS on CPU). With an eval set (:mod:`qwenkit.engine.evaluate`): ``eval_loss`` (token mean over the whole eval set) at
 step 0, every ``train.eval_every`` steps and at the end, ``eval_accuracy`` (exact match) at step 0
 and the end.
 

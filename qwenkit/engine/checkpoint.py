@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from qwenkit.config import DTYPES
-from qwenkit.fsdp import _parameters_on_meta
-from qwenkit.model import resolve_path
+from qwenkit.distributed.fsdp import _parameters_on_meta
+from qwenkit.model.paths import resolve_path
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE.json"
@@ -252,7 +252,7 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
     """Collective: restore a checkpoint into the (sharded) model and the rest; returns its step.
 
     The LR schedule is not restored: it is a function of the step and the run's config, which
-    the trainer applies after the load (see ``qwenkit.train.seek_schedule``).
+    the trainer applies after the load (see ``qwenkit.engine.train.seek_schedule``).
 
     Any failure on any rank is raised on every rank (no rank is left waiting in a collective),
     as a :class:`CheckpointError` naming the directory.

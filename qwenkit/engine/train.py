@@ -1,6 +1,6 @@
-"""The training loop: one FSDP2 process per rank, started by torchrun (``python -m qwenkit.train``).
+"""The training loop: one FSDP2 process per rank, started by torchrun (``python -m qwenkit.engine.train``).
 
-Startup, all before the first step: process group and device (:mod:`qwenkit.fsdp`), seeds,
+Startup, all before the first step: process group and device (:mod:`qwenkit.distributed.fsdp`), seeds,
 processor and data (:mod:`qwenkit.data`), model (HF weights, or meta-device init whose weights
 are read straight into the shards), trainable-parameter manifest, recompute wrappers,
 ``fully_shard`` plan, AdamW with linear warmup + cosine decay, and a resume from a checkpoint.
@@ -17,10 +17,10 @@ One optimizer step:
    logging and the NaN/inf check: a non-finite loss or grad norm raises :class:`NonFiniteError`
    with the step number *before* the optimizer step, so the weights are not updated;
 4. clip to ``train.max_grad_norm``, AdamW step (at the LR logged), LR-scheduler step; with an
-   eval set, eval loss and accuracy when due (:mod:`qwenkit.evaluate`; also once before the
-   first step); metrics to JSONL (:mod:`qwenkit.metrics`), the profiler window
-   (:mod:`qwenkit.profiling`), and a DCP
-   checkpoint every ``checkpoint.every`` steps and at the end (:mod:`qwenkit.checkpoint`).
+   eval set, eval loss and accuracy when due (:mod:`qwenkit.engine.evaluate`; also once before the
+   first step); metrics to JSONL (:mod:`qwenkit.engine.metrics`), the profiler window
+   (:mod:`qwenkit.engine.profiling`), and a DCP
+   checkpoint every ``checkpoint.every`` steps and at the end (:mod:`qwenkit.engine.checkpoint`).
 """
 
 from __future__ import annotations
@@ -43,16 +43,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
-from qwenkit import data, fsdp, patches
-from qwenkit import model as qmodel
-from qwenkit.evaluate import Evaluator
-from qwenkit.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
-from qwenkit.profiling import ProfileWindow
-from qwenkit.weights import load_hf_weights
+from qwenkit import data, patches
+from qwenkit.distributed import fsdp
+from qwenkit.distributed.weights import load_hf_weights
+from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine.evaluate import Evaluator
+from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
+from qwenkit.engine.profiling import ProfileWindow
+from qwenkit.model import paths, registry
 
-log = logging.getLogger("qwenkit.train")
+log = logging.getLogger("qwenkit.engine.train")
 
 
 class NonFiniteError(FloatingPointError):
@@ -160,7 +161,7 @@ class Trainer:
     def run(self) -> None:
         # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
         # from any number of ranks anyway (temp dir + rename, rank 0 alone under a process group)
-        self.model_path = qmodel.resolve_path(self.cfg.model)
+        self.model_path = paths.resolve_path(self.cfg.model)
         self.rt = fsdp.init_distributed(self.cfg.parallel)
         self.setup()
         if self.start_step < self.last_step:
@@ -179,15 +180,15 @@ class Trainer:
         resume = self.resume_point()  # before anything is built: a refused resume fails fast
 
         model_path = self.model_path
-        processor = qmodel.load_processor(cfg, model_path)
+        processor = paths.load_processor(cfg, model_path)
         build_data = self.data_builder or data.build
         self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
 
-        model = qmodel.build(cfg.model, cfg.loss)
+        model = registry.build(cfg.model, cfg.loss)
         patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)  # logs its report
         model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
         if main_rank:
-            log.info("parameters:\n%s", qmodel.format_manifest(qmodel.parameter_manifest(model)))
+            log.info("parameters:\n%s", registry.format_manifest(registry.parameter_manifest(model)))
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed
@@ -282,7 +283,7 @@ class Trainer:
             metrics.close()
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Eval loss (and accuracy) of the current weights; collective, see :mod:`qwenkit.evaluate`."""
+        """Eval loss (and accuracy) of the current weights; collective, see :mod:`qwenkit.engine.evaluate`."""
         values = self.evaluator.run(step, self.model)
         self.evals.append({"step": step, **values})
         if self.rt.rank == 0:
@@ -384,7 +385,7 @@ def report_failure(rank: int, error: BaseException, log_path: Path | None) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwenkit.train", description="one rank of a qwenkit training run")
+    p = argparse.ArgumentParser(prog="python -m qwenkit.engine.train", description="one rank of a qwenkit training run")
     p.add_argument("--config", required=True, help="the resolved YAML the launcher wrote")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
     args = p.parse_args(argv)

@@ -13,7 +13,7 @@ with every label ignored, which adds 0 to both. It runs in ``eval()`` mode under
 ``torch.no_grad()``: no activations kept, no gradients, parameters untouched.
 
 **Accuracy** is the exact match of greedy replies on the first ``train.eval_samples`` eval rows,
-generated on rank 0 from the gathered full weights (see :mod:`qwenkit.generate`); each
+generated on rank 0 from the gathered full weights (see :mod:`qwenkit.engine.generate`); each
 evaluation writes them to ``<output_dir>/eval/step-NNNNNN.jsonl``.
 """
 
@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import checkpoint as ckpt
 from qwenkit import config as qconfig
 from qwenkit import data as qdata
-from qwenkit import generate as qgen
 from qwenkit.config import DTYPES
 from qwenkit.data.template import IGNORE_INDEX
-from qwenkit.model import load_processor
+from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import generate as qgen
+from qwenkit.model.paths import load_processor
 
 
 def generations_path(output_dir: str | Path, step: int) -> Path:
@@ -131,7 +131,7 @@ def _every(step: int, n: int) -> bool:
 def load_for_eval(target: str | Path, config_path: str | Path | None = None):
     """``(model, processor, cfg, name)`` for a run's output_dir, a checkpoint, or an HF export directory.
 
-    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.checkpoint.load_hf`),
+    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.engine.checkpoint.load_hf`),
     with the config the run saved; an export (a directory with ``config.json``) is loaded with
     ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
     """

@@ -1,0 +1,94 @@
+"""The model registry, the one ``build`` function, freezing, and the trainable-parameter manifest."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+from qwenkit.config import DTYPES
+from qwenkit.model.paths import resolve_path
+from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL, register_checkpoint_format
+
+REGISTRY: dict[str, type[Qwen2_5_VLForConditionalGeneration]] = {"qwen2_5_vl": QwenkitQwen2_5_VL}
+for _cls in REGISTRY.values():
+    register_checkpoint_format(_cls)
+
+
+def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> QwenkitQwen2_5_VL:
+    """Build the model named by ``model_cfg.name`` from ``model_cfg.path`` (tiny or HF directory).
+
+    ``init_device=meta`` builds the module tree without storage (weights are loaded into the
+    FSDP shards later, see :mod:`qwenkit.fsdp`); otherwise HF's ``from_pretrained`` loads them.
+    """
+    if model_cfg.name not in REGISTRY:
+        raise ValueError(f"model.name={model_cfg.name!r} is not registered; known: {', '.join(REGISTRY)}")
+    cls = REGISTRY[model_cfg.name]
+    attn = model_cfg.attn_implementation
+    if attn == "flash_attention_2" and not any(importlib.util.find_spec(m) for m in ("flash_attn", "torch_npu")):
+        # on Ascend, transformers routes flash_attention_2 to torch_npu's kernel
+        raise ValueError("model.attn_implementation='flash_attention_2' needs flash-attn (CUDA) or torch_npu (Ascend)")
+    path = resolve_path(model_cfg)
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.init_device == "meta":
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config._attn_implementation = attn
+        with torch.device("meta"):
+            model = cls(config).to(dtype)
+    else:
+        model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn, local_files_only=True)
+        if device is not None:
+            model.to(device)
+    model.name_or_path = str(path)
+    if loss_cfg is not None:
+        model.configure_loss(
+            chunk=loss_cfg.chunk,
+            chunk_size=loss_cfg.chunk_size,
+            loss_type=loss_cfg.loss_type,
+            chunk_budget_mb=loss_cfg.chunk_budget_mb,
+        )
+    freeze(model, model_cfg.freeze)
+    return model
+
+
+def freeze(model: nn.Module, paths: list[str]) -> None:
+    """Stop gradients for each listed module path (e.g. ``model.visual``)."""
+    for path in paths:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"model.freeze: no module {path!r} in {type(model).__name__}") from None
+        module.requires_grad_(False)
+
+
+MANIFEST_PARTS = (
+    ("vision blocks", ("model.visual.patch_embed", "model.visual.blocks")),
+    ("merger", ("model.visual.merger",)),
+    ("language model", ("model.language_model",)),
+    ("lm_head", ("lm_head",)),
+)
+
+
+def parameter_manifest(model: nn.Module) -> dict[str, dict[str, int]]:
+    """Total and trainable parameter counts per top-level part (tied weights counted once)."""
+    out = {name: {"total": 0, "trainable": 0} for name, _ in MANIFEST_PARTS}
+    out["other"] = {"total": 0, "trainable": 0}
+    for pname, param in model.named_parameters():  # named_parameters dedups tied weights
+        part = next((name for name, prefixes in MANIFEST_PARTS if pname.startswith(prefixes)), "other")
+        out[part]["total"] += param.numel()
+        out[part]["trainable"] += param.numel() if param.requires_grad else 0
+    if not out["other"]["total"]:
+        del out["other"]
+    return out
+
+
+def format_manifest(manifest: dict[str, dict[str, int]]) -> str:
+    lines = [f"{'part':<16}{'total':>14}{'trainable':>14}"]
+    for name, c in manifest.items():
+        lines.append(f"{name:<16}{c['total']:>14,}{c['trainable']:>14,}")
+    total = sum(c["total"] for c in manifest.values())
+    trainable = sum(c["trainable"] for c in manifest.values())
+    lines.append(f"{'all':<16}{total:>14,}{trainable:>14,}")
+    return "\n".join(lines)
