@@ -327,113 +327,138 @@ def _describe(hint) -> str:
 
 
 def validate(cfg: Config) -> list[str]:
-    """Every range and cross-field rule; returns the problems (empty when the config is valid)."""
-    p: list[str] = []
+    """Every range and cross-field rule, section by section; returns the problems (empty when valid)."""
+    problems: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
-            p.append(msg)
+            problems.append(msg)
 
-    m, d, lo, par, t, ck, pr = cfg.model, cfg.data, cfg.loss, cfg.parallel, cfg.train, cfg.checkpoint, cfg.profile
-    if isinstance(m.fused_ops, list):
-        for op in m.fused_ops:
+    for check in (_check_model, _check_data, _check_loss, _check_parallel, _check_train, _check_checkpoint, _check_profile):
+        check(cfg, need)
+    return problems
+
+
+def _check_model(cfg: Config, need) -> None:
+    model = cfg.model
+    if isinstance(model.fused_ops, list):
+        for op in model.fused_ops:
             need(op in OPS, f"model.fused_ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
-    if m.fused_backend != "auto" and m.fused_ops != "off":
-        library = dispatch.ROUTES[m.fused_backend].LIBRARY
+    if model.fused_backend != "auto" and model.fused_ops != "off":
+        library = dispatch.ROUTES[model.fused_backend].LIBRARY
         need(
             dispatch.installed(library),
-            f"model.fused_backend={m.fused_backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed; "
+            f"model.fused_backend={model.fused_backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed; "
             "use auto (each tensor's device picks its kernels) or install it",
         )
-    need(d.max_length > 0, f"data.max_length must be > 0, got {d.max_length}")
-    need(d.min_pixels > 0, f"data.min_pixels must be > 0, got {d.min_pixels}")
+
+
+def _check_data(cfg: Config, need) -> None:
+    data, loss = cfg.data, cfg.loss
+    need(data.max_length > 0, f"data.max_length must be > 0, got {data.max_length}")
+    need(data.min_pixels > 0, f"data.min_pixels must be > 0, got {data.min_pixels}")
     need(
-        d.max_pixels >= d.min_pixels,
-        f"data.max_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.max_pixels}",
+        data.max_pixels >= data.min_pixels,
+        f"data.max_pixels must be >= data.min_pixels ({data.min_pixels}), got {data.max_pixels}",
     )
-    need(d.min_image_side >= 1, f"data.min_image_side must be >= 1, got {d.min_image_side}")
-    need(d.max_aspect_ratio >= 1, f"data.max_aspect_ratio must be >= 1, got {d.max_aspect_ratio}")
-    need(d.video_fps > 0, f"data.video_fps must be > 0, got {d.video_fps}")
+    need(data.min_image_side >= 1, f"data.min_image_side must be >= 1, got {data.min_image_side}")
+    need(data.max_aspect_ratio >= 1, f"data.max_aspect_ratio must be >= 1, got {data.max_aspect_ratio}")
+    need(data.video_fps > 0, f"data.video_fps must be > 0, got {data.video_fps}")
     need(
-        d.video_min_frames >= 2,
-        f"data.video_min_frames must be >= 2 (one temporal patch), got {d.video_min_frames}",
-    )
-    need(
-        d.video_max_frames >= d.video_min_frames,
-        f"data.video_max_frames must be >= data.video_min_frames ({d.video_min_frames}), got {d.video_max_frames}",
-    )
-    need(
-        d.video_max_pixels >= d.min_pixels,
-        f"data.video_max_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.video_max_pixels}",
+        data.video_min_frames >= 2,
+        f"data.video_min_frames must be >= 2 (one temporal patch), got {data.video_min_frames}",
     )
     need(
-        d.video_total_pixels >= d.min_pixels,
-        f"data.video_total_pixels must be >= data.min_pixels ({d.min_pixels}), got {d.video_total_pixels}",
+        data.video_max_frames >= data.video_min_frames,
+        f"data.video_max_frames must be >= data.video_min_frames ({data.video_min_frames}), got {data.video_max_frames}",
     )
     need(
-        0.0 <= d.max_bad_fraction <= 1.0,
-        f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}",
+        data.video_max_pixels >= data.min_pixels,
+        f"data.video_max_pixels must be >= data.min_pixels ({data.min_pixels}), got {data.video_max_pixels}",
     )
-    need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
-    need(d.tiny_samples > 0, f"data.tiny_samples must be > 0, got {d.tiny_samples}")
-    need(d.max_tokens_per_batch >= 0, f"data.max_tokens_per_batch must be >= 0 (0: off), got {d.max_tokens_per_batch}")
-    if d.max_tokens_per_batch:
+    need(
+        data.video_total_pixels >= data.min_pixels,
+        f"data.video_total_pixels must be >= data.min_pixels ({data.min_pixels}), got {data.video_total_pixels}",
+    )
+    need(
+        0.0 <= data.max_bad_fraction <= 1.0,
+        f"data.max_bad_fraction must be in [0, 1], got {data.max_bad_fraction}",
+    )
+    need(data.num_workers >= 0, f"data.num_workers must be >= 0, got {data.num_workers}")
+    need(data.tiny_samples > 0, f"data.tiny_samples must be > 0, got {data.tiny_samples}")
+    need(data.max_tokens_per_batch >= 0, f"data.max_tokens_per_batch must be >= 0 (0: off), got {data.max_tokens_per_batch}")
+    if data.max_tokens_per_batch:
         need(
-            d.max_tokens_per_batch >= d.max_length,
-            f"data.max_tokens_per_batch={d.max_tokens_per_batch} is below data.max_length={d.max_length}: "
+            data.max_tokens_per_batch >= data.max_length,
+            f"data.max_tokens_per_batch={data.max_tokens_per_batch} is below data.max_length={data.max_length}: "
             "a sample of the longest allowed length would fit in no micro-batch",
         )
-    if d.packing:
+    if data.packing:
         need(
-            lo.loss_type != "sample_mean",
+            loss.loss_type != "sample_mean",
             "loss.loss_type: 'sample_mean' is not available with data.packing=true "
             "(a packed row is one row of several samples); use token_mean or data.packing=false",
         )
-    need(d.num_proc >= 1, f"data.num_proc must be >= 1, got {d.num_proc}")
-    need(0.0 <= d.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    need(data.num_proc >= 1, f"data.num_proc must be >= 1, got {data.num_proc}")
+    need(0.0 <= data.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
     need(
-        d.eval_path is None or d.eval_fraction == 0.0,
-        f"data.eval_path ({d.eval_path!r}) and data.eval_fraction ({d.eval_fraction}) both give an eval set; keep one",
+        data.eval_path is None or data.eval_fraction == 0.0,
+        f"data.eval_path ({data.eval_path!r}) and data.eval_fraction ({data.eval_fraction}) both give an eval set; keep one",
     )
-    need(d.tiny_eval_samples >= 0, f"data.tiny_eval_samples must be >= 0, got {d.tiny_eval_samples}")
+    need(data.tiny_eval_samples >= 0, f"data.tiny_eval_samples must be >= 0, got {data.tiny_eval_samples}")
 
-    if isinstance(lo.chunk_size, int):
-        need(lo.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {lo.chunk_size}")
-    need(lo.chunk_budget_mb > 0, f"loss.chunk_budget_mb must be > 0, got {lo.chunk_budget_mb}")
+
+def _check_loss(cfg: Config, need) -> None:
+    loss = cfg.loss
+    if isinstance(loss.chunk_size, int):
+        need(loss.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {loss.chunk_size}")
+    need(loss.chunk_budget_mb > 0, f"loss.chunk_budget_mb must be > 0, got {loss.chunk_budget_mb}")
     need(
-        lo.loss_type != "raw",
+        loss.loss_type != "raw",
         "loss.loss_type: 'raw' (unreduced per-token loss) is an API output "
         "(model.configure_loss(loss_type='raw')), not a training loss; use token_mean or sample_mean",
     )
 
-    need(par.nproc >= 1, f"parallel.nproc must be >= 1, got {par.nproc}")
-    need(par.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {par.hsdp_replicas}")
 
-    need(t.steps > 0, f"train.steps must be > 0, got {t.steps}")
-    need(
-        0 <= t.stop_after <= t.steps,
-        f"train.stop_after must be in [0, train.steps={t.steps}], got {t.stop_after}",
-    )
-    need(t.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {t.micro_batch_size}")
-    need(t.grad_accum > 0, f"train.grad_accum must be > 0, got {t.grad_accum}")
-    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
-    need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
-    need(
-        len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas),
-        f"train.betas must be two numbers in [0, 1), got {t.betas}",
-    )
-    need(t.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0, got {t.max_grad_norm}")
-    need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
-    need(t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}")
-    need(t.eval_samples >= 0, f"train.eval_samples must be >= 0, got {t.eval_samples}")
-    need(t.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {t.eval_accuracy_every}")
-    need(t.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {t.eval_max_new_tokens}")
+def _check_parallel(cfg: Config, need) -> None:
+    parallel = cfg.parallel
+    need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
+    need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
 
-    need(ck.every >= 0, f"checkpoint.every must be >= 0, got {ck.every}")
-    need(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
+
+def _check_train(cfg: Config, need) -> None:
+    train = cfg.train
+    need(train.steps > 0, f"train.steps must be > 0, got {train.steps}")
+    need(
+        0 <= train.stop_after <= train.steps,
+        f"train.stop_after must be in [0, train.steps={train.steps}], got {train.stop_after}",
+    )
+    need(train.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {train.micro_batch_size}")
+    need(train.grad_accum > 0, f"train.grad_accum must be > 0, got {train.grad_accum}")
+    need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
+    need(0.0 <= train.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")
+    need(train.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
+    need(train.weight_decay >= 0, f"train.weight_decay must be >= 0, got {train.weight_decay}")
+    need(
+        len(train.betas) == 2 and all(0.0 <= b < 1.0 for b in train.betas),
+        f"train.betas must be two numbers in [0, 1), got {train.betas}",
+    )
+    need(train.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0, got {train.max_grad_norm}")
+    need(train.log_every >= 1, f"train.log_every must be >= 1, got {train.log_every}")
+    need(train.eval_every >= 0, f"train.eval_every must be >= 0, got {train.eval_every}")
+    need(train.eval_samples >= 0, f"train.eval_samples must be >= 0, got {train.eval_samples}")
+    need(train.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {train.eval_accuracy_every}")
+    need(train.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {train.eval_max_new_tokens}")
+
+
+def _check_checkpoint(cfg: Config, need) -> None:
+    ckpt = cfg.checkpoint
+    need(ckpt.every >= 0, f"checkpoint.every must be >= 0, got {ckpt.every}")
+    need(ckpt.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ckpt.keep_last}")
+
+
+def _check_profile(cfg: Config, need) -> None:
+    profile = cfg.profile
     for name in ("wait", "warmup"):
-        need(getattr(pr, name) >= 0, f"profile.{name} must be >= 0, got {getattr(pr, name)}")
-    need(pr.active >= 1, f"profile.active must be >= 1, got {pr.active}")
-    return p
+        need(getattr(profile, name) >= 0, f"profile.{name} must be >= 0, got {getattr(profile, name)}")
+    need(profile.active >= 1, f"profile.active must be >= 1, got {profile.active}")

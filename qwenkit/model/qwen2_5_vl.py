@@ -122,23 +122,38 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         use_cache = kwargs.pop("use_cache", None)
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
         if packed_seq_lens is not None:
-            if use_cache:
-                raise ValueError("a packed row needs use_cache=False: with a KV cache transformers ignores the packing")
-            use_cache = False  # HF's default (config.use_cache) would build a cache and an unpacked causal mask
-            kwargs["position_ids"] = self.packed_position_ids(input_ids, packed_seq_lens, kwargs)
+            use_cache = self._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
         kwargs = _drop_unsupported(kwargs)
-        idle = None
-        missing = self._idle_vision_calls(kwargs)
-        if missing and input_ids is not None and kwargs.get("inputs_embeds") is None:
-            # Ranks with images run embed_tokens, then the vision tower, then the decoder; a
-            # rank short of a modality must issue FSDP's collectives in that same order.
-            kwargs["inputs_embeds"] = self.model.get_input_embeddings()(input_ids)
-            idle = sum(self._idle_vision_term() for _ in range(missing))
-        if not self.chunk_loss:
+        idle = self._idle_vision(input_ids, kwargs)
+        if self.chunk_loss:
+            out = self._chunked_forward(input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs)
+        else:
             out = self._hf_forward(input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs)
-            if idle is not None and out.loss is not None:
-                out.loss = out.loss + idle
-            return out.to_tuple() if return_dict is False else out
+        if idle is not None and out.loss is not None:
+            out.loss = out.loss + idle
+        return out.to_tuple() if return_dict is False else out
+
+    def _packed_inputs(self, input_ids, packed_seq_lens, use_cache, kwargs) -> bool:
+        """Step 1 (packed rows): per-sample positions into ``kwargs``; returns ``use_cache`` (False)."""
+        if use_cache:
+            raise ValueError("a packed row needs use_cache=False: with a KV cache transformers ignores the packing")
+        kwargs["position_ids"] = self.packed_position_ids(input_ids, packed_seq_lens, kwargs)
+        return False  # HF's default (config.use_cache) would build a cache and an unpacked causal mask
+
+    def _idle_vision(self, input_ids, kwargs) -> torch.Tensor | None:
+        """Step 2 (data parallel): the zero-valued idle vision-tower calls this rank owes, or None.
+
+        Ranks with images run embed_tokens, then the vision tower, then the decoder; a rank short
+        of a modality must issue FSDP's collectives in that same order, so it embeds first.
+        """
+        missing = self._idle_vision_calls(kwargs)
+        if not missing or input_ids is None or kwargs.get("inputs_embeds") is not None:
+            return None
+        kwargs["inputs_embeds"] = self.model.get_input_embeddings()(input_ids)
+        return sum(self._idle_vision_term() for _ in range(missing))
+
+    def _chunked_forward(self, input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs):
+        """Step 3 (chunk loss): HF's multimodal backbone, then the loss from the lm_head module itself."""
         # pre-shifted labels (sequence parallelism): used as given, as HF's ForCausalLMLoss does
         shifted = kwargs.pop("shift_labels", None)
         self._check_chunk_args(labels, shifted, use_cache, logits_to_keep)
@@ -153,10 +168,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             num_samples=num_samples,
         )
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
-        if idle is not None:
-            loss = loss + idle
-        out = CausalLMOutputWithPast(loss=loss, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return out.to_tuple() if return_dict is False else out
+        return CausalLMOutputWithPast(loss=loss, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
     def _idle_vision_calls(self, kwargs) -> int:
         """Vision-tower calls this rank must add so that every rank makes the same number."""
@@ -236,6 +248,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         return sum(t.sum() for t in tensors) * 0.0
 
     def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs):
+        """Step 3 (no chunk loss): HF's own forward; ``sample_mean`` reduces HF's logits with qwenkit's loss."""
         if self.loss_reduction == "token_mean" or labels is None:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
