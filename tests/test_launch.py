@@ -245,7 +245,8 @@ def test_train_on_npu(tmp_path):
 
 def test_cpu_ranks_get_a_pinned_mmap_threshold_unless_the_user_set_one():
     from qwenkit import config as qconfig
-    from qwenkit.device import CPU_MALLOC_ENV, rank_environment
+    from qwenkit.device import CPU_MALLOC_ENV
+    from qwenkit.launch import rank_environment
 
     cpu = qconfig.load(overrides=["parallel.device=cpu"])
     assert rank_environment(cpu, {"PATH": "/bin"}) == {"PATH": "/bin", **CPU_MALLOC_ENV}
