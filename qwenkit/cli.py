@@ -51,11 +51,11 @@ def _data_prepare(args) -> int:
 
 
 def _export(args) -> int:
-    from qwenkit.engine import checkpoint  # torch.distributed.checkpoint: export only
+    from qwenkit.engine import checkpoint, export  # torch.distributed.checkpoint: export only
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
-    out = checkpoint.export(args.checkpoint, args.out, cfg)
+    out = export.export(args.checkpoint, args.out, cfg)
     print(f"exported {checkpoint.resolve(args.checkpoint)} to {out}")
     return 0
 

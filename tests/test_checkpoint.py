@@ -33,6 +33,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from qwenkit import cli, data
 from qwenkit import config as qconfig
 from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import export as hf_export
 from qwenkit.engine import metrics, train
 
 BASE = [
@@ -277,7 +278,7 @@ def test_export_loads_in_transformers_with_the_same_logits(out, tmp_path):
     saved = torch.load(out / "C" / "logits.pt")
     cfg = qconfig.load(ckpt.run_config_path(out / "C"))
     assert cfg.train.output_dir == str(out / "C")
-    exported = ckpt.export(out / "C", tmp_path / "hf", cfg)
+    exported = hf_export.export(out / "C", tmp_path / "hf", cfg)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"):
         assert (exported / name).is_file(), name
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(exported).eval()

@@ -16,8 +16,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit.data.template import IGNORE_INDEX
-from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import evaluate, metrics, train
+from qwenkit.engine import export as hf_export
 from qwenkit.engine import generate as qgen
 
 BASE = ["train.resume=none", "data.tiny_samples=16", "data.tiny_eval_samples=5", "train.micro_batch_size=2"]
@@ -179,8 +179,8 @@ def test_eval_loss_and_accuracy_do_not_depend_on_world_size(two_ranks, tmp_path)
 @pytest.mark.slow
 def test_generation_under_fsdp_equals_generation_from_the_export(two_ranks, tmp_path, processor):
     cfg = qconfig.load(overrides=BASE)
-    export = ckpt.export(two_ranks / "two" / "checkpoints" / "step-00000002", tmp_path / "hf", cfg)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export)
+    exported = hf_export.export(two_ranks / "two" / "checkpoints" / "step-00000002", tmp_path / "hf", cfg)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(exported)
     eval_set = data.build(cfg, processor).eval_dataset
     rows = [r.to_json() for r in qgen.generate_rows(model, eval_set, [0, 1, 2], max_new_tokens=6)]
     logged = qgen.read_jsonl(evaluate.generations_path(two_ranks / "two", 2))

@@ -34,6 +34,7 @@ from qwenkit.config import DTYPES
 from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import generate as qgen
+from qwenkit.engine.export import load_hf
 from qwenkit.model.paths import load_processor
 
 
@@ -131,7 +132,7 @@ def _every(step: int, n: int) -> bool:
 def load_for_eval(target: str | Path, config_path: str | Path | None = None):
     """``(model, processor, cfg, name)`` for a run's output_dir, a checkpoint, or an HF export directory.
 
-    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.engine.checkpoint.load_hf`),
+    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.engine.export.load_hf`),
     with the config the run saved; an export (a directory with ``config.json``) is loaded with
     ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
     """
@@ -144,7 +145,7 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
         return model, load_processor(cfg, target), cfg, target.name
     step = ckpt.resolve(target)
     cfg = qconfig.load(config_path or ckpt.run_config_path(step))
-    return ckpt.load_hf(step, cfg), load_processor(cfg), cfg, step.name
+    return load_hf(step, cfg), load_processor(cfg), cfg, step.name
 
 
 def eval_main(args) -> int:
