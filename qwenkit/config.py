@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,11 +22,17 @@ from typing import Any, Literal, Union
 import torch
 import yaml
 
-from qwenkit.model.loss import LOSS_TYPES
-from qwenkit.patches import BACKENDS, OPS, dispatch
-
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
+
+# The allowed names: the schema owns them, and the code that implements them (qwenkit.patches,
+# qwenkit.model.loss) imports them from here, so config stays a leaf.
+FUSED_OPS = ("rms_norm", "vision_rope", "swiglu")  # model.fused_ops; qwenkit.patches implements them
+FUSED_BACKENDS = ("auto", "npu", "cuda")  # model.fused_backend
+FUSED_LIBRARIES = {"npu": "torch_npu", "cuda": "liger_kernel"}  # backend -> the library its kernels import
+PIP_NAMES = {"torch_npu": "torch_npu", "liger_kernel": "liger-kernel"}  # import name -> what to install
+TRAINING_LOSS_TYPES = ("token_mean", "sample_mean")  # what the chunked head computes
+LOSS_TYPES = (*TRAINING_LOSS_TYPES, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
 
 
 class ConfigError(ValueError):
@@ -42,9 +50,9 @@ class ModelConfig:
     dtype: Dtype = "float32"  # dtype the weights are loaded in
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     freeze: list[str] = field(default_factory=list)  # module paths, e.g. ["model.visual"]
-    fused_ops: Literal["auto", "off"] | list[str] = "auto"  # or a subset of qwenkit.patches.OPS
+    fused_ops: Literal["auto", "off"] | list[str] = "auto"  # or a subset of FUSED_OPS
     # auto: NPU tensors run torch_npu, CUDA tensors Liger (when installed); npu | cuda: that route only
-    fused_backend: Literal[BACKENDS] = "auto"
+    fused_backend: Literal[FUSED_BACKENDS] = "auto"
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
     tie_word_embeddings: bool = False  # only for path=tiny (HF checkpoints carry their own)
 
@@ -323,6 +331,50 @@ def _describe(hint) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Checks shared with the code that takes the same values through its Python API (patches.apply,
+# model.configure_loss, the chunked loss): one message each, prefixed here with the key path.
+
+
+def installed(library: str) -> bool:
+    """Whether ``library`` can be imported, without importing it."""
+    if sys.modules.get(library) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(library) is not None
+    except ValueError:  # in sys.modules with no spec
+        return False
+
+
+def fused_ops_problems(ops: Any) -> list[str]:
+    """What is wrong with a ``model.fused_ops`` value (``auto``, ``off`` or a list of FUSED_OPS)."""
+    if ops in ("auto", "off"):
+        return []
+    if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) for o in ops):
+        return [f"fused ops must be 'auto', 'off' or a list of {', '.join(FUSED_OPS)}; got {ops!r}"]
+    return [f"unknown fused op {op!r}; allowed: {', '.join(FUSED_OPS)}" for op in ops if op not in FUSED_OPS]
+
+
+def fused_backend_problem(backend: str) -> str | None:
+    """Why ``model.fused_backend`` cannot run here (not a backend, or its library is missing), or None."""
+    if backend not in FUSED_BACKENDS:
+        return f"fused_backend must be one of {', '.join(FUSED_BACKENDS)}, got {backend!r}"
+    library = FUSED_LIBRARIES.get(backend)
+    if library is None or installed(library):
+        return None
+    return (
+        f"fused_backend={backend!r} needs {PIP_NAMES[library]}, which is not installed; "
+        "use auto (each tensor's device picks its kernels) or install it"
+    )
+
+
+def chunk_size_problem(chunk_size: Any) -> str | None:
+    """Why a ``loss.chunk_size`` value is refused (a positive int or ``auto``), or None."""
+    if chunk_size == "auto" or (isinstance(chunk_size, int) and chunk_size > 0):
+        return None
+    return f"chunk_size must be a positive int or 'auto', got {chunk_size!r}"
+
+
+# ---------------------------------------------------------------------------------------------
 # Ranges and illegal combinations
 
 
@@ -341,16 +393,11 @@ def validate(cfg: Config) -> list[str]:
 
 def _check_model(cfg: Config, need) -> None:
     model = cfg.model
-    if isinstance(model.fused_ops, list):
-        for op in model.fused_ops:
-            need(op in OPS, f"model.fused_ops: unknown op {op!r}; allowed: {', '.join(OPS)}")
-    if model.fused_backend != "auto" and model.fused_ops != "off":
-        library = dispatch.ROUTES[model.fused_backend].LIBRARY
-        need(
-            dispatch.installed(library),
-            f"model.fused_backend={model.fused_backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed; "
-            "use auto (each tensor's device picks its kernels) or install it",
-        )
+    for problem in fused_ops_problems(model.fused_ops):
+        need(False, f"model.fused_ops: {problem}")
+    if model.fused_ops != "off":
+        problem = fused_backend_problem(model.fused_backend)
+        need(problem is None, f"model.{problem}")
 
 
 def _check_data(cfg: Config, need) -> None:
@@ -410,8 +457,8 @@ def _check_data(cfg: Config, need) -> None:
 
 def _check_loss(cfg: Config, need) -> None:
     loss = cfg.loss
-    if isinstance(loss.chunk_size, int):
-        need(loss.chunk_size > 0, f"loss.chunk_size must be > 0 or 'auto', got {loss.chunk_size}")
+    problem = chunk_size_problem(loss.chunk_size)
+    need(problem is None, f"loss.{problem}")
     need(loss.chunk_budget_mb > 0, f"loss.chunk_budget_mb must be > 0, got {loss.chunk_budget_mb}")
     need(
         loss.loss_type != "raw",

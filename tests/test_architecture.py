@@ -141,12 +141,6 @@ FLOORS = {
     "bench": {"leaf", "patches", "model", "distributed", "data"},
     "notebooks": {"leaf", "patches", "model", "distributed", "data", "engine", "bench"},
 }
-# Temporary, named exceptions to the table (module -> imported module).
-EXCEPTIONS = {
-    ("qwenkit.config", "qwenkit.patches"),
-    ("qwenkit.config", "qwenkit.patches.dispatch"),
-    ("qwenkit.config", "qwenkit.model.loss"),
-}
 # data needs the model floor's light modules (paths, processor, tokens, loss constants), never its code.
 MODEL_CODE = ("qwenkit.model.qwen2_5_vl", "qwenkit.model.registry")
 
@@ -171,7 +165,7 @@ def test_imports_go_down_the_floors():
     upward = []
     for m, line, target, _, text in _imports():
         a, b = floor_of(m), floor_of(target)
-        if a == b or b == "package" or (m, target) in EXCEPTIONS:
+        if a == b or b == "package":
             continue
         if b not in FLOORS.get(a, set()) or (a == "data" and target.startswith(MODEL_CODE)):
             upward.append(f"{m}:{line}: {text.strip()}  ({a} -> {b})")

@@ -33,9 +33,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from qwenkit.config import LOSS_TYPES, chunk_size_problem
+from qwenkit.config import TRAINING_LOSS_TYPES as REDUCTIONS
+
 IGNORE_INDEX = -100  # label of a position the loss skips (HF's and torch's convention)
-REDUCTIONS = ("token_mean", "sample_mean")  # what the chunked head computes
-LOSS_TYPES = (*REDUCTIONS, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
 # chunk_size=auto rounds chunks to this many rows: GEMM tiles on CPU (oneDNN/MKL) and GPU/NPU
 # (tensor-core tiles) are powers of two up to 128/256; see benchmarks/chunk_loss.py for the sweep.
 CHUNK_MULTIPLE = 128
@@ -229,8 +230,8 @@ def chunked_linear_cross_entropy(
         shifted = shift_labels(labels)  # [B, S]
     if hidden.shape[:-1] != shifted.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
-    if not (chunk_size == "auto" or (isinstance(chunk_size, int) and chunk_size > 0)):
-        raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
+    if problem := chunk_size_problem(chunk_size):
+        raise ValueError(problem)
     dtype = compute_dtype(hidden, weight)
     weights = token_weights(shifted, reduction, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
     shifted = shifted.reshape(-1)  # [N]

@@ -22,7 +22,8 @@ from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from qwenkit.model.loss import LOSS_TYPES, chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.config import LOSS_TYPES, chunk_size_problem
+from qwenkit.model.loss import chunked_linear_cross_entropy, full_cross_entropy
 from qwenkit.model.processor import needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
     ) -> QwenkitQwen2_5_VL:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-        if not (chunk_size == "auto" or (isinstance(chunk_size, int) and chunk_size > 0)):
-            raise ValueError(f"chunk_size must be a positive int or 'auto', got {chunk_size!r}")
+        if problem := chunk_size_problem(chunk_size):
+            raise ValueError(problem)
         self.chunk_loss, self.chunk_size, self.loss_reduction = chunk, chunk_size, loss_type
         self.chunk_budget_bytes = chunk_budget_mb * 2**20
         return self

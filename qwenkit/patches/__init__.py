@@ -27,12 +27,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from qwenkit.config import FUSED_BACKENDS as BACKENDS
+from qwenkit.config import FUSED_OPS as OPS
+from qwenkit.config import fused_backend_problem, fused_ops_problems
 from qwenkit.patches import dispatch, targets
 from qwenkit.patches.dispatch import DeviceOf, Router
 from qwenkit.patches.report import OpReport, PatchError, PatchReport
 
-OPS = ("rms_norm", "vision_rope", "swiglu")  # model.fused_ops is validated against this
-BACKENDS = ("auto", "npu", "cuda")  # model.fused_backend
 DISABLE_ENV = ("QWENKIT_DISABLE_FUSED", "QWEN25VL_DISABLE_NPU_FUSION")
 
 __all__ = ["OPS", "BACKENDS", "PatchError", "PatchReport", "apply", "disabled_by", "fused_enabled", "revert"]
@@ -68,11 +69,9 @@ def _wanted(ops: str | Sequence[str]) -> tuple[str, ...]:
         return OPS
     if ops == "off":
         return ()
-    if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
-        raise ValueError(f"fused ops must be 'auto', 'off' or a list of {', '.join(OPS)}; got {ops!r}")
-    unknown = [o for o in ops if o not in OPS]
-    if unknown:
-        raise ValueError(f"unknown fused op(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(OPS)}")
+    problems = fused_ops_problems(ops)
+    if problems:
+        raise ValueError("; ".join(problems))
     return tuple(o for o in OPS if o in ops)
 
 
@@ -91,7 +90,7 @@ def apply(
     match at least one module (else :class:`PatchError`) before any module is changed.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"fused-op backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise ValueError(fused_backend_problem(backend))
     wanted = _wanted(ops)
     reason = disabled_by() or (None if wanted else f"model.fused_ops={ops}")
     routes = dispatch.routes(backend)
@@ -101,12 +100,9 @@ def apply(
         )
         log.info("%s", report)
         return report
-    if backend != "auto":
-        library = dispatch.ROUTES[backend].LIBRARY
-        if not dispatch.installed(library):
-            raise ValueError(
-                f"fused-op backend={backend!r} needs {dispatch.PIP_NAMES[library]}, which is not installed"
-            )
+    problem = fused_backend_problem(backend)
+    if problem:
+        raise ValueError(problem)
 
     router = Router(backend, device_of)
     found = {op: targets.find(model, op) for op in wanted}

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-LIBRARY = "liger_kernel"  # what must be importable for this route
+from qwenkit.config import FUSED_LIBRARIES
+
+LIBRARY = FUSED_LIBRARIES["cuda"]  # what must be importable for this route
 KERNELS = {
     "rms_norm": "liger_rms_norm",
     "vision_rope": "liger_rope",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import logging
 import sys
 import types
@@ -26,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from qwenkit.config import PIP_NAMES, installed
 from qwenkit.patches import cuda, npu
 from qwenkit.patches.report import PatchError
 
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 DeviceOf = Callable[[torch.Tensor], str]
 ROUTES: dict[str, types.ModuleType] = {"npu": npu, "cuda": cuda}  # tensor device type -> kernels
-PIP_NAMES = {"torch_npu": "torch_npu", "liger_kernel": "liger-kernel"}
 VISION_ROPE_FN = "apply_rotary_pos_emb_vision"  # the module-level function HF's vision attention calls
 
 _missing: set[str] = set()  # libraries whose import failed in this process
@@ -43,16 +42,6 @@ _announced: set[tuple[str, str, str]] = set()  # (op, device, implementation) al
 def tensor_device(t: torch.Tensor) -> str:
     """The default device predicate: ``"npu"``, ``"cuda"``, ``"cpu"``, ``"meta"``, ..."""
     return t.device.type
-
-
-def installed(library: str) -> bool:
-    """Whether ``library`` can be imported, without importing it (for the report)."""
-    if sys.modules.get(library) is not None:
-        return True
-    try:
-        return importlib.util.find_spec(library) is not None
-    except ValueError:  # in sys.modules with no spec
-        return False
 
 
 def _importable(library: str) -> bool:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-LIBRARY = "torch_npu"  # what must be importable for this route
+from qwenkit.config import FUSED_LIBRARIES
+
+LIBRARY = FUSED_LIBRARIES["npu"]  # what must be importable for this route
 KERNELS = {
     "rms_norm": "torch_npu.npu_rms_norm",
     "vision_rope": "torch_npu.npu_rotary_mul",
