@@ -42,7 +42,7 @@ from qwenkit.config import DTYPES
 from qwenkit.device import resolve_device
 
 log = logging.getLogger(__name__)
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def init_distributed(parallel_cfg) -> Runtime:
     as is and left alone at the end.
     """
     device_type = resolve_device(parallel_cfg.device)
-    backend = BACKENDS[device_type] if parallel_cfg.backend == "auto" else parallel_cfg.backend
+    backend = DIST_BACKENDS[device_type] if parallel_cfg.backend == "auto" else parallel_cfg.backend
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cpu":
         device = torch.device("cpu")
@@ -104,7 +104,7 @@ def hsdp_problem(parallel_cfg) -> str | None:
         return None
     backend = parallel_cfg.backend
     if backend == "auto":
-        backend = BACKENDS[resolve_device(parallel_cfg.device)]
+        backend = DIST_BACKENDS[resolve_device(parallel_cfg.device)]
     major, minor = (int(x) for x in str(torch.__version__).split("+")[0].split(".")[:2])
     if backend == "gloo" and (major, minor) < (2, 8):
         return (
