@@ -115,8 +115,8 @@ def build_scheduler(optimizer, train_cfg, done: int = 0) -> torch.optim.lr_sched
     )
 
 
-def grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total L2 norm of the (sharded) gradients; clips them in place when ``max_norm > 0``."""
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clips the (sharded) gradients in place when ``max_norm > 0``; returns their total L2 norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
@@ -321,7 +321,7 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
             )
         (out.loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
         loss_sum += out.loss.detach().float()
-    norm = grad_norm(params, t.max_grad_norm)
+    norm = clip_grad_norm(params, t.max_grad_norm)
     dist.all_reduce(loss_sum)
     loss, norm_value, items, samples, tokens, positions, bad = torch.cat(
         [torch.stack([loss_sum, norm.float()]), counts.float()]
