@@ -76,7 +76,7 @@ def check_resume(cfg) -> list[str]:
         resume = ckpt.find_resume(cfg.train.resume, cfg.train.output_dir)
     except ckpt.CheckpointError as e:
         return [str(e)]
-    problem = ckpt.refuse_older_resume(resume, cfg.train.output_dir)
+    problem = ckpt.older_resume_problem(resume, cfg.train.output_dir)
     return [problem] if problem and not cfg.train.resume_older else []
 
 

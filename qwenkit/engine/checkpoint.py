@@ -92,7 +92,7 @@ def newer_checkpoints(resume: Path | None, output_dir: str | Path) -> list[Path]
     return [p for p in complete_checkpoints(checkpoint_root(output_dir)) if step_of(p) > start]
 
 
-def refuse_older_resume(resume: Path | None, output_dir: str | Path) -> str | None:
+def older_resume_problem(resume: Path | None, output_dir: str | Path) -> str | None:
     """The problem with resuming there (``None`` when no newer checkpoint would be written over)."""
     newer = newer_checkpoints(resume, output_dir)
     if not newer:

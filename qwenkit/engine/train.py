@@ -226,7 +226,7 @@ class Trainer:
         """
         t, main_rank = self.cfg.train, self.rt.rank == 0
         resume = ckpt.find_resume(t.resume, self.out_dir)
-        problem = ckpt.refuse_older_resume(resume, self.out_dir)
+        problem = ckpt.older_resume_problem(resume, self.out_dir)
         if problem and not t.resume_older:
             raise ckpt.CheckpointError(problem)
         if problem:
