@@ -24,7 +24,7 @@ from videos import LOSSLESS, decode_all, frame, write_video
 from qwenkit import config as qconfig
 from qwenkit.cli import main as cli_main
 from qwenkit.data import DataError, build, read_dataset
-from qwenkit.data.images import ImageRef
+from qwenkit.data.images import MediaRef
 from qwenkit.data.report import Location
 from qwenkit.data.video import VideoMeta, VideoProcessor, probe
 from qwenkit.engine import train
@@ -52,7 +52,7 @@ def video_row(text="<video>What moves?", reply="A red square.", videos=("clip.av
 @pytest.mark.parametrize("suffix", [".mp4", ".avi", ".mkv", ".webm", ".mov"])
 def test_every_container_decodes_with_its_frame_count_and_rate(tmp_path, suffix):
     path = write_video(tmp_path / f"clip{suffix}", 64, 48, 12, 8)
-    assert probe(ImageRef("v", path=path), HERE) == VideoMeta(12, 8.0, 64, 48)
+    assert probe(MediaRef("v", path=path), HERE) == VideoMeta(12, 8.0, 64, 48)
 
 
 def reference_pixels(path: Path, d, ip) -> tuple[list[int], tuple, np.ndarray, float]:
@@ -106,7 +106,7 @@ def test_frames_grid_and_pixels_equal_the_reference(tmp_path, processor, size, f
     path = write_video(tmp_path / "clip.avi", *size, frames, fps, codec=LOSSLESS)
     d = make_cfg(**data).data
     vp = VideoProcessor.from_config(processor.image_processor, d)
-    ref = ImageRef("v", path=path)
+    ref = MediaRef("v", path=path)
     pixels, plan = vp.load(ref, probe(ref, HERE), HERE)
     indices, grid, expected, seconds = reference_pixels(path, d, processor.image_processor)
     assert list(plan.indices) == indices and plan.grid == grid

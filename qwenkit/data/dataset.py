@@ -30,7 +30,7 @@ import torch
 
 from qwenkit.config import DataConfig
 from qwenkit.data.conversation import Conversation, parse_row
-from qwenkit.data.images import ImageProbe, ImageRef, load, predict_grid, resolve
+from qwenkit.data.images import ImageProbe, MediaRef, load, predict_grid, resolve
 from qwenkit.data.index import MEDIA_KINDS, BadRecord, SampleIndex, SampleInfo, empty_columns, to_index
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import BadSample
@@ -104,7 +104,7 @@ class EncodedDataset:
         row = int(self.index.row[i])
         return parse_row(source.row(row), source.location(row))
 
-    def image_refs(self, i: int, conv: Conversation | None = None) -> list[ImageRef]:
+    def image_refs(self, i: int, conv: Conversation | None = None) -> list[MediaRef]:
         """Where sample ``i``'s images are (``conv``: its conversation, read when not given)."""
         conv = self.conversation(i) if conv is None else conv
         base = self.sources[int(self.index.source[i])].base_dir
@@ -193,12 +193,12 @@ class EncodedDataset:
             sample.update(self._videos(conv, self.video_refs(i, conv), self.index.videos(i)))
         return sample
 
-    def video_refs(self, i: int, conv: Conversation) -> list[ImageRef]:
+    def video_refs(self, i: int, conv: Conversation) -> list[MediaRef]:
         """Where sample ``i``'s videos are (``conv`` is its conversation)."""
         base = self.sources[int(self.index.source[i])].base_dir
         return resolve(conv.videos, conv.where, base, self.data.video_dir or self.data.image_dir, kind="video")
 
-    def _videos(self, conv: Conversation, refs: list[ImageRef], metas: list[VideoMeta]) -> dict[str, torch.Tensor]:
+    def _videos(self, conv: Conversation, refs: list[MediaRef], metas: list[VideoMeta]) -> dict[str, torch.Tensor]:
         pixels, grids, seconds = [], [], []
         for ref, meta in zip(refs, metas):
             patches, plan = self.video_processor.load(ref, meta, conv.where)

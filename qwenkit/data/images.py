@@ -46,8 +46,8 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class ImageRef:
-    """Where one image's bytes come from. ``label`` is how error messages name it."""
+class MediaRef:
+    """Where one image's or video's bytes come from (a file, or bytes embedded in the row). ``label`` is how error messages name it."""
 
     label: str
     path: Path | None = None
@@ -56,21 +56,21 @@ class ImageRef:
 
 def resolve(
     entries: list[Any], where: Location, base_dir: Path | None, image_dir: str | None, kind: str = "image"
-) -> list[ImageRef]:
+) -> list[MediaRef]:
     """``kind`` ("image" or "video") names the entries in messages and picks the data-URI prefix
     and bad-sample reason; videos resolve exactly like images (see :mod:`qwenkit.data.video`)."""
     base = Path(image_dir).expanduser() if image_dir else base_dir
     return [_resolve_one(e, f"{kind} {k} of {len(entries)}", where, base, kind) for k, e in enumerate(entries)]
 
 
-def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kind: str) -> ImageRef:
+def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kind: str) -> MediaRef:
     if isinstance(entry, dict):
         if entry.get("bytes"):
             name = f" ({entry['path']!r})" if entry.get("path") else ""
-            return ImageRef(f"{label}{name}", data=entry["bytes"])
+            return MediaRef(f"{label}{name}", data=entry["bytes"])
         entry = entry.get("path")
     if isinstance(entry, bytes):
-        return ImageRef(f"{label} (embedded bytes)", data=entry)
+        return MediaRef(f"{label} (embedded bytes)", data=entry)
     if not isinstance(entry, str) or not entry:
         raise BadSample(
             where,
@@ -79,7 +79,7 @@ def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kin
         )
     if entry.startswith(f"data:{kind}/"):
         try:
-            return ImageRef(
+            return MediaRef(
                 f"{label} (data URI)", data=base64.b64decode(entry.split(",", 1)[1], validate=True)
             )
         except (IndexError, binascii.Error) as e:
@@ -87,10 +87,10 @@ def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kin
     path = Path(entry).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
-    return ImageRef(f"{label} ({entry!r})", path=path)
+    return MediaRef(f"{label} ({entry!r})", path=path)
 
 
-def load(ref: ImageRef, where: Location) -> Image.Image:
+def load(ref: MediaRef, where: Location) -> Image.Image:
     """Decode the whole image (so truncation shows) and return it as RGB."""
     try:
         return _decode(ref)
@@ -104,11 +104,11 @@ class Unreadable(Exception):
     def __init__(self, reason: str, detail: str):
         self.reason, self.detail = reason, detail
 
-    def bad_sample(self, ref: ImageRef, where: Location) -> BadSample:
+    def bad_sample(self, ref: MediaRef, where: Location) -> BadSample:
         return BadSample(where, self.reason, f"{ref.label}: {self.detail}")
 
 
-def _decode(ref: ImageRef) -> Image.Image:
+def _decode(ref: MediaRef) -> Image.Image:
     """The fully decoded image as RGB, converted while the file is still open."""
     if ref.data is None and not ref.path.is_file():
         raise Unreadable("missing_image", f"no such file {str(ref.path)!r}")
@@ -126,7 +126,7 @@ END_MARKERS = {"JPEG": b"\xff\xd9", "PNG": b"IEND", "MPO": b"\xff\xd9"}
 END_WINDOW = 64  # how far from the end the marker may sit (writers may pad after it)
 
 
-def _measure(ref: ImageRef, full: bool) -> tuple[int, int]:
+def _measure(ref: MediaRef, full: bool) -> tuple[int, int]:
     """The ``(w, h)`` of an image: decoded in full, or read from the header and end marker."""
     if full:
         return _decode(ref).size
@@ -148,7 +148,7 @@ def _measure(ref: ImageRef, full: bool) -> tuple[int, int]:
 
 
 def check_shape(
-    size: tuple[int, int], ref: ImageRef, where: Location, min_side: int, max_aspect_ratio: float
+    size: tuple[int, int], ref: MediaRef, where: Location, min_side: int, max_aspect_ratio: float
 ) -> None:
     w, h = size
     if min(w, h) < min_side:
@@ -180,11 +180,11 @@ class CachedProbe(Generic[T]):
     is remembered too, and raised as a :class:`BadSample` at every row that uses it.
     """
 
-    def __init__(self, measure: Callable[[ImageRef], T]):
+    def __init__(self, measure: Callable[[MediaRef], T]):
         self._measure = measure
         self._seen: dict[Path, T | Unreadable] = {}
 
-    def __call__(self, ref: ImageRef, where: Location) -> T:
+    def __call__(self, ref: MediaRef, where: Location) -> T:
         key = ref.path if ref.data is None else None
         result = self._seen.get(key) if key is not None else None
         if result is None:
@@ -209,7 +209,7 @@ class ImageProbe:
         self.min_side, self.max_aspect_ratio = min_side, max_aspect_ratio
         self._sizes = CachedProbe(lambda ref: _measure(ref, full))
 
-    def size(self, ref: ImageRef, where: Location) -> tuple[int, int]:
+    def size(self, ref: MediaRef, where: Location) -> tuple[int, int]:
         """The checked ``(w, h)`` of an image; raises :class:`BadSample` as :func:`load` and :func:`check_shape`."""
         size = self._sizes(ref, where)
         check_shape(size, ref, where, self.min_side, self.max_aspect_ratio)

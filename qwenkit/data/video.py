@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qwenkit.data.images import CachedProbe, ImageRef, Unreadable, smart_resize
+from qwenkit.data.images import CachedProbe, MediaRef, Unreadable, smart_resize
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import BadSample, Location
 
@@ -68,7 +68,7 @@ def import_av():
     return av
 
 
-def _decode(ref: ImageRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMeta, dict[int, np.ndarray]]:
+def _decode(ref: MediaRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMeta, dict[int, np.ndarray]]:
     """Decode every frame of the first video stream; return the metadata and frames ``keep`` as RGB."""
     av = import_av()
     if ref.data is None and not ref.path.is_file():
@@ -101,7 +101,7 @@ def _decode(ref: ImageRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMet
     return VideoMeta(n, float(rate), width, height), kept
 
 
-def probe(ref: ImageRef, where: Location) -> VideoMeta:
+def probe(ref: MediaRef, where: Location) -> VideoMeta:
     """Decode the whole video once (so truncation shows) and measure it; raises :class:`BadSample`."""
     try:
         return _decode(ref)[0]
@@ -115,7 +115,7 @@ class VideoProbe:
     def __init__(self):
         self._metas = CachedProbe(lambda ref: _decode(ref)[0])
 
-    def meta(self, ref: ImageRef, where: Location) -> VideoMeta:
+    def meta(self, ref: MediaRef, where: Location) -> VideoMeta:
         return self._metas(ref, where)
 
 
@@ -204,7 +204,7 @@ class VideoProcessor:
         x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, gh/m, gw/m, m, m, C, T, p, p]
         return torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, c * self.temporal * p * p))
 
-    def frames(self, ref: ImageRef, meta: VideoMeta, where: Location) -> tuple[list[np.ndarray], VideoPlan]:
+    def frames(self, ref: MediaRef, meta: VideoMeta, where: Location) -> tuple[list[np.ndarray], VideoPlan]:
         """The planned frames of a probed video, RGB ``[H, W, 3]`` uint8 at their original size;
         raises if the file changed since the probe."""
         plan = self.plan(meta, where, ref.label)
@@ -219,7 +219,7 @@ class VideoProcessor:
             )
         return [kept[i] for i in plan.indices], plan
 
-    def load(self, ref: ImageRef, meta: VideoMeta, where: Location) -> tuple[torch.Tensor, VideoPlan]:
+    def load(self, ref: MediaRef, meta: VideoMeta, where: Location) -> tuple[torch.Tensor, VideoPlan]:
         """The planned frames of a probed video as patches, and the plan."""
         frames, plan = self.frames(ref, meta, where)
         return self.pixels(frames, plan), plan
