@@ -75,11 +75,11 @@ def make_samples(n: int, max_length: int, seed: int) -> list[dict]:
 
 def plan(variant: str, lengths: list[int], args) -> list[list[int]]:
     """The epoch's micro-batches of sample indices, as qwenkit's samplers make them."""
-    from qwenkit.data import ResumableSampler, TokenBudgetSampler
+    from qwenkit.data import FixedSizeSampler, TokenBudgetSampler
 
     if variant == "budget":
         return TokenBudgetSampler(lengths, args.max_tokens, args.seed, packed=True).epoch_batches(0)
-    return ResumableSampler(len(lengths), args.micro_batch, args.seed).epoch_batches(0)
+    return FixedSizeSampler(len(lengths), args.micro_batch, args.seed).epoch_batches(0)
 
 
 def worker(args) -> dict:

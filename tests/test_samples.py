@@ -108,7 +108,7 @@ def test_video_sample_renders_frames_and_token_counts(tmp_path, tiny_path):
 def test_padding_of_an_epoch_padded_vs_packed():
     lengths = [10, 30, 20, 40, 5, 5, 50, 10]
     rows = samples.padding(lengths, micro_batch_size=4, seed=0)
-    batches = data.ResumableSampler(len(lengths), 4, seed=0).epoch_batches(0)
+    batches = data.FixedSizeSampler(len(lengths), 4, seed=0).epoch_batches(0)
     padded = sum(4 * max(lengths[i] for i in b) for b in batches)
     assert rows[0]["positions"] == padded and rows[0]["micro-batches"] == 2
     assert rows[0]["padding fraction"] == pytest.approx(1 - sum(lengths) / padded)

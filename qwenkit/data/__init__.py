@@ -39,7 +39,7 @@ from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
-from qwenkit.data.sampler import ResumableSampler, TokenBudgetSampler
+from qwenkit.data.sampler import FixedSizeSampler, TokenBudgetSampler
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import EVAL_SEED, ensure_dataset
 
@@ -51,7 +51,7 @@ __all__ = [
     "DataBundle",
     "DataError",
     "EncodedDataset",
-    "ResumableSampler",
+    "FixedSizeSampler",
     "TokenBudgetSampler",
     "build",
     "open_dataset",
@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class DataBundle:
     dataset: EncodedDataset
-    sampler: ResumableSampler
+    sampler: FixedSizeSampler
     collator: Collator
     report: BadSampleReport
     num_workers: int = 0
@@ -169,14 +169,14 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     )
 
 
-def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: int) -> ResumableSampler:
+def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: int) -> FixedSizeSampler:
     """A fixed ``train.micro_batch_size``, or micro-batches filled to ``data.max_tokens_per_batch``."""
     data = cfg.data
     if data.max_tokens_per_batch:
         return TokenBudgetSampler(
             dataset.lengths, data.max_tokens_per_batch, cfg.train.seed, data.shuffle, rank, world_size, data.packing
         )
-    return ResumableSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size)
+    return FixedSizeSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size)
 
 
 def split_eval(dataset: EncodedDataset, fraction: float, seed: int) -> tuple[EncodedDataset, EncodedDataset]:

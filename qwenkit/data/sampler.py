@@ -1,8 +1,8 @@
 """A rank's micro-batches of sample indices, epoch after epoch, with a position that survives a resume.
 
-:class:`ResumableSampler` takes a fixed number of samples per micro-batch;
-:class:`TokenBudgetSampler` fills micro-batches up to a token budget. Both share the position
-and resume logic below.
+:class:`FixedSizeSampler` takes a fixed number of samples per micro-batch;
+:class:`TokenBudgetSampler` (a subclass) fills micro-batches up to a token budget. Both are
+stateful and resumable: they share the position and resume logic below.
 
 Epoch ``e`` orders all samples by a permutation seeded with ``(seed, e)`` (or keeps file
 order with ``shuffle=False``), the same on every rank. Global batch ``k`` is the slice
@@ -24,7 +24,9 @@ from collections.abc import Iterator
 import numpy as np
 
 
-class ResumableSampler:
+class FixedSizeSampler:
+    """``batch_size`` samples per micro-batch; stateful and resumable (``state_dict``/``load_state_dict``)."""
+
     def __init__(
         self,
         num_samples: int,
@@ -119,10 +121,10 @@ class ResumableSampler:
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
 
 
-class TokenBudgetSampler(ResumableSampler):
+class TokenBudgetSampler(FixedSizeSampler):
     """Micro-batches filled up to ``max_tokens`` tokens instead of a fixed number of samples.
 
-    Epoch ``e`` (same permutation as :class:`ResumableSampler`) is cut into windows of
+    Epoch ``e`` (same permutation as :class:`FixedSizeSampler`) is cut into windows of
     ``window`` samples; inside a window samples go longest first, each into the first
     micro-batch where it still fits (first-fit decreasing), so a batch holds samples of similar
     length and little budget is left unused. A micro-batch's cost is what it computes:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwenkit.data import REASONS, ResumableSampler
+from qwenkit.data import REASONS, FixedSizeSampler
 from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
 from qwenkit.model.loss import IGNORE_INDEX
@@ -66,7 +66,7 @@ def distributions(dataset) -> dict[str, list[int]]:
 def padding(lengths: list[int], micro_batch_size: int, seed: int) -> list[dict[str, Any]]:
     """Padding of one epoch at ``micro_batch_size``, padded (as the training sampler groups the
     samples) and packed (``data.packing``): rows of layout, micro-batches, positions, pad fraction."""
-    batches = ResumableSampler(len(lengths), micro_batch_size, seed).epoch_batches(0)
+    batches = FixedSizeSampler(len(lengths), micro_batch_size, seed).epoch_batches(0)
     real = sum(lengths[i] for b in batches for i in b)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
     return [
