@@ -82,8 +82,8 @@ def test_chunks_of_only_ignored_labels_cost_no_nan():
 def test_all_ignored_batch_gives_zero_loss_and_grads():
     hidden, weight, labels = _inputs(b=2, s=8)
     labels[:] = IGNORE_INDEX
-    for reduction in ("token_mean", "sample_mean"):
-        got = chunked_linear_cross_entropy(hidden, weight, labels, reduction, chunk_size=4)
+    for loss_type in ("token_mean", "sample_mean"):
+        got = chunked_linear_cross_entropy(hidden, weight, labels, loss_type, chunk_size=4)
         assert got.item() == 0.0
         gh, gw = _grads(got, hidden, weight)
         assert gh.abs().max() == 0 and gw.abs().max() == 0
@@ -167,7 +167,7 @@ def test_bad_arguments_raise_clear_errors():
     hidden, weight, labels = _inputs()
     with pytest.raises(ValueError, match="chunk_size must be a positive int or 'auto', got 0"):
         chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=0)
-    with pytest.raises(ValueError, match="loss reduction must be one of"):
+    with pytest.raises(ValueError, match="loss_type must be one of"):
         chunked_linear_cross_entropy(hidden, weight, labels, "sum")
     with pytest.raises(ValueError, match="disagree"):
         chunked_linear_cross_entropy(hidden, weight, labels[:, :-1])
@@ -225,17 +225,17 @@ def _valid(labels):
     return int((torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:] != IGNORE_INDEX).sum())
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "sample_mean"])
+@pytest.mark.parametrize("loss_type", ["token_mean", "sample_mean"])
 @pytest.mark.parametrize("frac", [0.0, 0.5, 0.9, 1.0])
-def test_skipping_ignored_rows_keeps_loss_and_grads(frac, reduction):
+def test_skipping_ignored_rows_keeps_loss_and_grads(frac, loss_type):
     hidden, weight, labels = _inputs(b=3, s=40, ignore_frac=0.0, seed=11)
     labels = _with_ignored(labels, frac, seed=12)
-    ref = full_cross_entropy(hidden @ weight.T, labels, reduction)
-    if reduction == "token_mean" and frac < 1:  # and HF's own loss (0 / 0 = NaN without labels; ours is 0)
+    ref = full_cross_entropy(hidden @ weight.T, labels, loss_type)
+    if loss_type == "token_mean" and frac < 1:  # and HF's own loss (0 / 0 = NaN without labels; ours is 0)
         torch.testing.assert_close(ref, ForCausalLMLoss(hidden @ weight.T, labels, vocab_size=weight.shape[0]), **FP32)
     ref_grads = _grads(ref, hidden, weight)
     for chunk in (7, 16, "auto"):
-        got = chunked_linear_cross_entropy(hidden, weight, labels, reduction, chunk_size=chunk)
+        got = chunked_linear_cross_entropy(hidden, weight, labels, loss_type, chunk_size=chunk)
         torch.testing.assert_close(got, ref, **FP32)
         for a, b in zip(_grads(got, hidden, weight), ref_grads):
             torch.testing.assert_close(a, b, **FP32)
@@ -279,9 +279,9 @@ def test_head_matmuls_follow_the_labelled_tokens(frac):
 def test_a_batch_without_labels_projects_nothing():
     hidden, weight, labels = _inputs(b=2, s=16, h=16, v=301)
     labels[:] = IGNORE_INDEX
-    for reduction in ("token_mean", "sample_mean"):
+    for loss_type in ("token_mean", "sample_mean"):
         with _HeadMatmuls(301) as seen:
-            got = chunked_linear_cross_entropy(hidden, weight, labels, reduction, chunk_size=4)
+            got = chunked_linear_cross_entropy(hidden, weight, labels, loss_type, chunk_size=4)
             gh, gw = _grads(got, hidden, weight)
         assert seen.calls == []
         assert got.item() == 0.0 and gh.abs().max() == 0 and gw.abs().max() == 0

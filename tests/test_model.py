@@ -95,22 +95,22 @@ def test_video_batch(make_model, processor):
     _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "sample_mean"])
-def test_reductions_match_the_full_logits_head(make_model, batch_factory, reduction):
+@pytest.mark.parametrize("loss_type", ["token_mean", "sample_mean"])
+def test_reductions_match_the_full_logits_head(make_model, batch_factory, loss_type):
     hf, ours = _pair(make_model)
-    hf.configure_loss(chunk=False, loss_type=reduction)
-    ours.configure_loss(chunk=True, loss_type=reduction, chunk_size=9)
+    hf.configure_loss(chunk=False, loss_type=loss_type)
+    ours.configure_loss(chunk=True, loss_type=loss_type, chunk_size=9)
     batch = batch_factory(images_per_sample=(1, 0, 2))
     _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "sample_mean"])
-def test_shift_labels_are_used_as_given(make_model, batch_factory, reduction):
+@pytest.mark.parametrize("loss_type", ["token_mean", "sample_mean"])
+def test_shift_labels_are_used_as_given(make_model, batch_factory, loss_type):
     """Pre-shifted labels (sequence parallelism passes them) replace the shift of ``labels``,
     as in HF's ForCausalLMLoss; the chunked head gives HF's loss and gradients for each."""
     hf, ours = _pair(make_model)
-    hf.configure_loss(chunk=False, loss_type=reduction)
-    ours.configure_loss(chunk=True, loss_type=reduction, chunk_size=11)
+    hf.configure_loss(chunk=False, loss_type=loss_type)
+    ours.configure_loss(chunk=True, loss_type=loss_type, chunk_size=11)
     batch = batch_factory(images_per_sample=(1, 0))
     plain = shift_labels(batch["labels"]).contiguous()  # HF views it flat
     g = torch.Generator().manual_seed(0)

@@ -155,7 +155,7 @@ def test_smoke_02_sharded_training(smoke_run):
 def test_smoke_03_chunk_loss_validation(smoke_run):
     m = _metrics(smoke_run, "03_chunk_loss_validation")
     v = m["values"]
-    assert v["cases"] == 2 * 2 * 2 and v["cases_passed"] == v["cases"]  # chunk sizes x reductions x modalities
+    assert v["cases"] == 2 * 2 * 2 and v["cases_passed"] == v["cases"]  # chunk sizes x loss types x modalities
     assert v["max_grad_abs_diff"] <= 1e-6 and v["max_loss_abs_diff"] <= 1e-5
     assert v["curve_max_abs_diff"] <= v["curve_tolerance"] == 1e-5
     assert v["loss_decreased"]

@@ -42,7 +42,7 @@ def test_loss_curves_and_chunk_figures():
               for s in (1, 2, 3)]
     fig = plots.loss_curves(curves)
     assert len(fig.data) == 3 and max(abs(v) for v in fig.data[2].y) < 1e-6
-    cases = [{"modality": mo, "reduction": "token_mean", "chunk_size": c, "grad_max_abs_diff": 1e-8,
+    cases = [{"modality": mo, "loss_type": "token_mean", "chunk_size": c, "grad_max_abs_diff": 1e-8,
               "loss_abs_diff": 0.0} for mo in ("text", "image-text") for c in (7, 64)]
     fig = plots.grad_diff_by_chunk(cases)
     assert len(fig.data) == 4 and fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [7, 64]

@@ -30,7 +30,7 @@ def test_text_only_removes_vision_spans(processor):
 
 def test_compare_passes_on_both_modalities(tiny_path):
     cfg = qconfig.load()
-    cases, per_param = validation.compare(cfg, [5, 4096], reductions=["token_mean"], batch_size=2)
+    cases, per_param = validation.compare(cfg, [5, 4096], loss_types=["token_mean"], batch_size=2)
     assert [(c["modality"], c["chunk_size"]) for c in cases] == [
         ("text", 5), ("text", 4096), ("image-text", 5), ("image-text", 4096)
     ]

@@ -48,11 +48,11 @@ def eval_loss(model: nn.Module, dataset, collator, batch_size: int, rank: int, w
     mine = list(range(rank, len(dataset), world_size))
     per_rank = math.ceil(len(dataset) / world_size)
     batches = math.ceil(per_rank / batch_size)
-    # HF's own class (qwenkit eval on an export) has no loss_reduction: its loss is a token mean
-    was_training, reduction = model.training, getattr(model, "loss_reduction", None)
+    # HF's own class (qwenkit eval on an export) has no loss_type: its loss is a token mean
+    was_training, reduction = model.training, getattr(model, "loss_type", None)
     model.eval()
     if reduction is not None:
-        model.loss_reduction = "token_mean"  # the eval loss is a token mean whatever the training loss is
+        model.loss_type = "token_mean"  # the eval loss is a token mean whatever the training loss is
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, label tokens]
     try:
         for b in range(batches):
@@ -69,7 +69,7 @@ def eval_loss(model: nn.Module, dataset, collator, batch_size: int, rank: int, w
             total += torch.stack([out.loss.detach().double(), items.to(device).double()])
     finally:
         if reduction is not None:
-            model.loss_reduction = reduction
+            model.loss_type = reduction
         model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(total)

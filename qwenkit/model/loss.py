@@ -20,7 +20,7 @@ float32 (1.16 GiB at Qwen2.5-VL-3B sizes, 2.2 GiB at 7B; it exists in any loss i
 it is the weight's gradient). Without grad (evaluation) only the loss is computed: no gradient
 matmul and no gradient buffer.
 
-Reductions are expressed as per-token weights, so one kernel serves them all:
+Loss types (their reductions) are expressed as per-token weights, so one kernel serves them all:
 ``token_mean``: ``w = 1 / num_items`` (valid tokens of the *global* batch when given), and
 ``sample_mean``: ``w = 1 / (valid tokens of the sample * number of samples)``.
 """
@@ -33,8 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from qwenkit.config import LOSS_TYPES, chunk_size_problem
-from qwenkit.config import TRAINING_LOSS_TYPES as REDUCTIONS
+from qwenkit.config import LOSS_TYPES, TRAINING_LOSS_TYPES, chunk_size_problem
 
 IGNORE_INDEX = -100  # label of a position the loss skips (HF's and torch's convention)
 # chunk_size=auto rounds chunks to this many rows: GEMM tiles on CPU (oneDNN/MKL) and GPU/NPU
@@ -49,26 +48,26 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 
 def token_weights(
     shifted: torch.Tensor,
-    reduction: str,
+    loss_type: str,
     num_items_in_batch: int | torch.Tensor | None = None,
     num_samples: int | torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Per-token weights [B, S] realising a reduction; ignored positions weigh 0.
+    """Per-token weights [B, S] realising a loss type (its reduction); ignored positions weigh 0.
 
     ``num_items_in_batch``: valid tokens of the global batch (all ranks, all accumulation
     micro-batches) for ``token_mean``; ``num_samples``: samples of the global batch for
     ``sample_mean``. When omitted, this batch's own counts are used.
     """
     valid = shifted != ignore_index  # [B, S]
-    if reduction == "token_mean":
+    if loss_type == "token_mean":
         n = valid.sum() if num_items_in_batch is None else num_items_in_batch
         return valid / torch.as_tensor(n, dtype=torch.float32, device=valid.device).clamp(min=1)
-    if reduction == "sample_mean":
+    if loss_type == "sample_mean":
         per_sample = valid.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
         b = valid.shape[0] if num_samples is None else num_samples
         return valid / (per_sample * b)
-    raise ValueError(f"loss reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    raise ValueError(f"loss_type must be one of {TRAINING_LOSS_TYPES}, got {loss_type!r}")
 
 
 def auto_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int, multiple: int = CHUNK_MULTIPLE) -> int:
@@ -208,7 +207,7 @@ def chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    reduction: str = "token_mean",
+    loss_type: str = "token_mean",
     chunk_size: int | str = "auto",
     chunk_budget_bytes: int = 512 * 2**20,
     num_items_in_batch: int | torch.Tensor | None = None,
@@ -233,7 +232,7 @@ def chunked_linear_cross_entropy(
     if problem := chunk_size_problem(chunk_size):
         raise ValueError(problem)
     dtype = compute_dtype(hidden, weight)
-    weights = token_weights(shifted, reduction, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
+    weights = token_weights(shifted, loss_type, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
     shifted = shifted.reshape(-1)  # [N]
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     rows = None
@@ -258,12 +257,12 @@ def chunked_linear_cross_entropy(
 def full_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    reduction: str = "token_mean",
+    loss_type: str = "token_mean",
     num_items_in_batch: int | torch.Tensor | None = None,
     num_samples: int | torch.Tensor | None = None,
     shifted: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference (full logits) loss for every reduction, incl. ``raw`` (per-token, [B, S]).
+    """Reference (full logits) loss for every loss type, incl. ``raw`` (per-token, [B, S]).
 
     ``shifted``: pre-shifted labels (HF's ``shift_labels``), used instead of shifting ``labels``.
     """
@@ -272,16 +271,16 @@ def full_cross_entropy(
     per_token = F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(shifted.shape)  # [B, S]
-    if reduction == "raw":
+    if loss_type == "raw":
         return per_token
-    return (per_token * token_weights(shifted, reduction, num_items_in_batch, num_samples)).sum()
+    return (per_token * token_weights(shifted, loss_type, num_items_in_batch, num_samples)).sum()
 
 
 __all__ = [
     "CHUNK_MULTIPLE",
     "IGNORE_INDEX",
     "LOSS_TYPES",
-    "REDUCTIONS",
+    "TRAINING_LOSS_TYPES",
     "auto_chunk_size",
     "chunked_linear_cross_entropy",
     "compute_dtype",

@@ -61,7 +61,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_loss = False
         self.chunk_size: int | str = "auto"
         self.chunk_budget_bytes = 512 * 2**20
-        self.loss_reduction = "token_mean"
+        self.loss_type = "token_mean"
         # Data parallel: every rank must run the (sharded) vision tower as many times in every
         # forward (training and eval loss), or FSDP's collectives mismatch when one rank's
         # micro-batch has no image. HF runs the tower once per modality present (images, then
@@ -80,7 +80,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         if problem := chunk_size_problem(chunk_size):
             raise ValueError(problem)
-        self.chunk_loss, self.chunk_size, self.loss_reduction = chunk, chunk_size, loss_type
+        self.chunk_loss, self.chunk_size, self.loss_type = chunk, chunk_size, loss_type
         self.chunk_budget_bytes = chunk_budget_mb * 2**20
         return self
 
@@ -94,7 +94,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             raise ValueError("chunk loss needs use_cache=False: no KV cache is kept in training")
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(f"chunk loss needs logits_to_keep=0, got {logits_to_keep!r}")
-        if self.loss_reduction == "raw":
+        if self.loss_type == "raw":
             raise ValueError("loss_type='raw' (unreduced per-token loss) is not available with chunk loss")
 
     def forward(
@@ -162,7 +162,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         loss_fn = functools.partial(
             chunked_linear_cross_entropy,
             shifted=shifted,
-            reduction=self.loss_reduction,
+            loss_type=self.loss_type,
             chunk_size=self.chunk_size,
             chunk_budget_bytes=self.chunk_budget_bytes,
             num_items_in_batch=num_items_in_batch,
@@ -250,7 +250,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
 
     def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs):
         """Step 3 (no chunk loss): HF's own forward; ``sample_mean`` reduces HF's logits with qwenkit's loss."""
-        if self.loss_reduction == "token_mean" or labels is None:
+        if self.loss_type == "token_mean" or labels is None:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return super().forward(input_ids=input_ids, labels=labels, use_cache=use_cache,
@@ -260,9 +260,9 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                               return_dict=True, **kwargs)
         if out.logits.shape[1] != labels.shape[1]:
-            raise ValueError(f"loss_type={self.loss_reduction!r} needs logits for every position (logits_to_keep=0)")
+            raise ValueError(f"loss_type={self.loss_type!r} needs logits for every position (logits_to_keep=0)")
         out.loss = full_cross_entropy(
-            out.logits, labels, self.loss_reduction, num_items_in_batch, num_samples, shifted=shifted
+            out.logits, labels, self.loss_type, num_items_in_batch, num_samples, shifted=shifted
         )
         return out
 

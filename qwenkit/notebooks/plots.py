@@ -219,11 +219,11 @@ def loss_curves(rows: Sequence[dict[str, Any]], title: str = "AdamW training: fu
 
 
 def _with_case(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{**r, "case": f"{r['modality']} / {r['reduction']}"} for r in rows]
+    return [{**r, "case": f"{r['modality']} / {r['loss_type']}"} for r in rows]
 
 
 def grad_diff_by_chunk(cases: Sequence[dict[str, Any]]) -> go.Figure:
-    """Largest gradient and loss difference vs chunk size, one line per modality/reduction.
+    """Largest gradient and loss difference vs chunk size, one line per modality/loss type.
 
     No tolerance line: the check is element-wise, ``atol + rtol * |reference|``, so a difference
     above ``atol`` alone can pass (see the table's ``passed`` column).

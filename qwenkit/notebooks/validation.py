@@ -7,7 +7,7 @@ identical by construction and any difference is the loss head's.
 
 1. :func:`validation_batches` takes real samples from a dataset (:func:`qwenkit.data.sample_batches`);
    the ``text`` modality is the same samples with their vision spans and pixels removed.
-2. :func:`compare` runs full and chunked heads over chunk sizes x reductions x modalities and
+2. :func:`compare` runs full and chunked heads over chunk sizes x loss_types x modalities and
    reports, per case, the loss difference and the largest gradient difference over all
    parameters, with a pass/fail against tolerances justified by the dtype.
 3. :func:`adamw_curves` trains twice from the same seed on the same batches, once per head,
@@ -88,14 +88,14 @@ class Diff:
 def compare(
     cfg: qconfig.Config,
     chunk_sizes: Sequence[int],
-    reductions: Sequence[str] = ("token_mean", "sample_mean"),
+    loss_types: Sequence[str] = ("token_mean", "sample_mean"),
     modalities: Sequence[str] = MODALITIES,
     batch_size: int = 4,
     device: str = "auto",
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Chunked vs full head: ``(cases, per_param)``.
 
-    ``cases``: one row per modality x reduction x chunk size with ``loss_full``, ``loss_chunk``,
+    ``cases``: one row per modality x loss_type x chunk size with ``loss_full``, ``loss_chunk``,
     ``loss_abs_diff``, ``loss_rel_diff``, ``grad_max_abs_diff``, ``grad_max_rel_diff`` (over all
     parameters; relative = max |a-b| / max |ref| of the worst tensor), ``worst_param``, ``rtol``,
     ``atol`` and ``passed`` (loss and every gradient element within tolerance).
@@ -110,11 +110,11 @@ def compare(
     for modality in modalities:
         batch = data.to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
         tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-        for reduction in reductions:
-            model.configure_loss(chunk=False, loss_type=reduction)
+        for loss_type in loss_types:
+            model.configure_loss(chunk=False, loss_type=loss_type)
             ref_loss, ref_grads = loss_and_grads(model, batch)
             for chunk in chunk_sizes:
-                model.configure_loss(chunk=True, chunk_size=int(chunk), loss_type=reduction)
+                model.configure_loss(chunk=True, chunk_size=int(chunk), loss_type=loss_type)
                 loss, grads = loss_and_grads(model, batch)
                 if grads.keys() != ref_grads.keys():
                     raise RuntimeError(f"chunk mode produced gradients for other parameters: {grads.keys() ^ ref_grads.keys()}")
@@ -122,12 +122,12 @@ def compare(
                 diffs = {n: Diff.of(grads[n], ref_grads[n], rtol, atol) for n in ref_grads}
                 worst = max(diffs, key=lambda n: diffs[n].max_abs)
                 for name, d in diffs.items():
-                    per_param.append(dict(modality=modality, reduction=reduction, chunk_size=int(chunk),
+                    per_param.append(dict(modality=modality, loss_type=loss_type, chunk_size=int(chunk),
                                           param=name, max_abs_diff=d.max_abs, max_rel_diff=d.max_rel, passed=d.ok))
                 cases.append(
                     dict(
                         modality=modality,
-                        reduction=reduction,
+                        loss_type=loss_type,
                         chunk_size=int(chunk),
                         tokens=tokens,
                         loss_full=ref_loss.item(),
@@ -189,7 +189,7 @@ def curve_difference(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 CASE_METRICS = ("tokens", "loss_full", "loss_chunk", "loss_abs_diff", "loss_rel_diff", "grad_max_abs_diff",
                 "grad_max_rel_diff", "passed")  # fmt: skip
-CASE_COLUMNS = ["modality", "reduction", "chunk_size", "tokens", "loss_full", "loss_abs_diff", "loss_rel_diff",
+CASE_COLUMNS = ["modality", "loss_type", "chunk_size", "tokens", "loss_full", "loss_abs_diff", "loss_rel_diff",
                 "grad_max_abs_diff", "grad_max_rel_diff", "worst_param", "passed"]  # fmt: skip
 CASE_FORMATS = {"loss_abs_diff": ".1e", "loss_rel_diff": ".1e", "grad_max_abs_diff": ".1e", "grad_max_rel_diff": ".1e",
                 "loss_full": ".5f"}  # fmt: skip
@@ -198,13 +198,13 @@ CASE_FORMATS = {"loss_abs_diff": ".1e", "loss_rel_diff": ".1e", "grad_max_abs_di
 def write_cases(out_dir, cases, per_param, device: str = "cpu") -> None:
     """``chunk_vs_full.csv`` (one row per case and metric) and ``grad_diff_per_param.csv``, long format."""
     results.write_csv(
-        [results.record(metric, float(c[metric]), series=f"{c['modality']}/{c['reduction']}",
+        [results.record(metric, float(c[metric]), series=f"{c['modality']}/{c['loss_type']}",
                         x_name="chunk_size", x=c["chunk_size"], device=device)  # fmt: skip
          for c in cases for metric in CASE_METRICS],
         f"{out_dir}/chunk_vs_full.csv",
     )
     results.write_csv(
-        [results.record(metric, r[metric], series=f"{r['modality']}/{r['reduction']}/{r['param']}",
+        [results.record(metric, r[metric], series=f"{r['modality']}/{r['loss_type']}/{r['param']}",
                         x_name="chunk_size", x=r["chunk_size"], device=device)  # fmt: skip
          for r in per_param for metric in ("max_abs_diff", "max_rel_diff")],
         f"{out_dir}/grad_diff_per_param.csv",
@@ -224,18 +224,18 @@ def read_cases(out_dir) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(cases, per_param)`` as :func:`compare` returned them, from the two CSVs :func:`write_cases` wrote."""
     per_param: dict[tuple, dict[str, Any]] = {}
     for r in results.read_csv(f"{out_dir}/grad_diff_per_param.csv"):
-        modality, reduction, param = r["series"].split("/", 2)
-        row = per_param.setdefault((modality, reduction, r["x"], param), dict(
-            modality=modality, reduction=reduction, chunk_size=r["x"], param=param))  # fmt: skip
+        modality, loss_type, param = r["series"].split("/", 2)
+        row = per_param.setdefault((modality, loss_type, r["x"], param), dict(
+            modality=modality, loss_type=loss_type, chunk_size=r["x"], param=param))  # fmt: skip
         row[r["metric"]] = r["value"]
     cases: dict[tuple, dict[str, Any]] = {}
     for r in results.read_csv(f"{out_dir}/chunk_vs_full.csv"):
-        modality, reduction = r["series"].split("/", 1)
-        row = cases.setdefault((modality, reduction, r["x"]), dict(modality=modality, reduction=reduction, chunk_size=r["x"]))
+        modality, loss_type = r["series"].split("/", 1)
+        row = cases.setdefault((modality, loss_type, r["x"]), dict(modality=modality, loss_type=loss_type, chunk_size=r["x"]))
         row[r["metric"]] = r["value"]
-    for (modality, reduction, chunk), row in cases.items():
+    for (modality, loss_type, chunk), row in cases.items():
         row["tokens"], row["passed"] = int(row["tokens"]), bool(row["passed"])
-        params = [p for (m, red, c, _), p in per_param.items() if (m, red, c) == (modality, reduction, chunk)]
+        params = [p for (m, red, c, _), p in per_param.items() if (m, red, c) == (modality, loss_type, chunk)]
         row["worst_param"] = max(params, key=lambda p: p["max_abs_diff"])["param"]  # first of equals, as compare()
     return list(cases.values()), list(per_param.values())
 
