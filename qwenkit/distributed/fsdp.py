@@ -40,6 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from qwenkit.config import DTYPES
 from qwenkit.device import resolve_device
+from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 
 log = logging.getLogger(__name__)
 DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -289,13 +290,11 @@ def _divide_(grad: torch.Tensor, by: int) -> None:
 
 def tied_outside(model: nn.Module, matched: list[tuple[str, nn.Module]]) -> dict[str, str]:
     """Matched modules holding a parameter that is also reachable under a name outside them."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
+    owners = {n: group for group in tied_groups(model) for n in group}
     out = {}
     for name, module in matched:
-        for pname, param in module.named_parameters(remove_duplicate=False):
-            others = [o for o in owners[id(param)] if not o.startswith(name + ".")]
+        for pname, _ in module.named_parameters(remove_duplicate=False):
+            others = [o for o in owners.get(f"{name}.{pname}", ()) if not o.startswith(name + ".")]
             if others:
                 out[name] = f"{name}.{pname} is tied to {module_path(others[0])}"
                 break
@@ -312,34 +311,13 @@ def materialize(model: nn.Module, device: torch.device, cpu_offload: bool = Fals
     Only the shards get storage: a 7B model never sits whole in one rank's memory. Weights are
     loaded afterwards (:func:`qwenkit.distributed.weights.load_hf_weights`). Non-persistent buffers (rotary
     ``inv_freq``) are not in any checkpoint, so they are recomputed by building the module tree
-    once more with parameters on meta and buffers on the CPU, and copied over by name.
+    once more with parameters on meta and buffers on the CPU
+    (:func:`qwenkit.distributed.meta.build_on_meta`), and copied over by name.
     """
     model.to_empty(device="cpu" if cpu_offload else device)
-    with _parameters_on_meta():
-        twin = type(model)(model.config)
-    real = dict(twin.named_buffers())
+    real = dict(build_on_meta(type(model), model.config).named_buffers())
     for name, buf in list(model.named_buffers()):
         src = real.get(module_path(name))
         if src is None:
             raise RuntimeError(f"meta init: buffer {name!r} has no counterpart to initialise it from")
-        module_name, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(module_name) if module_name else model
-        owner._buffers[leaf] = src.to(buf.device)
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Build modules with parameters on meta but buffers computed for real (on the CPU)."""
-    original = nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None:
-            p = module._parameters[name]
-            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+        set_buffer(model, name, src.to(buf.device))

@@ -35,6 +35,7 @@ except ImportError:  # torch < 2.8
     HuggingFaceStorageReader = None
 
 from qwenkit.distributed.fsdp import module_path
+from qwenkit.distributed.meta import tied_groups
 
 
 def model_key(file_key: str) -> str:
@@ -58,7 +59,8 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     by_model_key = {model_key(k): k for k in files}
     state = get_model_state_dict(model)  # sharded DTensors, keys without wrapper segments
     to_load = {by_model_key[k]: t for k, t in state.items() if k in by_model_key}
-    missing = [k for k in state if k not in by_model_key and not _tied_partner_loaded(model, k, by_model_key)]
+    partners = {module_path(n): [module_path(o) for o in g if o != n] for g in tied_groups(model) for n in g}
+    missing = [k for k in state if k not in by_model_key and not any(p in by_model_key for p in partners.get(k, ()))]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise KeyError(f"model.path={str(path)!r}: the checkpoint lacks {shown}")
@@ -106,12 +108,3 @@ def read_slices(targets: dict[str, torch.Tensor], files: dict[str, Path]) -> Non
                 index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
                 local.copy_(source[index])
 
-
-def _tied_partner_loaded(model: nn.Module, key: str, available: dict[str, str]) -> bool:
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(module_path(name))
-    for names in groups.values():
-        if key in names:
-            return any(n in available for n in names if n != key)
-    return False

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 
 from qwenkit.config import DTYPES
-from qwenkit.distributed.fsdp import _parameters_on_meta
+from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 from qwenkit.engine.checkpoint import CheckpointError, resolve
 from qwenkit.model.paths import resolve_path
 
@@ -59,18 +59,16 @@ def load_hf(checkpoint: str | Path, cfg):
     ckpt = resolve(checkpoint)
     base = resolve_path(cfg.model)
     config = AutoConfig.from_pretrained(base, local_files_only=True)
-    with _parameters_on_meta():
-        hf = Qwen2_5_VLForConditionalGeneration(config)
+    hf = build_on_meta(Qwen2_5_VLForConditionalGeneration, config)
     buffers = {name: buf.clone() for name, buf in hf.named_buffers()}
     hf.to_empty(device="cpu")
     hf.to(DTYPES[cfg.model.dtype])
     for name, buf in buffers.items():
-        module_name, _, leaf = name.rpartition(".")
-        hf.get_submodule(module_name)._buffers[leaf] = buf
+        set_buffer(hf, name, buf)
     state = hf.state_dict()
     saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
     wanted = {k: v for k, v in state.items() if f"model.{k}" in saved}
-    tied = {k for k, v in state.items() if k not in wanted and any(v is w for w in wanted.values())}
+    tied = {n for group in tied_groups(hf) if any(n in wanted for n in group) for n in group}  # one name saved
     missing = sorted(set(state) - set(wanted) - tied)
     if missing:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks model tensors: {', '.join(missing[:5])}")

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig
 
-from qwenkit.distributed.fsdp import _parameters_on_meta
+from qwenkit.distributed.meta import build_on_meta
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,7 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not main_rank:
         return None
-    with _parameters_on_meta():
-        copy = cls(model.config)
+    copy = build_on_meta(cls, model.config)
     copy.load_state_dict(state, strict=True, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         copy.lm_head.weight = copy.model.language_model.embed_tokens.weight
