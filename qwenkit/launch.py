@@ -73,11 +73,10 @@ def check_before_spawn(cfg) -> list[str]:
 def check_resume(cfg) -> list[str]:
     """The checkpoint ``train.resume`` names exists; newer ones would not be written over."""
     try:
-        resume = ckpt.find_resume(cfg.train.resume, cfg.train.output_dir)
+        ckpt.resume_point(cfg.train, cfg.train.output_dir)
     except ckpt.CheckpointError as e:
         return [str(e)]
-    problem = ckpt.older_resume_problem(resume, cfg.train.output_dir)
-    return [problem] if problem and not cfg.train.resume_older else []
+    return []
 
 
 def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:

@@ -129,6 +129,21 @@ def find_resume(resume: str, output_dir: str | Path) -> Path | None:
     return path
 
 
+def resume_point(train_cfg, output_dir: str | Path) -> Path | None:
+    """The checkpoint a run resumes from (None: a fresh start), or :class:`CheckpointError` if it must not start.
+
+    The one resume rule, checked by the launcher before any rank starts and by every rank:
+    ``train.resume`` must name a complete checkpoint (or ``auto``/``none``), and newer complete
+    checkpoints in ``output_dir`` are never written over unless ``train.resume_older`` (then the
+    caller moves them aside with :func:`set_aside`).
+    """
+    resume = find_resume(train_cfg.resume, output_dir)
+    problem = older_resume_problem(resume, output_dir)
+    if problem and not train_cfg.resume_older:
+        raise CheckpointError(problem)
+    return resume
+
+
 def resolve(path: str | Path) -> Path:
     """A step directory as is; a run's output_dir or checkpoints dir becomes its newest checkpoint."""
     path = Path(path)

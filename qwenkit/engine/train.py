@@ -225,11 +225,8 @@ class Trainer:
         another way. With ``train.resume_older`` rank 0 moves the newer ones aside (not deleted).
         """
         t, main_rank = self.cfg.train, self.rt.rank == 0
-        resume = ckpt.find_resume(t.resume, self.out_dir)
-        problem = ckpt.older_resume_problem(resume, self.out_dir)
-        if problem and not t.resume_older:
-            raise ckpt.CheckpointError(problem)
-        if problem:
+        resume = ckpt.resume_point(t, self.out_dir)  # raises where the launcher refuses
+        if t.resume_older and ckpt.newer_checkpoints(resume, self.out_dir):
             dist.barrier()  # every rank has looked before rank 0 moves anything
             if main_rank:
                 moved = ckpt.set_aside(ckpt.newer_checkpoints(resume, self.out_dir))
