@@ -5,9 +5,10 @@ Schedule (:meth:`Evaluator.due`): before the first step (step 0, fresh runs only
 run evaluates at exactly the steps an uninterrupted one does.
 
 **Eval loss** is the token mean over the *whole* eval set, whatever the world size: rank ``r``
-takes rows ``r, r + W, r + 2W, ...`` in micro-batches of ``train.micro_batch_size``; every
-forward returns its batch's *sum* of token losses (``num_items_in_batch=1`` with the
-``token_mean`` reduction), and one all-reduce of ``[sum, tokens]`` gives the mean. All ranks
+takes rows ``r, r + W, r + 2W, ...`` in micro-batches of ``train.micro_batch_size``; the eval
+loss function (:func:`token_loss_sum`, as torchtitan's validator takes its ``loss_fn``) gives
+each batch's *sum* of token losses whatever the training loss type, and one all-reduce of
+``[sum, tokens]`` gives the mean. All ranks
 run the same number of forwards (FSDP's collectives need that): a rank out of rows runs a row
 with every label ignored, which adds 0 to both. It runs in ``eval()`` mode under
 ``torch.no_grad()``: no activations kept, no gradients, parameters untouched.
@@ -35,6 +36,7 @@ from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import generate as qgen
 from qwenkit.engine.export import load_hf
+from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
 
 
@@ -42,17 +44,33 @@ def generations_path(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / "eval" / f"step-{step:06d}.jsonl"
 
 
+def token_loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The eval loss function: the sum of ``batch``'s label-token cross-entropies.
+
+    qwenkit's model computes it itself (chunked or not) when asked for ``loss_type=token_sum``;
+    HF's own class (``qwenkit eval`` on an export) returns logits, reduced here by the same
+    reference loss the model uses.
+    """
+    if hasattr(model, "loss_type"):
+        return model(**batch, loss_type=TOKEN_SUM).loss
+    labels = batch["labels"]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # [B, S, V]
+    return full_cross_entropy(logits, labels, TOKEN_SUM)
+
+
 @torch.no_grad()
-def eval_loss(model: nn.Module, dataset, collator, batch_size: int, rank: int, world_size: int, device) -> float:
-    """Global token-mean loss of ``model`` over all of ``dataset`` (collective: every rank calls it)."""
+def eval_loss(
+    model: nn.Module, dataset, collator, batch_size: int, rank: int, world_size: int, device, loss_fn=token_loss_sum
+) -> float:
+    """Global token-mean loss of ``model`` over all of ``dataset`` (collective: every rank calls it).
+
+    ``loss_fn(model, batch)``: the batch's sum of token losses (:func:`token_loss_sum`).
+    """
     mine = list(range(rank, len(dataset), world_size))
     per_rank = math.ceil(len(dataset) / world_size)
     batches = math.ceil(per_rank / batch_size)
-    # HF's own class (qwenkit eval on an export) has no loss_type: its loss is a token mean
-    was_training, reduction = model.training, getattr(model, "loss_type", None)
+    was_training = model.training
     model.eval()
-    if reduction is not None:
-        model.loss_type = "token_mean"  # the eval loss is a token mean whatever the training loss is
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, label tokens]
     try:
         for b in range(batches):
@@ -65,11 +83,9 @@ def eval_loss(model: nn.Module, dataset, collator, batch_size: int, rank: int, w
             items = batch.pop("num_items")
             batch.pop("num_samples")
             batch = {k: v.to(device) for k, v in batch.items()}
-            out = model(**batch, num_items_in_batch=1)  # token_mean over 1 item: the sum
-            total += torch.stack([out.loss.detach().double(), items.to(device).double()])
+            loss_sum = loss_fn(model, batch)
+            total += torch.stack([loss_sum.detach().double(), items.to(device).double()])
     finally:
-        if reduction is not None:
-            model.loss_type = reduction
         model.train(was_training)
     if dist.is_initialized():
         dist.all_reduce(total)

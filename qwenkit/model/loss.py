@@ -22,7 +22,8 @@ matmul and no gradient buffer.
 
 Loss types (their reductions) are expressed as per-token weights, so one kernel serves them all:
 ``token_mean``: ``w = 1 / num_items`` (valid tokens of the *global* batch when given), and
-``sample_mean``: ``w = 1 / (valid tokens of the sample * number of samples)``.
+``sample_mean``: ``w = 1 / (valid tokens of the sample * number of samples)``, and evaluation's
+``token_sum``: ``w = 1``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import torch.nn.functional as F
 from qwenkit.config import LOSS_TYPES, TRAINING_LOSS_TYPES, chunk_size_problem
 
 IGNORE_INDEX = -100  # label of a position the loss skips (HF's and torch's convention)
+# Evaluation's loss type, passed per call (never a model's or a run's loss.loss_type): the sum of
+# the token losses, which the evaluator divides by the label tokens of the whole eval set.
+TOKEN_SUM = "token_sum"
 # chunk_size=auto rounds chunks to this many rows: GEMM tiles on CPU (oneDNN/MKL) and GPU/NPU
 # (tensor-core tiles) are powers of two up to 128/256; see benchmarks/chunk_loss.py for the sweep.
 CHUNK_MULTIPLE = 128
@@ -67,7 +71,9 @@ def token_weights(
         per_sample = valid.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
         b = valid.shape[0] if num_samples is None else num_samples
         return valid / (per_sample * b)
-    raise ValueError(f"loss_type must be one of {TRAINING_LOSS_TYPES}, got {loss_type!r}")
+    if loss_type == TOKEN_SUM:
+        return valid.float()
+    raise ValueError(f"loss_type must be one of {(*TRAINING_LOSS_TYPES, TOKEN_SUM)}, got {loss_type!r}")
 
 
 def auto_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int, multiple: int = CHUNK_MULTIPLE) -> int:
@@ -280,6 +286,7 @@ __all__ = [
     "CHUNK_MULTIPLE",
     "IGNORE_INDEX",
     "LOSS_TYPES",
+    "TOKEN_SUM",
     "TRAINING_LOSS_TYPES",
     "auto_chunk_size",
     "chunked_linear_cross_entropy",

@@ -23,7 +23,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
-from qwenkit.model.loss import chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
 from qwenkit.model.processor import needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         self.chunk_budget_bytes = chunk_budget_mb * 2**20
         return self
 
-    def _check_chunk_args(self, labels, shifted, use_cache, logits_to_keep) -> None:
+    def _check_chunk_args(self, labels, shifted, use_cache, logits_to_keep, loss_type) -> None:
         if labels is None and shifted is None:
             raise ValueError(
                 "chunk loss needs labels (or shift_labels): it returns a loss, not logits "
@@ -94,7 +94,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             raise ValueError("chunk loss needs use_cache=False: no KV cache is kept in training")
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError(f"chunk loss needs logits_to_keep=0, got {logits_to_keep!r}")
-        if self.loss_type == "raw":
+        if loss_type == "raw":
             raise ValueError("loss_type='raw' (unreduced per-token loss) is not available with chunk loss")
 
     def forward(
@@ -104,6 +104,7 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         num_items_in_batch: int | torch.Tensor | None = None,
         num_samples: int | torch.Tensor | None = None,
         packed_seq_lens: torch.Tensor | None = None,
+        loss_type: str | None = None,
         **kwargs,
     ):
         """HF's forward, or (``chunk_loss``) backbone + chunked loss head.
@@ -114,8 +115,13 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         accumulation steps) for ``token_mean``; ``num_samples``: samples of the global batch
         for ``sample_mean``. Both default to this batch's own counts. ``packed_seq_lens``: the
         sample lengths of a packed row (see :mod:`qwenkit.data.collator`); the positions are
-        then computed per sample (:meth:`packed_position_ids`).
+        then computed per sample (:meth:`packed_position_ids`). ``loss_type``: this call's loss
+        type instead of the configured one (evaluation asks for ``token_sum``).
         """
+        if loss_type is None:
+            loss_type = self.loss_type
+        elif loss_type not in (*LOSS_TYPES, TOKEN_SUM):
+            raise ValueError(f"loss_type must be one of {(*LOSS_TYPES, TOKEN_SUM)}, got {loss_type!r}")
         if args:
             kwargs = _bind_positional(args, kwargs)
         input_ids = kwargs.pop("input_ids", None)
@@ -126,10 +132,8 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             use_cache = self._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
         kwargs = _drop_unsupported(kwargs)
         idle = self._idle_vision(input_ids, kwargs)
-        if self.chunk_loss:
-            out = self._chunked_forward(input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs)
-        else:
-            out = self._hf_forward(input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs)
+        step = self._chunked_forward if self.chunk_loss else self._hf_forward
+        out = step(input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs)
         if idle is not None and out.loss is not None:
             out.loss = out.loss + idle
         return out.to_tuple() if return_dict is False else out
@@ -153,16 +157,16 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         kwargs["inputs_embeds"] = self.model.get_input_embeddings()(input_ids)
         return sum(self._idle_vision_term() for _ in range(missing))
 
-    def _chunked_forward(self, input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs):
+    def _chunked_forward(self, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs):
         """Step 3 (chunk loss): HF's multimodal backbone, then the loss from the lm_head module itself."""
         # pre-shifted labels (sequence parallelism): used as given, as HF's ForCausalLMLoss does
         shifted = kwargs.pop("shift_labels", None)
-        self._check_chunk_args(labels, shifted, use_cache, logits_to_keep)
+        self._check_chunk_args(labels, shifted, use_cache, logits_to_keep, loss_type)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
         loss_fn = functools.partial(
             chunked_linear_cross_entropy,
             shifted=shifted,
-            loss_type=self.loss_type,
+            loss_type=loss_type,
             chunk_size=self.chunk_size,
             chunk_budget_bytes=self.chunk_budget_bytes,
             num_items_in_batch=num_items_in_batch,
@@ -248,21 +252,21 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         tensors = [out] if torch.is_tensor(out) else [t for t in out.values() if torch.is_tensor(t)]
         return sum(t.sum() for t in tensors) * 0.0
 
-    def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, num_items_in_batch, num_samples, kwargs):
-        """Step 3 (no chunk loss): HF's own forward; ``sample_mean`` reduces HF's logits with qwenkit's loss."""
-        if self.loss_type == "token_mean" or labels is None:
+    def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs):
+        """Step 3 (no chunk loss): HF's own forward; other loss types reduce HF's logits with qwenkit's loss."""
+        if loss_type == "token_mean" or labels is None:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return super().forward(input_ids=input_ids, labels=labels, use_cache=use_cache,
                                    logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
-        # sample_mean / raw: HF's head gives the logits, qwenkit's reference loss reduces them
+        # sample_mean / token_sum / raw: HF's head gives the logits, qwenkit's reference loss reduces them
         shifted = kwargs.pop("shift_labels", None)
         out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
                               return_dict=True, **kwargs)
         if out.logits.shape[1] != labels.shape[1]:
-            raise ValueError(f"loss_type={self.loss_type!r} needs logits for every position (logits_to_keep=0)")
+            raise ValueError(f"loss_type={loss_type!r} needs logits for every position (logits_to_keep=0)")
         out.loss = full_cross_entropy(
-            out.logits, labels, self.loss_type, num_items_in_batch, num_samples, shifted=shifted
+            out.logits, labels, loss_type, num_items_in_batch, num_samples, shifted=shifted
         )
         return out
 
@@ -285,7 +289,7 @@ def _forward_signature() -> inspect.Signature:
     own = inspect.signature(QwenkitQwen2_5_VL.forward).parameters
     extra = [
         own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY)
-        for n in ("return_dict", "num_items_in_batch", "num_samples", "packed_seq_lens")
+        for n in ("return_dict", "num_items_in_batch", "num_samples", "packed_seq_lens", "loss_type")
     ]
     return inspect.Signature([own["self"], *_PARENT_PARAMS, *extra, own["kwargs"]])
 
