@@ -67,8 +67,9 @@ def make_dataset(root: Path, n: int, demo: Path = DEMO) -> Path:
     return path
 
 
-def _peak_rss_mib(who: int) -> float:
-    return resource.getrusage(who).ru_maxrss / 1024
+def _children_peak_rss_mib() -> float:
+    """The largest scan worker's peak RSS (getrusage: /proc/self cannot see children)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 def _cpu_s(who: int) -> float:
@@ -80,6 +81,7 @@ def measure(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
     """One measurement in this (fresh) process: ``cold`` scans and writes, ``warm`` reads."""
     from qwenkit import config as qconfig
     from qwenkit.data import read_dataset
+    from qwenkit.device import memory_bytes
     from qwenkit.model.paths import load_processor
 
     cfg = qconfig.load(overrides={"data.path": path, "data.cache_dir": cache_dir, "data.num_proc": num_proc})
@@ -94,7 +96,7 @@ def measure(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
     return {
         "mode": mode, "num_proc": num_proc, "rows": report.total, "good": len(dataset), "seconds": seconds,
         "first_sample_s": first, "origin": dataset.index_origin, "bytes_per_row": dataset.index.bytes_per_row(),
-        "rss_mib": _peak_rss_mib(resource.RUSAGE_SELF), "children_rss_mib": _peak_rss_mib(resource.RUSAGE_CHILDREN),
+        "rss_mib": memory_bytes("cpu", peak=True) / 2**20, "children_rss_mib": _children_peak_rss_mib(),
         "cpu_s": cpu, "children_cpu_s": _cpu_s(resource.RUSAGE_CHILDREN),
     }  # fmt: skip
 

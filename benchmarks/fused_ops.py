@@ -103,17 +103,19 @@ def parity(fused, reference, exact: bool, dtype) -> tuple[bool, str]:
 
 def timed_step(model, batch, device) -> tuple[float, int]:
     """Seconds and peak bytes allocated above the resident state (CUDA; 0 elsewhere)."""
+    from qwenkit.device import memory_bytes, reset_peak_memory
+
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        base = memory_bytes(device, peak=False)
+        reset_peak_memory(device)
     t0 = time.perf_counter()
     model(**batch).loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return seconds, (torch.cuda.max_memory_allocated() - base if device.type == "cuda" else 0)
+    return seconds, (memory_bytes(device, peak=True) - base if device.type == "cuda" else 0)
 
 
 def run(name: str, args, device, dtype) -> bool:

@@ -31,7 +31,8 @@ from types import SimpleNamespace
 from synthetic import IMAGE_PAD, VISION_END, VISION_START, make_config
 from train_step import CPU_SHAPES
 
-from qwenkit.bench.measure import fresh_process, status_bytes
+from qwenkit.bench.measure import fresh_process
+from qwenkit.device import memory_bytes
 
 GiB = 2**30
 PAD = 151_643  # <|endoftext|>
@@ -114,7 +115,7 @@ def worker(args) -> dict:
         times.append(time.perf_counter() - began)
         model.zero_grad(set_to_none=False)  # keep the gradient buffers: every repeat starts alike
     return {
-        "variant": args.variant, "epoch_s": statistics.median(times), "peak_bytes": status_bytes("VmHWM"),
+        "variant": args.variant, "epoch_s": statistics.median(times), "peak_bytes": memory_bytes("cpu", peak=True),
         "real_tokens": real, "positions": positions, "micro_batches": len(micro),
         "largest_micro_batch": max(b["input_ids"].numel() for b in micro),
     }  # fmt: skip

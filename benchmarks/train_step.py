@@ -82,7 +82,7 @@ def worker(args) -> dict:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from qwenkit.bench.measure import status_bytes
+    from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
     shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
@@ -110,7 +110,7 @@ def worker(args) -> dict:
     fused = args.variant.startswith("chunk") and not args.variant.endswith("foreach")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory(device)  # CPU: the worker process's peak RSS since it started
     times, losses = [], []
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
@@ -125,7 +125,7 @@ def worker(args) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else status_bytes("VmHWM")
+    peak = memory_bytes(device, peak=True)
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": peak, "params": n_params,

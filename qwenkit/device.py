@@ -1,11 +1,17 @@
-"""Which device a process runs on: the one rule for ``auto`` that trainer, launcher and notebooks share.
+"""Which device a process runs on, and how much memory it holds there.
 
-``auto`` picks CUDA, then an Ascend NPU (when ``torch_npu`` is installed and sees one), then CPU.
-An explicit ``cuda`` or ``npu`` that is not there fails here, naming the setting, rather than at
-the first tensor moved.
+``auto`` picks CUDA, then an Ascend NPU (when ``torch_npu`` is installed and sees one), then CPU:
+the one rule trainer, launcher and notebooks share. An explicit ``cuda`` or ``npu`` that is not
+there fails here, naming the setting, rather than at the first tensor moved.
+
+:func:`memory_bytes` is the one way memory is read (training metrics, the profiler's CPU
+snapshot, the measuring harness, the benchmarks): the allocator's bytes on an accelerator, the
+process's resident set on the CPU.
 """
 
 from __future__ import annotations
+
+import resource
 
 import torch
 
@@ -33,6 +39,41 @@ def resolve_device(name: str, key: str = "parallel.device") -> str:
     if npu_available():
         return "npu"
     return "cpu"
+
+
+def memory_bytes(device: torch.device | str, peak: bool = True) -> int:
+    """Memory this process holds on ``device``; ``peak``: the most since :func:`reset_peak_memory`.
+
+    Accelerator: the caching allocator's allocated bytes (``max_memory_allocated`` /
+    ``memory_allocated``). CPU: the resident set from ``/proc/self/status`` (``VmHWM`` /
+    ``VmRSS``), the process's peak since it started unless reset; ``getrusage``'s ``ru_maxrss``
+    where there is no ``/proc`` (peak only).
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        memory = torch.get_device_module(device.type)  # torch.accelerator's memory calls need torch 2.8+
+        return memory.max_memory_allocated(device) if peak else memory.memory_allocated(device)
+    field = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    if peak:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    raise RuntimeError(f"{field[:-1]} not in /proc/self/status: the current resident set is unknown here")
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start a new peak for :func:`memory_bytes`: the allocator's statistics, or on CPU ``VmHWM := VmRSS``."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        torch.get_device_module(device.type).reset_peak_memory_stats(device)
+        return
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def npu_available() -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from qwenkit.device import CPU_MALLOC_ENV
+from qwenkit.device import CPU_MALLOC_ENV, memory_bytes, reset_peak_memory
 from qwenkit.model.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
 
 MiB = 2**20
@@ -98,14 +98,6 @@ def matmul_peak(
 # Loss-head cases, each in a fresh process
 
 
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _head_cases(case: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the case's variants on one set of inputs in this process (the worker of :func:`head_measure`).
 
@@ -163,19 +155,11 @@ def _head_cases(case: dict[str, Any]) -> list[dict[str, Any]]:
             one_pass(var)
     peaks, times = {}, {var: [] for var in variants}
     for var in variants:
-        if device.type == "cpu":
-            base = status_bytes("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := current RSS
-            first = one_pass(var)
-            peaks[var] = status_bytes("VmHWM") - base
-        else:
-            synchronize(device)
-            memory = torch.get_device_module(device.type)  # torch.accelerator's memory calls need torch 2.8+
-            base = memory.memory_allocated(device)
-            memory.reset_peak_memory_stats(device)
-            first = one_pass(var)
-            peaks[var] = memory.max_memory_allocated(device) - base
+        synchronize(device)
+        base = memory_bytes(device, peak=False)  # CPU: resident set; accelerator: live tensors
+        reset_peak_memory(device)  # CPU: VmHWM := current RSS
+        first = one_pass(var)
+        peaks[var] = memory_bytes(device, peak=True) - base
         if not case["repeats"]:
             times[var].append(first)  # no timed rounds asked for: the memory pass is the time
 

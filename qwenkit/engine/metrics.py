@@ -5,7 +5,8 @@ Each line is one measurement::
     {"metric": "loss", "unit": "nat", "series": "rank 0", "x_name": "step", "x": 12, "value": 2.31,
      "device": "cuda:0", "version": "0.1.0", "timestamp": "2025-01-01T12:00:00.123+00:00", "rank": 0}
 
-the fields of :mod:`qwenkit.notebooks.results`' long format plus ``rank``; ``x`` is the optimizer step (1-based). Files: ``<output_dir>/metrics/rank-00000.jsonl``; a resumed
+the long-format row of :mod:`qwenkit.records` plus ``rank``; ``x`` is the optimizer step
+(1-based). Files: ``<output_dir>/metrics/rank-00000.jsonl``; a resumed
 run appends, so a step repeated after a crash appears twice (readers keep the last).
 
 Metrics per step: ``loss`` (global token/sample mean), ``grad_norm`` (before clipping), ``lr``,
@@ -24,14 +25,14 @@ and the end.
 
 from __future__ import annotations
 
-import datetime
 import json
-import resource
 from pathlib import Path
 
 import torch
 
-from qwenkit import __version__
+from qwenkit import records
+from qwenkit.device import memory_bytes
+from qwenkit.device import reset_peak_memory as reset_device_peak
 
 UNITS = {
     "loss": "nat",
@@ -61,20 +62,12 @@ class MetricsWriter:
             self._tensorboard = tensorboard_writer(Path(output_dir) / "tensorboard")
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+        now = records.now()
         for metric, value in values.items():
-            row = {
-                "metric": metric,
-                "unit": UNITS[metric],
-                "series": f"rank {self.rank}",
-                "x_name": "step",
-                "x": step,
-                "value": float(value),
-                "device": self.device,
-                "version": __version__,
-                "timestamp": now,
-                "rank": self.rank,
-            }
+            row = records.record(
+                metric, value, unit=UNITS[metric], series=f"rank {self.rank}", x_name="step", x=step,
+                device=self.device, timestamp=now,
+            ) | {"rank": self.rank}
             self._file.write(json.dumps(row) + "\n")
             if self._tensorboard is not None:
                 self._tensorboard.add_scalar(metric, float(value), global_step=step)
@@ -124,11 +117,11 @@ def series(rows: list[dict], metric: str, rank: int = 0) -> dict[int, float]:
 
 def peak_memory_mib(device: torch.device) -> float:
     """Accelerator: peak allocated since the last :func:`reset_peak_memory`; CPU: peak RSS of the process."""
-    if device.type == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return torch.get_device_module(device.type).max_memory_allocated(device) / 2**20
+    return memory_bytes(device, peak=True) / 2**20
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """A step's own peak on an accelerator; on CPU the metric stays the process's peak RSS (what
+    the OOM killer sees), so nothing is reset there."""
     if device.type != "cpu":
-        torch.get_device_module(device.type).reset_peak_memory_stats(device)
+        reset_device_peak(device)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 from pathlib import Path
 
 import torch
+
+from qwenkit.device import memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ class ProfileWindow:
             torch_npu.npu.memory._dump_snapshot(str(path))
         else:
             path = folder / f"rank-{self.rank:05d}.json"
-            path.write_text(json.dumps({"step": self.steps_done, **_rss_mib()}))
+            rss = {"peak_rss_mib": memory_bytes("cpu") / 2**20, "rss_mib": memory_bytes("cpu", peak=False) / 2**20}
+            path.write_text(json.dumps({"step": self.steps_done, **rss}))
         log.info("memory snapshot written to %s", path)
 
     def close(self) -> None:
@@ -120,14 +122,3 @@ class ProfileWindow:
             self._dump()
             self._record(False)
 
-
-def _rss_mib() -> dict[str, float]:
-    """Peak and current resident set size of this process, from /proc (Linux) or getrusage."""
-    out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                out["rss_mib"] = int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return out

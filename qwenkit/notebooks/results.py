@@ -1,12 +1,12 @@
 """Results as plain files: long-format rows in CSV or JSONL, and one ``metrics.json`` per notebook.
 
-A long-format row is one measured number with what it is and where it came from::
+A long-format row (:mod:`qwenkit.records`, the same row training metrics use) is one measured
+number with what it is and where it came from::
 
     metric, unit, series, x_name, x, value, device, version, timestamp
 
-``series`` names the variant a number belongs to (``"chunk 64"``, ``"image-text/token_mean"``),
-``x_name``/``x`` the swept quantity (``"seq_len"``, ``2048``). Figures in :mod:`qwenkit.notebooks.plots`
-are built from these rows, so a report can be redrawn from its files alone.
+Figures in :mod:`qwenkit.notebooks.plots` are built from these rows, so a report can be redrawn
+from its files alone.
 
 ``metrics.json`` holds a notebook's headline: a one-line ``summary`` (the report index shows it),
 the numbers the tests assert on, and whether the notebook's own checks passed.
@@ -15,7 +15,6 @@ the numbers the tests assert on, and whether the notebook's own checks passed.
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import math
 from collections.abc import Iterable
@@ -23,38 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import qwenkit
+from qwenkit.records import FIELDS, now
+from qwenkit.records import record as record  # re-exported: the notebook layer writes rows through results
 
-FIELDS = ("metric", "unit", "series", "x_name", "x", "value", "device", "version", "timestamp")
 METRICS_FILE = "metrics.json"
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def record(
-    metric: str,
-    value: float,
-    *,
-    unit: str = "",
-    series: str = "",
-    x_name: str = "",
-    x: float | int | str | None = None,
-    device: str = "cpu",
-    timestamp: str | None = None,
-) -> dict[str, Any]:
-    """One long-format row; ``version`` is qwenkit's, ``timestamp`` UTC now unless given."""
-    return {
-        "metric": metric,
-        "unit": unit,
-        "series": series,
-        "x_name": x_name,
-        "x": "" if x is None else x,
-        "value": float(value),
-        "device": device,
-        "version": qwenkit.__version__,
-        "timestamp": timestamp or now(),
-    }
 
 
 def write_csv(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
