@@ -8,8 +8,8 @@ paths, reference and generated reply of every row.
 **Under FSDP2, generation runs on rank 0 from exported weights** (:func:`unsharded_copy`):
 every rank takes part in one ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``
 gather, rank 0 loads the full tensors into a plain (unsharded) copy of the model and generates
-while the others wait at a barrier. Why not generate on the sharded model on every rank:
-greedy decoding stops at a different step on each rank, and each forward of a sharded model is
+while the others wait in the broadcast of its result (:meth:`qwenkit.engine.evaluate.Evaluator.accuracy`).
+Why not generate on the sharded model on every rank: greedy decoding stops at a different step on each rank, and each forward of a sharded model is
 a collective, so the ranks would have to keep stepping in lockstep (HF's ``synced_gpus``) and
 align the vision tower too. The copy costs the full model once in rank 0's host memory and, on
 an accelerator, its device memory while it generates; it is exactly what ``qwenkit export``

@@ -367,7 +367,8 @@ def report_failure(rank: int, error: BaseException, log_path: Path | None) -> st
 
     torchrun would print a failing rank's traceback up to three times (the rank, its error file,
     the agent's summary): the rank reports here and exits with status 1 instead of raising, and
-    the launcher's torchrun wrapper (:mod:`qwenkit.launch`) keeps the agent's summary quiet.
+    the torchrun wrapper the launcher runs (:func:`qwenkit.torchrun.quiet_torchrun`) keeps the
+    agent's summary quiet.
     """
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     where = f"log: {log_path}" if log_path is not None else "no log file: failed before logging started"

@@ -21,7 +21,7 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
     """Build the model named by ``model_cfg.name`` from ``model_cfg.path`` (tiny or HF directory).
 
     ``init_device=meta`` builds the module tree without storage (weights are loaded into the
-    FSDP shards later, see :mod:`qwenkit.fsdp`); otherwise HF's ``from_pretrained`` loads them.
+    FSDP shards later, see :func:`qwenkit.distributed.weights.load_hf_weights`); otherwise HF's ``from_pretrained`` loads them.
     """
     if model_cfg.name not in REGISTRY:
         raise ValueError(f"model.name={model_cfg.name!r} is not registered; known: {', '.join(REGISTRY)}")
