@@ -76,15 +76,6 @@ def build_pair(name: str, args, device, dtype):
     return reference, fused, report
 
 
-def loss_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach().float(), {
-        n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None
-    }
-
-
 def parity(fused, reference, exact: bool, dtype) -> tuple[bool, str]:
     (loss_f, grads_f), (loss_r, grads_r) = fused, reference
     errors = {
@@ -119,6 +110,8 @@ def timed_step(model, batch, device) -> tuple[float, int]:
 
 
 def run(name: str, args, device, dtype) -> bool:
+    from qwenkit.bench.step import loss_and_grads
+
     reference, fused, report = build_pair(name, args, device, dtype)
     n_params = sum(p.numel() for p in reference.parameters())
     inputs = INPUTS[name]

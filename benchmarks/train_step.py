@@ -19,7 +19,10 @@ The batch is one image-text sample whose prompt and image are ignored (-100), as
 share of ignored labels is printed. It prints the median step time, tokens/s, the process's peak memory (whole step: weights,
 gradients, AdamW state, activations, loss head) and the ratios to HF, the memory floor
 (weights + gradients + AdamW state + one logits chunk), and model FLOPs utilisation against a
-matmul peak measured in this same run (best of several large square GEMMs).
+matmul peak measured in this same run (best of several large square GEMMs). Model FLOPs are
+counted as notebook 04 counts them (:func:`qwenkit.bench.step.step_flops`, torch's flop counter
+on one forward + backward of each variant before recompute or Liger is switched on): a head that
+skips ignored labels is credited with the rows it projects; recomputation is not counted.
 
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
@@ -56,32 +59,11 @@ GPU_3B_SHAPES = dict(  # Qwen2.5-VL-3B-Instruct
 SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach")  # variants whose head projects only labelled rows
 
 
-def count_flops(config, shapes, head_rows: int) -> dict:
-    """Training FLOPs of one step: 6 x matmul params x tokens, plus attention (12 x L x S^2 x d).
-
-    The lm_head counts ``head_rows`` positions: the sequence length for a head that projects
-    every position, the labelled positions for one that skips ignored labels (the FLOPs each
-    variant performs; recomputation is not counted, as usual for MFU)."""
-    t, v = config.text_config, config.vision_config
-    s = shapes["seq"]
-    head_dim = t.hidden_size // t.num_attention_heads
-    kv = t.num_key_value_heads * head_dim
-    per_layer = t.hidden_size * (t.hidden_size * 2 + kv * 2) + 3 * t.hidden_size * t.intermediate_size
-    text = 6 * t.num_hidden_layers * per_layer * s + 12 * t.num_hidden_layers * s * s * t.hidden_size
-    text += 6 * VOCAB * t.hidden_size * head_rows
-    patches = (shapes["image_side"] // 14) ** 2
-    vh = v.hidden_size
-    v_layer = vh * 3 * vh + vh * vh + 3 * vh * v.intermediate_size
-    merger = (vh * 4) * (vh * 4) + (vh * 4) * v.out_hidden_size
-    v_matmul = v.depth * v_layer + 3 * 2 * 14 * 14 * vh
-    vision = 6 * v_matmul * patches + 6 * merger * patches // 4 + 12 * v.depth * patches * patches * vh
-    return {"text": text, "vision": vision}
-
-
 def worker(args) -> dict:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from qwenkit.bench.step import step_flops
     from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
@@ -97,6 +79,8 @@ def worker(args) -> dict:
         model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto")
         model.lm_head.skip_ignored = args.variant in SKIPPING
     model.to(device=device, dtype=dtype).train()
+    batch = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY, device=device)
+    flops = step_flops(model, batch)  # before recompute (not model FLOPs) and Liger (kernels it cannot see)
     if args.variant == "chunk+recompute":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.variant == "liger":
@@ -104,7 +88,6 @@ def worker(args) -> dict:
 
         apply_liger_kernel_to_qwen2_5_vl(model=model, fused_linear_cross_entropy=True, rms_norm=False,
                                          swiglu=False, rope=False)  # fmt: skip
-    batch = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY, device=device)
     # HF baseline: plain AdamW (foreach: one full-size temporary in step()). qwenkit trains with
     # the fused AdamW, which updates in place; "chunk-foreach" shows the loss head alone.
     fused = args.variant.startswith("chunk") and not args.variant.endswith("foreach")
@@ -129,7 +112,7 @@ def worker(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": peak, "params": n_params,
-        "param_bytes": n_params * torch.finfo(dtype).bits // 8, "losses": losses, "tokens": shapes["seq"],
+        "param_bytes": n_params * torch.finfo(dtype).bits // 8, "losses": losses, "tokens": shapes["seq"], "flops": flops,
         "optimizer": "AdamW fused" if fused else "AdamW foreach",
     }  # fmt: skip
 
@@ -181,25 +164,19 @@ def main(argv=None) -> int:
     config = make_config(shapes)
     labels = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY)["labels"]
     valid = int((labels[:, 1:] != -100).sum())  # positions the skipping head projects
-    flops = count_flops(config, shapes, head_rows=shapes["seq"])
-    skipping_flops = count_flops(config, shapes, head_rows=valid)
     print(f"batch: {labels.numel()} tokens, {valid} labelled, {1 - valid / labels.numel():.0%} of the labels ignored")
     print(f"shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
-          f"measured {shapes['dtype']} GEMM peak {peak_flops / 1e9:,.0f} GFLOP/s; "
-          f"step FLOPs: text {flops['text'] / 1e12:.2f} T ({skipping_flops['text'] / 1e12:.2f} T when the head skips "
-          f"ignored labels), vision {flops['vision'] / 1e12:.3f} T")
+          f"measured {shapes['dtype']} GEMM peak {peak_flops / 1e9:,.0f} GFLOP/s")
     rows = [_spawn(args, v) for v in variants]
     base = rows[0]
     print(f"\n{'variant':<17}{'optimizer':>15}{'step s':>8}{'tok/s':>9}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}"
-          f"{'MFU text':>10}{'MFU all':>9}{'first loss':>12}")
+          f"{'TFLOP':>7}{'MFU':>7}{'first loss':>12}")
     for r in rows:
         r["time_ratio"] = r["step_s"] / base["step_s"]
         r["mem_ratio"] = r["peak_bytes"] / base["peak_bytes"]
-        done = skipping_flops if r["variant"] in SKIPPING else flops
-        r["mfu_text"] = done["text"] / r["step_s"] / peak_flops
-        r["mfu_all"] = (done["text"] + done["vision"]) / r["step_s"] / peak_flops
+        r["mfu"] = r["flops"] / r["step_s"] / peak_flops
         print(f"{r['variant']:<17}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['tokens'] / r['step_s']:>9.0f}{r['peak_bytes'] / GiB:>10.2f}"
-              f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['mfu_text']:>10.2f}{r['mfu_all']:>9.2f}"
+              f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['flops'] / 1e12:>7.2f}{r['mfu']:>7.2f}"
               f"{r['losses'][0]:>12.5f}")
     by_name = {r["variant"]: r for r in rows}
     if "chunk" in by_name and "chunk-dense" in by_name:

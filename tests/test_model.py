@@ -5,6 +5,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
+from qwenkit.bench.step import loss_and_grads
 from qwenkit.model import qwen2_5_vl, registry
 from qwenkit.model.loss import shift_labels
 
@@ -15,13 +16,6 @@ FP32 = dict(rtol=1e-5, atol=1e-7)
 def _pair(make_model, seed=1, **kw):
     """Two identical tiny models (random weights, not the near-uniform init), HF head and chunked."""
     return make_model(chunk=False, seed=seed, **kw), make_model(chunk=True, seed=seed, **kw)
-
-
-def _loss_and_grads(model, batch, **kw):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch, **kw).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _assert_same(a, b, tol=FP32):
@@ -68,21 +62,21 @@ def test_chunk_equals_hf_loss_and_every_grad(make_model, batch_factory, images, 
     hf, ours = _pair(make_model)
     ours.configure_loss(chunk=True, chunk_size=chunk_size)
     batch = batch_factory(images_per_sample=images)
-    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+    _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
 def test_chunk_size_that_divides_the_sequence(make_model, batch_factory):
     batch = batch_factory(images_per_sample=(1, 1), seq_len=64)  # 2 x 64 tokens, chunks of 32
     hf, ours = _pair(make_model)
     ours.configure_loss(chunk=True, chunk_size=32)
-    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+    _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
 def test_vision_gradients_are_compared_and_nonzero(make_model, batch_factory):
     hf, ours = _pair(make_model)
     batch = batch_factory(images_per_sample=(1, 2))
-    _, grads = _loss_and_grads(ours, batch)
-    _assert_same(_loss_and_grads(hf, batch), (_, grads))
+    _, grads = loss_and_grads(ours, batch)
+    _assert_same(loss_and_grads(hf, batch), (_, grads))
     vision = {n: g for n, g in grads.items() if n.startswith("model.visual")}
     assert len(vision) > 10
     for name, g in vision.items():
@@ -92,7 +86,7 @@ def test_vision_gradients_are_compared_and_nonzero(make_model, batch_factory):
 def test_video_batch(make_model, processor):
     hf, ours = _pair(make_model)
     batch = _video_batch(processor)
-    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+    _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
 @pytest.mark.parametrize("loss_type", ["token_mean", "sample_mean"])
@@ -101,7 +95,7 @@ def test_reductions_match_the_full_logits_head(make_model, batch_factory, loss_t
     hf.configure_loss(chunk=False, loss_type=loss_type)
     ours.configure_loss(chunk=True, loss_type=loss_type, chunk_size=9)
     batch = batch_factory(images_per_sample=(1, 0, 2))
-    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+    _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
 @pytest.mark.parametrize("loss_type", ["token_mean", "sample_mean"])
@@ -122,7 +116,7 @@ def test_shift_labels_are_used_as_given(make_model, batch_factory, loss_type):
     losses = []
     for shifted in variants:
         with_shift = {**batch, "shift_labels": shifted}
-        want, got = _loss_and_grads(hf, with_shift), _loss_and_grads(ours, with_shift)
+        want, got = loss_and_grads(hf, with_shift), loss_and_grads(ours, with_shift)
         _assert_same(want, got)
         losses.append(got[0].item())
     assert len(set(losses)) == 3  # each set of shifted labels is what the loss used
@@ -148,13 +142,13 @@ def test_chunk_with_recompute(make_model, batch_factory):
     ours.train()
     hf.train()
     batch = batch_factory(images_per_sample=(1, 1))
-    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+    _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
 def test_frozen_vision_tower_gets_no_grads(batch_factory):
     cfg = qconfig.load(overrides=["model.freeze=[model.visual]"])
     model = registry.build(cfg.model, cfg.loss)
-    _, grads = _loss_and_grads(model, batch_factory(images_per_sample=(1, 1)))
+    _, grads = loss_and_grads(model, batch_factory(images_per_sample=(1, 1)))
     assert not any(n.startswith("model.visual") for n in grads)
     assert all(p.grad is None for p in model.model.visual.parameters())
     manifest = registry.parameter_manifest(model)
@@ -173,7 +167,7 @@ def test_sdpa_and_eager_agree(make_model, batch_factory):
     sdpa = make_model(chunk=True, seed=2)
     eager = make_model(chunk=True, seed=2, attn_implementation="eager")
     assert eager.config._attn_implementation == "eager"
-    _assert_same(_loss_and_grads(sdpa, batch), _loss_and_grads(eager, batch), tol=dict(rtol=1e-4, atol=1e-6))
+    _assert_same(loss_and_grads(sdpa, batch), loss_and_grads(eager, batch), tol=dict(rtol=1e-4, atol=1e-6))
 
 
 def test_tuple_output(make_model, batch_factory):
@@ -189,7 +183,7 @@ def test_tied_embeddings_in_both_modes(make_model, batch_factory):
     assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
     assert isinstance(ours.lm_head, qwen2_5_vl.ChunkedLMHead)
     batch = batch_factory(images_per_sample=(1, 0))
-    _assert_same(_loss_and_grads(hf, batch), _loss_and_grads(ours, batch))
+    _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
 @pytest.mark.parametrize(
@@ -279,7 +273,7 @@ def test_skipping_head_equals_hf_at_ignored_fractions(make_model, batch_factory,
         labels[:] = -100
     batch["labels"] = labels
     kw = {"num_items_in_batch": torch.tensor(int((labels[:, 1:] != -100).sum()) + 3)}
-    _assert_same(_loss_and_grads(hf, batch, **kw), _loss_and_grads(ours, batch, **kw))
+    _assert_same(loss_and_grads(hf, batch, **kw), loss_and_grads(ours, batch, **kw))
 
 
 def test_head_bias_goes_into_the_chunk_loss():

@@ -19,18 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenkit import patches
+from qwenkit.bench.step import loss_and_grads
 from qwenkit.patches import cuda, dispatch, npu
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
-
-
-def loss_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
 
 
 def assert_bitwise(a, b):

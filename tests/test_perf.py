@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qwenkit import config as qconfig
-from qwenkit import data
+from qwenkit.bench import step
 from qwenkit.bench.measure import MAX_ROUNDS, head_case, head_measure
 from qwenkit.model import registry
 from qwenkit.notebooks import perf
@@ -60,8 +60,8 @@ def test_matmul_peak_and_model_step_measurements(tiny_path, processor):
     assert perf.matmul_peak(cpu, torch.float32, size=64, repeats=3, min_time_s=0)["passes"] == 3
     cfg = qconfig.load()
     model = registry.build(cfg.model, cfg.loss)
-    batches = data.sample_batches(cfg, processor, 1, 2)
-    flops = perf.step_flops(model, batches[0])
+    batches = step.sample_batches(cfg, processor, 1, 2)
+    flops = step.step_flops(model, batches[0])
     params = sum(p.numel() for p in model.parameters())
     assert flops >= 2 * params * perf.tokens_in(batches[0])  # at least the forward's weight matmuls
     assert len(perf.time_steps(model, batches, steps=2)) == 2

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qwenkit import config as qconfig
-from qwenkit import data
+from qwenkit.bench import step
 from qwenkit.notebooks import validation
 
 
@@ -23,7 +23,7 @@ def test_text_only_removes_vision_spans(processor):
         "labels": torch.tensor([-100, -100, -100, -100, -100, 6, 7]),
         "pixel_values": torch.zeros(16, 1176),
     }
-    out = data.text_only(sample, processor)
+    out = step.text_only(sample, processor)
     assert out["input_ids"].tolist() == [5, 6, 7] and out["labels"].tolist() == [-100, 6, 7]
     assert "pixel_values" not in out
 

@@ -56,10 +56,7 @@ __all__ = [
     "build",
     "open_dataset",
     "read_dataset",
-    "sample_batches",
     "split_eval",
-    "text_only",
-    "to_device",
 ]
 
 # Another stream of train.seed than the sampler's epochs use, so the split and the order are independent.
@@ -219,41 +216,3 @@ def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: 
         log.info("eval data: %d samples (%s); training on %d", len(held_out), where, len(dataset))
     return dataset, held_out
 
-
-# ---------------------------------------------------------------------------------------------
-# Fixed batches for measurements (notebooks 03 and 04, tests): no sampler, no shuffling
-
-
-def text_only(sample: dict[str, torch.Tensor], processor: Processor) -> dict[str, torch.Tensor]:
-    """The sample without its vision spans (start, pad and end tokens) and pixels."""
-    vision = torch.tensor([processor.vision_start_id, processor.image_token_id, processor.vision_end_id])
-    keep = ~torch.isin(sample["input_ids"], vision)  # [S]
-    return {k: v[keep] for k, v in sample.items() if k in ("input_ids", "labels", "mm_token_type_ids")}
-
-
-def sample_batches(
-    cfg: Config, processor: Processor, count: int, batch_size: int, text: bool = False
-) -> list[dict[str, torch.Tensor]]:
-    """``count`` collated batches of ``batch_size`` consecutive samples of ``cfg.data.path``.
-
-    ``text``: the same samples with their vision spans removed (:func:`text_only`). The batches
-    carry no ``num_items``/``num_samples``: the model counts a lone batch itself.
-    """
-    dataset, _ = read_dataset(cfg.data, processor)
-    if len(dataset) == 0:
-        raise ValueError(f"data.path={cfg.data.path!r} has no usable samples")
-    collate = Collator(processor)
-    out = []
-    for b in range(count):
-        samples = [dataset[(b * batch_size + i) % len(dataset)] for i in range(batch_size)]
-        if text:
-            samples = [text_only(s, processor) for s in samples]
-        batch = collate(samples)
-        del batch["num_items"], batch["num_samples"]
-        out.append(batch)
-    return out
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``batch`` on ``device``, its floating-point tensors (pixels) in ``dtype``."""
-    return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}

@@ -9,11 +9,12 @@ Two kinds of measurement, kept apart because they need different isolation:
   first pass gives its peak memory (on CPU the peak RSS, on an accelerator the allocator's
   peak), then the variants' timed passes alternate, after a warm-up round, so the times
   compared met the same machine load (median, min and max of each).
-- **A model training step** (:func:`time_steps`, :func:`top_ops`, :func:`step_flops`,
-  :func:`fused_vs_unfused`): forward, backward and AdamW on real batches, in this process. Model
-  FLOPs are counted by ``torch.utils.flop_counter`` (every matmul, attention and convolution of
-  forward and backward), and MFU is those FLOPs per second over a matmul peak measured here, in
-  the same run (:func:`matmul_peak`), not over a datasheet number.
+- **A model training step** (:func:`time_steps`, :func:`top_ops`,
+  :func:`qwenkit.bench.step.step_flops`, :func:`fused_vs_unfused`): forward, backward and AdamW
+  on real batches, in this process. Model FLOPs are counted by ``torch.utils.flop_counter``
+  (every matmul, attention and convolution of forward and backward; the same count as
+  ``benchmarks/train_step.py``), and MFU is those FLOPs per second over a matmul peak measured
+  here, in the same run (:func:`qwenkit.bench.measure.matmul_peak`), not over a datasheet number.
 
 Heavy, long benchmarks live in ``benchmarks/``; these are sized by the notebook's parameters.
 """
@@ -114,17 +115,6 @@ def time_steps(model, batches: list[dict[str, torch.Tensor]], steps: int, warmup
         if i >= warmup:
             times.append(1e3 * (time.perf_counter() - t0))
     return times
-
-
-def step_flops(model, batch: dict[str, torch.Tensor]) -> int:
-    """FLOPs of one forward + backward, as counted by ``torch.utils.flop_counter``."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as counter:
-        model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    return int(counter.get_total_flops())
 
 
 def tokens_in(batch: dict[str, torch.Tensor]) -> int:

@@ -2,12 +2,13 @@
 
 The reference is what ``tests/test_model.py`` compares against: HF's own forward for
 ``token_mean``, and :func:`qwenkit.model.loss.full_cross_entropy` on HF's logits for ``sample_mean``.
-The same model is switched between the two heads (:meth:`configure_loss`), so the weights are
+The same model is switched between the two heads
+(:meth:`qwenkit.model.qwen2_5_vl.QwenkitQwen2_5_VL.configure_loss`), so the weights are
 identical by construction and any difference is the loss head's.
 
-1. :func:`validation_batches` takes real samples from a dataset (:func:`qwenkit.data.sample_batches`);
+1. :func:`validation_batches` takes real samples from a dataset (:func:`qwenkit.bench.step.sample_batches`);
    the ``text`` modality is the same samples with their vision spans and pixels removed.
-2. :func:`compare` runs full and chunked heads over chunk sizes x loss_types x modalities and
+2. :func:`compare` runs full and chunked heads over chunk sizes x loss types x modalities and
    reports, per case, the loss difference and the largest gradient difference over all
    parameters, with a pass/fail against tolerances justified by the dtype.
 3. :func:`adamw_curves` trains twice from the same seed on the same batches, once per head,
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from qwenkit import config as qconfig
-from qwenkit import data
+from qwenkit.bench.step import loss_and_grads, sample_batches, to_device
 from qwenkit.config import DTYPES
 from qwenkit.model import registry
 from qwenkit.model.loss import IGNORE_INDEX
@@ -53,19 +54,10 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
 def validation_batches(
     cfg: qconfig.Config, processor: Processor, modality: str, count: int, batch_size: int
 ) -> list[dict[str, torch.Tensor]]:
-    """``count`` batches of ``batch_size`` samples in ``modality`` (:func:`qwenkit.data.sample_batches`)."""
+    """``count`` batches of ``batch_size`` samples in ``modality`` (:func:`qwenkit.bench.step.sample_batches`)."""
     if modality not in MODALITIES:
         raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}")
-    return data.sample_batches(cfg, processor, count, batch_size, text=modality == "text")
-
-
-def loss_and_grads(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One forward + backward; the loss and every parameter gradient (fp32 copies, on CPU)."""
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach().float().cpu(), grads
+    return sample_batches(cfg, processor, count, batch_size, text=modality == "text")
 
 
 @dataclasses.dataclass
@@ -108,7 +100,7 @@ def compare(
     rtol, atol = tolerance(dtype)
     cases, per_param = [], []
     for modality in modalities:
-        batch = data.to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
+        batch = to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
         tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         for loss_type in loss_types:
             model.configure_loss(chunk=False, loss_type=loss_type)
@@ -164,7 +156,7 @@ def adamw_curves(
     dev = kernel.device(device)
     processor = load_processor(cfg)
     dtype = DTYPES[cfg.model.dtype]
-    batches = [data.to_device(b, dev, dtype) for b in validation_batches(cfg, processor, modality, num_batches, batch_size)]
+    batches = [to_device(b, dev, dtype) for b in validation_batches(cfg, processor, modality, num_batches, batch_size)]
     rows = []
     for mode in ("full", "chunk"):
         torch.manual_seed(seed)
