@@ -1,4 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP), resume, and export to HF safetensors.
+"""Training checkpoints with torch.distributed.checkpoint (DCP) and resume (the HF export: :mod:`qwenkit.engine.export`).
 
 A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
 
