@@ -79,3 +79,16 @@ def test_use_cpu_threads_sets_this_process_threads_on_cpu_only():
         assert perf.use_cpu_threads(torch.device("cpu"), 0) == 1  # 0: whatever torch has
     finally:
         torch.set_num_threads(before)
+
+
+def test_memory_is_read_one_way_and_sees_a_cpu_peak():
+    """device.memory_bytes: on CPU the peak (VmHWM) after a reset covers a tensor freed since."""
+    from qwenkit.device import memory_bytes, reset_peak_memory
+
+    reset_peak_memory("cpu")
+    base = memory_bytes("cpu", peak=False)
+    size = 64 * 2**20
+    x = torch.ones(size // 4)  # 64 MiB, written: resident
+    del x
+    assert memory_bytes("cpu", peak=True) - base >= 0.9 * size
+    assert memory_bytes("cpu", peak=True) >= memory_bytes("cpu", peak=False)

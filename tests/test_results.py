@@ -33,3 +33,25 @@ def test_jsonl_round_trip(tmp_path):
     rows = [{"variant": "padded", "speedup": 1.0}, {"variant": "packed", "speedup": 1.38, "nested": [1, 2]}]
     path = results.write_jsonl(rows, tmp_path / "b" / "r.jsonl")
     assert results.read_jsonl(path) == rows
+
+
+def test_training_metrics_and_notebook_results_write_the_same_row(tmp_path):
+    """One long-format row (qwenkit.records): the trainer's JSONL is the notebooks' row plus ``rank``."""
+    import datetime
+
+    import torch
+
+    from qwenkit.engine.metrics import MetricsWriter, read
+
+    writer = MetricsWriter(tmp_path, rank=1, device=torch.device("cpu"))
+    writer.write(3, {"loss": 2.5})
+    writer.close()
+    (trained,) = read(tmp_path)
+    notebook = results.record("loss", 2.5, unit="nat", series="rank 1", x_name="step", x=3)
+    assert trained.keys() == set(results.FIELDS) | {"rank"} and trained["rank"] == 1
+    assert {k: trained[k] for k in results.FIELDS if k != "timestamp"} == {
+        k: v for k, v in notebook.items() if k != "timestamp"
+    }
+    for row in (trained, notebook):  # both UTC with milliseconds (the notebooks' used to drop them)
+        stamp = datetime.datetime.fromisoformat(row["timestamp"])
+        assert stamp.utcoffset() == datetime.timedelta(0) and len(row["timestamp"].split(".")[1]) == len("123+00:00")
