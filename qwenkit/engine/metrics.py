@@ -65,7 +65,7 @@ class MetricsWriter:
         for metric, value in values.items():
             row = {
                 "metric": metric,
-                "unit": UNITS[metric],
+                "unit": UNITS[metric.split("/", 1)[0]],  # lr/<group>: a parameter group's LR
                 "series": f"rank {self.rank}",
                 "x_name": "step",
                 "x": step,
