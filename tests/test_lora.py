@@ -23,8 +23,8 @@ from qwenkit import config as qconfig
 from qwenkit import launch
 from qwenkit.engine import export as hf_export
 from qwenkit.engine import train
-from qwenkit.model import loss as qloss
 from qwenkit.model import lora, registry
+from qwenkit.model import loss as qloss
 
 ROOT = Path(__file__).resolve().parent.parent
 FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks run in another order
@@ -196,7 +196,7 @@ def _resume_runs(rank, out, processor_path):
         applied = []
         trainer_setup = trainer.setup
 
-        def setup(trainer=trainer, trainer_setup=trainer_setup):
+        def setup(trainer=trainer, trainer_setup=trainer_setup, applied=applied):
             trainer_setup()
             trainer.optimizer.register_step_post_hook(
                 lambda o, a, k: applied.append({g["name"]: (g["lr"], g["weight_decay"]) for g in o.param_groups})
