@@ -2,8 +2,10 @@
 
 Startup, all before the first step: process group and device (:mod:`qwenkit.distributed.fsdp`), seeds,
 processor and data (:mod:`qwenkit.data`), model (HF weights, or meta-device init whose weights
-are read straight into the shards), trainable-parameter manifest, recompute wrappers,
-``fully_shard`` plan, AdamW with linear warmup + cosine decay, and a resume from a checkpoint.
+are read straight into the shards), LoRA adapters when ``lora.r > 0`` (:mod:`qwenkit.model.lora`,
+added before sharding), trainable-parameter manifest, recompute wrappers, ``fully_shard`` plan,
+AdamW over the parameter groups of ``train.param_groups`` with linear warmup + cosine decay
+(the same shape for every group), and a resume from a checkpoint.
 
 One optimizer step:
 
