@@ -183,10 +183,18 @@ def comparison_rows(run_dirs: dict[str, str | Path]) -> list[dict[str, Any]]:
     return out
 
 
+COMPARISON_UNITS = {"trainable parameters": "1", "total parameters": "1", "checkpoint (MiB)": "MiB",
+                    "max peak memory (MiB)": "MiB", "median step time (s)": "s", "first accuracy": "1",
+                    "last accuracy": "1"}  # fmt: skip
+
+
 def save_comparison(out_dir, run_dirs: dict[str, str | Path]) -> list[dict[str, Any]]:
-    """:func:`comparison_rows` written to ``<out_dir>/lora_comparison.csv``; returns the rows."""
+    """:func:`comparison_rows` written to ``<out_dir>/lora_comparison.csv`` (long format, one row per
+    run and quantity, ``series`` = the run); returns the rows."""
     rows = comparison_rows(run_dirs)
-    results.write_csv(rows, Path(out_dir) / COMPARISON)
+    long = [results.record(metric, row[metric], unit=unit, series=row["run"])
+            for row in rows for metric, unit in COMPARISON_UNITS.items()]  # fmt: skip
+    results.write_csv(long, Path(out_dir) / COMPARISON)
     return rows
 
 
