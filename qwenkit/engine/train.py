@@ -109,11 +109,13 @@ def build_scheduler(optimizer, train_cfg, done: int = 0) -> torch.optim.lr_sched
     every param group's LR, so the LR an optimizer step applies is the one logged.
     """
     t = train_cfg
-    configured = getattr(optimizer, "qwenkit_groups", None) or [("default", t.lr, t.weight_decay)] * len(
-        optimizer.param_groups
-    )
-    for group, (name, lr, wd) in zip(optimizer.param_groups, configured):
+    configured = getattr(optimizer, "qwenkit_groups", None)  # set by build_optimizer
+    for i, group in enumerate(optimizer.param_groups):
         # what LambdaLR scales, per group; a loaded optimizer carries the old run's
+        if configured is None:
+            group["initial_lr"] = t.lr
+            continue
+        name, lr, wd = configured[i]
         group.update(name=name, initial_lr=lr, base_lr=lr, weight_decay=wd, base_weight_decay=wd)
     # LambdaLR passes the number of steps taken so far; the step about to run is that + 1.
     # last_epoch=done-1: the constructor takes one step itself (-1: a fresh start).
