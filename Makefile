@@ -21,17 +21,17 @@ COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,video,tensorboard,dev]'
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints/ci.txt -e '.[notebooks,datasets,video,tensorboard,lora,dev]'
 	touch $@
 
 $(VENV457)/.installed: pyproject.toml constraints/ci-tf457.txt
 	$(PYTHON) -m venv $(VENV457)
-	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,video,dev]'
+	$(VENV457)/bin/pip install $(PIP_FLAGS) -c constraints/ci-tf457.txt -e '.[datasets,video,lora,dev]'
 	touch $@
 
 $(VENVCOMPAT)/.installed: pyproject.toml constraints/compat.txt
 	$(PYTHON) -m venv $(VENVCOMPAT)
-	$(VENVCOMPAT)/bin/pip install $(PIP_FLAGS) -c constraints/compat.txt -e '.[datasets,video,dev]' plotly
+	$(VENVCOMPAT)/bin/pip install $(PIP_FLAGS) -c constraints/compat.txt -e '.[datasets,video,lora,dev]' plotly
 	touch $@
 
 test: test-main test-tf457

@@ -5,6 +5,9 @@ sharded with qwenkit's default plan, takes one AdamW step on an image+text batch
 parameter has a gradient and AdamW state), and each rank counts the bytes of what it holds:
 its parameter shards, gradient shards and optimizer state. FSDP2 shards every tensor on dim 0,
 so with 2 ranks each should hold about half (a little more where a dim 0 is odd and padded).
+Then LoRA (r = 16, every linear of the language model, :func:`qwenkit.model.lora.apply` before
+``fully_shard``) at 2 ranks beside the full fine-tune: the frozen base keeps its parameter shards,
+but only the adapters have gradients and AdamW state.
 
     python benchmarks/fsdp_memory.py
 """
@@ -41,20 +44,24 @@ def _bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _rank(rank: int, world: int, port: int, results) -> None:
+def _rank(rank: int, world: int, port: int, results, use_lora: bool = False) -> None:
     from qwenkit import config as qconfig
     from qwenkit.distributed import fsdp
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    cfg = qconfig.load(overrides=["parallel.device=cpu"])
+    cfg = qconfig.load(overrides=["parallel.device=cpu", "lora.r=16", "lora.alpha=32"])
     rt = fsdp.init_distributed(cfg.parallel)
     torch.manual_seed(0)
     model = QwenkitQwen2_5_VL(make_config(SHAPES, VOCAB, IDS, max_positions=4096, **TOKENS)).configure_loss(chunk=True)
+    if use_lora:
+        from qwenkit.model import lora
+
+        lora.apply(model, cfg.lora, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model(**make_batch(model.config, **INPUTS)).loss.backward()
     optimizer.step()
     held = {
@@ -66,10 +73,10 @@ def _rank(rank: int, world: int, port: int, results) -> None:
     fsdp.shutdown(rt)
 
 
-def measure(world: int) -> list[tuple]:
+def measure(world: int, use_lora: bool = False) -> list[tuple]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(world, free_port(), results), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank, args=(world, free_port(), results, use_lora), nprocs=world, start_method="spawn")
     return sorted(results.get() for _ in range(world))
 
 
@@ -87,6 +94,17 @@ def main() -> int:
     for _, rank, _, held in rows[1:]:
         ratio = (held["params"] + held["optimizer"]) / one
         print(f"rank {rank} of 2 / single process, params+optimizer: {ratio:.3f}x (ideal 0.5)")
+    full, lora_rows = rows[1:], measure(2, use_lora=True)
+    print("\n2 ranks, full fine-tune vs LoRA (r=16, all-linear), per rank:")
+    print(f"{'run':>5} {'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'optimizer MiB':>14} {'grads+optim MiB':>16}")
+    for name, group in (("full", full), ("lora", lora_rows)):
+        for _, rank, _, held in group:
+            print(f"{name:>5} {rank:>4} {held['params'] / MiB:>11.2f} {held['grads'] / MiB:>10.2f} "
+                  f"{held['optimizer'] / MiB:>14.2f} {(held['grads'] + held['optimizer']) / MiB:>16.2f}")
+    for (_, rank, _, f), (_, _, _, lo) in zip(full, lora_rows):
+        ratio = (lo["grads"] + lo["optimizer"]) / (f["grads"] + f["optimizer"])
+        total = (lo["params"] + lo["grads"] + lo["optimizer"]) / (f["params"] + f["grads"] + f["optimizer"])
+        print(f"rank {rank}: LoRA / full, grads+optimizer {ratio:.4f}x (target <= 0.05); params+grads+optimizer {total:.3f}x")
     return 0
 
 

@@ -8,7 +8,10 @@ Every variant runs in a fresh subprocess with the same config, seed, weights and
 - ``chunk``: qwenkit's model, chunked loss head projecting only the labelled positions;
 - ``chunk+recompute``: the same with non-reentrant activation checkpointing of the decoder
   layers and vision blocks;
-- ``chunk-foreach`` (on request): chunk loss with HF's optimizer, to separate the two savings.
+- ``chunk-foreach`` (on request): chunk loss with HF's optimizer, to separate the two savings;
+- ``lora``: the ``chunk`` step with peft LoRA adapters (r = 16, alpha 32, every linear of the
+  language model) added by :func:`qwenkit.model.lora.apply`; base weights and lm_head frozen, so
+  neither their gradients nor AdamW state exist (its first loss equals ``chunk``'s: B = 0).
 
 Every variant runs with the allocator setting ``qwenkit train`` gives CPU ranks
 (``MALLOC_MMAP_THRESHOLD_``, see ``qwenkit.launch``), unless the caller's environment sets it.
@@ -56,7 +59,14 @@ GPU_3B_SHAPES = dict(  # Qwen2.5-VL-3B-Instruct
     vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, fullatt_block_indexes=[7, 15, 23, 31]),
     image_side=448, seq=4096, dtype="bfloat16", tie=True,
 )  # fmt: skip
-SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach")  # variants whose head projects only labelled rows
+TINY_SHAPES = dict(  # a smoke check of the script in seconds (--shapes tiny), not a measurement
+    text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, mrope_section=[4, 6, 6]),
+    vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, fullatt_block_indexes=[1]),
+    image_side=56, seq=256, dtype="float32", tie=False,
+)  # fmt: skip
+SHAPES = {"cpu": CPU_SHAPES, "3b": GPU_3B_SHAPES, "tiny": TINY_SHAPES}
+SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants whose head projects only labelled rows
 
 
 def worker(args) -> dict:
@@ -67,7 +77,7 @@ def worker(args) -> dict:
     from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
-    shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
+    shapes = SHAPES[args.shapes]
     device = torch.device(args.device)
     dtype = getattr(torch, shapes["dtype"])
     config = make_config(shapes)
@@ -79,6 +89,11 @@ def worker(args) -> dict:
         model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto")
         model.lm_head.skip_ignored = args.variant in SKIPPING
     model.to(device=device, dtype=dtype).train()
+    if args.variant == "lora":
+        from qwenkit import config as qconfig
+        from qwenkit.model import lora
+
+        lora.apply(model, qconfig.load(overrides=["lora.r=16", "lora.alpha=32"]).lora, seed=0)
     batch = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY, device=device)
     flops = step_flops(model, batch)  # before recompute (not model FLOPs) and Liger (kernels it cannot see)
     if args.variant == "chunk+recompute":
@@ -90,8 +105,8 @@ def worker(args) -> dict:
                                          swiglu=False, rope=False)  # fmt: skip
     # HF baseline: plain AdamW (foreach: one full-size temporary in step()). qwenkit trains with
     # the fused AdamW, which updates in place; "chunk-foreach" shows the loss head alone.
-    fused = args.variant.startswith("chunk") and not args.variant.endswith("foreach")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
+    fused = args.variant.startswith(("chunk", "lora")) and not args.variant.endswith("foreach")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
     if device.type == "cuda":
         reset_peak_memory(device)  # CPU: the worker process's peak RSS since it started
     times, losses = [], []
@@ -110,9 +125,11 @@ def worker(args) -> dict:
         losses.append(float(loss))
     peak = memory_bytes(device, peak=True)
     n_params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {
         "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": peak, "params": n_params,
-        "param_bytes": n_params * torch.finfo(dtype).bits // 8, "losses": losses, "tokens": shapes["seq"], "flops": flops,
+        "param_bytes": n_params * torch.finfo(dtype).bits // 8, "trainable": trainable, "losses": losses,
+        "tokens": shapes["seq"], "flops": flops,
         "optimizer": "AdamW fused" if fused else "AdamW foreach",
     }  # fmt: skip
 
@@ -130,7 +147,8 @@ def _spawn(args, variant: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--shapes", default=None, choices=["cpu", "3b"], help="default: cpu on CPU, 3b on CUDA")
+    p.add_argument("--shapes", default=None, choices=list(SHAPES),
+                   help="default: cpu on CPU, 3b on CUDA; tiny: a seconds-long smoke check")
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--variants", nargs="+", default=None)
@@ -147,8 +165,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: --device cuda but no CUDA device is available")
         return 0
-    shapes = GPU_3B_SHAPES if args.shapes == "3b" else CPU_SHAPES
-    variants = args.variants or ["hf", "chunk-dense", "chunk", "chunk+recompute"]
+    shapes = SHAPES[args.shapes]
+    variants = args.variants or ["hf", "chunk-dense", "chunk", "chunk+recompute", "lora"]
     if args.device == "cuda" and args.variants is None:
         try:
             import liger_kernel  # noqa: F401
@@ -183,6 +201,11 @@ def main(argv=None) -> int:
         skip, dense = by_name["chunk"], by_name["chunk-dense"]
         print(f"\nskipping head vs dense chunk head: time {skip['step_s'] / dense['step_s']:.2f}x, "
               f"peak {skip['peak_bytes'] / dense['peak_bytes']:.2f}x")
+    if "chunk" in by_name and "lora" in by_name:
+        full, lo = by_name["chunk"], by_name["lora"]
+        print(f"lora (r=16, all-linear) vs full chunk-loss step: time {lo['step_s'] / full['step_s']:.2f}x (target <= 0.85), "
+              f"peak {lo['peak_bytes'] / full['peak_bytes']:.2f}x (target <= 0.55), trainable parameters "
+              f"{lo['trainable']:,} of {lo['params']:,}; first losses {lo['losses'][0]:.6f} vs {full['losses'][0]:.6f}")
     pb = base["param_bytes"]
     chunk = auto_chunk_size(valid, VOCAB, 512 * 2**20) * VOCAB * 4
     floor = 4 * pb + chunk

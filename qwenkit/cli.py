@@ -55,7 +55,7 @@ def _export(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
-    out = export.export(args.checkpoint, args.out, cfg)
+    out = export.export(args.checkpoint, args.out, cfg, merge=args.merge)
     print(f"exported {checkpoint.resolve(args.checkpoint)} to {out}")
     return 0
 
@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="checkpoint directory (a step-N folder, or a run's output_dir for the newest)")
     e.add_argument("out", help="output directory")
     e.add_argument("--config", default=None, help="the run's params/*.yaml (default: the one saved with the run)")
+    e.add_argument("--merge", action="store_true",
+                   help="LoRA runs: a full HF directory with the adapters merged (default: a peft adapter directory)")
     e.set_defaults(func=_export)
 
     v = sub.add_parser("eval", help="eval loss and exact-match accuracy of a run, checkpoint or export")

@@ -123,6 +123,27 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0  # adapter rank; 0: LoRA off (every weight not in model.freeze trains)
+    alpha: float = 16.0  # LoRA scaling is alpha / r (alpha / sqrt(r) with use_rslora)
+    dropout: float = 0.0  # on the adapters' input
+    # "all-linear": every nn.Linear of the language model (never lm_head); or a list of names
+    # (q_proj: that last segment) and dotted paths with * per segment (model.language_model.layers.*.mlp.down_proj)
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    vision: bool = False  # also adapt the linears of the vision blocks (model.visual.blocks.*)
+    modules_to_save: list[str] = field(default_factory=list)  # module paths trained fully, e.g. [model.visual.merger]
+    use_dora: bool = False  # weight-decomposed LoRA (peft's DoRA)
+    use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(r)
+
+
+@dataclass
+class ParamGroupConfig:
+    pattern: str = ""  # a module path, * = one segment (model.visual.blocks.*); its parameters form the group
+    lr: float = 0.0  # this group's peak LR (same warmup + cosine shape as train.lr)
+    weight_decay: float | None = None  # None: train.weight_decay
+
+
+@dataclass
 class TrainConfig:
     steps: int = 30  # the run's length: the LR schedule spans these steps
     stop_after: int = 0  # end this invocation after that step (checkpoint saved); 0: at train.steps
@@ -132,6 +153,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 3
     weight_decay: float = 0.0
+    # per-module LRs: the first group whose pattern holds a parameter takes it; the rest train at train.lr
+    param_groups: list[ParamGroupConfig] = field(default_factory=list)
+    no_decay: bool = False  # biases, norm weights and embeddings get weight_decay 0 (in every group)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     max_grad_norm: float = 1.0  # 0 disables clipping
     seed: int = 42
@@ -174,6 +198,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
@@ -269,6 +294,13 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, raw[name], f"{prefix}{name}.", problems)
+            continue
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+        if dataclasses.is_dataclass(item):  # a list of sections, e.g. train.param_groups
+            if isinstance(raw[name], list):
+                kwargs[name] = [_build(item, r, f"{prefix}{name}[{i}].", problems) for i, r in enumerate(raw[name])]
+            else:
+                problems.append(f"{prefix}{name}: got {raw[name]!r}, expected a list of mappings")
             continue
         ok, value = _coerce(raw[name], hint)
         if ok:
@@ -386,7 +418,7 @@ def validate(cfg: Config) -> list[str]:
         if not cond:
             problems.append(msg)
 
-    for check in (_check_model, _check_data, _check_loss, _check_parallel, _check_train, _check_checkpoint, _check_profile):
+    for check in (_check_model, _check_data, _check_loss, _check_parallel, _check_train, _check_lora, _check_checkpoint, _check_profile):
         check(cfg, need)
     return problems
 
@@ -496,6 +528,44 @@ def _check_train(cfg: Config, need) -> None:
     need(train.eval_samples >= 0, f"train.eval_samples must be >= 0, got {train.eval_samples}")
     need(train.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {train.eval_accuracy_every}")
     need(train.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {train.eval_max_new_tokens}")
+    _check_param_groups(cfg, need)
+
+
+def _check_param_groups(cfg: Config, need) -> None:
+    seen = set()
+    for i, group in enumerate(cfg.train.param_groups):
+        key = f"train.param_groups[{i}]"
+        need(bool(group.pattern), f"{key}.pattern must be a module path, e.g. model.visual.blocks.*")
+        need(group.pattern not in seen, f"{key}.pattern {group.pattern!r} is given twice")
+        seen.add(group.pattern)
+        need(group.lr > 0, f"{key}.lr must be > 0, got {group.lr}")
+        if group.weight_decay is not None:
+            need(group.weight_decay >= 0, f"{key}.weight_decay must be >= 0, got {group.weight_decay}")
+
+
+def _check_lora(cfg: Config, need) -> None:
+    """Ranges and combinations; target and module paths are checked against the model tree
+    (:func:`qwenkit.model.lora.check_against_model`, called by the launcher)."""
+    lora = cfg.lora
+    need(lora.r >= 0, f"lora.r must be >= 0 (0: off), got {lora.r}")
+    if lora.r == 0:
+        default = LoraConfig()
+        changed = [k for k in ("target_modules", "vision", "modules_to_save", "use_dora", "use_rslora")
+                   if getattr(lora, k) != getattr(default, k)]  # fmt: skip
+        need(not changed, f"lora.{', lora.'.join(changed)} set but lora.r=0 (LoRA off); set lora.r > 0")
+        return
+    need(lora.alpha > 0, f"lora.alpha must be > 0, got {lora.alpha}")
+    need(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    if isinstance(lora.target_modules, list):
+        need(bool(lora.target_modules), "lora.target_modules must not be empty (or 'all-linear')")
+        need("lm_head" not in lora.target_modules,
+             "lora.target_modules: lm_head computes the chunked loss and takes no adapter; "
+             "train it fully with lora.modules_to_save=[lm_head]")  # fmt: skip
+    need(
+        not (lora.use_dora and cfg.model.init_device == "meta"),
+        "lora.use_dora=true needs model.init_device=cpu: DoRA's magnitude is computed from the full "
+        "base weights when the adapters are added, which meta init does not have yet",
+    )
 
 
 def _check_checkpoint(cfg: Config, need) -> None:

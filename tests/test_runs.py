@@ -173,3 +173,28 @@ def test_save_records_the_held_out_loss_and_accuracy_first_and_last(tmp_path):
     loss_fig, acc_fig = runs.eval_figures(run)
     assert [list(t.x) for t in loss_fig.data] == [[1, 2], [0, 1, 2]]  # training loss, then the eval loss
     assert list(acc_fig.data[0].y) == [0.125, 0.5]
+
+
+def test_lora_comparison_reads_manifest_checkpoint_memory_time_and_accuracy(tmp_path):
+    runs_dirs = {}
+    for name, trainable, ckpt_bytes, acc in (("LoRA r=8", 16, 100, 0.25), ("full fine-tune", 200, 4000, 0.5)):
+        run = tmp_path / name.replace(" ", "_")
+        (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+        (run / "checkpoints" / "step-00000004" / "COMPLETE.json").write_text("{}")
+        (run / "checkpoints" / "step-00000004" / "__0_0.distcp").write_bytes(b"x" * ckpt_bytes)
+        (run / "checkpoints" / "step-00000002").mkdir()  # incomplete: never the one measured
+        (run / "train.log").write_text(f"part   total  trainable  adapters\nall      216 {trainable:>10}  16\n")
+        rows = [{"metric": m, "series": "rank 0", "x": s, "value": v, "rank": 0}
+                for m, s, v in [("eval_accuracy", 0, 0.0), ("eval_accuracy", 4, acc), ("step_time", 1, 1.0),
+                                ("step_time", 2, 3.0), ("peak_memory", 1, 50.0), ("peak_memory", 2, 70.0)]]  # fmt: skip
+        results.write_jsonl(rows, run / "metrics" / "rank-00000.jsonl")
+        runs_dirs[name] = run
+    got = runs.save_comparison(tmp_path, runs_dirs)
+    assert [r["run"] for r in got] == list(runs_dirs)
+    assert [r["trainable parameters"] for r in got] == [16, 200] and got[0]["total parameters"] == 216
+    assert [r["checkpoint (MiB)"] for r in got] == [(100 + 2) / 2**20, (4000 + 2) / 2**20]
+    assert [(r["first accuracy"], r["last accuracy"]) for r in got] == [(0.0, 0.25), (0.0, 0.5)]
+    assert got[0]["median step time (s)"] == 2.0 and got[0]["max peak memory (MiB)"] == 70.0
+    saved = results.read_csv(tmp_path / runs.COMPARISON)
+    assert {(r["series"], r["metric"]): r["value"] for r in saved}[("full fine-tune", "last accuracy")] == 0.5
+    runs.comparison_table(got)

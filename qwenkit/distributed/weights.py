@@ -36,6 +36,7 @@ except ImportError:  # torch < 2.8
 
 from qwenkit.distributed.fsdp import module_path
 from qwenkit.distributed.meta import tied_groups
+from qwenkit.model.lora import base_key, is_adapter_key
 
 
 def model_key(file_key: str) -> str:
@@ -58,9 +59,14 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
         raise FileNotFoundError(f"model.path={str(path)!r}: no *.safetensors weights found")
     by_model_key = {model_key(k): k for k in files}
     state = get_model_state_dict(model)  # sharded DTensors, keys without wrapper segments
-    to_load = {by_model_key[k]: t for k, t in state.items() if k in by_model_key}
+    # LoRA: a base weight sits under .base_layer; adapters are in no base checkpoint (see load_adapters)
+    file_key = {k: by_model_key[base_key(k)] for k in state if base_key(k) in by_model_key}
+    to_load = {file_key[k]: state[k] for k in file_key}
     partners = {module_path(n): [module_path(o) for o in g if o != n] for g in tied_groups(model) for n in g}
-    missing = [k for k in state if k not in by_model_key and not any(p in by_model_key for p in partners.get(k, ()))]
+    missing = [
+        k for k in state
+        if k not in file_key and not is_adapter_key(k) and not any(p in by_model_key for p in partners.get(k, ()))
+    ]  # fmt: skip
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise KeyError(f"model.path={str(path)!r}: the checkpoint lacks {shown}")
@@ -68,9 +74,14 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
         dcp.load(to_load, storage_reader=HuggingFaceStorageReader(str(path)))  # in place, own rows only
     else:
         read_slices(to_load, files)
-    loaded = {model_key(k): t for k, t in to_load.items()}
+    loaded = {k: to_load[f] for k, f in file_key.items()}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     return len(to_load)
+
+
+def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Write full adapter tensors (the same on every rank) into their shards."""
+    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def tensor_files(path: str | Path) -> dict[str, Path]:

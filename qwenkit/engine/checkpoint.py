@@ -37,11 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+
+from qwenkit.model.lora import has_adapters
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE.json"
@@ -203,7 +206,7 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     _write(tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
     if rank == 0:
@@ -283,14 +286,15 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
     _raise_if_any(error, path, device)
     try:
         if load_optimizer:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
             state = {"model": model_sd, "optimizer": optim_sd}
             dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=_options(model, loading=True))  # fmt: skip
         else:
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": get_model_state_dict(model, options=_options(model))}
             dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=_options(model, loading=True))
         sampler.load_state_dict(rank_state["sampler"])
         if load_rng:
             set_rng_state(rank_state["rng"], device)
@@ -298,6 +302,14 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
         error = e
     _raise_if_any(error, path, device)
     return int(train_state["step"])
+
+
+def _options(model, loading: bool = False) -> StateDictOptions:
+    """LoRA runs keep only what trains (adapters, saved modules): the frozen base comes from
+    ``model.path`` at every start, so a checkpoint is a small fraction of the model."""
+    if not has_adapters(model):
+        return StateDictOptions()
+    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
 
 
 def _raise_if_any(error: BaseException | None, path: Path, device: torch.device) -> None:

@@ -154,6 +154,16 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
     ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
     """
     target = Path(target)
+    if (target / "adapter_config.json").is_file():  # a LoRA export: peft on the base it names, merged
+        from peft import PeftConfig, PeftModel
+
+        cfg = qconfig.load(config_path)
+        base = PeftConfig.from_pretrained(target).base_model_name_or_path
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            base, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+        )
+        model = PeftModel.from_pretrained(model, target).merge_and_unload()
+        return model, load_processor(cfg, target), cfg, target.name
     if (target / "config.json").is_file():
         cfg = qconfig.load(config_path)
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(

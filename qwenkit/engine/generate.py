@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import GenerationConfig
 
 from qwenkit.distributed.meta import build_on_meta
+from qwenkit.model import lora
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,14 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     if not main_rank:
         return None
     copy = build_on_meta(cls, model.config)
+    if lora.has_adapters(model):  # the same adapters, then merged as the export's --merge does
+        from peft import inject_adapter_in_model
+
+        targets, _ = lora.target_problems(copy, model.qwenkit_lora)
+        inject_adapter_in_model(lora.peft_config(model.qwenkit_lora, targets), copy, low_cpu_mem_usage=True)
     copy.load_state_dict(state, strict=True, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         copy.lm_head.weight = copy.model.language_model.embed_tokens.weight
+    if lora.has_adapters(model):
+        lora.merge_in_place(copy)
     return copy.to(device).eval()

@@ -65,8 +65,8 @@ class MetricsWriter:
         now = records.now()
         for metric, value in values.items():
             row = records.record(
-                metric, value, unit=UNITS[metric], series=f"rank {self.rank}", x_name="step", x=step,
-                device=self.device, timestamp=now,
+                metric, value, unit=UNITS[metric.split("/", 1)[0]],  # lr/<group>: a parameter group's LR
+                series=f"rank {self.rank}", x_name="step", x=step, device=self.device, timestamp=now,
             ) | {"rank": self.rank}
             self._file.write(json.dumps(row) + "\n")
             if self._tensorboard is not None:

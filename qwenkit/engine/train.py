@@ -2,8 +2,10 @@
 
 Startup, all before the first step: process group and device (:mod:`qwenkit.distributed.fsdp`), seeds,
 processor and data (:mod:`qwenkit.data`), model (HF weights, or meta-device init whose weights
-are read straight into the shards), trainable-parameter manifest, recompute wrappers,
-``fully_shard`` plan, AdamW with linear warmup + cosine decay, and a resume from a checkpoint.
+are read straight into the shards), LoRA adapters when ``lora.r > 0`` (:mod:`qwenkit.model.lora`,
+added before sharding), trainable-parameter manifest, recompute wrappers, ``fully_shard`` plan,
+AdamW over the parameter groups of ``train.param_groups`` with linear warmup + cosine decay
+(the same shape for every group), and a resume from a checkpoint.
 
 One optimizer step:
 
@@ -46,12 +48,12 @@ from tqdm import tqdm
 from qwenkit import config as qconfig
 from qwenkit import data, patches
 from qwenkit.distributed import fsdp
-from qwenkit.distributed.weights import load_hf_weights
+from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
 from qwenkit.engine.profiling import ProfileWindow
-from qwenkit.model import paths, registry
+from qwenkit.model import lora, paths, registry
 
 log = logging.getLogger("qwenkit.engine.train")
 
@@ -86,14 +88,15 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    """AdamW over the trainable parameters, in the groups of :func:`qwenkit.model.lora.param_groups`."""
+    groups = lora.param_groups(model, train_cfg)
+    if not groups:
         raise ValueError("no trainable parameters: model.freeze froze the whole model")
     # fused: one in-place kernel; the foreach default allocates a parameter-sized temporary
-    fused = params[0].device.type in ("cpu", "cuda") or None
-    optimizer = torch.optim.AdamW(
-        params, lr=train_cfg.lr, betas=tuple(train_cfg.betas), weight_decay=train_cfg.weight_decay, fused=fused
-    )
+    fused = groups[0]["params"][0].device.type in ("cpu", "cuda") or None
+    optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), fused=fused)
+    # this run's group settings: a loaded optimizer state carries the old run's (see build_scheduler)
+    optimizer.qwenkit_groups = [(g["name"], g["base_lr"], g["base_weight_decay"]) for g in optimizer.param_groups]
     return optimizer
 
 
@@ -106,8 +109,14 @@ def build_scheduler(optimizer, train_cfg, done: int = 0) -> torch.optim.lr_sched
     every param group's LR, so the LR an optimizer step applies is the one logged.
     """
     t = train_cfg
-    for group in optimizer.param_groups:
-        group["initial_lr"] = t.lr  # what LambdaLR scales; a loaded optimizer carries the old run's
+    configured = getattr(optimizer, "qwenkit_groups", None)  # set by build_optimizer
+    for i, group in enumerate(optimizer.param_groups):
+        # what LambdaLR scales, per group; a loaded optimizer carries the old run's
+        if configured is None:
+            group["initial_lr"] = t.lr
+            continue
+        name, lr, wd = configured[i]
+        group.update(name=name, initial_lr=lr, base_lr=lr, weight_decay=wd, base_weight_decay=wd)
     # LambdaLR passes the number of steps taken so far; the step about to run is that + 1.
     # last_epoch=done-1: the constructor takes one step itself (-1: a fresh start).
     return torch.optim.lr_scheduler.LambdaLR(
@@ -186,6 +195,10 @@ class Trainer:
 
         model = registry.build(cfg.model, cfg.loss)
         patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)  # logs its report
+        if cfg.lora.r > 0:  # before recompute and fully_shard: adapters are sharded with their base layers
+            targets = lora.apply(model, cfg.lora, t.seed)
+            if main_rank:
+                log.info("LoRA r=%d on %d linears (%s ...)", cfg.lora.r, len(targets), targets[0])
         model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
         if main_rank:
             log.info("parameters:\n%s", registry.format_manifest(registry.parameter_manifest(model)))
@@ -195,6 +208,8 @@ class Trainer:
         if cfg.model.init_device == "meta":
             fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)
             n = load_hf_weights(model, model_path)
+            if lora.has_adapters(model):
+                load_adapters(model, lora.initial_adapters(model, t.seed))
             if main_rank:
                 log.info("meta init: %d tensors read into the shards from %s", n, model_path)
         if main_rank:
@@ -325,14 +340,15 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     ).tolist()
     if not (math.isfinite(loss) and math.isfinite(norm_value)):
         raise NonFiniteError(step, loss, norm_value)
-    lr = optimizer.param_groups[0]["lr"]  # the LR this step applies (one group, see build_optimizer)
+    lr = optimizer.param_groups[0]["lr"]  # the LR this step applies (the default group, see build_optimizer)
+    group_lrs = {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups[1:]}
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {
         "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
         "padding_fraction": 1.0 - tokens / positions,
-        "bad_samples": int(bad),
+        "bad_samples": int(bad), **group_lrs,
     }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
 from qwenkit.config import DTYPES
+from qwenkit.model.lora import is_adapter_key
 from qwenkit.model.paths import resolve_path
 from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL, register_checkpoint_format
 
@@ -72,23 +73,23 @@ MANIFEST_PARTS = (
 
 
 def parameter_manifest(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Total and trainable parameter counts per top-level part (tied weights counted once)."""
-    out = {name: {"total": 0, "trainable": 0} for name, _ in MANIFEST_PARTS}
-    out["other"] = {"total": 0, "trainable": 0}
+    """Total, trainable and LoRA-adapter parameter counts per top-level part (tied weights counted once)."""
+    out = {name: {"total": 0, "trainable": 0, "adapters": 0} for name, _ in MANIFEST_PARTS}
+    out["other"] = {"total": 0, "trainable": 0, "adapters": 0}
     for pname, param in model.named_parameters():  # named_parameters dedups tied weights
         part = next((name for name, prefixes in MANIFEST_PARTS if pname.startswith(prefixes)), "other")
         out[part]["total"] += param.numel()
         out[part]["trainable"] += param.numel() if param.requires_grad else 0
+        out[part]["adapters"] += param.numel() if is_adapter_key(pname) else 0
     if not out["other"]["total"]:
         del out["other"]
     return out
 
 
 def format_manifest(manifest: dict[str, dict[str, int]]) -> str:
-    lines = [f"{'part':<16}{'total':>14}{'trainable':>14}"]
+    lines = [f"{'part':<16}{'total':>14}{'trainable':>14}{'adapters':>14}"]
     for name, c in manifest.items():
-        lines.append(f"{name:<16}{c['total']:>14,}{c['trainable']:>14,}")
-    total = sum(c["total"] for c in manifest.values())
-    trainable = sum(c["trainable"] for c in manifest.values())
-    lines.append(f"{'all':<16}{total:>14,}{trainable:>14,}")
+        lines.append(f"{name:<16}{c['total']:>14,}{c['trainable']:>14,}{c.get('adapters', 0):>14,}")
+    total, trainable, adapters = (sum(c.get(k, 0) for c in manifest.values()) for k in ("total", "trainable", "adapters"))
+    lines.append(f"{'all':<16}{total:>14,}{trainable:>14,}{adapters:>14,}")
     return "\n".join(lines)

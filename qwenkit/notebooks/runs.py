@@ -155,6 +155,54 @@ def _terminate(proc: subprocess.Popen, grace_s: float = 15) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+MANIFEST_ALL = re.compile(r"^all\s+([\d,]+)\s+([\d,]+)", re.MULTILINE)  # the manifest's last line (train.log)
+COMPARISON = "lora_comparison.csv"
+
+
+def comparison_rows(run_dirs: dict[str, str | Path]) -> list[dict[str, Any]]:
+    """One row per run: trainable parameters, newest checkpoint's size, rank 0's max peak memory and
+    median step time, held-out accuracy at the first and last evaluation."""
+    out = []
+    for name, run_dir in run_dirs.items():
+        run_dir = Path(run_dir)
+        manifest = MANIFEST_ALL.findall((run_dir / "train.log").read_text())
+        total, trainable = (int(v.replace(",", "")) for v in manifest[-1]) if manifest else (0, 0)
+        step = ckpt.latest(ckpt.checkpoint_root(run_dir))
+        size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file()) if step is not None else 0
+        rows = metrics.read(run_dir)
+        acc = series(rows, "eval_accuracy")
+        step_time = list(series(rows, "step_time").values())
+        out.append({
+            "run": name, "trainable parameters": trainable, "total parameters": total,
+            "checkpoint (MiB)": size / 2**20,
+            "max peak memory (MiB)": max(series(rows, "peak_memory").values(), default=float("nan")),
+            "median step time (s)": statistics.median(step_time) if step_time else float("nan"),
+            "first accuracy": acc[min(acc)] if acc else float("nan"),
+            "last accuracy": acc[max(acc)] if acc else float("nan"),
+        })  # fmt: skip
+    return out
+
+
+COMPARISON_UNITS = {"trainable parameters": "1", "total parameters": "1", "checkpoint (MiB)": "MiB",
+                    "max peak memory (MiB)": "MiB", "median step time (s)": "s", "first accuracy": "1",
+                    "last accuracy": "1"}  # fmt: skip
+
+
+def save_comparison(out_dir, run_dirs: dict[str, str | Path]) -> list[dict[str, Any]]:
+    """:func:`comparison_rows` written to ``<out_dir>/lora_comparison.csv`` (long format, one row per
+    run and quantity, ``series`` = the run); returns the rows."""
+    rows = comparison_rows(run_dirs)
+    long = [results.record(metric, row[metric], unit=unit, series=row["run"])
+            for row in rows for metric, unit in COMPARISON_UNITS.items()]  # fmt: skip
+    results.write_csv(long, Path(out_dir) / COMPARISON)
+    return rows
+
+
+def comparison_table(rows: list[dict[str, Any]]):
+    return plots.table(rows, list(rows[0]), title="LoRA vs full fine-tune (rank 0)",
+                       formats={"checkpoint (MiB)": ".2f", "max peak memory (MiB)": ".0f"})  # fmt: skip
+
+
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per rank: steps, first and last loss, median step time and tokens/s, max peak memory."""
     out = []
@@ -284,6 +332,7 @@ def gallery(out_dir, limit: int = 8):
 # Figures, drawn from the runs' metric files alone
 
 UNINTERRUPTED, RESUMED = "uninterrupted", "resumed"  # the two runs' folders in output_dir
+FULL = "full"  # the full fine-tune beside a LoRA run (lora_r > 0)
 
 
 def summary_table(run_dir):

@@ -1,0 +1,228 @@
+"""LoRA adapters from peft, added to the model before ``fully_shard``; per-module parameter groups.
+
+With ``lora.r > 0`` :func:`apply` asks peft (``inject_adapter_in_model``) to wrap the target
+linears in place, so the model stays qwenkit's class and FSDP2 shards base weights and adapters
+together, unit by unit (a decoder layer's frozen ``base_layer`` weights and its trainable
+``lora_A``/``lora_B`` are gathered by one all-gather). peft freezes everything but the adapters;
+``lora.modules_to_save`` are then trained fully (plain ``requires_grad``, no peft wrapper: no
+second copy of the module). State-dict keys are peft's: ``...q_proj.base_layer.weight``,
+``...q_proj.lora_A.default.weight``; :func:`base_key` maps them back to the checkpoint's.
+
+Targets are resolved here to exact module paths (what peft is given): ``all-linear`` is every
+``nn.Linear`` of the language model (and of the vision blocks with ``lora.vision``), never
+``lm_head``, whose forward computes the chunked loss. A name (``q_proj``) matches that last path
+segment, a dotted pattern (``model.language_model.layers.*.mlp.down_proj``) the whole path with
+``*`` one segment; one that matches no linear is an error naming it (:func:`check_against_model`
+runs on the module tree built on meta before any rank starts).
+
+Initialisation is peft's (``lora_A`` Kaiming-uniform with a = sqrt(5), ``lora_B`` zero, so the
+model starts as the base), drawn from a generator seeded with ``train.seed``
+(:func:`initial_adapters`): the same adapters whether the model is built on the CPU or on meta
+(then written into the shards after the base weights are read), on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # peft's adapter name, a segment of every adapter key
+TOWERS = {"text": "model.language_model.", "vision": "model.visual.blocks."}
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+
+
+def _path_match(name: str, pattern: str) -> bool:
+    """``pattern`` without dots: the last segment; with dots: every segment (``*`` = one)."""
+    parts, pats = name.split("."), pattern.split(".")
+    if len(pats) == 1:
+        return fnmatch.fnmatchcase(parts[-1], pattern)
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats))
+
+
+def _linears(model: nn.Module, lora_cfg) -> list[str]:
+    towers = (TOWERS["text"],) + ((TOWERS["vision"],) if lora_cfg.vision else ())
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(towers)]
+
+
+def target_problems(model: nn.Module, lora_cfg) -> tuple[list[str], list[str]]:
+    """``(module paths to adapt, problems)``: each target entry must match a linear of the towers."""
+    linears = _linears(model, lora_cfg)
+    if lora_cfg.target_modules == "all-linear":
+        return linears, []
+    where = "the language model" + (" or the vision blocks" if lora_cfg.vision else " (lora.vision=false)")
+    found, problems = set(), []
+    for entry in lora_cfg.target_modules:
+        hits = [n for n in linears if _path_match(n, entry)]
+        if not hits:
+            problems.append(f"lora.target_modules: {entry!r} matches no linear layer of {where}")
+        found.update(hits)
+    return [n for n in linears if n in found], problems
+
+
+def module_problems(model: nn.Module, cfg) -> list[str]:
+    """``lora.modules_to_save`` and ``train.param_groups`` patterns that name no module."""
+    names = [n for n, _ in model.named_modules() if n]
+    problems = []
+    if cfg.lora.r > 0:
+        for path in cfg.lora.modules_to_save:
+            if path not in names:
+                problems.append(f"lora.modules_to_save: no module {path!r} in {type(model).__name__}")
+    for i, group in enumerate(cfg.train.param_groups):
+        if not any(_prefix_match(n, group.pattern) == len(n.split(".")) for n in names):
+            problems.append(f"train.param_groups[{i}].pattern: {group.pattern!r} matches no module")
+    return problems
+
+
+def check_against_model(cfg, path) -> list[str]:
+    """Every LoRA target, saved module and parameter-group pattern against the module tree of the
+    checkpoint at ``path``, built on meta (no weights read: cheap at 7B)."""
+    if cfg.lora.r == 0 and not cfg.train.param_groups:
+        return []
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    problems = target_problems(model, cfg.lora)[1] if cfg.lora.r > 0 else []
+    return problems + module_problems(model, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adding the adapters
+
+
+def peft_config(lora_cfg, targets: list[str], modules_to_save: bool = False):
+    """peft's ``LoraConfig`` for these exact module paths (``modules_to_save`` only for a PeftModel)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=targets,
+        use_dora=lora_cfg.use_dora, use_rslora=lora_cfg.use_rslora, bias="none",
+        modules_to_save=(list(lora_cfg.modules_to_save) or None) if modules_to_save else None,
+    )  # fmt: skip
+
+
+def apply(model: nn.Module, lora_cfg, seed: int) -> list[str]:
+    """Add the adapters in place (before recompute wrappers and ``fully_shard``); returns the targets.
+
+    On a meta model the adapters stay on meta; :func:`initial_adapters` gives their values once
+    the model has storage (the trainer writes them after the base weights).
+    """
+    from peft import inject_adapter_in_model
+
+    targets, problems = target_problems(model, lora_cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+    meta = any(p.is_meta for p in model.parameters())
+    inject_adapter_in_model(peft_config(lora_cfg, targets), model, low_cpu_mem_usage=meta)
+    for path in lora_cfg.modules_to_save:
+        model.get_submodule(path).requires_grad_(True)
+    model.qwenkit_lora = lora_cfg  # export, generation and checkpoints ask has_adapters()
+    if not meta:
+        init = initial_adapters(model, seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in init:
+                    param.copy_(init[name])
+    return targets
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return getattr(model, "qwenkit_lora", None) is not None
+
+
+def is_adapter_key(key: str) -> bool:
+    return f".{ADAPTER}." in key and any(f".{k}." in key for k in ("lora_A", "lora_B", "lora_magnitude_vector"))
+
+
+def base_key(key: str) -> str:
+    """A model key of the adapted model in the base model's layout (``.base_layer`` dropped)."""
+    return key.replace(".base_layer.", ".")
+
+
+def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Full initial values of every ``lora_A``/``lora_B`` weight, keyed like the model's state dict.
+
+    peft's default init (``reset_lora_parameters`` with ``init_lora_weights=True``): A Kaiming
+    uniform (a = sqrt(5)), B zero; drawn in module order from one generator seeded with ``seed``.
+    DoRA's magnitude vector is not here: peft computes it from the base weight (CPU init only).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+            continue
+        name = name.replace("._checkpoint_wrapped_module", "")
+        a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        a_init = torch.empty(a.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(a_init, a=math.sqrt(5), generator=gen)
+        out[f"{name}.lora_A.{ADAPTER}.weight"] = a_init.to(a.dtype)
+        out[f"{name}.lora_B.{ADAPTER}.weight"] = torch.zeros(b.shape, dtype=b.dtype)
+    return out
+
+
+def merge_in_place(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put the base linear back (peft's merge)."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge(adapter_names=[ADAPTER])
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter groups
+
+
+def _prefix_match(name: str, pattern: str) -> int:
+    """Segments of ``name`` that ``pattern`` matches as a module-path prefix (0: none)."""
+    parts, pats = name.split("."), pattern.split(".")
+    if len(parts) < len(pats):
+        return 0
+    return len(pats) if all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats)) else 0
+
+
+def no_decay(name: str, param: nn.Parameter) -> bool:
+    """The usual no-decay set: biases, norm weights (1-D) and embeddings."""
+    return param.dim() < 2 or "embed" in name.split(".")[-2]
+
+
+def param_groups(model: nn.Module, train_cfg) -> list[dict]:
+    """AdamW parameter groups: ``default`` (``train.lr``) first, then one per ``train.param_groups``
+    entry, each split in two with ``train.no_decay``; empty groups are left out.
+
+    Each group carries ``name`` and its configured ``base_lr`` / ``base_weight_decay``, which
+    the LR schedule scales (the same warmup + cosine shape for every group).
+    """
+    specs = [("default", None, train_cfg.lr, train_cfg.weight_decay)]
+    for g in train_cfg.param_groups:
+        wd = train_cfg.weight_decay if g.weight_decay is None else g.weight_decay
+        specs.append((g.pattern, g.pattern, g.lr, wd))
+    buckets: dict[tuple[str, bool], list] = {}
+    for pname, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        pname = pname.replace("._checkpoint_wrapped_module", "")
+        spec = next((s for s in specs[1:] if _prefix_match(pname, s[1])), specs[0])
+        nd = train_cfg.no_decay and no_decay(pname, param)
+        buckets.setdefault((spec[0], nd), []).append(param)
+    groups = []
+    for name, _, lr, wd in specs:
+        for nd in (False, True):
+            params = buckets.get((name, nd))
+            if params:
+                label = f"{name} (no decay)" if nd else name
+                groups.append({"params": params, "name": label, "lr": lr, "weight_decay": 0.0 if nd else wd,
+                               "base_lr": lr, "base_weight_decay": 0.0 if nd else wd})  # fmt: skip
+    return groups
