@@ -5,7 +5,11 @@ An image entry in a row may be
 - a path: absolute, or relative to ``data.image_dir`` when set, else to the dataset file's
   directory (LLaMA-Factory's and ms-swift's convention);
 - embedded bytes: a ``data:image/...;base64,...`` string, or an HF ``Image`` column value
-  ``{"bytes": ..., "path": ...}`` (``path`` alone is resolved like a path).
+  ``{"bytes": ..., "path": ...}`` (``path`` alone is resolved like a path);
+- a ``file://`` URI (qwen-vl-utils); ``http(s)://`` URLs are bad samples: nothing is fetched.
+
+Images are converted to RGB as transformers' image processors do (``convert_to_rgb``):
+transparent pixels are composited on white, not dropped to black.
 
 :func:`predict_grid` gives the ``(t, h, w)`` patch grid the image processor will produce from
 the image size alone, so the dataset scan knows every sample's token count without running
@@ -52,6 +56,8 @@ class ImageRef:
     label: str
     path: Path | None = None
     data: bytes | None = None
+    frames: tuple[ImageRef, ...] | None = None  # a video given as its frame files (qwenkit.data.video)
+    fps: float | None = None  # the frame rate of ``frames`` as the row gives it (None: data.video_fps)
 
 
 def resolve(
@@ -64,6 +70,12 @@ def resolve(
 
 
 def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kind: str) -> ImageRef:
+    if kind == "video" and isinstance(entry, dict) and isinstance(entry.get("frames"), list):
+        frames = entry["frames"]
+        if not frames:
+            raise BadSample(where, "short_video", f"{label} is an empty list of frames")
+        refs = tuple(_resolve_one(f, f"{label} frame {k}", where, base, "image") for k, f in enumerate(frames))
+        return ImageRef(f"{label} ({len(frames)} frame files)", frames=refs, fps=entry.get("fps"))
     if isinstance(entry, dict):
         if entry.get("bytes"):
             name = f" ({entry['path']!r})" if entry.get("path") else ""
@@ -77,13 +89,19 @@ def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kin
             "bad_format",
             f"{label} must be a path, base64 data URI or {{bytes, path}}, got {entry!r:.80}",
         )
-    if entry.startswith(f"data:{kind}/"):
+    if entry.startswith(f"data:{kind}"):  # data:image/png;base64,... (qwen-vl-utils also data:image;base64,)
         try:
             return ImageRef(
                 f"{label} (data URI)", data=base64.b64decode(entry.split(",", 1)[1], validate=True)
             )
         except (IndexError, binascii.Error) as e:
             raise BadSample(where, f"corrupt_{kind}", f"{label}: bad base64 data URI ({e})") from None
+    if entry.startswith(("http://", "https://")):
+        raise BadSample(
+            where, "media_url", f"{label} is a URL ({entry:.100}); URLs are not fetched; download the files and give paths"
+        )
+    if entry.startswith("file://"):
+        entry = entry[len("file://") :]
     path = Path(entry).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
@@ -93,7 +111,7 @@ def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kin
 def load(ref: ImageRef, where: Location) -> Image.Image:
     """Decode the whole image (so truncation shows) and return it as RGB."""
     try:
-        return _decode(ref)
+        return decode_rgb(ref)
     except Unreadable as e:
         raise e.bad_sample(ref, where) from None
 
@@ -108,7 +126,15 @@ class Unreadable(Exception):
         return BadSample(where, self.reason, f"{ref.label}: {self.detail}")
 
 
-def _decode(ref: ImageRef) -> Image.Image:
+def to_rgb(im: Image.Image) -> Image.Image:
+    """RGB as ``transformers.image_transforms.convert_to_rgb`` makes it: alpha composited on white."""
+    if im.mode == "RGB":
+        return im
+    rgba = im.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
+
+
+def decode_rgb(ref: ImageRef) -> Image.Image:
     """The fully decoded image as RGB, converted while the file is still open."""
     if ref.data is None and not ref.path.is_file():
         raise Unreadable("missing_image", f"no such file {str(ref.path)!r}")
@@ -116,7 +142,7 @@ def _decode(ref: ImageRef) -> Image.Image:
     try:
         with Image.open(source) as im:
             im.load()
-            return im.convert("RGB")
+            return to_rgb(im)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise Unreadable("corrupt_image", f"cannot decode: {e}") from None
 
@@ -129,7 +155,7 @@ END_WINDOW = 64  # how far from the end the marker may sit (writers may pad afte
 def _measure(ref: ImageRef, full: bool) -> tuple[int, int]:
     """The ``(w, h)`` of an image: decoded in full, or read from the header and end marker."""
     if full:
-        return _decode(ref).size
+        return decode_rgb(ref).size
     if ref.data is None and not ref.path.is_file():
         raise Unreadable("missing_image", f"no such file {str(ref.path)!r}")
     try:
@@ -144,7 +170,7 @@ def _measure(ref: ImageRef, full: bool) -> tuple[int, int]:
                 return size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise Unreadable("corrupt_image", f"cannot decode: {e}") from None
-    return _decode(ref).size  # no end marker: the decoder says whether the file is really cut short
+    return decode_rgb(ref).size  # no end marker: the decoder says whether the file is really cut short
 
 
 def check_shape(
