@@ -70,6 +70,8 @@ def resolve(
 
 
 def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kind: str) -> ImageRef:
+    if kind == "video" and isinstance(entry, list):  # LLaMA-Factory: "videos": [["f0.jpg", "f1.jpg", ...]]
+        entry = {"frames": entry, "fps": None}
     if kind == "video" and isinstance(entry, dict) and isinstance(entry.get("frames"), list):
         frames = entry["frames"]
         if not frames:
