@@ -92,7 +92,7 @@ def check(cfg: qconfig.Config) -> int:
         dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False)
         sources = open_dataset(cfg.data)
         cache_line = cache.status(sources, processor, cfg.data)
-        survey = layouts.survey(sources, cfg.data.layout)
+        layout_lines = layouts.describe(sources, cfg.data.layout)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2
@@ -104,8 +104,7 @@ def check(cfg: qconfig.Config) -> int:
         f"video sampling: {d.video_fps:g} fps, {d.video_min_frames}..{d.video_max_frames} frames, frames within "
         f"{d.min_pixels}..{d.video_max_pixels} pixels and {d.video_total_pixels} per video"
     )
-    for found in survey:
-        print("\n".join(found.lines()))
+    print(layout_lines)
     print(summarize(dataset, report, cfg.data.max_length))
     print(cache_line)
     if report.skipped:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qwenkit.data.reader import HFSource
 from qwenkit.data.report import BadSample, Location
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -433,17 +434,16 @@ def ignored_keys(row: dict, layout: str) -> set[str]:
             if isinstance(m, dict):
                 out.update(f"{turns_key}[].{k}" for k in m if k not in spec.message_keys)
                 if layout == "typed" and isinstance(m.get("content"), list):
-                    out.update(
-                        f"content[].{k}"
-                        for part in m["content"] if isinstance(part, dict)
-                        for k, v in part.items()
-                        if v is not None and k not in PART_KEYS
-                    )  # fmt: skip
+                    for part in m["content"]:
+                        if isinstance(part, dict):
+                            read = PART_KEYS | (FRAME_LIST_KEYS if isinstance(part.get("video"), list) else set())
+                            out.update(f"content[].{k}" for k, v in part.items() if v is not None and k not in read)
     return out
 
 
-# keys a typed part is read by: type, its text, its source (fps only for frame lists)
+# keys a typed part is read by: its type, text and source; a frame list's frame rate
 PART_KEYS = {"type", "text", "value", "image", "image_url", "video", "url", "path", "index"}
+FRAME_LIST_KEYS = {"fps", "sample_fps"}
 
 
 @dataclass
@@ -472,11 +472,11 @@ def survey(sources, layout: str = "auto") -> list[FileLayouts]:
     out = []
     for source in sources:
         found = FileLayouts(source.name)
-        if getattr(source, "error", None) is not None:
+        if source.error is not None:
             out.append(found)
             continue
-        n = len(source)
-        for i in range(min(n, 1) if getattr(source, "fingerprint", None) else n):
+        n, one_schema = len(source), isinstance(source, HFSource)
+        for i in range(min(n, 1) if one_schema else n):
             try:
                 row = source.row(i)
             except BadSample:
@@ -486,7 +486,12 @@ def survey(sources, layout: str = "auto") -> list[FileLayouts]:
             if name is None:
                 found.counts["unreadable"] += 1
                 continue
-            found.counts[name] += n if getattr(source, "fingerprint", None) else 1
+            found.counts[name] += n if one_schema else 1
             found.ignored |= ignored_keys(row, name)
         out.append(found)
     return out
+
+
+def describe(sources, layout: str = "auto") -> str:
+    """:func:`survey` as the lines ``data check`` and notebook 01 print."""
+    return "\n".join(line for found in survey(sources, layout) for line in found.lines())
