@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 from conftest import make_cfg
 from PIL import Image
 
 from qwenkit import config as qconfig
 from qwenkit.cli import main as cli_main
 from qwenkit.data import BadSample, layouts, read_dataset
-from qwenkit.data.images import ImageRef
+from qwenkit.data.images import ImageRef, load
 from qwenkit.data.video import VideoMeta, probe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -417,22 +418,27 @@ def test_every_layout_trains_two_steps(media):
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
-def test_transparent_images_are_composited_on_white_as_hf_does(tmp_path, processor, mode):
+def test_transparent_images_are_converted_as_hf_does(tmp_path, processor, mode):
+    """The left half is fully transparent (alpha 0, or palette entry 0 marked transparent)."""
     rng = np.random.default_rng(0)
-    rgba = rng.integers(0, 256, (48, 64, 4), dtype=np.uint8)
-    rgba[:, :32, 3] = 0  # half fully transparent
-    im = Image.fromarray(rgba, "RGBA")
-    if mode == "LA":
-        im = im.convert("LA")
-    elif mode == "P":
-        im = im.convert("RGB").quantize(16)
+    if mode == "P":
+        index = rng.integers(1, 16, (48, 64), dtype=np.uint8)
+        index[:, :32] = 0
+        im = Image.fromarray(index, "P")
+        im.putpalette([0, 0, 0] + rng.integers(0, 256, 45).tolist())
         im.info["transparency"] = 0
+    else:
+        rgba = rng.integers(0, 256, (48, 64, 4), dtype=np.uint8)
+        rgba[:, :32, 3] = 0
+        im = Image.fromarray(rgba, "RGBA").convert(mode)
     im.save(tmp_path / "t.png")
     dataset = samples(write_jsonl(tmp_path / "d.jsonl", [messages_row([("<image>Hi?", "Hi.")], ["t.png"])]), processor)
     with Image.open(tmp_path / "t.png") as raw:
         assert raw.mode == mode
         hf = processor.image_processor(images=[raw], return_tensors="pt")
     torch.testing.assert_close(dataset[0]["pixel_values"], hf["pixel_values"], rtol=0, atol=0)
+    if int(transformers.__version__.split(".")[0]) >= 5:  # 5.x's convert_to_rgb composites on white
+        assert load(dataset.image_refs(0)[0], dataset.conversation(0).where).getpixel((0, 0)) == (255, 255, 255)
 
 
 def _replaced_set(tmp_path):

@@ -8,8 +8,8 @@ An image entry in a row may be
   ``{"bytes": ..., "path": ...}`` (``path`` alone is resolved like a path);
 - a ``file://`` URI (qwen-vl-utils); ``http(s)://`` URLs are bad samples: nothing is fetched.
 
-Images are converted to RGB as transformers' image processors do (``convert_to_rgb``):
-transparent pixels are composited on white, not dropped to black.
+Images are converted to RGB by transformers' own ``convert_to_rgb``, as its image processors do
+(5.x composites transparent pixels on white), so training sees what HF's processor feeds the model.
 
 :func:`predict_grid` gives the ``(t, h, w)`` patch grid the image processor will produce from
 the image size alone, so the dataset scan knows every sample's token count without running
@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import binascii
 import importlib
+import inspect
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from PIL import Image
+from transformers.image_transforms import convert_to_rgb
 
 from qwenkit.data.report import BadSample, Location
 from qwenkit.model.processor import ImageProcessor, pixel_bounds
@@ -47,6 +49,7 @@ from qwenkit.model.processor import ImageProcessor, pixel_bounds
 smart_resize = importlib.import_module(ImageProcessor.__module__).smart_resize
 
 T = TypeVar("T")
+_RGB_RETURNS_NUMPY = "return_numpy" in inspect.signature(convert_to_rgb).parameters  # transformers 5.x
 
 
 @dataclass(frozen=True)
@@ -129,11 +132,12 @@ class Unreadable(Exception):
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
-    """RGB as ``transformers.image_transforms.convert_to_rgb`` makes it: alpha composited on white."""
-    if im.mode == "RGB":
-        return im
-    rgba = im.convert("RGBA")
-    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
+    """RGB exactly as the installed transformers' image processors make it (``convert_to_rgb``):
+    5.x composites transparency (alpha, or a palette/RGB ``transparency`` entry) on white; 4.57
+    converts plainly. Training then sees the pixels HF's processor gives the deployed model."""
+    if _RGB_RETURNS_NUMPY:
+        return Image.fromarray(convert_to_rgb(im, return_numpy=True))
+    return convert_to_rgb(im)
 
 
 def decode_rgb(ref: ImageRef) -> Image.Image:
