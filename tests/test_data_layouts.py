@@ -258,6 +258,16 @@ def test_frame_list_video_equals_the_decoded_clip(tmp_path, processor):
     want = samples(write_jsonl(tmp_path / "m.jsonl", [decoded]), processor)
     assert got.index.videos(0) == want.index.videos(0) == [VideoMeta(12, 8.0, 64, 48)]
     assert_same(got, want)
+    # the clip itself as LLaVA's singular video string and as a qwen-vl-utils file:// part
+    llava = {"video": "clip.mkv", "conversations": [{"from": "human", "value": "<video>What moves?"},
+                                                   {"from": "gpt", "value": "A square."}]}  # fmt: skip
+    part = {"messages": [
+        {"role": "user", "content": [{"type": "video", "video": f"file://{clip}"}, {"type": "text", "text": "What moves?"}]},
+        {"role": "assistant", "content": "A square."}]}  # fmt: skip
+    for name, row in (("llava", llava), ("typed", part)):
+        ds = samples(write_jsonl(tmp_path / f"{name}.jsonl", [row]), processor)
+        assert ds.conversation(0).layout == name
+        assert_same(ds, want)
     # without an fps the list plays at data.video_fps: every frame kept (up to video_max_frames)
     lf = messages_row([("<video>What moves?", "A square.")], videos=[frames])  # LLaMA-Factory: videos: [[...]]
     ds = samples(write_jsonl(tmp_path / "lf.jsonl", [lf]), processor, video_fps=2.0)
