@@ -313,14 +313,14 @@ BAD = {
                                   {"role": "assistant", "content": "Hi."}]}, "bad_format", "message 0 part 0 has type 'audio'"),
     "trl too few images": ({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
                                          {"role": "assistant", "content": "Hi."}], "images": [A]},
-                           "image_count", "message 0 part 1 is a image part without a source, and the row's 'images' has only 1 entry"),
+                           "image_count", "message 0 part 1 is an image part without a source, and the row's 'images' has only 1 entry"),
     "trl too many images": ({"messages": [{"role": "user", "content": [{"type": "image"}]},
                                           {"role": "assistant", "content": "Hi."}], "images": [A, B]},
                             "image_count", "1 image part without a source but 2 entries in 'images'"),
     "cauldron": ({"images": [A], "texts": [{"user": "Hi?"}]}, "bad_format", "'texts' entry 0 must be"),
     "swift history": ({"query": "Hi?", "response": "Hi.", "history": [["only one"]]}, "bad_format", "'history' entry 0"),
     "alpaca no output": ({"instruction": "Hi?"}, "empty_reply", "message 1 is an empty assistant reply"),
-    "zero width reply": (messages_row([("Hi?", "\u200b\u200d\ufeff")]), "empty_reply", "made only of invisible characters"),
+    "zero width reply": (messages_row([("Hi?", "\u200b\u200d\ufeff")]), "empty_reply", "message 1 is an assistant reply made only of invisible characters"),
 }  # fmt: skip
 
 

@@ -89,8 +89,10 @@ def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location) -> 
         )
     for i, (role, text) in enumerate(turns):
         if role == "assistant" and not visible(text):
-            detail = "empty" if not text.strip() else f"made only of invisible characters {text!r}"
-            raise BadSample(where, "empty_reply", f"message {i + offset} is an {detail} assistant reply")
+            detail = "an empty assistant reply" if not text.strip() else (
+                f"an assistant reply made only of invisible characters {text!r}"
+            )
+            raise BadSample(where, "empty_reply", f"message {i + offset} is {detail}")
 
 
 def _check_placeholders(

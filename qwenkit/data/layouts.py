@@ -231,7 +231,7 @@ def read_typed(row: dict, where: Location) -> Read:
                     raise BadSample(
                         where,
                         f"{kind}_count",
-                        f"message {i} part {k} is a {kind} part without a source, and the row's '{kind}s' has "
+                        f"message {i} part {k} is {'an' if kind == 'image' else 'a'} {kind} part without a source, and the row's '{kind}s' has "
                         f"only {sourceless[kind] - 1} entr{'y' if sourceless[kind] == 2 else 'ies'} (layout typed)",
                     )
                 source = column[kind].pop(0)
