@@ -475,3 +475,11 @@ def test_an_image_replaced_after_the_index_is_a_bad_sample(tmp_path, processor, 
     assert int(sample["num_bad"]) == 1  # counted: the next good sample stands in
     assert torch.equal(sample["input_ids"], dataset[2]["input_ids"])
     assert "changed_media" in caplog.text and "rebuild the index" in caplog.text
+
+
+def test_survey_counts_rows_no_layout_reads(tmp_path):
+    from qwenkit.data.reader import JsonSource
+
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"text": "hi"}])
+    (found,) = layouts.survey([JsonSource(path)])
+    assert found.lines() == [f"layout: llava (image/conversations), 1 row; no layout, 1 row in {path}"]

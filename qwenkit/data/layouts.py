@@ -456,9 +456,10 @@ class FileLayouts:
 
     def lines(self) -> list[str]:
         parts = [
-            f"{name} ({LAYOUTS[name].describe if name in LAYOUTS else 'unreadable'}), {n:,} row{'s' if n != 1 else ''}"
+            f"{name} ({LAYOUTS[name].describe}), {n:,} row{'s' if n != 1 else ''}"
+            if name in LAYOUTS else f"no layout, {n:,} row{'s' if n != 1 else ''}"
             for name, n in self.counts.most_common()
-        ]
+        ]  # fmt: skip
         out = [f"layout: {'; '.join(parts) or 'no rows'} in {self.name}"]
         if self.ignored:
             out.append(f"  keys not read (ignored): {', '.join(sorted(self.ignored))}")
@@ -480,11 +481,11 @@ def survey(sources, layout: str = "auto") -> list[FileLayouts]:
             try:
                 row = source.row(i)
             except BadSample:
-                found.counts["unreadable"] += 1
+                found.counts[None] += 1
                 continue
             name = (detect(row) if layout == "auto" else layout) if isinstance(row, dict) else None
             if name is None:
-                found.counts["unreadable"] += 1
+                found.counts[None] += 1
                 continue
             found.counts[name] += n if one_schema else 1
             found.ignored |= ignored_keys(row, name)
