@@ -23,6 +23,11 @@ import torch
 import yaml
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# qwenkit.data.layouts.NAMES (the data floor sits above this module; a test keeps the two equal)
+DATA_LAYOUTS = (
+    "auto", "messages", "sharegpt", "llava", "typed", "qwen_vl", "swift_conversation", "swift_query", "alpaca",
+    "cauldron",
+)  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
 
 # The allowed names: the schema owns them, and the code that implements them (qwenkit.patches,
@@ -60,6 +65,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "tiny"  # "tiny" (embedded synthetic set), a JSON/JSONL file, a directory, or an HF dataset dir
+    layout: Literal[DATA_LAYOUTS] = "auto"  # row layout (docs/DATA.md); auto: detected per row
     image_dir: str | None = None  # base for relative image paths (default: the dataset file's directory)
     system_prompt: str = "You are a helpful assistant."
     max_length: int = 1024  # tokens per sample, images included

@@ -195,7 +195,7 @@ def test_malformed_jsonl_line_names_row_and_line(tmp_path, processor):
 
 
 def test_row_not_a_conversation(tmp_path, processor):
-    assert "no 'messages' or 'conversations'" in only_bad(
+    assert "no layout has this row's keys" in only_bad(
         write_set(tmp_path, {"text": "hello"}), processor, "bad_format"
     )
     assert "must be a JSON object" in only_bad(write_set(tmp_path, ["a", "list"]), processor, "bad_format")

@@ -112,6 +112,7 @@ def test_every_data_setting_is_classified():
 
 CHANGED = {
     "image_dir": "SET_TO_DATA_DIR",  # the same images found another way: still another key
+    "layout": "messages",
     "system_prompt": "Be terse.",
     "max_length": 77,
     "truncate_text": True,

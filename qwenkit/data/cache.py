@@ -39,7 +39,7 @@ from qwenkit.model.processor import Processor
 
 # data settings that change the tokens, the grids or which rows are bad
 ENCODING_KEYS = (
-    "image_dir", "system_prompt", "max_length", "truncate_text",
+    "layout", "image_dir", "system_prompt", "max_length", "truncate_text",
     "min_pixels", "max_pixels", "min_image_side", "max_aspect_ratio", "verify_images",
     "video_dir", "video_fps", "video_min_frames", "video_max_frames", "video_max_pixels", "video_total_pixels",
 )  # fmt: skip

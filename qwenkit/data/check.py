@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from qwenkit import config as qconfig
-from qwenkit.data import cache, open_dataset, read_dataset
+from qwenkit.data import cache, layouts, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
@@ -90,7 +90,9 @@ def check(cfg: qconfig.Config) -> int:
         processor = load_processor(cfg, model_dir)
         full = dataclasses.replace(cfg.data, verify_images="full")
         dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False)
-        cache_line = cache.status(open_dataset(cfg.data), processor, cfg.data)
+        sources = open_dataset(cfg.data)
+        cache_line = cache.status(sources, processor, cfg.data)
+        layout_lines = layouts.describe(sources, cfg.data.layout)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2
@@ -102,6 +104,7 @@ def check(cfg: qconfig.Config) -> int:
         f"video sampling: {d.video_fps:g} fps, {d.video_min_frames}..{d.video_max_frames} frames, frames within "
         f"{d.min_pixels}..{d.video_max_pixels} pixels and {d.video_total_pixels} per video"
     )
+    print(layout_lines)
     print(summarize(dataset, report, cfg.data.max_length))
     print(cache_line)
     if report.skipped:

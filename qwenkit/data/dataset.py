@@ -33,7 +33,7 @@ from qwenkit.data.conversation import Conversation, parse_row
 from qwenkit.data.images import ImageProbe, MediaRef, load, predict_grid, resolve
 from qwenkit.data.index import MEDIA_KINDS, BadRecord, SampleIndex, SampleInfo, empty_columns, to_index
 from qwenkit.data.reader import HFSource, JsonSource
-from qwenkit.data.report import BadSample
+from qwenkit.data.report import REBUILD, BadSample
 from qwenkit.data.template import Qwen2VLTemplate, fit_length
 from qwenkit.data.video import VideoMeta, VideoProbe, VideoProcessor
 from qwenkit.model.loss import IGNORE_INDEX
@@ -102,7 +102,7 @@ class EncodedDataset:
     def conversation(self, i: int) -> Conversation:
         source = self.sources[int(self.index.source[i])]
         row = int(self.index.row[i])
-        return parse_row(source.row(row), source.location(row))
+        return parse_row(source.row(row), source.location(row), self.data.layout)
 
     def image_refs(self, i: int, conv: Conversation | None = None) -> list[MediaRef]:
         """Where sample ``i``'s images are (``conv``: its conversation, read when not given)."""
@@ -183,9 +183,11 @@ class EncodedDataset:
             pixels = self.processor.image_processor(images=images, return_tensors="pt")
             grids = [tuple(int(x) for x in g) for g in pixels["image_grid_thw"]]
             if grids != grids_of:
-                raise RuntimeError(
-                    f"{conv.where}: the image processor made grids {grids} but the scan predicted {grids_of}; "
-                    "were the images changed after the dataset was built?"
+                raise BadSample(
+                    conv.where,
+                    "changed_media",
+                    f"the image processor made grids {grids} but the index predicted {grids_of}: an image changed "
+                    f"after the index was built; {REBUILD}",
                 )
             sample["pixel_values"] = pixels["pixel_values"]  # [P, C*T*patch²]
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
@@ -227,7 +229,7 @@ def scan_rows(
     """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it)."""
     template = Qwen2VLTemplate(processor, data.system_prompt)
     probe = ImageProbe(data.min_image_side, data.max_aspect_ratio, full)
-    videos = _VideoScan(VideoProbe(), VideoProcessor.from_config(processor.image_processor, data), data)
+    videos = _VideoScan(VideoProbe(data.video_fps), VideoProcessor.from_config(processor.image_processor, data), data)
     starts = row_ranges(sources)
     cols, bad, total = empty_columns(), [], 0
     for s, source in enumerate(sources):
@@ -256,7 +258,7 @@ def scan_rows(
 def _scan_row(
     source: Source, r: int, template: Qwen2VLTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig
 ):
-    conv = parse_row(source.row(r), source.location(r))
+    conv = parse_row(source.row(r), source.location(r), data.layout)
     grids = []
     for ref in resolve(conv.images, conv.where, source.base_dir, data.image_dir):
         size = probe.size(ref, conv.where)

@@ -5,7 +5,11 @@ An image entry in a row may be
 - a path: absolute, or relative to ``data.image_dir`` when set, else to the dataset file's
   directory (LLaMA-Factory's and ms-swift's convention);
 - embedded bytes: a ``data:image/...;base64,...`` string, or an HF ``Image`` column value
-  ``{"bytes": ..., "path": ...}`` (``path`` alone is resolved like a path).
+  ``{"bytes": ..., "path": ...}`` (``path`` alone is resolved like a path);
+- a ``file://`` URI (qwen-vl-utils); ``http(s)://`` URLs are bad samples: nothing is fetched.
+
+Images are converted to RGB by transformers' own ``convert_to_rgb``, as its image processors do
+(5.x composites transparent pixels on white), so training sees what HF's processor feeds the model.
 
 :func:`predict_grid` gives the ``(t, h, w)`` patch grid the image processor will produce from
 the image size alone, so the dataset scan knows every sample's token count without running
@@ -27,6 +31,7 @@ from __future__ import annotations
 import base64
 import binascii
 import importlib
+import inspect
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from PIL import Image
+from transformers.image_transforms import convert_to_rgb
 
 from qwenkit.data.report import BadSample, Location
 from qwenkit.model.processor import ImageProcessor, pixel_bounds
@@ -43,6 +49,7 @@ from qwenkit.model.processor import ImageProcessor, pixel_bounds
 smart_resize = importlib.import_module(ImageProcessor.__module__).smart_resize
 
 T = TypeVar("T")
+_RGB_RETURNS_NUMPY = "return_numpy" in inspect.signature(convert_to_rgb).parameters  # transformers 5.x
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,8 @@ class MediaRef:
     label: str
     path: Path | None = None
     data: bytes | None = None
+    frames: tuple[MediaRef, ...] | None = None  # a video given as its frame files (qwenkit.data.video)
+    fps: float | None = None  # the frame rate of ``frames`` as the row gives it (None: data.video_fps)
 
 
 def resolve(
@@ -64,6 +73,14 @@ def resolve(
 
 
 def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kind: str) -> MediaRef:
+    if kind == "video" and isinstance(entry, list):  # LLaMA-Factory: "videos": [["f0.jpg", "f1.jpg", ...]]
+        entry = {"frames": entry, "fps": None}
+    if kind == "video" and isinstance(entry, dict) and isinstance(entry.get("frames"), list):
+        frames = entry["frames"]
+        if not frames:
+            raise BadSample(where, "short_video", f"{label} is an empty list of frames")
+        refs = tuple(_resolve_one(f, f"{label} frame {k}", where, base, "image") for k, f in enumerate(frames))
+        return MediaRef(f"{label} ({len(frames)} frame files)", frames=refs, fps=entry.get("fps"))
     if isinstance(entry, dict):
         if entry.get("bytes"):
             name = f" ({entry['path']!r})" if entry.get("path") else ""
@@ -77,13 +94,19 @@ def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kin
             "bad_format",
             f"{label} must be a path, base64 data URI or {{bytes, path}}, got {entry!r:.80}",
         )
-    if entry.startswith(f"data:{kind}/"):
+    if entry.startswith(f"data:{kind}"):  # data:image/png;base64,... (qwen-vl-utils also data:image;base64,)
         try:
             return MediaRef(
                 f"{label} (data URI)", data=base64.b64decode(entry.split(",", 1)[1], validate=True)
             )
         except (IndexError, binascii.Error) as e:
             raise BadSample(where, f"corrupt_{kind}", f"{label}: bad base64 data URI ({e})") from None
+    if entry.startswith(("http://", "https://")):
+        raise BadSample(
+            where, "media_url", f"{label} is a URL ({entry:.100}); URLs are not fetched; download the files and give paths"
+        )
+    if entry.startswith("file://"):
+        entry = entry[len("file://") :]
     path = Path(entry).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
@@ -93,7 +116,7 @@ def _resolve_one(entry: Any, label: str, where: Location, base: Path | None, kin
 def load(ref: MediaRef, where: Location) -> Image.Image:
     """Decode the whole image (so truncation shows) and return it as RGB."""
     try:
-        return _decode(ref)
+        return decode_rgb(ref)
     except Unreadable as e:
         raise e.bad_sample(ref, where) from None
 
@@ -108,7 +131,16 @@ class Unreadable(Exception):
         return BadSample(where, self.reason, f"{ref.label}: {self.detail}")
 
 
-def _decode(ref: MediaRef) -> Image.Image:
+def to_rgb(im: Image.Image) -> Image.Image:
+    """RGB exactly as the installed transformers' image processors make it (``convert_to_rgb``):
+    5.x composites transparency (alpha, or a palette/RGB ``transparency`` entry) on white; 4.57
+    converts plainly. Training then sees the pixels HF's processor gives the deployed model."""
+    if _RGB_RETURNS_NUMPY:
+        return Image.fromarray(convert_to_rgb(im, return_numpy=True))
+    return convert_to_rgb(im)
+
+
+def decode_rgb(ref: MediaRef) -> Image.Image:
     """The fully decoded image as RGB, converted while the file is still open."""
     if ref.data is None and not ref.path.is_file():
         raise Unreadable("missing_image", f"no such file {str(ref.path)!r}")
@@ -116,7 +148,7 @@ def _decode(ref: MediaRef) -> Image.Image:
     try:
         with Image.open(source) as im:
             im.load()
-            return im.convert("RGB")
+            return to_rgb(im)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise Unreadable("corrupt_image", f"cannot decode: {e}") from None
 
@@ -129,7 +161,7 @@ END_WINDOW = 64  # how far from the end the marker may sit (writers may pad afte
 def _measure(ref: MediaRef, full: bool) -> tuple[int, int]:
     """The ``(w, h)`` of an image: decoded in full, or read from the header and end marker."""
     if full:
-        return _decode(ref).size
+        return decode_rgb(ref).size
     if ref.data is None and not ref.path.is_file():
         raise Unreadable("missing_image", f"no such file {str(ref.path)!r}")
     try:
@@ -144,7 +176,7 @@ def _measure(ref: MediaRef, full: bool) -> tuple[int, int]:
                 return size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise Unreadable("corrupt_image", f"cannot decode: {e}") from None
-    return _decode(ref).size  # no end marker: the decoder says whether the file is really cut short
+    return decode_rgb(ref).size  # no end marker: the decoder says whether the file is really cut short
 
 
 def check_shape(

@@ -31,7 +31,15 @@ REASONS = {
     "corrupt_video": "a video cannot be decoded (corrupt, truncated, no video stream)",
     "short_video": "a video has fewer frames than data.video_min_frames",
     "too_long": "the sample has more tokens than data.max_length",
+    "media_url": "an image or video is an http(s) URL; URLs are not fetched",
+    "changed_media": "an image or video changed after the index was built",
 }
+
+# what a changed_media message tells the user: the index is keyed by the data files, not the media
+REBUILD = (
+    "rebuild the index: remove it from data.cache_dir (default ~/.cache/qwenkit/data-index) or touch the dataset "
+    "file, then run `qwenkit data prepare` (or start training again)"
+)
 
 
 @dataclass(frozen=True)

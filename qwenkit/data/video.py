@@ -22,6 +22,11 @@ entries in a row resolve like images (:func:`qwenkit.data.images.resolve`, base 
    order (merge windows contiguous), so the vision tower reads videos as it reads images.
 4. **Time**: ``second_per_grid = 2 / sample_fps`` with ``sample_fps = n / frames · fps``, the
    real seconds between two temporal patches, which mRoPE turns into time positions.
+
+A video may also be a list of frame files (qwen-vl-utils' and LLaMA-Factory's ``"video": [...]``):
+each frame is read with PIL (converted to RGB as images are), all frames must have one size, and
+the list is then a video of ``len(frames)`` frames at the row's ``fps`` (else ``data.video_fps``,
+so every frame is kept up to ``video_max_frames``), planned and resized exactly as a decoded one.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from qwenkit.data.images import CachedProbe, MediaRef, Unreadable, smart_resize
+from qwenkit.data.images import CachedProbe, MediaRef, Unreadable, decode_rgb, smart_resize
 from qwenkit.data.reader import DataError
-from qwenkit.data.report import BadSample, Location
+from qwenkit.data.report import REBUILD, BadSample, Location
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,38 @@ def import_av():
     return av
 
 
-def _decode(ref: MediaRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMeta, dict[int, np.ndarray]]:
-    """Decode every frame of the first video stream; return the metadata and frames ``keep`` as RGB."""
+def _decode_frames(
+    ref: MediaRef, keep: frozenset[int], default_fps: float
+) -> tuple[VideoMeta, dict[int, np.ndarray]]:
+    """A video given as frame files: every frame decoded (so a bad one shows now), ``keep`` kept."""
+    kept: dict[int, np.ndarray] = {}
+    size = None
+    for k, frame in enumerate(ref.frames):
+        try:
+            im = decode_rgb(frame)
+        except Unreadable as e:
+            reason = {"missing_image": "missing_video", "corrupt_image": "corrupt_video"}[e.reason]
+            raise Unreadable(reason, f"{frame.label}: {e.detail}") from None
+        if size is None:
+            size = im.size
+        elif im.size != size:
+            raise Unreadable(
+                "corrupt_video", f"{frame.label} is {im.size[0]}x{im.size[1]} px, frame 0 is {size[0]}x{size[1]}"
+            )
+        if k in keep:
+            kept[k] = np.asarray(im)  # [H, W, 3] uint8
+    fps = float(ref.fps) if ref.fps is not None else float(default_fps)
+    return VideoMeta(len(ref.frames), fps, size[0], size[1]), kept
+
+
+def _decode(
+    ref: MediaRef, keep: frozenset[int] = frozenset(), default_fps: float = 2.0
+) -> tuple[VideoMeta, dict[int, np.ndarray]]:
+    """Decode every frame of the first video stream; return the metadata and frames ``keep`` as RGB.
+
+    ``default_fps`` is the frame rate of a list of frame files whose row gives none."""
+    if ref.frames is not None:
+        return _decode_frames(ref, keep, default_fps)
     av = import_av()
     if ref.data is None and not ref.path.is_file():
         raise Unreadable("missing_video", f"no such file {str(ref.path)!r}")
@@ -101,19 +136,20 @@ def _decode(ref: MediaRef, keep: frozenset[int] = frozenset()) -> tuple[VideoMet
     return VideoMeta(n, float(rate), width, height), kept
 
 
-def probe(ref: MediaRef, where: Location) -> VideoMeta:
+def probe(ref: MediaRef, where: Location, default_fps: float = 2.0) -> VideoMeta:
     """Decode the whole video once (so truncation shows) and measure it; raises :class:`BadSample`."""
     try:
-        return _decode(ref)[0]
+        return _decode(ref, default_fps=default_fps)[0]
     except Unreadable as e:
         raise e.bad_sample(ref, where) from None
 
 
 class VideoProbe:
-    """:func:`probe` with a cache (:class:`~qwenkit.data.images.CachedProbe`)."""
+    """:func:`probe` with a cache (:class:`~qwenkit.data.images.CachedProbe`); ``default_fps`` is
+    ``data.video_fps``, the frame rate of frame lists whose row gives none."""
 
-    def __init__(self):
-        self._metas = CachedProbe(lambda ref: _decode(ref)[0])
+    def __init__(self, default_fps: float = 2.0):
+        self._metas = CachedProbe(lambda ref: _decode(ref, default_fps=default_fps)[0])
 
     def meta(self, ref: MediaRef, where: Location) -> VideoMeta:
         return self._metas(ref, where)
@@ -209,13 +245,15 @@ class VideoProcessor:
         raises if the file changed since the probe."""
         plan = self.plan(meta, where, ref.label)
         try:
-            now, kept = _decode(ref, frozenset(plan.indices))
+            now, kept = _decode(ref, frozenset(plan.indices), self.fps)
         except Unreadable as e:
             raise e.bad_sample(ref, where) from None
         if now != meta:
-            raise RuntimeError(
-                f"{where}: {ref.label} now decodes as {now}, but the scan measured {meta}; "
-                "was the file changed after the dataset was built?"
+            raise BadSample(
+                where,
+                "changed_media",
+                f"{ref.label} now decodes as {now}, but the index measured {meta}: the file changed after the "
+                f"index was built; {REBUILD}",
             )
         return [kept[i] for i in plan.indices], plan
 
