@@ -23,7 +23,7 @@ from pathlib import Path
 
 from qwenkit import config as qconfig
 from qwenkit.device import CPU_MALLOC_ENV, resolve_device
-from qwenkit.distributed import fsdp
+from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.model.paths import resolve_path
 
@@ -58,9 +58,13 @@ def check_before_spawn(cfg) -> list[str]:
     """Problems that would otherwise surface only inside every rank; empty when all is well."""
     problems = []
     try:
-        resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
+        path = resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
     except FileNotFoundError as e:
         problems.append(str(e))
+    else:
+        heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
+        if heads:
+            problems.append(heads)
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     problems.extend(check_resume(cfg))

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import build_model, make_batch
-from multiproc import check_ranks
+from multiproc import check_ranks, free_port
 from test_model import _video_batch
 from test_packing import samples_of
 
 from qwenkit.data.collator import Collator
 from qwenkit.distributed import sequence
+from qwenkit.engine import metrics
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the bound; fp32, sums over ranks in another order
 
@@ -150,3 +154,75 @@ def test_heads_not_divisible_are_refused():
     assert sequence.heads_problem(cfg, 2) is None and sequence.heads_problem(cfg, 4) is None
     problem = sequence.heads_problem(cfg, 3)
     assert "4 query heads" in problem and "2 key/value heads" in problem
+
+
+# ---------------------------------------------------------------------------------------------
+# qwenkit train with parallel.sp_size (tests/test_launch.py style: torchrun, gloo ranks)
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ["train.steps=4", "data.tiny_samples=32", "data.tiny_eval_samples=6", "train.eval_every=2",
+       "train.eval_accuracy_every=4", "train.eval_samples=2", "checkpoint.every=2", "train.resume=auto"]  # fmt: skip
+
+
+def _train(out, nproc, *overrides):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_cpu.yaml", "--nproc", str(nproc),
+         "--master-port", str(free_port()), *RUN, f"train.output_dir={out}", *overrides],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = metrics.read(out / "metrics" / "rank-00000.jsonl")
+    return {m: metrics.series(rows, m) for m in ("loss", "grad_norm", "eval_loss", "valid_tokens")}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory, tiny_path):
+    tmp = tmp_path_factory.mktemp("sp_cli")
+    runs = {
+        # the same global batch of 8 samples: 1 process, one SP group of 2, DP 2 x SP 2 (4 samples each)
+        "one": _train(tmp / "one", 1),
+        "sp2": _train(tmp / "sp2", 2, "parallel.sp_size=2"),
+        "dp2_sp2": _train(tmp / "dp2_sp2", 4, "parallel.sp_size=2", "train.micro_batch_size=4"),
+    }
+    _train(tmp / "resumed", 2, "parallel.sp_size=2", "train.stop_after=2")
+    runs["resumed"] = _train(tmp / "resumed", 2, "parallel.sp_size=2")  # resume=auto: from step 2
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sp2", "dp2_sp2"])
+def test_cli_sp_logs_the_one_process_losses(cli_runs, name):
+    one, run = cli_runs["one"], cli_runs[name]
+    assert sorted(run["loss"]) == [1, 2, 3, 4] and sorted(run["eval_loss"]) == [0, 2, 4]
+    assert run["valid_tokens"] == one["valid_tokens"]  # counted once per SP group, not per rank
+    for metric in ("loss", "grad_norm", "eval_loss"):
+        for step, value in one[metric].items():
+            assert run[metric][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (metric, step)
+
+
+@pytest.mark.slow
+def test_cli_sp_resume_is_bit_identical(cli_runs):
+    for metric in ("loss", "grad_norm", "eval_loss"):
+        resumed = {s: v for s, v in cli_runs["resumed"][metric].items() if s > 2}
+        assert resumed and resumed == {s: v for s, v in cli_runs["sp2"][metric].items() if s > 2}, metric
+
+
+@pytest.mark.parametrize(
+    "overrides, problem",
+    [
+        (["--nproc", "2", "parallel.sp_size=3"], "parallel.sp_size=3 must divide parallel.nproc=2"),
+        # the tiny model has 4 query heads and 2 KV heads: 3 ranks cannot split them
+        (["--nproc", "3", "parallel.sp_size=3"], "4 query heads and 2 key/value heads"),
+        (["--nproc", "2", "parallel.sp_size=2", "loss.chunk=false"], "needs loss.chunk=true"),
+        (["--nproc", "2", "parallel.sp_size=2", "loss.loss_type=sample_mean"], "token_mean only"),
+    ],
+)
+def test_cli_refuses_bad_sp_before_start(tmp_path, overrides, problem):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_cpu.yaml", *overrides,
+         f"train.output_dir={tmp_path / 'run'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert problem in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started

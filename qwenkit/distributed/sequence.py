@@ -92,6 +92,18 @@ def heads_problem(text_config, sp_size: int) -> str | None:
     return None
 
 
+def heads_problem_of(model_path, sp_size: int) -> str | None:
+    """:func:`heads_problem` for the model directory ``model_path`` (its config.json)."""
+    if sp_size <= 1:
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    problem = heads_problem(text, sp_size)
+    return f"{problem} ({model_path})" if problem else None
+
+
 def enable(model, sp: SequenceParallel) -> None:
     """Route the decoder's attention through :func:`ulysses_attention` and set the model's hook.
 
