@@ -47,7 +47,9 @@ def cases(processor) -> dict[str, dict]:
     video = {k: v for k, v in video.items()}
     packed = Collator(processor, packing=True)(samples_of(processor, make_batch(processor, (1, 0, 2, 1), seed=5)))
     packed.pop("num_items"), packed.pop("num_samples")
-    return {"text": text, "image": image, "video": video, "packed": packed}
+    # one image: the rank without a share runs the tower on a blank patch (the idle-tower rule)
+    single = _odd(make_batch(processor, images_per_sample=(0, 1), seed=2), processor)
+    return {"text": text, "image": image, "video": video, "packed": packed, "single_image": single}
 
 
 def straddles(batch, token_id: int, n: int) -> bool:
@@ -65,14 +67,13 @@ def _loss_grads(model, batch):
     return loss.detach(), {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
 
 
-def _equality_ranks(rank, out, names):
+def _equality_ranks(rank, out, names, sp_size=2):
     dist.init_process_group("gloo")
     from qwenkit.model.processor import Processor
     from qwenkit.model.tiny import ensure_checkpoint
 
     processor = Processor.from_pretrained(ensure_checkpoint())
     world = dist.get_world_size()
-    sp_size = 2
     sp = sequence.init_groups(rank, world, sp_size)
     base = build_model(chunk=True, seed=1)
     results = {}
@@ -112,15 +113,35 @@ def _equality_ranks(rank, out, names):
 @pytest.fixture(scope="module")
 def equality(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("sp_equal")
-    check_ranks(_equality_ranks, 2, out, ["text", "image", "video", "packed"], timeout=600)
+    check_ranks(_equality_ranks, 2, out, ["text", "image", "video", "packed", "single_image"], timeout=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("name", ["text", "image", "video", "packed"])
+@pytest.fixture(scope="module")
+def equality4(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("sp4_equal")
+    check_ranks(_equality_ranks, 4, out, ["text", "image", "packed"], 4, timeout=600)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.parametrize("name", ["text", "image", "video", "packed", "single_image"])
 def test_two_ranks_equal_one_process(equality, name):
     r0, r1 = equality[0][name], equality[1][name]
     assert r0["loss"] == pytest.approx(r0["ref_loss"], rel=1e-5)
     assert r0["worst_grad_diff"] < 1e-5 and r1["worst_grad_diff"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["text", "image", "packed"])
+def test_four_ranks_sp4_replicate_kv_heads_and_equal_one_process(equality4, name):
+    # the tiny model has 2 KV heads: at sp_size 4 each is replicated for the exchange
+    assert all(r[name]["worst_grad_diff"] < 1e-5 for r in equality4)
+    assert equality4[0][name]["loss"] == pytest.approx(equality4[0][name]["ref_loss"], rel=1e-5)
+
+
+def test_single_image_leaves_one_rank_idle(equality):
+    rows = sorted(equality[r]["single_image"]["vision_rows"] for r in range(2))
+    assert rows == [0, equality[0]["single_image"]["total_rows"]]
 
 
 @pytest.mark.parametrize("name", ["image", "video"])
