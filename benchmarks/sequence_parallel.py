@@ -57,8 +57,13 @@ def video_sample(config, frames: int, side: int, text: int) -> dict:
     grid = side // vc.patch_size
     n_video = frames * grid * grid // vc.spatial_merge_size**2
     g = torch.Generator().manual_seed(0)
-    prompt, reply = torch.randint(0, VOCAB - 8, (text // 2,), generator=g), torch.randint(0, VOCAB - 8, (text // 2,), generator=g)
-    span = torch.tensor([config.vision_start_token_id] + [config.video_token_id] * n_video + [config.vision_end_token_id])
+    prompt, reply = (
+        torch.randint(0, VOCAB - 8, (text // 2,), generator=g),
+        torch.randint(0, VOCAB - 8, (text // 2,), generator=g),
+    )
+    span = torch.tensor(
+        [config.vision_start_token_id] + [config.video_token_id] * n_video + [config.vision_end_token_id]
+    )
     ids = torch.cat([prompt, span, reply])[None]
     labels = torch.full_like(ids, -100)
     labels[0, -reply.numel() - 1 :] = ids[0, -reply.numel() - 1 :]  # the reply (and the end mark before it)
@@ -159,7 +164,10 @@ def _rank(rank: int, world: int, port: int, sp_size: int, shape_name: str, devic
     sp = sequence.init_groups(rank, world, sp_size)
     if sp_size > 1:
         sequence.enable(model, sp)
-    batch = {k: v.to(device) for k, v in video_sample(config, shapes["frames"], shapes["side"], shapes["text_tokens"]).items()}
+    batch = {
+        k: v.to(device)
+        for k, v in video_sample(config, shapes["frames"], shapes["side"], shapes["text_tokens"]).items()
+    }
     meter = Meter(device)
 
     model(**batch).loss.backward()  # warm-up: gradients allocated, kernels chosen
@@ -244,9 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     v1, v2 = worst("vision_saved_mib", 1), worst("vision_saved_mib", 2)
     losses = {r["sp_size"]: r["loss"] for r in rows if r["rank"] == 0}
     same = abs(losses[1] - losses[2]) <= 1e-4 * max(1.0, abs(losses[1]))
-    ratio = (lambda a, b: f"{a / b:.2f}" if b >= 1.0 else "n/a (under 1 MiB)")
-    print(f"per-rank SP2 / SP1: activation peak {ratio(two, one)} (target <= 0.60), saved for backward "
-          f"{ratio(s2, s1)}, vision saved {ratio(v2, v1)}; losses equal: {same} ({losses[1]:.6f} vs {losses[2]:.6f})")
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if b >= 1.0 else "n/a (under 1 MiB)"
+
+    print(
+        f"per-rank SP2 / SP1: activation peak {ratio(two, one)} (target <= 0.60), saved for backward "
+        f"{ratio(s2, s1)}, vision saved {ratio(v2, v1)}; losses equal: {same} ({losses[1]:.6f} vs {losses[2]:.6f})"
+    )
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

@@ -42,10 +42,14 @@ def _odd(batch, processor):
 
 def cases(processor) -> dict[str, dict]:
     text = _odd(make_batch(processor, images_per_sample=(0, 0, 0), seed=3), processor)
-    image = _odd(make_batch(processor, images_per_sample=(1, 0, 2), seed=10), processor)  # seed 10: an image crosses the middle
+    image = _odd(
+        make_batch(processor, images_per_sample=(1, 0, 2), seed=10), processor
+    )  # seed 10: an image crosses the middle
     video = _video_batch(processor)
     video = {k: v for k, v in video.items()}
-    packed = Collator(processor, packing=True)(samples_of(processor, make_batch(processor, (1, 0, 2, 1), seed=5)))
+    packed = Collator(processor, packing=True)(
+        samples_of(processor, make_batch(processor, (1, 0, 2, 1), seed=5))
+    )
     packed.pop("num_items"), packed.pop("num_samples")
     # one image: the rank without a share runs the tower on a blank patch (the idle-tower rule)
     single = _odd(make_batch(processor, images_per_sample=(0, 1), seed=2), processor)
@@ -64,7 +68,9 @@ def _loss_grads(model, batch):
     model.zero_grad(set_to_none=True)
     loss = model(**batch).loss
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+    return loss.detach(), {
+        n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()
+    }
 
 
 def _equality_ranks(rank, out, names, sp_size=2):
@@ -95,7 +101,7 @@ def _equality_ranks(rank, out, names, sp_size=2):
             dist.all_reduce(g, group=sp.group)
             if ref_grad is None:
                 ref_grad = torch.zeros_like(g)
-            torch.testing.assert_close(g, ref_grad, **FP32, msg=lambda m, k=key: f"{name} {k}: {m}")
+            torch.testing.assert_close(g, ref_grad, **FP32, msg=lambda m, k=key, c=name: f"{c} {k}: {m}")
             worst = max(worst, float((g - ref_grad).abs().max()))
         torch.testing.assert_close(total, ref_loss, **FP32)
         pixels = batch.get("pixel_values", batch.get("pixel_values_videos"))

@@ -114,11 +114,9 @@ def enable(model, sp: SequenceParallel) -> None:
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     inner = text._attn_implementation or "sdpa"
     if inner.startswith(ATTENTION_PREFIX):
-        inner = inner[len(ATTENTION_PREFIX):]
+        inner = inner[len(ATTENTION_PREFIX) :]
     if inner not in INNER:
-        raise ValueError(
-            f"parallel.sp_size>1 supports model.attn_implementation in {INNER}, got {inner!r}"
-        )
+        raise ValueError(f"parallel.sp_size>1 supports model.attn_implementation in {INNER}, got {inner!r}")
     name = register(inner)
     for config in {id(c): c for c in (text, model.model.language_model.config)}.values():
         config._attn_implementation = name
@@ -400,9 +398,13 @@ def _forward(sp, model, input_ids, labels, use_cache, logits_to_keep, num_items_
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if not model.chunk_loss:
-        raise ValueError("sequence parallelism (parallel.sp_size > 1) needs the chunked loss head (loss.chunk=true)")
+        raise ValueError(
+            "sequence parallelism (parallel.sp_size > 1) needs the chunked loss head (loss.chunk=true)"
+        )
     if model.loss_reduction != "token_mean":
-        raise ValueError(f"sequence parallelism supports loss.loss_type=token_mean, got {model.loss_reduction!r}")
+        raise ValueError(
+            f"sequence parallelism supports loss.loss_type=token_mean, got {model.loss_reduction!r}"
+        )
     shifted = kwargs.pop("shift_labels", None)
     model._check_chunk_args(labels, shifted, use_cache, logits_to_keep)
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
