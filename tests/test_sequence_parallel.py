@@ -22,8 +22,9 @@ from multiproc import check_ranks, free_port
 from test_model import _video_batch
 from test_packing import samples_of
 
+from qwenkit import config as qconfig
 from qwenkit.data.collator import Collator
-from qwenkit.distributed import sequence
+from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import metrics
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound; fp32, sums over ranks in another order
@@ -53,7 +54,28 @@ def cases(processor) -> dict[str, dict]:
     packed.pop("num_items"), packed.pop("num_samples")
     # one image: the rank without a share runs the tower on a blank patch (the idle-tower rule)
     single = _odd(make_batch(processor, images_per_sample=(0, 1), seed=2), processor)
-    return {"text": text, "image": image, "video": video, "packed": packed, "single_image": single}
+    return {"text": text, "image": image, "video": video, "packed": packed, "single_image": single,
+            "image_video": _image_and_video(processor)}  # fmt: skip
+
+
+def _image_and_video(processor) -> dict:
+    """Two right-padded rows, one with an image, one with a video: two tower calls per rank."""
+    image, video = make_batch(processor, images_per_sample=(1,), seed=4), _video_batch(processor, seed=1)
+    width = max(image["input_ids"].shape[1], video["input_ids"].shape[1])
+    width += 1 - width % 2  # odd
+    pads = {"input_ids": processor.pad_token_id, "attention_mask": 0, "labels": -100, "mm_token_type_ids": 0}
+    batch = {
+        key: torch.cat(
+            [torch.nn.functional.pad(b[key], (0, width - b[key].shape[1]), value=v) for b in (image, video)]
+        )
+        for key, v in pads.items()
+    }
+    batch["mm_token_type_ids"] = batch["mm_token_type_ids"].int()
+    for key in ("pixel_values", "image_grid_thw"):
+        batch[key] = image[key]
+    for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        batch[key] = video[key]
+    return batch
 
 
 def straddles(batch, token_id: int, n: int) -> bool:
@@ -119,7 +141,8 @@ def _equality_ranks(rank, out, names, sp_size=2):
 @pytest.fixture(scope="module")
 def equality(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("sp_equal")
-    check_ranks(_equality_ranks, 2, out, ["text", "image", "video", "packed", "single_image"], timeout=600)
+    check_ranks(_equality_ranks, 2, out, ["text", "image", "video", "packed", "single_image", "image_video"],
+                timeout=600)  # fmt: skip
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -130,7 +153,7 @@ def equality4(tmp_path_factory, tiny_path):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
-@pytest.mark.parametrize("name", ["text", "image", "video", "packed", "single_image"])
+@pytest.mark.parametrize("name", ["text", "image", "video", "packed", "single_image", "image_video"])
 def test_two_ranks_equal_one_process(equality, name):
     r0, r1 = equality[0][name], equality[1][name]
     assert r0["loss"] == pytest.approx(r0["ref_loss"], rel=1e-5)
@@ -211,14 +234,22 @@ def cli_runs(tmp_path_factory, tiny_path):
         "sp2": _train(tmp / "sp2", 2, "parallel.sp_size=2"),
         "dp2_sp2": _train(tmp / "dp2_sp2", 4, "parallel.sp_size=2", "train.micro_batch_size=4"),
     }
+    if not fsdp.hsdp_problem(
+        qconfig.load(overrides=["parallel.hsdp_replicas=2", "parallel.backend=gloo"]).parallel
+    ):
+        # HSDP mesh (2 replicas x 2 shards) across the two SP groups
+        runs["hsdp_sp2"] = _train(tmp / "hsdp_sp2", 4, "parallel.sp_size=2", "train.micro_batch_size=4",
+                                  "parallel.hsdp_replicas=2")  # fmt: skip
     _train(tmp / "resumed", 2, "parallel.sp_size=2", "train.stop_after=2")
     runs["resumed"] = _train(tmp / "resumed", 2, "parallel.sp_size=2")  # resume=auto: from step 2
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sp2", "dp2_sp2"])
+@pytest.mark.parametrize("name", ["sp2", "dp2_sp2", "hsdp_sp2"])
 def test_cli_sp_logs_the_one_process_losses(cli_runs, name):
+    if name not in cli_runs:
+        pytest.skip("HSDP on gloo needs torch >= 2.8")
     one, run = cli_runs["one"], cli_runs[name]
     assert sorted(run["loss"]) == [1, 2, 3, 4] and sorted(run["eval_loss"]) == [0, 2, 4]
     assert run["valid_tokens"] == one["valid_tokens"]  # counted once per SP group, not per rank

@@ -197,6 +197,11 @@ class Trainer:
             if problem:
                 raise ValueError(problem)
             sequence.enable(model, self.sp)
+            if main_rank:
+                log.info(
+                    "sequence parallel: %d groups of %d ranks (Ulysses attention, vision split over each group)",
+                    self.sp.dp_size, sp_size,
+                )
         if main_rank:
             log.info("parameters:\n%s", registry.format_manifest(registry.parameter_manifest(model)))
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
