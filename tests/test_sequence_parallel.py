@@ -154,6 +154,7 @@ def equality4(tmp_path_factory, tiny_path):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["text", "image", "video", "packed", "single_image", "image_video"])
 def test_two_ranks_equal_one_process(equality, name):
     r0, r1 = equality[0][name], equality[1][name]
@@ -170,16 +171,19 @@ def test_four_ranks_sp4_replicate_kv_heads_and_equal_one_process(equality4, name
     assert equality4[0][name]["loss"] == pytest.approx(equality4[0][name]["ref_loss"], rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_single_image_leaves_one_rank_idle(equality):
     rows = sorted(equality[r]["single_image"]["vision_rows"] for r in range(2))
     assert rows == [0, equality[0]["single_image"]["total_rows"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["image", "video"])
 def test_a_placeholder_run_straddles_the_slice_boundary(equality, name):
     assert equality[0][name]["straddles"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["image", "video", "packed"])
 def test_each_rank_encodes_only_its_share(equality, name):
     rows = [equality[r][name]["vision_rows"] for r in range(2)]
