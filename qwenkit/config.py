@@ -126,6 +126,9 @@ class ParallelConfig:
     hsdp_replicas: int = 1  # >1: HSDP mesh (replicas, world // replicas); must divide the world size
     recompute: list[str] = field(default_factory=list)  # e.g. [model.language_model.layers.*]
     activation_offload: bool = False  # saved activations to host memory
+    # Ulysses sequence parallelism: groups of sp_size ranks split every sequence (1 = off);
+    # data parallelism over nproc // sp_size groups. See docs/SEQUENCE_PARALLEL.md
+    sp_size: int = 1
 
 
 @dataclass
@@ -509,6 +512,28 @@ def _check_parallel(cfg: Config, need) -> None:
     parallel = cfg.parallel
     need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
     need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
+    _check_sequence_parallel(cfg, need)
+
+
+def _check_sequence_parallel(cfg: Config, need) -> None:
+    """``parallel.sp_size``; the model's head counts are checked by the launcher (they need its config)."""
+    sp = cfg.parallel.sp_size
+    need(sp >= 1, f"parallel.sp_size must be >= 1, got {sp}")
+    if sp <= 1:
+        return
+    need(
+        cfg.parallel.nproc % sp == 0,
+        f"parallel.sp_size={sp} must divide parallel.nproc={cfg.parallel.nproc} (a sequence-parallel group stays on one node)",
+    )
+    need(cfg.loss.chunk, f"parallel.sp_size={sp} needs loss.chunk=true (each rank computes the chunked loss of its slice)")
+    need(
+        cfg.loss.loss_type == "token_mean",
+        f"parallel.sp_size={sp} supports loss.loss_type=token_mean only, got {cfg.loss.loss_type!r}",
+    )
+    need(
+        cfg.model.attn_implementation in ("sdpa", "eager"),
+        f"parallel.sp_size={sp} supports model.attn_implementation sdpa or eager, got {cfg.model.attn_implementation!r}",
+    )
 
 
 def _check_train(cfg: Config, need) -> None:

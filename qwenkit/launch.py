@@ -23,7 +23,7 @@ from pathlib import Path
 
 from qwenkit import config as qconfig
 from qwenkit.device import CPU_MALLOC_ENV, resolve_device
-from qwenkit.distributed import fsdp
+from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.model import lora
 from qwenkit.model.paths import resolve_path
@@ -64,6 +64,9 @@ def check_before_spawn(cfg) -> list[str]:
         problems.append(str(e))
     else:  # LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
         problems.extend(lora.check_against_model(cfg, path))
+        heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
+        if heads:
+            problems.append(heads)
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     problems.extend(check_resume(cfg))

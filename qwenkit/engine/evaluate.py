@@ -61,11 +61,15 @@ def token_loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def eval_loss(
-    model: nn.Module, dataset, collator, batch_size: int, rank: int, world_size: int, device, loss_fn=token_loss_sum
-) -> float:
+    model: nn.Module, dataset, collator, batch_size: int, rank: int, world_size: int, device,
+    loss_fn=token_loss_sum, sp_rank: int = 0,
+) -> float:  # fmt: skip
     """Global token-mean loss of ``model`` over all of ``dataset`` (collective: every rank calls it).
 
     ``loss_fn(model, batch)``: the batch's sum of token losses (:func:`token_loss_sum`).
+    Sequence parallelism: ``rank`` / ``world_size`` are the SP group's place among the groups
+    (every rank of a group runs the same rows, each returning its slice's sum) and only the
+    group's ``sp_rank`` 0 counts the label tokens.
     """
     mine = list(range(rank, len(dataset), world_size))
     per_rank = math.ceil(len(dataset) / world_size)
@@ -85,6 +89,7 @@ def eval_loss(
             batch.pop("num_samples")
             batch = {k: v.to(device) for k, v in batch.items()}
             loss_sum = loss_fn(model, batch)
+            items = items if sp_rank == 0 else torch.zeros_like(items)
             total += torch.stack([loss_sum.detach().double(), items.to(device).double()])
     finally:
         model.train(was_training)
@@ -99,9 +104,10 @@ def eval_loss(
 class Evaluator:
     """One rank's evaluation of a training run (see the module docstring)."""
 
-    def __init__(self, cfg, dataset, collator, rank: int, world_size: int, device, output_dir: str | Path):
+    def __init__(self, cfg, dataset, collator, rank: int, world_size: int, device, output_dir: str | Path, sp=None):
         self.cfg, self.dataset, self.collator = cfg, dataset, collator
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.sp = sp  # qwenkit.distributed.sequence.SequenceParallel, or None
         self.output_dir = Path(output_dir)
         self.samples = list(range(min(cfg.train.eval_samples, len(dataset))))
 
@@ -117,8 +123,12 @@ class Evaluator:
         """``eval_loss`` (and ``eval_accuracy`` at step 0, the last step and every
         ``train.eval_accuracy_every``); collective."""
         t = self.cfg.train
+        if self.sp is not None and self.sp.size > 1:
+            where = (self.sp.dp_rank, self.sp.dp_size, self.sp.rank)
+        else:
+            where = (self.rank, self.world_size, 0)
         values = {"eval_loss": eval_loss(model, self.dataset, self.collator, t.micro_batch_size,
-                                         self.rank, self.world_size, self.device)}  # fmt: skip
+                                         where[0], where[1], self.device, sp_rank=where[2])}  # fmt: skip
         if self.generates(step):
             values["eval_accuracy"] = self.accuracy(step, model)
         return values

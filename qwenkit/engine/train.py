@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from qwenkit import config as qconfig
 from qwenkit import data, patches
-from qwenkit.distributed import fsdp
+from qwenkit.distributed import fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine.evaluate import Evaluator
@@ -166,6 +166,7 @@ class Trainer:
         self.evals: list[dict] = []  # {"step", "eval_loss"[, "eval_accuracy"]} per evaluation run here
         self.evaluator: Evaluator | None = None
         self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
+        self.sp: sequence.SequenceParallel | None = None
 
     def run(self) -> None:
         # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
@@ -186,12 +187,16 @@ class Trainer:
             qconfig.write_config(cfg, self.out_dir)
             log.info("rank 0 of %d on %s (%s)", rt.world_size, rt.device, rt.backend)
         set_seed(t.seed)
+        sp_size = cfg.parallel.sp_size
+        self.sp = sequence.init_groups(rt.rank, rt.world_size, sp_size)  # sp_size 1: one rank per group
         resume = self.resume_point()  # before anything is built: a refused resume fails fast
 
         model_path = self.model_path
         processor = paths.load_processor(cfg, model_path)
         build_data = self.data_builder or data.build
         self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
+        if sp_size > 1:  # one micro-batch per SP group: the sampler deals over the groups
+            self.bundle.sampler = data.make_sampler(cfg, self.bundle.dataset, self.sp.dp_rank, self.sp.dp_size)
 
         model = registry.build(cfg.model, cfg.loss)
         patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)  # logs its report
@@ -200,6 +205,16 @@ class Trainer:
             if main_rank:
                 log.info("LoRA r=%d on %d linears (%s ...)", cfg.lora.r, len(targets), targets[0])
         model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
+        if sp_size > 1:
+            problem = sequence.heads_problem(model.config.get_text_config(), sp_size)
+            if problem:
+                raise ValueError(problem)
+            sequence.enable(model, self.sp)
+            if main_rank:
+                log.info(
+                    "sequence parallel: %d groups of %d ranks (Ulysses attention, vision split over each group)",
+                    self.sp.dp_size, sp_size,
+                )
         if main_rank:
             log.info("parameters:\n%s", registry.format_manifest(registry.parameter_manifest(model)))
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
@@ -218,7 +233,8 @@ class Trainer:
         self.model = model
         if self.bundle.eval_dataset is not None:
             self.evaluator = Evaluator(
-                cfg, self.bundle.eval_dataset, self.bundle.collator, rt.rank, rt.world_size, rt.device, self.out_dir
+                cfg, self.bundle.eval_dataset, self.bundle.collator, rt.rank, rt.world_size, rt.device, self.out_dir,
+                sp=self.sp,
             )
         self.optimizer = build_optimizer(model, t)
         if resume is None:
@@ -322,6 +338,7 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     counts = torch.stack([_counts(b) for b in micro]).sum(0)  # [5] of this rank's step, see _counts
     counts = counts.to(rt.device)
     dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
+    counts = counts // cfg.parallel.sp_size  # the ranks of an SP group hold the same micro-batch
     num_items, num_samples = counts[0], counts[1]
     loss_sum = torch.zeros((), device=rt.device)
     for batch in micro:

@@ -68,6 +68,10 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         # videos), so this is 1, or 2 for data with videos; idle calls stand in for a missing
         # modality. 0: no padding (one process). Set by the trainer.
         self.vision_calls_per_step = 0
+        # Sequence parallelism: an object with ``forward(model, input_ids, labels, use_cache,
+        # logits_to_keep, num_items_in_batch, num_samples, packed_seq_lens, kwargs)`` that runs the
+        # step on this rank's slice (``qwenkit.distributed.sequence.SequenceParallel``); None: off.
+        self.sequence_parallel = None
 
     def configure_loss(
         self,
@@ -128,6 +132,10 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         labels = kwargs.pop("labels", None)
         use_cache = kwargs.pop("use_cache", None)
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
+        if self.sequence_parallel is not None:  # this rank's slice of the sequence (its own steps)
+            out = self.sequence_parallel.forward(self, input_ids, labels, use_cache, logits_to_keep, loss_type,
+                                                 num_items_in_batch, num_samples, packed_seq_lens, kwargs)  # fmt: skip
+            return out.to_tuple() if return_dict is False else out
         if packed_seq_lens is not None:
             use_cache = self._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
         kwargs = _drop_unsupported(kwargs)
