@@ -112,6 +112,9 @@ class ParallelConfig:
     hsdp_replicas: int = 1  # >1: HSDP mesh (replicas, world // replicas); must divide the world size
     recompute: list[str] = field(default_factory=list)  # e.g. [model.language_model.layers.*]
     activation_offload: bool = False  # saved activations to host memory
+    # a collective (or the process group's start) waiting longer than this fails, naming the
+    # rank that stopped answering; long enough for a 7B weight load or checkpoint save
+    timeout_s: int = 600
 
 
 @dataclass
@@ -424,6 +427,7 @@ def _check_parallel(cfg: Config, need) -> None:
     parallel = cfg.parallel
     need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
     need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
+    need(parallel.timeout_s >= 1, f"parallel.timeout_s must be >= 1 (seconds), got {parallel.timeout_s}")
 
 
 def _check_train(cfg: Config, need) -> None:
