@@ -335,7 +335,7 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    report = {"rank": rank, "error": None, "enospc": False, "nbytes": 0}
+    report = {"rank": rank, "error": None, "enospc": False, "nbytes": 0, "ranks": []}
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         report["nbytes"] = _nbytes(model_sd) + _nbytes(optim_sd)
@@ -347,7 +347,8 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
         manifest = {name: [(tmp / name).stat().st_size, crc32_file(tmp / name)] for name in mine}
         _write_text(tmp / MANIFEST.format(rank=rank), json.dumps(manifest))
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
-        report.update(error=_one_line(e), enospc=_is_enospc(e))
+        failures = getattr(e, "failures", None)  # DCP names the ranks whose writes failed
+        report.update(error=_one_line(e), enospc=_is_enospc(e), ranks=sorted(failures) if isinstance(failures, dict) else [rank])
     reports = [None] * world
     dist.all_gather_object(reports, report)  # every rank's files are on disk, or its error
     failed = [r for r in reports if r["error"]]
@@ -464,7 +465,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _save_failure(step: int, tmp: Path, failed: list[dict], needed: int) -> str:
-    ranks = ", ".join(str(r["rank"]) for r in failed)
+    ranks = ", ".join(str(r) for r in sorted({r for report in failed for r in report["ranks"]}))
     if any(r["enospc"] for r in failed):
         where = _mount_point(tmp.parent)
         free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
