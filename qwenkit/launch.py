@@ -125,12 +125,25 @@ def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def torchrun_stop_options() -> list[str]:
+    """torchrun's options that forward SIGUSR1 too and wait for the ranks' save (torch >= 2.8 has
+    them; older torchruns forward SIGTERM/SIGINT only and wait 30 s: see :func:`spawn`)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    fields = LaunchConfig.__dataclass_fields__
+    options = []
+    if "signals_to_handle" in fields:
+        options.append("--signals_to_handle=" + ",".join(s.name for s in (*stopping.STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)))
+    if "shutdown_timeout" in fields:
+        options.append(f"--shutdown_timeout={STOP_GRACE_S}")
+    return options
+
+
 def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[str]:
     """torchrun's command line, run through :func:`qwenkit.torchrun.quiet_torchrun`."""
     return [
         sys.executable, "-m", "qwenkit.torchrun",
-        "--signals_to_handle=" + ",".join(s.name for s in (*stopping.STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)),
-        f"--shutdown_timeout={STOP_GRACE_S}",
+        *torchrun_stop_options(),
         f"--nnodes={rdzv.nnodes}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={rdzv.node_rank}",
@@ -198,6 +211,7 @@ def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -
     """Run torchrun; forward SIGTERM/SIGINT/SIGUSR1 to it; returns its exit status."""
     proc = subprocess.Popen(cmd, env=env, pass_fds=pass_fds, preexec_fn=_torchrun_child)
     received: list[int] = []
+    usr1_as_term = not any(option.startswith("--signals_to_handle") for option in cmd)  # an older torchrun
 
     def forward(signum, frame):
         received.append(signum)
@@ -208,7 +222,7 @@ def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -
         else:
             print(f"qwenkit train: {name} again: stopping at once", file=sys.stderr, flush=True)
         try:
-            proc.send_signal(signum)
+            proc.send_signal(signal.SIGTERM if usr1_as_term and signum == signal.SIGUSR1 else signum)
         except ProcessLookupError:
             pass
 

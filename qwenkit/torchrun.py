@@ -103,7 +103,8 @@ def quiet_torchrun(argv: list[str]) -> int:
     rank that failed first. torchrun's own errors (bad arguments, rendezvous) still surface.
     """
     os.environ[AGENT_PID_ENV] = str(os.getpid())
-    SubprocessContext._capture_process_failures = _record_failures(SubprocessContext._capture_process_failures)
+    if hasattr(SubprocessContext, "_capture_process_failures"):  # torch >= 2.8; before, signal deaths first
+        SubprocessContext._capture_process_failures = _record_failures(SubprocessContext._capture_process_failures)
     LocalElasticAgent._shutdown = _record_shutdown(LocalElasticAgent._shutdown)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_QuietStop())
