@@ -32,10 +32,11 @@ from qwenkit.engine import train
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["data.tiny_samples=16", "data.tiny_eval_samples=0", "train.eval_samples=0", "train.warmup_steps=2"]
 HANG = 240  # seconds: a test waiting longer than this has found a hang
+STEPS = int(os.environ.get("QK_FAULTS_STEPS", 400))  # long enough to be signalled mid-run
 EXIT_RESUMABLE = 75  # qwenkit.engine.EXIT_RESUMABLE, spelled out: a scheduler sees the number
 
 
-def _cmd(out, *overrides, nproc=2, steps=400):
+def _cmd(out, *overrides, nproc=2, steps=STEPS):
     return [
         sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_cpu.yaml", "--nproc", str(nproc),
         "--master-port", str(free_port()), *SMALL, f"train.steps={steps}", "checkpoint.every=0",
@@ -171,7 +172,7 @@ def test_sigterm_saves_and_exits_resumable_and_a_second_job_in_the_folder_is_ref
     assert len(steps) == 1 and steps[0] >= 2 and steps[0] == job.step()  # the step it was in, finished
     for rank in (0, 1):
         log = (out / "logs" / f"rank-0000{rank}.log").read_text()
-        assert f"stopped by SIGTERM after step {steps[0]} of 400" in log, log[-2000:]
+        assert f"stopped by SIGTERM after step {steps[0]} of {STEPS}" in log, log[-2000:]
     assert _gone([*ranks.values(), *torchrun], timeout=30)
     assert "Traceback" not in job.text("stderr")
     assert not list(out.glob(".config-*.yaml"))  # the ranks' own copy of the config is gone with them

@@ -349,6 +349,7 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
         failures = getattr(e, "failures", None)  # DCP names the ranks whose writes failed
         report.update(error=_one_line(e), enospc=_is_enospc(e), ranks=sorted(failures) if isinstance(failures, dict) else [rank])
+        report["free"] = shutil.disk_usage(root).free if root.exists() else 0
     reports = [None] * world
     dist.all_gather_object(reports, report)  # every rank's files are on disk, or its error
     failed = [r for r in reports if r["error"]]
@@ -363,7 +364,7 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
         previous = latest(root)
         kept = f"{str(previous)!r} is intact" if previous else "there is no earlier checkpoint"
         if failed:
-            message = _save_failure(step, tmp, failed, sum(r["nbytes"] for r in reports))
+            message = _save_failure(step, tmp, failed, sum(r["nbytes"] for r in reports), min(r["free"] for r in failed))
         else:
             message = (f"checkpoint step {step} not saved: {problems[0]}: every rank must write to the same "
                        "train.output_dir (a filesystem shared by every node)")  # fmt: skip
@@ -464,11 +465,10 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def _save_failure(step: int, tmp: Path, failed: list[dict], needed: int) -> str:
+def _save_failure(step: int, tmp: Path, failed: list[dict], needed: int, free: int) -> str:
     ranks = ", ".join(str(r) for r in sorted({r for report in failed for r in report["ranks"]}))
     if any(r["enospc"] for r in failed):
         where = _mount_point(tmp.parent)
-        free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
         return (f"checkpoint step {step} not saved: the disk of {str(tmp.parent)!r} (mounted at {where}) is full: "
                 f"{free:,} bytes free, this save needs about {needed:,} bytes (rank {ranks})")  # fmt: skip
     return f"checkpoint step {step} not saved: rank {ranks} failed to write it: {failed[0]['error']}"
