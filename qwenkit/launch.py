@@ -228,7 +228,12 @@ def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -
 
     previous = {sig: signal.signal(sig, forward) for sig in stopping.STOP_SIGNALS}
     try:
-        return proc.wait()
+        code = proc.wait()
+        if code < 0:  # torchrun itself killed by a signal: its ranks died with it (PR_SET_PDEATHSIG)
+            print(f"qwenkit train: torchrun (pid {proc.pid}) was killed by {signal.Signals(-code).name}; "
+                  "its ranks were stopped with it", file=sys.stderr, flush=True)  # fmt: skip
+            code = 128 - code
+        return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
