@@ -211,7 +211,7 @@ def test_sigterm_to_the_launcher_as_pid_1_of_a_container(tmp_path):
     job = Job(out, prefix=["unshare", "-p", "-f"])
     job.wait_for(r"^step 2/")
     pid1 = _children(job.proc.pid)[0]  # unshare -> the launcher, PID 1 inside
-    assert Path(f"/proc/{pid1}/status").read_text().split("NSpid:")[1].split()[-1] == "1"
+    assert Path(f"/proc/{pid1}/status").read_text().split("NSpid:")[1].splitlines()[0].split()[-1] == "1"
     os.kill(pid1, signal.SIGTERM)
     assert job.wait() == EXIT_RESUMABLE, job.text("stderr")[-3000:]
     assert _checkpoints(out) == [job.step()]
