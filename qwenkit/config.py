@@ -120,7 +120,7 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: int = 30  # the run's length: the LR schedule spans these steps
-    stop_after: int = 0  # end this invocation after that step (checkpoint saved); 0: at train.steps
+    stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 2e-3
