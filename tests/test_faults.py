@@ -197,6 +197,19 @@ def test_sigint_and_sigusr1_save_with_one_line(tmp_path, sig):
     assert _checkpoints(out) == [job.step()]
 
 
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    job = Job(out)
+    job.wait_for(r"^step 2/")
+    os.kill(_rank_pids(job.proc.pid)[1], signal.SIGTERM)  # rank 1 alone: the ranks agree through a collective
+    assert job.wait() == EXIT_RESUMABLE, job.text("stderr")[-3000:]
+    (step,) = _checkpoints(out)
+    logs = [(out / "logs" / f"rank-0000{r}.log").read_text() for r in (0, 1)]
+    assert f"stopped by a stop signal to another rank after step {step} of {STEPS}" in logs[0]
+    assert f"stopped by SIGTERM after step {step} of {STEPS}" in logs[1]
+
+
 def _pid_namespace_works() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return False
