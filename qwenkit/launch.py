@@ -277,14 +277,13 @@ def launch(
             lock = _cleanly(str(lock_path(out, rdzv.node_rank)), acquire_lock, out, rdzv.node_rank)
             if lock is None and not out.is_dir():
                 return 2
+        return _launch_locked(cfg, rdzv, lock)
     except OutputDirBusy as e:
         print(f"qwenkit train: {e}", file=sys.stderr)
         return 2
-    try:
-        return _launch_locked(cfg, rdzv, lock)
     finally:
         if lock is not None:
-            os.close(lock)
+            os.close(lock)  # torchrun's copy is closed with torchrun: the lock is free now
 
 
 def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
