@@ -303,7 +303,10 @@ def test_a_hung_rank_times_out_and_is_named(tmp_path):
     try:
         found = job.wait_for(r"qwenkit train: rank 0 failed: .*stopped answering: rank 1 \(silent for (\d+) s", which="stderr")
     finally:
-        os.kill(ranks[1], signal.SIGCONT)
+        try:
+            os.kill(ranks[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
     waited = time.monotonic() - began
     assert int(found.group(1)) >= 4 and waited < 8 + 120  # parallel.timeout_s, not gloo's 30 minutes
     assert job.wait() != 0
