@@ -129,6 +129,9 @@ class ParallelConfig:
     # Ulysses sequence parallelism: groups of sp_size ranks split every sequence (1 = off);
     # data parallelism over nproc // sp_size groups. See docs/SEQUENCE_PARALLEL.md
     sp_size: int = 1
+    # a collective (or the process group's start) waiting longer than this fails, naming the
+    # rank that stopped answering; long enough for a 7B weight load or checkpoint save
+    timeout_s: int = 600
 
 
 @dataclass
@@ -155,7 +158,7 @@ class ParamGroupConfig:
 @dataclass
 class TrainConfig:
     steps: int = 30  # the run's length: the LR schedule spans these steps
-    stop_after: int = 0  # end this invocation after that step (checkpoint saved); 0: at train.steps
+    stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 2e-3
@@ -512,6 +515,7 @@ def _check_parallel(cfg: Config, need) -> None:
     parallel = cfg.parallel
     need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
     need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
+    need(parallel.timeout_s >= 1, f"parallel.timeout_s must be >= 1 (seconds), got {parallel.timeout_s}")
     _check_sequence_parallel(cfg, need)
 
 

@@ -9,15 +9,33 @@ Multi-node: run the same command on every node with ``--nnodes N --node-rank i
 --master-addr <node 0's address>`` (default port 6000; on one node a free port, so concurrent
 jobs on one machine never collide). The exit status is torchrun's: non-zero
 when any rank fails (torchrun then stops the others and prints the failing rank's error).
+
+One folder, one job: the launcher holds an ``flock`` on ``<output_dir>/.qwenkit-node-<i>.lock``
+(its pid, host and start time inside) for the job's lifetime, torchrun inherits it; a second
+``qwenkit train`` into that folder is refused naming the holder. The kernel drops the lock when
+its holders exit however they exit, so a lock left by a dead job is simply taken over. The ranks
+read ``<output_dir>/.config-<host>-<pid>.yaml``, written by this launcher alone.
+
+Signals (see docs/CHECKPOINTS.md): SIGTERM, SIGINT and SIGUSR1 are forwarded to torchrun (which
+runs in its own process group, so a terminal's Ctrl-C reaches it once, through here); the ranks
+finish their step, save a checkpoint and exit with ``EXIT_RESUMABLE`` (75); a second signal stops
+them at once. torchrun gets SIGTERM when this process dies (``PR_SET_PDEATHSIG``), the ranks
+SIGKILL when torchrun dies.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +43,11 @@ from qwenkit import config as qconfig
 from qwenkit.device import CPU_MALLOC_ENV, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import stopping
 from qwenkit.model import lora
 from qwenkit.model.paths import resolve_path
+
+STOP_GRACE_S = 1800  # torchrun waits this long for the ranks' checkpoint after a signal, then SIGKILLs
 
 
 @dataclass(frozen=True)
@@ -55,7 +76,7 @@ def rendezvous_port(rdzv: Rendezvous) -> int:
     return free_port(rdzv.master_addr) if rdzv.nnodes == 1 else MULTINODE_PORT
 
 
-def check_before_spawn(cfg) -> list[str]:
+def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
     """Problems that would otherwise surface only inside every rank; empty when all is well."""
     problems = []
     try:
@@ -69,20 +90,36 @@ def check_before_spawn(cfg) -> list[str]:
             problems.append(heads)
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
-    problems.extend(check_resume(cfg))
+    problems.extend(check_resume(cfg, cfg.parallel.nproc * rdzv.nnodes))
     hsdp = fsdp.hsdp_problem(cfg.parallel)
     if hsdp:
         problems.append(hsdp)
     return problems
 
 
-def check_resume(cfg) -> list[str]:
-    """The checkpoint ``train.resume`` names exists; newer ones would not be written over."""
+def check_resume(cfg, world_size: int | None = None) -> list[str]:
+    """The checkpoint ``train.resume`` names exists, is whole (files and sizes as recorded; the
+    ranks verify the checksums), was saved by ``world_size`` ranks; newer ones would not be
+    written over. With ``resume: auto`` a damaged newest checkpoint is skipped, saying so."""
     try:
-        ckpt.resume_point(cfg.train, cfg.train.output_dir)
+        resume, skipped = ckpt.find_resume_checked(cfg.train.resume, cfg.train.output_dir)
     except ckpt.CheckpointError as e:
         return [str(e)]
-    return []
+    for _, problem in skipped:
+        print(f"qwenkit train: train.resume=auto: {problem}; resuming from {resume or 'scratch'} instead", file=sys.stderr)
+    problems = []
+    saved_by = ckpt.saved_world_size(resume) if resume is not None else None
+    if world_size is not None and saved_by is not None and saved_by != world_size:
+        problems.append(
+            f"checkpoint {str(resume)!r} was saved by {saved_by} ranks, this run has {world_size} "
+            f"(parallel.nproc x --nnodes): the data position and RNG are per rank; run with {saved_by} ranks "
+            "or start another train.output_dir"
+        )
+    try:
+        ckpt.refuse_newer(cfg.train, resume, cfg.train.output_dir, ignore=[path for path, _ in skipped])
+    except ckpt.CheckpointError as e:
+        problems.append(str(e))
+    return problems
 
 
 def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
@@ -95,10 +132,25 @@ def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def torchrun_stop_options() -> list[str]:
+    """torchrun's options that forward SIGUSR1 too and wait for the ranks' save (torch >= 2.8 has
+    them; older torchruns forward SIGTERM/SIGINT only and wait 30 s: see :func:`spawn`)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    fields = LaunchConfig.__dataclass_fields__
+    options = []
+    if "signals_to_handle" in fields:
+        options.append("--signals_to_handle=" + ",".join(s.name for s in (*stopping.STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT)))
+    if "shutdown_timeout" in fields:
+        options.append(f"--shutdown_timeout={STOP_GRACE_S}")
+    return options
+
+
 def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[str]:
     """torchrun's command line, run through :func:`qwenkit.torchrun.quiet_torchrun`."""
     return [
         sys.executable, "-m", "qwenkit.torchrun",
+        *torchrun_stop_options(),
         f"--nnodes={rdzv.nnodes}",
         f"--nproc-per-node={nproc}",
         f"--node-rank={rdzv.node_rank}",
@@ -106,6 +158,101 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[st
         f"--master-port={rendezvous_port(rdzv)}",
         "-m", "qwenkit.engine.train", "--config", str(config_path),
     ]  # fmt: skip
+
+
+class OutputDirBusy(RuntimeError):
+    """Another live ``qwenkit train`` holds the output_dir's lock."""
+
+
+def lock_path(output_dir: str | Path, node_rank: int = 0) -> Path:
+    return Path(output_dir) / f".qwenkit-node-{node_rank}.lock"
+
+
+def acquire_lock(output_dir: str | Path, node_rank: int = 0) -> int | None:
+    """Hold ``<output_dir>/.qwenkit-node-<i>.lock`` (an ``flock``); returns its file descriptor.
+
+    The kernel releases it when every process holding the descriptor (this one, torchrun) exits,
+    however it exits: a lock left by a dead job is taken over. Raises :class:`OutputDirBusy`
+    naming the live holder. Returns None, with a warning, on a filesystem without locks.
+    """
+    path = lock_path(output_dir, node_rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
+        os.close(fd)
+        try:
+            info = json.loads(holder)
+            who = f"pid {info.get('pid')} on {info.get('host')}, since {info.get('since')}"
+        except ValueError:
+            who = holder
+        raise OutputDirBusy(
+            f"train.output_dir={str(output_dir)!r} is in use by another qwenkit train ({who}; lock {path}); "
+            "wait for it, stop it, or use another train.output_dir"
+        ) from None
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            os.close(fd)
+            print(f"qwenkit train: warning: {path.parent} does not support file locks ({e.strerror}): "
+                  "nothing stops a second job in this output_dir", file=sys.stderr)  # fmt: skip
+            return None
+        raise
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock holds all the same, only the holder's name is missing
+    return fd
+
+
+def _torchrun_child() -> None:
+    """In torchrun's process before exec: its own process group, and SIGTERM when we die."""
+    os.setpgid(0, 0)
+    stopping.set_parent_death_signal(signal.SIGTERM)
+
+
+def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> int:
+    """Run torchrun; forward SIGTERM/SIGINT/SIGUSR1 to it; returns its exit status."""
+    proc = subprocess.Popen(cmd, env=env, pass_fds=pass_fds, preexec_fn=_torchrun_child)
+    received: list[int] = []
+    usr1_as_term = not any(option.startswith("--signals_to_handle") for option in cmd)  # an older torchrun
+
+    def forward(signum, frame):
+        received.append(signum)
+        name = signal.Signals(signum).name
+        if len(received) == 1:
+            print(f"qwenkit train: {name}: every rank finishes its step, saves a checkpoint and stops "
+                  f"(exit {stopping.EXIT_RESUMABLE}); send it again to stop at once", file=sys.stderr, flush=True)  # fmt: skip
+        else:
+            print(f"qwenkit train: {name} again: stopping at once", file=sys.stderr, flush=True)
+        try:
+            proc.send_signal(signal.SIGTERM if usr1_as_term and signum == signal.SIGUSR1 else signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in stopping.STOP_SIGNALS}
+    try:
+        code = proc.wait()
+        if code < 0:  # torchrun itself killed by a signal: its ranks died with it (PR_SET_PDEATHSIG)
+            print(f"qwenkit train: torchrun (pid {proc.pid}) was killed by {signal.Signals(-code).name}; "
+                  "its ranks were stopped with it", file=sys.stderr, flush=True)  # fmt: skip
+            code = 128 - code
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _cleanly(what: str, fn, *args):
+    """``fn(*args)``, or None after one line naming what could not be written and why."""
+    try:
+        return fn(*args)
+    except OSError as e:
+        print(f"qwenkit train: cannot write {what}: {e.strerror or e} ({getattr(e, 'filename', None) or what})", file=sys.stderr)
+        return None
 
 
 def launch(
@@ -124,19 +271,50 @@ def launch(
     if not 0 <= rdzv.node_rank < rdzv.nnodes:
         print(f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}", file=sys.stderr)
         return 2
-    problems = check_before_spawn(cfg)
-    if problems:
-        print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+    out = Path(cfg.train.output_dir)
+    lock = None
+    try:
+        if out.is_dir():  # a job there now: say so before anything else
+            lock = acquire_lock(out, rdzv.node_rank)
+        problems = check_before_spawn(cfg, rdzv)
+        if problems:
+            print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+            return 2
+        if lock is None:
+            lock = _cleanly(str(lock_path(out, rdzv.node_rank)), acquire_lock, out, rdzv.node_rank)
+            if lock is None and not out.is_dir():
+                return 2
+        return _launch_locked(cfg, rdzv, lock)
+    except OutputDirBusy as e:
+        print(f"qwenkit train: {e}", file=sys.stderr)
         return 2
-    config_path = qconfig.write_config(cfg, cfg.train.output_dir)
-    cmd = torchrun_command(config_path, cfg.parallel.nproc, rdzv)
-    print(f"qwenkit train: {shlex.join(cmd)}", flush=True)
-    code = subprocess.call(cmd, env=rank_environment(cfg, os.environ))
-    if code != 0:
-        logs = Path(cfg.train.output_dir) / "logs"
+    finally:
+        if lock is not None:
+            os.close(lock)  # torchrun's copy is closed with torchrun: the lock is free now
+
+
+def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
+    out = Path(cfg.train.output_dir)
+    if _cleanly(str(out / "config.yaml"), qconfig.write_config, cfg, out) is None:
+        return 2
+    # the ranks read a copy only this launcher wrote (config.yaml is for export and for people)
+    rank_config = out / f".config-{socket.gethostname()}-{os.getpid()}.yaml"
+    if _cleanly(str(rank_config), shutil.copyfile, out / "config.yaml", rank_config) is None:
+        return 2
+    try:
+        cmd = torchrun_command(rank_config, cfg.parallel.nproc, rdzv)
+        print(f"qwenkit train: {shlex.join(cmd)}", flush=True)
+        code = spawn(cmd, rank_environment(cfg, os.environ), pass_fds=() if lock is None else (lock,))
+    finally:
+        rank_config.unlink(missing_ok=True)
+    logs = out / "logs"
+    if code == stopping.EXIT_RESUMABLE:
+        print(f"qwenkit train: stopped with a checkpoint saved before train.steps={cfg.train.steps} "
+              f"(exit {code}, see {logs}/rank-00000.log): run the same command again to continue", file=sys.stderr)  # fmt: skip
+    elif code != 0:
         print(
-            f"qwenkit train: failed with exit code {code}; the failing rank's error is above "
-            f"(its 'qwenkit train: rank N failed' line), every rank's log is in {logs}/",
+            f"qwenkit train: failed with exit code {code}; the rank that failed first is named above "
+            f"(its own error in its 'qwenkit train: rank N failed' line), every rank's log is in {logs}/",
             file=sys.stderr,
         )
     return code

@@ -3,14 +3,95 @@
 A module of its own so that the launcher process imports only torch's elastic launcher, not the
 training kit (``qwenkit.launch`` pulls in transformers and distributed checkpointing, ~2 s more
 of every ``qwenkit train`` on a 2-core machine).
+
+Besides torch's own behaviour it
+
+- tells its ranks its pid (``QWENKIT_AGENT_PID``), so a rank started after torchrun died exits;
+- returns the ranks' exit code after a stop signal (torch raises its ``SignalException``):
+  ``EXIT_RESUMABLE`` when every rank saved and stopped, else ``128 + signal``;
+- names the rank that failed *first* (the order torchrun saw them exit, a signal death before an
+  error exit seen in the same poll: the survivors of a killed rank fail with connection errors
+  after it), with its signal, and returns that rank's code (``128 + N`` for signal N).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+import time
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
+
+from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE
+
+_first_seen: dict[int, tuple[int, float]] = {}  # pid -> (poll number, time) its failure was first seen
+_final_codes: dict[int, int] = {}  # local rank -> exit code, after torchrun stopped the ranks
+_polls = [0]
+
+
+def _record_failures(capture):
+    def wrapped(self, done_local_ranks):
+        _polls[0] += 1
+        capture(self, done_local_ranks)
+        for failure in self._failures.values():
+            _first_seen.setdefault(failure.pid, (_polls[0], time.monotonic()))
+
+    return wrapped
+
+
+def _record_shutdown(shutdown):
+    def wrapped(self, *args, **kwargs):
+        shutdown(self, *args, **kwargs)
+        pcontext = getattr(self, "_pcontext", None)
+        for local_rank, handler in getattr(pcontext, "subprocess_handlers", {}).items():
+            if handler.proc.returncode is not None:
+                _final_codes[local_rank] = handler.proc.returncode
+
+    return wrapped
+
+
+class _QuietStop(logging.Filter):
+    """Drop torch's 'failed (exitcode: 75)' (a rank that saved and stopped did not fail) and its
+    lines about forwarding a stop signal (the launcher said it in one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("failed (exitcode") and record.args and record.args[0] == EXIT_RESUMABLE:
+            return False
+        return not msg.startswith(("Received %s death signal", "Sending process %s closing signal"))
+
+
+def shell_code(exitcode: int) -> int:
+    """A process's exit status as a shell reports it: ``128 + N`` for a death by signal N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def describe(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    if exitcode == EXIT_RESUMABLE:
+        return f"stopped with a checkpoint (exit {EXIT_RESUMABLE})"
+    return f"exited with {exitcode}"
+
+
+def first_failure(failures: dict) -> tuple[int, object]:
+    """The (global rank, ProcessFailure) that failed first: earliest poll, then a signal death."""
+
+    def order(rank):
+        f = failures[rank]
+        poll, at = _first_seen.get(f.pid, (sys.maxsize, float("inf")))
+        return (poll, 0 if f.exitcode < 0 else 1, at, rank)
+
+    rank = min(failures, key=order)
+    return rank, failures[rank]
 
 
 def quiet_torchrun(argv: list[str]) -> int:
@@ -18,14 +99,35 @@ def quiet_torchrun(argv: list[str]) -> int:
 
     A qwenkit rank reports its own failure, one line then the traceback (see
     ``qwenkit.engine.train.report_failure``), and exits with status 1; torchrun then stops the other
-    ranks and raises ``ChildFailedError``, whose printout is dropped here. torchrun's own
-    errors (bad arguments, rendezvous) still surface.
+    ranks and raises ``ChildFailedError``, whose printout is replaced here by one line naming the
+    rank that failed first. torchrun's own errors (bad arguments, rendezvous) still surface.
     """
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    if hasattr(SubprocessContext, "_capture_process_failures"):  # torch >= 2.8; before, signal deaths first
+        SubprocessContext._capture_process_failures = _record_failures(SubprocessContext._capture_process_failures)
+    LocalElasticAgent._shutdown = _record_shutdown(LocalElasticAgent._shutdown)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_QuietStop())
     try:
         torchrun_main(argv)
     except ChildFailedError as e:
-        _, failure = e.get_first_failure()
-        return failure.exitcode if failure.exitcode > 0 else 1
+        rank, failure = first_failure(e.failures)
+        if failure.exitcode == EXIT_RESUMABLE:
+            return EXIT_RESUMABLE
+        others = sorted(r for r in e.failures if r != rank)
+        after = f"; then torchrun stopped rank(s) {', '.join(map(str, others))}" if others else ""
+        print(
+            f"qwenkit train: rank {rank} (pid {failure.pid}) failed first: {describe(failure.exitcode)}{after}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        return shell_code(failure.exitcode) or 1
+    except SignalException as e:
+        codes = set(_final_codes.values())
+        if codes == {EXIT_RESUMABLE}:
+            return EXIT_RESUMABLE
+        print(f"qwenkit train: stopped by {e.sigval.name}; rank exit codes "
+              f"{dict(sorted(_final_codes.items()))}", file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + int(e.sigval)
     return 0
 
 

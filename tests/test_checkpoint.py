@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -30,7 +29,7 @@ from conftest import make_batch
 from multiproc import check_ranks, run_ranks
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import cli, data
+from qwenkit import cli, data, launch
 from qwenkit import config as qconfig
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import export as hf_export
@@ -341,7 +340,7 @@ def test_pruning_never_removes_the_checkpoint_written_or_a_newer_one(tmp_path):
 )
 def test_launcher_refuses_a_resume_behind_newer_checkpoints(tmp_path, monkeypatch, capsys, resume, refused):
     spawned = []
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: spawned.append(a) or 0)
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: spawned.append(a) or 0)
     root = _fake_checkpoints(tmp_path, [2, 4])
     target = resume if resume in ("none", "auto") else str(root / resume)
     args = ["train", f"train.output_dir={tmp_path}", f"train.resume={target}"]

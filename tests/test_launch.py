@@ -130,7 +130,7 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
     def no_spawn(*a, **k):
         raise AssertionError("torchrun must not start on an invalid config")
 
-    monkeypatch.setattr(subprocess, "call", no_spawn)
+    monkeypatch.setattr(launch, "spawn", no_spawn)
     out = tmp_path / "run"
     assert cli.main(["train", "train.steps=0", f"train.output_dir={out}"]) == 2
     assert "train.steps must be > 0" in capsys.readouterr().err
@@ -144,7 +144,7 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("version, refused", [("2.7.1", True), ("2.7.1+cpu", True), ("2.13.0", False)])
 def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypatch, capsys, version, refused):
     monkeypatch.setattr(torch, "__version__", version)
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: 0)  # a run that would start reports success
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)  # a run that would start reports success
     out = tmp_path / "run"
     code = cli.main(["train", "--nproc", "2", "parallel.hsdp_replicas=2", "parallel.device=cpu", f"train.output_dir={out}"])
     err = capsys.readouterr().err

@@ -310,7 +310,7 @@ def test_export_loads_in_peft_and_merged_with_qwenkits_logits(resumed, tmp_path,
     ],
 )
 def test_targets_that_match_nothing_are_named_before_spawning(tmp_path, monkeypatch, capsys, overrides, message):
-    monkeypatch.setattr(launch.subprocess, "call", lambda *a, **k: pytest.fail("spawned"))
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("spawned"))
     code = launch.launch(None, [*overrides, f"train.output_dir={tmp_path}"])
     assert code == 2 and message in capsys.readouterr().err
 

@@ -78,7 +78,7 @@ def init_distributed(parallel_cfg) -> Runtime:
         torch.get_device_module(device_type).set_device(device)
     owns = not dist.is_initialized()
     if owns:
-        timeout = datetime.timedelta(minutes=30)  # first steps of a 7B run include long weight loads
+        timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)  # every collective; see parallel.timeout_s
         if "RANK" in os.environ:
             # device_id: NCCL binds the communicator to this rank's GPU up front
             dist.init_process_group(backend, timeout=timeout, device_id=device if device_type == "cuda" else None)

@@ -7,16 +7,30 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
 - ``train_state.pt``: the step (the same on every rank, written by rank 0);
 - ``rank-00000.pt`` ...: per rank, the data position (``sampler.state_dict()``) and the RNG
   states of python, numpy, torch CPU and the accelerator;
-- ``COMPLETE.json``, written last.
+- ``manifest-rank-00000.json`` ...: per rank, the size and CRC-32 of every file that rank wrote;
+- ``COMPLETE.json``, written last: step, world size, and every file's size and CRC-32.
 
-Saving is atomic: everything is written under ``.tmp-step-00000012``; after a barrier (every
-rank done) rank 0 writes ``COMPLETE.json`` and renames the directory. A save killed midway
-leaves a ``.tmp-*`` directory that is never picked as latest (and is removed by the next save),
-so the previous checkpoint stays the one a resume selects.
+Saving is atomic: everything is written under ``.tmp-step-00000012``; then every rank checks that
+it sees every rank's files, as the manifests list them (ranks on nodes without one shared
+output_dir do not, and the save is refused, naming them); only then does rank 0 write
+``COMPLETE.json`` and rename the directory. A save killed midway leaves a ``.tmp-*`` directory
+that is never picked as latest (and is removed by the next save), so the previous checkpoint
+stays the one a resume selects. A save that fails (a full disk: DCP's ``CheckpointException``)
+removes its partial directory and raises one :class:`CheckpointError` on every rank naming the
+disk, the bytes free and about the bytes needed.
+
+Integrity: a resume checks every file against ``COMPLETE.json`` (sizes in the launcher, before
+any process starts; CRC-32s in the ranks, each rank reading its share of the files). A damaged
+checkpoint (a flipped byte, a truncated or missing file, an empty or invalid ``COMPLETE.json``)
+is one error naming the checkpoint and the file and the newest older complete checkpoint;
+``train.resume: auto`` falls back to that one by itself, saying so, and moves the damaged one
+aside to ``checkpoints/damaged-<name>-<time>/``. The ranks agree on the resume point: every rank
+must see the same checkpoints (else the run is refused: no shared filesystem).
 
 No checkpoint is lost by surprise: a save never replaces a complete checkpoint, and pruning
 (``checkpoint.keep_last``) removes only checkpoints *older* than the one just written, never it
-and never a newer one. Resuming from a checkpoint older than the newest in the output_dir (or
+and never a newer one; it first renames a checkpoint to ``.prune-step-*`` (so a kill during the
+delete never leaves a complete-looking checkpoint with files missing), then deletes it. Resuming from a checkpoint older than the newest in the output_dir (or
 starting fresh next to checkpoints) would write over that newer history, so it is refused
 unless ``train.resume_older`` is set; then the newer checkpoints are moved, whole, to
 ``checkpoints/superseded-<time>/`` (out of reach of ``resume: auto`` and pruning), never deleted.
@@ -24,12 +38,14 @@ unless ``train.resume_older`` is set; then the newer checkpoints are moved, whol
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +66,9 @@ log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE.json"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
+PRUNE_PREFIX = ".prune-step-"
+MANIFEST = "manifest-rank-{rank:05d}.json"
+CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -89,15 +108,23 @@ def step_of(path: Path) -> int:
     return int(path.name[len(PREFIX) :])
 
 
-def newer_checkpoints(resume: Path | None, output_dir: str | Path) -> list[Path]:
+def newer_checkpoints(resume: Path | None, output_dir: str | Path, ignore=()) -> list[Path]:
     """Complete checkpoints in ``output_dir`` past the resume point (all of them for a fresh start)."""
-    start = 0 if resume is None else int(json.loads((resume / COMPLETE).read_text())["step"])
-    return [p for p in complete_checkpoints(checkpoint_root(output_dir)) if step_of(p) > start]
+    start = 0 if resume is None else _resume_step(resume)
+    ignore = {Path(p) for p in ignore}
+    return [p for p in complete_checkpoints(checkpoint_root(output_dir)) if step_of(p) > start and p not in ignore]
 
 
-def older_resume_problem(resume: Path | None, output_dir: str | Path) -> str | None:
+def _resume_step(resume: Path) -> int:
+    try:
+        return int(read_marker(resume)["step"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return step_of(resume) if resume.name.startswith(PREFIX) else 0
+
+
+def older_resume_problem(resume: Path | None, output_dir: str | Path, ignore=()) -> str | None:
     """The problem with resuming there (``None`` when no newer checkpoint would be written over)."""
-    newer = newer_checkpoints(resume, output_dir)
+    newer = newer_checkpoints(resume, output_dir, ignore)
     if not newer:
         return None
     start = f"train.resume={str(resume)!r}" if resume is not None else "a fresh start (train.resume=none)"
@@ -132,19 +159,135 @@ def find_resume(resume: str, output_dir: str | Path) -> Path | None:
     return path
 
 
-def resume_point(train_cfg, output_dir: str | Path) -> Path | None:
-    """The checkpoint a run resumes from (None: a fresh start), or :class:`CheckpointError` if it must not start.
+def refuse_newer(train_cfg, resume: Path | None, output_dir: str | Path, ignore=()) -> bool:
+    """The one resume rule, checked by the launcher before any rank starts and by every rank.
 
-    The one resume rule, checked by the launcher before any rank starts and by every rank:
-    ``train.resume`` must name a complete checkpoint (or ``auto``/``none``), and newer complete
-    checkpoints in ``output_dir`` are never written over unless ``train.resume_older`` (then the
-    caller moves them aside with :func:`set_aside`).
+    Newer complete checkpoints in ``output_dir`` (other than ``ignore``: damaged ones ``auto``
+    skipped) are never written over: :class:`CheckpointError` unless ``train.resume_older``; then
+    returns True and the caller moves them aside with :func:`set_aside`.
     """
-    resume = find_resume(train_cfg.resume, output_dir)
-    problem = older_resume_problem(resume, output_dir)
+    problem = older_resume_problem(resume, output_dir, ignore)
     if problem and not train_cfg.resume_older:
         raise CheckpointError(problem)
-    return resume
+    return problem is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity
+
+
+def crc32_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def read_marker(path: Path) -> dict:
+    """``COMPLETE.json`` of ``path``; a :class:`CheckpointError` naming it when empty or invalid."""
+    marker_path = Path(path) / COMPLETE
+    try:
+        text = marker_path.read_text()
+        marker = json.loads(text)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {COMPLETE} is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        what = "empty" if not text.strip() else f"not valid JSON ({e})" if isinstance(e, ValueError) else str(e)
+        raise CheckpointError(f"checkpoint {str(path)!r}: {COMPLETE} is {what}") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {COMPLETE} is not a JSON object")
+    return marker
+
+
+def saved_world_size(path: Path) -> int | None:
+    try:
+        return read_marker(path).get("world_size")
+    except CheckpointError:
+        return None
+
+
+def check_files(path: Path, checksums: bool = False, rank: int = 0, world_size: int = 1) -> str | None:
+    """What is wrong with checkpoint ``path`` (``None``: nothing found), naming the file.
+
+    Sizes of every file always; with ``checksums``, the CRC-32 of this rank's share of the files
+    (every ``world_size``-th, from ``rank``). A marker from before checksums (no ``files``) only
+    needs to be valid JSON.
+    """
+    path = Path(path)
+    try:
+        marker = read_marker(path)
+    except CheckpointError as e:
+        return str(e)
+    files = marker.get("files")
+    if files is None:
+        return None
+    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
+        file = path / name
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            return f"checkpoint {str(path)!r}: {name} is missing"
+        if actual != size:
+            return f"checkpoint {str(path)!r}: {name} is {actual} bytes, {size} were saved (truncated or replaced)"
+        if checksums and i % world_size == rank:
+            found = crc32_file(file)
+            if found != crc:
+                return f"checkpoint {str(path)!r}: {name} fails its checksum (CRC-32 {found:08x}, {crc:08x} saved): damaged"
+    return None
+
+
+def older_complete(path: Path, damaged=()) -> Path | None:
+    """The newest complete checkpoint older than ``path`` next to it that passes :func:`check_files`."""
+    damaged = {Path(p) for p in damaged}
+    try:
+        step = step_of(path)
+    except ValueError:
+        return None
+    for candidate in reversed(complete_checkpoints(path.parent)):
+        if step_of(candidate) < step and candidate not in damaged and check_files(candidate) is None:
+            return candidate
+    return None
+
+
+def damaged_error(problem: str, path: Path, damaged=()) -> CheckpointError:
+    older = older_complete(path, damaged)
+    offer = (f"the newest older complete checkpoint is {str(older)!r} (train.resume={older}, or train.resume=auto "
+             "falls back to it)") if older else "there is no older complete checkpoint"  # fmt: skip
+    return CheckpointError(f"{problem}; {offer}")
+
+
+def find_resume_checked(resume: str, output_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """:func:`find_resume` with the cheap checks (marker, files, sizes): ``(path, skipped)``.
+
+    ``auto`` skips damaged checkpoints (returned in ``skipped`` with their problem); a path
+    that is damaged raises, naming the file and the newest older complete checkpoint.
+    """
+    if resume not in ("auto", "none"):
+        path = find_resume(resume, output_dir)
+        problem = check_files(path)
+        if problem:
+            raise damaged_error(f"train.resume={resume!r}: {problem}", path)
+        return path, []
+    if resume == "none":
+        return None, []
+    skipped = []
+    for path in reversed(complete_checkpoints(checkpoint_root(output_dir))):
+        problem = check_files(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    if skipped:
+        raise CheckpointError(f"train.resume=auto: no usable checkpoint: {'; '.join(p for _, p in skipped)}")
+    return None, []
+
+
+def set_aside_damaged(path: Path) -> Path:
+    """Move a damaged checkpoint to ``checkpoints/damaged-<name>-<time>/`` (kept for a look, never resumed)."""
+    dest = path.parent / f"damaged-{path.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    os.rename(path, dest)
+    _fsync_dir(path.parent)
+    return dest
 
 
 def resolve(path: str | Path) -> Path:
@@ -194,35 +337,165 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
     """Collective: every rank calls it. Returns the final directory.
 
     Raises :class:`CheckpointError` on every rank, before writing anything, when a complete
-    checkpoint of that step exists already (the trainer refuses the runs that would get here).
+    checkpoint of that step exists already (the trainer refuses the runs that would get here);
+    after writing, when a rank failed to write (the partial directory is removed) or when a rank
+    does not see every rank's files (no shared output_dir).
     """
-    root, rank = Path(root), dist.get_rank()
+    root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
     tmp, final = root / f"{TMP_PREFIX}{step:08d}", step_dir(root, step)
     if (final / COMPLETE).is_file():
         raise CheckpointError(f"checkpoint {str(final)!r} exists already; a save never replaces one")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{TMP_PREFIX}*"):  # left by a save that was killed
+        for stale in [*root.glob(f"{TMP_PREFIX}*"), *root.glob(f"{PRUNE_PREFIX}*")]:  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
-    _write(tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
+    report = {"rank": rank, "error": None, "enospc": False, "nbytes": 0, "ranks": []}
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+        report["nbytes"] = _nbytes(model_sd) + _nbytes(optim_sd)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+        _write(tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
+        if rank == 0:
+            _write(tmp / "train_state.pt", {"step": step})
+        mine = _files_of_rank(tmp, rank)
+        manifest = {name: [(tmp / name).stat().st_size, crc32_file(tmp / name)] for name in mine}
+        _write_text(tmp / MANIFEST.format(rank=rank), json.dumps(manifest))
+    except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
+        failures = getattr(e, "failures", None)  # DCP names the ranks whose writes failed
+        report.update(error=_one_line(e), enospc=_is_enospc(e), ranks=sorted(failures) if isinstance(failures, dict) else [rank])
+        report["free"] = shutil.disk_usage(root).free if root.exists() else 0
+    reports = [None] * world
+    dist.all_gather_object(reports, report)  # every rank's files are on disk, or its error
+    failed = [r for r in reports if r["error"]]
+    files, problem = {}, None
+    if not failed:  # every rank checks that it sees what every rank wrote
+        files, problem = _gather_manifests(tmp, world, rank)
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    problems = [p for p in problems if p]
+    if failed or problems:
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial save, on every rank's filesystem
+        previous = latest(root)
+        kept = f"{str(previous)!r} is intact" if previous else "there is no earlier checkpoint"
+        if failed:
+            message = _save_failure(step, tmp, failed, sum(r["nbytes"] for r in reports), min(r["free"] for r in failed))
+        else:
+            message = (f"checkpoint step {step} not saved: {problems[0]}: every rank must write to the same "
+                       "train.output_dir (a filesystem shared by every node)")  # fmt: skip
+        message += f"; the partial save was removed; {kept}"
+        log.error("%s", message)
+        dist.barrier()
+        raise CheckpointError(message)
     if rank == 0:
-        _write(tmp / "train_state.pt", {"step": step})
-    dist.barrier()  # every rank's files are on disk
-    if rank == 0:
-        marker = {"step": step, "world_size": dist.get_world_size(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        marker = {
+            "step": step, "world_size": world, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "checksum": "crc32", "files": files,
+        }  # fmt: skip
         _write_text(tmp / COMPLETE, json.dumps(marker))
         if final.exists():  # an incomplete leftover (no COMPLETE.json), never a finished checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
         for old in prunable(root, final, keep_last):
-            shutil.rmtree(old, ignore_errors=True)
+            prune(old)
     dist.barrier()
     return final
+
+
+def prune(path: Path) -> None:
+    """Delete a checkpoint: renamed to ``.prune-step-*`` first, so it stops counting before any file goes."""
+    aside = path.parent / f"{PRUNE_PREFIX}{path.name[len(PREFIX) :]}"
+    os.rename(path, aside)
+    _fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _nbytes(state) -> int:
+    """Bytes of the tensors in a (nested) state dict, this rank's shards only."""
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _files_of_rank(tmp: Path, rank: int) -> list[str]:
+    """The files rank ``rank`` wrote into ``tmp``: DCP names its shards ``__<rank>_<i>.distcp``;
+    the coordinator (rank 0) writes ``.metadata`` and ``train_state.pt``."""
+    names = {n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") and n.endswith(".distcp")}
+    names.add(f"rank-{rank:05d}.pt")
+    if rank == 0:
+        names.update(n for n in (".metadata", "train_state.pt") if (tmp / n).is_file())
+    return sorted(names)
+
+
+def _gather_manifests(tmp: Path, world: int, rank: int) -> tuple[dict, str | None]:
+    """All ranks' manifests merged, as this rank sees them, or the first file it does not see."""
+    files = {}
+    for r in range(world):
+        manifest = tmp / MANIFEST.format(rank=r)
+        try:
+            listed = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            return {}, f"rank {rank} does not see rank {r}'s files in {str(tmp)!r} (no {manifest.name})"
+        for name, (size, crc) in listed.items():
+            try:
+                actual = (tmp / name).stat().st_size
+            except FileNotFoundError:
+                return {}, f"rank {rank} does not see {name} (written by rank {r}) in {str(tmp)!r}"
+            if actual != size:
+                return {}, f"rank {rank} sees {name} (written by rank {r}) with {actual} bytes, {size} were written"
+            files[name] = [size, crc]
+        files[manifest.name] = [manifest.stat().st_size, crc32_file(manifest)]
+    return files, None
+
+
+def _causes(error: BaseException):
+    """``error``, its causes, and the per-rank failures inside DCP's CheckpointException."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values() if isinstance(getattr(e, "failures", None), dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def _is_enospc(error: BaseException) -> bool:
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
+
+
+def _one_line(error: BaseException) -> str:
+    for e in _causes(error):
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: {e}"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _save_failure(step: int, tmp: Path, failed: list[dict], needed: int, free: int) -> str:
+    ranks = ", ".join(str(r) for r in sorted({r for report in failed for r in report["ranks"]}))
+    if any(r["enospc"] for r in failed):
+        where = _mount_point(tmp.parent)
+        return (f"checkpoint step {step} not saved: the disk of {str(tmp.parent)!r} (mounted at {where}) is full: "
+                f"{free:,} bytes free, this save needs about {needed:,} bytes (rank {ranks})")  # fmt: skip
+    return f"checkpoint step {step} not saved: rank {ranks} failed to write it: {failed[0]['error']}"
+
+
+def _mount_point(path: Path) -> str:
+    path = Path(path).resolve()
+    dev = path.stat().st_dev
+    while path.parent != path and path.parent.stat().st_dev == dev:
+        path = path.parent
+    return str(path)
 
 
 def prunable(root: Path, written: Path, keep_last: int) -> list[Path]:
@@ -273,8 +546,8 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
     path, rank = Path(path), dist.get_rank()
     error = None
     try:
-        marker = json.loads((path / COMPLETE).read_text())
-        if marker["world_size"] != dist.get_world_size():
+        marker = read_marker(path)
+        if marker.get("world_size", dist.get_world_size()) != dist.get_world_size():
             raise CheckpointError(
                 f"saved by {marker['world_size']} ranks, this job has {dist.get_world_size()}: the data "
                 "position and RNG are per rank (model and optimizer could be resharded, the data order not)"

@@ -50,6 +50,7 @@ from qwenkit import data, patches
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import stopping
 from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
 from qwenkit.engine.profiling import ProfileWindow
@@ -143,9 +144,9 @@ def _to(batch: dict, device: torch.device) -> dict:
 # The run
 
 
-def run(cfg, data_builder: Callable | None = None) -> Trainer:
+def run(cfg, data_builder: Callable | None = None, stop: stopping.StopRequest | None = None) -> Trainer:
     """Train this rank to ``train.steps``; see :class:`Trainer`."""
-    trainer = Trainer(cfg, data_builder)
+    trainer = Trainer(cfg, data_builder, stop)
     trainer.run()
     return trainer
 
@@ -156,12 +157,16 @@ class Trainer:
     ``data_builder(cfg, processor, rank, world_size)`` defaults to ``qwenkit.data.build``.
     """
 
-    def __init__(self, cfg, data_builder: Callable | None = None):
+    def __init__(self, cfg, data_builder: Callable | None = None, stop: stopping.StopRequest | None = None):
         self.cfg, self.data_builder = cfg, data_builder
         self.out_dir = Path(cfg.train.output_dir)
         self.history: list[dict] = []  # one dict of metrics per step run here
         self.start_step = 0  # the step resumed from (0: fresh)
-        self.last_step = cfg.train.stop_after or cfg.train.steps  # this invocation ends here
+        self.last_step = cfg.train.steps  # this invocation ends here (train.stop_after: set after the resume)
+        self.step = 0  # the last step done (the resumed step before any)
+        self.stop_request = stop  # a signal noted by the rank's handler (see qwenkit.engine.stopping)
+        self.stopped_by: str | None = None  # the signal that stopped the run, after it saved
+        self.heartbeat: stopping.Heartbeat | None = None
         self.checkpoint: Path | None = None  # the last checkpoint written
         self.evals: list[dict] = []  # {"step", "eval_loss"[, "eval_accuracy"]} per evaluation run here
         self.evaluator: Evaluator | None = None
@@ -173,12 +178,26 @@ class Trainer:
         # from any number of ranks anyway (temp dir + rename, rank 0 alone under a process group)
         self.model_path = paths.resolve_path(self.cfg.model)
         self.rt = fsdp.init_distributed(self.cfg.parallel)
-        self.setup()
-        if self.start_step < self.last_step:
-            self.train()
-        elif self.rt.rank == 0:
-            log.info("already at step %d of %d: nothing to train", self.start_step, self.last_step)
+        self.heartbeat = stopping.Heartbeat.start_default(self.rt.rank, self.rt.world_size, self.cfg.parallel.timeout_s)
+        try:
+            self.setup()
+            t = self.cfg.train
+            # train.stop_after: at most that many more steps in this invocation (then run it again)
+            self.last_step = min(self.start_step + t.stop_after, t.steps) if t.stop_after else t.steps
+            self.step = self.start_step
+            if self.start_step < self.last_step:
+                self.train()
+            elif self.rt.rank == 0:
+                log.info("training is complete: at step %d of train.steps=%d, nothing to train", self.start_step, t.steps)
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
         fsdp.shutdown(self.rt)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when ``train.steps`` is reached, else :data:`stopping.EXIT_RESUMABLE` (a checkpoint to go on from)."""
+        return 0 if self.step >= self.cfg.train.steps else stopping.EXIT_RESUMABLE
 
     def setup(self) -> None:
         cfg, rt, t = self.cfg, self.rt, self.cfg.train
@@ -250,14 +269,57 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t, self.start_step)
 
     def resume_point(self) -> Path | None:
-        """The checkpoint ``train.resume`` names; newer ones in output_dir are never written over.
+        """The checkpoint ``train.resume`` names, verified and agreed by every rank.
 
-        The launcher refuses such a run before any rank starts; this check covers ranks started
-        another way. With ``train.resume_older`` rank 0 moves the newer ones aside (not deleted).
+        Every rank must see the same checkpoints (else: no shared output_dir, refused). The
+        files' checksums are verified, each rank reading its share; a damaged checkpoint is an
+        error naming the file, except under ``resume: auto``, which falls back to the newest
+        older complete one (saying so) and moves the damaged one aside. Newer checkpoints in
+        output_dir are never written over: the launcher refuses such a run before any rank
+        starts; this check covers ranks started another way. With ``train.resume_older`` rank 0
+        moves the newer ones aside (not deleted).
         """
         t, main_rank = self.cfg.train, self.rt.rank == 0
-        resume = ckpt.resume_point(t, self.out_dir)  # raises where the launcher refuses
-        if t.resume_older and ckpt.newer_checkpoints(resume, self.out_dir):
+        root = ckpt.checkpoint_root(self.out_dir)
+        seen = [(p.name, _marker_text(p)) for p in ckpt.complete_checkpoints(root)]
+        views = [None] * self.rt.world_size
+        dist.all_gather_object(views, seen)
+        if any(v != views[0] for v in views):
+            differ = next(r for r, v in enumerate(views) if v != views[0])
+            raise ckpt.CheckpointError(
+                f"the ranks do not see the same checkpoints in {str(root)!r}: rank 0 sees "
+                f"{[n for n, _ in views[0]] or 'none'}, rank {differ} sees {[n for n, _ in views[differ]] or 'none'}: "
+                "every node must write to one train.output_dir (a filesystem shared by every node)"
+            )
+        if t.resume == "none":
+            candidates = []
+        elif t.resume == "auto":
+            candidates = list(reversed(ckpt.complete_checkpoints(root)))
+        else:
+            candidates = [ckpt.find_resume(t.resume, self.out_dir)]
+        resume, damaged, found = None, [], []
+        for candidate in candidates:
+            problem = ckpt.check_files(candidate, checksums=True, rank=self.rt.rank, world_size=self.rt.world_size)
+            problems = [None] * self.rt.world_size
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
+            if problem is None:
+                resume = candidate
+                break
+            if t.resume != "auto":
+                raise ckpt.damaged_error(f"train.resume={t.resume!r}: {problem}", candidate)
+            damaged.append(candidate)
+            found.append(problem)
+            if main_rank:
+                log.warning("train.resume=auto: %s; falling back to the newest older complete checkpoint", problem)
+        if damaged and resume is None:
+            raise ckpt.CheckpointError(f"train.resume=auto: no usable checkpoint, every one is damaged: {'; '.join(found)}")
+        dist.barrier()
+        if main_rank:
+            for path in damaged:
+                log.warning("moved the damaged %s to %s", path.name, ckpt.set_aside_damaged(path))
+        dist.barrier()
+        if ckpt.refuse_newer(t, resume, self.out_dir):  # raises where the launcher refuses
             dist.barrier()  # every rank has looked before rank 0 moves anything
             if main_rank:
                 moved = ckpt.set_aside(ckpt.newer_checkpoints(resume, self.out_dir))
@@ -298,13 +360,26 @@ class Trainer:
                         f"step {step}/{t.steps}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.3f}  "
                         f"lr {values['lr']:.2e}  {values['tokens_per_s']:.0f} tok/s  {values['step_time']:.2f} s"
                     )
-                if (ck.every and step % ck.every == 0) or (step == self.last_step and ck.save_final):
+                self.step = step
+                if self.heartbeat is not None:
+                    self.heartbeat.step = step
+                stop = stopping.agreed(self.stop_request, rt.device)  # every rank, the same step
+                if stop:
+                    self.stopped_by = (self.stop_request.name if self.stop_request else None) or "a stop signal to another rank"
+                    log.info("stop requested (%s) during step %d: saving a checkpoint", self.stopped_by, step)
+                if (ck.every and step % ck.every == 0) or (step == self.last_step and ck.save_final) or stop:
                     self.checkpoint = ckpt.save(
                         ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer,
                         self.bundle.sampler, rt.device, ck.keep_last,
                     )
                     if main_rank:
                         tqdm.write(f"checkpoint saved: {self.checkpoint}")
+                if stop:
+                    (log.warning if main_rank else log.info)(
+                        "stopped by %s after step %d of %d: checkpoint %s saved; run the same command again to continue",
+                        self.stopped_by, step, t.steps, self.checkpoint,
+                    )
+                    break
         finally:
             bar.close()
             window.close()
@@ -395,7 +470,7 @@ def _setup_logging(rank: int, output_dir: Path) -> Path:
     return path
 
 
-def report_failure(rank: int, error: BaseException, log_path: Path | None) -> str:
+def report_failure(rank: int, error: BaseException, log_path: Path | None, note: str = "") -> str:
     """One line first (rank, exception, log), the traceback below it, once; returns the line.
 
     torchrun would print a failing rank's traceback up to three times (the rank, its error file,
@@ -406,6 +481,8 @@ def report_failure(rank: int, error: BaseException, log_path: Path | None) -> st
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     where = f"log: {log_path}" if log_path is not None else "no log file: failed before logging started"
     line = f"qwenkit train: rank {rank} failed: {type(error).__name__}: {message} ({where})"
+    if note:
+        line += f"; {note}"
     details = "".join(traceback.format_exception(error))
     print(f"{line}\n{details}", file=sys.stderr, flush=True)
     if log_path is not None:
@@ -421,15 +498,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
-    log_path = None
+    if os.environ.get(stopping.AGENT_PID_ENV):
+        stopping.die_with_parent()  # torchrun SIGKILLed: this rank goes with it
+    stop = stopping.StopRequest.install()  # SIGTERM/SIGINT/SIGUSR1: save at the end of the step, exit 75
+    log_path = trainer = None
     try:
         cfg = qconfig.load(args.config, args.overrides)
         log_path = _setup_logging(rank, Path(cfg.train.output_dir))
-        run(cfg)
+        trainer = Trainer(cfg, stop=stop)
+        trainer.run()
     except Exception as e:  # noqa: BLE001 - every failure is reported the same readable way
-        report_failure(rank, e, log_path)
+        beat = trainer.heartbeat if trainer is not None else None
+        note = beat.describe() if beat is not None and _looks_like_a_peer(e) else ""
+        report_failure(rank, e, log_path, note)
         return 1
-    return 0
+    return trainer.exit_code
+
+
+def _marker_text(path: Path) -> str:
+    try:
+        return (path / ckpt.COMPLETE).read_text()
+    except OSError:
+        return ""
+
+
+def _looks_like_a_peer(error: BaseException) -> bool:
+    """A collective that timed out or lost its peer (gloo, NCCL): worth naming who went quiet."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in ("timed out", "timeout", "connection", "peer"))
 
 
 if __name__ == "__main__":
