@@ -26,6 +26,7 @@ One optimizer step:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -188,7 +189,10 @@ class Trainer:
         patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)  # logs its report
         model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
         if main_rank:
-            log.info("parameters:\n%s", registry.format_manifest(registry.parameter_manifest(model)))
+            manifest = registry.parameter_manifest(model)
+            log.info("parameters:\n%s", registry.format_manifest(manifest))
+            # read by sweeps and notebook 05 (trainable parameters per run), see qwenkit.engine.ledger
+            (self.out_dir / "parameters.json").write_text(json.dumps(manifest, indent=1) + "\n")
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed
