@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import types
 import typing
@@ -138,7 +139,7 @@ class TrainConfig:
     # weights on rank 0 and generates there while the other ranks wait
     eval_accuracy_every: int = 0
     eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
-    report_to: list[Literal["tensorboard"]] = field(default_factory=list)  # besides the metrics JSONL
+    report_to: list[Literal["tensorboard", "mlflow"]] = field(default_factory=list)  # besides the metrics JSONL
 
 
 @dataclass
@@ -449,6 +450,10 @@ def _check_train(cfg: Config, need) -> None:
     need(train.eval_samples >= 0, f"train.eval_samples must be >= 0, got {train.eval_samples}")
     need(train.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {train.eval_accuracy_every}")
     need(train.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {train.eval_max_new_tokens}")
+    need(
+        "mlflow" not in train.report_to or importlib.util.find_spec("mlflow") is not None,
+        "train.report_to: mlflow needs the mlflow package, which is not installed; pip install 'qwenkit[mlflow]'",
+    )
 
 
 def _check_checkpoint(cfg: Config, need) -> None:

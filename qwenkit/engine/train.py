@@ -247,7 +247,7 @@ class Trainer:
         main_rank = rt.rank == 0
         params = [p for p in self.model.parameters() if p.requires_grad]
         batches = self.bundle.batches()  # created after the resume: starts at the restored position
-        metrics = MetricsWriter(self.out_dir, rt.rank, rt.device, t.report_to)
+        metrics = MetricsWriter(self.out_dir, rt.rank, rt.device, t.report_to, cfg.to_dict())
         window = ProfileWindow(cfg.profile, rt.device, self.out_dir, rt.rank)
         # disable=None: a bar on a terminal, none in batch logs (which get the step lines below)
         bar = tqdm(total=t.steps, initial=self.start_step, disable=None if main_rank else True, desc="train")
