@@ -49,6 +49,7 @@ VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEV
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+).*?(\d+) tok/s")  # the trainer's step line
 RESUMED = re.compile(r"resumed from \S+ at step (\d+)")
 ERROR_LINE = re.compile(r"failed: |invalid run|Error|error:")
+RANK_FAILED = re.compile(r"^qwenkit train: rank \d+ failed: ")  # qwenkit.engine.train.report_failure
 
 
 class SweepError(ValueError):
@@ -335,6 +336,9 @@ def run(
 def _run_all(sweep, todo, slots, stop_on_failure, progress, env, before) -> None:
     """Start trials on free slots; every event comes back through one queue to this thread."""
     events: queue.Queue = queue.Queue()
+    history: dict[str, list[dict[str, Any]]] = {}
+    for row in ledger.read(sweep.out_dir):
+        history.setdefault(row["trial"], []).append(row)
     free = list(range(len(slots)))
     running: dict[str, subprocess.Popen] = {}
     pending = list(todo)
@@ -348,7 +352,8 @@ def _run_all(sweep, todo, slots, stop_on_failure, progress, env, before) -> None
                 running[trial.name] = proc
                 note = "resuming" if attempt > 1 else "starting"
                 progress.start(trial, note)
-                threading.Thread(target=_follow, args=(trial, proc, slot, attempt, events), daemon=True).start()
+                earlier = sum(r.get("wall_s") or 0.0 for r in history.get(trial.name, []))
+                threading.Thread(target=_follow, args=(trial, proc, slot, attempt, earlier, events), daemon=True).start()
             if not running:
                 break
             kind, trial, payload = events.get()
@@ -395,29 +400,35 @@ def _start(sweep: Sweep, trial: Trial, env: dict[str, str], attempt: int) -> sub
                             text=True, env=env, start_new_session=True)  # fmt: skip
 
 
-def _follow(trial: Trial, proc: subprocess.Popen, slot: int, attempt: int, events: queue.Queue) -> None:
-    """Copy the trial's output into its train.log and the event queue; then its ledger row."""
+def _follow(trial: Trial, proc: subprocess.Popen, slot: int, attempt: int, earlier_wall: float,
+            events: queue.Queue) -> None:  # fmt: skip
+    """Copy the trial's output into its train.log and the event queue; then its ledger row
+    (``wall_time``: this attempt's plus ``earlier_wall``, the attempts that ended before it)."""
     began, start = time.monotonic(), ledger.now()
-    error, resumed = None, None
+    errors, resumed = [], None
     with (trial.output_dir / "train.log").open("a") as log:
         for line in proc.stdout:
             log.write(line)
+            log.flush()  # `tail -f` on a trial's train.log follows it live
             text = line.rstrip("\n")
             m = RESUMED.search(text)
             if m:
                 resumed = int(m[1])
                 trial.first_step = resumed
-            if error is None and ERROR_LINE.search(text) and not text.startswith("qwenkit train: python"):
-                error = text.strip()
+            if ERROR_LINE.search(text) and not text.startswith("qwenkit train: python"):
+                errors.append(text.strip())
             events.put(("line", trial, text))
     code = proc.wait()
-    wall = time.monotonic() - began
+    wall = time.monotonic() - began + earlier_wall
+    # the rank's own one-line report first (qwenkit train: rank N failed: ...), else the first error-like line
+    error = next((e for e in errors if RANK_FAILED.search(e)), errors[0] if errors else None)
     status = "done" if code == 0 else "failed"
     final = ledger.final_metrics(trial.output_dir, wall) if code == 0 else {}
     row = {
         "trial": trial.name, "status": status, "overrides": trial.overrides, "varied": trial.varied,
         "start": start, "end": ledger.now(), "exit_code": code, "error": None if code == 0 else error or f"exit code {code}",
         "metrics": final, "attempt": attempt, "resumed_from": resumed, "output_dir": str(trial.output_dir),
+        "wall_s": time.monotonic() - began,
     }  # fmt: skip
     events.put(("end", trial, (row, slot)))
 

@@ -6,6 +6,8 @@ The ledger is append-only JSON lines, one row each time a trial changes state::
      "varied": {"train.lr": 0.003, "train.seed": 1}, "start": "2026-...", "end": null,
      "exit_code": null, "error": null, "metrics": {}, "attempt": 1}
 
+An ended attempt's row also has ``wall_s`` (its seconds) and ``resumed_from`` (the checkpoint step it
+resumed from, or null); ``metrics.wall_time`` sums the ended attempts (a killed one's time is not known).
 ``status`` is ``running`` (started; a row left so after the sweep process died means the trial
 was interrupted), ``done``, ``failed`` or ``interrupted``; the last row of a trial is its state.
 ``metrics`` of a finished trial are :func:`final_metrics` of its folder. The run's own
