@@ -123,7 +123,8 @@ def save(out_dir: str | Path, runs: list[dict[str, Any]], rank_by: str) -> dict[
         "best_value": by.get(best), "worst": order[-1] if order else None, "worst_value": by.get(order[-1]) if order else None,
         "varied": doc["varied"], rank_by: by,
     }  # fmt: skip
-    spread = f"{values['best_value']:.3g} vs {values['worst_value']:.3g} ({values['worst']})" if best and len(order) > 1 else ""
+    numbers = isinstance(values["best_value"], (int, float)) and isinstance(values["worst_value"], (int, float))
+    spread = f"{values['best_value']:.3g} vs {values['worst_value']:.3g} ({values['worst']})" if numbers and len(order) > 1 else ""
     summary = (f"{len(runs)} runs ranked by {rank_by}, varying {', '.join(doc['varied']) or 'nothing'}: "
                f"best {best} {spread}")  # fmt: skip
     passed = bool(runs) and len(done) == len(runs) and all(isinstance(v, (int, float)) for v in by.values())
