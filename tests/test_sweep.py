@@ -111,6 +111,36 @@ def test_parallel_on_cpu_is_refused_unless_asked(tmp_path):
     assert proc.returncode == 2 and "--cpu-parallel" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_terminal_progress_redraws_one_line_per_trial():
+    import io
+
+    trial = sweep.Trial(2, "lr0.003", {"train.lr": 0.003}, ["train.lr=0.003"], qconfig.Config())
+    stream = io.StringIO()
+    view = sweep.TerminalProgress(3, stream, live=True)
+    view.start(trial, "starting")
+    view.step(trial, 1, 4, "6.01", "812", 0)
+    view.step(trial, 2, 4, "5.90", "830", 0)
+    view.end(trial, {"status": "done", "metrics": {"loss": 5.8, "wall_time": 12.0}})
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.count("\r") == 4  # one line, redrawn in place
+    assert "[2/3] lr0.003: step 2/4  loss 5.90  830 tok/s  ETA" in text
+    assert text.rstrip().endswith("[2/3] lr0.003: done in 12 s: loss 5.8")
+    quiet = io.StringIO()
+    view = sweep.TerminalProgress(3, quiet, live=False)  # not a terminal: the result line only
+    view.start(trial, "starting")
+    view.step(trial, 1, 4, "6.01", "812", 0)
+    view.end(trial, {"status": "failed", "exit_code": 1, "error": "boom", "metrics": {}})
+    assert quiet.getvalue() == "[2/3] lr0.003: failed, exit code 1: boom\n"
+
+
+def test_report_to_mlflow_is_refused_when_mlflow_is_missing(monkeypatch):
+    if importlib.util.find_spec("mlflow") is not None:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(qconfig.ConfigError, match="train.report_to: mlflow needs the mlflow package"):
+        qconfig.load(overrides=["train.report_to=[mlflow]"])
+
+
 def test_status_of_a_folder_without_a_ledger_is_a_user_error(tmp_path):
     proc = _qwenkit("sweep", "status", str(tmp_path))
     assert proc.returncode == 2 and "sweep.jsonl does not exist" in proc.stderr
@@ -142,6 +172,21 @@ def test_a_failing_trial_is_recorded_and_the_others_finish(tmp_path):
         "[1/3] lr0.003", "[2/3] freezemodel,lm_head", "[3/3] lr0.001"]  # fmt: skip
     status = _qwenkit("sweep", "status", str(out))
     assert status.returncode == 0 and "failed" in status.stdout and "no trainable parameters" in status.stdout
+
+
+@pytest.mark.slow
+def test_parallel_trials_on_cpu_when_asked(tmp_path):
+    path = _write(tmp_path, grid={"train.lr": [0.003, 0.001]})
+    out = tmp_path / "out"
+    proc = _qwenkit("sweep", "run", str(path), "--out", str(out), "--parallel", "2", "--cpu-parallel")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = ledger.read(out)
+    started = [r for r in rows if r["status"] == "running"]
+    ended = [r for r in rows if r["status"] == "done"]
+    assert len(started) == len(ended) == 2
+    assert rows.index(started[1]) < rows.index(ended[0])  # the second started before the first ended
+    for r in ended:
+        assert r["metrics"]["steps"] == 4
 
 
 def _descendants(pid: int) -> list[int]:
