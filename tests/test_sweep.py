@@ -105,7 +105,8 @@ def test_device_slots_split_the_visible_devices():
         sweep.device_slots("cuda", 3, 2, {}, 4)
 
 
-def test_parallel_on_cpu_is_refused_unless_asked(tmp_path):
+def test_parallel_on_cpu_is_refused_unless_asked(tmp_path, tiny_path):
+    # tiny_path: the tiny checkpoint already written (its first write draws a progress bar on stderr)
     proc = _qwenkit("sweep", "run", str(_write(tmp_path, grid={"train.lr": [0.001, 0.002]})), "--out",
                     str(tmp_path / "out"), "--parallel", "2")  # fmt: skip
     assert proc.returncode == 2 and "--cpu-parallel" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
