@@ -1,4 +1,4 @@
-"""The ``qwenkit`` command: train, data check, export, eval, notebooks.
+"""The ``qwenkit`` command: train, data check, export, eval, sweep, notebooks.
 
 Each subcommand lives in the module that owns its concern; this file only parses and dispatches.
 """
@@ -78,6 +78,14 @@ def _notebooks(args) -> int:
     return 0 if all(o.status == "passed" for o in outcomes) else 1
 
 
+def _sweep(args) -> int:
+    from qwenkit import sweep  # the launcher's checks (torch.distributed, the model): sweep only
+
+    if args.sweep_command == "status":
+        return sweep.status_command(args.dir)
+    return sweep.run_command(args.file, args.out, args.parallel, args.stop_on_failure, args.cpu_parallel)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwenkit", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -122,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--config", default=None, help="params/*.yaml (default: the one saved with the run)")
     v.add_argument("--out", default=None, help="generations JSONL (default: RUN_OR_CHECKPOINT/eval/cli-<name>.jsonl)")
     v.set_defaults(func=_eval)
+
+    w = sub.add_parser("sweep", help="run many training runs from a sweep file, and show their ledger")
+    wsub = w.add_subparsers(dest="sweep_command", required=True)
+    wr = wsub.add_parser("run", help="run (or resume) every trial of params/sweeps/<name>.yaml")
+    wr.add_argument("file", help="sweep file: base, overrides, grid, trials, seeds")
+    wr.add_argument("--out", default=None, help="sweep folder (default: runs/sweeps/<name>)")
+    wr.add_argument("--parallel", type=int, default=1, help="trials at once, each on its own CUDA/NPU devices")
+    wr.add_argument("--stop-on-failure", action="store_true", help="start no more trials after one fails")
+    wr.add_argument("--cpu-parallel", action="store_true", help="allow --parallel > 1 on CPU (trials share the cores)")
+    wr.set_defaults(func=_sweep)
+    ws = wsub.add_parser("status", help="print a sweep folder's ledger as a table")
+    ws.add_argument("dir", help="the sweep folder (holds sweep.jsonl)")
+    ws.set_defaults(func=_sweep)
 
     n = sub.add_parser("notebooks", help="run the notebooks with papermill and render HTML reports")
     nsub = n.add_subparsers(dest="notebooks_command", required=True)

@@ -182,7 +182,7 @@ class TrainConfig:
     # weights on rank 0 and generates there while the other ranks wait
     eval_accuracy_every: int = 0
     eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
-    report_to: list[Literal["tensorboard"]] = field(default_factory=list)  # besides the metrics JSONL
+    report_to: list[Literal["tensorboard", "mlflow"]] = field(default_factory=list)  # besides the metrics JSONL
 
 
 @dataclass
@@ -563,6 +563,10 @@ def _check_train(cfg: Config, need) -> None:
     need(train.eval_samples >= 0, f"train.eval_samples must be >= 0, got {train.eval_samples}")
     need(train.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {train.eval_accuracy_every}")
     need(train.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {train.eval_max_new_tokens}")
+    need(
+        "mlflow" not in train.report_to or importlib.util.find_spec("mlflow") is not None,
+        "train.report_to: mlflow needs the mlflow package, which is not installed; pip install 'qwenkit[mlflow]'",
+    )
     _check_param_groups(cfg, need)
 
 

@@ -16,7 +16,8 @@ import plotly.io as pio
 import pytest
 import yaml
 
-from qwenkit.notebooks import perf, runner, runs, samples, validation
+from qwenkit.engine import ledger
+from qwenkit.notebooks import compare, perf, runner, runs, samples, validation
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
@@ -26,8 +27,9 @@ NAMES = [nb.stem for nb in NOTEBOOKS]
 REQUIRED_SETS = ("smoke", "default", "gpu", "npu")
 
 
-def test_the_four_notebooks_exist():
-    assert NAMES == ["01_data_prep", "02_sharded_training", "03_chunk_loss_validation", "04_performance_profiling"]
+def test_the_five_notebooks_exist():
+    assert NAMES == ["01_data_prep", "02_sharded_training", "03_chunk_loss_validation", "04_performance_profiling",
+                     "05_compare_runs"]  # fmt: skip
 
 
 def _parameters_cell(nb):
@@ -103,7 +105,7 @@ def test_runner_rejects_unknown_keys_and_sets(tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """One runner call for all four notebooks (the expensive part: about two minutes on 2 cores)."""
+    """One runner call for all five notebooks (the expensive part: about three minutes on 2 cores)."""
     out = tmp_path_factory.mktemp("reports")
     run_dir, outcomes = runner.run("smoke", out=out, run_name="smoke", root=ROOT)
     return run_dir, {o.notebook: o for o in outcomes}
@@ -176,6 +178,34 @@ def test_smoke_04_performance_profiling(smoke_run):
 
 
 @pytest.mark.slow
+def test_smoke_05_compare_runs(smoke_run):
+    m = _metrics(smoke_run, "05_compare_runs")
+    v = m["values"]
+    assert v["runs"] == v["done"] == 3 and v["varied"] == ["train.lr", "train.seed"]
+    folder = smoke_run[0] / "05_compare_runs"
+    finals = {name: ledger.final_metrics(folder / "sweep" / name) for name in v["ranking"]}
+    losses = [finals[name]["eval_loss"] for name in v["ranking"]]
+    assert losses == sorted(losses) and v["best"] == v["ranking"][0]  # rank_by eval_loss: lowest first
+    assert v["eval_loss"] == {name: f["eval_loss"] for name, f in finals.items()}
+    assert all(f["steps"] == 4 and f["trainable_params"] > 0 for f in finals.values())
+    rows = ledger.latest(folder / "sweep")
+    assert [r["status"] for r in rows.values()] == ["done"] * 3
+    page = (smoke_run[0] / "05_compare_runs.html").read_text()
+    # the report: figures first, each trial's log collapsed at the end
+    assert page.count('class="run-log"') == 3 and page.index('class="plotly-graph-div"') < page.index('class="run-log"')
+    assert m["passed"]
+
+
+@pytest.mark.slow
+def test_report_02_collapses_the_run_logs_below_the_summary(smoke_run):
+    page = (smoke_run[0] / "02_sharded_training.html").read_text()
+    assert page.count('class="run-log"') == 2  # the uninterrupted and the resumed run
+    first_log = page.index('class="run-log"')
+    assert page.index('class="plotly-graph-div"') < first_log  # the summary table comes before the log
+    assert page.count("step 1/8") == 1 and "more lines" in page  # inside the block: first and last lines
+
+
+@pytest.mark.slow
 def test_index_links_every_report_with_its_summary(smoke_run):
     run_dir, outcomes = smoke_run
     index = (run_dir / "index.html").read_text()
@@ -204,7 +234,7 @@ NO_BROWSER = chromium.available_reason()
 
 @pytest.mark.slow
 @pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))
-@pytest.mark.parametrize("name", ["02_sharded_training", "03_chunk_loss_validation"])
+@pytest.mark.parametrize("name", ["02_sharded_training", "03_chunk_loss_validation", "05_compare_runs"])
 def test_report_charts_draw_in_chromium_without_errors(smoke_run, name):
     page = chromium.open_page(smoke_run[0] / f"{name}.html")
     assert page.exceptions == [] and page.console_errors == [], (page.exceptions, page.console_errors)
@@ -251,7 +281,8 @@ def _redrawn(name: str, folder: Path) -> list:
     if name == "02_sharded_training":
         resume_step = json.loads((folder / "metrics.json").read_text())["values"]["resumed_from"]
         return runs.figures(folder, resume_step)
-    module = {"01_data_prep": samples, "03_chunk_loss_validation": validation, "04_performance_profiling": perf}[name]
+    module = {"01_data_prep": samples, "03_chunk_loss_validation": validation, "04_performance_profiling": perf,
+              "05_compare_runs": compare}[name]  # fmt: skip
     return module.figures(folder)
 
 

@@ -21,11 +21,19 @@ every ``train.eval_accuracy_every`` steps and at the end.
 
 ``train.report_to: [tensorboard]`` also writes every metric of rank 0 as a TensorBoard scalar
 (tag = metric, global step = x) under ``<output_dir>/tensorboard`` (the ``tensorboard`` extra).
+``train.report_to: [mlflow]`` logs the run's config as params and every metric of rank 0 (key =
+metric, step = x) to an MLflow run (the ``mlflow`` extra, imported only then; no server): the
+store is ``$MLFLOW_TRACKING_URI`` or ``file:<output_dir>/mlruns``, the experiment
+``$MLFLOW_EXPERIMENT_NAME`` or the output folder's name (``qwenkit sweep`` sets both: one store
+and experiment per sweep, one run per trial). ``<output_dir>/mlflow_run.json`` keeps the run id,
+so a resumed run logs into the same MLflow run. The JSONL files stay the source of truth.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -48,11 +56,13 @@ UNITS = {
     "eval_loss": "nat",
     "eval_accuracy": "1",
 }
-REPORT_TO = ("tensorboard",)
+REPORT_TO = ("tensorboard", "mlflow")
+MLFLOW_RUN_FILE = "mlflow_run.json"
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str | Path, rank: int, device: torch.device, report_to: list[str] = ()):
+    def __init__(self, output_dir: str | Path, rank: int, device: torch.device, report_to: list[str] = (),
+                 params: dict | None = None):  # fmt: skip
         self.path = Path(output_dir) / "metrics" / f"rank-{rank:05d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.device = rank, str(device)
@@ -60,6 +70,9 @@ class MetricsWriter:
         self._tensorboard = None
         if "tensorboard" in report_to and rank == 0:
             self._tensorboard = tensorboard_writer(Path(output_dir) / "tensorboard")
+        self._mlflow = None
+        if "mlflow" in report_to and rank == 0:
+            self._mlflow = MlflowWriter(Path(output_dir), params or {})
 
     def write(self, step: int, values: dict[str, float]) -> None:
         now = records.now()
@@ -74,11 +87,15 @@ class MetricsWriter:
         self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.flush()
+        if self._mlflow is not None:
+            self._mlflow.log(step, values)
 
     def close(self) -> None:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._mlflow is not None:
+            self._mlflow.close()
 
 
 def tensorboard_writer(log_dir: Path):
@@ -91,6 +108,56 @@ def tensorboard_writer(log_dir: Path):
             "install it with `pip install qwenkit[tensorboard]`"
         ) from None
     return SummaryWriter(log_dir=str(log_dir))
+
+
+class MlflowWriter:
+    """One MLflow run of this output_dir (created, or found again on resume) through ``MlflowClient``."""
+
+    def __init__(self, output_dir: Path, params: dict):
+        try:
+            import mlflow
+            from mlflow.entities import Param
+        except ImportError as e:
+            raise ImportError(f"train.report_to=[mlflow] needs the mlflow package ({e}); "
+                              "install it with `pip install qwenkit[mlflow]`") from None  # fmt: skip
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (output_dir.resolve() / "mlruns").as_uri()
+        if uri.startswith("file:"):
+            # mlflow 3.x refuses its file store unless told: a local folder is what we want (no server, no DB)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        saved = output_dir / MLFLOW_RUN_FILE
+        known = json.loads(saved.read_text()) if saved.is_file() else {}
+        if known.get("tracking_uri") == uri:
+            self.run_id = known["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or output_dir.resolve().name
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(experiment_id, run_name=output_dir.resolve().name).info.run_id
+        flat = [Param(k, str(v)[:6000]) for k, v in _flatten(params).items()]
+        for i in range(0, len(flat), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=flat[i:i + 100])
+        saved.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}) + "\n")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(datetime.datetime.now().timestamp() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ms, step) for k, v in values.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def read(path: str | Path) -> list[dict]:

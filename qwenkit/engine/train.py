@@ -28,6 +28,7 @@ One optimizer step:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -235,7 +236,10 @@ class Trainer:
                     self.sp.dp_size, sp_size,
                 )
         if main_rank:
-            log.info("parameters:\n%s", registry.format_manifest(registry.parameter_manifest(model)))
+            manifest = registry.parameter_manifest(model)
+            log.info("parameters:\n%s", registry.format_manifest(manifest))
+            # read by sweeps and notebook 05 (trainable parameters per run), see qwenkit.engine.ledger
+            (self.out_dir / "parameters.json").write_text(json.dumps(manifest, indent=1) + "\n")
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed
@@ -333,7 +337,7 @@ class Trainer:
         main_rank = rt.rank == 0
         params = [p for p in self.model.parameters() if p.requires_grad]
         batches = self.bundle.batches()  # created after the resume: starts at the restored position
-        metrics = MetricsWriter(self.out_dir, rt.rank, rt.device, t.report_to)
+        metrics = MetricsWriter(self.out_dir, rt.rank, rt.device, t.report_to, cfg.to_dict())
         window = ProfileWindow(cfg.profile, rt.device, self.out_dir, rt.rank)
         # disable=None: a bar on a terminal, none in batch logs (which get the step lines below)
         bar = tqdm(total=t.steps, initial=self.start_step, disable=None if main_rank else True, desc="train")

@@ -352,3 +352,45 @@ def packing(rows: Sequence[dict[str, Any]], title: str) -> go.Figure:
                              marker_color=[COLOURS[k % len(COLOURS)] for k in range(len(rows))]), row=1, col=col)  # fmt: skip
         fig.update_yaxes(range=[0, max(max(values), 1e-9) * 1.25], row=1, col=col)
     return _finish(fig, title, height=400)
+
+
+# ---------------------------------------------------------------------------------------------
+# 05: runs side by side
+
+
+def run_curves(curves: dict[str, Sequence[tuple[float, float]]], styles: dict[str, dict[str, str]], y_title: str,
+               title: str, y_range: Sequence[float] | None = None) -> go.Figure:  # fmt: skip
+    """One line per run (``{name: [(step, value), ...]}``), each in its ``styles[name]`` colour and dash."""
+    fig = go.Figure()
+    for name, pts in curves.items():
+        if pts:
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], name=name,
+                                     mode="lines+markers" if len(pts) < 30 else "lines",
+                                     line=dict(color=styles[name]["colour"], dash=styles[name]["dash"])))  # fmt: skip
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text=y_title)
+    if y_range is not None:
+        fig.update_yaxes(range=list(y_range))
+    return _finish(fig, title)
+
+
+def metric_effect(groups: dict[str, dict[str, list[float]]], y_title: str, title: str) -> go.Figure:
+    """One panel per key (``{key: {value label: [metric of each run]}}``): a marker per run, the
+    mean per value as a line with its min-max as the error bar (seeds and the other keys' values)."""
+    keys = list(groups) or ["(nothing varied)"]
+    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=keys, shared_yaxes=True)
+    for i, key in enumerate(groups, 1):
+        labels = list(groups[key])
+        points = [(label, v) for label in labels for v in groups[key][label]]
+        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="markers", name="runs",
+                                 marker=dict(color=REFERENCE_COLOUR, size=8), showlegend=i == 1), row=1, col=i)  # fmt: skip
+        means = [sum(groups[key][lb]) / len(groups[key][lb]) for lb in labels]
+        fig.add_trace(go.Scatter(
+            x=labels, y=means, mode="lines+markers", name="mean (min-max)", showlegend=i == 1,
+            line_color=COLOURS[0], marker_size=11,
+            error_y=dict(type="data", symmetric=False, array=[max(groups[key][lb]) - m for lb, m in zip(labels, means)],
+                         arrayminus=[m - min(groups[key][lb]) for lb, m in zip(labels, means)]),
+        ), row=1, col=i)  # fmt: skip
+        fig.update_xaxes(type="category", title_text=key, row=1, col=i)
+    fig.update_yaxes(title_text=y_title, row=1, col=1)
+    return _finish(fig, title, height=400)

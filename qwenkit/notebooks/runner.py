@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 import qwenkit
-from qwenkit.notebooks import pages, results
+from qwenkit.notebooks import pages, progress, results
 from qwenkit.notebooks.kernel import project_root
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,8 @@ def execute(notebook: Path, out_dir: Path, params_name: str, values: dict[str, A
     out_nb = out_dir / f"{stem}.ipynb"
     t0 = time.perf_counter()
     error = None
+    before = os.environ.get(progress.REPORT_ENV)
+    os.environ[progress.REPORT_ENV] = "1"  # the kernel inherits it: a report, no live progress bars
     try:
         papermill.execute_notebook(
             str(notebook), str(out_nb), parameters=parameters, kernel_name=KERNEL,
@@ -140,6 +142,11 @@ def execute(notebook: Path, out_dir: Path, params_name: str, values: dict[str, A
         )  # fmt: skip
     except Exception as e:  # papermill's error carries the failing cell's exception
         error = _one_line(e)
+    finally:
+        if before is None:
+            os.environ.pop(progress.REPORT_ENV)
+        else:
+            os.environ[progress.REPORT_ENV] = before
     seconds = time.perf_counter() - t0
     outcome = Outcome(stem, params_name, out_dir / f"{stem}.html", seconds, error, results.read_metrics(results_dir), parameters)
     if out_nb.is_file():

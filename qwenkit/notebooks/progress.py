@@ -1,0 +1,126 @@
+"""Training progress in a notebook: live bars in JupyterLab, a collapsed log in a rendered report.
+
+A run prints one line per step; a report that showed them all would open on screens of log
+before its first figure. :class:`RunLog` takes a run's output lines (``runs.train``'s ``echo``)
+and, live in JupyterLab, draws a ``tqdm.notebook`` bar per run (step, loss, tokens/s, ETA);
+in a batch report (``qwenkit notebooks run`` sets :data:`REPORT_ENV`) it shows nothing while
+the run goes, and :meth:`RunLog.show` puts the log in a ``<details>`` block holding its first
+and last lines, below the summary the notebook displays first. :class:`SweepLog` does the same
+for each trial of ``qwenkit.sweep.run`` (its ``progress`` argument), with one result line per trial.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+from typing import Any
+
+from IPython.display import HTML, display
+
+REPORT_ENV = "QWENKIT_REPORT"  # set by the runner: the kernel renders a report, nobody watches it live
+STEP = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+).*?(\d+) tok/s")  # the trainer's step line
+HEAD, TAIL = 4, 6  # log lines a report shows before and after the collapsed middle
+
+
+def live() -> bool:
+    """True in JupyterLab (bars drawn as the run goes), False when the runner renders a report."""
+    return os.environ.get(REPORT_ENV) != "1"
+
+
+def details_html(title: str, lines: list[str]) -> str:
+    """A closed ``<details>`` block: the first and last lines of a log, the count of those left out."""
+    if len(lines) > HEAD + TAIL:
+        shown = [*lines[:HEAD], f"... {len(lines) - HEAD - TAIL} more lines ...", *lines[-TAIL:]]
+    else:
+        shown = lines
+    body = html.escape("\n".join(shown))
+    return (f'<details class="run-log"><summary>{html.escape(title)} ({len(lines)} lines)</summary>'
+            f'<pre style="font-size:0.85em;white-space:pre-wrap">{body}</pre></details>')  # fmt: skip
+
+
+class _Bar:
+    """One tqdm.notebook bar fed by step lines (created at the first one, which gives the total)."""
+
+    def __init__(self, label: str):
+        self.label, self.bar = label, None
+
+    def feed(self, text: str) -> None:
+        m = STEP.match(text)
+        if not m:
+            return
+        step, total = int(m[1]), int(m[2])
+        if self.bar is None:
+            from tqdm.notebook import tqdm
+
+            self.bar = tqdm(total=total, initial=step - 1, desc=self.label)
+        self.bar.n = step
+        self.bar.set_postfix_str(f"loss {m[3]}, {m[4]} tok/s", refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class RunLog:
+    """``echo`` for ``runs.train``: every line kept; a live bar in JupyterLab; :meth:`show` the log."""
+
+    def __init__(self, label: str, interactive: bool | None = None):
+        self.label = label
+        self.interactive = live() if interactive is None else interactive
+        self.lines: list[str] = []
+        self._bar = _Bar(label) if self.interactive else None
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if self._bar is not None:
+            self._bar.feed(line)
+
+    def show(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        display(HTML(details_html(f"log of {self.label}", self.lines)))
+
+
+class SweepLog:
+    """``progress`` for ``qwenkit.sweep.run``: a bar per trial in JupyterLab; each trial's result
+    line and collapsed log in a report (:meth:`show`)."""
+
+    def __init__(self, interactive: bool | None = None):
+        self.interactive = live() if interactive is None else interactive
+        self.logs: dict[str, list[str]] = {}
+        self.results: dict[str, str] = {}
+        self._bars: dict[str, _Bar] = {}
+
+    def start(self, trial, note: str) -> None:
+        self.logs.setdefault(trial.name, []).append(f"-- {note} {trial.name}")
+        if self.interactive:
+            self._bars[trial.name] = _Bar(f"{trial.index}. {trial.name}")
+
+    def step(self, trial, *_: Any) -> None:
+        pass  # the bar reads the step line itself (line below)
+
+    def line(self, trial, text: str) -> None:
+        self.logs.setdefault(trial.name, []).append(text)
+        if trial.name in self._bars:
+            self._bars[trial.name].feed(text)
+
+    def end(self, trial, row: dict[str, Any]) -> None:
+        if trial.name in self._bars:
+            self._bars.pop(trial.name).close()
+        m = row.get("metrics") or {}
+        wall = m.get("wall_time")
+        text = row["status"] + (" earlier" if row.get("skipped") else "")
+        text += f" in {wall:.0f} s" if isinstance(wall, (int, float)) else ""
+        if row.get("resumed_from"):
+            text += f", resumed from step {row['resumed_from']}"
+        if row.get("error"):
+            text += f": {row['error']}"
+        self.results[trial.name] = text
+        if self.interactive:
+            print(f"{trial.index}. {trial.name}: {text}")
+
+    def show(self) -> None:
+        items = "".join(f"<li><code>{html.escape(n)}</code>: {html.escape(t)}</li>" for n, t in self.results.items())
+        logs = "".join(details_html(f"log of {name}", lines) for name, lines in self.logs.items())
+        display(HTML(f"<ul>{items}</ul>{logs}"))

@@ -1,0 +1,278 @@
+"""``qwenkit sweep``: the sweep file and its validation, device slots, and real sweeps of the tiny
+model on one rank: a failing trial, a sweep killed in the middle and resumed (its interrupted
+trial's losses against an uninterrupted run of the same config), and MLflow beside the JSONL."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qwenkit import config as qconfig
+from qwenkit import sweep
+from qwenkit.engine import ledger, metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+# 1 rank, a few steps of 4 rows, a 4-row eval set (2 of them generated for accuracy)
+SMALL = ["parallel.nproc=1", "train.steps=4", "train.micro_batch_size=4", "data.tiny_samples=16",
+         "data.tiny_eval_samples=4", "train.eval_samples=2", "train.eval_every=0", "train.eval_accuracy_every=0",
+         "checkpoint.every=0", "train.warmup_steps=1"]  # fmt: skip
+
+
+def _write(tmp_path, **spec) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": str(ROOT / "params" / "tiny_cpu.yaml"), "overrides": SMALL, **spec}))
+    return path
+
+
+def _qwenkit(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "qwenkit.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep file
+
+
+def test_trials_are_override_sets_times_grid_times_seeds(tmp_path):
+    s = sweep.load(_write(tmp_path, trials=[{"loss.chunk": True}, ["loss.chunk=false"]],
+                          grid={"train.lr": [0.001, 0.003]}, seeds=[1, 2]), tmp_path / "out")  # fmt: skip
+    assert len(s.trials) == 2 * 2 * 2
+    assert [t.name for t in s.trials[:4]] == ["chunkTrue-lr0.001-seed1", "chunkTrue-lr0.001-seed2",
+                                              "chunkTrue-lr0.003-seed1", "chunkTrue-lr0.003-seed2"]  # fmt: skip
+    t = s.trials[5]
+    assert t.varied == {"loss.chunk": False, "train.lr": 0.001, "train.seed": 2}
+    assert (t.cfg.loss.chunk, t.cfg.train.lr, t.cfg.train.seed, t.cfg.train.steps) == (False, 0.001, 2, 4)
+    assert t.output_dir == (tmp_path / "out" / t.name).resolve() and t.cfg.train.resume == "auto"
+    assert s.varied_keys == ["loss.chunk", "train.lr", "train.seed"]
+
+
+@pytest.mark.parametrize("value", [0.003, 1e-05, True, "x y", [1, 2], None])
+def test_override_text_parses_back_to_the_value(value):
+    key, text = sweep.override_text("a.b", value).split("=", 1)
+    assert yaml.safe_load(text) == value
+
+
+def test_names_keep_keys_apart_when_their_last_parts_clash():
+    assert sweep.trial_name({"train.lr": 0.003, "train.seed": 1}) == "lr0.003-seed1"
+    assert sweep.trial_name({"a.r": 1, "b.r": 2}) == "a_r1-b_r2"
+    assert sweep.trial_name({"model.freeze": ["model.visual"]}) == "freezemodel.visual"
+    assert sweep.trial_name({}) == "base"
+
+
+def test_a_bad_value_in_one_trial_fails_the_sweep_before_any_run(tmp_path):
+    path = _write(tmp_path, trials=[{"train.lr": 0.001}, {"train.lr": 0.002}, {"train.warmup_steps": -1}])
+    out = tmp_path / "out"
+    proc = _qwenkit("sweep", "run", str(path), "--out", str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trial 3 (warmup_steps-1)" in lines[0] and "train.warmup_steps must be >= 0" in lines[0]
+    assert not out.exists()  # nothing ran, nothing was written
+
+
+def test_an_unknown_key_names_the_trial_and_the_key(tmp_path):
+    with pytest.raises(sweep.SweepError, match=r"trial 2 \(lrr0.1\): unknown key 'train.lrr'; did you mean 'train.lr'"):
+        sweep.load(_write(tmp_path, trials=[{"train.lr": 0.1}, {"train.lrr": 0.1}]), tmp_path / "out")
+    with pytest.raises(sweep.SweepError, match="unknown key 'grids'"):
+        sweep.load(_write(tmp_path, grids={"train.lr": [1]}), tmp_path / "out")
+    with pytest.raises(sweep.SweepError, match="seeds must be a non-empty list of integers"):
+        sweep.load(_write(tmp_path, seeds=["1"]), tmp_path / "out")
+    with pytest.raises(sweep.SweepError, match="trials 1 and 2 are both 'lr0.1'"):
+        sweep.load(_write(tmp_path, trials=[{"train.lr": 0.1}, {"train.lr": 0.1}]), tmp_path / "out")
+
+
+def test_a_trial_folder_run_with_another_config_is_refused(tmp_path):
+    s = sweep.load(_write(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")
+    qconfig.write_config(s.trials[0].cfg, s.trials[0].output_dir)
+    sweep.load(_write(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")  # the same config: fine
+    with pytest.raises(sweep.SweepError, match="was run with another config"):
+        sweep.load(_write(tmp_path, grid={"train.lr": [0.001]}, overrides=[*SMALL, "train.steps=5"]), tmp_path / "out")
+
+
+def test_device_slots_split_the_visible_devices():
+    assert sweep.device_slots("cuda", 2, 2, {}, 4) == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7"}
+    assert sweep.device_slots("npu", 4, 1, env, 8) == [{"ASCEND_RT_VISIBLE_DEVICES": d} for d in "4567"]
+    assert sweep.device_slots("cpu", 2, 1, {}, 0) == [{}, {}]
+    with pytest.raises(sweep.SweepError, match="needs 6 cuda devices, 4 visible"):
+        sweep.device_slots("cuda", 3, 2, {}, 4)
+
+
+def test_parallel_on_cpu_is_refused_unless_asked(tmp_path, tiny_path):
+    # tiny_path: the tiny checkpoint already written (its first write draws a progress bar on stderr)
+    proc = _qwenkit("sweep", "run", str(_write(tmp_path, grid={"train.lr": [0.001, 0.002]})), "--out",
+                    str(tmp_path / "out"), "--parallel", "2")  # fmt: skip
+    assert proc.returncode == 2 and "--cpu-parallel" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_terminal_progress_redraws_one_line_per_trial():
+    import io
+
+    trial = sweep.Trial(2, "lr0.003", {"train.lr": 0.003}, ["train.lr=0.003"], qconfig.Config())
+    stream = io.StringIO()
+    view = sweep.TerminalProgress(3, stream, live=True)
+    view.start(trial, "starting")
+    view.step(trial, 1, 4, "6.01", "812", 0)
+    view.step(trial, 2, 4, "5.90", "830", 0)
+    view.end(trial, {"status": "done", "metrics": {"loss": 5.8, "wall_time": 12.0}})
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.count("\r") == 4  # one line, redrawn in place
+    assert "[2/3] lr0.003: step 2/4  loss 5.90  830 tok/s  ETA" in text
+    assert text.rstrip().endswith("[2/3] lr0.003: done in 12 s: loss 5.8")
+    quiet = io.StringIO()
+    view = sweep.TerminalProgress(3, quiet, live=False)  # not a terminal: the result line only
+    view.start(trial, "starting")
+    view.step(trial, 1, 4, "6.01", "812", 0)
+    view.end(trial, {"status": "failed", "exit_code": 1, "error": "boom", "metrics": {}})
+    assert quiet.getvalue() == "[2/3] lr0.003: failed, exit code 1: boom\n"
+
+
+def test_report_to_mlflow_is_refused_when_mlflow_is_missing(monkeypatch):
+    if importlib.util.find_spec("mlflow") is not None:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(qconfig.ConfigError, match="train.report_to: mlflow needs the mlflow package"):
+        qconfig.load(overrides=["train.report_to=[mlflow]"])
+
+
+def test_status_of_a_folder_without_a_ledger_is_a_user_error(tmp_path):
+    proc = _qwenkit("sweep", "status", str(tmp_path))
+    assert proc.returncode == 2 and "sweep.jsonl does not exist" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Real sweeps
+
+
+@pytest.mark.slow
+def test_a_failing_trial_is_recorded_and_the_others_finish(tmp_path):
+    # freezing every module passes the config check and fails in the trainer (no trainable parameters)
+    path = _write(tmp_path, trials=[{"train.lr": 0.003}, {"model.freeze": ["model", "lm_head"]}, {"train.lr": 0.001}])
+    out = tmp_path / "out"
+    proc = _qwenkit("sweep", "run", str(path), "--out", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = ledger.latest(out)
+    assert [r["status"] for r in rows.values()] == ["done", "failed", "done"]
+    failed = rows["freezemodel,lm_head"]
+    assert failed["exit_code"] != 0 and "no trainable parameters" in failed["error"]
+    assert failed["error"].startswith("qwenkit train: rank 0 failed: ValueError")
+    for name in ("lr0.003", "lr0.001"):
+        m = rows[name]["metrics"]
+        assert m["steps"] == 4 and m["loss"] == metrics.series(metrics.read(out / name), "loss")[4]
+        assert m["eval_loss"] > 0 and 0 <= m["eval_accuracy"] <= 1 and m["tokens_per_s"] > 0
+        assert m["trainable_params"] > 0 and m["peak_memory"] > 0 and m["wall_time"] > 0
+    # one line per trial, and the table
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("[")] == [
+        "[1/3] lr0.003", "[2/3] freezemodel,lm_head", "[3/3] lr0.001"]  # fmt: skip
+    status = _qwenkit("sweep", "status", str(out))
+    assert status.returncode == 0 and "failed" in status.stdout and "no trainable parameters" in status.stdout
+
+
+@pytest.mark.slow
+def test_parallel_trials_on_cpu_when_asked(tmp_path):
+    path = _write(tmp_path, grid={"train.lr": [0.003, 0.001]})
+    out = tmp_path / "out"
+    proc = _qwenkit("sweep", "run", str(path), "--out", str(out), "--parallel", "2", "--cpu-parallel")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = ledger.read(out)
+    started = [r for r in rows if r["status"] == "running"]
+    ended = [r for r in rows if r["status"] == "done"]
+    assert len(started) == len(ended) == 2
+    assert rows.index(started[1]) < rows.index(ended[0])  # the second started before the first ended
+    for r in ended:
+        assert r["metrics"]["steps"] == 4
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_the_interrupted_trial_and_skips_the_finished_one(tmp_path):
+    # trial 2 is long enough to be killed in the middle: 24 steps, a checkpoint every 2
+    long = {"train.lr": 0.002, "train.steps": 24, "checkpoint.every": 2}
+    path = _write(tmp_path, trials=[{"train.lr": 0.003}, long, {"train.lr": 0.001}])
+    out = tmp_path / "out"
+    s = sweep.load(path, out)
+    victim = s.trials[1]
+    proc = subprocess.Popen([sys.executable, "-m", "qwenkit.cli", "sweep", "run", str(path), "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not (victim.output_dir / "checkpoints" / "step-00000002" / "COMPLETE.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.05)
+    for pid in [proc.pid, *_descendants(proc.pid)]:  # the sweep, the trial's launcher, torchrun, the rank
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    killed = ledger.latest(out)
+    assert killed["lr0.003"]["status"] == "done" and killed[victim.name]["status"] == "running"
+    assert "lr0.001" not in killed
+    steps_before = max(metrics.series(metrics.read(victim.output_dir), "loss"))
+    assert steps_before < 24, "the trial finished before it was killed"
+
+    again = _qwenkit("sweep", "run", str(path), "--out", str(out))
+    assert again.returncode == 0, again.stdout + again.stderr
+    rows = ledger.latest(out)
+    assert [r["status"] for r in rows.values()] == ["done", "done", "done"]
+    assert rows["lr0.003"]["attempt"] == 1 and "done earlier" in again.stdout  # skipped, not run again
+    assert (out / "lr0.003" / "train.log").read_text().count("starting fresh") == 1
+    resumed = rows[victim.name]
+    assert resumed["attempt"] == 2 and 2 <= resumed["resumed_from"] <= steps_before
+    assert f"resumed from step {resumed['resumed_from']}" in again.stdout
+
+    # the same trial, uninterrupted
+    ref = tmp_path / "uninterrupted"
+    train = _qwenkit("train", "--config", str(s.base), *victim.overrides, f"train.output_dir={ref}")
+    assert train.returncode == 0, train.stderr
+    want = metrics.series(metrics.read(ref), "loss")
+    got = metrics.series(metrics.read(victim.output_dir), "loss")  # a step logged twice keeps its last row
+    assert sorted(got) == sorted(want) == list(range(1, 25))
+    assert max(abs(got[k] - want[k]) for k in want) <= 1e-6  # DCP resume on one CPU rank: identical in fp32
+    assert metrics.series(metrics.read(victim.output_dir), "eval_loss") == pytest.approx(
+        metrics.series(metrics.read(ref), "eval_loss"), abs=1e-6)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed (the mlflow extra)")
+def test_mlflow_runs_hold_the_same_metrics_as_the_jsonl(tmp_path):
+    import mlflow
+
+    path = _write(tmp_path, grid={"train.lr": [0.003, 0.001]}, overrides=[*SMALL, "train.report_to=[mlflow]"],
+                  name="mlflow-check")  # fmt: skip
+    out = tmp_path / "out"
+    proc = _qwenkit("sweep", "run", str(path), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient(tracking_uri=(out / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("mlflow-check")  # one experiment per sweep
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"lr0.003", "lr0.001"}  # one MLflow run per trial
+    for name, run in runs.items():
+        rows = metrics.read(out / name)
+        assert run.data.params["train.lr"] == str(float(name[2:])) and run.info.status == "FINISHED"
+        for metric in metrics.UNITS:
+            want = metrics.series(rows, metric)
+            got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, metric)}
+            assert got == pytest.approx(want, rel=0, abs=0), metric
