@@ -98,6 +98,7 @@ class LossConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = 1  # processes on this node (torchrun --nproc-per-node)
+    allow_oversubscribe: bool = False  # CPU: allow more ranks than cores (each rank then gets a share of one)
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     shard_patterns: list[str] = field(

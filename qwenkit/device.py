@@ -7,6 +7,8 @@ the first tensor moved.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -33,6 +35,17 @@ def resolve_device(name: str, key: str = "parallel.device") -> str:
     if npu_available():
         return "npu"
     return "cpu"
+
+
+def device_count(device: str) -> int:
+    """Devices of type ``device`` this process sees: accelerators, or for ``cpu`` the cores it may run on."""
+    if device == "cuda":
+        return torch.cuda.device_count()
+    if device == "npu":
+        return torch.npu.device_count() if npu_available() else 0
+    if hasattr(os, "sched_getaffinity"):  # a taskset / cgroup cpuset limits this below os.cpu_count()
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def npu_available() -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwenkit import config as qconfig
-from qwenkit.device import CPU_MALLOC_ENV, resolve_device
+from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.model.paths import resolve_path
@@ -64,10 +64,31 @@ def check_before_spawn(cfg) -> list[str]:
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     problems.extend(check_resume(cfg))
+    ranks = check_ranks(cfg.parallel)
+    if ranks:
+        problems.append(ranks)
     hsdp = fsdp.hsdp_problem(cfg.parallel)
     if hsdp:
         problems.append(hsdp)
     return problems
+
+
+def check_ranks(parallel) -> str | None:
+    """More ranks than this node's accelerators fail in the ranks; more CPU ranks than cores swap
+    the machine to a halt (each rank holds a model copy and its threads): refused before spawning."""
+    try:
+        device = resolve_device(parallel.device)
+    except ValueError as e:
+        return str(e)
+    n, have = parallel.nproc, device_count(device)
+    if device != "cpu" and n > have:
+        return f"parallel.nproc={n} ranks on {device}, but this node sees {have} {device} device(s); use --nproc {have} or fewer"
+    if device == "cpu" and n > have and not parallel.allow_oversubscribe:
+        return (
+            f"parallel.nproc={n} CPU ranks, but this process may use {have} core(s); use --nproc {have} or fewer, "
+            "or set parallel.allow_oversubscribe=true to run them anyway"
+        )
+    return None
 
 
 def check_resume(cfg) -> list[str]:

@@ -20,7 +20,8 @@ from qwenkit import cli, launch
 from qwenkit.engine import generate, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2"]
+SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2",
+         "parallel.allow_oversubscribe=true"]  # 2 ranks pass on a machine with fewer cores too (slowly)
 
 
 def _qwenkit(*args, timeout=240):
@@ -151,6 +152,35 @@ def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypa
     assert (code == 2) == refused, err
     assert ("parallel.hsdp_replicas=2 on gloo needs torch >= 2.8" in err) == refused
     assert (not out.exists()) == refused
+
+
+def test_more_ranks_than_cores_or_accelerators_are_refused_before_spawning(tmp_path, monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
+    monkeypatch.setattr(launch, "device_count", lambda device: {"cpu": 2, "cuda": 1}[device])
+    out = tmp_path / "run"
+    common = ["parallel.device=cpu", f"train.output_dir={out}"]
+    assert cli.main(["train", "--nproc", "64", *common]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.nproc=64 CPU ranks, but this process may use 2 core(s)" in err and "allow_oversubscribe" in err
+    assert not out.exists() and not started
+    assert cli.main(["train", "--nproc", "2", *common]) == 0  # as many ranks as cores
+    assert cli.main(["train", "--nproc", "3", "parallel.allow_oversubscribe=true", *common]) == 0  # asked for
+    assert [c[c.index("-m") + 1] for c in started] == ["qwenkit.torchrun"] * 2
+    assert "--nproc-per-node=3" in started[1]
+    monkeypatch.setattr(launch, "resolve_device", lambda name, key="parallel.device": "cuda")
+    assert cli.main(["train", "--nproc", "2", "parallel.device=cuda", "parallel.allow_oversubscribe=true",
+                     f"train.output_dir={tmp_path / 'gpu'}"]) == 2  # fmt: skip
+    assert "parallel.nproc=2 ranks on cuda, but this node sees 1 cuda device(s)" in capsys.readouterr().err
+    assert len(started) == 2
+
+
+def test_device_count_is_the_cores_this_process_may_use():
+    from qwenkit.device import device_count
+
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert device_count("cpu") == expected >= 1
+    assert device_count("cuda") == torch.cuda.device_count()
 
 
 def test_torchrun_command_for_multi_node():
