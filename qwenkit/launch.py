@@ -13,6 +13,7 @@ when any rank fails (torchrun then stops the others and prints the failing rank'
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import socket
@@ -25,6 +26,7 @@ from qwenkit import config as qconfig
 from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp
 from qwenkit.engine import checkpoint as ckpt
+from qwenkit.model import registry
 from qwenkit.model.paths import resolve_path
 
 
@@ -61,6 +63,8 @@ def check_before_spawn(cfg) -> list[str]:
         resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
     except FileNotFoundError as e:
         problems.append(str(e))
+    else:
+        problems.extend(check_module_paths(cfg))
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     problems.extend(check_resume(cfg))
@@ -70,6 +74,30 @@ def check_before_spawn(cfg) -> list[str]:
     hsdp = fsdp.hsdp_problem(cfg.parallel)
     if hsdp:
         problems.append(hsdp)
+    return problems
+
+
+def check_module_paths(cfg) -> list[str]:
+    """``parallel.shard_patterns``, ``parallel.recompute`` and ``model.freeze`` against the model's
+    module tree, built on the meta device from the checkpoint's ``config.json``: no weights are
+    read and no memory is taken (about a second for a 7B model), where the ranks would find the same
+    mistake only after loading the weights, with ``config.yaml`` and ``logs/`` already written."""
+    try:
+        model = registry.build(dataclasses.replace(cfg.model, init_device="meta", freeze=[]))
+    except (ValueError, OSError) as e:
+        return [str(e)]
+    problems = []
+    for key in ("parallel.shard_patterns", "parallel.recompute"):
+        for pattern in getattr(cfg.parallel, key.split(".")[1]):
+            try:
+                fsdp.match_modules(model, [pattern], key)  # the rule fully_shard and the recompute wrappers use
+            except ValueError as e:
+                problems.append(str(e))
+    for path in cfg.model.freeze:
+        try:
+            registry.freeze(model, [path])  # the meta copy is thrown away: freezing it changes nothing
+        except ValueError as e:
+            problems.append(str(e))
     return problems
 
 

@@ -100,9 +100,10 @@ def test_bad_eval_keys_are_refused_before_any_process_starts(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_fails_the_command(tmp_path):
-    proc, out = _train(tmp_path, "model.freeze=[model.no_such_module]")
+    # a mistake only the ranks can find: the launcher checks module paths, not what they leave trainable
+    proc, out = _train(tmp_path, "model.freeze=[model, lm_head]")
     assert proc.returncode != 0
-    error = "ValueError: model.freeze: no module 'model.no_such_module'"
+    error = "ValueError: no trainable parameters: model.freeze froze the whole model"
     # the first line about the failure names the rank, the exception and that rank's log
     first = next(line for line in proc.stderr.splitlines() if "Error" in line or "failed" in line)
     found = re.fullmatch(rf"qwenkit train: rank (\d) failed: {re.escape(error)}[^(]* \(log: (.+)\)", first)
@@ -140,6 +141,26 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
     assert cli.main(["train", "--nnodes", "2", "--node-rank", "2", f"train.output_dir={out}"]) == 2
     assert "--node-rank must be in [0, --nnodes=2)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_module_paths_are_checked_on_the_meta_model_before_spawning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: 0)
+    from qwenkit.model import registry
+
+    reads = []  # no weights are read: the check builds the module tree on meta, never from_pretrained
+    monkeypatch.setattr(registry.REGISTRY["qwen2_5_vl"], "from_pretrained", classmethod(lambda *a, **k: reads.append(a)))
+    out = tmp_path / "run"
+    bad = ["parallel.shard_patterns=[model.visual.blocks.*, model.decoder.layers.*, lm_head]",
+           "parallel.recompute=[model.language_model.layer.*]", "model.freeze=[model.visual, model.vision]"]  # fmt: skip
+    assert cli.main(["train", *bad, f"train.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.shard_patterns: pattern 'model.decoder.layers.*' matches no module" in err
+    assert "parallel.recompute: pattern 'model.language_model.layer.*' matches no module" in err
+    assert "model.freeze: no module 'model.vision'" in err
+    assert "model.visual.blocks" not in err and "'model.visual'" not in err  # the good ones pass
+    assert not out.exists() and not reads
+    good = ["parallel.recompute=[model.language_model.layers.*]", "model.freeze=[model.visual]"]
+    assert cli.main(["train", *good, f"train.output_dir={out}"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("version, refused", [("2.7.1", True), ("2.7.1+cpu", True), ("2.13.0", False)])
