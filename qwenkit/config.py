@@ -36,7 +36,10 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+        if len(problems) == 1:  # one line, as every subcommand reports a user error
+            super().__init__(f"invalid configuration: {problems[0]}")
+        else:
+            super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
 @dataclass
