@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from multiproc import scaled
 from PIL import Image
 
 from qwenkit import cli
@@ -224,7 +225,7 @@ def test_every_subcommand_reports_bad_input_in_one_line_with_status_2(command, t
         pytest.importorskip("papermill")
     argv, message = BAD_INPUT[command]
     proc = subprocess.run([sys.executable, "-m", "qwenkit.cli", *argv], cwd=tmp_path if command != "notebooks" else ROOT,
-                          capture_output=True, text=True, timeout=300 * float(os.environ.get("QWENKIT_TEST_TIMEOUT_SCALE", 1)),
+                          capture_output=True, text=True, timeout=scaled(600),
                           env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = _our_lines(proc.stderr, command)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiproc import free_port
+from multiproc import free_port, scaled
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import cli, launch
@@ -24,9 +24,9 @@ SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.ti
          "parallel.allow_oversubscribe=true"]  # 2 ranks pass on a machine with fewer cores too (slowly)
 
 
-def _qwenkit(*args, timeout=240):
+def _qwenkit(*args, timeout=900):
     return subprocess.run(
-        [sys.executable, "-m", "qwenkit.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "qwenkit.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=scaled(timeout)
     )
 
 
