@@ -21,11 +21,16 @@ baseline uses plain AdamW, whose foreach step allocates a parameter-sized tempor
 The batch is one image-text sample whose prompt and image are ignored (-100), as in SFT; the
 share of ignored labels is printed. It prints the median step time, tokens/s, the process's peak memory (whole step: weights,
 gradients, AdamW state, activations, loss head) and the ratios to HF, the memory floor
-(weights + gradients + AdamW state + one logits chunk), and model FLOPs utilisation against a
-matmul peak measured in this same run (best of several large square GEMMs). Model FLOPs are
-counted as notebook 04 counts them (:func:`qwenkit.bench.step.step_flops`, torch's flop counter
-on one forward + backward of each variant before recompute or Liger is switched on): a head that
-skips ignored labels is credited with the rows it projects; recomputation is not counted.
+(weights + gradients + AdamW state + one logits chunk), and model FLOPs utilisation. Model FLOPs
+are counted as notebook 04 counts them (:func:`qwenkit.bench.step.step_flops`, torch's flop
+counter on one forward + backward of each variant before recompute or Liger is switched on): a
+head that skips ignored labels is credited with the rows it projects; recomputation is not counted.
+
+MFU is against a matmul peak each worker measures next to its own timed steps: a 4096^3 GEMM
+(best of several) just before and just after them, the better of the two. One peak measured
+once in the driver put a busy moment into every variant's MFU (1.17 in one run, 0.53 in
+another). An MFU above 1 is not a result but a peak measured too low (the machine was busy
+then): such a row prints ``error`` in its MFU column and the reason below the table.
 
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
@@ -73,6 +78,7 @@ def worker(args) -> dict:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from qwenkit.bench.measure import matmul_peak
     from qwenkit.bench.step import step_flops
     from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
@@ -107,8 +113,8 @@ def worker(args) -> dict:
     # the fused AdamW, which updates in place; "chunk-foreach" shows the loss head alone.
     fused = args.variant.startswith(("chunk", "lora")) and not args.variant.endswith("foreach")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
-    if device.type == "cuda":
-        reset_peak_memory(device)  # CPU: the worker process's peak RSS since it started
+    gemm_before = matmul_peak(device, dtype, size=args.gemm_size)["flops_per_s"]  # next to the timed steps (see the docstring)
+    reset_peak_memory(device)  # the GEMM's operands are freed: the step's peak starts from here
     times, losses = [], []
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
@@ -124,6 +130,7 @@ def worker(args) -> dict:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     peak = memory_bytes(device, peak=True)
+    gemm_after = matmul_peak(device, dtype, size=args.gemm_size)["flops_per_s"]  # after the memory peak is read
     n_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {
@@ -131,12 +138,25 @@ def worker(args) -> dict:
         "param_bytes": n_params * torch.finfo(dtype).bits // 8, "trainable": trainable, "losses": losses,
         "tokens": shapes["seq"], "flops": flops,
         "optimizer": "AdamW fused" if fused else "AdamW foreach",
+        "gemm_flops_per_s": max(gemm_before, gemm_after), "gemm_before": gemm_before, "gemm_after": gemm_after,
     }  # fmt: skip
+
+
+def mfu(flops: float, step_s: float, peak_flops_per_s: float) -> float | None:
+    """Model FLOPs utilisation, or None when it exceeds 1: a step cannot beat the GEMM peak, so the
+    peak was measured too low (a busy moment) and the ratio is a measurement error, not a result."""
+    value = flops / step_s / peak_flops_per_s
+    return value if value <= 1.0 else None
+
+
+def _mfu_cell(value: float | None, width: int) -> str:
+    return f"{value:>{width}.2f}" if value is not None else f"{'error':>{width}}"
 
 
 def _spawn(args, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--device", args.device,
-           "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+           "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--gemm-size", str(args.gemm_size)]  # fmt: skip
     env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # the same allocator for every variant
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -151,6 +171,7 @@ def main(argv=None) -> int:
                    help="default: cpu on CPU, 3b on CUDA; tiny: a seconds-long smoke check")
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant (median)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gemm-size", type=int, default=4096, help="side of the square GEMM the MFU peak is measured with")
     p.add_argument("--variants", nargs="+", default=None)
     p.add_argument("--out", default=None, help="also write the results as JSON lines here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -174,28 +195,34 @@ def main(argv=None) -> int:
             variants.append("liger")
         except ImportError:
             print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
-    from qwenkit.bench.measure import matmul_peak
     from qwenkit.model.loss import auto_chunk_size
     from qwenkit.notebooks.results import write_jsonl
 
-    peak_flops = matmul_peak(torch.device(args.device), getattr(torch, shapes["dtype"]), size=4096)["flops_per_s"]
     config = make_config(shapes)
     labels = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY)["labels"]
     valid = int((labels[:, 1:] != -100).sum())  # positions the skipping head projects
     print(f"batch: {labels.numel()} tokens, {valid} labelled, {1 - valid / labels.numel():.0%} of the labels ignored")
     print(f"shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
-          f"measured {shapes['dtype']} GEMM peak {peak_flops / 1e9:,.0f} GFLOP/s")
+          "MFU against each worker's own GEMM peak")
     rows = [_spawn(args, v) for v in variants]
     base = rows[0]
     print(f"\n{'variant':<17}{'optimizer':>15}{'step s':>8}{'tok/s':>9}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}"
-          f"{'TFLOP':>7}{'MFU':>7}{'first loss':>12}")
+          f"{'TFLOP':>7}{'GEMM GF/s':>11}{'MFU':>7}{'first loss':>12}")
+    errors = []
     for r in rows:
         r["time_ratio"] = r["step_s"] / base["step_s"]
         r["mem_ratio"] = r["peak_bytes"] / base["peak_bytes"]
-        r["mfu"] = r["flops"] / r["step_s"] / peak_flops
+        peak = r["gemm_flops_per_s"]  # this worker's own, measured around its steps
+        r["mfu"] = mfu(r["flops"], r["step_s"], peak)
+        if r["mfu"] is None:
+            errors.append(r)
         print(f"{r['variant']:<17}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['tokens'] / r['step_s']:>9.0f}{r['peak_bytes'] / GiB:>10.2f}"
-              f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['flops'] / 1e12:>7.2f}{r['mfu']:>7.2f}"
-              f"{r['losses'][0]:>12.5f}")
+              f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['flops'] / 1e12:>7.2f}{peak / 1e9:>11,.0f}"
+              f"{_mfu_cell(r['mfu'], 7)}{r['losses'][0]:>12.5f}")
+    for r in errors:
+        print(f"measurement error ({r['variant']}): the step ran {r['flops'] / r['step_s'] / 1e9:,.0f} "
+              f"GFLOP/s, above the GEMM peak measured around it ({r['gemm_before'] / 1e9:,.0f} before, "
+              f"{r['gemm_after'] / 1e9:,.0f} after): the machine was busy; rerun it on a quiet one")
     by_name = {r["variant"]: r for r in rows}
     if "chunk" in by_name and "chunk-dense" in by_name:
         skip, dense = by_name["chunk"], by_name["chunk-dense"]

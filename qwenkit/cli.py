@@ -16,6 +16,17 @@ from qwenkit import config as qconfig
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
 
 
+class UserError(Exception):
+    """A subcommand's input cannot be used (a checkpoint that is not one, ...): one line, exit 2."""
+
+
+# What a subcommand raises for bad input: by the project's convention a ValueError that names the
+# key, file or row (ConfigError, DataError, BadSample, ExportError are ValueErrors), or a missing
+# or unwritable file. They print one line, never a traceback, and exit 2 (`train` and `data
+# check` always did); anything else is a bug and keeps its traceback.
+USER_ERRORS = (UserError, ValueError, OSError)
+
+
 # Each subcommand imports its own stack when it runs, so `qwenkit --help` or a data check does
 # not load torch.distributed, and `notebooks run` alone needs the notebooks extra.
 
@@ -54,16 +65,22 @@ def _export(args) -> int:
     from qwenkit.engine import checkpoint, export  # torch.distributed.checkpoint: export only
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
-    out = export.export(args.checkpoint, args.out, cfg, merge=args.merge)
+    try:
+        cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
+        out = export.export(args.checkpoint, args.out, cfg, merge=args.merge, overwrite=args.overwrite)
+    except checkpoint.CheckpointError as e:
+        raise UserError(e) from e
     print(f"exported {checkpoint.resolve(args.checkpoint)} to {out}")
     return 0
 
 
 def _eval(args) -> int:
-    from qwenkit.engine.evaluate import eval_main  # the model, data and generation stack: eval only
+    from qwenkit.engine import checkpoint, evaluate  # the model, data and generation stack: eval only
 
-    return eval_main(args)
+    try:
+        return evaluate.eval_main(args)
+    except checkpoint.CheckpointError as e:
+        raise UserError(e) from e
 
 
 def _notebooks(args) -> int:
@@ -121,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--config", default=None, help="the run's params/*.yaml (default: the one saved with the run)")
     e.add_argument("--merge", action="store_true",
                    help="LoRA runs: a full HF directory with the adapters merged (default: a peft adapter directory)")
+    e.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT (else OUT must be new or empty)")
     e.set_defaults(func=_export)
 
     v = sub.add_parser("eval", help="eval loss and exact-match accuracy of a run, checkpoint or export")
@@ -164,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     elif overrides:
         print(f"qwenkit {args.command}: takes no overrides, got {' '.join(overrides)}", file=sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    command = " ".join(str(getattr(args, k)) for k in ("command", "data_command", "notebooks_command") if hasattr(args, k))
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        print(f"qwenkit {command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

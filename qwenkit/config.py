@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import logging
+import math
 import os
+import re
 import sys
 import types
 import typing
@@ -29,6 +32,7 @@ DATA_LAYOUTS = (
     "cauldron",
 )  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
+log = logging.getLogger(__name__)
 
 # The allowed names: the schema owns them, and the code that implements them (qwenkit.patches,
 # qwenkit.model.loss) imports them from here, so config stays a leaf.
@@ -45,7 +49,10 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+        if len(problems) == 1:  # one line, as every subcommand reports a user error
+            super().__init__(f"invalid configuration: {problems[0]}")
+        else:
+            super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
 @dataclass
@@ -108,6 +115,7 @@ class LossConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = 1  # processes on this node (torchrun --nproc-per-node)
+    allow_oversubscribe: bool = False  # CPU: allow more ranks than cores (each rank then gets a share of one)
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     shard_patterns: list[str] = field(
@@ -222,6 +230,61 @@ class Config:
 # Loading
 
 
+class Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with the values people type read as they mean them (YAML 1.2's core schema).
+
+    PyYAML implements YAML 1.1: ``1e-4`` (no dot) is a string there, and ``off``/``no``/``on``/
+    ``yes`` are booleans, so ``train.lr: 1e-4`` and ``model.fused_ops: off`` were refused. Here
+    every exponent spelling is a float, only ``true``/``false`` are booleans (a bool field still
+    takes yes/no/on/off, see :func:`_coerce`), and a key given twice in one mapping is warned about.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str) and key in seen:
+                log.warning(
+                    "%s: key %r given twice (lines %d and %d); the last one is used",
+                    self.name, key, seen[key] + 1, key_node.start_mark.line + 1,
+                )  # fmt: skip
+            seen.setdefault(key, key_node.start_mark.line)
+        return super().construct_mapping(node, deep=deep)
+
+
+# Drop YAML 1.1's bool and float resolvers, then add YAML 1.2's (floats also with underscores,
+# as Python's float() and YAML 1.1 take them).
+Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9][0-9_]*)?
+        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9][0-9_]*)?
+        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9][0-9_]*
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+# YAML 1.1's bool words, which a bool field still takes (PyYAML read them as booleans before)
+BOOL_WORDS = {"yes": True, "on": True, "no": False, "off": False}
+
+
+def parse_yaml(text: str, name: str = "<override>") -> Any:
+    """``text`` read with :class:`Loader`; ``name`` (a file) is what a duplicate-key warning names."""
+    loader = Loader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
     """Read a YAML file (or start from defaults), apply overrides, validate, return a Config."""
     raw: dict[str, Any] = {}
@@ -230,9 +293,12 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
         if not path.is_file():
             raise ConfigError([f"config file {str(path)!r} does not exist"])
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = parse_yaml(path.read_text(), str(path))
         except yaml.YAMLError as e:
             raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+        if raw is None:
+            log.warning("%s is empty: the run uses the built-in defaults (see qwenkit/config.py)", path)
+            raw = {}
         if not isinstance(raw, dict):
             raise ConfigError([f"{path}: top level must be a mapping, got {type(raw).__name__}"])
     problems: list[str] = []
@@ -265,13 +331,22 @@ def _parse_overrides(overrides, problems: list[str]):
         return []
     if isinstance(overrides, dict):
         return list(overrides.items())
-    pairs = []
+    pairs, seen = [], {}
     for item in overrides:
         if "=" not in item:
             problems.append(f"override {item!r} must look like key.path=value")
             continue
         key, text = item.split("=", 1)
-        pairs.append((key.strip(), yaml.safe_load(text) if text.strip() else ""))
+        key = key.strip()
+        try:
+            value = parse_yaml(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            problems.append(f"override {item!r}: not valid YAML: {str(e).splitlines()[0]}")
+            continue
+        if key in seen:
+            log.warning("override %s given twice (%r, then %r); the last one is used", key, seen[key], text)
+        seen[key] = text
+        pairs.append((key, value))
     return pairs
 
 
@@ -318,7 +393,7 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
         if ok:
             kwargs[name] = value
         else:
-            problems.append(f"{prefix}{name}: got {raw[name]!r}, expected {_describe(hint)}")
+            problems.append(f"{prefix}{name}: got {raw[name]!r}, expected {_describe(hint)}{_bool_hint(raw[name], hint)}")
     return cls(**kwargs)
 
 
@@ -348,16 +423,37 @@ def _coerce(value: Any, hint) -> tuple[bool, Any]:
             out.append(v)
         return True, out
     if hint is bool:
+        if isinstance(value, str) and value.lower() in BOOL_WORDS:
+            return True, BOOL_WORDS[value.lower()]
         return isinstance(value, bool), value
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
+        if isinstance(value, str):  # every spelling Python's float() takes ("1e-4", "infinity", " 2E5 ")
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, None
         return False, None
     if hint is str:
         return isinstance(value, str), value
     return isinstance(value, hint), value
+
+
+def _wants_str(hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_wants_str(a) for a in args)
+    return hint is str or (origin is Literal and any(isinstance(a, str) for a in args))
+
+
+def _bool_hint(value: Any, hint) -> str:
+    """The reason a bare ``false`` was refused where a string is meant: YAML made it a boolean."""
+    if isinstance(value, bool) and _wants_str(hint):
+        return f" (YAML reads a bare {str(value).lower()} as a boolean; quote it, e.g. '{str(value).lower()}', to mean the string)"
+    return ""
 
 
 def _describe(hint) -> str:
@@ -430,9 +526,20 @@ def validate(cfg: Config) -> list[str]:
         if not cond:
             problems.append(msg)
 
-    for check in (_check_model, _check_data, _check_loss, _check_parallel, _check_train, _check_lora, _check_checkpoint, _check_profile):
+    for check in (_check_finite, _check_model, _check_data, _check_loss, _check_parallel, _check_train,
+                  _check_lora, _check_checkpoint, _check_profile):  # fmt: skip
         check(cfg, need)
     return problems
+
+
+def _check_finite(cfg: Config, need) -> None:
+    """No float setting is inf or nan (``train.lr: .inf`` would pass ``lr > 0``)."""
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                need(False, f"{section.name}.{f.name} must be a finite number, got {value}")
 
 
 def _check_model(cfg: Config, need) -> None:
@@ -552,6 +659,16 @@ def _check_train(cfg: Config, need) -> None:
     need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
     need(0.0 <= train.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")
     need(train.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
+    if train.warmup_steps > train.steps > 0:
+        log.warning(
+            "train.warmup_steps=%d exceeds train.steps=%d: the LR rises for the whole run and never reaches train.lr=%g",
+            train.warmup_steps, train.steps, train.lr,
+        )  # fmt: skip
+    need(
+        bool(train.output_dir.strip()),
+        f"train.output_dir must name a directory, got {train.output_dir!r} "
+        "(empty: config.yaml, checkpoints/, logs/ and metrics/ would land in the current directory)",
+    )
     need(train.weight_decay >= 0, f"train.weight_decay must be >= 0, got {train.weight_decay}")
     need(
         len(train.betas) == 2 and all(0.0 <= b < 1.0 for b in train.betas),

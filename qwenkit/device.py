@@ -11,6 +11,7 @@ process's resident set on the CPU.
 
 from __future__ import annotations
 
+import os
 import resource
 
 import torch
@@ -74,6 +75,15 @@ def reset_peak_memory(device: torch.device | str) -> None:
         return
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+def device_count(device: str) -> int:
+    """Devices of type ``device`` this process sees: accelerators, or for ``cpu`` the cores it may run on."""
+    if device == "cuda":
+        return torch.cuda.device_count()
+    if device == "npu":
+        return torch.npu.device_count() if npu_available() else 0
+    if hasattr(os, "sched_getaffinity"):  # a taskset / cgroup cpuset limits this below os.cpu_count()
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def npu_available() -> bool:

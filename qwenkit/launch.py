@@ -25,6 +25,7 @@ SIGKILL when torchrun dies.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -40,11 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwenkit import config as qconfig
-from qwenkit.device import CPU_MALLOC_ENV, resolve_device
+from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import stopping
-from qwenkit.model import lora
+from qwenkit.model import lora, registry
 from qwenkit.model.paths import resolve_path
 
 STOP_GRACE_S = 1800  # torchrun waits this long for the ranks' checkpoint after a signal, then SIGKILLs
@@ -83,7 +84,8 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
         path = resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
     except FileNotFoundError as e:
         problems.append(str(e))
-    else:  # LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
+    else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
+        problems.extend(check_module_paths(cfg))
         problems.extend(lora.check_against_model(cfg, path))
         heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
         if heads:
@@ -91,10 +93,55 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     problems.extend(check_resume(cfg, cfg.parallel.nproc * rdzv.nnodes))
+    ranks = check_ranks(cfg.parallel)
+    if ranks:
+        problems.append(ranks)
     hsdp = fsdp.hsdp_problem(cfg.parallel)
     if hsdp:
         problems.append(hsdp)
     return problems
+
+
+def check_module_paths(cfg) -> list[str]:
+    """``parallel.shard_patterns``, ``parallel.recompute`` and ``model.freeze`` against the model's
+    module tree, built on the meta device from the checkpoint's ``config.json``: no weights are
+    read and no memory is taken (about a second for a 7B model), where the ranks would find the same
+    mistake only after loading the weights, with ``config.yaml`` and ``logs/`` already written."""
+    try:
+        model = registry.build(dataclasses.replace(cfg.model, init_device="meta", freeze=[]))
+    except (ValueError, OSError) as e:
+        return [str(e)]
+    problems = []
+    for key in ("parallel.shard_patterns", "parallel.recompute"):
+        for pattern in getattr(cfg.parallel, key.split(".")[1]):
+            try:
+                fsdp.match_modules(model, [pattern], key)  # the rule fully_shard and the recompute wrappers use
+            except ValueError as e:
+                problems.append(str(e))
+    for path in cfg.model.freeze:
+        try:
+            registry.freeze(model, [path])  # the meta copy is thrown away: freezing it changes nothing
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def check_ranks(parallel) -> str | None:
+    """More ranks than this node's accelerators fail in the ranks; more CPU ranks than cores swap
+    the machine to a halt (each rank holds a model copy and its threads): refused before spawning."""
+    try:
+        device = resolve_device(parallel.device)
+    except ValueError as e:
+        return str(e)
+    n, have = parallel.nproc, device_count(device)
+    if device != "cpu" and n > have:
+        return f"parallel.nproc={n} ranks on {device}, but this node sees {have} {device} device(s); use --nproc {have} or fewer"
+    if device == "cpu" and n > have and not parallel.allow_oversubscribe:
+        return (
+            f"parallel.nproc={n} CPU ranks, but this process may use {have} core(s); use --nproc {have} or fewer, "
+            "or set parallel.allow_oversubscribe=true to run them anyway"
+        )
+    return None
 
 
 def check_resume(cfg, world_size: int | None = None) -> list[str]:

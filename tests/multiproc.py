@@ -3,6 +3,11 @@
 Each rank gets torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``)
 and one CPU thread. The function must be importable from a test module (spawn pickles it by
 name); ranks report back through files, not return values.
+
+Timeouts here catch hangs, not slowness: a 2-rank module fixture that takes ~60 s on a quiet
+2-core machine was killed at a 180 s timeout while another job shared the cores. The default
+is 15 minutes, and ``QWENKIT_TEST_TIMEOUT_SCALE`` multiplies it and every other test timeout
+that goes through :func:`scaled` (e.g. 3 on a machine busy with other work).
 """
 
 from __future__ import annotations
@@ -14,6 +19,13 @@ import torch
 import torch.multiprocessing as mp
 
 from qwenkit.launch import free_port
+
+DEFAULT_TIMEOUT_S = 900.0
+
+
+def scaled(seconds: float) -> float:
+    """A test timeout: ``seconds`` (what a hang needs to be told from a slow machine) x the scale."""
+    return seconds * float(os.environ.get("QWENKIT_TEST_TIMEOUT_SCALE", "1"))
 
 
 def _entry(fn, rank: int, world_size: int, port: int, args: tuple) -> None:
@@ -29,8 +41,8 @@ def _entry(fn, rank: int, world_size: int, port: int, args: tuple) -> None:
     fn(rank, *args)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list[int]:
-    """Start ``fn(rank, *args)`` on each rank; returns the exit codes.
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list[int]:
+    """Start ``fn(rank, *args)`` on each rank; returns the exit codes. ``timeout`` is scaled.
 
     When one rank fails, the others are terminated (they would wait in a collective forever).
     """
@@ -39,7 +51,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list[int]:
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args)) for r in range(world_size)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while any(p.is_alive() for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
             time.sleep(2.0)  # let the other ranks fail on their own first
@@ -53,7 +65,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list[int]:
     return [p.exitcode for p in procs]
 
 
-def check_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> None:
+def check_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     codes = run_ranks(fn, world_size, *args, timeout=timeout)
     if any(codes):
         raise AssertionError(f"ranks exited with codes {codes} (tracebacks above)")

@@ -302,9 +302,7 @@ def two_ranks(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("ranks")
     # 10 rows: row 5 is dropped at scan; rank 1 loads good samples 2, 3 in step 1, and 2 is corrupt
     path = write_set(out / "d", n=10)
-    check_ranks(
-        _two_ranks, 2, out, path, timeout=600
-    )  # scan + 2 training steps per rank; CI machines are shared
+    check_ranks(_two_ranks, 2, out, path)  # scan + 2 training steps per rank; CI machines are shared
     return out, path
 
 

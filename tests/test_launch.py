@@ -13,19 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiproc import free_port
+from multiproc import free_port, scaled
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import cli, launch
 from qwenkit.engine import generate, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2"]
+SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2",
+         "parallel.allow_oversubscribe=true"]  # 2 ranks pass on a machine with fewer cores too (slowly)
 
 
-def _qwenkit(*args, timeout=240):
+def _qwenkit(*args, timeout=900):
     return subprocess.run(
-        [sys.executable, "-m", "qwenkit.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "qwenkit.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=scaled(timeout)
     )
 
 
@@ -99,9 +100,10 @@ def test_bad_eval_keys_are_refused_before_any_process_starts(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_fails_the_command(tmp_path):
-    proc, out = _train(tmp_path, "model.freeze=[model.no_such_module]")
+    # a mistake only the ranks can find: the launcher checks module paths, not what they leave trainable
+    proc, out = _train(tmp_path, "model.freeze=[model, lm_head]")
     assert proc.returncode != 0
-    error = "ValueError: model.freeze: no module 'model.no_such_module'"
+    error = "ValueError: no trainable parameters: model.freeze froze the whole model"
     # the first line about the failure names the rank, the exception and that rank's log
     first = next(line for line in proc.stderr.splitlines() if "Error" in line or "failed" in line)
     found = re.fullmatch(rf"qwenkit train: rank (\d) failed: {re.escape(error)}[^(]* \(log: (.+)\)", first)
@@ -141,6 +143,26 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
     assert not out.exists()
 
 
+def test_module_paths_are_checked_on_the_meta_model_before_spawning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: 0)
+    from qwenkit.model import registry
+
+    reads = []  # no weights are read: the check builds the module tree on meta, never from_pretrained
+    monkeypatch.setattr(registry.REGISTRY["qwen2_5_vl"], "from_pretrained", classmethod(lambda *a, **k: reads.append(a)))
+    out = tmp_path / "run"
+    bad = ["parallel.shard_patterns=[model.visual.blocks.*, model.decoder.layers.*, lm_head]",
+           "parallel.recompute=[model.language_model.layer.*]", "model.freeze=[model.visual, model.vision]"]  # fmt: skip
+    assert cli.main(["train", *bad, f"train.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.shard_patterns: pattern 'model.decoder.layers.*' matches no module" in err
+    assert "parallel.recompute: pattern 'model.language_model.layer.*' matches no module" in err
+    assert "model.freeze: no module 'model.vision'" in err
+    assert "model.visual.blocks" not in err and "'model.visual'" not in err  # the good ones pass
+    assert not out.exists() and not reads
+    good = ["parallel.recompute=[model.language_model.layers.*]", "model.freeze=[model.visual]"]
+    assert cli.main(["train", *good, f"train.output_dir={out}"]) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("version, refused", [("2.7.1", True), ("2.7.1+cpu", True), ("2.13.0", False)])
 def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypatch, capsys, version, refused):
     monkeypatch.setattr(torch, "__version__", version)
@@ -151,6 +173,35 @@ def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypa
     assert (code == 2) == refused, err
     assert ("parallel.hsdp_replicas=2 on gloo needs torch >= 2.8" in err) == refused
     assert (not out.exists()) == refused
+
+
+def test_more_ranks_than_cores_or_accelerators_are_refused_before_spawning(tmp_path, monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
+    monkeypatch.setattr(launch, "device_count", lambda device: {"cpu": 2, "cuda": 1}[device])
+    out = tmp_path / "run"
+    common = ["parallel.device=cpu", f"train.output_dir={out}"]
+    assert cli.main(["train", "--nproc", "64", *common]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.nproc=64 CPU ranks, but this process may use 2 core(s)" in err and "allow_oversubscribe" in err
+    assert not out.exists() and not started
+    assert cli.main(["train", "--nproc", "2", *common]) == 0  # as many ranks as cores
+    assert cli.main(["train", "--nproc", "3", "parallel.allow_oversubscribe=true", *common]) == 0  # asked for
+    assert [c[c.index("-m") + 1] for c in started] == ["qwenkit.torchrun"] * 2
+    assert "--nproc-per-node=3" in started[1]
+    monkeypatch.setattr(launch, "resolve_device", lambda name, key="parallel.device": "cuda")
+    assert cli.main(["train", "--nproc", "2", "parallel.device=cuda", "parallel.allow_oversubscribe=true",
+                     f"train.output_dir={tmp_path / 'gpu'}"]) == 2  # fmt: skip
+    assert "parallel.nproc=2 ranks on cuda, but this node sees 1 cuda device(s)" in capsys.readouterr().err
+    assert len(started) == 2
+
+
+def test_device_count_is_the_cores_this_process_may_use():
+    from qwenkit.device import device_count
+
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert device_count("cpu") == expected >= 1
+    assert device_count("cuda") == torch.cuda.device_count()
 
 
 def test_torchrun_command_for_multi_node():

@@ -381,3 +381,22 @@ def test_head_gradients_are_not_packed_by_saved_tensor_hooks():
         loss = chunked_linear_cross_entropy(hidden * 1.0, weight, labels, chunk_size=8)
     loss.backward()
     assert not [p for p in packed if p[0] in ((v, h), (2 * 24, h))], packed
+
+
+@pytest.mark.parametrize("skip_ignored", [True, False])
+@pytest.mark.parametrize("pre_shifted", [False, True])
+def test_out_of_range_label_says_which_target_as_hf_does(skip_ignored, pre_shifted):
+    hidden, weight, labels = _inputs(v=64)
+    labels[1, 5] = 99  # predicted at position (1, 4)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    with pytest.raises(IndexError, match=r"^Target 99 is out of bounds") as hf:
+        ForCausalLMLoss(hidden @ weight.T, labels, vocab_size=64)
+    where = r"shift_labels\[1, 4\]" if pre_shifted else r"labels\[1, 5\]"
+    kwargs = dict(shifted=shifted) if pre_shifted else {}
+    with pytest.raises(IndexError, match=rf"^{hf.value.args[0].rstrip('.')}: {where} = 99 .*vocabulary has 64 tokens"):
+        chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=4, skip_ignored=skip_ignored, **kwargs)
+    labels[1, 5] = -3  # negative ids other than the ignore index are out of range too
+    with pytest.raises(IndexError, match=r"^Target -3 is out of bounds"):
+        chunked_linear_cross_entropy(hidden, weight, labels, skip_ignored=skip_ignored)
+    labels[1, 5] = 63  # the last id is in range
+    chunked_linear_cross_entropy(hidden, weight, labels, skip_ignored=skip_ignored)

@@ -333,3 +333,26 @@ def test_loss_under_no_grad_equals_the_training_loss(make_model, batch_factory):
         evaluated = ours(**batch).loss
     assert evaluated.grad_fn is None
     torch.testing.assert_close(evaluated, ours(**batch).loss.detach(), rtol=0, atol=0)
+
+
+def test_declared_forward_keeps_the_parents_kwargs_annotation():
+    """HF's suite reads output_attentions support from ``**kwargs: Unpack[TransformersKwargs]``."""
+    import inspect
+
+    ours = inspect.signature(qwen2_5_vl.QwenkitQwen2_5_VL.forward).parameters["kwargs"]
+    parent = inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters["kwargs"]
+    assert ours.kind is inspect.Parameter.VAR_KEYWORD and ours.annotation == parent.annotation
+    assert ours.annotation is not inspect.Parameter.empty
+
+
+@pytest.mark.parametrize("hidden_states", [False, True])
+def test_tuple_output_keeps_hfs_positions_in_chunk_mode(make_model, batch_factory, hidden_states):
+    hf, ours = _pair(make_model)
+    batch = batch_factory(images_per_sample=(1, 0))
+    kw = dict(return_dict=False, use_cache=False, output_hidden_states=hidden_states)
+    want, got = hf(**batch, **kw), ours(**batch, **kw)
+    assert len(got) == len(want) >= 3 and got[1] is None and want[1].dim() == 3  # index 1: HF's logits
+    torch.testing.assert_close(got[0], want[0], **FP32)
+    for a, b in zip(got[2:], want[2:]):
+        assert type(a) is type(b)
+        torch.testing.assert_close(a, b, **FP32)

@@ -194,7 +194,7 @@ def trained(tmp_path_factory, tiny_path):  # tiny_path: written before the ranks
     from multiproc import check_ranks
 
     out = tmp_path_factory.mktemp("packing")
-    check_ranks(_train_worker, 2, out, timeout=600)  # five short runs; the 180 s default is for one
+    check_ranks(_train_worker, 2, out, timeout=1800)  # five short runs; the default is for one
     return out
 
 

@@ -39,9 +39,14 @@ def test_heads_sharing_a_process_have_the_peaks_they_have_alone():
     out of the first head's peak, and the previous head's buffers are gone before the next."""
     shape = dict(seq_len=1024, hidden=256, vocab=8192, repeats=1, warmup=1)
     alone = {v: head_measure(head_case(v, **shape))[0]["peak_mb"] for v in ("full", "256")}
+    # What a shared process could wrongly add is the other head's buffers: at least one [256, 8192]
+    # fp32 chunk, 8 MiB. The peak is the process's RSS high-water mark, which also moves with
+    # glibc's heap (freed blocks kept below its trim threshold), page granularity and OpenMP
+    # thread stacks: 1-2 MiB between runs under load. The bound is half the smallest leftover.
+    leftover_mb = 256 * shape["vocab"] * 4 / 2**20
     for order in (["full", "256"], ["256", "full"]):
         for row in head_measure(head_case(order, **shape)):
-            assert row["peak_mb"] == pytest.approx(alone[row["variant"]], rel=0.03, abs=1.0), (order, row)
+            assert row["peak_mb"] == pytest.approx(alone[row["variant"]], rel=0.03, abs=leftover_mb / 2), (order, row)
     with pytest.raises(ValueError, match="warm-up round"):
         head_case(["full", "256"], **{**shape, "warmup": 0})
 
@@ -92,3 +97,48 @@ def test_memory_is_read_one_way_and_sees_a_cpu_peak():
     del x
     assert memory_bytes("cpu", peak=True) - base >= 0.9 * size
     assert memory_bytes("cpu", peak=True) >= memory_bytes("cpu", peak=False)
+def _train_step_benchmark():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))  # the script imports its sibling synthetic.py
+    try:
+        spec = importlib.util.spec_from_file_location("train_step_benchmark", bench / "train_step.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    return module
+
+
+def test_train_step_benchmark_never_reports_an_mfu_above_one():
+    ts = _train_step_benchmark()
+    assert ts.mfu(0.5e9, 1.0, 1e9) == 0.5
+    assert ts.mfu(1.17e9, 1.0, 1e9) is None  # a peak measured in a busy moment: an error, not a result
+    assert ts._mfu_cell(None, 9) == "    error" and ts._mfu_cell(0.25, 9) == "     0.25"
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_measures_the_peak_in_each_worker(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from multiproc import scaled
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--shapes", "tiny", "--steps", "1", "--warmup", "0",
+         "--gemm-size", "128", "--variants", "hf", "chunk", "--out", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=scaled(600),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for r in rows:  # each worker's own peak, the better of before and after its steps
+        assert r["gemm_flops_per_s"] == max(r["gemm_before"], r["gemm_after"]) > 0
+        assert r["mfu_all"] is None or 0 < r["mfu_all"] <= 1
+    assert "GEMM GF/s" in proc.stdout

@@ -55,6 +55,7 @@ __all__ = [
     "TokenBudgetSampler",
     "build",
     "open_dataset",
+    "read_checked",
     "read_dataset",
     "split_eval",
 ]
@@ -133,6 +134,28 @@ def read_dataset(
     return dataset, index.report()
 
 
+def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1):
+    """``read_dataset`` under the bad-sample policy: ``(EncodedDataset, BadSampleReport)``.
+
+    ``on_bad_sample=error`` raises the first bad row; an unreadable file is never skipped; the
+    skipped rows are logged (rank 0) and more than ``data.max_bad_fraction`` of them raise. The
+    training set, ``data.eval_path`` and ``qwenkit eval --data`` all pass through here.
+    """
+    dataset, report = read_dataset(
+        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size
+    )
+    unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
+    if unreadable:
+        raise DataError(
+            "unreadable dataset files cannot be skipped (the number of rows lost is unknown):\n  "
+            + "\n  ".join(unreadable)
+        )
+    if rank == 0:
+        report.log()
+    report.check_fraction(data.max_bad_fraction)
+    return dataset, report
+
+
 def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1, source=None) -> DataBundle:
     """Dataset, sampler, collator and bad-sample report for this rank, checked before training.
 
@@ -140,17 +163,8 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     an unparseable file, fewer samples than one global batch).
     """
     data = cfg.data
-    dataset, report = read_dataset(
-        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size
-    )
-    unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
-    if unreadable:
-        raise ValueError(
-            "unreadable dataset files cannot be skipped (the number of rows lost is unknown):\n  "
-            + "\n  ".join(unreadable)
-        )
+    dataset, report = read_checked(data, processor, source, rank, world_size)
     if rank == 0:
-        report.log()
         log.info(
             "data: %d samples from %s (%d skipped); %s",
             len(dataset),
@@ -158,7 +172,6 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
             report.skipped,
             dataset.index_origin,
         )
-    report.check_fraction(data.max_bad_fraction)
     dataset, eval_dataset = _eval_set(cfg, processor, dataset, rank, world_size, source)
     return DataBundle(
         dataset, make_sampler(cfg, dataset, rank, world_size), Collator(processor, data.packing), report,
@@ -197,12 +210,7 @@ def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: 
         dataset, held_out = split_eval(dataset, data.eval_fraction, cfg.train.seed)
         where = f"{data.eval_fraction:g} of data.path held out (train.seed={cfg.train.seed})"
     elif data.eval_path is not None:
-        held_out, report = read_dataset(
-            data, processor, data.eval_path, data.on_bad_sample == "error", rank=rank, world_size=world_size
-        )
-        if rank == 0:
-            report.log()
-        report.check_fraction(data.max_bad_fraction)
+        held_out, _ = read_checked(data, processor, data.eval_path, rank, world_size)
         where = data.eval_path
     elif data.tiny_eval_samples > 0 and source is None and data.path == "tiny":
         eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED)

@@ -38,7 +38,10 @@ from qwenkit.engine import generate as qgen
 from qwenkit.engine.export import load_hf
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
+from qwenkit.model.processor import Processor, pixel_bounds
 from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+
+log = logging.getLogger(__name__)
 
 
 def generations_path(output_dir: str | Path, step: int) -> Path:
@@ -164,22 +167,34 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
     ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
     """
     target = Path(target)
-    if (target / "adapter_config.json").is_file():  # a LoRA export: peft on the base it names, merged
-        from peft import PeftConfig, PeftModel
+    if not target.exists():
+        raise FileNotFoundError(f"{str(target)!r}: no such run, checkpoint or export")
+    adapter = (target / "adapter_config.json").is_file()  # a LoRA export: peft on the base it names, merged
+    if adapter or (target / "config.json").is_file():
+        cfg = qconfig.load(config_path)
+        # the export's processor resizes as its run did (qwenkit export writes the run's data
+        # bounds there); a --config with other bounds would evaluate other image tokens
+        processor = Processor.from_pretrained(target)
+        lo, hi = pixel_bounds(processor.image_processor)
+        if config_path is not None and (cfg.data.min_pixels, cfg.data.max_pixels) != (lo, hi):
+            log.warning(
+                "%s resizes images into %d..%d pixels (its preprocessor_config.json); %s's data.min_pixels/"
+                "max_pixels (%d..%d) are not used", target, lo, hi, config_path, cfg.data.min_pixels, cfg.data.max_pixels,
+            )  # fmt: skip
+        cfg.data.min_pixels, cfg.data.max_pixels = lo, hi
+        if adapter:
+            from peft import PeftConfig, PeftModel  # the lora extra: LoRA exports only
 
-        cfg = qconfig.load(config_path)
-        base = PeftConfig.from_pretrained(target).base_model_name_or_path
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            base, dtype=DTYPES[cfg.model.dtype], local_files_only=True
-        )
-        model = PeftModel.from_pretrained(model, target).merge_and_unload()
-        return model, load_processor(cfg, target), cfg, target.name
-    if (target / "config.json").is_file():
-        cfg = qconfig.load(config_path)
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            target, dtype=DTYPES[cfg.model.dtype], local_files_only=True
-        )
-        return model, load_processor(cfg, target), cfg, target.name
+            base = PeftConfig.from_pretrained(target).base_model_name_or_path
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                base, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+            )
+            model = PeftModel.from_pretrained(model, target).merge_and_unload()
+        else:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                target, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+            )
+        return model, processor, cfg, target.name
     step = ckpt.resolve(target)
     cfg = qconfig.load(config_path or ckpt.run_config_path(step))
     return load_hf(step, cfg), load_processor(cfg), cfg, step.name
@@ -188,15 +203,21 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
 def eval_main(args) -> int:
     """``qwenkit eval RUN_OR_CHECKPOINT [--data PATH] [--samples N]``: eval loss, accuracy, JSONL."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.samples is not None and args.samples < 0:
+        raise ValueError(f"--samples must be >= 0 (rows to generate), got {args.samples}")
+    if args.data is not None and not Path(args.data).expanduser().exists():
+        raise FileNotFoundError(f"--data {args.data!r}: no such file or directory")
     model, processor, cfg, name = load_for_eval(args.target, args.config)
     if args.data is not None:
-        dataset, report = qdata.read_dataset(cfg.data, processor, args.data)
-        report.log()
+        # training's checks and messages: unreadable files, data.on_bad_sample, data.max_bad_fraction
+        dataset, _ = qdata.read_checked(cfg.data, processor, args.data)
+        if len(dataset) == 0:
+            raise qdata.DataError(f"--data {args.data!r}: no usable rows")
     else:
         dataset = qdata.build(cfg, processor).eval_dataset
         if dataset is None:
-            raise SystemExit(
-                "qwenkit eval: the run's config gives no eval set (data.eval_path, data.eval_fraction or "
+            raise ValueError(
+                "the run's config gives no eval set (data.eval_path, data.eval_fraction or "
                 "data.tiny_eval_samples); pass --data PATH"
             )
     samples = cfg.train.eval_samples if args.samples is None else args.samples

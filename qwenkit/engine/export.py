@@ -1,13 +1,22 @@
 """A checkpoint as a Hugging Face model: gathered in one process, written as an HF directory.
 
 :func:`load_hf` reads every DCP shard into HF's own ``Qwen2_5_VLForConditionalGeneration`` (the
-class users deploy), without a process group; :func:`export` saves it with ``save_pretrained`` and
-copies the base model's tokenizer and processor files beside it.
+class users deploy), without a process group; :func:`export` saves it with ``save_pretrained``,
+copies the base model's tokenizer and processor files beside it, and writes the run's image
+bounds and video sampling (``data.*``) into the processor files (:func:`write_run_processing`),
+so HF's processor loaded from the export resizes exactly as training did.
+
+The export is written under a temporary name beside the target and renamed into place: a
+failed export leaves no half directory. The target must be new or empty; ``overwrite``
+replaces a previous export (a directory with ``config.json``), never any other folder, and never
+the run's own output_dir or its checkpoints.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -31,7 +40,11 @@ PROCESSOR_FILES = (
 )
 
 
-def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False) -> Path:
+class ExportError(ValueError):
+    """An export target that would mix or lose files; the message names it and the way out."""
+
+
+def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, overwrite: bool = False) -> Path:
     """Write a checkpoint's model as an HF directory (safetensors, config, processor files).
 
     Runs in one process without a process group (see :func:`load_hf`); ``save_pretrained``
@@ -40,16 +53,29 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False) ->
     ``adapter_model.safetensors`` in peft's key names), which ``PeftModel.from_pretrained`` on
     the base model loads; ``merge``: a full HF directory with the adapters merged instead.
     """
+    ckpt = resolve(checkpoint)
     out = Path(out)
+    check_target(out, ckpt, overwrite)
     base = resolve_path(cfg.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     if cfg.lora.r > 0 and not merge:
-        load_peft(checkpoint, cfg).save_pretrained(out)
+        load_peft(ckpt, cfg).save_pretrained(tmp)
     else:
-        load_hf(checkpoint, cfg).save_pretrained(out)
+        load_hf(ckpt, cfg).save_pretrained(tmp)
     for name in PROCESSOR_FILES:
         if (base / name).is_file():
-            shutil.copy2(base / name, out / name)
-    log.debug("exported %s to %s", resolve(checkpoint), out)
+            shutil.copy2(base / name, tmp / name)
+    write_run_processing(tmp, cfg.data)
+    if out.exists():  # a previous export, and overwrite was asked for (check_target)
+        old = out.parent / f".old-export-{out.name}-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    log.debug("exported %s to %s", ckpt, out)
     return out
 
 
@@ -87,6 +113,71 @@ def load_peft(checkpoint: str | Path, cfg):
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load({"model": wanted}, checkpoint_id=str(ckpt), no_dist=True)
     return peft_model
+def check_target(out: Path, ckpt: Path, overwrite: bool) -> None:
+    """Raise :class:`ExportError` unless ``out`` may receive the export of checkpoint ``ckpt``."""
+    target = out.resolve()
+    root = ckpt.resolve().parent  # <output_dir>/checkpoints
+    if target == root.parent and root.name == "checkpoints":
+        raise ExportError(
+            f"export target {str(out)!r} is the run's own output_dir: `qwenkit eval` would then take the run "
+            "for an export; export to a directory of its own (e.g. RUN/hf)"
+        )
+    if target == root or root in target.parents:
+        raise ExportError(f"export target {str(out)!r} is inside the run's checkpoints ({root}); choose another directory")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export target {str(out)!r} is a file, not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ExportError(
+            f"export target {str(out)!r} is not empty; pass --overwrite to replace a previous export there, "
+            "or give a new directory"
+        )
+    if not any((out / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise ExportError(
+            f"export target {str(out)!r} holds files but no export (no config.json or adapter_config.json); --overwrite replaces "
+            "only a previous export: give a new or empty directory"
+        )
+
+
+def _set_bounds(processor_cfg: dict, min_pixels: int, max_pixels: int) -> None:
+    # `size` is what transformers 5.x reads, min_/max_pixels what 4.57 reads (it overrides `size`
+    # with its class defaults when they are absent); both versions take both spellings
+    processor_cfg["size"] = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    processor_cfg["min_pixels"], processor_cfg["max_pixels"] = min_pixels, max_pixels
+
+
+def write_run_processing(out: Path, data) -> None:
+    """The run's ``data`` resize bounds (and video sampling) into ``out``'s processor files.
+
+    The base model's ``preprocessor_config.json`` has the base's bounds (``longest_edge`` 12544
+    for the tiny model); training resized into ``[data.min_pixels, data.max_pixels]``: a
+    300x168 image is 10 image tokens under the first and 66 under the defaults of the second.
+    Videos: frames within ``[data.min_pixels, data.video_max_pixels]``, sampled at
+    ``data.video_fps`` within ``[data.video_min_frames, data.video_max_frames]``; HF's video
+    processor has no per-video pixel total (``data.video_total_pixels``), so that cap is not carried.
+    """
+    def image(d: dict) -> None:
+        _set_bounds(d, data.min_pixels, data.max_pixels)
+
+    def video(d: dict) -> None:
+        _set_bounds(d, data.min_pixels, data.video_max_pixels)
+        d.update(fps=data.video_fps, min_frames=data.video_min_frames, max_frames=data.video_max_frames,
+                 do_sample_frames=True)  # fmt: skip
+
+    for name, update in (("preprocessor_config.json", image), ("video_preprocessor_config.json", video)):
+        path = out / name
+        if path.is_file():
+            d = json.loads(path.read_text())
+            update(d)
+            path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    path = out / "processor_config.json"  # a processor saved whole nests its parts here
+    if path.is_file():
+        d = json.loads(path.read_text())
+        for key, update in (("image_processor", image), ("video_processor", video)):
+            if isinstance(d.get(key), dict):
+                update(d[key])
+        path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 def load_hf(checkpoint: str | Path, cfg):

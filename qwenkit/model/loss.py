@@ -209,6 +209,20 @@ def _keep_on_device(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _raise_out_of_range(bad: torch.Tensor, shifted: torch.Tensor, vocab: int, given_shifted: bool) -> None:
+    """The error F.cross_entropy (HF's loss) raises, with where the bad label sits."""
+    where = tuple(bad.nonzero()[0].tolist())  # the first bad position, [b, s]
+    value = int(shifted[where])
+    if given_shifted:
+        at = f"shift_labels[{', '.join(map(str, where))}]"
+    else:  # position s predicts labels[..., s + 1]
+        at = f"labels[{', '.join(map(str, (*where[:-1], where[-1] + 1)))}]"
+    raise IndexError(
+        f"Target {value} is out of bounds: {at} = {value} ({int(bad.sum())} such labels), but the vocabulary has "
+        f"{vocab} tokens; a label must be in [0, {vocab}) or {IGNORE_INDEX} (ignored)"
+    )
+
+
 def chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -231,12 +245,14 @@ def chunked_linear_cross_entropy(
     ``skip_ignored=False`` projects every position (the head before ignored rows were skipped;
     kept for benchmarks and as a reference); the result is the same either way.
     """
+    given_shifted = shifted is not None
     if shifted is None:
         shifted = shift_labels(labels)  # [B, S]
     if hidden.shape[:-1] != shifted.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
     if problem := chunk_size_problem(chunk_size):
         raise ValueError(problem)
+    out_of_range = (shifted != IGNORE_INDEX) & ((shifted < 0) | (shifted >= weight.shape[0]))  # [B, S]
     dtype = compute_dtype(hidden, weight)
     weights = token_weights(shifted, loss_type, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
     shifted = shifted.reshape(-1)  # [N]
@@ -246,6 +262,11 @@ def chunked_linear_cross_entropy(
         rows = (shifted != IGNORE_INDEX).nonzero().squeeze(1)  # [M]; one host sync: M sizes the chunks
         if rows.numel() == h.shape[0]:
             rows = None  # every row labelled: contiguous slices, no gather
+    # Once per call, not per chunk: after the nonzero's sync only this reduction is queued, so the
+    # second sync waits for nothing else. A bad id would otherwise fail inside a chunk's gather
+    # with a bare "index 99 is out of bounds" (CPU) or a device-side assert (CUDA).
+    if out_of_range.any():
+        _raise_out_of_range(out_of_range, shifted.view(out_of_range.shape), weight.shape[0], given_shifted)
     n_rows = h.shape[0] if rows is None else rows.numel()
     chunk = auto_chunk_size(n_rows, weight.shape[0], chunk_budget_bytes) if chunk_size == "auto" else chunk_size
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or

@@ -12,6 +12,7 @@ and keeps its state-dict keys. With ``chunk_loss`` off its forward *is* HF's. Wi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -20,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration
-from transformers.modeling_outputs import CausalLMOutputWithPast
+
+try:  # the class HF's forward returns: transformers 5.x
+    from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast as CausalLMOutput
+except ImportError:  # 4.57
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VLCausalLMOutputWithPast as CausalLMOutput,
+    )
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
 from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
@@ -144,7 +151,12 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         out = step(input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs)
         if idle is not None and out.loss is not None:
             out.loss = out.loss + idle
-        return out.to_tuple() if return_dict is False else out
+        if return_dict is not False:
+            return out
+        if self.chunk_loss:  # HF's positions: (loss, logits, ...); to_tuple() would drop the None logits
+            loss, *rest = out.to_tuple()  # chunk mode always has a loss (labels are required)
+            return (loss, None, *rest)
+        return out.to_tuple()
 
     def _packed_inputs(self, input_ids, packed_seq_lens, use_cache, kwargs) -> bool:
         """Step 1 (packed rows): per-sample positions into ``kwargs``; returns ``use_cache`` (False)."""
@@ -181,7 +193,10 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
             num_samples=num_samples,
         )
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
-        return CausalLMOutputWithPast(loss=loss, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        # HF's output class with HF's fields (hidden states, attentions, rope deltas / media
+        # outputs, by version) taken from the backbone as its forward does; logits never exist
+        rest = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(CausalLMOutput)}
+        return CausalLMOutput(**{**rest, "loss": loss, "logits": None})
 
     def _idle_vision_calls(self, kwargs) -> int:
         """Vision-tower calls this rank must add so that every rank makes the same number."""
@@ -299,7 +314,13 @@ def _forward_signature() -> inspect.Signature:
         own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY)
         for n in ("return_dict", "num_items_in_batch", "num_samples", "packed_seq_lens", "loss_type")
     ]
-    return inspect.Signature([own["self"], *_PARENT_PARAMS, *extra, own["kwargs"]])
+    # the parent's **kwargs keeps its annotation (Unpack[TransformersKwargs]): HF's suite reads
+    # output_attentions / output_hidden_states support from it
+    parent_kwargs = next(
+        p for p in inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters.values()
+        if p.kind is inspect.Parameter.VAR_KEYWORD
+    )  # fmt: skip
+    return inspect.Signature([own["self"], *_PARENT_PARAMS, *extra, parent_kwargs])
 
 
 def _bind_positional(args: tuple, kwargs: dict) -> dict:
