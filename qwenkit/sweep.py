@@ -176,6 +176,8 @@ def load(file: str | Path, out_dir: str | Path | None = None) -> Sweep:
 
 def _trial(sweep: Sweep, index: int, varied: dict[str, Any], common: list[str]) -> Trial:
     name = trial_name(varied)
+    # a key the trial varies replaces the common override of that key (no override given twice)
+    common = [o for o in common if o.split("=", 1)[0].strip() not in varied]
     overrides = [*common, *(override_text(k, v) for k, v in varied.items())]
     where = f"trial {index} ({name})"
     try:

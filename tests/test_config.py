@@ -227,7 +227,7 @@ def test_typed_values_reach_qwenkit_train(tmp_path, monkeypatch, capsys):
     from qwenkit import cli
 
     started = []
-    monkeypatch.setattr("subprocess.call", lambda cmd, **k: started.append(cmd) or 0)
+    monkeypatch.setattr("qwenkit.launch.spawn", lambda cmd, *a, **k: started.append(cmd) or 0)
     out = tmp_path / "run"
     assert cli.main(["train", "train.lr=1e-4", "model.fused_ops=off", f"train.output_dir={out}"]) == 0, capsys.readouterr().err
     written = config.load(out / "config.yaml")

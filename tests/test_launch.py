@@ -144,7 +144,7 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
 
 
 def test_module_paths_are_checked_on_the_meta_model_before_spawning(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: 0)
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)
     from qwenkit.model import registry
 
     reads = []  # no weights are read: the check builds the module tree on meta, never from_pretrained
@@ -177,7 +177,7 @@ def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypa
 
 def test_more_ranks_than_cores_or_accelerators_are_refused_before_spawning(tmp_path, monkeypatch, capsys):
     started = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
+    monkeypatch.setattr(launch, "spawn", lambda cmd, *a, **k: started.append(cmd) or 0)
     monkeypatch.setattr(launch, "device_count", lambda device: {"cpu": 2, "cuda": 1}[device])
     out = tmp_path / "run"
     common = ["parallel.device=cpu", f"train.output_dir={out}"]

@@ -140,5 +140,5 @@ def test_train_step_benchmark_measures_the_peak_in_each_worker(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     for r in rows:  # each worker's own peak, the better of before and after its steps
         assert r["gemm_flops_per_s"] == max(r["gemm_before"], r["gemm_after"]) > 0
-        assert r["mfu_all"] is None or 0 < r["mfu_all"] <= 1
+        assert r["mfu"] is None or 0 < r["mfu"] <= 1
     assert "GEMM GF/s" in proc.stdout

@@ -221,13 +221,13 @@ RUN = ["train.steps=4", "data.tiny_samples=32", "data.tiny_eval_samples=6", "tra
        "parallel.allow_oversubscribe=true"]  # 4 CPU ranks on a 2-core machine: slow, not wrong  # fmt: skip
 
 
-def _train(out, nproc, *overrides):
+def _train(out, nproc, *overrides, code=0):
     proc = subprocess.run(
         [sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_cpu.yaml", "--nproc", str(nproc),
          "--master-port", str(free_port()), *RUN, f"train.output_dir={out}", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == code, proc.stdout + proc.stderr
     rows = metrics.read(out / "metrics" / "rank-00000.jsonl")
     return {m: metrics.series(rows, m) for m in ("loss", "grad_norm", "eval_loss", "valid_tokens")}
 
@@ -247,7 +247,7 @@ def cli_runs(tmp_path_factory, tiny_path):
         # HSDP mesh (2 replicas x 2 shards) across the two SP groups
         runs["hsdp_sp2"] = _train(tmp / "hsdp_sp2", 4, "parallel.sp_size=2", "train.micro_batch_size=4",
                                   "parallel.hsdp_replicas=2")  # fmt: skip
-    _train(tmp / "resumed", 2, "parallel.sp_size=2", "train.stop_after=2")
+    _train(tmp / "resumed", 2, "parallel.sp_size=2", "train.stop_after=2", code=75)  # stopped early: resumable
     runs["resumed"] = _train(tmp / "resumed", 2, "parallel.sp_size=2")  # resume=auto: from step 2
     return runs
 
