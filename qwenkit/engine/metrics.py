@@ -135,7 +135,7 @@ class MlflowWriter:
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
         self.run_id = self.client.create_run(experiment_id, run_name=output_dir.resolve().name).info.run_id
-        flat = [Param(k, str(v)[:6000]) for k, v in _flatten(params).items()]
+        flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         for i in range(0, len(flat), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=flat[i:i + 100])
         saved.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}) + "\n")
@@ -150,11 +150,12 @@ class MlflowWriter:
         self.client.set_terminated(self.run_id)
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
+def flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    """A nested config dict as dotted keys (``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

@@ -32,16 +32,6 @@ SEED_KEY = "train.seed"
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def run_folders(sweep_dir: str | Path | None = None, run_dirs: list[str | Path] = ()) -> list[Path]:
     """The sweep's trial folders in the ledger's order, or ``run_dirs`` as given."""
     if sweep_dir:
@@ -64,7 +54,7 @@ def collect(folders: list[Path], sweep_dir: str | Path | None = None) -> list[di
     for folder in folders:
         entry = rows.get(folder.name, {})
         cfg_path = folder / "config.yaml"
-        config = _flatten(yaml.safe_load(cfg_path.read_text())) if cfg_path.is_file() else {}
+        config = metrics.flatten(yaml.safe_load(cfg_path.read_text())) if cfg_path.is_file() else {}
         wall = (entry.get("metrics") or {}).get("wall_time")
         runs.append({
             "name": folder.name, "folder": str(folder), "status": entry.get("status", "done" if config else "missing"),
