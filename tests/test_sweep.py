@@ -67,7 +67,7 @@ def test_names_keep_keys_apart_when_their_last_parts_clash():
     assert sweep.trial_name({}) == "base"
 
 
-def test_a_bad_value_in_one_trial_fails_the_sweep_before_any_run(tmp_path):
+def test_a_bad_value_in_one_trial_fails_the_sweep_before_any_run(tmp_path, tiny_path):  # tiny_path: the checkpoint is written, its progress bar is not in stderr
     path = _write(tmp_path, trials=[{"train.lr": 0.001}, {"train.lr": 0.002}, {"train.warmup_steps": -1}])
     out = tmp_path / "out"
     proc = _qwenkit("sweep", "run", str(path), "--out", str(out))
@@ -77,7 +77,7 @@ def test_a_bad_value_in_one_trial_fails_the_sweep_before_any_run(tmp_path):
     assert not out.exists()  # nothing ran, nothing was written
 
 
-def test_an_unknown_key_names_the_trial_and_the_key(tmp_path):
+def test_an_unknown_key_names_the_trial_and_the_key(tmp_path, tiny_path):
     with pytest.raises(sweep.SweepError, match=r"trial 2 \(lrr0.1\): unknown key 'train.lrr'; did you mean 'train.lr'"):
         sweep.load(_write(tmp_path, trials=[{"train.lr": 0.1}, {"train.lrr": 0.1}]), tmp_path / "out")
     with pytest.raises(sweep.SweepError, match="unknown key 'grids'"):
