@@ -15,7 +15,8 @@ it sees every rank's files, as the manifests list them (ranks on nodes without o
 output_dir do not, and the save is refused, naming them); only then does rank 0 write
 ``COMPLETE.json`` and rename the directory. A save killed midway leaves a ``.tmp-*`` directory
 that is never picked as latest (and is removed by the next save), so the previous checkpoint
-stays the one a resume selects. A save that fails (a full disk: DCP's ``CheckpointException``)
+stays the one a resume selects. A save that fails (DCP's ``CheckpointException``; a full disk is
+known by errno or by the room left after the failed write)
 removes its partial directory and raises one :class:`CheckpointError` on every rank naming the
 disk, the bytes free and about the bytes needed.
 
@@ -364,8 +365,12 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
         _write_text(tmp / MANIFEST.format(rank=rank), json.dumps(manifest))
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
         failures = getattr(e, "failures", None)  # DCP names the ranks whose writes failed
-        report.update(error=_one_line(e), enospc=_is_enospc(e), ranks=sorted(failures) if isinstance(failures, dict) else [rank])
-        report["free"] = shutil.disk_usage(root).free if root.exists() else 0
+        free = shutil.disk_usage(root).free if root.exists() else 0  # the partial save still in place
+        # torch.save's zip writer reports a full disk as a RuntimeError without errno ("unexpected
+        # pos"): a failed write that left less room than this rank's part needs is a full disk too
+        full = _is_enospc(e) or free < report["nbytes"]
+        report.update(error=_one_line(e), enospc=full, free=free,
+                      ranks=sorted(failures) if isinstance(failures, dict) else [rank])  # fmt: skip
     reports = [None] * world
     dist.all_gather_object(reports, report)  # every rank's files are on disk, or its error
     failed = [r for r in reports if r["error"]]
