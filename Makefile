@@ -12,10 +12,11 @@ VENVCOMPAT ?= .venv-compat
 PIP_FLAGS ?= -q --disable-pip-version-check
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today).
 TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_patches.py tests/test_packing.py tests/test_lora.py tests/test_sequence_parallel.py
-# Tests that run notebooks (papermill, nbformat, jupyter), which the compat environment leaves out.
+# Tests that run notebooks (papermill, nbformat, jupyter) or show their widgets (IPython), which the
+# compat environment leaves out.
 # It does install plotly: the notebook layer's modules (perf, samples, runs, validation) draw
 # their figures with it and import it at the top, and their torch code is what compat must cover.
-COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py
+COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py tests/test_progress.py
 
 .PHONY: test test-main test-tf457 test-compat report train bench lint clean chromium
 
