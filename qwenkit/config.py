@@ -701,7 +701,7 @@ def _check_param_groups(cfg: Config, need) -> None:
 
 def _check_lora(cfg: Config, need) -> None:
     """Ranges and combinations; target and module paths are checked against the model tree
-    (:func:`qwenkit.model.lora.check_against_model`, called by the launcher)."""
+    (:func:`qwenkit.launch.check_module_paths`)."""
     lora = cfg.lora
     need(lora.r >= 0, f"lora.r must be >= 0 (0: off), got {lora.r}")
     if lora.r == 0:

@@ -44,7 +44,7 @@ from qwenkit import config as qconfig
 from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import stopping
+from qwenkit.engine import optim, stopping
 from qwenkit.model import lora, registry
 from qwenkit.model.paths import resolve_path
 
@@ -86,7 +86,6 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
         problems.append(str(e))
     else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
         problems.extend(check_module_paths(cfg))
-        problems.extend(lora.check_against_model(cfg, path))
         heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
         if heads:
             problems.append(heads)
@@ -103,8 +102,8 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
 
 
 def check_module_paths(cfg) -> list[str]:
-    """``parallel.shard_patterns``, ``parallel.recompute`` and ``model.freeze`` against the model's
-    module tree, built on the meta device from the checkpoint's ``config.json``: no weights are
+    """``parallel.shard_patterns``, ``parallel.recompute``, ``model.freeze``, the LoRA targets and
+    saved modules and the ``train.param_groups`` patterns against the model's module tree, built on the meta device from the checkpoint's ``config.json``: no weights are
     read and no memory is taken (about a second for a 7B model), where the ranks would find the same
     mistake only after loading the weights, with ``config.yaml`` and ``logs/`` already written."""
     try:
@@ -123,7 +122,7 @@ def check_module_paths(cfg) -> list[str]:
             registry.freeze(model, [path])  # the meta copy is thrown away: freezing it changes nothing
         except ValueError as e:
             problems.append(str(e))
-    return problems
+    return problems + lora.problems(model, cfg.lora) + optim.group_problems(model, cfg.train)
 
 
 def check_ranks(parallel) -> str | None:

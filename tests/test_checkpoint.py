@@ -33,7 +33,7 @@ from qwenkit import cli, data, launch
 from qwenkit import config as qconfig
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import export as hf_export
-from qwenkit.engine import metrics, train
+from qwenkit.engine import metrics, optim, train
 
 BASE = [
     "train.steps=8",
@@ -49,7 +49,7 @@ E_RUN = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=1"]
 def _schedule(lr, steps, total=8):
     """The LR config-driven steps should apply: train.lr * lr_factor with BASE's warmup and floor."""
     defaults = qconfig.TrainConfig()
-    return [lr * train.lr_factor(s, 2, total, defaults.min_lr_ratio) for s in steps]
+    return [lr * optim.lr_factor(s, 2, total, defaults.min_lr_ratio) for s in steps]
 
 
 def _recording_builder(path):
@@ -72,7 +72,7 @@ def _recording_builder(path):
 
 
 def _record_applied_lr(build):
-    """train.build_optimizer whose optimizer notes, before each step, the LR and Adam steps it has."""
+    """optim.build_optimizer whose optimizer notes, before each step, the LR and Adam steps it has."""
 
     def wrapped(model, train_cfg):
         opt = build(model, train_cfg)
@@ -112,7 +112,7 @@ def _run(out, name, overrides, rank):
 
 def _first_launch(rank, out):
     dist.init_process_group("gloo")
-    train.build_optimizer = _record_applied_lr(train.build_optimizer)
+    optim.build_optimizer = _record_applied_lr(optim.build_optimizer)
     _run(out, "A", ["checkpoint.save_final=false"], rank)
     _run(out, "B", ["train.stop_after=4"], rank)  # stops after step 4 (its final checkpoint), schedule of 8
     _run(out, "E", ["train.steps=4", "checkpoint.every=2"], rank)
@@ -131,7 +131,7 @@ def _second_launch(rank, out, processor_path):
     from qwenkit.model.processor import Processor
 
     dist.init_process_group("gloo")
-    train.build_optimizer = _record_applied_lr(train.build_optimizer)
+    optim.build_optimizer = _record_applied_lr(optim.build_optimizer)
     trainer = _run(out, "C", [], rank)
     model = trainer.model
     model.configure_loss(chunk=False)

@@ -23,7 +23,7 @@ from qwenkit import config as qconfig
 from qwenkit import launch
 from qwenkit.distributed import fsdp
 from qwenkit.engine import export as hf_export
-from qwenkit.engine import metrics, train
+from qwenkit.engine import metrics, optim, train
 from qwenkit.model import lora, registry
 from qwenkit.model import loss as qloss
 
@@ -251,7 +251,7 @@ def test_resume_is_bit_identical_with_lora(resumed):
 def test_param_groups_get_their_lrs_also_after_resume(resumed):
     seen = resumed[1]["seen"]
     a, b2 = seen["A"][0], seen["B"][1]
-    factors = [train.lr_factor(s, 1, 6, qconfig.TrainConfig().min_lr_ratio) for s in range(1, 7)]
+    factors = [optim.lr_factor(s, 1, 6, qconfig.TrainConfig().min_lr_ratio) for s in range(1, 7)]
     # read from the optimizer after each step: the LR that step applied (the scheduler moves it after)
     for step, applied in enumerate(a["applied"], start=1):
         f = factors[step - 1]

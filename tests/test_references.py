@@ -99,7 +99,7 @@ def test_every_reference_in_the_package_exists():
 
 def test_the_resolver_tells_a_stale_name_from_a_live_one():
     assert references()  # the scan finds references at all
-    assert resolves("qwenkit.engine.train.build_scheduler", "qwenkit.config")
+    assert resolves("qwenkit.engine.optim.build_scheduler", "qwenkit.config")
     assert not resolves("qwenkit.engine.train.seek_schedule", "qwenkit.config")  # the stale name of issue #21
     assert resolves(":func:`load`".split("`")[1], "qwenkit.config") and not resolves("lode", "qwenkit.config")
     assert resolves(".reader", "qwenkit.data") and not resolves(".readers", "qwenkit.data")

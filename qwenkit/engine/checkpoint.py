@@ -543,7 +543,7 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
     """Collective: restore a checkpoint into the (sharded) model and the rest; returns its step.
 
     The LR schedule is not restored: it is a function of the step and the run's config, which
-    the trainer applies after the load (see ``qwenkit.engine.train.build_scheduler``).
+    the trainer applies after the load (see ``qwenkit.engine.optim.build_scheduler``).
 
     Any failure on any rank is raised on every rank (no rank is left waiting in a collective),
     as a :class:`CheckpointError` naming the directory.

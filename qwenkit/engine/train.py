@@ -51,7 +51,7 @@ from qwenkit import data, patches
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import stopping
+from qwenkit.engine import optim, stopping
 from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
 from qwenkit.engine.profiling import ProfileWindow
@@ -79,51 +79,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every accelerator
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier of optimizer step ``step`` (1-based): linear warmup, then cosine to ``min_ratio``."""
-    if step <= warmup:
-        return step / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, in the groups of :func:`qwenkit.model.lora.param_groups`."""
-    groups = lora.param_groups(model, train_cfg)
-    if not groups:
-        raise ValueError("no trainable parameters: model.freeze froze the whole model")
-    # fused: one in-place kernel; the foreach default allocates a parameter-sized temporary
-    fused = groups[0]["params"][0].device.type in ("cpu", "cuda") or None
-    optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), fused=fused)
-    # this run's group settings: a loaded optimizer state carries the old run's (see build_scheduler)
-    optimizer.qwenkit_groups = [(g["name"], g["base_lr"], g["base_weight_decay"]) for g in optimizer.param_groups]
-    return optimizer
-
-
-def build_scheduler(optimizer, train_cfg, done: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
-    """The LR schedule of *this* run's config, positioned after ``done`` optimizer steps.
-
-    A resume follows the config it runs with: step ``s`` uses ``train.lr * lr_factor(s)`` with
-    this run's ``warmup_steps``, ``steps`` and ``min_lr_ratio``, whether or not the optimizer
-    state was loaded and whatever LR the checkpoint's run used. Built after the load, it sets
-    every param group's LR, so the LR an optimizer step applies is the one logged.
-    """
-    t = train_cfg
-    configured = getattr(optimizer, "qwenkit_groups", None)  # set by build_optimizer
-    for i, group in enumerate(optimizer.param_groups):
-        # what LambdaLR scales, per group; a loaded optimizer carries the old run's
-        if configured is None:
-            group["initial_lr"] = t.lr
-            continue
-        name, lr, wd = configured[i]
-        group.update(name=name, initial_lr=lr, base_lr=lr, weight_decay=wd, base_weight_decay=wd)
-    # LambdaLR passes the number of steps taken so far; the step about to run is that + 1.
-    # last_epoch=done-1: the constructor takes one step itself (-1: a fresh start).
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda n: lr_factor(n + 1, t.warmup_steps, t.steps, t.min_lr_ratio), last_epoch=done - 1
-    )
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -259,7 +214,7 @@ class Trainer:
                 cfg, self.bundle.eval_dataset, self.bundle.collator, rt.rank, rt.world_size, rt.device, self.out_dir,
                 sp=self.sp,
             )
-        self.optimizer = build_optimizer(model, t)
+        self.optimizer = optim.build_optimizer(model, t)
         if resume is None:
             if main_rank:
                 log.info("no checkpoint to resume from (train.resume=%s): starting fresh", t.resume)
@@ -270,7 +225,7 @@ class Trainer:
             )
             if main_rank:
                 log.info("resumed from %s at step %d", resume, self.start_step)
-        self.scheduler = build_scheduler(self.optimizer, t, self.start_step)
+        self.scheduler = optim.build_scheduler(self.optimizer, t, self.start_step)
 
     def resume_point(self) -> Path | None:
         """The checkpoint ``train.resume`` names, verified and agreed by every rank.

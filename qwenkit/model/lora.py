@@ -1,4 +1,4 @@
-"""LoRA adapters from peft, added to the model before ``fully_shard``; per-module parameter groups.
+"""LoRA adapters from peft, added to the model before ``fully_shard``.
 
 With ``lora.r > 0`` :func:`apply` asks peft (``inject_adapter_in_model``) to wrap the target
 linears in place, so the model stays qwenkit's class and FSDP2 shards base weights and adapters
@@ -12,8 +12,8 @@ Targets are resolved here to exact module paths (what peft is given): ``all-line
 ``nn.Linear`` of the language model (and of the vision blocks with ``lora.vision``), never
 ``lm_head``, whose forward computes the chunked loss. A name (``q_proj``) matches that last path
 segment, a dotted pattern (``model.language_model.layers.*.mlp.down_proj``) the whole path with
-``*`` one segment; one that matches no linear is an error naming it (:func:`check_against_model`
-runs on the module tree built on meta before any rank starts).
+``*`` one segment; one that matches no linear is an error naming it (:func:`problems`, which
+the launcher runs on the module tree built on meta before any rank starts).
 
 Initialisation is peft's (``lora_A`` Kaiming-uniform with a = sqrt(5), ``lora_B`` zero, so the
 model starts as the base), drawn from a generator seeded with ``train.seed``
@@ -65,32 +65,18 @@ def target_problems(model: nn.Module, lora_cfg) -> tuple[list[str], list[str]]:
     return [n for n in linears if n in found], problems
 
 
-def module_problems(model: nn.Module, cfg) -> list[str]:
-    """``lora.modules_to_save`` and ``train.param_groups`` patterns that name no module."""
-    names = [n for n, _ in model.named_modules() if n]
-    problems = []
-    if cfg.lora.r > 0:
-        for path in cfg.lora.modules_to_save:
-            if path not in names:
-                problems.append(f"lora.modules_to_save: no module {path!r} in {type(model).__name__}")
-    for i, group in enumerate(cfg.train.param_groups):
-        if not any(_prefix_match(n, group.pattern) == len(n.split(".")) for n in names):
-            problems.append(f"train.param_groups[{i}].pattern: {group.pattern!r} matches no module")
-    return problems
-
-
-def check_against_model(cfg, path) -> list[str]:
-    """Every LoRA target, saved module and parameter-group pattern against the module tree of the
-    checkpoint at ``path``, built on meta (no weights read: cheap at 7B)."""
-    if cfg.lora.r == 0 and not cfg.train.param_groups:
+def problems(model: nn.Module, lora_cfg) -> list[str]:
+    """``lora.target_modules`` entries and ``lora.modules_to_save`` paths that name nothing in
+    ``model`` (the launcher runs this on the module tree built on meta, before any rank starts)."""
+    if lora_cfg.r == 0:
         return []
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    problems = target_problems(model, cfg.lora)[1] if cfg.lora.r > 0 else []
-    return problems + module_problems(model, cfg)
+    found = target_problems(model, lora_cfg)[1]
+    names = {n for n, _ in model.named_modules() if n}
+    return found + [
+        f"lora.modules_to_save: no module {path!r} in {type(model).__name__}"
+        for path in lora_cfg.modules_to_save
+        if path not in names
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,50 +165,3 @@ def merge_in_place(model: nn.Module) -> nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
     return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Parameter groups
-
-
-def _prefix_match(name: str, pattern: str) -> int:
-    """Segments of ``name`` that ``pattern`` matches as a module-path prefix (0: none)."""
-    parts, pats = name.split("."), pattern.split(".")
-    if len(parts) < len(pats):
-        return 0
-    return len(pats) if all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats)) else 0
-
-
-def no_decay(name: str, param: nn.Parameter) -> bool:
-    """The usual no-decay set: biases, norm weights (1-D) and embeddings."""
-    return param.dim() < 2 or "embed" in name.split(".")[-2]
-
-
-def param_groups(model: nn.Module, train_cfg) -> list[dict]:
-    """AdamW parameter groups: ``default`` (``train.lr``) first, then one per ``train.param_groups``
-    entry, each split in two with ``train.no_decay``; empty groups are left out.
-
-    Each group carries ``name`` and its configured ``base_lr`` / ``base_weight_decay``, which
-    the LR schedule scales (the same warmup + cosine shape for every group).
-    """
-    specs = [("default", None, train_cfg.lr, train_cfg.weight_decay)]
-    for g in train_cfg.param_groups:
-        wd = train_cfg.weight_decay if g.weight_decay is None else g.weight_decay
-        specs.append((g.pattern, g.pattern, g.lr, wd))
-    buckets: dict[tuple[str, bool], list] = {}
-    for pname, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        pname = pname.replace("._checkpoint_wrapped_module", "")
-        spec = next((s for s in specs[1:] if _prefix_match(pname, s[1])), specs[0])
-        nd = train_cfg.no_decay and no_decay(pname, param)
-        buckets.setdefault((spec[0], nd), []).append(param)
-    groups = []
-    for name, _, lr, wd in specs:
-        for nd in (False, True):
-            params = buckets.get((name, nd))
-            if params:
-                label = f"{name} (no decay)" if nd else name
-                groups.append({"params": params, "name": label, "lr": lr, "weight_decay": 0.0 if nd else wd,
-                               "base_lr": lr, "base_weight_decay": 0.0 if nd else wd})  # fmt: skip
-    return groups
