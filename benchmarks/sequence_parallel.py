@@ -207,12 +207,12 @@ def _rank(rank: int, world: int, port: int, sp_size: int, shape_name: str, devic
     dist.destroy_process_group()
 
 
-def measure(sp_size: int, shape_name: str, device_type: str, recompute: bool, sample: dict) -> list[dict]:
+def measure(sp_size: int, shape_name: str, device_type: str, recompute: bool, sample: dict, world: int = 2) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(2, free_port(), sp_size, shape_name, device_type, recompute, sample, results),
-                       nprocs=2, start_method="spawn")  # fmt: skip
-    return sorted((results.get() for _ in range(2)), key=lambda r: r["rank"])
+    mp.start_processes(_rank, args=(world, free_port(), sp_size, shape_name, device_type, recompute, sample, results),
+                       nprocs=world, start_method="spawn")  # fmt: skip
+    return sorted((results.get() for _ in range(world)), key=lambda r: r["rank"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, help="temporal patches of the video (default: the size's)")
     p.add_argument("--side", type=int, help="video side in px, a multiple of 28 (default: the size's)")
     p.add_argument("--json", help="write the rows to this JSONL file too")
+    p.add_argument("--sp1-ranks", type=int, choices=[1, 2], default=2,
+                   help="ranks of the sp_size=1 variant: 1 measures what each data-parallel rank does alone, "
+                        "where two whole-sample replicas do not fit the machine's memory together")  # fmt: skip
     args = p.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -233,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shape = "tiny" if args.tiny else "full"
     sample = {k: v for k, v in (("frames", args.frames), ("side", args.side)) if v is not None}
-    rows = [r for sp in (1, 2) for r in measure(sp, shape, device, not args.no_recompute, sample)]
+    rows = [r for sp in (1, 2) for r in measure(sp, shape, device, not args.no_recompute, sample,
+                                                world=args.sp1_ranks if sp == 1 else 2)]  # fmt: skip
     r = rows[0]
-    print(f"one sample of {r['tokens']} tokens ({r['video_tokens']} video), {shape} model, 2 ranks on {device}, "
-          f"recompute {'off' if args.no_recompute else 'on'}")  # fmt: skip
+    print(f"one sample of {r['tokens']} tokens ({r['video_tokens']} video), {shape} model, on {device}: "
+          f"sp_size 1 on {args.sp1_ranks} rank(s), sp_size 2 on 2 ranks, recompute {'off' if args.no_recompute else 'on'}")  # fmt: skip
     print(f"{'sp':>3} {'rank':>4} {'loss':>10} {'step s':>8} {'act. peak MiB':>14} {'saved MiB':>10} "
           f"{'vision s':>9} {'vision peak MiB':>16} {'vision saved MiB':>17}")  # fmt: skip
     for r in rows:
