@@ -291,3 +291,23 @@ def test_cli_refuses_bad_sp_before_start(tmp_path, overrides, problem):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert problem in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "logs").exists()  # no rank started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp1_ranks", ["1", "2"])
+def test_benchmark_runs_and_its_variants_agree(tmp_path, sp1_ranks):
+    """benchmarks/sequence_parallel.py at the toy size, SP 1 on one rank (the full size's CPU
+    setting) and on two: the rows come out, one per rank, and the two variants' losses are equal."""
+    from multiproc import scaled
+
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "sequence_parallel.py", "--tiny", "--sp1-ranks", sp1_ranks, "--json", str(out)],
+        cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=scaled(600),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["sp_size"], r["rank"]) for r in rows] == [(1, r) for r in range(int(sp1_ranks))] + [(2, 0), (2, 1)]
+    assert len({r["loss"] for r in rows}) == 1 and "losses equal: True" in proc.stdout
+    sp1, sp2 = (max(r["saved_mib"] for r in rows if r["sp_size"] == sp) for sp in (1, 2))
+    assert sp2 < sp1  # each SP rank saves its slice's activations, not the whole sample's
