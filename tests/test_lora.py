@@ -357,3 +357,38 @@ def test_qwenkit_train_lora_export_and_eval(tmp_path):
     logged = {m: metrics.series(metrics.read(out / "metrics" / "rank-00000.jsonl"), m)[3] for m in ("eval_loss", "eval_accuracy")}
     assert f"eval_loss {logged['eval_loss']:.4f}" in run_eval.stdout
     assert f"eval_accuracy {logged['eval_accuracy']:.4f}" in run_eval.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation's copy leaves the training model alone
+
+
+def _copy_for_generation(rank, out):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from qwenkit.engine import generate as qgen
+
+    dist.init_process_group("gloo")
+    cfg = qconfig.load(overrides=[*BASE, *LORA, "train.steps=2", f"train.output_dir={out / 'run'}"])
+    model = train.run(cfg).model
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    before = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
+    copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, torch.device("cpu"), rank == 0)
+    after = get_model_state_dict(model, options=full)
+    if rank == 0:
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        torch.save({"changed": changed, "copy_params": sum(p.numel() for p in copy.parameters())}, out / "copy.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_generation_copy_leaves_the_training_model_unchanged(tmp_path, tiny_path, world):
+    """Eval accuracy mid-run builds a merged copy for generation: on one CPU rank the gathered
+    full tensors are the training parameters themselves, so merging the adapters into the copy
+    must not write into them (it did: every later step of a 1-rank LoRA run with a mid-run
+    eval_accuracy changed)."""
+    check_ranks(_copy_for_generation, world, tmp_path, timeout=600)
+    got = torch.load(tmp_path / "copy.pt")
+    assert got["copy_params"] > 0
+    assert got["changed"] == [], got["changed"][:5]

@@ -126,6 +126,8 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not main_rank:
         return None
+    if lora.has_adapters(model):  # merging writes into the base weights: they must be the copy's own
+        state = _unshared(state, model)
     copy = build_on_meta(cls, model.config)
     if lora.has_adapters(model):  # the same adapters, then merged as the export's --merge does
         from peft import inject_adapter_in_model
@@ -138,3 +140,15 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     if lora.has_adapters(model):
         lora.merge_in_place(copy)
     return copy.to(device).eval()
+
+
+def _unshared(state: dict, model: nn.Module) -> dict:
+    """``state`` with every tensor that shares storage with ``model``'s parameters cloned.
+
+    On one rank a "gathered" full tensor can be the training parameter itself (the one shard,
+    already on the CPU): a copy that changes its weights in place would change the model's.
+    """
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    owned = {t.untyped_storage().data_ptr() for t in local}
+    return {k: v.clone() if v.untyped_storage().data_ptr() in owned else v for k, v in state.items()}
+
