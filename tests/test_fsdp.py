@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from qwenkit import config as qconfig
 from qwenkit.distributed import fsdp
 from qwenkit.engine import train
+from qwenkit.model.modules import module_path
 from qwenkit.model.tiny import ensure_checkpoint
 
 # Both sides fp32; sums over ranks and micro-batches run in another order (the bound).
@@ -144,7 +145,7 @@ def test_recompute_keeps_state_dict_keys_and_outputs(make_model, batch_factory):
     la.backward()
     lb.backward()
     torch.testing.assert_close(la, lb, rtol=0, atol=0)
-    grads = {fsdp.module_path(n): p.grad for n, p in wrapped.named_parameters()}
+    grads = {module_path(n): p.grad for n, p in wrapped.named_parameters()}
     for n, p in plain.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-6, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fnmatch
 import functools
 import logging
 import os
@@ -41,6 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from qwenkit.config import DTYPES
 from qwenkit.device import resolve_device
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
+from qwenkit.model.modules import module_path, path_match
 
 log = logging.getLogger(__name__)
 DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -139,22 +139,12 @@ def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[tuple
     names = [(n, m) for n, m in model.named_modules() if n and not n.endswith("._checkpoint_wrapped_module")]
     found: dict[str, nn.Module] = {}
     for pattern in patterns:
-        hits = [(n, m) for n, m in names if _path_match(module_path(n), pattern)]
+        hits = [(n, m) for n, m in names if path_match(module_path(n), pattern)]
         if not hits:
             raise ValueError(f"{key}: pattern {pattern!r} matches no module of {type(model).__name__}")
         found.update(hits)
     order = {n: i for i, (n, _) in enumerate(names)}
     return sorted(found.items(), key=lambda item: order[item[0]])
-
-
-def _path_match(name: str, pattern: str) -> bool:
-    parts, pats = name.split("."), pattern.split(".")
-    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats))
-
-
-def module_path(name: str) -> str:
-    """A module path as the user writes it: without checkpoint_wrapper's inner segment."""
-    return name.replace("._checkpoint_wrapped_module", "")
 
 
 def apply_recompute(model: nn.Module, patterns: list[str]) -> list[str]:

@@ -56,7 +56,7 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     """Parameter names that share one tensor, a list per tensor with two or more names.
 
     Names are ``named_parameters`` names (wrapper segments such as checkpoint_wrapper's
-    included; :func:`qwenkit.distributed.fsdp.module_path` removes them).
+    included; :func:`qwenkit.model.modules.module_path` removes them).
     """
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

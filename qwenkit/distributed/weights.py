@@ -34,9 +34,9 @@ try:
 except ImportError:  # torch < 2.8
     HuggingFaceStorageReader = None
 
-from qwenkit.distributed.fsdp import module_path
 from qwenkit.distributed.meta import tied_groups
 from qwenkit.model.lora import base_key, is_adapter_key
+from qwenkit.model.modules import module_path
 
 
 def model_key(file_key: str) -> str:

@@ -12,11 +12,13 @@ The schedule is the one of *this* run's config, also on a resume (:func:`build_s
 
 from __future__ import annotations
 
-import fnmatch
 import math
 
 import torch
 from torch import nn
+
+from qwenkit.distributed.fsdp import match_modules
+from qwenkit.model.modules import module_path, prefix_match
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -27,14 +29,6 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _prefix_match(name: str, pattern: str) -> int:
-    """Segments of ``name`` that ``pattern`` matches as a module-path prefix (0: none)."""
-    parts, pats = name.split("."), pattern.split(".")
-    if len(parts) < len(pats):
-        return 0
-    return len(pats) if all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats)) else 0
-
-
 def no_decay(name: str, param: nn.Parameter) -> bool:
     """The usual no-decay set: biases, norm weights (1-D) and embeddings."""
     return param.dim() < 2 or "embed" in name.split(".")[-2]
@@ -43,12 +37,13 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
 def group_problems(model: nn.Module, train_cfg) -> list[str]:
     """``train.param_groups`` patterns that name no module of ``model`` (the launcher runs this
     on the module tree built on meta, before any rank starts)."""
-    names = [n for n, _ in model.named_modules() if n]
-    return [
-        f"train.param_groups[{i}].pattern: {group.pattern!r} matches no module"
-        for i, group in enumerate(train_cfg.param_groups)
-        if not any(_prefix_match(n, group.pattern) == len(n.split(".")) for n in names)
-    ]
+    problems = []
+    for i, group in enumerate(train_cfg.param_groups):
+        try:
+            match_modules(model, [group.pattern], f"train.param_groups[{i}].pattern")  # shard_patterns' rule
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
 
 
 def param_groups(model: nn.Module, train_cfg) -> list[dict]:
@@ -66,8 +61,8 @@ def param_groups(model: nn.Module, train_cfg) -> list[dict]:
     for pname, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        pname = pname.replace("._checkpoint_wrapped_module", "")
-        spec = next((s for s in specs[1:] if _prefix_match(pname, s[1])), specs[0])
+        pname = module_path(pname)
+        spec = next((s for s in specs[1:] if prefix_match(pname, s[1])), specs[0])
         nd = train_cfg.no_decay and no_decay(pname, param)
         buckets.setdefault((spec[0], nd), []).append(param)
     groups = []

@@ -29,6 +29,8 @@ import math
 import torch
 from torch import nn
 
+from qwenkit.model.modules import path_match
+
 ADAPTER = "default"  # peft's adapter name, a segment of every adapter key
 TOWERS = {"text": "model.language_model.", "vision": "model.visual.blocks."}
 
@@ -37,12 +39,12 @@ TOWERS = {"text": "model.language_model.", "vision": "model.visual.blocks."}
 # Targets
 
 
-def _path_match(name: str, pattern: str) -> bool:
-    """``pattern`` without dots: the last segment; with dots: every segment (``*`` = one)."""
-    parts, pats = name.split("."), pattern.split(".")
-    if len(pats) == 1:
-        return fnmatch.fnmatchcase(parts[-1], pattern)
-    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats))
+def _target_match(name: str, entry: str) -> bool:
+    """A ``lora.target_modules`` entry without dots names the last segment (``q_proj``); with
+    dots, the whole path (the config's one module-path rule)."""
+    if "." not in entry:
+        return fnmatch.fnmatchcase(name.rpartition(".")[2], entry)
+    return path_match(name, entry)
 
 
 def _linears(model: nn.Module, lora_cfg) -> list[str]:
@@ -58,7 +60,7 @@ def target_problems(model: nn.Module, lora_cfg) -> tuple[list[str], list[str]]:
     where = "the language model" + (" or the vision blocks" if lora_cfg.vision else " (lora.vision=false)")
     found, problems = set(), []
     for entry in lora_cfg.target_modules:
-        hits = [n for n in linears if _path_match(n, entry)]
+        hits = [n for n in linears if _target_match(n, entry)]
         if not hits:
             problems.append(f"lora.target_modules: {entry!r} matches no linear layer of {where}")
         found.update(hits)
