@@ -103,9 +103,10 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
 
 def check_module_paths(cfg) -> list[str]:
     """``parallel.shard_patterns``, ``parallel.recompute``, ``model.freeze``, the LoRA targets and
-    saved modules and the ``train.param_groups`` patterns against the model's module tree, built on the meta device from the checkpoint's ``config.json``: no weights are
-    read and no memory is taken (about a second for a 7B model), where the ranks would find the same
-    mistake only after loading the weights, with ``config.yaml`` and ``logs/`` already written."""
+    saved modules and the ``train.param_groups`` patterns against the model's module tree, built
+    on the meta device from the checkpoint's ``config.json``: no weights are read and no memory
+    is taken (about a second for a 7B model), where the ranks would find the same mistake only
+    after loading the weights, with ``config.yaml`` and ``logs/`` already written."""
     try:
         model = registry.build(dataclasses.replace(cfg.model, init_device="meta", freeze=[]))
     except (ValueError, OSError) as e:

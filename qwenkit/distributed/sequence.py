@@ -154,34 +154,25 @@ def _exchange(x: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, n * h, s // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """The all-to-all between the sequence and head layouts; its backward is the opposite one."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _exchange(x, group, to_heads=True)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return _exchange(x, group, to_heads=to_heads)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad.contiguous(), ctx.group, to_heads=False), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _exchange(x, group, to_heads=False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad.contiguous(), ctx.group, to_heads=True), None
+        return _exchange(grad.contiguous(), ctx.group, to_heads=not ctx.to_heads), None, None
 
 
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    return _SeqToHeads.apply(x, group)
+    return _Exchange.apply(x, group, True)
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    return _HeadsToSeq.apply(x, group)
+    return _Exchange.apply(x, group, False)
 
 
 # ---------------------------------------------------------------------------------------------

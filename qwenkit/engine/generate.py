@@ -126,10 +126,11 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not main_rank:
         return None
-    if lora.has_adapters(model):  # merging writes into the base weights: they must be the copy's own
+    adapters = lora.has_adapters(model)
+    if adapters:  # merging writes into the base weights: they must be the copy's own
         state = _unshared(state, model)
     copy = build_on_meta(cls, model.config)
-    if lora.has_adapters(model):  # the same adapters, then merged as the export's --merge does
+    if adapters:  # the same adapters, then merged as the export's --merge does
         from peft import inject_adapter_in_model
 
         targets, _ = lora.target_problems(copy, model.qwenkit_lora)
@@ -137,7 +138,7 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     copy.load_state_dict(state, strict=True, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         copy.lm_head.weight = copy.model.language_model.embed_tokens.weight
-    if lora.has_adapters(model):
+    if adapters:
         lora.merge_in_place(copy)
     return copy.to(device).eval()
 
