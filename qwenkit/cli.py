@@ -141,12 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT (else OUT must be new or empty)")
     e.set_defaults(func=_export)
 
-    v = sub.add_parser("eval", help="eval loss and exact-match accuracy of a run, checkpoint or export")
+    v = sub.add_parser("eval", help="eval loss and answer accuracy of a run, checkpoint or export")
     v.add_argument("target", metavar="RUN_OR_CHECKPOINT", help="a run's output_dir, a step-N checkpoint, or an export")
     v.add_argument("--data", default=None, help="eval dataset (default: the run's eval set)")
     v.add_argument("--samples", type=int, default=None, help="rows to generate for accuracy (default: train.eval_samples)")
     v.add_argument("--config", default=None, help="params/*.yaml (default: the one saved with the run)")
     v.add_argument("--out", default=None, help="generations JSONL (default: RUN_OR_CHECKPOINT/eval/cli-<name>.jsonl)")
+    v.add_argument("--metric", nargs="+", default=None, metavar="NAME",
+                   help="exact normalized relaxed anls or module:function, several at once (default: train.eval_metrics)")
+    v.add_argument("--nproc", type=int, default=1, help="ranks on this node, each generating its share of the rows")
+    v.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: train.eval_batch_size)")
     v.set_defaults(func=_eval)
 
     w = sub.add_parser("sweep", help="run many training runs from a sweep file, and show their ledger")

@@ -187,9 +187,15 @@ class TrainConfig:
     eval_every: int = 0  # eval loss every N steps; always at step 0 and train.steps when an eval set exists
     eval_samples: int = 16  # eval rows whose greedy replies give eval_accuracy (step 0 and the end); 0: none
     # also eval_accuracy every N steps (0: step 0 and the end only); each one gathers the full
-    # weights on rank 0 and generates there while the other ranks wait
+    # weights on every rank, and each rank generates its share of the rows
     eval_accuracy_every: int = 0
     eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
+    eval_batch_size: int = 8  # prompts per generate call on each rank (left-padded; 1: one row at a time)
+    eval_temperature: float = 0.0  # 0: greedy; > 0 samples (seeded by train.seed and the rank)
+    eval_top_p: float = 1.0  # nucleus sampling's mass when eval_temperature > 0
+    # scores of each reply: exact, normalized (VQA), relaxed (ChartQA), anls (DocVQA) or a user's
+    # module:function(prediction, reference) -> float; eval_accuracy is the first one's mean
+    eval_metrics: list[str] = field(default_factory=lambda: ["exact"])
     report_to: list[Literal["tensorboard", "mlflow"]] = field(default_factory=list)  # besides the metrics JSONL
 
 
@@ -680,11 +686,53 @@ def _check_train(cfg: Config, need) -> None:
     need(train.eval_samples >= 0, f"train.eval_samples must be >= 0, got {train.eval_samples}")
     need(train.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {train.eval_accuracy_every}")
     need(train.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {train.eval_max_new_tokens}")
+    need(train.eval_batch_size >= 1, f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
+    need(train.eval_temperature >= 0, f"train.eval_temperature must be >= 0 (0: greedy), got {train.eval_temperature}")
+    need(0 < train.eval_top_p <= 1, f"train.eval_top_p must be in (0, 1], got {train.eval_top_p}")
+    for problem in eval_metric_problems(train.eval_metrics, "train.eval_metrics"):
+        need(False, problem)
     need(
         "mlflow" not in train.report_to or importlib.util.find_spec("mlflow") is not None,
         "train.report_to: mlflow needs the mlflow package, which is not installed; pip install 'qwenkit[mlflow]'",
     )
     _check_param_groups(cfg, need)
+
+
+EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)
+
+
+def load_user_metric(spec: str, key: str = "train.eval_metrics"):
+    """The function ``module:function`` names (importable from ``PYTHONPATH``); a ``ValueError``
+    naming ``key`` when it does not import or is not callable."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{key}: {spec!r} is neither a built-in metric ({', '.join(EVAL_METRICS)}) nor module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:  # a user's module may fail in any way: say which
+        raise ValueError(f"{key}: {spec!r} does not import ({type(e).__name__}: {e}); is its folder on PYTHONPATH?") from e
+    if not callable(fn):
+        raise ValueError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function(prediction, reference) -> float")
+    return fn
+
+
+def eval_metric_problems(names: list[str], key: str) -> list[str]:
+    """Why ``names`` cannot score replies: none given, unknown, not importable, or two reported alike."""
+    if not names:
+        return [f"{key} must name at least one metric ({', '.join(EVAL_METRICS)} or module:function)"]
+    problems, reported = [], []
+    for spec in names:
+        if spec in EVAL_METRICS:
+            reported.append(spec)
+            continue
+        try:
+            reported.append(load_user_metric(spec, key).__name__)
+        except ValueError as e:
+            problems.append(str(e))
+    twice = sorted({r for r in reported if reported.count(r) > 1})
+    if twice:
+        problems.append(f"{key}: {', '.join(twice)} reported twice (a user metric is reported under its function's name)")
+    return problems
 
 
 def _check_param_groups(cfg: Config, need) -> None:

@@ -1,5 +1,6 @@
 """Evaluation: held-out split, eval loss against a hand computation and across world sizes,
-no change to the weights, the eval schedule across a resume, exact match, generation."""
+no change to the weights, the eval schedule across a resume, scores per step, sharded batched
+generation against one row at a time on one process."""
 
 from __future__ import annotations
 
@@ -16,37 +17,27 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit.data.template import IGNORE_INDEX
-from qwenkit.engine import evaluate, metrics, train
+from qwenkit.engine import answers, evaluate, metrics, train
 from qwenkit.engine import export as hf_export
 from qwenkit.engine import generate as qgen
+from qwenkit.model.processor import Processor
 
 BASE = ["train.resume=none", "data.tiny_samples=16", "data.tiny_eval_samples=5", "train.micro_batch_size=2"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact match
+# Scores of a step
 
 
-@pytest.mark.parametrize(
-    ("generated", "reference", "expected"),
-    [
-        ("They are red.", "They are red.", True),
-        ("  they   ARE red.\n", "They are red.", True),  # case and whitespace runs
-        ("They are red", "They are red.", False),  # punctuation counts
-        ("They are red. They are red.", "They are red.", False),
-        ("", "", True),
-        ("", "A circle.", False),
-        ("A\tcircle.", "a circle.", True),
-    ],
-)
-def test_exact_match_normalises_case_and_whitespace_only(generated, reference, expected):
-    assert qgen.exact_match(generated, reference) is expected
-
-
-def test_accuracy_is_the_fraction_of_matches():
-    rows = [qgen.Generation(i, "", [], "A circle.", g) for i, g in enumerate(["a circle.", "A square.", "A CIRCLE."])]
-    assert qgen.accuracy(rows) == pytest.approx(2 / 3)
-    assert qgen.accuracy([]) == 0.0
+def test_mean_scores_and_the_logged_names():
+    rows = [qgen.Generation(i, "", [], "A circle.", g, scores={"exact": float(i != 1), "anls": 0.5 * i})
+            for i, g in enumerate(["a circle.", "A square.", "A CIRCLE."])]  # fmt: skip
+    means = qgen.mean_scores(rows)
+    assert means == pytest.approx({"exact": 2 / 3, "anls": 0.5})
+    assert qgen.mean_scores([]) == {}
+    assert evaluate.accuracy_values({"exact": 0.25}) == {"eval_accuracy": 0.25}  # one metric: as before
+    assert evaluate.accuracy_values(means) == {"eval_accuracy": means["exact"], "eval_accuracy/exact": means["exact"],
+                                               "eval_accuracy/anls": 0.5}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,19 +129,41 @@ def _eval_worker(rank, out):
     dist.init_process_group("gloo")
     cfg = qconfig.load(
         overrides=BASE + ["train.steps=2", "train.eval_every=1", "train.eval_samples=3", "train.eval_max_new_tokens=6",
-                          f"train.output_dir={out / 'two'}", "checkpoint.save_final=true"]
+                          f"train.output_dir={out / 'two'}", "checkpoint.save_final=true", "train.eval_batch_size=2",
+                          "train.eval_metrics=[exact, normalized, anls]"]
     )  # fmt: skip
     trainer = train.Trainer(cfg)
     trainer.run()
     if rank == 0:
         (out / "two-evals.json").write_text(json.dumps(trainer.evals))
+    # then, in the same ranks, no training: the same random weights on both, the mixed held-out
+    # set (images, a video, text only, prompts of different lengths), each rank its share in batches of 2
+    from test_generate import NEW_TOKENS
+
+    processor = Processor.from_pretrained(out / "tiny")
+    dataset, _ = data.read_checked(MIXED.data, processor, str(out / "mixed" / "eval.json"), rank, 2)
+    model = torch.load(out / "model.pt", weights_only=False)
+    means = evaluate.generate_and_score(model, dataset, list(range(len(dataset))), qgen.Sampling(NEW_TOKENS, batch_size=2),
+                                        ["exact", "anls"], rank, 2, out / "mixed.jsonl")  # fmt: skip
+    torch.save(means, out / f"means-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
+MIXED = qconfig.load(overrides=["data.max_length=2048"])  # the mixed set's rows fit
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_path):
+def two_ranks(tmp_path_factory, tiny_path, processor):
+    from test_generate import write_mixed_eval_set
+
     out = tmp_path_factory.mktemp("eval")
+    (out / "mixed").mkdir()
+    write_mixed_eval_set(out / "mixed")
+    stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path).eval()
+    stock.load_state_dict(build_model(seed=7).state_dict())
+    torch.save(stock, out / "model.pt")
+    processor.save_pretrained(out / "tiny")
     check_ranks(_eval_worker, 2, out)
     return out
 
@@ -170,6 +183,8 @@ def test_eval_loss_and_accuracy_do_not_depend_on_world_size(two_ranks, tmp_path)
     for a, b in zip(two[1:], one.evals[1:]):  # after training steps: fp32 sums in another order
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-4)
     assert {"eval_accuracy"} <= two[0].keys() and {"eval_accuracy"} <= two[2].keys() and "eval_accuracy" not in two[1]
+    assert {"eval_accuracy/exact", "eval_accuracy/normalized", "eval_accuracy/anls"} <= two[2].keys()
+    assert two[2]["eval_accuracy"] == two[2]["eval_accuracy/exact"]
     for rank in (0, 1):  # every rank logs the eval metrics at x = step
         path = two_ranks / "two" / "metrics" / f"rank-{rank:05d}.jsonl"
         assert metrics.series(metrics.read(path), "eval_loss", rank).keys() == {0, 1, 2}
@@ -182,10 +197,30 @@ def test_generation_under_fsdp_equals_generation_from_the_export(two_ranks, tmp_
     exported = hf_export.export(two_ranks / "two" / "checkpoints" / "step-00000002", tmp_path / "hf", cfg)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(exported)
     eval_set = data.build(cfg, processor).eval_dataset
-    rows = [r.to_json() for r in qgen.generate_rows(model, eval_set, [0, 1, 2], max_new_tokens=6)]
-    logged = qgen.read_jsonl(evaluate.generations_path(two_ranks / "two", 2))
-    assert logged == rows
+    rows = [r.to_json() for r in qgen.generate_rows(model, eval_set, [0, 1, 2], qgen.Sampling(6))]  # one row at a time
+    logged = qgen.read_jsonl(evaluate.generations_path(two_ranks / "two", 2))  # 2 ranks, batches of 2
+    unscored = [{k: v for k, v in r.items() if k != "scores"} for r in rows]
+    assert [{k: v for k, v in r.items() if k != "scores"} for r in logged] == unscored
     assert all(r["images"] and r["reference"] for r in rows)
+    for r in logged:  # every metric per row
+        assert r["scores"] == {"exact": answers.exact(r["generated"], r["reference"]),
+                               "normalized": answers.normalized(r["generated"], r["reference"]),
+                               "anls": answers.anls(r["generated"], r["reference"])}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sharded_batched_generation_equals_one_row_on_one_process(two_ranks, processor):
+    from test_generate import NEW_TOKENS, todays_replies
+
+    dataset, _ = data.read_checked(MIXED.data, processor, str(two_ranks / "mixed" / "eval.json"))
+    rows = qgen.read_jsonl(two_ranks / "mixed.jsonl")
+    assert [r["index"] for r in rows] == list(range(len(dataset)))  # row order kept
+    stock = torch.load(two_ranks / "model.pt", weights_only=False)
+    assert [r["tokens"] for r in rows] == todays_replies(stock, dataset, range(len(dataset)), NEW_TOKENS)
+    means = torch.load(two_ranks / "means-0.pt")
+    assert means == torch.load(two_ranks / "means-1.pt")  # every rank has the values rank 0 computed
+    assert means == pytest.approx({"exact": sum(r["scores"]["exact"] for r in rows) / len(rows),
+                                   "anls": sum(r["scores"]["anls"] for r in rows) / len(rows)})  # fmt: skip
 
 
 def test_resume_keeps_the_eval_schedule(tmp_path):

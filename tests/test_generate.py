@@ -80,3 +80,84 @@ def test_positional_arguments_follow_the_parents_order(pair, batch_factory):
         got = ours(batch["input_ids"], batch["attention_mask"]).logits
         want = stock(batch["input_ids"], batch["attention_mask"]).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched, left-padded generation equals one row at a time
+
+
+def write_mixed_eval_set(root) -> str:
+    """Held-out rows of every kind in one file: the tiny set's (one image, one or two turns),
+    a text-only row, a two-image row and a video row; prompts of different lengths."""
+    import json
+
+    from PIL import Image
+    from videos import write_video
+
+    from qwenkit.model.tiny import write_dataset
+
+    path = write_dataset(root, n=3, seed=11)
+    rows = json.loads(path.read_text())
+    Image.new("RGB", (80, 56), (30, 90, 200)).save(root / "blue.png")
+    write_video(root / "clip.avi", 64, 48, 8, 4)
+    rows += [
+        {"messages": [{"role": "user", "content": "Name a colour, in one short word please."},
+                      {"role": "assistant", "content": "Blue."}]},
+        {"messages": [{"role": "user", "content": "<image>and<image>: same colour?"}, {"role": "assistant", "content": "No."}],
+         "images": ["blue.png", rows[0]["images"][0]]},
+        {"messages": [{"role": "user", "content": "<video>What moves?"}, {"role": "assistant", "content": "A square."}],
+         "videos": ["clip.avi"]},
+    ]  # fmt: skip
+    (root / "eval.json").write_text(json.dumps(rows))
+    return str(root / "eval.json")
+
+
+@pytest.fixture(scope="module")
+def mixed_eval_set(tmp_path_factory, processor):
+    from qwenkit import config as qconfig
+    from qwenkit import data
+
+    path = write_mixed_eval_set(tmp_path_factory.mktemp("mixed"))
+    cfg = qconfig.load(overrides=["data.tiny_samples=16", "data.max_length=2048"])
+    dataset, _ = data.read_checked(cfg.data, processor, path)
+    return dataset
+
+
+def todays_replies(model, dataset, indices, max_new_tokens):
+    """The reference: one ``generate`` call per row, no padding, greedy, decoded at <|im_end|>."""
+    tok = dataset.processor.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    with torch.no_grad():
+        for i in indices:
+            inputs, _ = dataset.prompt(i)
+            tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=im_end,
+                                    pad_token_id=dataset.processor.pad_token_id)  # fmt: skip
+            new = tokens[0, inputs["input_ids"].shape[1] :].tolist()
+            out.append(new[: new.index(im_end)] if im_end in new else new)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock_and_replies(tiny_path, mixed_eval_set):
+    """HF's class with random weights (fp32), and its one-row replies to every row, last row first."""
+    from conftest import build_model
+
+    stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path).eval()
+    stock.load_state_dict(build_model(seed=7).state_dict())
+    indices = list(range(len(mixed_eval_set)))[::-1]  # any order in, the same order out
+    return stock, indices, todays_replies(stock, mixed_eval_set, indices, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])  # 4: batches of 4 and 2 (lengths 37..63, a video among them)
+def test_batched_generation_equals_one_row_at_a_time(stock_and_replies, mixed_eval_set, batch_size):
+    from qwenkit.engine import generate as qgen
+
+    stock, indices, want = stock_and_replies
+    lengths = {int(mixed_eval_set.prompt(i)[0]["input_ids"].shape[1]) for i in indices}
+    assert len(lengths) > 3  # prompts of different lengths share batches
+    rows = qgen.generate_rows(stock, mixed_eval_set, indices, qgen.Sampling(NEW_TOKENS, batch_size=batch_size))
+    assert [r.index for r in rows] == indices
+    assert [r.tokens for r in rows] == want
+    tok = mixed_eval_set.processor.tokenizer
+    assert [r.generated for r in rows] == [tok.decode(t, skip_special_tokens=True) for t in want]

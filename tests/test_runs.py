@@ -131,7 +131,8 @@ def test_save_compares_the_evaluations_after_the_resume_too(tmp_path):
 
 def _eval_jsonl(path, generated):
     rows = [{"index": i, "prompt": f"user: <image> colour {i}?", "images": [str(img)], "reference": "red",
-             "generated": g, "match": g == "red"} for i, (img, g) in enumerate(generated)]  # fmt: skip
+             "generated": g, "scores": {"exact": float(g == "red"), "anls": 0.75 if g == "rex" else float(g == "red")}}
+            for i, (img, g) in enumerate(generated)]  # fmt: skip
     results.write_jsonl(rows, path)
 
 
@@ -156,6 +157,26 @@ def test_eval_samples_pair_the_untrained_and_trained_answers_and_the_gallery_sho
     assert page.count("<tr>") == 3 and "untrained (step 0)" in page and "trained (step 12)" in page
     assert page.count("data:image/png;base64,") == 1 and "<code>embedded:0</code>" in page  # a missing file: its label
     assert "&lt;b&gt;" in page and "<b>" not in page  # answers are escaped
+
+
+def test_scores_before_and_after_and_the_rows_that_changed(tmp_path):
+    run = tmp_path / "run"
+    # rows: wrong -> right, right -> wrong, right -> right, near (anls 0.75: right by anls only) -> wrong
+    _eval_jsonl(run / "eval" / "step-000000.jsonl", [("a.png", "blue"), ("b.png", "red"), ("c.png", "red"), ("d.png", "rex")])
+    _eval_jsonl(run / "eval" / "step-000008.jsonl", [("a.png", "red"), ("b.png", "green"), ("c.png", "red"), ("d.png", "x")])
+    runs.save_eval_samples(tmp_path / "out", run)
+    table = {r["metric"]: r for r in runs.score_rows(tmp_path / "out")}
+    assert table["exact"] == {"metric": "exact", "untrained": 2 / 4, "trained": 2 / 4, "wrong -> right": 1,
+                              "right -> wrong": 1, "rows": 4}  # fmt: skip
+    assert table["anls"]["untrained"] == (0 + 1 + 1 + 0.75) / 4 and table["anls"]["right -> wrong"] == 2
+    pytest.importorskip("IPython", reason="IPython (notebooks extra) is not installed")
+    page = runs.gallery(tmp_path / "out", changed=True).data
+    assert page.count("<tr>") == 3 and "2 of 2 rows that changed" in page  # by the first metric, exact
+    assert "a.png" in page and "b.png" in page and "c.png" not in page and "d.png" not in page
+
+
+def test_generations_written_before_scores_read_as_exact_matches():
+    assert runs.row_scores({"match": True}) == {"exact": 1.0}
 
 
 def test_save_records_the_held_out_loss_and_accuracy_first_and_last(tmp_path):

@@ -1,4 +1,4 @@
-"""Held-out evaluation during training: eval loss on every rank, generation accuracy on rank 0.
+"""Held-out evaluation during training: eval loss and generation accuracy, each rank its share.
 
 Schedule (:meth:`Evaluator.due`): before the first step (step 0, fresh runs only), every
 ``train.eval_every`` steps, and at ``train.steps``. It depends on the step alone, so a resumed
@@ -13,15 +13,23 @@ run the same number of forwards (FSDP's collectives need that): a rank out of ro
 with every label ignored, which adds 0 to both. It runs in ``eval()`` mode under
 ``torch.no_grad()``: no activations kept, no gradients, parameters untouched.
 
-**Accuracy** is the exact match of greedy replies on the first ``train.eval_samples`` eval rows,
-generated on rank 0 from the gathered full weights (see :mod:`qwenkit.engine.generate`); each
-evaluation writes them to ``<output_dir>/eval/step-NNNNNN.jsonl``.
+**Accuracy** scores the replies to the first ``train.eval_samples`` eval rows by
+``train.eval_metrics`` (:mod:`qwenkit.engine.answers`; ``exact`` by default). Every rank gathers
+a full copy of the weights and generates (and scores) its share of the rows in batches of
+``train.eval_batch_size`` (see :mod:`qwenkit.engine.generate`); rank 0 gathers the rows in row
+order, writes them to ``<output_dir>/eval/step-NNNNNN.jsonl`` and broadcasts the means:
+``eval_accuracy`` is the first metric's, and with several metrics each is also logged as
+``eval_accuracy/<name>``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +41,9 @@ from qwenkit import config as qconfig
 from qwenkit import data as qdata
 from qwenkit.config import DTYPES
 from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.device import resolve_device
+from qwenkit.distributed import fsdp
+from qwenkit.engine import answers
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import generate as qgen
 from qwenkit.engine.export import load_hf
@@ -133,22 +144,49 @@ class Evaluator:
         values = {"eval_loss": eval_loss(model, self.dataset, self.collator, t.micro_batch_size,
                                          where[0], where[1], self.device, sp_rank=where[2])}  # fmt: skip
         if self.generates(step):
-            values["eval_accuracy"] = self.accuracy(step, model)
+            values.update(self.accuracy(step, model))
         return values
 
-    def accuracy(self, step: int, model: nn.Module) -> float:
-        main_rank = self.rank == 0
+    def accuracy(self, step: int, model: nn.Module) -> dict[str, float]:
+        t0 = time.perf_counter()
         # HF's own class on the full weights: what from_pretrained on an export of them gives
-        copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, self.device, main_rank)
-        result = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if main_rank:
-            rows = qgen.generate_rows(copy, self.dataset, self.samples, self.cfg.train.eval_max_new_tokens)
-            qgen.write_jsonl(rows, generations_path(self.output_dir, step))
-            result += qgen.accuracy(rows)
-            del copy
-        if dist.is_initialized():
-            dist.broadcast(result, src=0)  # every rank logs the same value; the others waited here
-        return result.item()
+        copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, self.device)
+        t = self.cfg.train
+        values = generate_and_score(copy, self.dataset, self.samples, qgen.Sampling.of(t), t.eval_metrics,
+                                    self.rank, self.world_size, generations_path(self.output_dir, step))  # fmt: skip
+        del copy
+        if self.rank == 0:
+            log.info("eval at step %d: %d rows generated in %.2f s (copy, generation, scores) on %d rank(s), batches of %d",
+                     step, len(self.samples), time.perf_counter() - t0, self.world_size, t.eval_batch_size)  # fmt: skip
+        return accuracy_values(values)
+
+
+def generate_and_score(
+    model: nn.Module, dataset, indices: list[int], sampling: qgen.Sampling, metric_names: list[str],
+    rank: int, world_size: int, out: Path,
+) -> dict[str, float]:  # fmt: skip
+    """Each rank generates and scores its share of ``indices``; rank 0 writes every row to ``out``
+    in row order; returns each metric's mean, the same on every rank (collective)."""
+    metrics = answers.resolve(metric_names)
+    rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank)
+    for r in rows:
+        r.scores = answers.score(metrics, r.generated, r.reference)
+    rows = qgen.gather_rows(rows, rank, world_size)
+    means = torch.zeros(len(metrics), dtype=torch.float64, device=next(model.parameters()).device)
+    if rank == 0:
+        qgen.write_jsonl(rows, out)
+        means += torch.tensor([qgen.mean_scores(rows).get(name, 0.0) for name in metrics], dtype=torch.float64).to(means.device)
+    if world_size > 1:
+        dist.broadcast(means, src=0)  # every rank logs the same values
+    return dict(zip(metrics, means.tolist()))
+
+
+def accuracy_values(means: dict[str, float]) -> dict[str, float]:
+    """The logged metrics: ``eval_accuracy`` (the first metric) and, with several, ``eval_accuracy/<name>``."""
+    values = {"eval_accuracy": next(iter(means.values()))}
+    if len(means) > 1:
+        values.update({f"eval_accuracy/{name}": v for name, v in means.items()})
+    return values
 
 
 def _every(step: int, n: int) -> bool:
@@ -201,32 +239,84 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
 
 
 def eval_main(args) -> int:
-    """``qwenkit eval RUN_OR_CHECKPOINT [--data PATH] [--samples N]``: eval loss, accuracy, JSONL."""
+    """``qwenkit eval RUN_OR_CHECKPOINT [--data PATH] [--samples N] [--metric ...] [--nproc N]``:
+    eval loss, each metric's mean, the generations JSONL.
+
+    ``--nproc N`` (N > 1) starts N ranks through torchrun, each running this function on its
+    share of the rows (``RANK`` set); arguments are checked here first, so a bad one fails once.
+    """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.samples is not None and args.samples < 0:
         raise ValueError(f"--samples must be >= 0 (rows to generate), got {args.samples}")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.data is not None and not Path(args.data).expanduser().exists():
         raise FileNotFoundError(f"--data {args.data!r}: no such file or directory")
+    if args.metric is not None:
+        problems = qconfig.eval_metric_problems(args.metric, "--metric")
+        if problems:
+            raise ValueError("; ".join(problems))
+    if args.nproc > 1 and "RANK" not in os.environ:
+        return _spawn_ranks(args)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     model, processor, cfg, name = load_for_eval(args.target, args.config)
+    runtime = fsdp.init_distributed(cfg.parallel) if world_size > 1 else None
+    device = runtime.device if runtime is not None else torch.device(resolve_device(cfg.parallel.device))
+    model = model.to(device)
+    try:
+        return _evaluate(args, model, processor, cfg, name, rank, world_size, device)
+    finally:
+        if runtime is not None:
+            fsdp.shutdown(runtime)
+
+
+def _evaluate(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
     if args.data is not None:
         # training's checks and messages: unreadable files, data.on_bad_sample, data.max_bad_fraction
-        dataset, _ = qdata.read_checked(cfg.data, processor, args.data)
+        dataset, _ = qdata.read_checked(cfg.data, processor, args.data, rank, world_size)
         if len(dataset) == 0:
             raise qdata.DataError(f"--data {args.data!r}: no usable rows")
     else:
-        dataset = qdata.build(cfg, processor).eval_dataset
+        dataset = qdata.build(cfg, processor, rank, world_size).eval_dataset
         if dataset is None:
             raise ValueError(
                 "the run's config gives no eval set (data.eval_path, data.eval_fraction or "
                 "data.tiny_eval_samples); pass --data PATH"
             )
     samples = cfg.train.eval_samples if args.samples is None else args.samples
+    names = cfg.train.eval_metrics if args.metric is None else args.metric
+    sampling = qgen.Sampling.of(cfg.train, **({} if args.batch_size is None else {"batch_size": args.batch_size}))
     collator = qdata.Collator(processor)
-    loss = eval_loss(model, dataset, collator, cfg.train.micro_batch_size, 0, 1, torch.device("cpu"))
-    rows = qgen.generate_rows(model, dataset, list(range(min(samples, len(dataset)))), cfg.train.eval_max_new_tokens)
+    loss = eval_loss(model, dataset, collator, cfg.train.micro_batch_size, rank, world_size, device)
     out = Path(args.out) if args.out else Path(args.target) / "eval" / f"cli-{name}.jsonl"
-    qgen.write_jsonl(rows, out)
-    print(f"eval_loss {loss:.4f}")
-    print(f"eval_accuracy {qgen.accuracy(rows):.4f} ({sum(r.match for r in rows)}/{len(rows)} exact matches)")
-    print(f"generations: {out}")
+    indices = list(range(min(samples, len(dataset))))
+    t0 = time.perf_counter()
+    means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out)
+    seconds = time.perf_counter() - t0
+    if rank == 0:
+        print(f"eval_loss {loss:.4f}")
+        first, value = next(iter(means.items()))
+        what = f"{round(value * len(indices))}/{len(indices)} exact matches" if first == "exact" else f"mean {first}"
+        print(f"eval_accuracy {value:.4f} ({what})")
+        if len(means) > 1:
+            for metric, value in means.items():
+                print(f"eval_accuracy/{metric} {value:.4f}")
+        print(f"generation: {len(indices)} rows in {seconds:.1f} s on {world_size} rank(s), batches of {sampling.batch_size}")
+        print(f"generations: {out}")
     return 0
+
+
+def _spawn_ranks(args) -> int:
+    """``qwenkit eval`` again under torchrun on ``args.nproc`` local ranks; returns its exit status."""
+    # --standalone: a rendezvous on a free local port, so evaluations never collide with other jobs
+    cmd = [sys.executable, "-m", "qwenkit.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "qwenkit.cli", "eval", str(args.target), f"--nproc={args.nproc}"]  # fmt: skip
+    for flag, value in (("--data", args.data), ("--samples", args.samples), ("--config", args.config),
+                        ("--out", args.out), ("--batch-size", args.batch_size)):  # fmt: skip
+        if value is not None:
+            cmd.append(f"{flag}={value}")
+    if args.metric is not None:
+        cmd += ["--metric", *args.metric]
+    return subprocess.call(cmd)

@@ -16,7 +16,8 @@ positions / all positions the global batch computed: 0 with ``data.packing``), `
 samples skipped while loading the global batch, ``data.on_bad_sample: skip``; the same on every
 rank), ``peak_memory`` (this rank: accelerator peak allocated during the step, or the process's
 peak RSS on CPU). With an eval set (:mod:`qwenkit.engine.evaluate`): ``eval_loss`` (token mean over the whole eval set) at
-step 0, every ``train.eval_every`` steps and at the end, ``eval_accuracy`` (exact match) at step 0,
+step 0, every ``train.eval_every`` steps and at the end, ``eval_accuracy`` (the mean of the first of
+``train.eval_metrics``; with several, each also as ``eval_accuracy/<name>``) at step 0,
 every ``train.eval_accuracy_every`` steps and at the end.
 
 ``train.report_to: [tensorboard]`` also writes every metric of rank 0 as a TensorBoard scalar

@@ -1,0 +1,134 @@
+"""Held-out generation throughput: today's path vs batched on one rank vs sharded over 2 ranks.
+
+32 held-out rows of the tiny synthetic set (one image each, a third of them two-turn: prompts of
+different lengths), greedy replies of ``--new-tokens`` tokens from the embedded tiny Qwen2.5-VL
+(fp32; random weights by default, so every row runs to the token limit: no row finishes early and
+the one-row path does the same decoding steps as the batched ones, or ``--checkpoint`` a run's
+output_dir or checkpoint, where replies end at ``<|im_end|>``):
+
+- ``one row, 1 rank``: the path before sharded generation: one process (rank 0) generates every
+  row, one ``generate`` call each, while the other ranks wait;
+- ``batched, 1 rank``: the same process, ``--batch-size`` prompts per call, left-padded;
+- ``sharded batched, 2 ranks``: two gloo ranks, each its half of the rows in batches, the rows
+  gathered to rank 0 in row order (:func:`qwenkit.engine.evaluate.generate_and_score`).
+
+Rows per second from the first prompt to the last reply (on 2 ranks: barrier to gather, the
+slower rank). The cores are split evenly: one process gets all of them, each of 2 ranks half.
+The replies must be equal token for token across the three, else the benchmark fails.
+
+    python benchmarks/generation.py                       # the table; --out writes JSON lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from qwenkit import config as qconfig
+from qwenkit import data as qdata
+from qwenkit.engine import evaluate
+from qwenkit.engine import generate as qgen
+from qwenkit.launch import free_port
+from qwenkit.model.paths import load_processor
+
+
+def load(args):
+    """``(model, dataset)``: the tiny model (seeded random weights) or ``--checkpoint``'s, and 32 held-out rows."""
+    if args.checkpoint:
+        model, processor, cfg, _ = evaluate.load_for_eval(args.checkpoint)
+    else:
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        from qwenkit.model.paths import resolve_path
+
+        cfg = qconfig.load(overrides=["model.path=tiny"])
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(resolve_path(cfg.model))
+        torch.manual_seed(args.seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.05)
+        processor = load_processor(cfg)
+    cfg = qconfig.load(overrides=["data.path=tiny", f"data.tiny_eval_samples={args.rows}", "data.tiny_samples=16"])
+    dataset = qdata.build(cfg, processor).eval_dataset
+    return model.eval(), dataset
+
+
+def timed(model, dataset, sampling, rank=0, world_size=1, out=None) -> tuple[float, list[list[int]] | None]:
+    out = out or Path(tempfile.mkdtemp()) / "rows.jsonl"
+    if world_size > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    evaluate.generate_and_score(model, dataset, list(range(len(dataset))), sampling, ["exact"], rank, world_size, out)
+    seconds = time.perf_counter() - t0
+    if world_size > 1:  # the slower rank's time: rank 0 has every row only once both are done
+        box = torch.tensor([seconds])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        seconds = box.item()
+    return seconds, [r["tokens"] for r in qgen.read_jsonl(out)] if rank == 0 else None
+
+
+def _rank(rank, world, port, args, result):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.threads // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, dataset = load(args)
+    seconds, tokens = timed(model, dataset, qgen.Sampling(args.new_tokens, batch_size=args.batch_size), rank, world,
+                            Path(result).with_suffix(".jsonl"))  # fmt: skip
+    if rank == 0:
+        torch.save({"seconds": seconds, "tokens": tokens}, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=32, help="held-out rows")
+    p.add_argument("--new-tokens", type=int, default=8, help="max_new_tokens (tiny_cpu's eval_max_new_tokens)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (train.eval_batch_size)")
+    p.add_argument("--checkpoint", default=None, help="a run's output_dir or checkpoint (default: random tiny weights)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="cores shared by the variants")
+    p.add_argument("--out", default=None, help="also write the results as JSON lines here")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    model, dataset = load(args)
+    results = []
+    for name, batch in (("one row, 1 rank", 1), (f"batched ({args.batch_size}), 1 rank", args.batch_size)):
+        seconds, tokens = timed(model, dataset, qgen.Sampling(args.new_tokens, batch_size=batch))
+        results.append({"variant": name, "ranks": 1, "batch_size": batch, "seconds": seconds, "tokens": tokens})
+    with tempfile.TemporaryDirectory() as tmp:
+        result = str(Path(tmp) / "sharded.pt")
+        mp.start_processes(_rank, args=(2, free_port(), args, result), nprocs=2, start_method="spawn")
+        got = torch.load(result)
+    results.append({"variant": f"sharded batched ({args.batch_size}), 2 ranks", "ranks": 2, "batch_size": args.batch_size,
+                    **got})  # fmt: skip
+
+    base = results[0]
+    print(f"{len(dataset)} held-out rows, {args.new_tokens} new tokens, tiny Qwen2.5-VL fp32 CPU, {args.threads} threads")
+    print(f"{'variant':<34} {'seconds':>8} {'rows/s':>8} {'speedup':>8}  replies equal")
+    for r in results:
+        r["rows_per_s"] = len(dataset) / r["seconds"]
+        r["speedup"] = base["seconds"] / r["seconds"]
+        r["equal"] = r["tokens"] == base["tokens"]
+        print(f"{r['variant']:<34} {r['seconds']:>8.2f} {r['rows_per_s']:>8.2f} {r['speedup']:>7.2f}x  {r['equal']}")
+    if args.out:
+        from qwenkit.notebooks.results import write_jsonl
+
+        write_jsonl([{k: v for k, v in r.items() if k != "tokens"} for r in results], args.out)
+    if not all(r["equal"] for r in results):
+        print("replies differ between the variants", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Answer metrics against values computed by hand from each benchmark's definition."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from qwenkit import config as qconfig
+from qwenkit.engine import answers
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "expected"),
+    [
+        ("They are red.", "They are red.", 1.0),
+        ("  they   ARE red.\n", "They are red.", 1.0),  # case and whitespace runs
+        ("They are red", "They are red.", 0.0),  # punctuation counts
+        ("", "", 1.0),
+        ("A\tcircle.", "a circle.", 1.0),
+    ],
+)
+def test_exact_normalises_case_and_whitespace_only(prediction, reference, expected):
+    assert answers.exact(prediction, reference) == expected
+
+
+@pytest.mark.parametrize(
+    ("answer", "normalised"),
+    [
+        # VQA evaluation (Antol et al. 2015, vqaEval.py processPunctuation/processDigitArticle), by hand:
+        ("Two dogs.", "2 dogs"),  # number word -> digit, final period dropped, lower case
+        ("The man's hat", "man's hat"),  # article dropped; the apostrophe is not in the punctuation list
+        ("black-and-white", "black and white"),  # '-' touches no space: becomes a space
+        ("yes !", "yes"),  # '!' touches a space: deleted
+        ("1,000", "1000"),  # a digit,digit comma: every mark is deleted
+        ("3.5 meters", "3.5 meters"),  # a period before a digit stays
+        ("dont know", "don't know"),  # contraction gets its apostrophe
+        ("an apple\tand a pear", "apple and pear"),
+        ("None", "0"),
+    ],
+)
+def test_vqa_normalisation_by_hand(answer, normalised):
+    assert answers.vqa_normalise(answer) == normalised
+
+
+def test_normalized_match():
+    assert answers.normalized("Two", "2") == 1.0
+    assert answers.normalized("the Red car.", "red car") == 1.0
+    assert answers.normalized("red cars", "red car") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "expected"),
+    [
+        # ChartQA relaxed accuracy (Masry et al. 2022, §5): |p - r| / |r| <= 5%
+        ("105", "100", 1.0),  # 5% exactly
+        ("105.1", "100", 0.0),  # 5.1%
+        ("95", "100", 1.0),
+        ("-10.4", "-10", 1.0),  # 4% of |r|
+        ("12%", "0.12", 1.0),  # a percentage reads as a fraction
+        ("0.5", "0", 0.0),  # r = 0: no relative error, string match
+        ("0", "0", 1.0),
+        ("Yes", "yes", 1.0),  # not numbers: case-insensitive string match
+        ("ten", "10", 0.0),
+    ],
+)
+def test_relaxed_accuracy_by_hand(prediction, reference, expected):
+    assert answers.relaxed(prediction, reference) == expected
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "expected"),
+    [
+        # ANLS (Biten et al. 2019, eq. 1): NL = lev / max(len); 1 - NL if NL < 0.5 else 0
+        ("kitten", "sitting", 1 - 3 / 7),  # lev 3 (k->s, e->i, +g), max length 7
+        ("Invoice", "invoice", 1.0),  # lower-cased first
+        ("abcd", "abxy", 0.0),  # lev 2 / 4 = 0.5: not below the threshold
+        ("abcde", "abxye", 1 - 2 / 5),  # 0.4 < 0.5
+        ("", "total", 0.0),
+        ("  total  due ", "total due", 1.0),  # whitespace collapsed
+    ],
+)
+def test_anls_by_hand(prediction, reference, expected):
+    assert answers.anls(prediction, reference) == pytest.approx(expected)
+
+
+def test_levenshtein_by_hand():
+    assert answers.levenshtein("kitten", "sitting") == 3
+    assert answers.levenshtein("", "abc") == 3 and answers.levenshtein("flaw", "lawn") == 2
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "expected"),
+    [
+        ("B", "B", 1.0), ("(B) a red square", "B", 1.0), ("b. red", "(B)", 1.0), ("B: red", "B.", 1.0),
+        ("C", "B", 0.0), ("Blue.", "B", 0.0),  # a word starting with B is not the option
+        ("The answer is B", "B", 0.0),  # only a leading option counts
+    ],
+)  # fmt: skip
+def test_multiple_choice_rows_are_scored_by_the_letter(prediction, reference, expected):
+    metrics = answers.resolve(list(qconfig.EVAL_METRICS))
+    assert answers.score(metrics, prediction, reference) == dict.fromkeys(qconfig.EVAL_METRICS, expected)
+
+
+def test_a_reference_that_starts_with_a_letter_word_is_not_a_choice():
+    assert answers.option_letter("A circle.") is None
+    assert answers.resolve(["exact"])["exact"]("a circle.", "A circle.") == 1.0
+
+
+def test_builtin_names_are_the_schemas():
+    assert tuple(answers.BUILTIN) == qconfig.EVAL_METRICS
+
+
+def test_user_metric_is_imported_and_reported_under_its_name(tmp_path, monkeypatch):
+    (tmp_path / "my_scores.py").write_text("def length_ratio(p, r):\n    return len(p) / max(len(r), 1)\n"
+                                           "NOT_A_FUNCTION = 3\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    metrics = answers.resolve(["exact", "my_scores:length_ratio"])
+    assert list(metrics) == ["exact", "length_ratio"]
+    assert answers.score(metrics, "ab", "abcd") == {"exact": 0.0, "length_ratio": 0.5}
+    assert qconfig.load(overrides=["train.eval_metrics=[anls, my_scores:length_ratio]"]).train.eval_metrics
+    with pytest.raises(qconfig.ConfigError) as e:
+        qconfig.load(overrides=["train.eval_metrics=[exact, nope_module:f, my_scores:missing, my_scores:NOT_A_FUNCTION, vqa]"])
+    for part in ("'nope_module:f' does not import", "'my_scores:missing' does not import", "is a int, not a function",
+                 "'vqa' is neither a built-in metric"):  # fmt: skip
+        assert part in str(e.value)
+    with pytest.raises(qconfig.ConfigError, match="exact reported twice"):
+        qconfig.load(overrides=["train.eval_metrics=[exact, exact]"])
+    with pytest.raises(qconfig.ConfigError, match="at least one metric"):
+        qconfig.load(overrides=["train.eval_metrics=[]"])
+    sys.modules.pop("my_scores", None)
+
+
+def test_a_user_metric_that_returns_no_number_names_itself(tmp_path, monkeypatch):
+    (tmp_path / "bad_scores.py").write_text("def words(p, r):\n    return 'many'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="'words' returned 'many'"):
+        answers.score(answers.resolve(["bad_scores:words"]), "a", "b")
+    sys.modules.pop("bad_scores", None)
+
+
+def test_eval_settings_are_checked():
+    with pytest.raises(qconfig.ConfigError) as e:
+        qconfig.load(overrides=["train.eval_batch_size=0", "train.eval_temperature=-1", "train.eval_top_p=0"])
+    for key in ("train.eval_batch_size", "train.eval_temperature", "train.eval_top_p"):
+        assert key in str(e.value)
