@@ -4,7 +4,11 @@ generation against one row at a time on one process."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
+import sys
 
 import pytest
 import torch
@@ -146,6 +150,14 @@ def _eval_worker(rank, out):
     means = evaluate.generate_and_score(model, dataset, list(range(len(dataset))), qgen.Sampling(NEW_TOKENS, batch_size=2),
                                         ["exact", "anls"], rank, 2, out / "mixed.jsonl")  # fmt: skip
     torch.save(means, out / f"means-{rank}.pt")
+    # and qwenkit eval --nproc 2's ranks on the run's last checkpoint, in this process group
+    args = argparse.Namespace(target=str(out / "two"), data=None, samples=3, config=None, out=str(out / "cli.jsonl"),
+                              metric=["exact", "normalized", "anls"], nproc=2, batch_size=None)  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        evaluate.eval_main(args)
+    if rank == 0:
+        (out / "cli.txt").write_text(printed.getvalue())
     dist.barrier()
     dist.destroy_process_group()
 
@@ -221,6 +233,42 @@ def test_sharded_batched_generation_equals_one_row_on_one_process(two_ranks, pro
     assert means == torch.load(two_ranks / "means-1.pt")  # every rank has the values rank 0 computed
     assert means == pytest.approx({"exact": sum(r["scores"]["exact"] for r in rows) / len(rows),
                                    "anls": sum(r["scores"]["anls"] for r in rows) / len(rows)})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_qwenkit_eval_on_two_ranks_equals_the_trainers_evaluation(two_ranks):
+    """``qwenkit eval --nproc 2``'s ranks (eval_main under RANK/WORLD_SIZE) on the run's last
+    checkpoint: the rows, replies and every metric per row the 2-rank trainer wrote at that
+    step, and each metric printed."""
+    trained = qgen.read_jsonl(evaluate.generations_path(two_ranks / "two", 2))
+    assert qgen.read_jsonl(two_ranks / "cli.jsonl") == trained
+    printed = (two_ranks / "cli.txt").read_text()
+    means = qgen.mean_scores([qgen.Generation(**r) for r in trained])
+    for name, value in means.items():
+        assert f"eval_accuracy/{name} {value:.4f}" in printed
+    assert f"eval_accuracy {means['exact']:.4f} (" in printed and "on 2 rank(s)" in printed
+
+
+def test_qwenkit_eval_nproc_starts_itself_under_torchrun(monkeypatch, tmp_path):
+    started = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(evaluate.subprocess, "call", lambda cmd: started.append(cmd) or 0)
+    args = argparse.Namespace(target=str(tmp_path), data=None, samples=3, config=None, out=None, nproc=3,
+                              batch_size=4, metric=["exact", "anls"])  # fmt: skip
+    assert evaluate.eval_main(args) == 0
+    assert started == [[sys.executable, "-m", "qwenkit.torchrun", "--standalone", "--nproc-per-node=3", "-m", "qwenkit.cli",
+                        "eval", str(tmp_path), "--samples=3", "--batch-size=4", "--metric", "exact", "anls"]]  # fmt: skip
+
+
+def test_eval_arguments_are_checked_before_any_rank_starts(capsys, tmp_path):
+    from qwenkit import cli
+
+    assert cli.main(["eval", str(tmp_path), "--nproc", "2", "--metric", "exact", "vqa"]) == 2
+    assert "qwenkit eval: --metric: 'vqa' is neither a built-in metric" in capsys.readouterr().err
+    assert cli.main(["eval", str(tmp_path), "--nproc", "0"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
+    assert cli.main(["eval", str(tmp_path / "nowhere"), "--nproc", "2"]) == 2
+    assert "no such run, checkpoint or export" in capsys.readouterr().err
 
 
 def test_resume_keeps_the_eval_schedule(tmp_path):

@@ -161,3 +161,20 @@ def test_batched_generation_equals_one_row_at_a_time(stock_and_replies, mixed_ev
     assert [r.tokens for r in rows] == want
     tok = mixed_eval_set.processor.tokenizer
     assert [r.generated for r in rows] == [tok.decode(t, skip_special_tokens=True) for t in want]
+
+
+def test_sampling_is_seeded_per_rank_and_leaves_the_training_rng_alone(stock_and_replies, mixed_eval_set):
+    from qwenkit import config as qconfig
+    from qwenkit.engine import generate as qgen
+
+    stock, indices, greedy = stock_and_replies
+    cfg = qconfig.load(overrides=["train.eval_temperature=1.5", "train.eval_top_p=0.9", "train.eval_batch_size=4",
+                                  f"train.eval_max_new_tokens={NEW_TOKENS}", "train.seed=3"])  # fmt: skip
+    sampling = qgen.Sampling.of(cfg.train)
+    assert sampling == qgen.Sampling(NEW_TOKENS, batch_size=4, temperature=1.5, top_p=0.9, seed=3)
+    state = torch.random.get_rng_state()
+    first = [r.tokens for r in qgen.generate_rows(stock, mixed_eval_set, indices, sampling)]
+    assert torch.equal(torch.random.get_rng_state(), state)  # the training RNG did not move
+    assert [r.tokens for r in qgen.generate_rows(stock, mixed_eval_set, indices, sampling)] == first
+    assert first != greedy  # it samples
+    assert [r.tokens for r in qgen.generate_rows(stock, mixed_eval_set, indices, sampling, rank=1)] != first

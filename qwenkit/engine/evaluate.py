@@ -246,6 +246,8 @@ def eval_main(args) -> int:
     share of the rows (``RANK`` set); arguments are checked here first, so a bad one fails once.
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not Path(args.target).exists():
+        raise FileNotFoundError(f"{str(args.target)!r}: no such run, checkpoint or export")
     if args.samples is not None and args.samples < 0:
         raise ValueError(f"--samples must be >= 0 (rows to generate), got {args.samples}")
     if args.nproc < 1:
@@ -310,9 +312,11 @@ def _evaluate(args, model, processor, cfg, name: str, rank: int, world_size: int
 
 def _spawn_ranks(args) -> int:
     """``qwenkit eval`` again under torchrun on ``args.nproc`` local ranks; returns its exit status."""
-    # --standalone: a rendezvous on a free local port, so evaluations never collide with other jobs
+    # --standalone: a rendezvous on a free local port, so evaluations never collide with other jobs.
+    # The ranks learn their number from torchrun (WORLD_SIZE); an --nproc here would be torchrun's
+    # (argparse reads it as an abbreviation of --nproc-per-node, wherever it stands)
     cmd = [sys.executable, "-m", "qwenkit.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "qwenkit.cli", "eval", str(args.target), f"--nproc={args.nproc}"]  # fmt: skip
+           "-m", "qwenkit.cli", "eval", str(args.target)]  # fmt: skip
     for flag, value in (("--data", args.data), ("--samples", args.samples), ("--config", args.config),
                         ("--out", args.out), ("--batch-size", args.batch_size)):  # fmt: skip
         if value is not None:
