@@ -16,7 +16,7 @@ and prompts of different lengths in one batch). Nothing here is Qwen2.5-specific
 whose ``generate`` takes the dataset's prompt keys works, ``input_ids`` and the per-token keys of
 :data:`PAD` left-padded, every other key (pixels, grids) concatenated in row order.
 
-**Every rank generates its share** (rows ``r, r + W, ...`` of the requested ones, longest prompts
+**Every rank generates its share** (rows ``r, r + W, ...`` of the requested ones, longest samples
 first so a batch wastes little padding) **from a full copy of the weights** (:func:`unsharded_copy`):
 one ``get_model_state_dict(full_state_dict=True)`` gather onto every rank's device (one full
 copy per device, beside the rank's shards, optimizer state and a batch's KV cache; on CPU ranks
@@ -126,7 +126,8 @@ def generate_rows(model: nn.Module, dataset, indices: list[int], sampling: Sampl
 
     ``dataset``: ``prompt(i) -> (inputs, conversation)``, ``image_refs(i, conversation)``,
     ``lengths`` and ``processor`` (:class:`qwenkit.data.dataset.EncodedDataset`). Prompts are
-    batched longest first; ``batch_size=1`` is one row per ``generate`` call, unpadded.
+    batched longest first (by the index's sample length, reply included: sorting loads no media);
+    ``batch_size=1`` is one row per ``generate`` call, unpadded.
     Sampling (temperature > 0) draws from its own generator state seeded by ``seed + rank``:
     the training RNG is left where it was.
     """
