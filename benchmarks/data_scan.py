@@ -20,6 +20,16 @@ Each measurement runs in a fresh process with the default run config (tiny proce
 
     python benchmarks/data_scan.py                      # 20k and 100k rows
     python benchmarks/data_scan.py --sizes 20000 --procs 1 2 4
+
+``--start`` measures instead what one rank pays to start training on a set of short text rows
+(:func:`make_text_set`, JSONL): a fresh process builds the run's data (``qwenkit.data.build``:
+index, sampler, collator) and takes its first micro-batch; it prints the seconds to that batch
+and the peak RSS, with the RSS before the data was touched (imports, processor) and their
+difference. ``cold`` empties the cache first (the start scans every row), ``warm`` reads the
+index. ``--trees`` runs the same measurement on other checkouts (``old=/path/to/main``), so
+today's code and another's are compared on the same files::
+
+    python benchmarks/data_scan.py --start --sizes 10000 1000000 --trees new=. old=../main
 """
 
 from __future__ import annotations
@@ -67,6 +77,47 @@ def make_dataset(root: Path, n: int, demo: Path = DEMO) -> Path:
     return path
 
 
+TEXT_ROW = (
+    '{{"messages": [{{"role": "user", "content": "{img}Question {i}: which number comes after {i}?"}}, '
+    '{{"role": "assistant", "content": "The number {j}."}}]{images}}}'
+)
+IMAGE_ROWS = 8  # rows with an image, spread evenly, at every size: the rows themselves are text
+
+
+def make_text_set(root: Path, n: int, suffix: str = ".jsonl") -> Path:
+    """``n`` short text conversations (~130 bytes a row), ``IMAGE_ROWS`` of them with one image each.
+
+    Written as JSONL (one row a line) or, with ``suffix=".json"``, as one JSON array; reused when
+    already there. 1,000,000 rows take a few seconds and ~130 MB."""
+    path = root / f"text-{n}{suffix}"
+    if path.is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    image = root / "text-set.png"
+    if not image.is_file():
+        from PIL import Image
+
+        Image.new("RGB", (56, 56), (120, 60, 30)).save(image)
+    every = max(n // IMAGE_ROWS, 1)
+    lines = (
+        TEXT_ROW.format(
+            i=i, j=i + 1, img="<image>" if i % every == 0 else "",
+            images=f', "images": ["{image.name}"]' if i % every == 0 else "",
+        )
+        for i in range(n)
+    )  # fmt: skip
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        if suffix == ".jsonl":
+            f.writelines(line + "\n" for line in lines)
+        else:
+            f.write("[\n")
+            f.writelines(("" if i == 0 else ",\n") + line for i, line in enumerate(lines))
+            f.write("\n]\n")
+    tmp.rename(path)
+    return path
+
+
 def _children_peak_rss_mib() -> float:
     """The largest scan worker's peak RSS (getrusage: /proc/self cannot see children)."""
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -101,6 +152,71 @@ def measure(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
     }  # fmt: skip
 
 
+def _vm_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def measure_start(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
+    """One rank's start in this (fresh) process: data built, first micro-batch taken."""
+    from qwenkit import config as qconfig
+    from qwenkit.data import build
+    from qwenkit.model.paths import load_processor
+
+    began = time.perf_counter()
+    cfg = qconfig.load(
+        overrides={"data.path": path, "data.cache_dir": cache_dir, "data.num_proc": num_proc, "train.micro_batch_size": 2}
+    )
+    processor = load_processor(cfg)
+    before = _vm_kib("VmRSS") / 1024
+    data_began = time.perf_counter()
+    bundle = build(cfg, processor)
+    batch = next(bundle.batches())
+    done = time.perf_counter()
+    return {
+        "mode": mode, "rows": len(bundle.dataset), "origin": bundle.dataset.index_origin,
+        "first_batch_s": done - began, "data_s": done - data_began, "tokens": int(batch["input_ids"].numel()),
+        "rss_before_mib": before, "peak_rss_mib": _vm_kib("VmHWM") / 1024,
+    }  # fmt: skip
+
+
+def run_start(tree: str, path: Path, cache_dir: Path, num_proc: int, mode: str) -> dict:
+    if mode == "cold":
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--measure-start", str(path), str(cache_dir), str(num_proc), mode],
+        check=True, capture_output=True, text=True, env=env, cwd=tree,
+    )  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    want = "index from cache" if mode == "warm" else "scanned"
+    if not result["origin"].startswith(want):
+        raise RuntimeError(f"{mode} start did not {want}: {result['origin']}")
+    return result
+
+
+def main_start(args) -> int:
+    root = Path(args.root)
+    trees = dict(t.split("=", 1) for t in args.trees)
+    print(f"{'rows':>9} {'code':<5} {'mode':<5} {'first batch s':>13} {'data s':>7} {'RSS before MiB':>14} "
+          f"{'peak RSS MiB':>12} {'data MiB':>8}")  # fmt: skip
+    for n in args.sizes:
+        path = make_text_set(root, n)
+        for label, tree in trees.items():
+            cache_dir = root / f"cache-{label}-{n}"
+            modes = ["warm"] if n in args.warm_only else ["cold", "warm"]
+            for mode in modes:
+                r = run_start(tree, path, cache_dir, args.procs[0], mode)
+                print(
+                    f"{n:>9} {label:<5} {mode:<5} {r['first_batch_s']:>13.2f} {r['data_s']:>7.2f} "
+                    f"{r['rss_before_mib']:>14.0f} {r['peak_rss_mib']:>12.0f} {r['peak_rss_mib'] - r['rss_before_mib']:>8.0f}",
+                    flush=True,
+                )
+    return 0
+
+
 def run(path: Path, cache_dir: Path, num_proc: int, mode: str) -> dict:
     if mode == "cold":
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -120,12 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default="/tmp/qwenkit-data-scan")
     p.add_argument("--sizes", type=int, nargs="+", default=[20_000, 100_000])
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--start", action="store_true", help="one rank's start on short text rows (see above)")
+    p.add_argument("--trees", nargs="+", default=["new=."], help="label=checkout to import qwenkit from (--start)")
+    p.add_argument("--warm-only", type=int, nargs="*", default=[], help="sizes whose cache is already built (--start)")
     p.add_argument("--measure", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--measure-start", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.measure:
         path, cache_dir, num_proc, mode = args.measure
         print(json.dumps(measure(path, cache_dir, int(num_proc), mode)))
         return 0
+    if args.measure_start:
+        path, cache_dir, num_proc, mode = args.measure_start
+        print(json.dumps(measure_start(path, cache_dir, int(num_proc), mode)))
+        return 0
+    if args.start:
+        return main_start(args)
     root = Path(args.root)
     print(
         f"{'rows':>7} {'mode':<5} {'procs':>5} {'wall s':>7} {'rows/s':>7} {'vs 1':>5} {'CPU s (procs)':>14} "

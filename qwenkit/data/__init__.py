@@ -86,7 +86,7 @@ class DataBundle:
                 yield self.collator([self.dataset[i] for i in indices])
             return
         for source in self.dataset.sources:
-            source.parse()  # here, once, not in every worker the DataLoader forks
+            source.find_rows()  # here, once, not in every worker the DataLoader forks
         positions, plan = itertools.tee(self.sampler.plan())
         loader = torch.utils.data.DataLoader(
             self.dataset,

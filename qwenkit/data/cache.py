@@ -34,7 +34,7 @@ import torch.distributed as dist
 from qwenkit.config import DataConfig
 from qwenkit.data.dataset import Source, row_ranges, scan_parallel
 from qwenkit.data.index import FORMAT, BadRecord, SampleIndex
-from qwenkit.data.reader import HFSource
+from qwenkit.data.reader import HFSource, find_rows, spans_arrays, use_spans
 from qwenkit.model.processor import Processor
 
 # data settings that change the tokens, the grids or which rows are bad
@@ -121,14 +121,19 @@ def prepare(
     world_size: int = 1,
     use_cache: bool = True,
     num_proc: int | None = None,
+    progress: bool = False,
 ) -> Prepared:
-    """The index of ``sources``: read from the cache when every rank has it, else scanned and written."""
+    """The index of ``sources``: read from the cache when every rank has it, else scanned and written.
+
+    From the cache, the JSON sources take their row spans from the index file: no data file is
+    read until a sample is. ``progress``: bars on stderr for finding the rows and the scan."""
     began = time.perf_counter()
     key, inputs = fingerprint(sources, processor, data) if use_cache else (None, None)
     path = cache_dir(data) / f"{key}.npz" if use_cache else None
     loaded = SampleIndex.load(path) if path is not None else None
     if _all_ranks(loaded is not None, world_size):
-        index, header = loaded
+        index, header, spans = loaded
+        use_spans(sources, spans)
         seconds = time.perf_counter() - began
         return Prepared(
             index,
@@ -139,10 +144,10 @@ def prepare(
         )
 
     num_proc = data.num_proc if num_proc is None else num_proc
-    starts = row_ranges(sources)  # parses every file: each rank needs the rows to load samples anyway
-    n = int(starts[-1])
+    find_rows(sources, num_proc, progress)  # every rank: each needs every file's row spans to read samples
+    n = int(row_ranges(sources)[-1])
     lo, hi = n * rank // world_size, n * (rank + 1) // world_size
-    index = scan_parallel(sources, processor, data, lo, hi, data.verify_images == "full", num_proc)
+    index = scan_parallel(sources, processor, data, lo, hi, data.verify_images == "full", num_proc, progress)
     if world_size > 1 and dist.is_initialized():
         pieces: list = [None] * world_size
         dist.all_gather_object(
@@ -158,7 +163,8 @@ def prepare(
     if path is None:
         return Prepared(index, False, None, seconds, how)
     if rank == 0:  # one writer; the others have the same gathered index in memory
-        index.save(path, {"built": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds, "inputs": inputs})
+        meta = {"built": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds, "inputs": inputs}
+        index.save(path, meta, spans_arrays(sources))
     return Prepared(index, False, path, seconds, f"{how}; index written to {path}")
 
 
@@ -185,7 +191,7 @@ def status(sources: list[Source], processor: Processor, data: DataConfig) -> str
             else ""
         )
         return f"cache: none for this data and config in {cache_dir(data)}{hint}; `qwenkit data prepare` builds it"
-    index, header = loaded
+    index, header, _ = loaded
     return (
         f"cache: {path} matches (built {header['built']}, {len(index)} good of {index.total} rows, "
         f"{index.bytes_per_row():.0f} bytes/row)"

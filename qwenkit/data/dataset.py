@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from qwenkit.config import DataConfig
 from qwenkit.data.conversation import Conversation, parse_row
@@ -297,20 +298,38 @@ def _scan_forked(bounds: tuple[int, int]) -> SampleIndex:
 
 
 def scan_parallel(
-    sources: list[Source], processor: Processor, data: DataConfig, lo: int, hi: int, full: bool, num_proc: int
+    sources: list[Source],
+    processor: Processor,
+    data: DataConfig,
+    lo: int,
+    hi: int,
+    full: bool,
+    num_proc: int,
+    progress: bool = False,
 ) -> SampleIndex:
-    """:func:`scan_rows` over ``lo:hi`` with ``num_proc`` processes (forked: the parsed rows and
-    the processor are shared copy-on-write, not pickled); pieces come back in row order."""
-    if num_proc <= 1 or hi - lo < 2 * num_proc:
-        return scan_rows(sources, processor, data, lo, hi, full)
-    for source in sources:
-        source.parse()  # once, before the fork, so no child parses it again
-    global _FORKED
-    edges = np.linspace(lo, hi, 4 * num_proc + 1).astype(np.int64)  # a few pieces per process: balance
+    """:func:`scan_rows` over ``lo:hi`` with ``num_proc`` processes (forked: the row spans and
+    the processor are shared copy-on-write, not pickled; each process reads its own rows from
+    the files); pieces come back in row order. ``progress``: a bar over the rows on stderr."""
+    forked = num_proc > 1 and hi - lo >= 2 * num_proc
+    # a few pieces per process balance the load; a bar wants more, each a small share of the rows
+    count = (4 * num_proc if forked else 1) if not progress else max(4 * num_proc, min(256, (hi - lo) // 500), 1)
+    edges = np.linspace(lo, hi, count + 1).astype(np.int64)
     pieces = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
-    _FORKED = (sources, processor, data, full)
-    try:
-        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
-            return SampleIndex.concat(pool.map(_scan_forked, pieces, chunksize=1))
-    finally:
-        _FORKED = None
+    with tqdm(total=hi - lo, unit="rows", desc="scan", disable=not progress) as bar:
+        if not forked:
+            return SampleIndex.concat([_done(scan_rows(sources, processor, data, a, b, full), b - a, bar) for a, b in pieces])
+        for source in sources:
+            source.find_rows()  # once, before the fork, so no child does it again
+        global _FORKED
+        _FORKED = (sources, processor, data, full)
+        try:
+            with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+                done = pool.imap(_scan_forked, pieces, chunksize=1)
+                return SampleIndex.concat([_done(piece, b - a, bar) for (a, b), piece in zip(pieces, done)])
+        finally:
+            _FORKED = None
+
+
+def _done(piece: SampleIndex, rows: int, bar: tqdm) -> SampleIndex:
+    bar.update(rows)
+    return piece

@@ -47,7 +47,8 @@ ROW_COLUMNS = {
 }
 MEDIA_COLUMNS = {"media_kind": np.uint8, "media_grid": np.int32, "media_meta": np.float64}
 VIDEO_META = ("frames", "fps", "width", "height")  # the media_meta columns, VideoMeta's fields
-FORMAT = 2  # bump when the columns or their meaning change: older cache files are then ignored
+# bump when the columns or their meaning change: older cache files are then ignored (3: row spans added)
+FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -162,31 +163,37 @@ class SampleIndex:
 
     # -- the cache file -------------------------------------------------------------------------
 
-    def save(self, path: Path, meta: dict) -> None:
-        """Write atomically: a temporary file renamed into place, so a killed writer leaves no index."""
+    def save(self, path: Path, meta: dict, extra: dict[str, np.ndarray] | None = None) -> None:
+        """Write atomically: a temporary file renamed into place, so a killed writer leaves no index.
+
+        ``extra``: more arrays kept in the same file (the row spans of the data files,
+        :func:`qwenkit.data.reader.spans_arrays`)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         header = {"format": FORMAT, "total": self.total, "bad": [asdict(b) for b in self.bad], **meta}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
-                np.savez(f, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **self.columns)
+                np.savez(
+                    f, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **self.columns, **(extra or {})
+                )
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, path: Path) -> tuple[SampleIndex, dict] | None:
-        """``(index, header)``, or None when the file is missing, unreadable or of another format."""
+    def load(cls, path: Path) -> tuple[SampleIndex, dict, dict[str, np.ndarray]] | None:
+        """``(index, header, extra arrays)``, or None when the file is missing, unreadable or of another format."""
         try:
             with np.load(path, allow_pickle=False) as z:
                 header = json.loads(z["header"].tobytes())
                 if header.get("format") != FORMAT:
                     return None
-                columns = {k: z[k] for k in z.files if k != "header"}
+                arrays = {k: z[k] for k in z.files if k != "header"}
+                columns = {k: arrays.pop(k) for k in (*ROW_COLUMNS, *MEDIA_COLUMNS, "media_offsets")}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # cut short, damaged, foreign
             return None
         bad = [BadRecord(**b) for b in header.pop("bad")]
-        return cls(columns, bad, header["total"]), header
+        return cls(columns, bad, header["total"]), header, arrays
 
 
 def empty_columns() -> dict[str, list]:

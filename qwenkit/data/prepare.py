@@ -21,7 +21,7 @@ def prepare(cfg: qconfig.Config) -> int:
     """``qwenkit data prepare``: write ``cfg.data.path``'s index; returns the command's exit status."""
     try:
         processor = load_processor(cfg, resolve_path(cfg.model))
-        prepared = cache.prepare(open_dataset(cfg.data), processor, cfg.data)
+        prepared = cache.prepare(open_dataset(cfg.data), processor, cfg.data, progress=True)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data prepare: {e}", file=sys.stderr)
         return 2
