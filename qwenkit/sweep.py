@@ -127,7 +127,7 @@ def _mapping_list(value: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(item, dict):
             out.append({str(k): v for k, v in item.items()})
         elif isinstance(item, list) and all(isinstance(s, str) and "=" in s for s in item):
-            out.append({s.split("=", 1)[0].strip(): yaml.safe_load(s.split("=", 1)[1]) for s in item})
+            out.append({s.split("=", 1)[0].strip(): qconfig.parse_yaml(s.split("=", 1)[1]) for s in item})
         else:
             raise SweepError(f"{where}: trials[{i}] must be a mapping or a list of key=value, got {item!r}")
     return out
@@ -139,7 +139,7 @@ def load(file: str | Path, out_dir: str | Path | None = None) -> Sweep:
     if not file.is_file():
         raise SweepError(f"sweep file {str(file)!r} does not exist")
     try:
-        raw = yaml.safe_load(file.read_text()) or {}
+        raw = qconfig.parse_yaml(file.read_text(), str(file)) or {}  # YAML 1.2, as configs: `off` is a string
     except yaml.YAMLError as e:
         raise SweepError(f"{file}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
@@ -188,7 +188,7 @@ def _trial(sweep: Sweep, index: int, varied: dict[str, Any], common: list[str]) 
     if problems:
         raise SweepError(f"{sweep.file}: {where}: {'; '.join(problems)}")
     written = Path(cfg.train.output_dir) / "config.yaml"
-    if written.is_file() and yaml.safe_load(written.read_text()) != cfg.to_dict():
+    if written.is_file() and qconfig.parse_yaml(written.read_text(), str(written)) != cfg.to_dict():
         raise SweepError(f"{where}: {written} was run with another config than the sweep file now gives; "
                          "use another --out or remove that folder")  # fmt: skip
     return Trial(index, name, varied, overrides, cfg)

@@ -60,6 +60,19 @@ def test_override_text_parses_back_to_the_value(value):
     assert yaml.safe_load(text) == value
 
 
+def test_sweep_files_are_read_as_configs_are(tmp_path):
+    # YAML 1.1 (yaml.safe_load) reads `off` as False and `1e-4` as a string; the config loader does not
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {ROOT / 'params' / 'tiny_cpu.yaml'}\noverrides: [{', '.join(SMALL)}]\n"
+                    "grid: {model.fused_ops: [off], train.lr: [1e-4]}\ntrials: [[train.warmup_steps=off]]\n")
+    with pytest.raises(sweep.SweepError, match="train.warmup_steps"):  # an int field: `off` stays a string
+        sweep.load(path, tmp_path / "out")
+    path.write_text(path.read_text().replace("trials: [[train.warmup_steps=off]]", "trials: [[loss.chunk=off]]"))
+    (t,) = sweep.load(path, tmp_path / "out").trials
+    assert (t.cfg.model.fused_ops, t.cfg.train.lr, t.cfg.loss.chunk) == ("off", 1e-4, False)
+    assert t.varied == {"loss.chunk": "off", "model.fused_ops": "off", "train.lr": 1e-4}
+
+
 def test_names_keep_keys_apart_when_their_last_parts_clash():
     assert sweep.trial_name({"train.lr": 0.003, "train.seed": 1}) == "lr0.003-seed1"
     assert sweep.trial_name({"a.r": 1, "b.r": 2}) == "a_r1-b_r2"

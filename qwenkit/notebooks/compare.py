@@ -22,6 +22,7 @@ from typing import Any
 import plotly.graph_objects as go
 import yaml
 
+from qwenkit import config as qconfig
 from qwenkit.engine import ledger, metrics
 from qwenkit.notebooks import plots, results
 
@@ -54,7 +55,7 @@ def collect(folders: list[Path], sweep_dir: str | Path | None = None) -> list[di
     for folder in folders:
         entry = rows.get(folder.name, {})
         cfg_path = folder / "config.yaml"
-        config = metrics.flatten(yaml.safe_load(cfg_path.read_text())) if cfg_path.is_file() else {}
+        config = metrics.flatten(qconfig.parse_yaml(cfg_path.read_text(), str(cfg_path))) if cfg_path.is_file() else {}
         wall = (entry.get("metrics") or {}).get("wall_time")
         runs.append({
             "name": folder.name, "folder": str(folder), "status": entry.get("status", "done" if config else "missing"),
