@@ -29,7 +29,6 @@ import os
 import queue
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -41,15 +40,15 @@ import yaml
 
 from qwenkit import config as qconfig
 from qwenkit.device import resolve_device
-from qwenkit.engine import ledger
+from qwenkit.engine import events, ledger
+from qwenkit.engine.child import TrainProcess
 from qwenkit.launch import check_before_spawn
 
 KEYS = ("base", "overrides", "grid", "trials", "seeds", "name")
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-STEP_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+).*?(\d+) tok/s")  # the trainer's step line
-RESUMED = re.compile(r"resumed from \S+ at step (\d+)")
+# A failure no rank recorded (the launcher refused the run, torchrun saw a rank die): the ledger's
+# error is the first console line that reads like one, for the person reading the ledger.
 ERROR_LINE = re.compile(r"failed: |invalid run|Error|error:")
-RANK_FAILED = re.compile(r"^qwenkit train: rank \d+ failed: ")  # qwenkit.engine.train.report_failure
 
 
 class SweepError(ValueError):
@@ -236,14 +235,16 @@ class TerminalProgress:
         if self.live:
             self._draw(f"[{trial.index}/{self.total}] {trial.name}: {note}")
 
-    def step(self, trial: Trial, step: int, steps: int, loss: str, tokens_per_s: str, first_step: int) -> None:
-        if not self.live:
+    def event(self, trial: Trial, event: dict[str, Any]) -> None:
+        """A step event of the trial's run (:mod:`qwenkit.engine.events`) redraws its line."""
+        if not self.live or event["event"] != "step":
             return
+        step, steps = event["step"], event["steps"]
         elapsed = time.monotonic() - self.began[trial.name]
-        done = step - first_step
+        done = step - trial.first_step
         eta = f"{elapsed / done * (steps - step):.0f}s" if done > 0 else "?"
-        self._draw(f"[{trial.index}/{self.total}] {trial.name}: step {step}/{steps}  loss {loss}  "
-                   f"{tokens_per_s} tok/s  ETA {eta}")  # fmt: skip
+        self._draw(f"[{trial.index}/{self.total}] {trial.name}: step {step}/{steps}  loss {event['loss']:.4f}  "
+                   f"{event['tokens_per_s']:.0f} tok/s  ETA {eta}")  # fmt: skip
 
     def line(self, trial: Trial, text: str) -> None:
         pass
@@ -307,7 +308,7 @@ def run(
 ) -> list[dict[str, Any]]:
     """Run every trial not yet ``done``; returns each trial's last ledger row, in the sweep's order.
 
-    ``progress`` gets ``start/step/line/end`` calls from this thread (default: :class:`TerminalProgress`).
+    ``progress`` gets ``start/event/line/end`` calls from this thread (default: :class:`TerminalProgress`).
     """
     env = dict(os.environ if env is None else env)
     if parallel < 1:
@@ -337,12 +338,12 @@ def run(
 
 def _run_all(sweep, todo, slots, stop_on_failure, progress, env, before) -> None:
     """Start trials on free slots; every event comes back through one queue to this thread."""
-    events: queue.Queue = queue.Queue()
+    updates: queue.Queue = queue.Queue()
     history: dict[str, list[dict[str, Any]]] = {}
     for row in ledger.read(sweep.out_dir):
         history.setdefault(row["trial"], []).append(row)
     free = list(range(len(slots)))
-    running: dict[str, subprocess.Popen] = {}
+    running: dict[str, TrainProcess] = {}
     pending = list(todo)
     stop = False
     try:
@@ -355,15 +356,17 @@ def _run_all(sweep, todo, slots, stop_on_failure, progress, env, before) -> None
                 note = "resuming" if attempt > 1 else "starting"
                 progress.start(trial, note)
                 earlier = sum(r.get("wall_s") or 0.0 for r in history.get(trial.name, []))
-                threading.Thread(target=_follow, args=(trial, proc, slot, attempt, earlier, events), daemon=True).start()
+                threading.Thread(target=_follow, args=(trial, proc, slot, attempt, earlier, updates), daemon=True).start()
             if not running:
                 break
-            kind, trial, payload = events.get()
+            kind, trial, payload = updates.get()
             if kind == "line":
                 progress.line(trial, payload)
-                m = STEP_LINE.match(payload)
-                if m:
-                    progress.step(trial, int(m[1]), int(m[2]), m[3], m[4], trial.first_step)
+                continue
+            if kind == "event":
+                if payload["event"] == "resumed":
+                    trial.first_step = payload["step"]
+                progress.event(trial, payload)
                 continue
             row, slot = payload
             running.pop(trial.name)
@@ -374,7 +377,7 @@ def _run_all(sweep, todo, slots, stop_on_failure, progress, env, before) -> None
                 stop = True
     except KeyboardInterrupt:
         for proc in running.values():
-            _signal_group(proc, signal.SIGTERM)
+            proc.signal(signal.SIGTERM)
         for trial in todo:
             if trial.name in running:
                 running[trial.name].wait()
@@ -384,10 +387,9 @@ def _run_all(sweep, todo, slots, stop_on_failure, progress, env, before) -> None
         raise
 
 
-def _start(sweep: Sweep, trial: Trial, env: dict[str, str], attempt: int) -> subprocess.Popen:
-    trial.output_dir.mkdir(parents=True, exist_ok=True)
+def _start(sweep: Sweep, trial: Trial, env: dict[str, str], attempt: int) -> TrainProcess:
     env = {
-        **env, "PYTHONUNBUFFERED": "1",
+        **env,
         # train.report_to: [mlflow] logs every trial of this sweep into one store and experiment
         "MLFLOW_TRACKING_URI": env.get("MLFLOW_TRACKING_URI", (sweep.out_dir / "mlruns").as_uri()),
         "MLFLOW_EXPERIMENT_NAME": env.get("MLFLOW_EXPERIMENT_NAME", sweep.name),
@@ -398,32 +400,26 @@ def _start(sweep: Sweep, trial: Trial, env: dict[str, str], attempt: int) -> sub
         "output_dir": str(trial.output_dir),
     })  # fmt: skip
     trial.first_step = 0
-    return subprocess.Popen(train_command(trial, sweep.base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)  # fmt: skip
+    return TrainProcess(train_command(trial, sweep.base), trial.output_dir, env)
 
 
-def _follow(trial: Trial, proc: subprocess.Popen, slot: int, attempt: int, earlier_wall: float,
-            events: queue.Queue) -> None:  # fmt: skip
-    """Copy the trial's output into its train.log and the event queue; then its ledger row
-    (``wall_time``: this attempt's plus ``earlier_wall``, the attempts that ended before it)."""
+def _follow(trial: Trial, proc: TrainProcess, slot: int, attempt: int, earlier_wall: float,
+            queue_: queue.Queue) -> None:  # fmt: skip
+    """The trial's output lines and run events into the queue; then its ledger row (``wall_time``:
+    this attempt's plus ``earlier_wall``, the attempts that ended before it)."""
     began, start = time.monotonic(), ledger.now()
-    errors, resumed = [], None
-    with (trial.output_dir / "train.log").open("a") as log:
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()  # `tail -f` on a trial's train.log follows it live
-            text = line.rstrip("\n")
-            m = RESUMED.search(text)
-            if m:
-                resumed = int(m[1])
-                trial.first_step = resumed
-            if ERROR_LINE.search(text) and not text.startswith("qwenkit train: python"):
-                errors.append(text.strip())
-            events.put(("line", trial, text))
-    code = proc.wait()
+    errors = []
+
+    def line(text: str) -> None:
+        if ERROR_LINE.search(text) and not text.startswith("qwenkit train: python"):
+            errors.append(text.strip())
+        queue_.put(("line", trial, text))
+
+    code = proc.follow(line, lambda event: queue_.put(("event", trial, event)))
     wall = time.monotonic() - began + earlier_wall
-    # the rank's own one-line report first (qwenkit train: rank N failed: ...), else the first error-like line
-    error = next((e for e in errors if RANK_FAILED.search(e)), errors[0] if errors else None)
+    # the failing rank's own report (its event), else the first error-like line of the output
+    error = events.failure(proc.events.seen) or (errors[0] if errors else None)
+    resumed = events.resumed_step(proc.events.seen)
     status = "done" if code == 0 else "failed"
     final = ledger.final_metrics(trial.output_dir, wall) if code == 0 else {}
     row = {
@@ -432,14 +428,7 @@ def _follow(trial: Trial, proc: subprocess.Popen, slot: int, attempt: int, earli
         "metrics": final, "attempt": attempt, "resumed_from": resumed, "output_dir": str(trial.output_dir),
         "wall_s": time.monotonic() - began,
     }  # fmt: skip
-    events.put(("end", trial, (row, slot)))
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    queue_.put(("end", trial, (row, slot)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -167,15 +167,7 @@ def read(path: str | Path) -> list[dict]:
     half-written last line (a run still writing) is left out."""
     path = Path(path)
     files = [path] if path.is_file() else sorted((path / "metrics").glob("rank-*.jsonl"))
-    rows = []
-    for file in files:
-        with file.open() as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                if line.strip():
-                    rows.append(json.loads(line))
-    return rows
+    return [row for file in files for row in records.read_jsonl(file)]
 
 
 def series(rows: list[dict], metric: str, rank: int = 0) -> dict[int, float]:
