@@ -66,6 +66,13 @@ class _QuietStop(logging.Filter):
         return not msg.startswith(("Received %s death signal", "Sending process %s closing signal"))
 
 
+def rank_env(rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """The variables torchrun gives each rank of one node, for ranks started without it (the tests'
+    and the benchmarks' spawned processes)."""
+    return {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}  # fmt: skip
+
+
 def shell_code(exitcode: int) -> int:
     """A process's exit status as a shell reports it: ``128 + N`` for a death by signal N."""
     return 128 - exitcode if exitcode < 0 else exitcode
