@@ -17,7 +17,8 @@ import yaml
 
 from qwenkit import config as qconfig
 from qwenkit import sweep
-from qwenkit.engine import ledger, metrics
+from qwenkit.engine import metrics
+from qwenkit.sweep import ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 # 1 rank, a few steps of 4 rows, a 4-row eval set (2 of them generated for accuracy)

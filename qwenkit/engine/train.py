@@ -53,9 +53,10 @@ from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import events, optim, stopping
 from qwenkit.engine.evaluate import Evaluator
-from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
+from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.profiling import ProfileWindow
 from qwenkit.model import lora, paths, registry
+from qwenkit.rundir import RunDir
 
 log = logging.getLogger("qwenkit.engine.train")
 STEP_EVENT = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time")  # a step event's values (engine/events.py)
@@ -200,8 +201,8 @@ class Trainer:
         if main_rank:
             manifest = registry.parameter_manifest(model)
             log.info("parameters:\n%s", registry.format_manifest(manifest))
-            # read by sweeps and notebook 05 (trainable parameters per run), see qwenkit.engine.ledger
-            (self.out_dir / "parameters.json").write_text(json.dumps(manifest, indent=1) + "\n")
+            # read by sweeps and notebooks 02 and 05 (trainable parameters per run), see qwenkit.engine.metrics.final_metrics
+            RunDir(self.out_dir).parameters.write_text(json.dumps(manifest, indent=1) + "\n")
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed
@@ -309,7 +310,7 @@ class Trainer:
                 metrics.write(0, self.evaluate(0))
             for step in range(self.start_step + 1, self.last_step + 1):
                 began = time.perf_counter()
-                reset_peak_memory(rt.device)
+                start_step_peak(rt.device)
                 values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches)
                 values["step_time"] = time.perf_counter() - began
                 values["tokens_per_s"] = values.pop("tokens") / values["step_time"]

@@ -7,7 +7,8 @@ tokens/s, ETA; :mod:`qwenkit.engine.events`);
 in a batch report (``qwenkit notebooks run`` sets :data:`REPORT_ENV`) it shows nothing while
 the run goes, and :meth:`RunLog.show` puts the log in a ``<details>`` block holding its first
 and last lines, below the summary the notebook displays first. :class:`SweepLog` does the same
-for each trial of ``qwenkit.sweep.run`` (its ``progress`` argument), with one result line per trial.
+for each trial of ``qwenkit.sweep.run`` (its ``progress`` argument), with one result line per trial
+(:func:`qwenkit.sweep.ledger.result_text`, the terminal's line).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 from typing import Any
 
 from IPython.display import HTML, display
+
+from qwenkit.sweep.ledger import result_text
 
 REPORT_ENV = "QWENKIT_REPORT"  # set by the runner: the kernel renders a report, nobody watches it live
 HEAD, TAIL = 4, 6  # log lines a report shows before and after the collapsed middle
@@ -108,14 +111,7 @@ class SweepLog:
     def end(self, trial, row: dict[str, Any]) -> None:
         if trial.name in self._bars:
             self._bars.pop(trial.name).close()
-        m = row.get("metrics") or {}
-        wall = m.get("wall_time")
-        text = row["status"] + (" earlier" if row.get("skipped") else "")
-        text += f" in {wall:.0f} s" if isinstance(wall, (int, float)) else ""
-        if row.get("resumed_from"):
-            text += f", resumed from step {row['resumed_from']}"
-        if row.get("error"):
-            text += f": {row['error']}"
+        text = result_text(row)  # the terminal's line too (qwenkit.sweep.ledger)
         self.results[trial.name] = text
         if self.interactive:
             print(f"{trial.index}. {trial.name}: {text}")

@@ -121,26 +121,30 @@ COMPARISON = "lora_comparison.csv"
 
 
 def comparison_rows(run_dirs: dict[str, str | Path]) -> list[dict[str, Any]]:
-    """One row per run: trainable parameters, newest checkpoint's size, rank 0's max peak memory and
-    median step time, held-out accuracy at the first and last evaluation."""
+    """One row per run: total and trainable parameters, newest checkpoint's size, the peak memory
+    and median step time of :func:`qwenkit.engine.metrics.final_metrics` (the largest peak of any
+    rank, rank 0's median), held-out accuracy at the first and last evaluation."""
     out = []
     for name, run_dir in run_dirs.items():
         run_dir = Path(run_dir)
         total, trainable = RunDir(run_dir).parameter_counts() or (0, 0)
         step = ckpt.latest(ckpt.checkpoint_root(run_dir))
         size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file()) if step is not None else 0
-        rows = metrics.read(run_dir)
-        acc = series(rows, "eval_accuracy")
-        step_time = list(series(rows, "step_time").values())
+        final = metrics.final_metrics(run_dir)  # the sweep's numbers too: one definition of each
+        acc = series(metrics.read(run_dir), "eval_accuracy")
         out.append({
             "run": name, "trainable parameters": trainable, "total parameters": total,
             "checkpoint (MiB)": size / 2**20,
-            "max peak memory (MiB)": max(series(rows, "peak_memory").values(), default=float("nan")),
-            "median step time (s)": statistics.median(step_time) if step_time else float("nan"),
+            "max peak memory (MiB)": _or_nan(final["peak_memory"]),
+            "median step time (s)": _or_nan(final["step_time"]),
             "first accuracy": acc[min(acc)] if acc else float("nan"),
             "last accuracy": acc[max(acc)] if acc else float("nan"),
         })  # fmt: skip
     return out
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 COMPARISON_UNITS = {"trainable parameters": "1", "total parameters": "1", "checkpoint (MiB)": "MiB",
@@ -159,7 +163,7 @@ def save_comparison(out_dir, run_dirs: dict[str, str | Path]) -> list[dict[str, 
 
 
 def comparison_table(rows: list[dict[str, Any]]):
-    return plots.table(rows, list(rows[0]), title="LoRA vs full fine-tune (rank 0)",
+    return plots.table(rows, list(rows[0]), title="LoRA vs full fine-tune",
                        formats={"checkpoint (MiB)": ".2f", "max peak memory (MiB)": ".0f"})  # fmt: skip
 
 
