@@ -39,10 +39,11 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from qwenkit.bench.measure import fresh_process
 
 DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
 
@@ -185,12 +186,10 @@ def measure_start(path: str, cache_dir: str, num_proc: int, mode: str) -> dict:
 def run_start(tree: str, path: Path, cache_dir: Path, num_proc: int, mode: str) -> dict:
     if mode == "cold":
         shutil.rmtree(cache_dir, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--measure-start", str(path), str(cache_dir), str(num_proc), mode],
-        check=True, capture_output=True, text=True, env=env, cwd=tree,
+    result = fresh_process(
+        [str(Path(__file__).resolve()), "--measure-start", str(path), str(cache_dir), str(num_proc), mode],
+        f"{mode} start of {tree}", env={"PYTHONPATH": str(Path(tree).resolve())}, cwd=tree,
     )  # fmt: skip
-    result = json.loads(out.stdout.strip().splitlines()[-1])
     want = "index from cache" if mode == "warm" else "scanned"
     if not result["origin"].startswith(want):
         raise RuntimeError(f"{mode} start did not {want}: {result['origin']}")
@@ -220,11 +219,8 @@ def main_start(args) -> int:
 def run(path: Path, cache_dir: Path, num_proc: int, mode: str) -> dict:
     if mode == "cold":
         shutil.rmtree(cache_dir, ignore_errors=True)
-    out = subprocess.run(
-        [sys.executable, __file__, "--measure", str(path), str(cache_dir), str(num_proc), mode],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = fresh_process([__file__, "--measure", str(path), str(cache_dir), str(num_proc), mode],
+                           f"{mode} scan of {path}", allocator={})  # fmt: skip
     want = "index from cache" if mode == "warm" else "scanned"
     if not result["origin"].startswith(want):
         raise RuntimeError(f"{mode} run did not {want}: {result['origin']}")

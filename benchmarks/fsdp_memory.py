@@ -23,6 +23,7 @@ from synthetic import make_batch, make_config
 from torch.distributed.tensor import DTensor
 
 from qwenkit.launch import free_port
+from qwenkit.torchrun import rank_env
 
 MiB = 2**20
 VOCAB = 8192
@@ -49,7 +50,7 @@ def _rank(rank: int, world: int, port: int, results, use_lora: bool = False) -> 
     from qwenkit.distributed import fsdp
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     cfg = qconfig.load(overrides=["parallel.device=cpu", "lora.r=16", "lora.alpha=32"])
     rt = fsdp.init_distributed(cfg.parallel)

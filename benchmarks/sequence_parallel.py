@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from synthetic import make_config
 
 from qwenkit.launch import free_port
+from qwenkit.torchrun import rank_env
 
 MiB = 2**20
 VOCAB = 32_768
@@ -148,8 +149,7 @@ def _rank(rank: int, world: int, port: int, sp_size: int, shape_name: str, devic
     from qwenkit.distributed import fsdp, sequence
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     device = torch.device("cpu") if device_type == "cpu" else torch.device("cuda", rank)
     if device.type == "cuda":

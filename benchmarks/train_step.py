@@ -40,15 +40,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 from synthetic import QWEN_ORDINARY, VOCAB, make_batch, make_config
 
-from qwenkit.device import CPU_MALLOC_ENV
+from qwenkit.bench.measure import fresh_process
+from qwenkit.bench.step import mfu
 
 GiB = 2**30
 
@@ -142,26 +141,15 @@ def worker(args) -> dict:
     }  # fmt: skip
 
 
-def mfu(flops: float, step_s: float, peak_flops_per_s: float) -> float | None:
-    """Model FLOPs utilisation, or None when it exceeds 1: a step cannot beat the GEMM peak, so the
-    peak was measured too low (a busy moment) and the ratio is a measurement error, not a result."""
-    value = flops / step_s / peak_flops_per_s
-    return value if value <= 1.0 else None
-
-
 def _mfu_cell(value: float | None, width: int) -> str:
     return f"{value:>{width}.2f}" if value is not None else f"{'error':>{width}}"
 
 
 def _spawn(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--device", args.device,
+    cmd = [__file__, "--worker", "--variant", variant, "--device", args.device,
            "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--gemm-size", str(args.gemm_size)]  # fmt: skip
-    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}  # the same allocator for every variant
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"variant {variant} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_process(cmd, f"variant {variant}")  # the same allocator for every variant
 
 
 def main(argv=None) -> int:

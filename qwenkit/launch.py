@@ -92,7 +92,7 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     problems.extend(check_resume(cfg, cfg.parallel.nproc * rdzv.nnodes))
-    ranks = check_ranks(cfg.parallel)
+    ranks = rank_count_problem(cfg.parallel)
     if ranks:
         problems.append(ranks)
     hsdp = fsdp.hsdp_problem(cfg.parallel)
@@ -126,7 +126,7 @@ def check_module_paths(cfg) -> list[str]:
     return problems + lora.problems(model, cfg.lora) + optim.group_problems(model, cfg.train)
 
 
-def check_ranks(parallel) -> str | None:
+def rank_count_problem(parallel) -> str | None:
     """More ranks than this node's accelerators fail in the ranks; more CPU ranks than cores swap
     the machine to a halt (each rank holds a model copy and its threads): refused before spawning."""
     try:
@@ -286,7 +286,7 @@ def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -
         if code < 0:  # torchrun itself killed by a signal: its ranks died with it (PR_SET_PDEATHSIG)
             print(f"qwenkit train: torchrun (pid {proc.pid}) was killed by {signal.Signals(-code).name}; "
                   "its ranks were stopped with it", file=sys.stderr, flush=True)  # fmt: skip
-            code = 128 - code
+            code = stopping.shell_code(code)
         return code
     finally:
         for sig, handler in previous.items():

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, Subpr
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE
+from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, shell_code
 
 _first_seen: dict[int, tuple[int, float]] = {}  # pid -> (poll number, time) its failure was first seen
 _final_codes: dict[int, int] = {}  # local rank -> exit code, after torchrun stopped the ranks
@@ -66,9 +66,11 @@ class _QuietStop(logging.Filter):
         return not msg.startswith(("Received %s death signal", "Sending process %s closing signal"))
 
 
-def shell_code(exitcode: int) -> int:
-    """A process's exit status as a shell reports it: ``128 + N`` for a death by signal N."""
-    return 128 - exitcode if exitcode < 0 else exitcode
+def rank_env(rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """The variables torchrun gives each rank of one node, for ranks started without it (the tests'
+    and the benchmarks' spawned processes)."""
+    return {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}  # fmt: skip
 
 
 def describe(exitcode: int) -> str:
@@ -127,7 +129,7 @@ def quiet_torchrun(argv: list[str]) -> int:
             return EXIT_RESUMABLE
         print(f"qwenkit train: stopped by {e.sigval.name}; rank exit codes "
               f"{dict(sorted(_final_codes.items()))}", file=sys.stderr, flush=True)  # fmt: skip
-        return 128 + int(e.sigval)
+        return shell_code(-int(e.sigval))
     return 0
 
 

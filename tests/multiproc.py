@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from qwenkit.launch import free_port
+from qwenkit.torchrun import rank_env
 
 DEFAULT_TIMEOUT_S = 900.0
 
@@ -29,14 +30,7 @@ def scaled(seconds: float) -> float:
 
 
 def _entry(fn, rank: int, world_size: int, port: int, args: tuple) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(1)
     fn(rank, *args)
 

@@ -82,32 +82,78 @@ def test_removed_switches_are_unknown_keys(override):
         config.load(overrides=[override])
 
 
-def _attribute_reads(root: Path) -> set[str]:
-    """Names read as ``<x>.name`` (``x`` not ``self``) or ``getattr(x, "name")`` in ``root``'s code."""
-    names: set[str] = set()
+SECTIONS = {f.name: f.type if isinstance(f.type, type) else getattr(config, f.type) for f in dataclasses.fields(config.Config)}
+# names a section goes by in the code: ``t = cfg.train``-style aliases are found, these are conventions
+SECTION_NAMES = {"t": "train", "ck": "checkpoint", **{s: s for s in SECTIONS}, **{f"{s}_cfg": s for s in SECTIONS}}
+
+
+def _section_reads(root: Path) -> set[str]:
+    """``section.field`` for every read of a config field in ``root``'s code but config.py: ``cfg.train.lr``,
+    ``t.lr`` after ``t = cfg.train``, ``data.path`` with ``data: DataConfig``, ``self.cfg.x`` after
+    ``self.cfg = cfg.profile``, ``getattr(cfg.lora, "r")``. Reading ``model.path`` is not ``data.path``."""
+    types = {cls.__name__: name for name, cls in SECTIONS.items()}
+    reads: set[str] = set()
     for path in root.rglob("*.py"):
         if path.name == "config.py" and path.parent == root:
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                    names.add(node.attr)
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = dict(SECTION_NAMES)
+
+        def section(node, aliases=aliases) -> str | None:
+            if isinstance(node, ast.Attribute) and node.attr in SECTIONS:
+                return node.attr
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "self":
+                return aliases.get(f"self.{node.attr}")
+            return aliases.get(node.id) if isinstance(node, ast.Name) else None
+
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in [*node.args.args, *node.args.kwonlyargs]:
+                    ann = arg.annotation
+                    name = getattr(ann, "id", None) or getattr(ann, "attr", None) or getattr(ann, "value", None)
+                    if isinstance(name, str) and name in types:
+                        aliases[arg.arg] = types[name]
+            if isinstance(node, ast.Assign):
+                pairs = []
+                for target in node.targets:
+                    if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                        pairs += zip(target.elts, node.value.elts)
+                    else:
+                        pairs.append((target, node.value))
+                for target, value in pairs:
+                    s = section(value)
+                    if s and isinstance(target, ast.Name):
+                        aliases[target.id] = s
+                    elif s and isinstance(target, ast.Attribute) and getattr(target.value, "id", None) == "self":
+                        aliases[f"self.{target.attr}"] = s
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and (s := section(node.value)):
+                reads.add(f"{s}.{node.attr}")
             elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2:
-                if isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
-                    names.add(node.args[1].value)
-    return names
+                s, name = section(node.args[0]), node.args[1]
+                if s and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    reads.add(f"{s}.{name.value}")
+    return reads
+
+
+def _unread(root: Path) -> list[str]:
+    reads = _section_reads(root)
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls) if f"{s}.{f.name}" not in reads]
 
 
 def test_every_config_field_is_read_outside_the_config_module():
     """A switch validated but read by nothing else does nothing: it must be used or removed."""
-    reads = _attribute_reads(Path(config.__file__).parent)
-    unread = [
-        f"{section.name}.{f.name}"
-        for section in dataclasses.fields(config.Config)
-        for f in dataclasses.fields(section.type if isinstance(section.type, type) else getattr(config, section.type))
-        if f.name not in reads
-    ]
+    unread = _unread(Path(config.__file__).parent)
     assert not unread, f"config fields read by nothing but config.py: {unread}"
+
+
+def test_the_field_check_fails_on_a_field_read_only_under_another_section(tmp_path):
+    (tmp_path / "run.py").write_text(
+        "def f(cfg, data: 'DataConfig'):\n    t = cfg.train\n    return cfg.model.path, t.lr, data.layout\n"
+    )
+    reads = _section_reads(tmp_path)
+    assert {"model.path", "train.lr", "data.layout"} <= reads and "data.path" not in reads
+    assert "data.path" in _unread(tmp_path) and "model.path" not in _unread(tmp_path)
 
 
 def test_all_problems_reported_together():

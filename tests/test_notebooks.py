@@ -16,8 +16,9 @@ import plotly.io as pio
 import pytest
 import yaml
 
-from qwenkit.engine import ledger
+from qwenkit.engine import metrics
 from qwenkit.notebooks import compare, perf, runner, runs, samples, validation
+from qwenkit.sweep import ledger
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
@@ -183,7 +184,7 @@ def test_smoke_05_compare_runs(smoke_run):
     v = m["values"]
     assert v["runs"] == v["done"] == 3 and v["varied"] == ["train.lr", "train.seed"]
     folder = smoke_run[0] / "05_compare_runs"
-    finals = {name: ledger.final_metrics(folder / "sweep" / name) for name in v["ranking"]}
+    finals = {name: metrics.final_metrics(folder / "sweep" / name) for name in v["ranking"]}
     losses = [finals[name]["eval_loss"] for name in v["ranking"]]
     assert losses == sorted(losses) and v["best"] == v["ranking"][0]  # rank_by eval_loss: lowest first
     assert v["eval_loss"] == {name: f["eval_loss"] for name, f in finals.items()}

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from qwenkit.engine import events
 from qwenkit.notebooks import progress
 
-LINES = ["$ qwenkit train ...", "no checkpoint to resume from", *(f"step {i}/20  loss {6 - i / 10:.4f}  grad_norm 1.0  "
-         f"lr 1.00e-03  {1000 + i} tok/s  0.05 s" for i in range(1, 21)), "-- finished after 9 s"]  # fmt: skip
+STEPS = [{"event": "step", "step": i, "steps": 20, "loss": 6 - i / 10, "tokens_per_s": 1000.0 + i} for i in range(1, 21)]
+LINES = ["$ qwenkit train ...", "no checkpoint to resume from", *map(events.describe, STEPS), "-- finished after 9 s"]
 
 
 def test_details_keeps_the_first_and_last_lines():
@@ -22,6 +23,8 @@ def test_live_bar_follows_the_step_lines(monkeypatch):
     log = progress.RunLog("run a", interactive=True)
     for line in LINES[:12]:
         log(line)
+    for event in [{"event": "started", "world_size": 1, "steps": 20}, *STEPS[:10]]:
+        log.event(event)
     bar = log._bar.bar
     assert (bar.n, bar.total) == (10, 20) and "loss 5.0000, 1010 tok/s" in bar.postfix
     log.show()

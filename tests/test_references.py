@@ -106,3 +106,49 @@ def test_the_resolver_tells_a_stale_name_from_a_live_one():
     assert resolves("Evaluator.due", "qwenkit.engine.evaluate") and resolves("due", "qwenkit.engine.evaluate")
     with pytest.raises(AssertionError):
         assert resolves("qwenkit.patches.OPZ", "qwenkit.config")
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PY_PATH = re.compile(r"`([\w./-]+\.py)`")
+
+
+def doc_references(paths: list[Path]) -> list[tuple[Path, int, str, str]]:
+    """``(doc, line, kind, target)``: each ``qwenkit.`` dotted name (kind ``name``) and each
+    backticked ``.py`` path (kind ``file``) in ``paths``."""
+    out = []
+    for doc in paths:
+        for lineno, line in enumerate(doc.read_text().splitlines(), 1):
+            out += [(doc, lineno, "name", m.group(0)) for m in DOTTED.finditer(line)]
+            out += [(doc, lineno, "file", m.group(1)) for m in PY_PATH.finditer(line)]
+    return out
+
+
+def _file_exists(target: str) -> bool:
+    """``a/b.py`` from the repository root or the package; a bare ``b.py`` anywhere in the repository."""
+    if "/" in target:
+        return (ROOT / target).is_file() or (PACKAGE / target).is_file()
+    return any(p.is_file() for d in ("qwenkit", "tests", "benchmarks", "scripts") for p in (ROOT / d).rglob(target))
+
+
+def _doc_missing(paths: list[Path]) -> list[str]:
+    missing = []
+    for doc, line, kind, target in doc_references(paths):
+        try:
+            ok = resolves(target, "qwenkit") if kind == "name" else _file_exists(target)
+        except Optional:
+            continue
+        if not ok:
+            missing.append(f"{doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc.name}:{line}: {target}")
+    return missing
+
+
+def test_every_reference_in_the_docs_exists():
+    assert DOCS and doc_references(DOCS)
+    missing = _doc_missing(DOCS)
+    assert not missing, "docs/ name modules, functions or files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_docs_check_finds_a_stale_name_and_a_missing_file(tmp_path):
+    doc = tmp_path / "X.md"
+    doc.write_text("See `qwenkit.engine.ledger.final_metrics` in `engine/ledger.py`; `engine/events.py` stays.\n")
+    assert _doc_missing([doc]) == ["X.md:1: qwenkit.engine.ledger.final_metrics", "X.md:1: engine/ledger.py"]

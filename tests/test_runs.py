@@ -9,18 +9,21 @@ import pytest
 from qwenkit.engine import metrics
 from qwenkit.notebooks import results, runs
 
-# Prints step lines like the trainer and honours train.resume=<a step-N checkpoint> from its
-# arguments: logs the trainer's resume line and trains from step N + 1 (unless "ignore-resume").
+# Writes the trainer's events (and a console line per step) and honours train.resume=<a step-N
+# checkpoint> from its arguments: a resumed event, then steps from N + 1 (unless "ignore-resume").
 FAKE_TRAINER = textwrap.dedent("""
     import pathlib, sys
+    from qwenkit.engine import events
+    log = events.EventLog(sys.argv[1], 0)
+    log.write("started", world_size=1, steps=5)
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("train.resume=")]
     first = 1
     if resume and "ignore-resume" not in sys.argv:
         first = int(pathlib.Path(resume[0]).name.split("-")[1]) + 1
-        print(f"12:00:00 [rank 0] INFO qwenkit.engine.train: resumed from {resume[0]} at step {first - 1}", flush=True)
+        log.write("resumed", step=first - 1, checkpoint=resume[0])
     for step in range(first, 6):
-        print(f"step {step}/5  loss {5 - step * 0.1:.4f}", flush=True)
-        print("noise line not shown", flush=True)
+        log.write("step", step=step, steps=5, loss=5 - step * 0.1, tokens_per_s=100.0)
+        print(f"step {step}/5  console line, not shown", flush=True)
 """)
 
 
@@ -36,9 +39,10 @@ def test_train_shows_the_step_lines_and_logs_everything(tmp_path, monkeypatch):
     shown = []
     run = runs.train("unused.yaml", tmp_path / "run", echo=shown.append, timeout_s=30)
     assert run.ok and run.returncode == 0 and run.resumed_from is None
-    assert [s for s in shown if s.startswith("step")] == [f"step {s}/5  loss {5 - s * 0.1:.4f}" for s in range(1, 6)]
-    assert not any("noise" in s for s in shown)
-    assert "noise line not shown" in run.log.read_text()  # everything is in the log
+    assert [s for s in shown if s.startswith("step")] == [f"step {s}/5  loss {5 - s * 0.1:.4f}  100 tok/s"
+                                                          for s in range(1, 6)]  # fmt: skip
+    assert not any("console line" in s for s in shown)
+    assert "step 5/5  console line, not shown" in run.log.read_text()  # everything is in the log
 
 
 def test_a_run_resumes_from_another_runs_checkpoint(tmp_path, monkeypatch):
@@ -48,7 +52,8 @@ def test_a_run_resumes_from_another_runs_checkpoint(tmp_path, monkeypatch):
     assert checkpoint == tmp_path / "first" / "checkpoints" / "step-00000003"
     run = runs.train("unused.yaml", tmp_path / "run", echo=shown.append, timeout_s=30, resume_from=checkpoint)
     assert run.resumed_from == 3 and f"train.resume={checkpoint}" in run.command
-    assert [s for s in shown if s.startswith("step")] == ["step 4/5  loss 4.6000", "step 5/5  loss 4.5000"]
+    assert [s for s in shown if s.startswith("step")] == ["step 4/5  loss 4.6000  100 tok/s", "step 5/5  loss 4.5000  100 tok/s"]
+    assert f"resumed from {checkpoint} at step 3" in shown
     assert runs.train("unused.yaml", tmp_path / "fresh", echo=lambda s: None, timeout_s=30).resumed_from is None
 
 
@@ -204,7 +209,9 @@ def test_lora_comparison_reads_manifest_checkpoint_memory_time_and_accuracy(tmp_
         (run / "checkpoints" / "step-00000004" / "COMPLETE.json").write_text("{}")
         (run / "checkpoints" / "step-00000004" / "__0_0.distcp").write_bytes(b"x" * ckpt_bytes)
         (run / "checkpoints" / "step-00000002").mkdir()  # incomplete: never the one measured
-        (run / "train.log").write_text(f"part   total  trainable  adapters\nall      216 {trainable:>10}  16\n")
+        parts = {"model.visual": {"total": 16, "trainable": 0, "adapters": 0},
+                 "model.language_model": {"total": 200, "trainable": trainable, "adapters": 16}}  # the trainer's file
+        (run / "parameters.json").write_text(json.dumps(parts))
         rows = [{"metric": m, "series": "rank 0", "x": s, "value": v, "rank": 0}
                 for m, s, v in [("eval_accuracy", 0, 0.0), ("eval_accuracy", 4, acc), ("step_time", 1, 1.0),
                                 ("step_time", 2, 3.0), ("peak_memory", 1, 50.0), ("peak_memory", 2, 70.0)]]  # fmt: skip

@@ -17,7 +17,8 @@ import yaml
 
 from qwenkit import config as qconfig
 from qwenkit import sweep
-from qwenkit.engine import ledger, metrics
+from qwenkit.engine import metrics
+from qwenkit.sweep import ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 # 1 rank, a few steps of 4 rows, a 4-row eval set (2 of them generated for accuracy)
@@ -58,6 +59,19 @@ def test_trials_are_override_sets_times_grid_times_seeds(tmp_path):
 def test_override_text_parses_back_to_the_value(value):
     key, text = sweep.override_text("a.b", value).split("=", 1)
     assert yaml.safe_load(text) == value
+
+
+def test_sweep_files_are_read_as_configs_are(tmp_path):
+    # YAML 1.1 (yaml.safe_load) reads `off` as False and `1e-4` as a string; the config loader does not
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {ROOT / 'params' / 'tiny_cpu.yaml'}\noverrides: [{', '.join(SMALL)}]\n"
+                    "grid: {model.fused_ops: [off], train.lr: [1e-4]}\ntrials: [[train.warmup_steps=off]]\n")
+    with pytest.raises(sweep.SweepError, match="train.warmup_steps"):  # an int field: `off` stays a string
+        sweep.load(path, tmp_path / "out")
+    path.write_text(path.read_text().replace("trials: [[train.warmup_steps=off]]", "trials: [[loss.chunk=off]]"))
+    (t,) = sweep.load(path, tmp_path / "out").trials
+    assert (t.cfg.model.fused_ops, t.cfg.train.lr, t.cfg.loss.chunk) == ("off", 1e-4, False)
+    assert t.varied == {"loss.chunk": "off", "model.fused_ops": "off", "train.lr": 1e-4}
 
 
 def test_names_keep_keys_apart_when_their_last_parts_clash():
@@ -119,17 +133,18 @@ def test_terminal_progress_redraws_one_line_per_trial():
     stream = io.StringIO()
     view = sweep.TerminalProgress(3, stream, live=True)
     view.start(trial, "starting")
-    view.step(trial, 1, 4, "6.01", "812", 0)
-    view.step(trial, 2, 4, "5.90", "830", 0)
+    view.event(trial, {"event": "step", "step": 1, "steps": 4, "loss": 6.01, "tokens_per_s": 812.2})
+    view.event(trial, {"event": "checkpoint", "step": 1, "path": "x"})  # not a step: no redraw
+    view.event(trial, {"event": "step", "step": 2, "steps": 4, "loss": 5.9, "tokens_per_s": 830.0})
     view.end(trial, {"status": "done", "metrics": {"loss": 5.8, "wall_time": 12.0}})
     text = stream.getvalue()
     assert text.count("\n") == 1 and text.count("\r") == 4  # one line, redrawn in place
-    assert "[2/3] lr0.003: step 2/4  loss 5.90  830 tok/s  ETA" in text
+    assert "[2/3] lr0.003: step 2/4  loss 5.9000  830 tok/s  ETA" in text
     assert text.rstrip().endswith("[2/3] lr0.003: done in 12 s: loss 5.8")
     quiet = io.StringIO()
     view = sweep.TerminalProgress(3, quiet, live=False)  # not a terminal: the result line only
     view.start(trial, "starting")
-    view.step(trial, 1, 4, "6.01", "812", 0)
+    view.event(trial, {"event": "step", "step": 1, "steps": 4, "loss": 6.01, "tokens_per_s": 812.2})
     view.end(trial, {"status": "failed", "exit_code": 1, "error": "boom", "metrics": {}})
     assert quiet.getvalue() == "[2/3] lr0.003: failed, exit code 1: boom\n"
 

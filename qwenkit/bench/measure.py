@@ -179,15 +179,23 @@ def _head_cases(case: dict[str, Any]) -> list[dict[str, Any]]:
              "time_max_ms": 1e3 * max(times[var]), "peak_mb": peaks[var] / MiB} for var in variants]  # fmt: skip
 
 
-def fresh_process(args: list[str], what: str, timeout_s: float | None = None) -> dict[str, Any]:
+def fresh_process(
+    args: list[str],
+    what: str,
+    timeout_s: float | None = None,
+    allocator: dict[str, str] = CPU_MALLOC_ENV,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> dict[str, Any]:
     """``python ARGS`` in a fresh process, so its peak memory is its own; its last stdout line, as JSON.
 
-    It runs with the allocator setting ``qwenkit train`` gives CPU ranks (unless the caller's
-    environment sets it), so every measured variant allocates alike. ``what`` names it in the
-    error raised when it fails.
+    It runs with the allocator setting ``qwenkit train`` gives CPU ranks (``allocator``; the
+    caller's environment wins), so every measured variant allocates alike; ``env`` adds variables
+    (e.g. ``PYTHONPATH`` of another source tree) and ``cwd`` sets its folder. ``what`` names it in
+    the error raised when it fails. Every benchmark that measures in a fresh process uses this.
     """
-    env = {**CPU_MALLOC_ENV, **os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout_s)
+    env = {**allocator, **os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout_s, cwd=cwd)
     if out.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

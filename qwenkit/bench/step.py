@@ -79,3 +79,10 @@ def step_flops(model, batch: dict) -> int:
         model(**batch).loss.backward()
     model.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
+
+
+def mfu(flops: float, step_s: float, peak_flops_per_s: float) -> float | None:
+    """Model FLOPs utilisation, or None when it exceeds 1: a step cannot beat the GEMM peak, so the
+    peak was measured too low (a busy moment) and the ratio is a measurement error, not a result."""
+    value = flops / step_s / peak_flops_per_s
+    return value if value <= 1.0 else None

@@ -45,6 +45,7 @@ from transformers import GenerationConfig
 
 from qwenkit.distributed.meta import build_on_meta
 from qwenkit.model import lora
+from qwenkit.records import read_jsonl as read_jsonl  # the one JSONL reader; eval/step-*.jsonl are read by it
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +184,6 @@ def write_jsonl(rows: list[Generation], path: str | Path) -> Path:
         for r in rows:
             f.write(json.dumps(r.to_json()) + "\n")
     return path
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device, keep: bool = True) -> nn.Module | None:

@@ -35,13 +35,16 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qwenkit import records
 from qwenkit.device import memory_bytes
 from qwenkit.device import reset_peak_memory as reset_device_peak
+from qwenkit.rundir import RunDir
 
 UNITS = {
     "loss": "nat",
@@ -168,15 +171,7 @@ def read(path: str | Path) -> list[dict]:
     half-written last line (a run still writing) is left out."""
     path = Path(path)
     files = [path] if path.is_file() else sorted((path / "metrics").glob("rank-*.jsonl"))
-    rows = []
-    for file in files:
-        with file.open() as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                if line.strip():
-                    rows.append(json.loads(line))
-    return rows
+    return [row for file in files for row in records.read_jsonl(file)]
 
 
 def series(rows: list[dict], metric: str, rank: int = 0) -> dict[int, float]:
@@ -185,12 +180,51 @@ def series(rows: list[dict], metric: str, rank: int = 0) -> dict[int, float]:
 
 
 def peak_memory_mib(device: torch.device) -> float:
-    """Accelerator: peak allocated since the last :func:`reset_peak_memory`; CPU: peak RSS of the process."""
+    """Accelerator: peak allocated since the last :func:`start_step_peak`; CPU: peak RSS of the process."""
     return memory_bytes(device, peak=True) / 2**20
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def start_step_peak(device: torch.device) -> None:
     """A step's own peak on an accelerator; on CPU the metric stays the process's peak RSS (what
-    the OOM killer sees), so nothing is reset there."""
+    the OOM killer sees), so nothing is reset there (unlike :func:`qwenkit.device.reset_peak_memory`,
+    which resets the CPU's too)."""
     if device.type != "cpu":
         reset_device_peak(device)
+
+
+# A run's headline numbers (final_metrics), in the order tables show them: key -> (label, unit).
+FINAL = {
+    "eval_loss": ("eval loss", "nat"),
+    "eval_accuracy": ("eval accuracy", "1"),
+    "loss": ("final loss", "nat"),
+    "tokens_per_s": ("tokens/s (median)", "token/s"),
+    "step_time": ("step time (median)", "s"),
+    "peak_memory": ("peak memory (max)", "MiB"),
+    "wall_time": ("wall time", "s"),
+    "trainable_params": ("trainable params", "1"),
+    "steps": ("steps", "1"),
+}
+LOWER_IS_BETTER = {"eval_loss", "loss", "step_time", "peak_memory", "wall_time"}
+
+
+def final_metrics(run_dir: str | Path, wall_time: float | None = None) -> dict[str, Any]:
+    """A run's headline numbers from its metrics files: the last eval loss, eval accuracy and
+    training loss (rank 0; a step logged twice keeps its last row), the median tokens/s and step
+    time (rank 0), the largest peak memory of any rank, the trainable parameters (the trainer's
+    ``parameters.json``), the last step, and ``wall_time`` as given."""
+    rows = read(run_dir)
+    out: dict[str, Any] = {}
+    for name in ("eval_loss", "eval_accuracy", "loss"):
+        s = series(rows, name)
+        out[name] = s[max(s)] if s else None
+    for name in ("tokens_per_s", "step_time"):
+        s = series(rows, name)
+        out[name] = statistics.median(s.values()) if s else None
+    peaks = [r["value"] for r in rows if r["metric"] == "peak_memory"]
+    out["peak_memory"] = max(peaks) if peaks else None
+    out["wall_time"] = wall_time
+    counts = RunDir(run_dir).parameter_counts()
+    out["trainable_params"] = counts[1] if counts else None
+    steps = series(rows, "loss")
+    out["steps"] = max(steps) if steps else 0
+    return out

@@ -50,6 +50,12 @@ def set_parent_death_signal(sig: int) -> bool:
         return False
 
 
+def shell_code(exitcode: int) -> int:
+    """A process's exit status as a shell reports it: ``128 + N`` for a death by signal N
+    (``subprocess``'s ``-N``); the one rule of the launcher, torchrun's wrapper and a rank."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
 def die_with_parent(expected_parent_env: str = AGENT_PID_ENV, sig: int = signal.SIGKILL) -> None:
     """This rank dies with torchrun (its parent). Exits now if that parent is already gone."""
     set_parent_death_signal(sig)
@@ -57,7 +63,7 @@ def die_with_parent(expected_parent_env: str = AGENT_PID_ENV, sig: int = signal.
     if expected and os.getppid() != int(expected):  # the parent died before the prctl took hold
         print(f"qwenkit train: rank {os.environ.get('RANK', '?')}: its torchrun (pid {expected}) is gone; stopping",
               file=sys.stderr, flush=True)  # fmt: skip
-        os._exit(128 + int(sig))
+        os._exit(shell_code(-int(sig)))
 
 
 class StopRequest:

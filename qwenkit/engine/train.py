@@ -51,13 +51,15 @@ from qwenkit import data, patches
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import optim, stopping
+from qwenkit.engine import events, optim, stopping
 from qwenkit.engine.evaluate import Evaluator
-from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, reset_peak_memory
+from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.profiling import ProfileWindow
 from qwenkit.model import lora, paths, registry
+from qwenkit.rundir import RunDir
 
 log = logging.getLogger("qwenkit.engine.train")
+STEP_EVENT = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time")  # a step event's values (engine/events.py)
 
 
 class NonFiniteError(FloatingPointError):
@@ -128,6 +130,7 @@ class Trainer:
         self.evaluator: Evaluator | None = None
         self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
         self.sp: sequence.SequenceParallel | None = None
+        self.events: events.EventLog | None = None  # <output_dir>/events.jsonl, rank 0's
 
     def run(self) -> None:
         # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
@@ -135,9 +138,11 @@ class Trainer:
         self.model_path = paths.resolve_path(self.cfg.model)
         self.rt = fsdp.init_distributed(self.cfg.parallel)
         self.heartbeat = stopping.Heartbeat.start_default(self.rt.rank, self.rt.world_size, self.cfg.parallel.timeout_s)
+        t = self.cfg.train
+        self.events = events.EventLog(self.out_dir, self.rt.rank, enabled=self.rt.rank == 0)
+        self.events.write("started", world_size=self.rt.world_size, steps=t.steps)
         try:
             self.setup()
-            t = self.cfg.train
             # train.stop_after: at most that many more steps in this invocation (then run it again)
             self.last_step = min(self.start_step + t.stop_after, t.steps) if t.stop_after else t.steps
             self.step = self.start_step
@@ -145,6 +150,9 @@ class Trainer:
                 self.train()
             elif self.rt.rank == 0:
                 log.info("training is complete: at step %d of train.steps=%d, nothing to train", self.start_step, t.steps)
+            reason = "signal" if self.stopped_by else "completed" if self.step >= t.steps else "stop_after"
+            self.events.write("stopped", step=self.step, reason=reason, exit_code=self.exit_code,
+                              **({"signal": self.stopped_by} if self.stopped_by else {}))  # fmt: skip
         finally:
             if self.heartbeat is not None:
                 self.heartbeat.stop()
@@ -193,8 +201,8 @@ class Trainer:
         if main_rank:
             manifest = registry.parameter_manifest(model)
             log.info("parameters:\n%s", registry.format_manifest(manifest))
-            # read by sweeps and notebook 05 (trainable parameters per run), see qwenkit.engine.ledger
-            (self.out_dir / "parameters.json").write_text(json.dumps(manifest, indent=1) + "\n")
+            # read by sweeps and notebooks 02 and 05 (trainable parameters per run), see qwenkit.engine.metrics.final_metrics
+            RunDir(self.out_dir).parameters.write_text(json.dumps(manifest, indent=1) + "\n")
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed
@@ -225,6 +233,7 @@ class Trainer:
             )
             if main_rank:
                 log.info("resumed from %s at step %d", resume, self.start_step)
+            self.events.write("resumed", step=self.start_step, checkpoint=str(resume))
         self.scheduler = optim.build_scheduler(self.optimizer, t, self.start_step)
 
     def resume_point(self) -> Path | None:
@@ -301,7 +310,7 @@ class Trainer:
                 metrics.write(0, self.evaluate(0))
             for step in range(self.start_step + 1, self.last_step + 1):
                 began = time.perf_counter()
-                reset_peak_memory(rt.device)
+                start_step_peak(rt.device)
                 values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches)
                 values["step_time"] = time.perf_counter() - began
                 values["tokens_per_s"] = values.pop("tokens") / values["step_time"]
@@ -315,6 +324,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
                 if main_rank and (step % t.log_every == 0 or step == self.last_step):
+                    self.events.write("step", step=step, steps=t.steps, **{k: values[k] for k in STEP_EVENT})
                     tqdm.write(
                         f"step {step}/{t.steps}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.3f}  "
                         f"lr {values['lr']:.2e}  {values['tokens_per_s']:.0f} tok/s  {values['step_time']:.2f} s"
@@ -331,6 +341,7 @@ class Trainer:
                         ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer,
                         self.bundle.sampler, rt.device, ck.keep_last,
                     )
+                    self.events.write("checkpoint", step=step, path=str(self.checkpoint))
                     if main_rank:
                         tqdm.write(f"checkpoint saved: {self.checkpoint}")
                 if stop:
@@ -348,6 +359,7 @@ class Trainer:
         """Eval loss (and accuracy) of the current weights; collective, see :mod:`qwenkit.engine.evaluate`."""
         values = self.evaluator.run(step, self.model)
         self.evals.append({"step": step, **values})
+        self.events.write("eval", step=step, **values)
         if self.rt.rank == 0:
             tqdm.write(f"eval at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
         return values
@@ -460,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(stopping.AGENT_PID_ENV):
         stopping.die_with_parent()  # torchrun SIGKILLed: this rank goes with it
     stop = stopping.StopRequest.install()  # SIGTERM/SIGINT/SIGUSR1: save at the end of the step, exit 75
-    log_path = trainer = None
+    log_path = trainer = cfg = None
     try:
         cfg = qconfig.load(args.config, args.overrides)
         log_path = _setup_logging(rank, Path(cfg.train.output_dir))
@@ -469,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - every failure is reported the same readable way
         beat = trainer.heartbeat if trainer is not None else None
         note = beat.describe() if beat is not None and _looks_like_a_peer(e) else ""
-        report_failure(rank, e, log_path, note)
+        summary = report_failure(rank, e, log_path, note)
+        if cfg is not None:
+            events.EventLog(cfg.train.output_dir, rank).failed(e, summary)
         return 1
     return trainer.exit_code
 

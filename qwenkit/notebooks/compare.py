@@ -5,7 +5,7 @@ row; the keys whose values differ between the runs are the *varied* keys (``trai
 aside). :func:`save` writes what every figure is drawn from:
 
 - ``curves.csv``: loss, eval loss and eval accuracy per step (rank 0), one series per run;
-- ``final_metrics.csv``: the final metrics of each run (:data:`qwenkit.engine.ledger.FINAL`);
+- ``final_metrics.csv``: the final metrics of each run (:data:`qwenkit.engine.metrics.FINAL`);
 - ``runs.json``: each run's varied values, status and full config, and the ranking;
 - ``metrics.json``: the summary line (best run by ``rank_by``) and the ranking.
 
@@ -22,8 +22,11 @@ from typing import Any
 import plotly.graph_objects as go
 import yaml
 
-from qwenkit.engine import ledger, metrics
+from qwenkit import config as qconfig
+from qwenkit.engine import metrics
 from qwenkit.notebooks import plots, results
+from qwenkit.rundir import RunDir
+from qwenkit.sweep import ledger
 
 CURVES, FINALS, RUNS = "curves.csv", "final_metrics.csv", "runs.json"
 CURVE_METRICS = {"loss": "training loss", "eval_loss": "eval loss (held-out)", "eval_accuracy": "eval accuracy"}
@@ -41,7 +44,7 @@ def run_folders(sweep_dir: str | Path | None = None, run_dirs: list[str | Path] 
         return [Path(r.get("output_dir") or Path(sweep_dir) / name) for name, r in rows.items()]
     if not run_dirs:
         raise ValueError("compare what? give a sweep folder or run folders")
-    missing = [str(d) for d in run_dirs if not (Path(d) / "config.yaml").is_file()]
+    missing = [str(d) for d in run_dirs if not RunDir(d).config.is_file()]
     if missing:
         raise FileNotFoundError(f"not a qwenkit run folder (no config.yaml): {', '.join(missing)}")
     return [Path(d) for d in run_dirs]
@@ -53,12 +56,12 @@ def collect(folders: list[Path], sweep_dir: str | Path | None = None) -> list[di
     runs = []
     for folder in folders:
         entry = rows.get(folder.name, {})
-        cfg_path = folder / "config.yaml"
-        config = metrics.flatten(yaml.safe_load(cfg_path.read_text())) if cfg_path.is_file() else {}
+        cfg_path = RunDir(folder).config
+        config = metrics.flatten(qconfig.parse_yaml(cfg_path.read_text(), str(cfg_path))) if cfg_path.is_file() else {}
         wall = (entry.get("metrics") or {}).get("wall_time")
         runs.append({
             "name": folder.name, "folder": str(folder), "status": entry.get("status", "done" if config else "missing"),
-            "error": entry.get("error"), "config": config, "final": ledger.final_metrics(folder, wall),
+            "error": entry.get("error"), "config": config, "final": metrics.final_metrics(folder, wall),
             "rows": metrics.read(folder) if (folder / "metrics").is_dir() else [],
         })  # fmt: skip
     keys = sorted({k for r in runs for k in r["config"]} - set(IGNORED_KEYS))
@@ -73,9 +76,9 @@ def collect(folders: list[Path], sweep_dir: str | Path | None = None) -> list[di
 def ranking(finals: dict[str, dict[str, Any]], rank_by: str) -> list[str]:
     """Run names, best first by ``rank_by`` (lower is better for losses, times and memory); runs
     without that metric last."""
-    if rank_by not in ledger.FINAL:
-        raise ValueError(f"rank_by={rank_by!r}: expected one of {', '.join(ledger.FINAL)}")
-    sign = 1 if rank_by in ledger.LOWER_IS_BETTER else -1
+    if rank_by not in metrics.FINAL:
+        raise ValueError(f"rank_by={rank_by!r}: expected one of {', '.join(metrics.FINAL)}")
+    sign = 1 if rank_by in metrics.LOWER_IS_BETTER else -1
     have = [n for n, f in finals.items() if isinstance(f.get(rank_by), (int, float))]
     rest = [n for n in finals if n not in have]
     return sorted(have, key=lambda n: sign * finals[n][rank_by]) + rest
@@ -93,7 +96,7 @@ def save(out_dir: str | Path, runs: list[dict[str, Any]], rank_by: str) -> dict[
     results.write_csv(curves, out / CURVES)
     finals = []
     for r in runs:
-        for key, (_, unit) in ledger.FINAL.items():
+        for key, (_, unit) in metrics.FINAL.items():
             if isinstance(r["final"].get(key), (int, float)):
                 finals.append(results.record(key, r["final"][key], unit=unit, series=r["name"]))
     results.write_csv(finals, out / FINALS)
@@ -163,16 +166,16 @@ def final_table(out_dir) -> go.Figure:
     doc = _doc(out_dir)
     finals = results.read_csv(Path(out_dir) / FINALS)
     by = {(r["series"], r["metric"]): r["value"] for r in finals}
-    columns = ["rank", "run", "status", *doc["varied"], *(label for label, _ in ledger.FINAL.values())]
+    columns = ["rank", "run", "status", *doc["varied"], *(label for label, _ in metrics.FINAL.values())]
     table = []
     for i, name in enumerate(doc["ranking"], 1):
         run = doc["runs"][name]
         row = {"rank": i, "run": name, "status": run["status"]}
         row.update({k: json.dumps(v) if isinstance(v, (list, dict, bool)) or v is None else v for k, v in run["varied"].items()})
-        for key, (label, _) in ledger.FINAL.items():
+        for key, (label, _) in metrics.FINAL.items():
             row[label] = by.get((name, key), float("nan"))
         table.append(row)
-    formats = {label: ".4g" for label, _ in ledger.FINAL.values()}
+    formats = {label: ".4g" for label, _ in metrics.FINAL.values()}
     formats.update({"trainable params": ",.0f", "steps": ".0f", "wall time": ".1f"})
     return plots.table(table, columns, title=f"Final metrics, ranked by {doc['rank_by']}", formats=formats)
 
@@ -189,7 +192,7 @@ def effect_figure(out_dir) -> go.Figure:
         for name, run in doc["runs"].items():
             if name in value:
                 groups.setdefault(key, {}).setdefault(json.dumps(run["varied"].get(key)), []).append(value[name])
-    label = ledger.FINAL[metric][0]
+    label = metrics.FINAL[metric][0]
     return plots.metric_effect(groups, label, f"Effect of each varied key on {label}")
 
 

@@ -39,6 +39,7 @@ from qwenkit.bench.measure import (  # noqa: F401 (notebook 04 calls perf.matmul
     matmul_peak,
     use_cpu_threads,
 )
+from qwenkit.bench.step import mfu
 from qwenkit.notebooks import plots, results
 from qwenkit.patches import dispatch
 
@@ -198,7 +199,8 @@ def fused_vs_unfused(model, batches: list[dict[str, torch.Tensor]], steps: int, 
 
 
 def utilisation(step_ms: list[float], flops: int, tokens: int, peak: dict[str, Any]) -> dict[str, Any]:
-    """Median step time, achieved FLOP/s and MFU (model FLOPs / step time / measured matmul peak)."""
+    """Median step time, achieved FLOP/s and MFU (model FLOPs / step time / measured matmul peak;
+    :func:`qwenkit.bench.step.mfu`, None where it would exceed 1)."""
     median_s = statistics.median(step_ms) / 1e3
     achieved = flops / median_s
     return {
@@ -208,7 +210,7 @@ def utilisation(step_ms: list[float], flops: int, tokens: int, peak: dict[str, A
         "flops_per_step": flops,
         "achieved_flops_per_s": achieved,
         "matmul_peak_flops_per_s": peak["flops_per_s"],
-        "mfu": achieved / peak["flops_per_s"],
+        "mfu": mfu(flops, median_s, peak["flops_per_s"]),  # None above 1: the peak was measured too low
     }
 
 
@@ -254,7 +256,7 @@ def write_chunk_sweep(out_dir, chunks, device: str) -> None:
 
 def write_model_step(out_dir, util: dict[str, Any], device: str) -> None:
     """``model_step.csv``: the training step's time, FLOPs and MFU."""
-    results.write_csv([results.record(k, v, series="model step", device=device) for k, v in util.items()],
+    results.write_csv([results.record(k, v, series="model step", device=device) for k, v in util.items() if v is not None],
                       f"{out_dir}/model_step.csv")  # fmt: skip
 
 
@@ -348,6 +350,10 @@ def figures(out_dir) -> list:
     return [f for f in figs if f is not None]
 
 
+def _percent(mfu: float | None) -> str:
+    return "error (above 1: the matmul peak was measured too low)" if mfu is None else f"{100 * mfu:.1f}%"
+
+
 def save(out_dir, sweep, recommended: int, util: dict[str, Any], fused: dict[str, Any], device: str) -> dict[str, Any]:
     """``metrics.json`` (the CSVs are written as each part is measured: ``write_*``); returns its values."""
     ratios = head_ratios(sweep)
@@ -361,9 +367,9 @@ def save(out_dir, sweep, recommended: int, util: dict[str, Any], fused: dict[str
     summary = (
         f"chunked head at {ratios['seq_len']} tokens: {ratios['peak_ratio']:.2f}x the full head's peak memory, "
         f"{ratios['time_ratio']:.2f}x its time; recommended chunk {recommended}; model step "
-        f"{util['step_ms']:.0f} ms, MFU {100 * util['mfu']:.1f}% of a measured "
+        f"{util['step_ms']:.0f} ms, MFU {_percent(util['mfu'])} of a measured "
         f"{util['matmul_peak_flops_per_s'] / 1e9:.0f} GFLOP/s matmul peak ({device}); {fused_text}"
     )
-    passed = ratios["peak_ratio"] < 1.0 and util["mfu"] > 0
+    passed = ratios["peak_ratio"] < 1.0 and util["mfu"] is not None and util["mfu"] > 0
     results.write_metrics(out_dir, "04_performance_profiling", summary, passed, **values)
     return values

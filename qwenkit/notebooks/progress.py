@@ -1,25 +1,27 @@
 """Training progress in a notebook: live bars in JupyterLab, a collapsed log in a rendered report.
 
-A run prints one line per step; a report that showed them all would open on screens of log
-before its first figure. :class:`RunLog` takes a run's output lines (``runs.train``'s ``echo``)
-and, live in JupyterLab, draws a ``tqdm.notebook`` bar per run (step, loss, tokens/s, ETA);
+A run logs one line per step; a report that showed them all would open on screens of log
+before its first figure. :class:`RunLog` takes a run's lines and events (``runs.train``'s ``echo``)
+and, live in JupyterLab, draws a ``tqdm.notebook`` bar per run from its step events (step, loss,
+tokens/s, ETA; :mod:`qwenkit.engine.events`);
 in a batch report (``qwenkit notebooks run`` sets :data:`REPORT_ENV`) it shows nothing while
 the run goes, and :meth:`RunLog.show` puts the log in a ``<details>`` block holding its first
 and last lines, below the summary the notebook displays first. :class:`SweepLog` does the same
-for each trial of ``qwenkit.sweep.run`` (its ``progress`` argument), with one result line per trial.
+for each trial of ``qwenkit.sweep.run`` (its ``progress`` argument), with one result line per trial
+(:func:`qwenkit.sweep.ledger.result_text`, the terminal's line).
 """
 
 from __future__ import annotations
 
 import html
 import os
-import re
 from typing import Any
 
 from IPython.display import HTML, display
 
+from qwenkit.sweep.ledger import result_text
+
 REPORT_ENV = "QWENKIT_REPORT"  # set by the runner: the kernel renders a report, nobody watches it live
-STEP = re.compile(r"^step (\d+)/(\d+)\s+loss (\S+).*?(\d+) tok/s")  # the trainer's step line
 HEAD, TAIL = 4, 6  # log lines a report shows before and after the collapsed middle
 
 
@@ -40,22 +42,21 @@ def details_html(title: str, lines: list[str]) -> str:
 
 
 class _Bar:
-    """One tqdm.notebook bar fed by step lines (created at the first one, which gives the total)."""
+    """One tqdm.notebook bar fed by step events (created at the first one, which gives the total)."""
 
     def __init__(self, label: str):
         self.label, self.bar = label, None
 
-    def feed(self, text: str) -> None:
-        m = STEP.match(text)
-        if not m:
+    def feed(self, event: dict[str, Any]) -> None:
+        if event["event"] != "step":
             return
-        step, total = int(m[1]), int(m[2])
+        step, total = event["step"], event["steps"]
         if self.bar is None:
             from tqdm.notebook import tqdm
 
             self.bar = tqdm(total=total, initial=step - 1, desc=self.label)
         self.bar.n = step
-        self.bar.set_postfix_str(f"loss {m[3]}, {m[4]} tok/s", refresh=True)
+        self.bar.set_postfix_str(f"loss {event['loss']:.4f}, {event['tokens_per_s']:.0f} tok/s", refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -63,7 +64,8 @@ class _Bar:
 
 
 class RunLog:
-    """``echo`` for ``runs.train``: every line kept; a live bar in JupyterLab; :meth:`show` the log."""
+    """``echo`` for ``runs.train``: every line kept; a live bar from the run's events in JupyterLab
+    (:meth:`event`); :meth:`show` the log."""
 
     def __init__(self, label: str, interactive: bool | None = None):
         self.label = label
@@ -73,8 +75,10 @@ class RunLog:
 
     def __call__(self, line: str) -> None:
         self.lines.append(line)
+
+    def event(self, event: dict[str, Any]) -> None:
         if self._bar is not None:
-            self._bar.feed(line)
+            self._bar.feed(event)
 
     def show(self) -> None:
         if self._bar is not None:
@@ -97,25 +101,17 @@ class SweepLog:
         if self.interactive:
             self._bars[trial.name] = _Bar(f"{trial.index}. {trial.name}")
 
-    def step(self, trial, *_: Any) -> None:
-        pass  # the bar reads the step line itself (line below)
+    def event(self, trial, event: dict[str, Any]) -> None:
+        if trial.name in self._bars:
+            self._bars[trial.name].feed(event)
 
     def line(self, trial, text: str) -> None:
         self.logs.setdefault(trial.name, []).append(text)
-        if trial.name in self._bars:
-            self._bars[trial.name].feed(text)
 
     def end(self, trial, row: dict[str, Any]) -> None:
         if trial.name in self._bars:
             self._bars.pop(trial.name).close()
-        m = row.get("metrics") or {}
-        wall = m.get("wall_time")
-        text = row["status"] + (" earlier" if row.get("skipped") else "")
-        text += f" in {wall:.0f} s" if isinstance(wall, (int, float)) else ""
-        if row.get("resumed_from"):
-            text += f", resumed from step {row['resumed_from']}"
-        if row.get("error"):
-            text += f": {row['error']}"
+        text = result_text(row)  # the terminal's line too (qwenkit.sweep.ledger)
         self.results[trial.name] = text
         if self.interactive:
             print(f"{trial.index}. {trial.name}: {text}")

@@ -23,6 +23,9 @@ from typing import Any
 
 import qwenkit
 from qwenkit.records import FIELDS, now
+from qwenkit.records import (
+    read_jsonl as read_jsonl,  # re-exported: a benchmark's --out is read through results
+)
 from qwenkit.records import record as record  # re-exported: the notebook layer writes rows through results
 
 METRICS_FILE = "metrics.json"
@@ -71,12 +74,6 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines result file (a benchmark's ``--out``), in file order; blank lines skipped."""
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def select(rows: Iterable[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:

@@ -2,9 +2,10 @@
 
 The kernel never trains: FSDP2 needs one process per rank, and a kernel that joined a process
 group could not be re-run. :func:`train` starts ``qwenkit train`` (the launcher, then torchrun,
-then the ranks) in its own process group, streams its progress lines into the cell, keeps the
-whole log in ``<output_dir>/train.log``, and can start a run from another run's checkpoint
-(``resume_from``: ``train.resume=<checkpoint>``, checked in the log to have resumed there).
+then the ranks) in its own process group (:class:`qwenkit.engine.child.TrainProcess`), shows its
+events in the cell, keeps the whole log in ``<output_dir>/train.log``, and can start a run from
+another run's checkpoint (``resume_from``: ``train.resume=<checkpoint>``, checked in the run's
+events to have resumed there).
 
 :func:`qwenkit.engine.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
 and :func:`save` turn them into the notebook's table and result files. :func:`save_eval_samples`
@@ -16,17 +17,11 @@ went from wrong to right and back) and :func:`gallery` (all rows, or only those 
 from __future__ import annotations
 
 import html
-import json
 import os
-import queue
-import re
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,15 +30,14 @@ from typing import Any
 
 from PIL import Image
 
+from qwenkit import records
 from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import generate, metrics
+from qwenkit.engine import events, metrics
+from qwenkit.engine.child import TrainProcess
 from qwenkit.engine.metrics import series
 from qwenkit.notebooks import plots, results
 from qwenkit.notebooks.samples import thumbnail
-
-# Lines of the run's output worth showing live; everything goes to train.log.
-PROGRESS = re.compile(r"^(step \d+/\d+|checkpoint saved|.*resumed from|.*already at step|.*no checkpoint to resume)"
-                      r"|Error|error:|Traceback")  # fmt: skip
+from qwenkit.rundir import RunDir
 
 
 @dataclass
@@ -64,7 +58,7 @@ def fresh_dir(path: str | Path) -> Path:
     """An empty run directory; a previous *qwenkit run* there is removed, anything else refused."""
     path = Path(path)
     if path.exists() and any(path.iterdir()):
-        if not any((path / marker).exists() for marker in ("config.yaml", "metrics", "checkpoints", "train.log")):
+        if not RunDir(path).is_run():
             raise FileExistsError(f"{path} is not empty and holds no qwenkit run; not removing it")
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -85,9 +79,6 @@ def checkpoint_of(run_dir: str | Path, step: int) -> Path:
     return ckpt.step_dir(ckpt.checkpoint_root(run_dir), step)
 
 
-RESUMED_AT = re.compile(r"resumed from \S+ at step (\d+)")  # the trainer's log line (qwenkit.engine.train)
-
-
 def train(
     config: str | Path,
     output_dir: str | Path,
@@ -98,38 +89,26 @@ def train(
     resume_from: str | Path | None = None,
 ) -> TrainRun:
     """Run ``qwenkit train`` to the end; ``resume_from``: start from that checkpoint (another
-    run's; this run's own are found by ``train.resume=auto``)."""
+    run's; this run's own are found by ``train.resume=auto``). ``echo`` gets the command and one
+    line per event of the run (:func:`qwenkit.engine.events.describe`); with an ``event`` method
+    (:class:`qwenkit.notebooks.progress.RunLog`), that gets the events themselves too."""
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(overrides or []) + ([f"train.resume={resume_from}"] if resume_from is not None else [])
     cmd = train_command(config, output_dir, nproc, overrides)
     echo("$ qwenkit " + shlex.join(cmd[3:]))
-    log_path = output_dir / "train.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    on_event = getattr(echo, "event", None)
+
+    def shown(event: dict[str, Any]) -> None:  # called in this thread: a notebook shows only its own thread's output
+        if on_event is not None:
+            on_event(event)
+        if event["event"] != "started":
+            echo(events.describe(event))
+
     t0 = time.perf_counter()
-    with log_path.open("a") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)  # fmt: skip
-        lines: queue.Queue[str | None] = queue.Queue()
-        reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
-        reader.start()
-        while True:
-            try:  # print from this thread: a notebook routes only its own thread's output to the cell
-                line = lines.get(timeout=0.05)
-            except queue.Empty:
-                line = ""
-            if line is None:
-                break
-            if line:
-                log.write(line)
-                if PROGRESS.search(line):
-                    echo(line.rstrip())
-            if time.perf_counter() - t0 > timeout_s:
-                _terminate(proc)
-                raise TimeoutError(f"qwenkit train ran over {timeout_s:.0f} s; log: {log_path}")
-        code = proc.wait()
-    resumed = RESUMED_AT.findall(log_path.read_text())  # the log of every invocation in output_dir
-    run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, int(resumed[-1]) if resumed else None)
+    child = TrainProcess(cmd, output_dir, dict(os.environ))
+    code = child.follow(on_event=shown, timeout_s=timeout_s)
+    log_path = child.run_dir.train_log
+    run = TrainRun(output_dir, cmd, code, time.perf_counter() - t0, log_path, events.resumed_step(child.events.seen))
     if not run.ok:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"qwenkit train failed with exit code {code}; last lines of {log_path}:\n{tail}")
@@ -139,49 +118,34 @@ def train(
     return run
 
 
-def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
-def _terminate(proc: subprocess.Popen, grace_s: float = 15) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher, torchrun and every rank
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-MANIFEST_ALL = re.compile(r"^all\s+([\d,]+)\s+([\d,]+)", re.MULTILINE)  # the manifest's last line (train.log)
 COMPARISON = "lora_comparison.csv"
 
 
 def comparison_rows(run_dirs: dict[str, str | Path]) -> list[dict[str, Any]]:
-    """One row per run: trainable parameters, newest checkpoint's size, rank 0's max peak memory and
-    median step time, held-out accuracy at the first and last evaluation."""
+    """One row per run: total and trainable parameters, newest checkpoint's size, the peak memory
+    and median step time of :func:`qwenkit.engine.metrics.final_metrics` (the largest peak of any
+    rank, rank 0's median), held-out accuracy at the first and last evaluation."""
     out = []
     for name, run_dir in run_dirs.items():
         run_dir = Path(run_dir)
-        manifest = MANIFEST_ALL.findall((run_dir / "train.log").read_text())
-        total, trainable = (int(v.replace(",", "")) for v in manifest[-1]) if manifest else (0, 0)
+        total, trainable = RunDir(run_dir).parameter_counts() or (0, 0)
         step = ckpt.latest(ckpt.checkpoint_root(run_dir))
         size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file()) if step is not None else 0
-        rows = metrics.read(run_dir)
-        acc = series(rows, "eval_accuracy")
-        step_time = list(series(rows, "step_time").values())
+        final = metrics.final_metrics(run_dir)  # the sweep's numbers too: one definition of each
+        acc = series(metrics.read(run_dir), "eval_accuracy")
         out.append({
             "run": name, "trainable parameters": trainable, "total parameters": total,
             "checkpoint (MiB)": size / 2**20,
-            "max peak memory (MiB)": max(series(rows, "peak_memory").values(), default=float("nan")),
-            "median step time (s)": statistics.median(step_time) if step_time else float("nan"),
+            "max peak memory (MiB)": _or_nan(final["peak_memory"]),
+            "median step time (s)": _or_nan(final["step_time"]),
             "first accuracy": acc[min(acc)] if acc else float("nan"),
             "last accuracy": acc[max(acc)] if acc else float("nan"),
         })  # fmt: skip
     return out
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 COMPARISON_UNITS = {"trainable parameters": "1", "total parameters": "1", "checkpoint (MiB)": "MiB",
@@ -200,7 +164,7 @@ def save_comparison(out_dir, run_dirs: dict[str, str | Path]) -> list[dict[str, 
 
 
 def comparison_table(rows: list[dict[str, Any]]):
-    return plots.table(rows, list(rows[0]), title="LoRA vs full fine-tune (rank 0)",
+    return plots.table(rows, list(rows[0]), title="LoRA vs full fine-tune",
                        formats={"checkpoint (MiB)": ".2f", "max peak memory (MiB)": ".0f"})  # fmt: skip
 
 
@@ -290,7 +254,7 @@ def save_eval_samples(out_dir, run_dir) -> list[dict[str, Any]]:
     if not files:
         raise FileNotFoundError(f"{Path(run_dir) / 'eval'}: no step-*.jsonl; did the run have an eval set and train.eval_samples > 0?")
     steps = [int(f.stem.split("-")[1]) for f in (files[0], files[-1])]
-    before, after = generate.read_jsonl(files[0]), {r["index"]: r for r in generate.read_jsonl(files[-1])}
+    before, after = records.read_jsonl(files[0]), {r["index"]: r for r in records.read_jsonl(files[-1])}
     rows = []
     for b in before:
         a = after.get(b["index"])
@@ -309,7 +273,7 @@ def save_eval_samples(out_dir, run_dir) -> list[dict[str, Any]]:
 
 
 def _eval_samples(out_dir) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (Path(out_dir) / EVAL_SAMPLES).read_text().splitlines() if line.strip()]
+    return records.read_jsonl(Path(out_dir) / EVAL_SAMPLES)
 
 
 def score_rows(out_dir) -> list[dict[str, Any]]:

@@ -1,0 +1,76 @@
+"""Reading a dataset: its sources, its prepared index (cached or scanned), and the bad-sample policy.
+
+Bad-sample policy (``data.on_bad_sample``): ``error`` stops at the first bad row with its
+file, row and reason; ``skip`` drops bad rows, logs them with their reasons, and fails only if
+more than ``data.max_bad_fraction`` of the rows are bad. A JSON file that does not parse at all
+is never skipped: how many rows it held is unknown (:func:`read_checked`).
+
+The scan's result is a prepared index cached under ``data.cache_dir`` (:mod:`qwenkit.data.cache`):
+a start with the same data files, processor and encoding settings reads it instead of scanning.
+"""
+
+from __future__ import annotations
+
+from qwenkit.config import DataConfig
+from qwenkit.data import cache
+from qwenkit.data.dataset import EncodedDataset
+from qwenkit.data.reader import DataError, open_sources
+from qwenkit.model.processor import Processor
+from qwenkit.model.tiny import ensure_dataset
+
+
+def open_dataset(data: DataConfig, source=None) -> list:
+    """The sources of ``source`` (default ``data.path``; ``"tiny"`` is the embedded synthetic set).
+
+    ``source`` may be a path or a ``datasets.Dataset``.
+    """
+    source = data.path if source is None else source
+    if isinstance(source, str) and source == "tiny":
+        source = ensure_dataset(data.tiny_samples, seed=0)
+    return open_sources(source)
+
+
+def read_dataset(
+    data: DataConfig,
+    processor: Processor,
+    source=None,
+    stop_at_first: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    use_cache: bool = True,
+):
+    """A dataset's index, from the cache or scanned: ``(EncodedDataset, BadSampleReport)``.
+
+    ``source`` overrides ``data.path`` (see :func:`open_dataset`); ``stop_at_first`` raises the
+    first bad row (in file and row order) as a :class:`qwenkit.data.report.BadSample`. ``dataset.index_origin``
+    says whether the index came from the cache.
+    """
+    sources = open_dataset(data, source)
+    prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache)
+    index = prepared.index
+    if stop_at_first and index.bad:
+        raise index.bad[0].error()
+    dataset = EncodedDataset(sources, index, processor, data, prepared.origin)
+    return dataset, index.report()
+
+
+def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1):
+    """``read_dataset`` under the bad-sample policy: ``(EncodedDataset, BadSampleReport)``.
+
+    ``on_bad_sample=error`` raises the first bad row; an unreadable file is never skipped; the
+    skipped rows are logged (rank 0) and more than ``data.max_bad_fraction`` of them raise. The
+    training set, ``data.eval_path`` and ``qwenkit eval --data`` all pass through here.
+    """
+    dataset, report = read_dataset(
+        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size
+    )
+    unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
+    if unreadable:
+        raise DataError(
+            "unreadable dataset files cannot be skipped (the number of rows lost is unknown):\n  "
+            + "\n  ".join(unreadable)
+        )
+    if rank == 0:
+        report.log()
+    report.check_fraction(data.max_bad_fraction)
+    return dataset, report

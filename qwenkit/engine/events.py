@@ -1,0 +1,118 @@
+"""A run's event stream, ``<output_dir>/events.jsonl``: what other programs learn about a run.
+
+The trainer writes it; the sweep, the notebooks and the tests read it here (:func:`read`,
+:class:`Follower`), never the console lines, which are for people and may change wording. One
+JSON object per line, appended by every invocation of the run (a resumed run continues the file)::
+
+    {"event": "started", "time": "2026-12-01T12:00:00.123+00:00", "rank": 0, "world_size": 2, "steps": 30}
+    {"event": "resumed", ..., "step": 10, "checkpoint": "/runs/x/checkpoints/step-00000010"}
+    {"event": "step", ..., "step": 11, "steps": 30, "loss": 5.91, "grad_norm": 1.2, "lr": 0.001,
+     "tokens_per_s": 812.0, "step_time": 0.4}
+    {"event": "eval", ..., "step": 20, "eval_loss": 5.2, "eval_accuracy": 0.25}
+    {"event": "checkpoint", ..., "step": 20, "path": "/runs/x/checkpoints/step-00000020"}
+    {"event": "stopped", ..., "step": 30, "reason": "completed", "exit_code": 0}
+    {"event": "failed", ..., "rank": 1, "error": "ValueError", "message": "...", "summary": "qwenkit train: rank 1 failed: ..."}
+
+Rank 0 writes every event but ``failed``, which the failing rank writes. ``step`` comes at the
+trainer's step-line cadence (``train.log_every`` and the invocation's last step). ``stopped``'s
+``reason``: ``completed`` (``train.steps`` reached), ``stop_after`` (``train.stop_after``
+reached; exit 75), ``signal`` (with ``signal``: the stop signal's name; exit 75). A crashed
+writer may leave a cut last line: readers skip it, and the next writer starts on a new line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qwenkit import records
+from qwenkit.rundir import RunDir
+
+KINDS = ("started", "resumed", "step", "eval", "checkpoint", "stopped", "failed")
+
+
+class EventLog:
+    """The writer of one rank: ``write(kind, **fields)`` appends a line (flushed); a disabled log writes nothing."""
+
+    def __init__(self, output_dir: str | Path, rank: int, enabled: bool = True):
+        self.path, self.rank, self.enabled = RunDir(output_dir).events, rank, enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("ab+") as f:  # a line cut by a crash ends here: the next event starts a line
+                if f.tell() and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                    f.write(b"\n")
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"event kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if self.enabled:
+            records.append_jsonl(self.path, {"event": kind, "time": records.now(), "rank": self.rank, **fields})
+
+    def failed(self, error: BaseException, summary: str) -> None:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        self.write("failed", error=type(error).__name__, message=message, summary=summary)
+
+
+def read(output_dir: str | Path) -> list[dict[str, Any]]:
+    """Every event of a run folder, in file order (none when the run wrote none)."""
+    path = RunDir(output_dir).events
+    return records.read_jsonl(path, skip_bad=True) if path.is_file() else []
+
+
+class Follower:
+    """The events a run appends from now on: each :meth:`poll` returns the complete lines written
+    since the last (a line still being written waits for the next poll)."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = RunDir(output_dir).events
+        self.offset = self.path.stat().st_size if self.path.is_file() else 0
+        self.seen: list[dict[str, Any]] = []  # every event polled so far
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        new = records.parse_jsonl(chunk[:end].decode(), str(self.path), skip_bad=True)
+        self.seen += new
+        return new
+
+
+def last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    return next((e for e in reversed(events) if e.get("event") == kind), None)
+
+
+def resumed_step(events: list[dict[str, Any]]) -> int | None:
+    """The checkpoint step the (last) invocation among ``events`` resumed from; None: it started fresh."""
+    e = last(events, "resumed")
+    return None if e is None else e["step"]
+
+
+def failure(events: list[dict[str, Any]]) -> str | None:
+    """The first failing rank's one-line report among ``events`` (None: no rank reported one)."""
+    return next((e["summary"] for e in events if e.get("event") == "failed"), None)
+
+
+def describe(event: dict[str, Any]) -> str:
+    """One line for people (the notebooks' progress), e.g. ``step 3/30  loss 5.9100  812 tok/s``."""
+    kind = event.get("event")
+    if kind == "step":
+        return f"step {event['step']}/{event['steps']}  loss {event['loss']:.4f}  {event['tokens_per_s']:.0f} tok/s"
+    if kind == "resumed":
+        return f"resumed from {event['checkpoint']} at step {event['step']}"
+    if kind == "checkpoint":
+        return f"checkpoint saved: {event['path']}"
+    if kind == "eval":
+        shown = {k: v for k, v in event.items() if k.startswith("eval_")}
+        return f"eval at step {event['step']}: " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items())
+    if kind == "started":
+        return f"started: {event['world_size']} rank(s), train.steps={event['steps']}"
+    if kind == "stopped":
+        why = event["reason"] + (f" ({event['signal']})" if event.get("signal") else "")
+        return f"stopped at step {event['step']}: {why}, exit code {event['exit_code']}"
+    if kind == "failed":
+        return event["summary"]
+    return str(event)
