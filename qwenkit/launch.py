@@ -43,8 +43,8 @@ from pathlib import Path
 from qwenkit import config as qconfig
 from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
-from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import optim, stopping
+from qwenkit.engine import resume as resume_rule
 from qwenkit.model import lora, registry
 from qwenkit.model.paths import resolve_path
 
@@ -145,28 +145,18 @@ def rank_count_problem(parallel) -> str | None:
 
 
 def check_resume(cfg, world_size: int | None = None) -> list[str]:
-    """The checkpoint ``train.resume`` names exists, is whole (files and sizes as recorded; the
-    ranks verify the checksums), was saved by ``world_size`` ranks; newer ones would not be
+    """The resume rule (:func:`qwenkit.engine.resume.decide`) before any process starts: the
+    checkpoint ``train.resume`` names exists, is whole (files and sizes as recorded; the ranks
+    verify the checksums), fits this run of ``world_size`` ranks, and newer ones would not be
     written over. With ``resume: auto`` a damaged newest checkpoint is skipped, saying so."""
     try:
-        resume, skipped = ckpt.find_resume_checked(cfg.train.resume, cfg.train.output_dir)
-    except ckpt.CheckpointError as e:
+        decision = resume_rule.decide(cfg, world_size)
+    except resume_rule.CheckpointError as e:
         return [str(e)]
-    for _, problem in skipped:
-        print(f"qwenkit train: train.resume=auto: {problem}; resuming from {resume or 'scratch'} instead", file=sys.stderr)
-    problems = []
-    saved_by = ckpt.saved_world_size(resume) if resume is not None else None
-    if world_size is not None and saved_by is not None and saved_by != world_size:
-        problems.append(
-            f"checkpoint {str(resume)!r} was saved by {saved_by} ranks, this run has {world_size} "
-            f"(parallel.nproc x --nnodes): the data position and RNG are per rank; run with {saved_by} ranks "
-            "or start another train.output_dir"
-        )
-    try:
-        ckpt.refuse_newer(cfg.train, resume, cfg.train.output_dir, ignore=[path for path, _ in skipped])
-    except ckpt.CheckpointError as e:
-        problems.append(str(e))
-    return problems
+    for _, problem in decision.skipped:
+        print(f"qwenkit train: train.resume=auto: {problem}; resuming from {decision.path or 'scratch'} instead",
+              file=sys.stderr)  # fmt: skip
+    return []
 
 
 def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:

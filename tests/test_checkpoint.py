@@ -17,6 +17,7 @@ Every optimizer records the LR each step applies and its Adam step count (a step
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -33,7 +34,7 @@ from qwenkit import cli, data, launch
 from qwenkit import config as qconfig
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import export as hf_export
-from qwenkit.engine import metrics, optim, train
+from qwenkit.engine import metrics, optim, resume, train
 
 BASE = [
     "train.steps=8",
@@ -287,14 +288,124 @@ def test_export_loads_in_transformers_with_the_same_logits(out, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Another number of ranks (issue 32): R trains 8 steps on 2 ranks (2 epochs of 4 steps, 4 samples
+# a step), saving at step 4. Its step 4 resumes on 1 rank with twice the accumulation (W1, which
+# saves at step 6) and on 4 ranks with half the micro-batch (W4); W1's step 6 resumes on 2 ranks
+# (W2). The global batch is kept in each, so each step takes R's samples. RT/WT: the same, 2 ranks
+# -> 1 rank x 2, under a packed token budget. Each rank records the sample indices it took.
+
+RESHAPE = ["train.steps=8", "train.warmup_steps=2", "data.tiny_samples=16", "data.tiny_eval_samples=0",
+           "train.eval_samples=0", "train.micro_batch_size=2"]  # fmt: skip
+BUDGET = ["data.packing=true", "data.max_tokens_per_batch=160", "data.max_length=160"]
+
+
+def _sample_recorder(path, rank):
+    """qwenkit.data.build whose batches() also append each micro-batch's sample indices to a file."""
+
+    def build(cfg, processor, rank_, world_size):
+        bundle = data.build(cfg, processor, rank_, world_size)
+
+        def recorded():  # DataBundle.batches with num_workers=0, noting the indices
+            for indices in bundle.sampler:
+                with open(path / f"samples-rank{rank}.jsonl", "a") as f:
+                    f.write(json.dumps(indices) + "\n")
+                yield bundle.collator([bundle.dataset[i] for i in indices])
+
+        bundle.batches = recorded
+        return bundle
+
+    return build
+
+
+def _reshape_launch(rank, out, runs):
+    dist.init_process_group("gloo")
+    for name, overrides in runs:
+        run_dir = out / name
+        run_dir.mkdir(exist_ok=True)
+        handler = logging.FileHandler(run_dir / f"log-rank{rank}.txt")
+        logging.getLogger("qwenkit").addHandler(handler)
+        logging.getLogger("qwenkit").setLevel(logging.INFO)
+        cfg = qconfig.load(overrides=[*RESHAPE, *overrides, f"train.output_dir={run_dir}"])
+        trainer = train.Trainer(cfg, _sample_recorder(run_dir, rank))
+        trainer.run()
+        logging.getLogger("qwenkit").removeHandler(handler)
+        if rank == 0:
+            (run_dir / "result.json").write_text(json.dumps({
+                "start": trainer.start_step, "losses": [h["loss"] for h in trainer.history],
+                "lr": [h["lr"] for h in trainer.history], "world": dist.get_world_size(),
+                "accum": cfg.train.grad_accum,
+            }))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def _copy_checkpoint(out, source, step, dest):
+    name = f"step-{step:08d}"
+    shutil.copytree(out / source / "checkpoints" / name, out / dest / "checkpoints" / name)
+
+
+@pytest.fixture(scope="module")
+def reshaped(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("reshape")
+    check_ranks(_reshape_launch, 2, out, [("R", ["checkpoint.every=4"]), ("RT", [*BUDGET, "checkpoint.every=4"])])
+    for source, dest in (("R", "W1"), ("R", "W4"), ("RT", "WT")):
+        _copy_checkpoint(out, source, 4, dest)
+    check_ranks(_reshape_launch, 1, out, [("W1", ["train.grad_accum=2", "checkpoint.every=2"]),
+                                          ("WT", [*BUDGET, "train.grad_accum=2"])])  # fmt: skip
+    _copy_checkpoint(out, "W1", 6, "W2")
+    check_ranks(_reshape_launch, 2, out, [("W2", [])])
+    check_ranks(_reshape_launch, 4, out, [("W4", ["train.micro_batch_size=1"])])
+    return out
+
+
+def _steps_taken(out, name):
+    """``{step: sorted sample indices of every rank's micro-batches of that step}`` of one invocation."""
+    result = _result(out, name)
+    per_rank = [[json.loads(line) for line in (out / name / f"samples-rank{r}.jsonl").read_text().splitlines()]
+                for r in range(result["world"])]  # fmt: skip
+    a = result["accum"]
+    return {result["start"] + 1 + j: sorted(i for rank in per_rank for b in rank[j * a : (j + 1) * a] for i in b)
+            for j in range(len(result["losses"]))}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, reference, start, saved_by",
+                         [("W1", "R", 4, 2), ("W4", "R", 4, 2), ("W2", "R", 6, 1), ("WT", "RT", 4, 2)])  # fmt: skip
+def test_resume_on_other_ranks_takes_the_same_steps(reshaped, name, reference, start, saved_by):
+    ref, got = _result(reshaped, reference), _result(reshaped, name)
+    assert got["start"] == start and len(got["losses"]) == 8 - start
+    ref_steps, steps = _steps_taken(reshaped, reference), _steps_taken(reshaped, name)
+    assert steps == {s: ref_steps[s] for s in steps}  # the same samples in each step
+    assert got["lr"] == pytest.approx(ref["lr"][start:], rel=1e-12)  # the LR schedule goes on from its step
+    # fp32 (eps 1.2e-7): the same sums in another order (another all-reduce tree, micro-batches
+    # summed on one rank) and over 4 AdamW steps: a few ulps of the loss, not more
+    torch.testing.assert_close(got["losses"], ref["losses"][start:], rtol=1e-6, atol=0)
+    log_text = (reshaped / name / "log-rank0.txt").read_text()
+    assert f"world_size {saved_by} -> {got['world']}" in log_text and "RNG re-seeded per rank" in log_text
+    if name != "WT":  # a token budget keeps the micro-batches per step, not a number of samples
+        assert "global batch 4 samples kept" in log_text
+
+
+@pytest.mark.slow
+def test_an_epoch_resumed_on_other_ranks_sees_every_sample_once(reshaped):
+    """Epoch 1 is steps 5-8: W1 took steps 5-6 on 1 rank, W2 steps 7-8 on 2; W4 steps 5-8 on 4."""
+    w1, w2, w4 = (_steps_taken(reshaped, n) for n in ("W1", "W2", "W4"))
+    for epoch in ([w1[5], w1[6], w2[7], w2[8]], [w4[s] for s in (5, 6, 7, 8)]):
+        assert sorted(i for step in epoch for i in step) == list(range(16))
+
+
+# ---------------------------------------------------------------------------------------------
 # No process group needed
 
 
+def _cfg(output_dir, resume, *overrides):
+    return qconfig.load(overrides=[f"train.output_dir={output_dir}", f"train.resume={resume}", *overrides])
+
+
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
-    assert ckpt.find_resume("auto", tmp_path) is None
-    assert ckpt.find_resume("none", tmp_path) is None
+    assert resume.decide(_cfg(tmp_path, "auto"), 2).path is None
+    assert resume.decide(_cfg(tmp_path, "none"), 2).path is None
     with pytest.raises(ckpt.CheckpointError, match="not a complete checkpoint"):
-        ckpt.find_resume(str(tmp_path / "nope"), tmp_path)
+        resume.decide(_cfg(tmp_path, tmp_path / "nope"), 2)
 
 
 def test_only_marked_directories_count(tmp_path):
@@ -350,3 +461,43 @@ def test_launcher_refuses_a_resume_behind_newer_checkpoints(tmp_path, monkeypatc
         assert "step-00000004" in capsys.readouterr().err
         assert cli.main([*args, "train.resume_older=true"]) == 0  # asked for explicitly: starts
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000002", "step-00000004"]
+
+
+def _recorded_checkpoint(output_dir, step, *overrides, world_size=2):
+    """A checkpoint folder whose COMPLETE.json records the run that saved it (no state files)."""
+    root = ckpt.checkpoint_root(output_dir)
+    ckpt.step_dir(root, step).mkdir(parents=True)
+    run = resume.run_record(qconfig.load(overrides=list(overrides)), world_size)
+    marker = {"step": step, "world_size": world_size, "run": run}
+    (ckpt.step_dir(root, step) / ckpt.COMPLETE).write_text(json.dumps(marker))
+    return ckpt.step_dir(root, step)
+
+
+BUDGET_ONE = [*BUDGET, "parallel.allow_oversubscribe=true"]
+
+
+@pytest.mark.parametrize("saved, start, nproc, refusal", [
+    (["train.seed=1"], ["train.seed=2"], 2, "train.seed saved 1, now 2: set train.seed=1 to continue that run"),
+    (["data.shuffle=false"], [], 2, "data.shuffle saved False, now True: set data.shuffle=false"),
+    (BUDGET, [*BUDGET, "data.packing=false"], 2, "data.packing saved True, now False"),
+    (BUDGET, BUDGET_ONE, 1, "2 per step (2 data-parallel ranks x train.grad_accum=1), this run takes 1 "
+                            "(1 x train.grad_accum=1): set train.grad_accum=2"),
+    (BUDGET, [*BUDGET_ONE, "train.grad_accum=2"], 1, None),
+    ([], ["train.micro_batch_size=4"], 1, None),  # fixed size: any shape, the position is global
+    (["data.packing=true"], [], 2, None),  # packing a fixed-size batch does not change its samples
+])  # fmt: skip
+def test_the_launcher_refuses_another_data_order_before_spawning(tmp_path, monkeypatch, capsys, saved, start, nproc,
+                                                                  refusal):  # fmt: skip
+    spawned = []
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: spawned.append(a) or 0)
+    if refusal:
+        monkeypatch.setattr(qconfig, "write_config", lambda *a: pytest.fail("a refused start rewrote config.yaml"))
+    checkpoint = _recorded_checkpoint(tmp_path, 4, *saved)
+    code = cli.main(["train", "--nproc", str(nproc), f"train.output_dir={tmp_path}", *start])
+    err = capsys.readouterr().err
+    if refusal is None:
+        assert code == 0 and spawned, err
+        return
+    assert code == 2 and not spawned
+    (line,) = [x for x in err.splitlines() if "cannot resume" in x]
+    assert refusal in line and str(checkpoint) in line, line

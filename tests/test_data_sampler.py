@@ -35,7 +35,7 @@ def test_epochs_reshuffle_and_drop_the_ragged_tail():
         flat = [i for b in batches for i in b]
         assert len(flat) == len(set(flat)) == 9 and all(len(b) == 3 for b in batches)
     assert epochs[0] != epochs[1] != epochs[2]
-    assert sampler.state_dict()["epoch"] == 2 and sampler.state_dict()["batch"] == 3
+    assert sampler.state_dict()["epoch"] == 2 and sampler.state_dict()["sample"] == 9
     assert take(FixedSizeSampler(10, 3, seed=0, shuffle=False), 4) == [
         [0, 1, 2],
         [3, 4, 5],
@@ -109,11 +109,11 @@ def test_worker_processes_keep_order_and_position(processor):
     bundle = build(cfg, processor)
     it = bundle.batches()
     got = take(it, 3)
-    assert bundle.sampler.state_dict()["batch"] == 3 and bundle.sampler.state_dict()["epoch"] == 0
+    assert bundle.sampler.state_dict()["sample"] == 6 and bundle.sampler.state_dict()["epoch"] == 0
     got += take(it, 3)
     del it
     assert all(batches_equal(x, y) for x, y in zip(got, reference, strict=True))
-    assert bundle.sampler.state_dict()["epoch"] == 1 and bundle.sampler.state_dict()["batch"] == 2
+    assert bundle.sampler.state_dict()["epoch"] == 1 and bundle.sampler.state_dict()["sample"] == 4
 
 
 def long_tailed(n, seed=0):
@@ -174,3 +174,80 @@ def test_token_budget_config_is_checked():
         qconfig.load(overrides={"data.max_tokens_per_batch": 512})
     with pytest.raises(qconfig.ConfigError, match=r"'sample_mean' is not available with data.packing=true"):
         qconfig.load(overrides={"data.packing": True, "loss.loss_type": "sample_mean"})
+
+
+def _steps(samplers, steps):
+    """Per step, the samples all ranks took (``accum`` micro-batches each), as sorted lists."""
+    its = [iter(s) for s in samplers]
+    accum = samplers[0].accum
+    return [sorted(i for it in its for _ in range(accum) for i in next(it)) for _ in range(steps)]
+
+
+def _fixed(world, bs, accum, n=18):
+    return [FixedSizeSampler(n, bs, seed=2, rank=r, world_size=world, accum=accum) for r in range(world)]
+
+
+def _resumed(make, state):
+    samplers = make()
+    for s in samplers:
+        s.load_state_dict(json.loads(json.dumps(state)))
+    return samplers
+
+
+@pytest.mark.parametrize("saved, now", [((2, 2, 1), (1, 2, 2)), ((1, 2, 2), (2, 2, 1)), ((2, 2, 1), (4, 1, 1)),
+                                        ((2, 2, 1), (1, 4, 1))])  # fmt: skip
+@pytest.mark.parametrize("stop", [1, 3, 4, 6])  # 4 steps of 4 samples per epoch: inside, at and past an epoch end
+def test_resume_on_other_ranks_keeping_the_global_batch_takes_the_same_steps(saved, now, stop):
+    reference = _steps(_fixed(*saved), 10)
+    first = _fixed(*saved)
+    _steps(first, stop)
+    assert len({json.dumps(s.state_dict()) for s in first}) == 1  # the position is global
+    resumed = _resumed(lambda: _fixed(*now), first[0].state_dict())
+    assert _steps(resumed, 10 - stop) == reference[stop:]
+
+
+@pytest.mark.parametrize("saved, now", [((2, 2, 1), (4, 2, 1)), ((4, 2, 1), (1, 1, 3)), ((1, 2, 1), (2, 3, 1))])
+def test_resume_with_another_global_batch_sees_each_sample_once_per_epoch(saved, now):
+    n = 23
+    first = _fixed(*saved, n=n)
+    done = _steps(first, 1)
+    rest = _resumed(lambda: _fixed(*now, n=n), first[0].state_dict())
+    per_step = now[0] * now[1] * now[2]
+    epoch = [i for step in done + _steps(rest, (n - len(done[0])) // per_step) for i in step]
+    assert len(epoch) == len(set(epoch)) and len(epoch) > n - per_step  # none twice, only a ragged tail left
+    assert rest[0].state_dict()["epoch"] == 0 and next(iter(rest[0])) and rest[0].state_dict()["epoch"] == 1
+
+
+def _budget(world, accum, lengths):
+    return [TokenBudgetSampler(lengths, 1000, seed=4, rank=r, world_size=world, packed=True, window=64, accum=accum)
+            for r in range(world)]  # fmt: skip
+
+
+@pytest.mark.parametrize("saved, now", [((2, 1), (1, 2)), ((1, 4), (4, 1)), ((2, 2), (4, 1))])
+def test_token_budget_resume_on_other_ranks_with_the_same_batches_per_step(saved, now):
+    lengths = long_tailed(211, seed=3)
+    reference = _steps(_budget(*saved, lengths), 30)  # crosses an epoch end
+    first = _budget(*saved, lengths)
+    _steps(first, 7)
+    resumed = _resumed(lambda: _budget(*now, lengths), first[0].state_dict())
+    assert _steps(resumed, 23) == reference[7:]
+    with pytest.raises(ValueError, match=r"batches_per_step: saved 4, now 2"):
+        _budget(2, 1, lengths)[0].load_state_dict(_budget(2, 2, lengths)[0].state_dict())
+
+
+def test_a_state_from_before_the_global_position_resumes():
+    """Checkpoints written before ``sample`` / ``micro_batch`` held the rank's batch index."""
+    fixed = FixedSizeSampler(17, 2, seed=3, rank=1, world_size=2)
+    reference = take(fixed, 9)
+    old = {"epoch": 1, "batch": 1, "seed": 3, "shuffle": True, "num_samples": 17, "batch_size": 2, "world_size": 2}
+    resumed = FixedSizeSampler(17, 2, seed=3, rank=1, world_size=2)
+    resumed.load_state_dict(old)
+    assert take(resumed, 4) == reference[5:]
+    lengths = long_tailed(97, seed=1)
+    budget = TokenBudgetSampler(lengths, 1200, seed=3, rank=1, world_size=2, packed=True, window=32)
+    reference = take(budget, 12)
+    old = {"epoch": 0, "batch": 5, "seed": 3, "shuffle": True, "num_samples": 97, "max_tokens": 1200, "packed": True,
+           "window": 32, "lengths_crc": budget.lengths_crc, "world_size": 2}  # fmt: skip
+    resumed = TokenBudgetSampler(lengths, 1200, seed=3, rank=1, world_size=2, packed=True, window=32)
+    resumed.load_state_dict(old)
+    assert take(resumed, 7) == reference[5:]

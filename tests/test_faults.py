@@ -27,7 +27,7 @@ from multiproc import free_port, run_ranks
 from qwenkit import cli, launch
 from qwenkit import config as qconfig
 from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import train
+from qwenkit.engine import resume, train
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["data.tiny_samples=16", "data.tiny_eval_samples=0", "train.eval_samples=0", "train.warmup_steps=2"]
@@ -328,7 +328,7 @@ def test_the_exit_code_a_scheduler_requeues_on():
 
 
 # ---------------------------------------------------------------------------------------------
-# Items 6, 8, 11: stop_after's loop to the end; damaged checkpoints; another world size
+# Items 6, 8, 11: stop_after's loop to the end; damaged checkpoints; another data order (issue 34)
 
 
 @pytest.mark.slow
@@ -349,10 +349,15 @@ def test_stop_after_loop_damage_and_world_size(tmp_path):
     assert third.returncode == 0 and "training is complete: at step 4 of train.steps=4" in third.stderr
     assert not re.search(r"^step \d/", third.stdout, flags=re.M)
 
-    # another world size: refused by the launcher from COMPLETE.json, nothing started
-    other = run(nproc=1)
-    assert other.returncode == 2 and "was saved by 2 ranks, this run has 1" in other.stderr
-    assert "torchrun" not in other.stdout
+    # another data order (train.seed): refused by the launcher from COMPLETE.json in one line,
+    # nothing started, the run's record (config.yaml) left as the run wrote it
+    record = (out / "config.yaml").read_text()
+    other = run("train.seed=2")
+    assert other.returncode == 2, other.stderr[-3000:]
+    refusal = [line for line in other.stderr.splitlines() if "cannot resume" in line]
+    assert len(refusal) == 1 and "train.seed saved 42, now 2: set train.seed=42 to continue" in refusal[0], other.stderr
+    assert "torchrun" not in other.stdout and "Traceback" not in other.stderr
+    assert (out / "config.yaml").read_text() == record
 
     root = ckpt.checkpoint_root(out)
     # a truncated file, asked for by path: one line naming checkpoint and file, offering step 2
@@ -386,13 +391,13 @@ def test_damaged_markers_are_named_and_auto_skips_them(tmp_path):
         ckpt.step_dir(root, step).mkdir(parents=True)
         text = marker if isinstance(marker, str) else json.dumps(marker)
         (ckpt.step_dir(root, step) / ckpt.COMPLETE).write_text(text)
-    resume, skipped = ckpt.find_resume_checked("auto", tmp_path)
-    assert resume == ckpt.step_dir(root, 2)
-    assert [(p.name, re.sub(r".*COMPLETE.json is ", "", why)[:5]) for p, why in skipped] == [
+    decision = resume.decide(qconfig.load(overrides=[f"train.output_dir={tmp_path}"]), None)
+    assert decision.path == ckpt.step_dir(root, 2)
+    assert [(p.name, re.sub(r".*COMPLETE.json is ", "", why)[:5]) for p, why in decision.skipped] == [
         ("step-00000006", "not v"), ("step-00000004", "empty")
     ]
     with pytest.raises(ckpt.CheckpointError, match=r"COMPLETE.json is empty; the newest older complete checkpoint is .*step-00000002"):
-        ckpt.find_resume_checked(str(ckpt.step_dir(root, 4)), tmp_path)
+        resume.decide(qconfig.load(overrides=[f"train.output_dir={tmp_path}", f"train.resume={ckpt.step_dir(root, 4)}"]), None)
 
 
 def test_launcher_writes_fail_in_one_line(tmp_path, monkeypatch, capsys):

@@ -80,12 +80,14 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
 
 def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: int) -> FixedSizeSampler:
     """A fixed ``train.micro_batch_size``, or micro-batches filled to ``data.max_tokens_per_batch``."""
-    data = cfg.data
+    data, accum = cfg.data, cfg.train.grad_accum  # epochs end at a step's end (see qwenkit.data.sampler)
     if data.max_tokens_per_batch:
         return TokenBudgetSampler(
-            dataset.lengths, data.max_tokens_per_batch, cfg.train.seed, data.shuffle, rank, world_size, data.packing
+            dataset.lengths, data.max_tokens_per_batch, cfg.train.seed, data.shuffle, rank, world_size, data.packing,
+            accum=accum,
         )
-    return FixedSizeSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size)
+    return FixedSizeSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size,
+                            accum)  # fmt: skip
 
 
 def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: int, world_size: int, source):

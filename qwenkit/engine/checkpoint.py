@@ -1,4 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP) and resume (the HF export: :mod:`qwenkit.engine.export`).
+"""Training checkpoints: the collective DCP save and load, and the RNG state (the HF export: :mod:`qwenkit.engine.export`).
 
 A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
 
@@ -8,7 +8,8 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
 - ``rank-00000.pt`` ...: per rank, the data position (``sampler.state_dict()``) and the RNG
   states of python, numpy, torch CPU and the accelerator;
 - ``manifest-rank-00000.json`` ...: per rank, the size and CRC-32 of every file that rank wrote;
-- ``COMPLETE.json``, written last: step, world size, and every file's size and CRC-32.
+- ``COMPLETE.json``, written last: step, world size, the run's shape and data-order settings
+  (``run``), and every file's size and CRC-32.
 
 Saving is atomic: everything is written under ``.tmp-step-00000012``; then every rank checks that
 it sees every rank's files, as the manifests list them (ranks on nodes without one shared
@@ -20,21 +21,15 @@ known by errno or by the room left after the failed write)
 removes its partial directory and raises one :class:`CheckpointError` on every rank naming the
 disk, the bytes free and about the bytes needed.
 
-Integrity: a resume checks every file against ``COMPLETE.json`` (sizes in the launcher, before
-any process starts; CRC-32s in the ranks, each rank reading its share of the files). A damaged
-checkpoint (a flipped byte, a truncated or missing file, an empty or invalid ``COMPLETE.json``)
-is one error naming the checkpoint and the file and the newest older complete checkpoint;
-``train.resume: auto`` falls back to that one by itself, saying so, and moves the damaged one
-aside to ``checkpoints/damaged-<name>-<time>/``. The ranks agree on the resume point: every rank
-must see the same checkpoints (else the run is refused: no shared filesystem).
+Integrity (:mod:`qwenkit.engine.checkpoint_dir`): a resume checks every file against
+``COMPLETE.json`` (sizes in the launcher, before any process starts; CRC-32s in the ranks, each
+rank reading its share of the files). Which checkpoint a start resumes, and whether it may, is
+decided in one place, :func:`qwenkit.engine.resume.decide`: damaged checkpoints, ``resume:
+auto``'s fall-back, and never writing over newer checkpoints.
 
 No checkpoint is lost by surprise: a save never replaces a complete checkpoint, and pruning
 (``checkpoint.keep_last``) removes only checkpoints *older* than the one just written, never it
-and never a newer one; it first renames a checkpoint to ``.prune-step-*`` (so a kill during the
-delete never leaves a complete-looking checkpoint with files missing), then deletes it. Resuming from a checkpoint older than the newest in the output_dir (or
-starting fresh next to checkpoints) would write over that newer history, so it is refused
-unless ``train.resume_older`` is set; then the newer checkpoints are moved, whole, to
-``checkpoints/superseded-<time>/`` (out of reach of ``resume: auto`` and pruning), never deleted.
+and never a newer one (:func:`~qwenkit.engine.checkpoint_dir.prune`).
 """
 
 from __future__ import annotations
@@ -46,7 +41,6 @@ import os
 import random
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -61,246 +55,31 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from qwenkit.engine.checkpoint_dir import (  # noqa: F401 - the folder's names, for callers of this module too
+    COMPLETE,
+    MANIFEST,
+    PRUNE_PREFIX,
+    TMP_PREFIX,
+    CheckpointError,
+    check_files,
+    checkpoint_root,
+    complete_checkpoints,
+    crc32_file,
+    fsync_dir,
+    latest,
+    prunable,
+    prune,
+    read_marker,
+    resolve,
+    run_config_path,
+    set_aside,
+    set_aside_damaged,
+    step_dir,
+    step_of,
+)
 from qwenkit.model.lora import has_adapters
 
 log = logging.getLogger(__name__)
-COMPLETE = "COMPLETE.json"
-PREFIX = "step-"
-TMP_PREFIX = ".tmp-step-"
-PRUNE_PREFIX = ".prune-step-"
-MANIFEST = "manifest-rank-{rank:05d}.json"
-CHUNK = 8 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names its directory."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Finding checkpoints
-
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"{PREFIX}{step:08d}"
-
-
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first (``.tmp-*`` and unmarked ones never count)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        p for p in root.iterdir()
-        if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and (p / COMPLETE).is_file()
-    ]  # fmt: skip
-    return sorted(found, key=step_of)
-
-
-def latest(root: str | Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
-def step_of(path: Path) -> int:
-    return int(path.name[len(PREFIX) :])
-
-
-def newer_checkpoints(resume: Path | None, output_dir: str | Path, ignore=()) -> list[Path]:
-    """Complete checkpoints in ``output_dir`` past the resume point (all of them for a fresh start)."""
-    start = 0 if resume is None else _resume_step(resume)
-    ignore = {Path(p) for p in ignore}
-    return [p for p in complete_checkpoints(checkpoint_root(output_dir)) if step_of(p) > start and p not in ignore]
-
-
-def _resume_step(resume: Path) -> int:
-    try:
-        return int(read_marker(resume)["step"])
-    except (CheckpointError, KeyError, TypeError, ValueError):
-        return step_of(resume) if resume.name.startswith(PREFIX) else 0
-
-
-def older_resume_problem(resume: Path | None, output_dir: str | Path, ignore=()) -> str | None:
-    """The problem with resuming there (``None`` when no newer checkpoint would be written over)."""
-    newer = newer_checkpoints(resume, output_dir, ignore)
-    if not newer:
-        return None
-    start = f"train.resume={str(resume)!r}" if resume is not None else "a fresh start (train.resume=none)"
-    return (
-        f"{start} is older than checkpoints in {str(checkpoint_root(output_dir))!r}: "
-        f"{', '.join(p.name for p in newer)}; resume from the newest (train.resume=auto), use another "
-        "train.output_dir, or set train.resume_older=true to move them to checkpoints/superseded-<time>/"
-    )
-
-
-def set_aside(newer: list[Path]) -> Path | None:
-    """Move ``newer`` checkpoints into ``checkpoints/superseded-<time>/``; returns that directory."""
-    if not newer:
-        return None
-    dest = newer[0].parent / f"superseded-{time.strftime('%Y%m%dT%H%M%S')}"
-    dest.mkdir()
-    for path in newer:
-        os.rename(path, dest / path.name)
-    _fsync_dir(newer[0].parent)
-    return dest
-
-
-def find_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """The checkpoint ``train.resume`` asks for: ``auto`` (newest complete, or none), ``none``, or a path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return latest(checkpoint_root(output_dir))
-    path = Path(resume)
-    if not (path / COMPLETE).is_file():
-        raise CheckpointError(f"train.resume={resume!r}: not a complete checkpoint directory (no {COMPLETE})")
-    return path
-
-
-def refuse_newer(train_cfg, resume: Path | None, output_dir: str | Path, ignore=()) -> bool:
-    """The one resume rule, checked by the launcher before any rank starts and by every rank.
-
-    Newer complete checkpoints in ``output_dir`` (other than ``ignore``: damaged ones ``auto``
-    skipped) are never written over: :class:`CheckpointError` unless ``train.resume_older``; then
-    returns True and the caller moves them aside with :func:`set_aside`.
-    """
-    problem = older_resume_problem(resume, output_dir, ignore)
-    if problem and not train_cfg.resume_older:
-        raise CheckpointError(problem)
-    return problem is not None
-
-
-# ---------------------------------------------------------------------------------------------
-# Integrity
-
-
-def crc32_file(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def read_marker(path: Path) -> dict:
-    """``COMPLETE.json`` of ``path``; a :class:`CheckpointError` naming it when empty or invalid."""
-    marker_path = Path(path) / COMPLETE
-    try:
-        text = marker_path.read_text()
-        marker = json.loads(text)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {COMPLETE} is missing") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        what = "empty" if not text.strip() else f"not valid JSON ({e})" if isinstance(e, ValueError) else str(e)
-        raise CheckpointError(f"checkpoint {str(path)!r}: {COMPLETE} is {what}") from None
-    if not isinstance(marker, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r}: {COMPLETE} is not a JSON object")
-    return marker
-
-
-def saved_world_size(path: Path) -> int | None:
-    try:
-        return read_marker(path).get("world_size")
-    except CheckpointError:
-        return None
-
-
-def check_files(path: Path, checksums: bool = False, rank: int = 0, world_size: int = 1) -> str | None:
-    """What is wrong with checkpoint ``path`` (``None``: nothing found), naming the file.
-
-    Sizes of every file always; with ``checksums``, the CRC-32 of this rank's share of the files
-    (every ``world_size``-th, from ``rank``). A marker from before checksums (no ``files``) only
-    needs to be valid JSON.
-    """
-    path = Path(path)
-    try:
-        marker = read_marker(path)
-    except CheckpointError as e:
-        return str(e)
-    files = marker.get("files")
-    if files is None:
-        return None
-    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
-        file = path / name
-        try:
-            actual = file.stat().st_size
-        except FileNotFoundError:
-            return f"checkpoint {str(path)!r}: {name} is missing"
-        if actual != size:
-            return f"checkpoint {str(path)!r}: {name} is {actual} bytes, {size} were saved (truncated or replaced)"
-        if checksums and i % world_size == rank:
-            found = crc32_file(file)
-            if found != crc:
-                return f"checkpoint {str(path)!r}: {name} fails its checksum (CRC-32 {found:08x}, {crc:08x} saved): damaged"
-    return None
-
-
-def older_complete(path: Path, damaged=()) -> Path | None:
-    """The newest complete checkpoint older than ``path`` next to it that passes :func:`check_files`."""
-    damaged = {Path(p) for p in damaged}
-    try:
-        step = step_of(path)
-    except ValueError:
-        return None
-    for candidate in reversed(complete_checkpoints(path.parent)):
-        if step_of(candidate) < step and candidate not in damaged and check_files(candidate) is None:
-            return candidate
-    return None
-
-
-def damaged_error(problem: str, path: Path, damaged=()) -> CheckpointError:
-    older = older_complete(path, damaged)
-    offer = (f"the newest older complete checkpoint is {str(older)!r} (train.resume={older}, or train.resume=auto "
-             "falls back to it)") if older else "there is no older complete checkpoint"  # fmt: skip
-    return CheckpointError(f"{problem}; {offer}")
-
-
-def find_resume_checked(resume: str, output_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """:func:`find_resume` with the cheap checks (marker, files, sizes): ``(path, skipped)``.
-
-    ``auto`` skips damaged checkpoints (returned in ``skipped`` with their problem); a path
-    that is damaged raises, naming the file and the newest older complete checkpoint.
-    """
-    if resume not in ("auto", "none"):
-        path = find_resume(resume, output_dir)
-        problem = check_files(path)
-        if problem:
-            raise damaged_error(f"train.resume={resume!r}: {problem}", path)
-        return path, []
-    if resume == "none":
-        return None, []
-    skipped = []
-    for path in reversed(complete_checkpoints(checkpoint_root(output_dir))):
-        problem = check_files(path)
-        if problem is None:
-            return path, skipped
-        skipped.append((path, problem))
-    if skipped:
-        raise CheckpointError(f"train.resume=auto: no usable checkpoint: {'; '.join(p for _, p in skipped)}")
-    return None, []
-
-
-def set_aside_damaged(path: Path) -> Path:
-    """Move a damaged checkpoint to ``checkpoints/damaged-<name>-<time>/`` (kept for a look, never resumed)."""
-    dest = path.parent / f"damaged-{path.name}-{time.strftime('%Y%m%dT%H%M%S')}"
-    os.rename(path, dest)
-    _fsync_dir(path.parent)
-    return dest
-
-
-def resolve(path: str | Path) -> Path:
-    """A step directory as is; a run's output_dir or checkpoints dir becomes its newest checkpoint."""
-    path = Path(path)
-    if (path / COMPLETE).is_file():
-        return path
-    for root in (path, checkpoint_root(path)):
-        found = latest(root)
-        if found is not None:
-            return found
-    raise CheckpointError(f"{str(path)!r}: no complete checkpoint there (looked for {COMPLETE})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,8 +113,12 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 # Save
 
 
-def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.device, keep_last: int) -> Path:
+def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.device, keep_last: int,
+         run: dict | None = None) -> Path:  # fmt: skip
     """Collective: every rank calls it. Returns the final directory.
+
+    ``run`` (:func:`qwenkit.engine.resume.run_record`) goes into ``COMPLETE.json``: what the
+    launcher checks a resume against before any process starts.
 
     Raises :class:`CheckpointError` on every rank, before writing anything, when a complete
     checkpoint of that step exists already (the trainer refuses the runs that would get here);
@@ -396,25 +179,17 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
     if rank == 0:
         marker = {
             "step": step, "world_size": world, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "checksum": "crc32", "files": files,
+            "checksum": "crc32", "files": files, **({"run": run} if run is not None else {}),
         }  # fmt: skip
         _write_text(tmp / COMPLETE, json.dumps(marker))
         if final.exists():  # an incomplete leftover (no COMPLETE.json), never a finished checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for old in prunable(root, final, keep_last):
             prune(old)
     dist.barrier()
     return final
-
-
-def prune(path: Path) -> None:
-    """Delete a checkpoint: renamed to ``.prune-step-*`` first, so it stops counting before any file goes."""
-    aside = path.parent / f"{PRUNE_PREFIX}{path.name[len(PREFIX) :]}"
-    os.rename(path, aside)
-    _fsync_dir(path.parent)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _nbytes(state) -> int:
@@ -503,15 +278,6 @@ def _mount_point(path: Path) -> str:
     return str(path)
 
 
-def prunable(root: Path, written: Path, keep_last: int) -> list[Path]:
-    """What ``keep_last`` lets a save of ``written`` remove: the oldest of the checkpoints before it.
-
-    ``written`` counts as one of the kept; checkpoints of later steps are never touched.
-    """
-    older = [p for p in complete_checkpoints(root) if step_of(p) < step_of(written)]
-    return older[: max(0, len(older) - (keep_last - 1))]
-
-
 def _write(path: Path, obj) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -526,14 +292,6 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------------
 # Load
 
@@ -543,7 +301,10 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
     """Collective: restore a checkpoint into the (sharded) model and the rest; returns its step.
 
     The LR schedule is not restored: it is a function of the step and the run's config, which
-    the trainer applies after the load (see ``qwenkit.engine.optim.build_scheduler``).
+    the trainer applies after the load (see ``qwenkit.engine.optim.build_scheduler``). A
+    checkpoint saved by another number of ranks (the resume rule allowed it,
+    :func:`qwenkit.engine.resume.fit`) is resharded by DCP, the global data position read from
+    rank 0's file, and the RNG not restored: the trainer re-seeds each rank.
 
     Any failure on any rank is raised on every rank (no rank is left waiting in a collective),
     as a :class:`CheckpointError` naming the directory.
@@ -551,14 +312,10 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
     path, rank = Path(path), dist.get_rank()
     error = None
     try:
-        marker = read_marker(path)
-        if marker.get("world_size", dist.get_world_size()) != dist.get_world_size():
-            raise CheckpointError(
-                f"saved by {marker['world_size']} ranks, this job has {dist.get_world_size()}: the data "
-                "position and RNG are per rank (model and optimizer could be resharded, the data order not)"
-            )
+        same_ranks = read_marker(path).get("world_size", dist.get_world_size()) == dist.get_world_size()
         train_state = torch.load(path / "train_state.pt", weights_only=True)
-        rank_state = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
+        # the data position is global (every rank saved the same); the RNG states are per rank
+        rank_state = torch.load(path / f"rank-{rank if same_ranks else 0:05d}.pt", weights_only=True)
     except Exception as e:  # noqa: BLE001 - reported collectively below
         error = e
     _raise_if_any(error, path, device)
@@ -574,7 +331,7 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
             dcp.load(state, checkpoint_id=str(path))
             set_model_state_dict(model, state["model"], options=_options(model, loading=True))
         sampler.load_state_dict(rank_state["sampler"])
-        if load_rng:
+        if load_rng and same_ranks:
             set_rng_state(rank_state["rng"], device)
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
         error = e
@@ -597,12 +354,3 @@ def _raise_if_any(error: BaseException | None, path: Path, device: torch.device)
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {type(error).__name__}: {error}") from error
     if flag.item():
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded (failed on another rank, see its log)")
-
-
-def run_config_path(checkpoint: str | Path) -> Path:
-    """The resolved config a run saved in its output_dir (``<output_dir>/config.yaml``)."""
-    ckpt = resolve(checkpoint)
-    path = ckpt.parent.parent / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config.yaml in the run directory {str(ckpt.parent.parent)!r}; pass --config")
-    return path

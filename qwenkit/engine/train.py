@@ -52,6 +52,7 @@ from qwenkit.distributed import fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import events, optim, stopping
+from qwenkit.engine import resume as resume_rule
 from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.profiling import ProfileWindow
@@ -167,12 +168,12 @@ class Trainer:
         cfg, rt, t = self.cfg, self.rt, self.cfg.train
         main_rank = rt.rank == 0
         if main_rank:
-            qconfig.write_config(cfg, self.out_dir)
             log.info("rank 0 of %d on %s (%s)", rt.world_size, rt.device, rt.backend)
         set_seed(t.seed)
         sp_size = cfg.parallel.sp_size
         self.sp = sequence.init_groups(rt.rank, rt.world_size, sp_size)  # sp_size 1: one rank per group
-        resume = self.resume_point()  # before anything is built: a refused resume fails fast
+        decision = self.resume_point()  # before anything is built: a refused resume fails fast
+        resume = decision.path
 
         model_path = self.model_path
         processor = paths.load_processor(cfg, model_path)
@@ -231,21 +232,26 @@ class Trainer:
                 resume, model, self.optimizer, self.bundle.sampler, rt.device,
                 cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng,
             )
+            if not decision.same_ranks:  # the saved per-rank RNG states do not map onto these ranks
+                set_seed(resume_rule.rank_seed(t.seed, self.start_step, rt.rank))
             if main_rank:
                 log.info("resumed from %s at step %d", resume, self.start_step)
+                if decision.changes:
+                    log.info("resumed on another shape: %s", "; ".join(decision.changes))
             self.events.write("resumed", step=self.start_step, checkpoint=str(resume))
+        if main_rank:  # the run's record, once the start is accepted (a refused resume leaves it as it was)
+            qconfig.write_config(cfg, self.out_dir)
         self.scheduler = optim.build_scheduler(self.optimizer, t, self.start_step)
 
-    def resume_point(self) -> Path | None:
-        """The checkpoint ``train.resume`` names, verified and agreed by every rank.
+    def resume_point(self) -> resume_rule.Resume:
+        """The checkpoint this start resumes, by the rule the launcher asked too
+        (:func:`qwenkit.engine.resume.decide`), verified and agreed by every rank.
 
         Every rank must see the same checkpoints (else: no shared output_dir, refused). The
-        files' checksums are verified, each rank reading its share; a damaged checkpoint is an
-        error naming the file, except under ``resume: auto``, which falls back to the newest
-        older complete one (saying so) and moves the damaged one aside. Newer checkpoints in
-        output_dir are never written over: the launcher refuses such a run before any rank
-        starts; this check covers ranks started another way. With ``train.resume_older`` rank 0
-        moves the newer ones aside (not deleted).
+        files' checksums are verified, each rank reading its share; ``resume: auto`` passes
+        over a damaged one (saying so) and rank 0 moves it aside; with ``train.resume_older``
+        rank 0 moves the newer checkpoints aside (not deleted). The launcher refused the runs
+        the rule refuses before any rank started; this covers ranks started another way.
         """
         t, main_rank = self.cfg.train, self.rt.rank == 0
         root = ckpt.checkpoint_root(self.out_dir)
@@ -259,41 +265,25 @@ class Trainer:
                 f"{[n for n, _ in views[0]] or 'none'}, rank {differ} sees {[n for n, _ in views[differ]] or 'none'}: "
                 "every node must write to one train.output_dir (a filesystem shared by every node)"
             )
-        if t.resume == "none":
-            candidates = []
-        elif t.resume == "auto":
-            candidates = list(reversed(ckpt.complete_checkpoints(root)))
-        else:
-            candidates = [ckpt.find_resume(t.resume, self.out_dir)]
-        resume, damaged, found = None, [], []
-        for candidate in candidates:
-            problem = ckpt.check_files(candidate, checksums=True, rank=self.rt.rank, world_size=self.rt.world_size)
+
+        def check(path: Path) -> str | None:  # collective: each rank checksums its share of the files
+            problem = ckpt.check_files(path, checksums=True, rank=self.rt.rank, world_size=self.rt.world_size)
             problems = [None] * self.rt.world_size
             dist.all_gather_object(problems, problem)
             problem = next((p for p in problems if p), None)
-            if problem is None:
-                resume = candidate
-                break
-            if t.resume != "auto":
-                raise ckpt.damaged_error(f"train.resume={t.resume!r}: {problem}", candidate)
-            damaged.append(candidate)
-            found.append(problem)
-            if main_rank:
+            if problem and t.resume == "auto" and main_rank:
                 log.warning("train.resume=auto: %s; falling back to the newest older complete checkpoint", problem)
-        if damaged and resume is None:
-            raise ckpt.CheckpointError(f"train.resume=auto: no usable checkpoint, every one is damaged: {'; '.join(found)}")
-        dist.barrier()
+            return problem
+
+        decision = resume_rule.decide(self.cfg, self.rt.world_size, check)
+        dist.barrier()  # every rank has looked before rank 0 moves anything
         if main_rank:
-            for path in damaged:
+            for path, _ in decision.skipped:
                 log.warning("moved the damaged %s to %s", path.name, ckpt.set_aside_damaged(path))
+            if decision.newer:
+                log.warning("train.resume_older: moved the newer checkpoints to %s", ckpt.set_aside(decision.newer))
         dist.barrier()
-        if ckpt.refuse_newer(t, resume, self.out_dir):  # raises where the launcher refuses
-            dist.barrier()  # every rank has looked before rank 0 moves anything
-            if main_rank:
-                moved = ckpt.set_aside(ckpt.newer_checkpoints(resume, self.out_dir))
-                log.warning("train.resume_older: moved the newer checkpoints to %s", moved)
-            dist.barrier()
-        return resume
+        return decision
 
     def train(self) -> None:
         cfg, rt = self.cfg, self.rt
@@ -339,7 +329,7 @@ class Trainer:
                 if (ck.every and step % ck.every == 0) or (step == self.last_step and ck.save_final) or stop:
                     self.checkpoint = ckpt.save(
                         ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer,
-                        self.bundle.sampler, rt.device, ck.keep_last,
+                        self.bundle.sampler, rt.device, ck.keep_last, resume_rule.run_record(cfg, rt.world_size),
                     )
                     self.events.write("checkpoint", step=step, path=str(self.checkpoint))
                     if main_rank:

@@ -1,0 +1,182 @@
+"""The one resume rule: which checkpoint a start resumes, and whether it may.
+
+:func:`decide` is asked by the launcher before any process starts (file sizes checked) and by
+every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each rank its share);
+``qwenkit train``'s refusals and the ranks' are the same sentences. No torch here.
+
+- ``train.resume``: ``auto`` takes the newest complete checkpoint that passes the check, passing
+  over damaged ones (returned in ``skipped``: the ranks move them to ``damaged-*``); ``none``
+  starts fresh; a path must be a complete checkpoint that passes the check, or the error names
+  the damaged file and the newest older complete checkpoint.
+- Newer complete checkpoints in ``output_dir`` are never written over: a resume behind them (or a
+  fresh start next to them) is refused unless ``train.resume_older``; then ``newer`` lists them
+  and rank 0 moves them, whole, to ``superseded-<time>/``.
+- The checkpoint must fit the run (:func:`fit`): the same data order (``train.seed``,
+  ``data.shuffle``, ``data.max_tokens_per_batch``, and ``data.packing`` under a token budget),
+  checked from ``COMPLETE.json``'s ``run`` record before any process starts. The number of
+  ranks, ``parallel.sp_size``, the HSDP shape, the micro-batch size and the accumulation may
+  change: DCP reshards the model and optimizer, the data position is global, the RNG is
+  re-seeded per rank (:func:`rank_seed`), and ``changes`` says what changed, for the log. A
+  token budget fills the micro-batches an epoch is cut into, ``M`` per step: it needs the same
+  ``M`` (data-parallel ranks x ``train.grad_accum``). A checkpoint from before the ``run``
+  record needs the same number of ranks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qwenkit.engine.checkpoint_dir import (
+    COMPLETE,
+    PREFIX,
+    CheckpointError,
+    check_files,
+    checkpoint_root,
+    complete_checkpoints,
+    damaged_error,
+    read_marker,
+    step_of,
+)
+
+
+@dataclass
+class Resume:
+    """What :func:`decide` found: the checkpoint to resume (None: a fresh start) and what to move."""
+
+    path: Path | None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # damaged, passed over by auto
+    newer: list[Path] = field(default_factory=list)  # past the resume point: moved aside (resume_older)
+    changes: list[str] = field(default_factory=list)  # how this run differs from the saved one (for the log)
+    same_ranks: bool = True  # saved by as many ranks: each rank's RNG state is restored
+
+
+# what a data order depends on (a resume needs them equal); under a token budget data.packing too
+ORDER_KEYS = ("train.seed", "data.shuffle", "data.max_tokens_per_batch")
+
+
+def run_record(cfg, world_size: int) -> dict:
+    """What ``COMPLETE.json`` records of the run that saved a checkpoint (``run``), by config key."""
+    return {
+        "world_size": world_size, "data_ranks": world_size // cfg.parallel.sp_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum": cfg.train.grad_accum,
+        "train.seed": cfg.train.seed, "data.shuffle": cfg.data.shuffle,
+        "data.max_tokens_per_batch": cfg.data.max_tokens_per_batch, "data.packing": cfg.data.packing,
+    }  # fmt: skip
+
+
+def decide(cfg, world_size: int | None, check: Callable[[Path], str | None] = check_files) -> Resume:
+    """The checkpoint this start of ``cfg`` on ``world_size`` ranks resumes; :class:`CheckpointError`
+    when the start is refused.
+
+    ``check(path)`` returns what is wrong with a checkpoint (``None``: usable); the launcher
+    passes :func:`~qwenkit.engine.checkpoint_dir.check_files` (sizes), the ranks a collective
+    checksum check. ``world_size`` None skips :func:`fit` (a look at the folder alone).
+    """
+    train_cfg, output_dir = cfg.train, Path(cfg.train.output_dir)
+    resume = train_cfg.resume
+    found, skipped = None, []
+    if resume == "auto":
+        for candidate in reversed(complete_checkpoints(checkpoint_root(output_dir))):
+            problem = check(candidate)
+            if problem is None:
+                found = candidate
+                break
+            skipped.append((candidate, problem))
+        if found is None and skipped:
+            raise CheckpointError(f"train.resume=auto: no usable checkpoint, every one is damaged: "
+                                  f"{'; '.join(p for _, p in skipped)}")  # fmt: skip
+    elif resume != "none":
+        found = Path(resume)
+        if not (found / COMPLETE).is_file():
+            raise CheckpointError(f"train.resume={resume!r}: not a complete checkpoint directory (no {COMPLETE})")
+        problem = check(found)
+        if problem:
+            raise damaged_error(f"train.resume={resume!r}: {problem}", found)
+    changes, same_ranks = [], True
+    if found is not None and world_size is not None:
+        changes, same_ranks = fit(found, read_marker(found), run_record(cfg, world_size))
+    newer = newer_checkpoints(found, output_dir, ignore=[p for p, _ in skipped])
+    if newer and not train_cfg.resume_older:
+        start = f"train.resume={str(found)!r}" if found is not None else "a fresh start (train.resume=none)"
+        raise CheckpointError(
+            f"{start} is older than checkpoints in {str(checkpoint_root(output_dir))!r}: "
+            f"{', '.join(p.name for p in newer)}; resume from the newest (train.resume=auto), use another "
+            "train.output_dir, or set train.resume_older=true to move them to checkpoints/superseded-<time>/"
+        )
+    return Resume(found, skipped, newer, changes, same_ranks)
+
+
+def fit(path: Path, marker: dict, now: dict) -> tuple[list[str], bool]:
+    """``(changes, same ranks)`` of resuming checkpoint ``path`` as the run ``now``
+    (:func:`run_record`); :class:`CheckpointError` where the resume cannot be exact in data order."""
+    saved = marker.get("run")
+    if saved is None:  # from before the run record: per-rank data positions
+        saved_by = marker.get("world_size")
+        if saved_by is not None and saved_by != now["world_size"]:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was saved by {saved_by} ranks, this run has {now['world_size']} "
+                f"(parallel.nproc x --nnodes), and it is from before qwenkit recorded global data positions: "
+                f"run with {saved_by} ranks or start another train.output_dir"
+            )
+        return [], True
+    keys = ORDER_KEYS + (("data.packing",) if saved["data.max_tokens_per_batch"] else ())
+    wrong = [f"{k} saved {saved[k]!r}, now {now[k]!r}" for k in keys if saved[k] != now[k]]
+    if wrong:
+        undo = " ".join(f"{k}={saved[k]}".lower() if isinstance(saved[k], bool) else f"{k}={saved[k]}"
+                        for k in keys if saved[k] != now[k])  # fmt: skip
+        raise CheckpointError(
+            f"cannot resume the data order of checkpoint {str(path)!r}: {'; '.join(wrong)}: set {undo} to continue "
+            "that run, or start the new settings in another train.output_dir"
+        )
+    per_step = {k: v["data_ranks"] * v["train.grad_accum"] for k, v in (("saved", saved), ("now", now))}
+    if saved["data.max_tokens_per_batch"] and per_step["saved"] != per_step["now"]:
+        m, dp = per_step["saved"], now["data_ranks"]
+        choice = f"train.grad_accum={m // dp}" if m % dp == 0 else f"data-parallel ranks x train.grad_accum = {m}"
+        raise CheckpointError(
+            f"cannot resume the data order of checkpoint {str(path)!r} on these ranks: data.max_tokens_per_batch "
+            f"cuts each epoch into micro-batches, {m} per step ({saved['data_ranks']} data-parallel ranks x "
+            f"train.grad_accum={saved['train.grad_accum']}), this run takes {per_step['now']} "
+            f"({dp} x train.grad_accum={now['train.grad_accum']}): set {choice}, or start another train.output_dir"
+        )
+    return _changes(saved, now), saved["world_size"] == now["world_size"]
+
+
+def _changes(saved: dict, now: dict) -> list[str]:
+    """What differs between the saved run and this one, in words (empty: the same shape)."""
+    shape = ("world_size", "data_ranks", "train.micro_batch_size", "train.grad_accum")
+    if all(saved[k] == now[k] for k in shape):
+        return []
+    out = [f"{k} {saved[k]} -> {now[k]}" for k in shape if saved[k] != now[k]]
+    if not saved["data.max_tokens_per_batch"]:
+        glob = {k: v["data_ranks"] * v["train.micro_batch_size"] * v["train.grad_accum"] for k, v in
+                (("saved", saved), ("now", now))}  # fmt: skip
+        if glob["saved"] == glob["now"]:
+            out.append(f"global batch {glob['now']} samples kept: each step takes the samples it would have")
+        else:
+            out.append(f"global batch {glob['saved']} -> {glob['now']} samples: the epoch goes on from its position, "
+                       "each sample once, in other steps than the saved run's")  # fmt: skip
+    if saved["world_size"] != now["world_size"]:
+        out.append("RNG re-seeded per rank from (train.seed, step, rank)")
+    return out
+
+
+def rank_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of a rank resumed on another number of ranks: a function of the run's seed, the step and the rank."""
+    return zlib.crc32(f"{seed}/{step}/{rank}".encode())
+
+
+def newer_checkpoints(resume: Path | None, output_dir: str | Path, ignore=()) -> list[Path]:
+    """Complete checkpoints in ``output_dir`` past the resume point (all of them for a fresh start)."""
+    start = 0 if resume is None else _resume_step(resume)
+    ignore = {Path(p) for p in ignore}
+    return [p for p in complete_checkpoints(checkpoint_root(output_dir)) if step_of(p) > start and p not in ignore]
+
+
+def _resume_step(resume: Path) -> int:
+    try:
+        return int(read_marker(resume)["step"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return step_of(resume) if resume.name.startswith(PREFIX) else 0
