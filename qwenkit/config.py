@@ -42,6 +42,7 @@ FUSED_LIBRARIES = {"npu": "torch_npu", "cuda": "liger_kernel"}  # backend -> the
 PIP_NAMES = {"torch_npu": "torch_npu", "liger_kernel": "liger-kernel"}  # import name -> what to install
 TRAINING_LOSS_TYPES = ("token_mean", "sample_mean")  # what the chunked head computes
 LOSS_TYPES = (*TRAINING_LOSS_TYPES, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
+MODEL_NAMES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name; qwenkit.model.family holds one entry each
 
 
 class ConfigError(ValueError):
@@ -57,7 +58,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = "qwen2_5_vl"  # registry key, see qwenkit.model.registry.REGISTRY
+    # the model family (qwenkit.model.family.FAMILIES); auto: the checkpoint's config.json model_type
+    # (path=tiny: qwen2_5_vl). A name that disagrees with the checkpoint is refused before start
+    name: Literal[("auto", *MODEL_NAMES)] = "auto"
     path: str = "tiny"  # "tiny" (embedded default) or a Hugging Face checkpoint directory
     dtype: Dtype = "float32"  # dtype the weights are loaded in
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"

@@ -9,6 +9,7 @@ compare the pipeline's token ids with what transformers' own chat template makes
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -38,6 +39,41 @@ def processor(tiny_path):
     from qwenkit.model.processor import Processor
 
     return Processor.from_pretrained(tiny_path)
+
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name of every family
+# parametrize a test over the families (the ``family`` fixture; without it a test runs Qwen2.5-VL)
+EVERY_FAMILY = pytest.mark.parametrize("family", FAMILIES, indirect=True)
+
+
+@pytest.fixture
+def family(request):
+    """The model family a test runs (``model.name``); parametrize with :data:`EVERY_FAMILY`."""
+    return getattr(request, "param", "qwen2_5_vl")
+
+
+@functools.cache
+def tiny_checkpoint(family: str = "qwen2_5_vl"):
+    from qwenkit.model.tiny import ensure_checkpoint
+
+    return ensure_checkpoint(family=family)
+
+
+@functools.cache
+def tiny_processor(family: str = "qwen2_5_vl"):
+    from qwenkit.model.processor import Processor
+
+    return Processor.from_pretrained(tiny_checkpoint(family))
+
+
+@pytest.fixture
+def family_path(_cache, family):
+    return tiny_checkpoint(family)
+
+
+@pytest.fixture
+def family_processor(_cache, family):
+    return tiny_processor(family)
 
 
 def build_model(chunk=False, seed=None, **overrides):
@@ -104,14 +140,15 @@ def make_batch(processor, images_per_sample=(1, 0, 2), seq_len=None, seed=0, wit
 
 
 @pytest.fixture
-def make_model():
-    return build_model
+def make_model(_cache, family):
+    """``build_model`` for the test's family (``name=`` overrides it)."""
+    return functools.partial(build_model, name=family)
 
 
 @pytest.fixture
-def batch_factory(processor):
+def batch_factory(family_processor):
     def factory(**kw):
-        return make_batch(processor, **kw)
+        return make_batch(family_processor, **kw)
 
     return factory
 

@@ -118,12 +118,12 @@ def test_eval_loss_is_the_token_mean_over_the_whole_set_and_leaves_the_weights_a
     cfg = qconfig.load(overrides=BASE + ["loss.loss_type=sample_mean"])  # eval is a token mean anyway
     bundle = data.build(cfg, processor)
     model = build_model(chunk=chunk, seed=3)
-    model.loss_type = "sample_mean"
+    model.qwenkit_loss_type = "sample_mean"
     model.train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     got = evaluate.eval_loss(model, bundle.eval_dataset, bundle.collator, 2, 0, 1, torch.device("cpu"))
     assert got == pytest.approx(_hand_eval_loss(model, bundle.eval_dataset), rel=1e-5)
-    assert model.training and model.loss_type == "sample_mean"  # restored
+    assert model.training and model.qwenkit_loss_type == "sample_mean"  # restored
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k

@@ -1,12 +1,18 @@
-"""Chunk mode vs HF's own forward on the tiny Qwen2.5-VL: loss and every parameter's gradient."""
+"""Chunk mode vs HF's own forward on each family's tiny model: loss and every parameter's gradient.
+
+Tests marked ``EVERY_FAMILY`` run for Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (whose tiny config
+has the router's auxiliary loss on, so the equality includes it as HF adds it).
+"""
 
 import pytest
 import torch
+from conftest import EVERY_FAMILY
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
 from qwenkit.bench.step import loss_and_grads
-from qwenkit.model import qwen2_5_vl, registry
+from qwenkit.model import chunked, qwen2_5_vl, registry
+from qwenkit.model import family as families
 from qwenkit.model.loss import shift_labels
 
 # fp32 on both sides; the chunked head sums in another order, so allow a few ulps of the sums.
@@ -29,26 +35,41 @@ def _assert_same(a, b, tol=FP32):
         torch.testing.assert_close(ga[name], gb[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _video_batch(processor, seed=0):
-    """One text+video sample built from tensors: t=2, h=w=4 patches -> 8 video tokens."""
+def _video_batch(processor, family="qwen2_5_vl", seed=0):
+    """One text+video sample built from tensors: t=2, h=w=4 patches -> 8 video tokens.
+
+    Qwen2.5-VL: one ``<vision_start> pads <vision_end>`` span; Qwen3-VL (``video_timestamps``):
+    one span per temporal patch, each after its timestamp text (random tokens here).
+    """
     g = torch.Generator().manual_seed(seed)
+    ip = processor.image_processor
+    width = 3 * ip.temporal_patch_size * ip.patch_size**2  # 1176 (14-px patches), 1536 (16-px)
     grid = torch.tensor([[2, 4, 4]])
     n_tok = int(grid.prod()) // 4
     text = torch.randint(0, 300, (12,), generator=g).tolist()
-    ids = text[:5] + [processor.vision_start_id] + [processor.video_token_id] * n_tok + [processor.vision_end_id] + text[5:]
-    labels = [-100] * (7 + n_tok) + text[5:]
-    types = [0] * 6 + [2] * n_tok + [0] * (len(text) - 5 + 1)
+    spans = 2 if families.get(family).video_timestamps else 1
+    ids, labels, types = text[:5], [-100] * 5, [0] * 5
+    for k in range(spans):
+        stamp = text[5 + k : 6 + k] if spans > 1 else []  # "<t seconds>" before each frame group
+        span = [processor.vision_start_id] + [processor.video_token_id] * (n_tok // spans) + [processor.vision_end_id]
+        ids += stamp + span
+        labels += [-100] * (len(stamp) + len(span))
+        types += [0] * (len(stamp) + 1) + [2] * (n_tok // spans) + [0]
+    ids += text[5:]
+    labels += text[5:]
+    types += [0] * (len(text) - 5)
     return {
         "input_ids": torch.tensor([ids]),
         "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
         "labels": torch.tensor([labels]),
         "mm_token_type_ids": torch.tensor([types], dtype=torch.int),
-        "pixel_values_videos": torch.randn(int(grid.prod()), 1176, generator=g),
+        "pixel_values_videos": torch.randn(int(grid.prod()), width, generator=g),
         "video_grid_thw": grid,
         "second_per_grid_ts": torch.tensor([1.0]),
     }
 
 
+@EVERY_FAMILY
 @pytest.mark.parametrize(
     "images, chunk_size",
     [
@@ -72,6 +93,7 @@ def test_chunk_size_that_divides_the_sequence(make_model, batch_factory):
     _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
+@EVERY_FAMILY
 def test_vision_gradients_are_compared_and_nonzero(make_model, batch_factory):
     hf, ours = _pair(make_model)
     batch = batch_factory(images_per_sample=(1, 2))
@@ -83,12 +105,14 @@ def test_vision_gradients_are_compared_and_nonzero(make_model, batch_factory):
         assert torch.isfinite(g).all() and g.abs().sum() > 0, name
 
 
-def test_video_batch(make_model, processor):
+@EVERY_FAMILY
+def test_video_batch(make_model, family_processor, family):
     hf, ours = _pair(make_model)
-    batch = _video_batch(processor)
+    batch = _video_batch(family_processor, family)
     _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
+@EVERY_FAMILY
 @pytest.mark.parametrize("loss_type", ["token_mean", "sample_mean"])
 def test_reductions_match_the_full_logits_head(make_model, batch_factory, loss_type):
     hf, ours = _pair(make_model)
@@ -122,9 +146,10 @@ def test_shift_labels_are_used_as_given(make_model, batch_factory, loss_type):
     assert len(set(losses)) == 3  # each set of shifted labels is what the loss used
 
 
-def test_non_chunk_mode_is_hf_forward(make_model, batch_factory, tiny_path):
+@EVERY_FAMILY
+def test_non_chunk_mode_is_hf_forward(make_model, batch_factory, family_path, family):
     ours = make_model(chunk=False)
-    stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path)
+    stock = families.get(family).load("hf_class").from_pretrained(family_path)
     batch = batch_factory(images_per_sample=(1, 0))
     a = ours(**batch)
     b = stock(**batch)
@@ -136,6 +161,7 @@ def test_non_chunk_mode_is_hf_forward(make_model, batch_factory, tiny_path):
     torch.testing.assert_close(last.logits, b.logits[:, -1:], **FP32)
 
 
+@EVERY_FAMILY
 def test_chunk_with_recompute(make_model, batch_factory):
     hf, ours = _pair(make_model)
     ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -145,8 +171,9 @@ def test_chunk_with_recompute(make_model, batch_factory):
     _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
-def test_frozen_vision_tower_gets_no_grads(batch_factory):
-    cfg = qconfig.load(overrides=["model.freeze=[model.visual]"])
+@EVERY_FAMILY
+def test_frozen_vision_tower_gets_no_grads(batch_factory, family):
+    cfg = qconfig.load(overrides=["model.freeze=[model.visual]", f"model.name={family}"])
     model = registry.build(cfg.model, cfg.loss)
     _, grads = loss_and_grads(model, batch_factory(images_per_sample=(1, 1)))
     assert not any(n.startswith("model.visual") for n in grads)
@@ -170,6 +197,7 @@ def test_sdpa_and_eager_agree(make_model, batch_factory):
     _assert_same(loss_and_grads(sdpa, batch), loss_and_grads(eager, batch), tol=dict(rtol=1e-4, atol=1e-6))
 
 
+@EVERY_FAMILY
 def test_tuple_output(make_model, batch_factory):
     ours = make_model(chunk=True, seed=1)
     batch = batch_factory(images_per_sample=(1,))
@@ -178,14 +206,16 @@ def test_tuple_output(make_model, batch_factory):
     torch.testing.assert_close(out[0], ours(**batch).loss)
 
 
+@EVERY_FAMILY
 def test_tied_embeddings_in_both_modes(make_model, batch_factory):
     hf, ours = _pair(make_model, tie_word_embeddings=True)
     assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
-    assert isinstance(ours.lm_head, qwen2_5_vl.ChunkedLMHead)
+    assert isinstance(ours.lm_head, chunked.ChunkedLMHead)
     batch = batch_factory(images_per_sample=(1, 0))
     _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
+@EVERY_FAMILY
 @pytest.mark.parametrize(
     "kwargs, setup, pattern",
     [
@@ -285,7 +315,7 @@ def test_head_bias_goes_into_the_chunk_loss():
     from qwenkit.model.loss import chunked_linear_cross_entropy
 
     torch.manual_seed(0)
-    head = qwen2_5_vl.ChunkedLMHead(24, 97, bias=True)
+    head = chunked.ChunkedLMHead(24, 97, bias=True)
     hidden = torch.randn(2, 11, 24, requires_grad=True)
     labels = torch.randint(0, 97, (2, 11))
     labels[:, :4] = -100
@@ -345,14 +375,40 @@ def test_declared_forward_keeps_the_parents_kwargs_annotation():
     assert ours.annotation is not inspect.Parameter.empty
 
 
+@EVERY_FAMILY
 @pytest.mark.parametrize("hidden_states", [False, True])
 def test_tuple_output_keeps_hfs_positions_in_chunk_mode(make_model, batch_factory, hidden_states):
     hf, ours = _pair(make_model)
     batch = batch_factory(images_per_sample=(1, 0))
     kw = dict(return_dict=False, use_cache=False, output_hidden_states=hidden_states)
     want, got = hf(**batch, **kw), ours(**batch, **kw)
-    assert len(got) == len(want) >= 3 and got[1] is None and want[1].dim() == 3  # index 1: HF's logits
-    torch.testing.assert_close(got[0], want[0], **FP32)
-    for a, b in zip(got[2:], want[2:]):
-        assert type(a) is type(b)
-        torch.testing.assert_close(a, b, **FP32)
+    # HF's logits sit at index 1, or 2 after a MoE's aux_loss: where the dict output puts them
+    at = list(hf(**batch, **{**kw, "return_dict": True}).keys()).index("logits")
+    assert len(got) == len(want) >= 3 and got[at] is None and want[at].dim() == 3
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i != at:
+            assert type(a) is type(b)
+            torch.testing.assert_close(a, b, **FP32)
+
+
+def test_family_comes_from_the_checkpoint_and_a_mismatch_is_refused(family_path):
+    """``model.name=auto`` takes the checkpoint's ``model_type``; a name it disagrees with is refused
+    (the launcher builds this module tree on meta before any rank starts)."""
+    cfg = qconfig.load(overrides=[f"model.path={family_path}", "model.init_device=meta"])
+    assert type(registry.build(cfg.model)).__name__ == "QwenkitQwen2_5_VL"
+    cfg = qconfig.load(overrides=[f"model.path={family_path}", "model.name=qwen3_vl"])
+    with pytest.raises(ValueError, match="model.name='qwen3_vl' but .* model_type='qwen2_5_vl': use model.name=qwen2_5_vl"):
+        registry.build(cfg.model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe"], indirect=True)
+def test_moe_aux_loss_is_in_the_training_loss_as_hf_adds_it(make_model, batch_factory):
+    """The tiny MoE has output_router_logits on: HF's loss includes coef x aux, and so must ours
+    (the family equality tests above would miss a dropped aux term if it were zero)."""
+    ours = make_model(chunk=True, seed=1)
+    out = ours(**batch_factory(images_per_sample=(1, 0)))
+    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    ours.config.text_config.output_router_logits = False
+    plain = ours(**batch_factory(images_per_sample=(1, 0))).loss
+    coef = ours.config.text_config.router_aux_loss_coef
+    torch.testing.assert_close(out.loss, plain + coef * out.aux_loss, **FP32)

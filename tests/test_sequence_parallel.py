@@ -41,12 +41,12 @@ def _odd(batch, processor):
     return out
 
 
-def cases(processor) -> dict[str, dict]:
+def cases(processor, family="qwen2_5_vl") -> dict[str, dict]:
     text = _odd(make_batch(processor, images_per_sample=(0, 0, 0), seed=3), processor)
     image = _odd(
         make_batch(processor, images_per_sample=(1, 0, 2), seed=10), processor
     )  # seed 10: an image crosses the middle
-    video = _video_batch(processor)
+    video = _video_batch(processor, family)
     video = {k: v for k, v in video.items()}
     packed = Collator(processor, packing=True)(
         samples_of(processor, make_batch(processor, (1, 0, 2, 1), seed=5))
@@ -55,12 +55,12 @@ def cases(processor) -> dict[str, dict]:
     # one image: the rank without a share runs the tower on a blank patch (the idle-tower rule)
     single = _odd(make_batch(processor, images_per_sample=(0, 1), seed=2), processor)
     return {"text": text, "image": image, "video": video, "packed": packed, "single_image": single,
-            "image_video": _image_and_video(processor)}  # fmt: skip
+            "image_video": _image_and_video(processor, family), "image_deepstack_shifted": image}  # fmt: skip
 
 
-def _image_and_video(processor) -> dict:
+def _image_and_video(processor, family="qwen2_5_vl") -> dict:
     """Two right-padded rows, one with an image, one with a video: two tower calls per rank."""
-    image, video = make_batch(processor, images_per_sample=(1,), seed=4), _video_batch(processor, seed=1)
+    image, video = make_batch(processor, images_per_sample=(1,), seed=4), _video_batch(processor, family, seed=1)
     width = max(image["input_ids"].shape[1], video["input_ids"].shape[1])
     width += 1 - width % 2  # odd
     pads = {"input_ids": processor.pad_token_id, "attention_mask": 0, "labels": -100, "mm_token_type_ids": 0}
@@ -74,7 +74,8 @@ def _image_and_video(processor) -> dict:
     for key in ("pixel_values", "image_grid_thw"):
         batch[key] = image[key]
     for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
-        batch[key] = video[key]
+        if key in video:
+            batch[key] = video[key]
     return batch
 
 
@@ -95,25 +96,55 @@ def _loss_grads(model, batch):
     }
 
 
-def _equality_ranks(rank, out, names, sp_size=2):
-    dist.init_process_group("gloo")
-    from qwenkit.model.processor import Processor
-    from qwenkit.model.tiny import ensure_checkpoint
+def _count_vision_rows(model) -> list[int]:
+    """Patch rows this rank's vision tower encodes (the blank patch of an idle call counts 0)."""
+    rows, tower = [], model.vision_tower
 
-    processor = Processor.from_pretrained(ensure_checkpoint())
+    def counting(pixels, grid_thw):
+        rows.append(int(pixels.shape[0]) if bool(pixels.abs().sum() > 0) else 0)
+        return tower(pixels, grid_thw)
+
+    model.vision_tower = counting
+    return rows
+
+
+def _shift_deepstack(monkeypatch_target):
+    """Mutation: DeepStack's features added one position to the right of the visual positions (what
+    the equality must catch). Returns the function that undoes it."""
+    real = monkeypatch_target._deepstack_inputs
+
+    def shifted(model, visual):
+        out = real(model, visual)
+        if "visual_pos_masks" in out:
+            out["visual_pos_masks"] = out["visual_pos_masks"].roll(1, dims=1)
+        return out
+
+    monkeypatch_target._deepstack_inputs = shifted
+    return lambda: setattr(monkeypatch_target, "_deepstack_inputs", real)
+
+
+def _equality_ranks(rank, out, names, sp_size=2, family="qwen2_5_vl"):
+    dist.init_process_group("gloo")
+    from conftest import tiny_processor
+
+    from qwenkit.model import parallel
+
+    processor = tiny_processor(family)
     world = dist.get_world_size()
     sp = sequence.init_groups(rank, world, sp_size)
-    base = build_model(chunk=True, seed=1)
+    base = build_model(chunk=True, seed=1, name=family)
     results = {}
-    for name, batch in cases(processor).items():
+    for name, batch in cases(processor, family).items():
         if name not in names:
             continue
         ref = copy.deepcopy(base)
         ref_loss, ref_grads = _loss_grads(ref, batch)
         model = copy.deepcopy(base)
         sequence.enable(model, sp)
-        model.model.visual.sp_inputs = 0
+        vision_rows = _count_vision_rows(model)
+        undo = _shift_deepstack(parallel) if name == "image_deepstack_shifted" else (lambda: None)
         loss, grads = _loss_grads(model, batch)
+        undo()
         total = loss.clone()
         dist.all_reduce(total, group=sp.group)  # the group's slices sum to the whole loss
         worst, mismatches = 0.0, []
@@ -130,7 +161,7 @@ def _equality_ranks(rank, out, names, sp_size=2):
         results[name] = {
             "mismatched_grads": mismatches,
             "loss": float(total), "ref_loss": float(ref_loss), "worst_grad_diff": worst,
-            "vision_rows": model.model.visual.sp_inputs, "total_rows": 0 if pixels is None else pixels.shape[0],
+            "vision_rows": sum(vision_rows), "total_rows": 0 if pixels is None else pixels.shape[0],
             "straddles": straddles(batch, processor.image_token_id, sp_size)
             or straddles(batch, processor.video_token_id, sp_size),
         }  # fmt: skip
@@ -145,6 +176,33 @@ def equality(tmp_path_factory, tiny_path):
     check_ranks(_equality_ranks, 2, out, ["text", "image", "video", "packed", "single_image", "image_video"],
                 timeout=600)  # fmt: skip
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def equality_qwen3(tmp_path_factory):
+    """Qwen3-VL in one combined 2-rank run: DeepStack features on the visual positions of each slice."""
+    out = tmp_path_factory.mktemp("sp_equal_qwen3")
+    check_ranks(_equality_ranks, 2, out, ["image", "video", "packed", "image_video", "image_deepstack_shifted"],
+                2, "qwen3_vl", timeout=600)  # fmt: skip
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["image", "video", "packed", "image_video"])
+def test_qwen3_vl_two_ranks_equal_one_process(equality_qwen3, name):
+    r0, r1 = equality_qwen3[0][name], equality_qwen3[1][name]
+    assert r0["loss"] == pytest.approx(r0["ref_loss"], rel=1e-5, abs=1e-5)
+    assert not r0["mismatched_grads"] and not r1["mismatched_grads"], r0["mismatched_grads"]
+    if name != "image_video":  # (two modalities: total_rows counts the images only)
+        rows = [equality_qwen3[r][name]["vision_rows"] for r in range(2)]
+        assert sum(rows) == r0["total_rows"] and all(0 < n < r0["total_rows"] for n in rows), rows
+
+
+@pytest.mark.slow
+def test_qwen3_vl_deepstack_one_position_off_is_caught(equality_qwen3):
+    """The equality above is sensitive to where DeepStack's features land: one position off fails it."""
+    shifted = equality_qwen3[0]["image_deepstack_shifted"]
+    assert len(shifted["mismatched_grads"]) > 10 and shifted["worst_grad_diff"] > 1e-3, shifted
 
 
 @pytest.fixture(scope="module")

@@ -3,29 +3,21 @@
 Ranks ``[g*N, (g+1)*N)`` form sequence-parallel group ``g``; data parallelism runs over the
 ``world / N`` groups (the sampler deals one micro-batch per group, :func:`init_groups`). FSDP2
 still shards the weights over all ranks. Inside a group every rank receives the same
-micro-batch and :meth:`SequenceParallel.forward` (the model's forward when
-``model.sequence_parallel`` is set) runs it like this:
+micro-batch; the model's forward runs this rank's slice of it (:mod:`qwenkit.model.parallel`:
+positions and labels on the whole sequence, slice, decoder, loss) with what this module gives:
 
-1. **positions on the whole sequence**: mRoPE ``[3, B, S]`` from the model's ``get_rope_index``
-   (packed rows: per sample, :meth:`~qwenkit.model.qwen2_5_vl.QwenkitQwen2_5_VL.packed_position_ids`),
-   and the labels shifted on the whole sequence (``shift_labels``); then the sequence is padded
-   to a multiple of N (padding labelled ``-100``: never learned) and rank ``r`` keeps the
-   contiguous slice ``[r*S/N, (r+1)*S/N)`` of ids, positions and shifted labels;
-2. **vision split**: the images and the temporal patches of the videos are dealt to the N ranks
-   in order (contiguous, balanced by patches, :func:`partition`); each rank encodes only its
-   share, the merged features are all-gathered (:func:`gather_features`, whose gradient sums the
-   ranks' gradients and keeps this rank's rows) and each rank scatters the features of the
-   placeholders in its slice. A rank whose share is empty runs the tower on one blank patch
-   (the idle-tower rule: every rank issues the same FSDP collectives);
-3. **decoder on the slice**, with the attention function registered in transformers' attention
-   interface as ``qwenkit_ulysses_<inner>`` (:func:`ulysses_attention`): an all-to-all turns
-   ``[B, H, S/N, D]`` into ``[B, H/N, S, D]``, the inner attention (sdpa, eager maths) runs on the
-   whole sequence with the mask built on the whole sequence (causal, padding, packed-sample
-   blocks), and a second all-to-all turns it back. KV heads are replicated when N does not
-   divide them; ``heads % N != 0`` is refused before start (:func:`heads_problem`);
-4. **loss on the slice**: the chunked head with this slice's shifted labels, normalised by the
-   valid-token count of the whole (global) batch, so the sum over the group's ranks is the
-   unsplit loss and the summed gradients are the unsplit run's.
+- **the vision split** (:meth:`SequenceParallel.encode`): the images and the temporal patches
+  of the videos are dealt to the N ranks in order (contiguous, balanced by patches,
+  :func:`partition`); each rank encodes only its share, the tower's outputs (merged features,
+  and DeepStack's for Qwen3-VL) are all-gathered (:func:`gather_features`, whose gradient sums
+  the ranks' gradients and keeps this rank's rows). A rank whose share is empty runs the tower
+  on one blank patch (the idle-tower rule: every rank issues the same FSDP collectives);
+- **the attention** registered in transformers' attention interface as
+  ``qwenkit_ulysses_<inner>`` (:func:`ulysses_attention`): an all-to-all turns
+  ``[B, H, S/N, D]`` into ``[B, H/N, S, D]``, the inner attention (sdpa, eager maths) runs on the
+  whole sequence with the mask built on the whole sequence (:func:`full_mask`: causal, padding,
+  packed-sample blocks), and a second all-to-all turns it back. KV heads are replicated when N
+  does not divide them; ``heads % N != 0`` is refused before start (:func:`heads_problem`).
 """
 
 from __future__ import annotations
@@ -38,9 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from qwenkit.model.loss import IGNORE_INDEX, TOKEN_SUM, chunked_linear_cross_entropy, shift_labels
-from qwenkit.model.processor import needs_mm_token_type_ids
-
 ATTENTION_PREFIX = "qwenkit_ulysses_"
 INNER = ("sdpa", "eager")  # flash_attention_2: not yet (see docs/SEQUENCE_PARALLEL.md)
 
@@ -51,7 +40,7 @@ INNER = ("sdpa", "eager")  # flash_attention_2: not yet (see docs/SEQUENCE_PARAL
 
 @dataclass
 class SequenceParallel:
-    """This rank's sequence-parallel group, and the model forward that uses it."""
+    """This rank's sequence-parallel group and what the model's slice forward asks of it."""
 
     group: dist.ProcessGroup | None
     rank: int  # within the group
@@ -59,10 +48,16 @@ class SequenceParallel:
     dp_rank: int  # which group (the sampler's rank)
     dp_size: int  # how many groups (the sampler's world size)
 
-    def forward(self, model, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch,
-                num_samples, packed_seq_lens, kwargs):  # fmt: skip
-        return _forward(self, model, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch,
-                        num_samples, packed_seq_lens, kwargs)  # fmt: skip
+    def encode(self, model, pixels: torch.Tensor, grid_thw: torch.Tensor):
+        """``(every tower output of the whole batch, idle term or None)``: see :func:`encode_share`."""
+        return encode_share(model, pixels, grid_thw, self)
+
+    def attention_context(self, mask: torch.Tensor | None) -> AttentionContext:
+        return AttentionContext(self.group, self.size, mask)
+
+    @staticmethod
+    def full_mask(attention_mask, sample_ids, length: int, device) -> torch.Tensor | None:
+        return full_mask(attention_mask, sample_ids, length, device)
 
 
 def init_groups(rank: int, world_size: int, sp_size: int) -> SequenceParallel:
@@ -108,7 +103,7 @@ def enable(model, sp: SequenceParallel) -> None:
     """Route the decoder's attention through :func:`ulysses_attention` and set the model's hook.
 
     Only the text config's implementation changes (the vision tower keeps its own); without an
-    SP context (generation, a forward outside :meth:`SequenceParallel.forward`) the registered
+    SP context (generation, a forward outside :func:`qwenkit.model.parallel.forward_slice`) the registered
     function is the inner implementation unchanged.
     """
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -305,28 +300,13 @@ def gather_features(local: torch.Tensor, counts: list[int], rank: int, group) ->
     return _GatherFeatures.apply(local, counts, rank, group)
 
 
-def _tower(visual, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """Merged features ``[tokens, H]`` of the vision tower (4.57 returns them, 5.x a pooler_output)."""
-    out = visual(pixels, grid_thw=grid)
-    return out if torch.is_tensor(out) else out.pooler_output
-
-
-def _blank(visual) -> tuple[torch.Tensor, torch.Tensor]:
-    """One blank merged patch group: the smallest legal tower input (the idle-tower rule)."""
-    m = visual.spatial_merge_size
-    pe = visual.patch_embed
-    width = pe.in_channels * pe.temporal_patch_size * pe.patch_size**2
-    param = next(visual.parameters())
-    return torch.zeros(m * m, width, device=param.device, dtype=param.dtype), torch.tensor(
-        [[1, m, m]], device=param.device
-    )
-
-
-def encode_share(visual, pixels: torch.Tensor, grid_thw: torch.Tensor, sp: SequenceParallel):
-    """``(all features [tokens, H], idle term)``: this rank encodes its units, then all-gather.
+def encode_share(model, pixels: torch.Tensor, grid_thw: torch.Tensor, sp: SequenceParallel):
+    """``([merged, *DeepStack] features [tokens, H] of every unit, idle term)``: this rank encodes
+    its units (:meth:`~qwenkit.model.chunked.ChunkLossMixin.vision_tower`), then all-gather.
 
     Every rank calls the tower exactly once here, on its share or on one blank patch group.
     """
+    visual = model.model.visual
     units = vision_units(grid_thw)
     merge = visual.spatial_merge_size**2
     bounds = partition([u[3] for u in units], sp.size)
@@ -338,140 +318,8 @@ def encode_share(visual, pixels: torch.Tensor, grid_thw: torch.Tensor, sp: Seque
     idle = None
     if b > a:
         grid = torch.tensor([u[:3] for u in units[a:b]], device=grid_thw.device, dtype=grid_thw.dtype)
-        local = _tower(visual, pixels[first : first + rows[sp.rank]].to(param.dtype), grid)
+        local = model.vision_tower(pixels[first : first + rows[sp.rank]].to(param.dtype), grid)
     else:
-        out = _tower(visual, *_blank(visual))
-        local, idle = out[:0], out.sum() * 0.0
-    visual.sp_inputs = getattr(visual, "sp_inputs", 0) + (rows[sp.rank])  # patch rows encoded here (tests)
-    return gather_features(local, counts, sp.rank, sp.group), idle
-
-
-def _scatter(embeds, features, ids_full, token_id: int, lo: int, hi: int) -> torch.Tensor:
-    """Put the features of the placeholders inside ``[lo, hi)`` into this slice's embeddings."""
-    is_token = ids_full == token_id  # [B, S]
-    if int(is_token.sum()) != features.shape[0]:
-        raise ValueError(f"{int(is_token.sum())} placeholder tokens but {features.shape[0]} vision features")
-    order = is_token.reshape(-1).cumsum(0).reshape(is_token.shape) - 1  # row-major, as masked_scatter fills
-    mine = is_token[:, lo:hi]
-    picked = features[order[:, lo:hi][mine]].to(embeds.dtype)
-    return embeds.masked_scatter(mine.unsqueeze(-1).to(embeds.device), picked)
-
-
-# ---------------------------------------------------------------------------------------------
-# The forward
-
-
-MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-         "mm_token_type_ids")  # fmt: skip
-
-
-def _positions(model, input_ids, attention_mask, media, packed_seq_lens):
-    """``(mRoPE [3, B, S], sample ids [B, S] or None)`` on the whole sequence."""
-    if packed_seq_lens is not None:
-        pos = model.packed_position_ids(input_ids, packed_seq_lens, media)  # [4, 1, S]
-        sample_ids = torch.repeat_interleave(
-            torch.arange(len(packed_seq_lens), device=input_ids.device), packed_seq_lens.to(input_ids.device)
-        )[None]
-        return pos[1:], sample_ids
-    b, s = input_ids.shape
-    if media.get("image_grid_thw") is None and media.get("video_grid_thw") is None:
-        return torch.arange(s, device=input_ids.device).view(1, 1, -1).expand(3, b, -1), None
-    kwargs = {k: media.get(k) for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
-    if needs_mm_token_type_ids():
-        types = media.get("mm_token_type_ids")
-        kwargs["mm_token_type_ids"] = types if types is not None else model._token_types(input_ids)
-    pos, _ = model.model.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)
-    return pos, None
-
-
-def _forward(sp, model, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples,
-             packed_seq_lens, kwargs):  # fmt: skip
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    if not model.chunk_loss:
-        raise ValueError(
-            "sequence parallelism (parallel.sp_size > 1) needs the chunked loss head (loss.chunk=true)"
-        )
-    if loss_type not in ("token_mean", TOKEN_SUM):  # token_sum: evaluation's per-slice sum
-        raise ValueError(f"sequence parallelism supports loss.loss_type=token_mean, got {loss_type!r}")
-    shifted = kwargs.pop("shift_labels", None)
-    model._check_chunk_args(labels, shifted, use_cache, logits_to_keep, loss_type)
-    if input_ids is None or kwargs.get("inputs_embeds") is not None:
-        raise ValueError("sequence parallelism needs input_ids (not inputs_embeds)")
-    attention_mask = kwargs.pop("attention_mask", None)
-    position_ids = kwargs.pop("position_ids", None)
-    media = {k: kwargs.pop(k, None) for k in MEDIA}
-    if packed_seq_lens is not None and attention_mask is not None:
-        raise ValueError("a packed row takes no attention_mask: the block mask comes from the positions")
-    n, device = sp.size, input_ids.device
-    b, s = input_ids.shape
-
-    # 1. positions, shifted labels and the mask on the whole sequence; pad to a multiple of N; slice
-    if position_ids is None:
-        mrope, sample_ids = _positions(model, input_ids, attention_mask, media, packed_seq_lens)
-    else:
-        mrope, sample_ids = (position_ids[1:], None) if position_ids.shape[0] == 4 else (position_ids, None)
-    if shifted is None:
-        shifted = shift_labels(labels)
-    if num_items_in_batch is None:
-        num_items_in_batch = (shifted != IGNORE_INDEX).sum()  # the whole batch's, on every rank
-    pad = (-s) % n
-    width = (s + pad) // n
-    lo, hi = sp.rank * width, (sp.rank + 1) * width
-    ids = F.pad(input_ids, (0, pad), value=_filler_id(model))
-    shifted = F.pad(shifted, (0, pad), value=IGNORE_INDEX)
-    mrope = F.pad(mrope, (0, pad), value=0)
-    if sample_ids is not None:
-        sample_ids = F.pad(sample_ids, (0, pad), value=-1)
-    if attention_mask is not None:
-        attention_mask = F.pad(attention_mask, (0, pad), value=0)
-    mask = full_mask(attention_mask, sample_ids, s + pad, device)
-
-    # 2. this slice's embeddings; the vision share, gathered and scattered; idle calls owed
-    embeds = model.model.get_input_embeddings()(ids[:, lo:hi])
-    extra, calls = [], 0
-    cfg = model.config
-    for pixels, grid, token in (
-        (media["pixel_values"], media["image_grid_thw"], cfg.image_token_id),
-        (media["pixel_values_videos"], media["video_grid_thw"], cfg.video_token_id),
-    ):
-        if pixels is None:
-            continue
-        features, idle = encode_share(model.model.visual, pixels, grid, sp)
-        embeds = _scatter(embeds, features, ids, token, lo, hi)
-        calls += 1
-        if idle is not None:
-            extra.append(idle)
-    for _ in range(max(0, model.vision_calls_per_step - calls)):
-        extra.append(model._idle_vision_term())
-
-    # 3. the decoder on the slice, attention on the whole sequence
-    ctx = AttentionContext(sp.group, n, mask)
-    out = model.model.language_model(
-        input_ids=None, inputs_embeds=embeds, position_ids=mrope[:, :, lo:hi], attention_mask=None,
-        use_cache=False, return_dict=True, sequence_parallel=ctx, **kwargs,
-    )  # fmt: skip
-
-    # 4. the chunked loss of this slice, normalised by the whole batch's count
-    loss_fn = functools.partial(
-        chunked_linear_cross_entropy,
-        shifted=shifted[:, lo:hi],
-        loss_type=loss_type,
-        chunk_size=model.chunk_size,
-        chunk_budget_bytes=model.chunk_budget_bytes,
-        num_items_in_batch=num_items_in_batch,
-        num_samples=num_samples if num_samples is not None else b,
-    )
-    loss = model.lm_head(out.last_hidden_state, labels=None, loss_fn=loss_fn)
-    for term in extra:
-        loss = loss + term
-    return CausalLMOutputWithPast(loss=loss)
-
-
-def _filler_id(model) -> int:
-    """A token id for the padding to a multiple of N: any id that is not a placeholder."""
-    cfg = model.config
-    pad = getattr(cfg, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(model.config.get_text_config(), "pad_token_id", None)
-    return int(pad) if pad is not None and pad not in (cfg.image_token_id, cfg.video_token_id) else 0
+        out = model.vision_tower(*model.blank_vision_input())
+        local, idle = [t[:0] for t in out], sum(t.sum() for t in out) * 0.0
+    return [gather_features(t, counts, sp.rank, sp.group) for t in local], idle

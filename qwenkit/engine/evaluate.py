@@ -47,10 +47,10 @@ from qwenkit.engine import answers
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import generate as qgen
 from qwenkit.engine.export import load_hf
+from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor, pixel_bounds
-from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def token_loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
     HF's own class (``qwenkit eval`` on an export) returns logits, reduced here by the same
     reference loss the model uses.
     """
-    if isinstance(model, QwenkitQwen2_5_VL):  # not hasattr(loss_type): HF's models carry their own loss_type
+    if isinstance(model, ChunkLossMixin):  # any family's subclass; HF's own class returns logits
         return model(**batch, loss_type=TOKEN_SUM).loss
     labels = batch["labels"]
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # [B, S, V]

@@ -29,10 +29,10 @@ import math
 import torch
 from torch import nn
 
+from qwenkit.model import family as families
 from qwenkit.model.modules import path_match
 
 ADAPTER = "default"  # peft's adapter name, a segment of every adapter key
-TOWERS = {"text": "model.language_model.", "vision": "model.visual.blocks."}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,8 +48,15 @@ def _target_match(name: str, entry: str) -> bool:
 
 
 def _linears(model: nn.Module, lora_cfg) -> list[str]:
-    towers = (TOWERS["text"],) + ((TOWERS["vision"],) if lora_cfg.vision else ())
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(towers)]
+    """The ``nn.Linear`` paths of the family's towers (its entry's ``lora_towers``): the language
+    model, and the vision blocks with ``lora.vision``. A MoE's fused experts and its router are
+    parameters, not linears: ``all-linear`` adapts attention (and any dense MLP) there."""
+    family = families.of_model(model)
+    towers = ("text", "vision") if lora_cfg.vision else ("text",)
+    return [
+        n for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and any(family.in_tower(n, t) for t in towers)
+    ]  # fmt: skip
 
 
 def target_problems(model: nn.Module, lora_cfg) -> tuple[list[str], list[str]]:

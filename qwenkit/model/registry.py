@@ -1,4 +1,5 @@
-"""The model registry, the one ``build`` function, freezing, and the trainable-parameter manifest."""
+"""The one ``build`` function (the family's subclass, :mod:`qwenkit.model.family`), freezing, and
+the trainable-parameter manifest."""
 
 from __future__ import annotations
 
@@ -6,32 +7,29 @@ import importlib.util
 
 import torch
 from torch import nn
-from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoConfig
 
 from qwenkit.config import DTYPES
+from qwenkit.model import family as families
+from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.lora import is_adapter_key
+from qwenkit.model.modules import module_path
 from qwenkit.model.paths import resolve_path
-from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL, register_checkpoint_format
-
-REGISTRY: dict[str, type[Qwen2_5_VLForConditionalGeneration]] = {"qwen2_5_vl": QwenkitQwen2_5_VL}
-for _cls in REGISTRY.values():
-    register_checkpoint_format(_cls)
 
 
-def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> QwenkitQwen2_5_VL:
-    """Build the model named by ``model_cfg.name`` from ``model_cfg.path`` (tiny or HF directory).
+def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> ChunkLossMixin:
+    """Build the family's chunk-loss subclass (``model.name``, or the checkpoint's ``model_type``)
+    from ``model_cfg.path`` (tiny or an HF directory); a name the checkpoint disagrees with is refused.
 
     ``init_device=meta`` builds the module tree without storage (weights are loaded into the
     FSDP shards later, see :func:`qwenkit.distributed.weights.load_hf_weights`); otherwise HF's ``from_pretrained`` loads them.
     """
-    if model_cfg.name not in REGISTRY:
-        raise ValueError(f"model.name={model_cfg.name!r} is not registered; known: {', '.join(REGISTRY)}")
-    cls = REGISTRY[model_cfg.name]
+    path = resolve_path(model_cfg)
+    cls = families.resolve(model_cfg.name, path).load("subclass")
     attn = model_cfg.attn_implementation
     if attn == "flash_attention_2" and not any(importlib.util.find_spec(m) for m in ("flash_attn", "torch_npu")):
         # on Ascend, transformers routes flash_attention_2 to torch_npu's kernel
         raise ValueError("model.attn_implementation='flash_attention_2' needs flash-attn (CUDA) or torch_npu (Ascend)")
-    path = resolve_path(model_cfg)
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.init_device == "meta":
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -64,20 +62,13 @@ def freeze(model: nn.Module, paths: list[str]) -> None:
         module.requires_grad_(False)
 
 
-MANIFEST_PARTS = (
-    ("vision blocks", ("model.visual.patch_embed", "model.visual.blocks")),
-    ("merger", ("model.visual.merger",)),
-    ("language model", ("model.language_model",)),
-    ("lm_head", ("lm_head",)),
-)
-
-
 def parameter_manifest(model: nn.Module) -> dict[str, dict[str, int]]:
-    """Total, trainable and LoRA-adapter parameter counts per top-level part (tied weights counted once)."""
-    out = {name: {"total": 0, "trainable": 0, "adapters": 0} for name, _ in MANIFEST_PARTS}
+    """Total, trainable and LoRA-adapter parameter counts per part of the family (tied weights counted once)."""
+    family = families.of_model(model)
+    out = {name: {"total": 0, "trainable": 0, "adapters": 0} for name, _ in family.parts}
     out["other"] = {"total": 0, "trainable": 0, "adapters": 0}
     for pname, param in model.named_parameters():  # named_parameters dedups tied weights
-        part = next((name for name, prefixes in MANIFEST_PARTS if pname.startswith(prefixes)), "other")
+        part = family.part_of(module_path(pname)) or "other"
         out[part]["total"] += param.numel()
         out[part]["trainable"] += param.numel() if param.requires_grad else 0
         out[part]["adapters"] += param.numel() if is_adapter_key(pname) else 0

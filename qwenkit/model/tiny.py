@@ -1,12 +1,17 @@
-"""The embedded default: a tiny Qwen2.5-VL, an offline processor and a learnable synthetic dataset.
+"""The embedded default: a tiny model of each family, an offline processor and a learnable synthetic dataset.
 
 Nothing here downloads anything. :func:`ensure_checkpoint` writes a complete HF checkpoint
 directory (config, safetensors weights, tokenizer, image processor) into a cache folder, so the
 tiny model is loaded by exactly the code path a real checkpoint takes (``model.build``).
 
-The architecture is the real one at toy sizes: two vision blocks (one windowed, one with full
-attention), the 2x2 patch merger, mRoPE with ``mrope_section`` summing to ``head_dim / 2``, and
-a two-layer GQA text decoder.
+The architecture is the real one at toy sizes. Qwen2.5-VL (:func:`qwen2_5_vl_config`): two
+vision blocks (one windowed, one with full attention), the 2x2 patch merger, mRoPE with
+``mrope_section`` summing to ``head_dim / 2``, and a two-layer GQA text decoder. Qwen3-VL
+(:func:`qwen3_vl_config`): 16-px patches with a learned, interpolated position grid, two
+LayerNorm/GELU vision blocks that both feed DeepStack mergers (added after decoder layers 0
+and 1 of three), interleaved mRoPE, q/k norms; the MoE variant (:func:`qwen3_vl_moe_config`) has four
+experts, two per token, and the router's auxiliary loss on. The family's entry
+(:mod:`qwenkit.model.family`) names its builder.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import torch
 import transformers
 from PIL import Image, ImageDraw
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
+from qwenkit.model import family as families
 from qwenkit.model.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, ImageProcessor, Processor
 
 # Qwen2's pre-tokenizer regex. Without it transformers 5.x re-tokenizes differently after save/load.
@@ -50,7 +56,7 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four")
 EVAL_SEED = 1  # the held-out synthetic set (data.tiny_eval_samples); training rows use seed 0
 
 
-def tiny_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
+def qwen2_5_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
     """A Qwen2.5-VL config with toy sizes (about 0.2M parameters: 215,264 untied)."""
     text = dict(
         vocab_size=vocab_size,
@@ -90,6 +96,61 @@ def tiny_config(vocab_size: int, special_ids: dict[str, int], tie_word_embedding
         vision_end_token_id=special_ids["<|vision_end|>"],
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+def _qwen3_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,  # DeepStack adds after layers 0 and 1: the last one must follow them
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        # interleaved mRoPE: the section sums to head_dim/2 = 8
+        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},  # fmt: skip
+        bos_token_id=special_ids["<|endoftext|>"],
+        eos_token_id=special_ids["<|im_end|>"],
+        pad_token_id=special_ids["<|endoftext|>"],
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,  # a 4x4 learned grid, interpolated to each image's
+        deepstack_visual_indexes=[0, 1],  # two DeepStack mergers, added after decoder layers 0 and 1
+    )
+    top = dict(
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return text, vision, top
+
+
+def qwen3_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen3VLConfig:
+    """A Qwen3-VL (dense) config with toy sizes."""
+    text, vision, top = _qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **top)
+
+
+def qwen3_vl_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen3VLMoeConfig:
+    """A Qwen3-VL-MoE config with toy sizes: 4 experts, 2 per token, the router's aux loss on."""
+    text, vision, top = _qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,13 +199,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_processor() -> Processor:
+def build_processor(family: str = "qwen2_5_vl") -> Processor:
+    entry = families.get(family)
+    side = entry.patch_size * entry.merge_size  # pixels per merged token: 28 (Qwen2.5-VL), 32 (Qwen3-VL)
     image_processor = ImageProcessor(
-        min_pixels=TINY_MIN_PIXELS,
-        max_pixels=TINY_MAX_PIXELS,
-        patch_size=14,
+        min_pixels=TINY_MIN_PIXELS * side**2 // 28**2,
+        max_pixels=TINY_MAX_PIXELS * side**2 // 28**2,
+        patch_size=entry.patch_size,
         temporal_patch_size=2,
-        merge_size=2,
+        merge_size=entry.merge_size,
     )
     return Processor(build_tokenizer(), image_processor)
 
@@ -157,17 +220,21 @@ def _cache_root() -> Path:
     return Path(os.environ.get("QWENKIT_CACHE", Path.home() / ".cache" / "qwenkit"))
 
 
-def ensure_checkpoint(tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None) -> Path:
-    """Write (once) and return an HF checkpoint directory holding the seeded tiny model.
+def ensure_checkpoint(
+    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = "qwen2_5_vl"
+) -> Path:
+    """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``.
 
     The directory name hashes everything that determines its content, so a stale one is never
     reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
     """
+    families.get(family)  # a known family, or the error naming them
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
+        | ({"family": family} if family != "qwen2_5_vl" else {})
     )
     root = Path(root) if root is not None else _cache_root()
-    path = root / f"tiny-qwen2_5_vl-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    path = root / f"tiny-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():
         return path
     import torch.distributed as dist
@@ -176,18 +243,18 @@ def ensure_checkpoint(tie_word_embeddings: bool = False, seed: int = 0, root: st
         # with a process group, transformers' save_pretrained writes weights on rank 0 only:
         # rank 0 writes, the others wait for it (every rank calls this collectively)
         if dist.get_rank() == 0:
-            _write_checkpoint(root, path, tie_word_embeddings, seed)
+            _write_checkpoint(root, path, tie_word_embeddings, seed, family)
         dist.barrier()
         return path
-    _write_checkpoint(root, path, tie_word_embeddings, seed)
+    _write_checkpoint(root, path, tie_word_embeddings, seed, family)
     return path
 
 
-def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: int) -> None:
+def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: int, family: str) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
-        save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed)
+        save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed, family=family)
         if not (tmp / "model.safetensors").is_file():
             raise RuntimeError(f"tiny checkpoint in {tmp} has no weights after save_pretrained")
         try:
@@ -199,15 +266,14 @@ def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: i
         raise
 
 
-def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0) -> None:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    processor = build_processor()
+def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = "qwen2_5_vl") -> None:
+    entry = families.get(family)
+    processor = build_processor(family)
     vocab = len(processor.tokenizer)
     ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = tiny_config(-(-vocab // 64) * 64, ids, tie_word_embeddings)
+    config = entry.load("tiny_config")(-(-vocab // 64) * 64, ids, tie_word_embeddings)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    model = entry.load("hf_class")(config)
     model.save_pretrained(path)
     processor.save_pretrained(path)
 

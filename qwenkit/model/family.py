@@ -1,0 +1,170 @@
+"""Model families: one entry per family holds everything that differs between them.
+
+``model.name`` picks the entry (:data:`FAMILIES`); a checkpoint's ``config.json`` names its own
+``model_type``, and :func:`resolve` refuses a directory of another family before
+any rank starts. Everything else in qwenkit asks the entry instead of testing the family:
+the classes (HF's and qwenkit's chunk-loss subclass, by import path, so this module stays
+light for the launcher and the data checks), the module paths that the manifest, ``model.freeze``
+and LoRA name (matched with :func:`qwenkit.model.modules.prefix_match`), the shard and
+recompute units the params files use, the fused ops that apply, the vision patch geometry the
+data pipeline resizes to, and the tiny default's config builder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qwenkit.config import MODEL_NAMES
+from qwenkit.model.modules import prefix_match
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # model.name
+    model_type: str  # config.json's model_type
+    hf_class: str  # transformers' class, "module:attr"
+    subclass: str  # qwenkit's chunk-loss subclass, "module:attr"
+    tiny_config: str  # the tiny default's config builder, "module:attr"
+    # (manifest part, module-path prefixes), first match wins; model.freeze names these paths too
+    parts: tuple[tuple[str, tuple[str, ...]], ...]
+    lora_towers: dict[str, tuple[str, ...]]  # "text" / "vision": module-path prefixes LoRA adapts
+    shard_units: tuple[str, ...]  # parallel.shard_patterns for this family's module tree
+    recompute_units: tuple[str, ...]  # parallel.recompute: the decoder layers
+    fused_ops: tuple[str, ...]  # model.fused_ops that match this family's modules
+    patch_size: int  # vision patch side in pixels (a merged token covers patch_size * merge)
+    merge_size: int = 2
+    # videos: one span per temporal patch, each after a "<t seconds>" timestamp (Qwen3-VL), or one span
+    video_timestamps: bool = False
+    aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def load(self, what: str):
+        """The class (or function) an import path of this entry names."""
+        module, _, attr = getattr(self, what).partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def part_of(self, name: str) -> str | None:
+        """The manifest part a parameter or module path belongs to, or None."""
+        for part, prefixes in self.parts:
+            if any(prefix_match(name, p) for p in prefixes):
+                return part
+        return None
+
+    def in_tower(self, name: str, tower: str) -> bool:
+        return any(prefix_match(name, p) for p in self.lora_towers[tower])
+
+
+_TEXT = ("model.language_model",)
+_LAYERS = ("model.language_model.layers.*",)
+_SHARD = ("model.visual.blocks.*", "model.visual.merger", "model.language_model.embed_tokens", *_LAYERS, "lm_head")
+_QWEN3_PARTS = (
+    ("vision blocks", ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")),
+    ("merger", ("model.visual.merger",)),
+    ("deepstack mergers", ("model.visual.deepstack_merger_list",)),
+    ("language model", _TEXT),
+    ("lm_head", ("lm_head",)),
+)
+_QWEN3_SHARD = (*_SHARD[:2], "model.visual.deepstack_merger_list.*", *_SHARD[2:])
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            name="qwen2_5_vl",
+            model_type="qwen2_5_vl",
+            hf_class="transformers:Qwen2_5_VLForConditionalGeneration",
+            subclass="qwenkit.model.qwen2_5_vl:QwenkitQwen2_5_VL",
+            tiny_config="qwenkit.model.tiny:qwen2_5_vl_config",
+            parts=(
+                ("vision blocks", ("model.visual.patch_embed", "model.visual.blocks")),
+                ("merger", ("model.visual.merger",)),
+                ("language model", _TEXT),
+                ("lm_head", ("lm_head",)),
+            ),
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            fused_ops=("rms_norm", "vision_rope", "swiglu"),
+            patch_size=14,
+        ),
+        Family(
+            name="qwen3_vl",
+            model_type="qwen3_vl",
+            hf_class="transformers:Qwen3VLForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_vl:QwenkitQwen3VL",
+            tiny_config="qwenkit.model.tiny:qwen3_vl_config",
+            parts=_QWEN3_PARTS,
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_QWEN3_SHARD,
+            recompute_units=_LAYERS,
+            # the vision blocks are LayerNorm + GELU: only the text RMSNorms (q/k norms too) and SwiGLU
+            fused_ops=("rms_norm", "swiglu"),
+            patch_size=16,
+            video_timestamps=True,
+        ),
+        Family(
+            name="qwen3_vl_moe",
+            model_type="qwen3_vl_moe",
+            hf_class="transformers:Qwen3VLMoeForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_vl:QwenkitQwen3VLMoe",
+            tiny_config="qwenkit.model.tiny:qwen3_vl_moe_config",
+            parts=(*_QWEN3_PARTS[:3], ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_PARTS[3:]),
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_QWEN3_SHARD,
+            recompute_units=_LAYERS,
+            fused_ops=("rms_norm",),  # the sparse MoE block has fused expert weights, no SwiGLU linears
+            patch_size=16,
+            video_timestamps=True,
+            aux_loss=True,
+            notes={"experts": "sharded by FSDP2 like any weight; no expert parallelism (parallel.ep_size) yet"},
+        ),
+    )
+}
+assert tuple(FAMILIES) == MODEL_NAMES, "config.MODEL_NAMES lists the families"  # noqa: S101
+
+
+def get(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"model.name={name!r} is not a known family; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def of_config(config) -> Family:
+    """The family of a model config (an HF model's ``config``), by its ``model_type``."""
+    for family in FAMILIES.values():
+        if family.model_type == config.model_type:
+            return family
+    raise ValueError(f"model_type={config.model_type!r} is no qwenkit family; known: {', '.join(FAMILIES)}")
+
+
+def of_model(model) -> Family:
+    return of_config(model.config)
+
+
+def _model_type(path: str | Path) -> str | None:
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.path={str(path)!r}: config.json unreadable ({e})") from None
+
+
+def resolve(name: str, path: str | Path) -> Family:
+    """``model.name``'s entry, or (``auto``) the one of the checkpoint's ``config.json`` ``model_type``;
+    a name the checkpoint disagrees with is refused (before any rank starts: the launcher builds
+    the module tree on meta through this)."""
+    model_type = _model_type(path)
+    by_type = [f for f in FAMILIES.values() if f.model_type == model_type]
+    if name == "auto":
+        if not by_type:
+            raise ValueError(
+                f"model.path={str(path)!r}: model_type={model_type!r} is no qwenkit family; known: {', '.join(FAMILIES)}"
+            )
+        return by_type[0]
+    family = get(name)
+    if family.model_type != model_type:
+        hint = f"model.name={by_type[0].name} or auto" if by_type else "a checkpoint of that family"
+        raise ValueError(f"model.name={name!r} but {path}/config.json has model_type={model_type!r}: use {hint}")
+    return family
