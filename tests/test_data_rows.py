@@ -32,6 +32,7 @@ ODD_ROWS = [
     {"a": [1, 2.5e-3, -7, True, None, {"b": ']}\\\\\\"'}], "s": "x" * 40},
     {"nested": {"deeper": [[[]], {}], "url": "https://x/y?z=[1]"}},
     {},
+    9876543210,  # a bare number: complete only once the next byte is known (not a row: a bad one)
     {"last": 9876543210},
 ]
 
