@@ -32,6 +32,7 @@ ODD_ROWS = [
     {"a": [1, 2.5e-3, -7, True, None, {"b": ']}\\\\\\"'}], "s": "x" * 40},
     {"nested": {"deeper": [[[]], {}], "url": "https://x/y?z=[1]"}},
     {},
+    9876543210,  # a bare number: complete only once the next byte is known (not a row: a bad one)
     {"last": 9876543210},
 ]
 
@@ -267,3 +268,23 @@ def test_start_memory_grows_by_the_index_arrays_only(tmp_path):
     grown, arrays = one_m["peak"] - one_k["peak"], one_m["arrays"] - one_k["arrays"]
     # 1.5x: numpy's temporaries while the index file is read and the epoch order is drawn
     assert grown <= 1.5 * arrays, f"1M rows took {grown / 2**20:.0f} MiB more than 1k; arrays {arrays / 2**20:.0f} MiB"
+
+
+def test_rows_of_many_files_found_in_parallel_equal_one_process(tmp_path):
+    for k in range(3):
+        (tmp_path / f"part{k}.jsonl").write_text("".join(json.dumps({"k": k, "i": i}) + "\n" for i in range(5 + k)))
+    (tmp_path / "part3.json").write_text(json.dumps(ODD_ROWS))
+    (tmp_path / "part4.json").write_text(BROKEN["missing comma"])
+    one, two = reader.open_sources(tmp_path), reader.open_sources(tmp_path)
+    reader.find_rows(one, num_proc=1)
+    reader.find_rows(two, num_proc=2)
+    assert one[4].error is not None and str(two[4].error) == str(one[4].error)  # sent back by the pool
+    for a, b in zip(one, two):
+        for name in ("start", "size", "line"):
+            np.testing.assert_array_equal(getattr(a.spans(), name), getattr(b.spans(), name), err_msg=name)
+        assert [a.row(i) for i in range(len(a))] == [b.row(i) for i in range(len(b))]
+    assert sum(len(s) for s in two) == 5 + 6 + 7 + len(ODD_ROWS)
+    arrays = reader.spans_arrays(two)
+    three = reader.open_sources(tmp_path)
+    reader.use_spans(three, arrays)
+    assert [three[3].row(i) for i in range(len(ODD_ROWS))] == ODD_ROWS

@@ -71,6 +71,9 @@ class BadSample(ValueError):
         self.where, self.reason, self.detail = where, reason, detail
         super().__init__(f"{where}: {reason}: {detail}")
 
+    def __reduce__(self):  # what a process pool sends back (an exception pickles its message alone)
+        return BadSample, (self.where, self.reason, self.detail)
+
 
 @dataclass
 class BadSampleReport:
