@@ -132,7 +132,7 @@ def test_the_kit_never_imports_the_notebook_layer():
 # ``qwenkit`` is the package's own ``__init__`` (the version); ``entry`` are cli, launch, torchrun,
 # sweep (which runs trials through the launcher).
 FLOORS = {
-    "leaf": set(),  # config, device, records
+    "leaf": set(),  # config, device, records, errors
     "patches": {"leaf"},
     "model": {"leaf"},
     "distributed": {"leaf", "model"},
@@ -150,9 +150,9 @@ def floor_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "package"
-    if parts[1] in ("cli", "launch", "torchrun", "sweep"):
+    if parts[1] in ("cli", "launch", "torchrun", "sweep", "cluster"):
         return "entry"
-    if module in ("qwenkit.config", "qwenkit.device", "qwenkit.records"):
+    if module in ("qwenkit.config", "qwenkit.device", "qwenkit.records", "qwenkit.errors"):
         return "leaf"
     return parts[1]
 

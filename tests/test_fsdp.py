@@ -336,7 +336,7 @@ def test_ranks_exit_with_their_own_status_every_time_under_load(tmp_path):
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         for i in range(12):
-            fail_rank = 1 if i % 4 == 3 else -1  # one job in four: rank 1 raises
+            fail_rank = 1 if i % 4 == 0 else -1  # one job in four: rank 1 raises
             out = tmp_path / str(i)
             out.mkdir()
             codes = run_ranks(_short_job, 2, out, fail_rank, timeout=120, context="forkserver")
