@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 
 from qwenkit import config as qconfig
+from qwenkit.errors import TRACEBACK_ENV, print_user_error
 
 # a dotted override (train.steps=30), wherever it stands among the options
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
@@ -32,19 +34,18 @@ USER_ERRORS = (UserError, ValueError, OSError)
 
 
 def _train(args) -> int:
-    from qwenkit.launch import Rendezvous, launch  # torch.distributed and the model: train only
+    from qwenkit import cluster, launch  # torch.distributed and the model: train only
 
-    rdzv = Rendezvous(args.nnodes, args.node_rank, args.master_addr, args.master_port)
-    return launch(args.config, args.overrides, args.nproc, rdzv)
+    # flags, else the scheduler's environment (Slurm, PyTorchJob, PAI-DLC); a contradiction is a ClusterError
+    rdzv, nproc, said = cluster.resolve({k: getattr(args, k) for k in cluster.FLAGS}, os.environ)
+    if said:
+        print(f"qwenkit train: {said}", file=sys.stderr, flush=True)
+    return launch.launch(args.config, args.overrides, nproc, rdzv)
 
 
 def _on_dataset(args, command, overrides=()) -> int:
     """``command(cfg)`` on the config of ``qwenkit data check|prepare``, its dataset the PATH argument."""
-    try:
-        cfg = qconfig.load(args.config, [*args.overrides, *overrides])
-    except qconfig.ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
+    cfg = qconfig.load(args.config, [*args.overrides, *overrides])  # a ConfigError: one line, exit 2 (main)
     cfg.data.path = args.path
     return command(cfg)
 
@@ -86,11 +87,7 @@ def _eval(args) -> int:
 def _notebooks(args) -> int:
     from qwenkit.notebooks import runner  # papermill and nbconvert (the notebooks extra): notebooks only
 
-    try:
-        out_dir, outcomes = runner.run(args.params, args.only, args.out, args.run_name)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"qwenkit notebooks run: {e}", file=sys.stderr)
-        return 2
+    out_dir, outcomes = runner.run(args.params, args.only, args.out, args.run_name)  # bad input: main's one line
     print(f"index: {out_dir / 'index.html'}")
     return 0 if all(o.status == "passed" for o in outcomes) else 1
 
@@ -106,33 +103,41 @@ def _sweep(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwenkit", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    # every subcommand takes --traceback (argparse gives a subparser only the options it was built with)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true",
+                        help="on an input error, print the full traceback above the one-line message (for a bug report)")
 
-    t = sub.add_parser("train", help="train with FSDP2 through torchrun")
+    def leaf(subparsers, *a, **k):
+        return subparsers.add_parser(*a, parents=[common], **k)
+
+    t = leaf(sub, "train", help="train with FSDP2 through torchrun")
     t.add_argument("--config", default=None, help="params/*.yaml (default: built-in tiny defaults)")
     t.add_argument("--nproc", type=int, default=None, help="processes on this node (overrides parallel.nproc)")
-    t.add_argument("--nnodes", type=int, default=1)
-    t.add_argument("--node-rank", type=int, default=0)
-    t.add_argument("--master-addr", default="127.0.0.1")
+    # unset: the scheduler's (Slurm, PyTorchJob, PAI-DLC; see qwenkit/cluster.py), else one node
+    t.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: the scheduler's, else 1)")
+    t.add_argument("--node-rank", type=int, default=None, help="this node's index (default: the scheduler's, else 0)")
+    t.add_argument("--master-addr", default=None, help="node 0's address (default: the scheduler's, else 127.0.0.1)")
     t.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port (default: a free port on one node, 6000 with --nnodes > 1)")
+                   help="rendezvous port (default: the scheduler's; a free port on one node, 6000 with --nnodes > 1)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
     t.set_defaults(func=_train)
 
     d = sub.add_parser("data", help="dataset tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    c = dsub.add_parser("check", help="validate a dataset and print a summary; non-zero exit on bad samples")
+    c = leaf(dsub, "check", help="validate a dataset and print a summary; non-zero exit on bad samples")
     c.add_argument("path", help="JSON/JSONL file, directory, HF dataset directory, or 'tiny'")
     c.add_argument("--config", default=None, help="params/*.yaml whose data/model sections to use")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
     c.set_defaults(func=_data_check)
-    pr = dsub.add_parser("prepare", help="scan a dataset and write its index cache (data.cache_dir) before training")
+    pr = leaf(dsub, "prepare", help="scan a dataset and write its index cache (data.cache_dir) before training")
     pr.add_argument("path", help="JSON/JSONL file, directory, HF dataset directory, or 'tiny'")
     pr.add_argument("--config", default=None, help="the run's params/*.yaml (its data/model sections key the cache)")
     pr.add_argument("--num-proc", type=int, default=None, help="scan processes (overrides data.num_proc)")
     pr.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
     pr.set_defaults(func=_data_prepare)
 
-    e = sub.add_parser("export", help="export a checkpoint to a Hugging Face safetensors directory")
+    e = leaf(sub, "export", help="export a checkpoint to a Hugging Face safetensors directory")
     e.add_argument("checkpoint", help="checkpoint directory (a step-N folder, or a run's output_dir for the newest)")
     e.add_argument("out", help="output directory")
     e.add_argument("--config", default=None, help="the run's params/*.yaml (default: the one saved with the run)")
@@ -141,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT (else OUT must be new or empty)")
     e.set_defaults(func=_export)
 
-    v = sub.add_parser("eval", help="eval loss and answer accuracy of a run, checkpoint or export")
+    v = leaf(sub, "eval", help="eval loss and answer accuracy of a run, checkpoint or export")
     v.add_argument("target", metavar="RUN_OR_CHECKPOINT", help="a run's output_dir, a step-N checkpoint, or an export")
     v.add_argument("--data", default=None, help="eval dataset (default: the run's eval set)")
     v.add_argument("--samples", type=int, default=None, help="rows to generate for accuracy (default: train.eval_samples)")
@@ -155,20 +160,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("sweep", help="run many training runs from a sweep file, and show their ledger")
     wsub = w.add_subparsers(dest="sweep_command", required=True)
-    wr = wsub.add_parser("run", help="run (or resume) every trial of params/sweeps/<name>.yaml")
+    wr = leaf(wsub, "run", help="run (or resume) every trial of params/sweeps/<name>.yaml")
     wr.add_argument("file", help="sweep file: base, overrides, grid, trials, seeds")
     wr.add_argument("--out", default=None, help="sweep folder (default: runs/sweeps/<name>)")
     wr.add_argument("--parallel", type=int, default=1, help="trials at once, each on its own CUDA/NPU devices")
     wr.add_argument("--stop-on-failure", action="store_true", help="start no more trials after one fails")
     wr.add_argument("--cpu-parallel", action="store_true", help="allow --parallel > 1 on CPU (trials share the cores)")
     wr.set_defaults(func=_sweep)
-    ws = wsub.add_parser("status", help="print a sweep folder's ledger as a table")
+    ws = leaf(wsub, "status", help="print a sweep folder's ledger as a table")
     ws.add_argument("dir", help="the sweep folder (holds sweep.jsonl)")
     ws.set_defaults(func=_sweep)
 
     n = sub.add_parser("notebooks", help="run the notebooks with papermill and render HTML reports")
     nsub = n.add_subparsers(dest="notebooks_command", required=True)
-    r = nsub.add_parser("run", help="execute notebooks into reports/<run>/ and write index.html")
+    r = leaf(nsub, "run", help="execute notebooks into reports/<run>/ and write index.html")
     r.add_argument("--params", default="default", help="parameter set name under params/<notebook>/")
     r.add_argument("--only", nargs="*", default=None, help="notebook names or numbers to run")
     r.add_argument("--out", default="reports", help="reports folder")
@@ -187,10 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qwenkit {args.command}: takes no overrides, got {' '.join(overrides)}", file=sys.stderr)
         return 2
     command = " ".join(str(getattr(args, k)) for k in ("command", "data_command", "notebooks_command") if hasattr(args, k))
+    if args.traceback:
+        os.environ[TRACEBACK_ENV] = "1"
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
-        print(f"qwenkit {command}: {e}", file=sys.stderr)
+        print_user_error(command, e)
         return 2
 
 

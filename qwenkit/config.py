@@ -511,8 +511,8 @@ def fused_backend_problem(backend: str) -> str | None:
     if library is None or installed(library):
         return None
     return (
-        f"fused_backend={backend!r} needs {PIP_NAMES[library]}, which is not installed; "
-        "use auto (each tensor's device picks its kernels) or install it"
+        f"fused_backend={backend!r} needs {PIP_NAMES[library]}, which is not installed: "
+        f"pip install 'qwenkit[{backend}]', or use auto (each tensor's device picks its kernels)"
     )
 
 

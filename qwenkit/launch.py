@@ -7,7 +7,8 @@ dataset path) *before* any process starts; the resolved YAML written to
 
 Multi-node: run the same command on every node with ``--nnodes N --node-rank i
 --master-addr <node 0's address>`` (default port 6000; on one node a free port, so concurrent
-jobs on one machine never collide). The exit status is torchrun's: non-zero
+jobs on one machine never collide), or with no flags under Slurm, a Kubeflow PyTorchJob or
+PAI-DLC, whose environment says the same (:mod:`qwenkit.cluster`). The exit status is torchrun's: non-zero
 when any rank fails (torchrun then stops the others and prints the failing rank's error).
 
 One folder, one job: the launcher holds an ``flock`` on ``<output_dir>/.qwenkit-node-<i>.lock``
@@ -37,38 +38,21 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from qwenkit import config as qconfig
+from qwenkit.cluster import MULTINODE_PORT, Rendezvous, free_port
+from qwenkit.data.conversation import parse_row
+from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import optim, stopping
 from qwenkit.engine import resume as resume_rule
+from qwenkit.errors import print_user_error
 from qwenkit.model import lora, registry
 from qwenkit.model.paths import resolve_path
 
 STOP_GRACE_S = 1800  # torchrun waits this long for the ranks' checkpoint after a signal, then SIGKILLs
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where this node sits among the nodes of a job (torchrun's static rendezvous)."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port on one node, MULTINODE_PORT across nodes
-
-
-MULTINODE_PORT = 6000  # every node must be given the same port; this is the one they agree on by default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def rendezvous_port(rdzv: Rendezvous) -> int:
@@ -91,6 +75,8 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
             problems.append(heads)
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
+    else:
+        problems.extend(check_extras(cfg))
     problems.extend(check_resume(cfg, cfg.parallel.nproc * rdzv.nnodes))
     ranks = rank_count_problem(cfg.parallel)
     if ranks:
@@ -99,6 +85,52 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
     if hsdp:
         problems.append(hsdp)
     return problems
+
+
+def check_extras(cfg) -> list[str]:
+    """Optional extras this run needs that are not installed, one line each naming the pip extra
+    (the ranks would fail only after the model is built, with a ``ModuleNotFoundError``).
+
+    ``train.report_to: [mlflow]`` and ``model.fused_backend`` are refused by the config check
+    already. The dataset is looked at only when ``datasets`` or PyAV is missing: its sources are
+    opened (a Hugging Face dataset then fails, naming its extra), and without PyAV its rows are
+    parsed for videos.
+    """
+    problems = []
+    if cfg.lora.r > 0 and not qconfig.installed("peft"):
+        problems.append(f"lora.r={cfg.lora.r} needs peft, which is not installed: pip install 'qwenkit[lora]'")
+    if "tensorboard" in cfg.train.report_to and not qconfig.installed("tensorboard"):
+        problems.append("train.report_to: tensorboard needs the tensorboard package, which is not installed: "
+                        "pip install 'qwenkit[tensorboard]'")  # fmt: skip
+    if cfg.data.path == "tiny" or (qconfig.installed("datasets") and qconfig.installed("av")):
+        return problems
+    paths = [cfg.data.path] + ([cfg.data.eval_path] if cfg.data.eval_path else [])
+    for path in paths:
+        try:
+            sources = open_sources(path)
+        except DataError as e:
+            if "qwenkit[" in str(e):
+                problems.append(str(e))
+            continue  # any other problem of the data is the ranks' to report, row by row
+        if qconfig.installed("av"):
+            continue
+        for source in sources:
+            try:
+                rows = len(source)
+            except ValueError:  # a malformed file: the ranks report it
+                continue
+            if any(_has_videos(source, i, cfg.data.layout) for i in range(rows)):
+                problems.append(f"data: {source.name} has video rows; reading them needs PyAV (FFmpeg bindings), "
+                                "which is not installed: pip install 'qwenkit[video]'")  # fmt: skip
+                break
+    return problems
+
+
+def _has_videos(source, i: int, layout: str) -> bool:
+    try:
+        return bool(parse_row(source.row(i), source.location(i), layout).videos)
+    except ValueError:  # a bad row: data.on_bad_sample decides in the ranks
+        return False
 
 
 def check_module_paths(cfg) -> list[str]:
@@ -303,7 +335,7 @@ def launch(
     try:
         cfg = qconfig.load(config, overrides)
     except qconfig.ConfigError as e:
-        print(f"qwenkit train: {e}", file=sys.stderr)
+        print_user_error("train", e)
         return 2
     if not 0 <= rdzv.node_rank < rdzv.nnodes:
         print(f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}", file=sys.stderr)
@@ -323,7 +355,7 @@ def launch(
                 return 2
         return _launch_locked(cfg, rdzv, lock)
     except OutputDirBusy as e:
-        print(f"qwenkit train: {e}", file=sys.stderr)
+        print_user_error("train", e)
         return 2
     finally:
         if lock is not None:

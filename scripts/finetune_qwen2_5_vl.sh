@@ -6,7 +6,7 @@
 #   scripts/finetune_qwen2_5_vl.sh params/qwen2_5_vl_7b_gpu.yaml train.steps=2000
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/finetune_qwen2_5_vl.sh params/qwen2_5_vl_7b_npu.yaml
 #
-# Environment (default):
+# Environment (default: the scheduler's, under Slurm, a PyTorchJob or PAI-DLC; else the one given):
 #   NPROC        processes on this node (parallel.nproc from the config)
 #   NNODES       number of nodes (1)
 #   NODE_RANK    this node's index, 0 .. NNODES-1 (0)
@@ -32,13 +32,17 @@ if [[ ! -f $config ]]; then
 fi
 
 read -r -a qwenkit_cmd <<< "${QWENKIT:-qwenkit}"
-args=(
-  train
-  --config "$config"
-  --nnodes "${NNODES:-1}"
-  --node-rank "${NODE_RANK:-0}"
-  --master-addr "${MASTER_ADDR:-127.0.0.1}"
-)
+args=(train --config "$config")
+# only what was given: qwenkit train reads the rest from the scheduler (qwenkit/cluster.py)
+if [[ -n ${NNODES:-} ]]; then
+  args+=(--nnodes "$NNODES")
+fi
+if [[ -n ${NODE_RANK:-} ]]; then
+  args+=(--node-rank "$NODE_RANK")
+fi
+if [[ -n ${MASTER_ADDR:-} ]]; then
+  args+=(--master-addr "$MASTER_ADDR")
+fi
 if [[ -n ${MASTER_PORT:-} ]]; then
   args+=(--master-port "$MASTER_PORT")
 fi

@@ -129,9 +129,9 @@ def test_the_kit_never_imports_the_notebook_layer():
 
 
 # The floors, lowest first: a module may import its own floor and the floors this table names.
-# ``qwenkit`` is the package's own ``__init__`` (the version); ``entry`` are cli, launch, torchrun.
+# ``qwenkit`` is the package's own ``__init__`` (the version); ``entry`` are cli, launch, torchrun, cluster.
 FLOORS = {
-    "leaf": set(),  # config, device, records, rundir
+    "leaf": set(),  # config, device, records, rundir, errors
     "patches": {"leaf"},
     "model": {"leaf"},
     "distributed": {"leaf", "model"},
@@ -153,9 +153,9 @@ def floor_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "package"
-    if parts[1] in ("cli", "launch", "torchrun"):
+    if parts[1] in ("cli", "launch", "torchrun", "cluster"):
         return "entry"
-    if module in ("qwenkit.config", "qwenkit.device", "qwenkit.records", "qwenkit.rundir"):
+    if module in ("qwenkit.config", "qwenkit.device", "qwenkit.records", "qwenkit.rundir", "qwenkit.errors"):
         return "leaf"
     return parts[1]
 

@@ -16,7 +16,7 @@ import torch
 from multiproc import free_port, scaled
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit import cli, launch
+from qwenkit import cli, errors, launch
 from qwenkit.engine import generate, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,6 +141,65 @@ def test_config_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
     assert cli.main(["train", "--nnodes", "2", "--node-rank", "2", f"train.output_dir={out}"]) == 2
     assert "--node-rank must be in [0, --nnodes=2)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_missing_extra_is_refused_before_spawning_naming_it(tmp_path, monkeypatch, capsys):
+    """peft, tensorboard, PyAV, datasets and Liger made unimportable (as when not installed): each
+    run that needs one fails before torchrun starts, in one line naming the pip extra."""
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
+    for name in ("peft", "tensorboard", "av", "datasets", "liger_kernel"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
+    videos = tmp_path / "videos.jsonl"
+    row = {"messages": [{"role": "user", "content": "<video>What moves?"}, {"role": "assistant", "content": "A square."}],
+           "videos": ["clip.avi"]}  # fmt: skip
+    videos.write_text(json.dumps(row) + "\n")
+    hf = tmp_path / "hf"  # what datasets' save_to_disk writes
+    hf.mkdir()
+    (hf / "state.json").write_text("{}")
+    (hf / "dataset_info.json").write_text("{}")
+    out = tmp_path / "run"
+    cases = {
+        "lora": ["lora.r=8"],
+        "tensorboard": ["train.report_to=[tensorboard]"],
+        "video": [f"data.path={videos}"],
+        "datasets": [f"data.path={hf}"],
+        "cuda": ["model.fused_backend=cuda"],
+    }
+    for extra, overrides in cases.items():
+        assert cli.main(["train", *overrides, f"train.output_dir={out}"]) == 2, extra
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if f"pip install 'qwenkit[{extra}]'" in line]
+        assert len(lines) == 1, (extra, err)
+        assert "Traceback" not in err
+    assert not (out / "config.yaml").exists()
+
+
+def test_readme_install_line_lists_every_extra():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("pip install -e"))
+    assert set(extras) <= set(re.findall(r"\w+", line.split("# extras:", 1)[1])), line
+
+
+def test_traceback_switch_on_every_subcommand(tmp_path, capsys):
+    """An input error is one line and exit 2; with --traceback the traceback comes above it."""
+    parser = cli.build_parser()
+    leaves = [["train"], ["data", "check", "x"], ["data", "prepare", "x"], ["export", "a", "b"], ["eval", "a"],
+              ["sweep", "run", "f"], ["sweep", "status", "d"], ["notebooks", "run"]]  # fmt: skip
+    for argv in leaves:
+        assert parser.parse_args([*argv, "--traceback"]).traceback, argv
+    for argv in (["train", "train.steps=0"], ["data", "check", "tiny", "data.max_length=0"],
+                 ["export", str(tmp_path), str(tmp_path / "hf")]):  # fmt: skip
+        os.environ.pop(errors.TRACEBACK_ENV, None)
+        assert cli.main(argv) == 2
+        plain = capsys.readouterr().err
+        assert len(plain.strip().splitlines()) == 1 and "Traceback" not in plain, plain
+        try:
+            assert cli.main([*argv, "--traceback"]) == 2
+        finally:
+            os.environ.pop(errors.TRACEBACK_ENV, None)
+        shown = capsys.readouterr().err
+        assert shown.startswith("Traceback (most recent call last)") and shown.strip().splitlines()[-1] == plain.strip()
 
 
 def test_module_paths_are_checked_on_the_meta_model_before_spawning(tmp_path, monkeypatch, capsys):

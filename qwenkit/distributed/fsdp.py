@@ -28,7 +28,9 @@ import datetime
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -88,10 +90,34 @@ def init_distributed(parallel_cfg) -> Runtime:
 
 
 def shutdown(runtime: Runtime) -> None:
-    """Barrier first: without it a gloo rank sometimes aborts (SIGABRT) at exit, observed on CPU runs."""
+    """Leave the job: a barrier (every rank is done with the group), then destroy it."""
     if runtime.owns_group and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a rank with ``code``: flush the logs and streams, then leave without interpreter teardown.
+
+    Why not ``sys.exit``: destroying a gloo group does not stop it (gloo's backend has no
+    ``shutdown``; ``destroy_process_group`` only forgets the group), so its worker threads
+    (``pt_gloo_runloop``) and socket thread (``gloo_tcp_loop``) run on for as long as anything
+    still holds the group: the model's FSDP state, a ``DeviceMesh``. A rank that raised never
+    destroyed it at all, and its heartbeat thread may sit in a store call with the GIL released.
+    At ``sys.exit`` CPython tears the interpreter down and then the C++ statics around those live
+    threads, while the peers exit and close their sockets: in some interleavings (seen under load,
+    rank 1 after its work was done) that ends in ``std::terminate`` -- "terminate called without
+    an active exception", SIGABRT, exit 134 in place of the rank's own status. Nothing a rank
+    needs happens at interpreter teardown (metrics, checkpoints and trackers are closed by the
+    trainer), so it is skipped: the process ends here, with its own code, every time.
+    """
+    logging.shutdown()  # the rank's log file handler
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
+            pass
+    os._exit(code)
 
 
 def hsdp_problem(parallel_cfg) -> str | None:

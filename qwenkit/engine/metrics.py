@@ -28,6 +28,14 @@ store is ``$MLFLOW_TRACKING_URI`` or ``file:<output_dir>/mlruns``, the experimen
 ``$MLFLOW_EXPERIMENT_NAME`` or the output folder's name (``qwenkit sweep`` sets both: one store
 and experiment per sweep, one run per trial). ``<output_dir>/mlflow_run.json`` keeps the run id,
 so a resumed run logs into the same MLflow run. The JSONL files stay the source of truth.
+
+A tracker takes a metric under the name :func:`tracker_name` gives it, the same every time:
+TensorBoard takes any tag (the JSONL name as is); MLflow allows only alphanumerics, ``_ - . :
+/`` and spaces (any other character becomes ``_``, the rule of transformers' MLflow callback),
+and its file store cannot hold ``lr`` beside ``lr/<group>`` (a file and a folder of one name),
+so ``/`` becomes ``:``: ``lr/model.visual.blocks.*`` (a parameter group's LR) is logged as
+``lr:model.visual.blocks._`` and ``lr/default (no decay)`` as ``lr:default _no decay_``.
+Two metrics that would share one tracker name are refused when the second is logged.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -62,6 +71,36 @@ UNITS = {
 }
 REPORT_TO = ("tensorboard", "mlflow")
 MLFLOW_RUN_FILE = "mlflow_run.json"
+_MLFLOW_REFUSED = re.compile(r"[^0-9A-Za-z_\-. :]")  # mlflow.utils.validation (and no '/'), ASCII only
+
+
+def tracker_name(metric: str, tracker: str) -> str:
+    """``metric`` (a JSONL metric name) as ``tracker`` ("tensorboard" or "mlflow") can take it."""
+    if tracker == "tensorboard":
+        return metric
+    if tracker != "mlflow":
+        raise ValueError(f"unknown tracker {tracker!r}; known: {', '.join(REPORT_TO)}")
+    # MLflow's file store keeps a metric as a file under its name: "lr" (a file) and "lr/<group>" (a
+    # file in a folder "lr") cannot both exist there, so '/' becomes ':' (allowed, and no folder)
+    name = _MLFLOW_REFUSED.sub("_", metric.replace("/", ":"))
+    return name if name not in ("", ".", "..") else f"_{name}"
+
+
+class _Names:
+    """One tracker's names of the metrics logged so far; a second metric on one name is an error."""
+
+    def __init__(self, tracker: str):
+        self.tracker, self.seen = tracker, {}
+
+    def __call__(self, metric: str) -> str:
+        name = tracker_name(metric, self.tracker)
+        first = self.seen.setdefault(name, metric)
+        if first != metric:
+            raise ValueError(
+                f"train.report_to={self.tracker}: metrics {first!r} and {metric!r} would both be logged as "
+                f"{name!r}; rename one (a train.param_groups pattern names its lr/ metric)"
+            )
+        return name
 
 
 class MetricsWriter:
@@ -71,7 +110,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.device = rank, str(device)
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()
-        self._tensorboard = None
+        self._tensorboard, self._tensorboard_name = None, _Names("tensorboard")
         if "tensorboard" in report_to and rank == 0:
             self._tensorboard = tensorboard_writer(Path(output_dir) / "tensorboard")
         self._mlflow = None
@@ -87,7 +126,7 @@ class MetricsWriter:
             ) | {"rank": self.rank}
             self._file.write(json.dumps(row) + "\n")
             if self._tensorboard is not None:
-                self._tensorboard.add_scalar(metric, float(value), global_step=step)
+                self._tensorboard.add_scalar(self._tensorboard_name(metric), float(value), global_step=step)
         self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.flush()
@@ -129,6 +168,7 @@ class MlflowWriter:
             # mlflow 3.x refuses its file store unless told: a local folder is what we want (no server, no DB)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = mlflow.MlflowClient(tracking_uri=uri)
+        self.name = _Names("mlflow")
         saved = output_dir / MLFLOW_RUN_FILE
         known = json.loads(saved.read_text()) if saved.is_file() else {}
         if known.get("tracking_uri") == uri:
@@ -148,7 +188,7 @@ class MlflowWriter:
         from mlflow.entities import Metric
 
         ms = int(datetime.datetime.now().timestamp() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ms, step) for k, v in values.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(self.name(k), float(v), ms, step) for k, v in values.items()])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

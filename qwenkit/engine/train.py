@@ -492,4 +492,4 @@ def _looks_like_a_peer(error: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    fsdp.exit_process(main())  # not sys.exit: see exit_process
