@@ -42,6 +42,8 @@ FUSED_LIBRARIES = {"npu": "torch_npu", "cuda": "liger_kernel"}  # backend -> the
 PIP_NAMES = {"torch_npu": "torch_npu", "liger_kernel": "liger-kernel"}  # import name -> what to install
 TRAINING_LOSS_TYPES = ("token_mean", "sample_mean")  # what the chunked head computes
 LOSS_TYPES = (*TRAINING_LOSS_TYPES, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
+OBJECTIVES = ("sft", "dpo")  # train.objective
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss; qwenkit.model.preference_loss implements them
 
 
 class ConfigError(ValueError):
