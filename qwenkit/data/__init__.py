@@ -37,6 +37,7 @@ from qwenkit.config import Config, DataConfig
 from qwenkit.data import cache
 from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset
+from qwenkit.data.preference import PairCollator, PairDataset, preference_data, preference_sources
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.data.report import REASONS, BadSample, BadSampleReport
 from qwenkit.data.sampler import FixedSizeSampler, TokenBudgetSampler
@@ -99,15 +100,16 @@ class DataBundle:
             yield collated
 
 
-def open_dataset(data: DataConfig, source=None) -> list:
+def open_dataset(data: DataConfig, source=None, pairs: bool = False) -> list:
     """The sources of ``source`` (default ``data.path``; ``"tiny"`` is the embedded synthetic set).
 
-    ``source`` may be a path or a ``datasets.Dataset``.
+    ``source`` may be a path or a ``datasets.Dataset``; ``pairs``: read as preference pairs
+    (:mod:`.preference`), two rows per row.
     """
     source = data.path if source is None else source
     if isinstance(source, str) and source == "tiny":
-        source = ensure_dataset(data.tiny_samples, seed=0)
-    return open_sources(source)
+        source = ensure_dataset(data.tiny_samples, seed=0, preference=pairs)
+    return preference_sources(open_sources(source)) if pairs else open_sources(source)
 
 
 def read_dataset(
@@ -118,6 +120,7 @@ def read_dataset(
     rank: int = 0,
     world_size: int = 1,
     use_cache: bool = True,
+    pairs: bool = False,
 ):
     """A dataset's index, from the cache or scanned: ``(EncodedDataset, BadSampleReport)``.
 
@@ -125,7 +128,9 @@ def read_dataset(
     first bad row (in file and row order) as a :class:`BadSample`. ``dataset.index_origin``
     says whether the index came from the cache.
     """
-    sources = open_dataset(data, source)
+    sources = open_dataset(data, source, pairs)
+    if pairs:
+        data = preference_data(data)
     prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache)
     index = prepared.index
     if stop_at_first and index.bad:
@@ -134,7 +139,7 @@ def read_dataset(
     return dataset, index.report()
 
 
-def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1):
+def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1, pairs=False):
     """``read_dataset`` under the bad-sample policy: ``(EncodedDataset, BadSampleReport)``.
 
     ``on_bad_sample=error`` raises the first bad row; an unreadable file is never skipped; the
@@ -142,7 +147,8 @@ def read_checked(data: DataConfig, processor: Processor, source=None, rank: int 
     training set, ``data.eval_path`` and ``qwenkit eval --data`` all pass through here.
     """
     dataset, report = read_dataset(
-        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size
+        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size,
+        pairs=pairs,
     )
     unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
     if unreadable:
@@ -162,8 +168,8 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     Raises :class:`BadSample` (``on_bad_sample=error``) or ``ValueError`` (too many skipped,
     an unparseable file, fewer samples than one global batch).
     """
-    data = cfg.data
-    dataset, report = read_checked(data, processor, source, rank, world_size)
+    data, pairs = cfg.data, cfg.train.objective == "dpo"
+    dataset, report = read_checked(data, processor, source, rank, world_size, pairs)
     if rank == 0:
         log.info(
             "data: %d samples from %s (%d skipped); %s",
@@ -173,9 +179,14 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
             dataset.index_origin,
         )
     dataset, eval_dataset = _eval_set(cfg, processor, dataset, rank, world_size, source)
+    collator = Collator(processor, data.packing)
+    if pairs:  # one sampler index per pair: a pair is never split across micro-batches or ranks
+        dataset, collator = PairDataset(dataset), PairCollator(processor)
+        eval_dataset = PairDataset(eval_dataset) if eval_dataset is not None else None
+        if rank == 0:
+            log.info("preference pairs: %d (both sides passed the scan)", len(dataset))
     return DataBundle(
-        dataset, make_sampler(cfg, dataset, rank, world_size), Collator(processor, data.packing), report,
-        data.num_workers, eval_dataset,
+        dataset, make_sampler(cfg, dataset, rank, world_size), collator, report, data.num_workers, eval_dataset
     )
 
 
@@ -205,16 +216,16 @@ def split_eval(dataset: EncodedDataset, fraction: float, seed: int) -> tuple[Enc
 
 def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: int, world_size: int, source):
     """``(train rows, eval rows or None)`` from data.eval_path, data.eval_fraction or data.tiny_eval_samples."""
-    data = cfg.data
+    data, pairs = cfg.data, cfg.train.objective == "dpo"
     if data.eval_fraction > 0:
         dataset, held_out = split_eval(dataset, data.eval_fraction, cfg.train.seed)
         where = f"{data.eval_fraction:g} of data.path held out (train.seed={cfg.train.seed})"
     elif data.eval_path is not None:
-        held_out, _ = read_checked(data, processor, data.eval_path, rank, world_size)
+        held_out, _ = read_checked(data, processor, data.eval_path, rank, world_size, pairs)
         where = data.eval_path
     elif data.tiny_eval_samples > 0 and source is None and data.path == "tiny":
-        eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED)
-        held_out, _ = read_dataset(data, processor, eval_rows, rank=rank, world_size=world_size)
+        eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED, preference=pairs)
+        held_out, _ = read_dataset(data, processor, eval_rows, rank=rank, world_size=world_size, pairs=pairs)
         where = f"synthetic, seed {EVAL_SEED}"
     else:
         return dataset, None

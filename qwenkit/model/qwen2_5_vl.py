@@ -30,7 +30,7 @@ except ImportError:  # 4.57
     )
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
-from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy, sequence_logps
 from qwenkit.model.processor import needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,23 @@ class QwenkitQwen2_5_VL(Qwen2_5_VLForConditionalGeneration):
         # outputs, by version) taken from the backbone as its forward does; logits never exist
         rest = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(CausalLMOutput)}
         return CausalLMOutput(**{**rest, "loss": loss, "logits": None})
+
+    def sequence_logps(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sequence ``(sums [B], counts [B])`` of the label log-probs, without logits (preference objectives).
+
+        HF's backbone as in the chunk-loss forward, then the lm_head module with
+        :func:`qwenkit.model.loss.sequence_logps` as its loss function. Under FSDP2 call it as a
+        registered forward method (``register_fsdp_forward_method``): the root's hooks gather its
+        parameters only around ``forward`` and registered methods.
+        """
+        if labels is None:
+            raise ValueError("sequence_logps needs labels (the reply tokens whose log-probs are summed)")
+        kwargs = _drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"})
+        idle = self._idle_vision(input_ids, kwargs)
+        outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
+        loss_fn = functools.partial(sequence_logps, chunk_size=self.chunk_size, chunk_budget_bytes=self.chunk_budget_bytes)
+        sums, counts = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
+        return (sums + idle if idle is not None else sums), counts
 
     def _idle_vision_calls(self, kwargs) -> int:
         """Vision-tower calls this rank must add so that every rank makes the same number."""
