@@ -4,7 +4,7 @@ One micro-batch holds ``P`` whole pairs as ``2P`` rows, chosen then rejected
 (:class:`qwenkit.data.preference.PairCollator`). Per micro-batch:
 
 1. the policy's per-sequence reply log-probs of all ``2P`` rows in **one forward** through the
-   chunked head (:meth:`QwenkitQwen2_5_VL.sequence_logps`): no ``[2P, S, V]`` logits, in
+   chunked head (the model's ``sequence_logps`` method): no ``[2P, S, V]`` logits, in
    forward or backward;
 2. the reference's, without grad, from :class:`Reference`: with LoRA the same model with its
    adapters disabled (no second copy); with full fine-tuning a frozen copy sharded by FSDP2 like
@@ -148,6 +148,10 @@ def precomputed(cfg, rt, model, live: Reference, dataset, collator, main_rank: b
         table[pairs[valid]] = torch.stack([c, r], 1)[valid].float()
 
     for_each_pair_batch(model, dataset, collator, cfg.train.micro_batch_size, rt, fill)
+    # The root keeps its parameters gathered after a forward (reshard_after_forward=False, for the
+    # backward); without a backward they would stay so, and the optimizer built next would take the
+    # unsharded tensors for the sharded parameters (wrong grad norm, wrong updates)
+    model.reshard()
     dist.all_reduce(table)  # each pair was computed by exactly one rank
     table = table.cpu()
     if main_rank:
