@@ -43,6 +43,8 @@ PIP_NAMES = {"torch_npu": "torch_npu", "liger_kernel": "liger-kernel"}  # import
 TRAINING_LOSS_TYPES = ("token_mean", "sample_mean")  # what the chunked head computes
 LOSS_TYPES = (*TRAINING_LOSS_TYPES, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
 MODEL_NAMES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name; qwenkit.model.family holds one entry each
+OBJECTIVES = ("sft", "dpo")  # train.objective
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss; qwenkit.model.preference_loss implements them
 
 
 class ConfigError(ValueError):
@@ -168,6 +170,7 @@ class ParamGroupConfig:
 
 @dataclass
 class TrainConfig:
+    objective: Literal[OBJECTIVES] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section)
     steps: int = 30  # the run's length: the LR schedule spans these steps
     stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch
@@ -203,6 +206,20 @@ class TrainConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Preference tuning (``train.objective: dpo``); the losses are in :mod:`qwenkit.model.preference_loss`."""
+
+    beta: float = 0.1  # strength of the pull towards the reference (SimPO: the reward scale)
+    loss: Literal[DPO_LOSSES] = "sigmoid"  # sigmoid (DPO), ipo, hinge (SLiC), simpo (no reference, length-normalised)
+    gamma: float = 0.0  # simpo only: the target reward margin
+    label_smoothing: float = 0.0  # sigmoid / simpo: the share of pairs assumed flipped (conservative DPO)
+    sft_weight: float = 0.0  # > 0: add this x the chosen replies' token-mean cross-entropy (RPO, pref_ftx)
+    # one pass before training writes the reference's log-probs of every pair next to the data
+    # index (keyed by its fingerprint); no reference forward in training, no reference copy
+    precompute_ref: bool = False
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps (0: only at the end)
     keep_last: int = 2
@@ -228,6 +245,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
@@ -536,7 +554,7 @@ def validate(cfg: Config) -> list[str]:
             problems.append(msg)
 
     for check in (_check_finite, _check_model, _check_data, _check_loss, _check_parallel, _check_train,
-                  _check_lora, _check_checkpoint, _check_profile):  # fmt: skip
+                  _check_lora, _check_dpo, _check_checkpoint, _check_profile):  # fmt: skip
         check(cfg, need)
     return problems
 
@@ -772,6 +790,54 @@ def _check_lora(cfg: Config, need) -> None:
         not (lora.use_dora and cfg.model.init_device == "meta"),
         "lora.use_dora=true needs model.init_device=cpu: DoRA's magnitude is computed from the full "
         "base weights when the adapters are added, which meta init does not have yet",
+    )
+
+
+def _check_dpo(cfg: Config, need) -> None:
+    """``train.objective`` and the ``dpo`` section, and what preference pairs cannot go with."""
+    dpo = cfg.dpo
+    if cfg.train.objective != "dpo":
+        changed = [f.name for f in dataclasses.fields(DpoConfig) if getattr(dpo, f.name) != f.default]
+        need(not changed, f"dpo.{', dpo.'.join(changed)} set but train.objective={cfg.train.objective!r}; set train.objective=dpo")
+        return
+    need(dpo.beta > 0, f"dpo.beta must be > 0, got {dpo.beta}")
+    need(0.0 <= dpo.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5), got {dpo.label_smoothing}")
+    need(
+        dpo.label_smoothing == 0 or dpo.loss in ("sigmoid", "simpo"),
+        f"dpo.label_smoothing applies to dpo.loss sigmoid or simpo, not {dpo.loss!r}",
+    )
+    need(dpo.gamma >= 0, f"dpo.gamma must be >= 0, got {dpo.gamma}")
+    need(dpo.gamma == 0 or dpo.loss == "simpo", f"dpo.gamma (the SimPO margin) applies to dpo.loss=simpo, not {dpo.loss!r}")
+    need(dpo.sft_weight >= 0, f"dpo.sft_weight must be >= 0, got {dpo.sft_weight}")
+    need(
+        not (dpo.precompute_ref and dpo.loss == "simpo"),
+        "dpo.precompute_ref=true with dpo.loss=simpo: SimPO has no reference model to precompute",
+    )
+    need(cfg.loss.chunk, "train.objective=dpo needs loss.chunk=true: the per-sequence log-probs come from the chunked head")
+    need(
+        not cfg.data.packing,
+        "train.objective=dpo does not support data.packing=true: a pair's two replies are two rows of one micro-batch "
+        "(the per-sequence log-probs are row sums); use data.packing=false",
+    )
+    need(
+        not cfg.data.max_tokens_per_batch,
+        "train.objective=dpo does not support data.max_tokens_per_batch yet (the token-budget sampler deals samples, "
+        "not pairs); use train.micro_batch_size (pairs per micro-batch)",
+    )
+    need(
+        cfg.parallel.sp_size == 1,
+        f"train.objective=dpo does not support parallel.sp_size={cfg.parallel.sp_size}: a sequence's log-prob would be "
+        "split over the ranks of its group; use parallel.sp_size=1",
+    )
+    need(
+        cfg.data.eval_fraction == 0.0,
+        "train.objective=dpo does not support data.eval_fraction (it would split rows, not pairs); "
+        "hold out pairs with data.eval_path",
+    )
+    need(
+        cfg.data.layout == "auto",
+        f"train.objective=dpo reads the preference layouts (TRL, LLaMA-Factory, ms-swift; docs/DATA.md) per row: "
+        f"data.layout must be auto, got {cfg.data.layout!r}",
     )
 
 

@@ -130,10 +130,13 @@ class EncodedDataset:
             return sample
         raise ValueError(f"every one of the {n} samples failed to load; see the warnings above")
 
-    def encode(self, i: int) -> dict[str, torch.Tensor]:
-        """Sample ``i`` as model inputs; raises :class:`BadSample` when its images or videos fail to load."""
+    def encode(self, i: int, media: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Sample ``i`` as model inputs; raises :class:`BadSample` when its images or videos fail to load.
+
+        ``media``: its image/video tensors when already processed (a preference pair's second side).
+        """
         conv = self.conversation(i)
-        sample = self._media(i, conv)
+        sample = dict(media) if media is not None else self._media(i, conv)
         enc = fit_length(
             self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video")),
             conv,

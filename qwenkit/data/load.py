@@ -14,20 +14,22 @@ from __future__ import annotations
 from qwenkit.config import DataConfig
 from qwenkit.data import cache
 from qwenkit.data.dataset import EncodedDataset
+from qwenkit.data.preference import preference_data, preference_sources
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import ensure_dataset
 
 
-def open_dataset(data: DataConfig, source=None) -> list:
+def open_dataset(data: DataConfig, source=None, pairs: bool = False) -> list:
     """The sources of ``source`` (default ``data.path``; ``"tiny"`` is the embedded synthetic set).
 
-    ``source`` may be a path or a ``datasets.Dataset``.
+    ``source`` may be a path or a ``datasets.Dataset``; ``pairs``: read as preference pairs
+    (:mod:`qwenkit.data.preference`), two rows per row.
     """
     source = data.path if source is None else source
     if isinstance(source, str) and source == "tiny":
-        source = ensure_dataset(data.tiny_samples, seed=0)
-    return open_sources(source)
+        source = ensure_dataset(data.tiny_samples, seed=0, preference=pairs)
+    return preference_sources(open_sources(source)) if pairs else open_sources(source)
 
 
 def read_dataset(
@@ -38,6 +40,7 @@ def read_dataset(
     rank: int = 0,
     world_size: int = 1,
     use_cache: bool = True,
+    pairs: bool = False,
 ):
     """A dataset's index, from the cache or scanned: ``(EncodedDataset, BadSampleReport)``.
 
@@ -45,7 +48,9 @@ def read_dataset(
     first bad row (in file and row order) as a :class:`qwenkit.data.report.BadSample`. ``dataset.index_origin``
     says whether the index came from the cache.
     """
-    sources = open_dataset(data, source)
+    sources = open_dataset(data, source, pairs)
+    if pairs:
+        data = preference_data(data)
     prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache)
     index = prepared.index
     if stop_at_first and index.bad:
@@ -54,7 +59,7 @@ def read_dataset(
     return dataset, index.report()
 
 
-def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1):
+def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1, pairs=False):
     """``read_dataset`` under the bad-sample policy: ``(EncodedDataset, BadSampleReport)``.
 
     ``on_bad_sample=error`` raises the first bad row; an unreadable file is never skipped; the
@@ -62,7 +67,8 @@ def read_checked(data: DataConfig, processor: Processor, source=None, rank: int 
     training set, ``data.eval_path`` and ``qwenkit eval --data`` all pass through here.
     """
     dataset, report = read_dataset(
-        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size
+        data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size,
+        pairs=pairs,
     )
     unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
     if unreadable:

@@ -68,6 +68,9 @@ UNITS = {
     "peak_memory": "MiB",
     "eval_loss": "nat",
     "eval_accuracy": "1",
+    # train.objective=dpo (TRL's names, qwenkit.engine.preference): rewards are beta x log-ratios
+    "rewards": "nat", "logps": "nat", "eval_rewards": "nat", "eval_logps": "nat",
+    "rewards/accuracies": "1", "eval_rewards/accuracies": "1",
 }
 REPORT_TO = ("tensorboard", "mlflow")
 MLFLOW_RUN_FILE = "mlflow_run.json"
@@ -121,7 +124,7 @@ class MetricsWriter:
         now = records.now()
         for metric, value in values.items():
             row = records.record(
-                metric, value, unit=UNITS[metric.split("/", 1)[0]],  # lr/<group>: a parameter group's LR
+                metric, value, unit=UNITS.get(metric) or UNITS[metric.split("/", 1)[0]],  # lr/<group>: a group's LR
                 series=f"rank {self.rank}", x_name="step", x=step, device=self.device, timestamp=now,
             ) | {"rank": self.rank}
             self._file.write(json.dumps(row) + "\n")

@@ -51,7 +51,7 @@ from qwenkit import data, patches
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import events, optim, stopping
+from qwenkit.engine import events, optim, preference, stopping
 from qwenkit.engine import resume as resume_rule
 from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
@@ -132,6 +132,7 @@ class Trainer:
         self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
         self.sp: sequence.SequenceParallel | None = None
         self.events: events.EventLog | None = None  # <output_dir>/events.jsonl, rank 0's
+        self.objective: preference.PreferenceObjective | None = None  # train.objective=dpo; None: SFT
 
     def run(self) -> None:
         # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
@@ -218,7 +219,9 @@ class Trainer:
             log.info("%s", plan.describe())
         model.train()
         self.model = model
-        if self.bundle.eval_dataset is not None:
+        if t.objective == "dpo":  # before the resume: the reference is the starting weights
+            self.objective, self.evaluator = preference.build(cfg, rt, model, self.bundle, main_rank)
+        elif self.bundle.eval_dataset is not None:
             self.evaluator = Evaluator(
                 cfg, self.bundle.eval_dataset, self.bundle.collator, rt.rank, rt.world_size, rt.device, self.out_dir,
                 sp=self.sp,
@@ -301,7 +304,7 @@ class Trainer:
             for step in range(self.start_step + 1, self.last_step + 1):
                 began = time.perf_counter()
                 start_step_peak(rt.device)
-                values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches)
+                values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches, self.objective)
                 values["step_time"] = time.perf_counter() - began
                 values["tokens_per_s"] = values.pop("tokens") / values["step_time"]
                 values["samples_per_s"] = values.pop("samples") / values["step_time"]
@@ -368,9 +371,11 @@ def _counts(batch: dict) -> torch.Tensor:
     return torch.stack([batch.pop("num_items"), batch.pop("num_samples"), tokens, positions, bad])
 
 
-def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
+def _step(step, cfg, rt, model, params, optimizer, scheduler, batches, objective=None) -> dict:
     t = cfg.train
     micro = [next(batches) for _ in range(t.grad_accum)]
+    if objective is not None:
+        objective.begin(micro)  # pops the pair counts and all-reduces them
     counts = torch.stack([_counts(b) for b in micro]).sum(0)  # [5] of this rank's step, see _counts
     counts = counts.to(rt.device)
     dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
@@ -381,11 +386,14 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
         with fsdp.activation_offload(cfg.parallel.activation_offload, rt.device):
             # use_cache=False: HF's config defaults to a KV cache, which training never needs and
             # which a recomputed decoder layer would extend a second time in its backward
-            out = model(
-                **_to(batch, rt.device), use_cache=False, num_items_in_batch=num_items, num_samples=num_samples
-            )
-        (out.loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
-        loss_sum += out.loss.detach().float()
+            if objective is not None:
+                loss = objective.loss(model, _to(batch, rt.device))
+            else:
+                loss = model(
+                    **_to(batch, rt.device), use_cache=False, num_items_in_batch=num_items, num_samples=num_samples
+                ).loss
+        (loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
+        loss_sum += loss.detach().float()
     norm = clip_grad_norm(params, t.max_grad_norm)
     dist.all_reduce(loss_sum)
     loss, norm_value, items, samples, tokens, positions, bad = torch.cat(
@@ -401,7 +409,7 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches) -> dict:
     return {
         "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
         "padding_fraction": 1.0 - tokens / positions,
-        "bad_samples": int(bad), **group_lrs,
+        "bad_samples": int(bad), **group_lrs, **(objective.metrics() if objective is not None else {}),
     }  # fmt: skip
 
 

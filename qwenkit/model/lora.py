@@ -23,6 +23,7 @@ model starts as the base), drawn from a generator seeded with ``train.seed``
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 
@@ -126,6 +127,27 @@ def apply(model: nn.Module, lora_cfg, seed: int) -> list[str]:
                 if name in init:
                     param.copy_(init[name])
     return targets
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model inside the block: every LoRA layer runs its ``base_layer`` alone (DPO's reference).
+
+    peft's own switch (``enable_adapters(False)``) also sets ``requires_grad=False`` on the
+    adapters and back, which would change what the optimizer and FSDP2 see; only the flag its
+    layers read in ``forward`` is flipped here, and restored.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for m, flag in zip(layers, before):
+            m._disable_adapters = flag
 
 
 def has_adapters(model: nn.Module) -> bool:

@@ -343,16 +343,56 @@ def write_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-def ensure_dataset(n: int = 64, seed: int = 0, root: str | Path | None = None) -> Path:
-    """The synthetic dataset in the cache folder, written once per (n, seed)."""
+_WRONG = {"colour": list(COLOURS), "shape": list(SHAPES), "count": [1, 2, 3, 4], "position": list(POSITIONS)}
+
+
+def write_preference_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
+    """Write ``n`` preference pairs as ``tiny.json`` plus PNG images; returns the JSON path.
+
+    One question about the image; the chosen reply states the right fact, the rejected one the
+    same sentence with a wrong colour, shape, count or position. The rows rotate through the
+    three accepted preference layouts (ms-swift, TRL conversational with typed parts,
+    LLaMA-Factory sharegpt), so the embedded default reads each of them.
+    """
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        image, facts = _draw(rng)
+        name = f"images/{i:05d}.png"
+        image.save(out_dir / name)
+        kind = rng.choice(("colour", "shape", "count", "position"))
+        wrong = dict(facts, **{kind: rng.choice([v for v in _WRONG[kind] if v != facts[kind]])})
+        question, chosen = _qa_of(kind, facts)
+        rejected = _qa_of(kind, wrong)[1]
+        if i % 3 == 0:  # ms-swift
+            rows.append({"messages": [{"role": "user", "content": f"<image>{question}"},
+                                      {"role": "assistant", "content": chosen}],
+                         "rejected_response": rejected, "images": [name]})  # fmt: skip
+        elif i % 3 == 1:  # TRL, conversational, typed parts
+            rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+                         "chosen": [{"role": "assistant", "content": chosen}],
+                         "rejected": [{"role": "assistant", "content": rejected}], "images": [name]})  # fmt: skip
+        else:  # LLaMA-Factory sharegpt preference
+            rows.append({"conversations": [{"from": "human", "value": f"<image>{question}"}],
+                         "chosen": {"from": "gpt", "value": chosen}, "rejected": {"from": "gpt", "value": rejected},
+                         "images": [name]})  # fmt: skip
+    path = out_dir / "tiny.json"
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
+def ensure_dataset(n: int = 64, seed: int = 0, root: str | Path | None = None, preference: bool = False) -> Path:
+    """The synthetic dataset (``preference``: the pairs) in the cache folder, written once per (n, seed)."""
     root = Path(root) if root is not None else _cache_root()
-    path = root / f"tiny-data-n{n}-s{seed}-v2"
+    path = root / f"tiny-{'pairs' if preference else 'data'}-n{n}-s{seed}-v2"
     if (path / "tiny.json").is_file():
         return path / "tiny.json"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=root))
     try:
-        write_dataset(tmp, n=n, seed=seed)
+        (write_preference_dataset if preference else write_dataset)(tmp, n=n, seed=seed)
         try:
             tmp.rename(path)
         except OSError:

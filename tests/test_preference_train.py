@@ -1,0 +1,120 @@
+"""train.objective=dpo through the trainer: the model's per-sequence log-probs equal HF's full logits;
+the disabled-adapter reference equals a separate frozen base; 2-rank runs check that 2 ranks equal
+1 process and that the precomputed reference trains as the on-the-fly frozen copy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import check_ranks
+
+from qwenkit import config as qconfig
+from qwenkit import data
+from qwenkit.engine import preference, train
+from qwenkit.model import lora, paths, registry
+from qwenkit.model.loss import full_sequence_logps
+
+# max_grad_norm=0: compare the updates themselves, not clipping (whose norm is an all-reduce)
+BASE = ["train.objective=dpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", "train.steps=3",
+        "train.resume=none", "train.max_grad_norm=0", "train.lr=0.01", "train.warmup_steps=0"]  # fmt: skip
+LOGGED = ("loss", *preference.METRICS)
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def _batch(cfg, processor, pairs=(0, 1)):
+    bundle = data.build(cfg, processor)
+    batch = bundle.collator([bundle.dataset[p] for p in pairs])
+    for key in (*preference.PAIR_KEYS, "num_items", "num_samples"):
+        batch.pop(key)
+    return batch
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_sequence_logps_equal_hf_full_logits_with_images_and_their_grads(processor, tied):
+    cfg = qconfig.load(overrides=BASE + [f"model.tie_word_embeddings={str(tied).lower()}"])
+    model = registry.build(cfg.model, cfg.loss)
+    batch = _batch(cfg, processor, pairs=(0, 1, 2))  # rows of three layouts, with images
+    sums, counts = model.sequence_logps(**batch)
+    model.chunk_loss = False  # HF's own forward: full [B, S, V] logits
+    ref, ref_counts = full_sequence_logps(model(**{k: v for k, v in batch.items() if k != "labels"}).logits,
+                                          batch["labels"])  # fmt: skip
+    torch.testing.assert_close(sums, ref, **FP32)
+    assert counts.tolist() == ref_counts.tolist() and min(counts.tolist()) > 0
+    g = torch.linspace(-1, 1, sums.shape[0])  # a per-sequence upstream gradient, as DPO's
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad((sums * g).sum(), params, allow_unused=True)
+    model.chunk_loss = True
+    want = torch.autograd.grad((ref * g).sum(), params, allow_unused=True)
+    for a, b in zip(got, want):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, **FP32)
+
+
+def test_disabled_adapters_give_the_frozen_base_and_enabled_ones_do_not(processor):
+    cfg = qconfig.load(overrides=BASE + ["lora.r=8"])
+    base = registry.build(cfg.model, cfg.loss)
+    policy = registry.build(cfg.model, cfg.loss)
+    lora.apply(policy, cfg.lora, seed=0)
+    with torch.no_grad():  # trained adapters: B != 0, so the policy differs from its base
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    batch = _batch(cfg, processor)
+    want, _ = base.sequence_logps(**batch)
+    c, r = preference.Reference("adapters")(policy, batch, torch.tensor([0, 1]))
+    torch.testing.assert_close(torch.cat([c, r]), want, rtol=0, atol=0)
+    adapted, _ = policy.sequence_logps(**batch)
+    assert (adapted - want).abs().min() > 1e-3  # the adapters are back on after the block
+
+
+def _worker(rank, out, name, extra):
+    """One training run per process (a fresh process per run, as qwenkit train starts one)."""
+    dist.init_process_group("gloo")
+    cfg = qconfig.load(overrides=BASE + extra + [f"train.output_dir={out / name}"])
+    trainer = train.run(cfg)
+    if rank == 0:
+        rows = [{k: h[k] for k in LOGGED} for h in trainer.history]
+        (out / f"{name}.json").write_text(json.dumps({"history": rows, "evals": trainer.evals}))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("dpo")
+    paths.resolve_path(qconfig.load().model)  # the tiny checkpoint before the ranks start
+    two = ["train.micro_batch_size=2", "checkpoint.save_final=false"]
+    check_ranks(_worker, 2, out, "copy-2", two)
+    check_ranks(_worker, 1, out, "copy-1", ["train.micro_batch_size=4", "checkpoint.save_final=false"])  # one global batch
+    check_ranks(_worker, 2, out, "precomputed-2", two + ["dpo.precompute_ref=true"])
+    return out
+
+
+def _read(out, name):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process(out):
+    two, one = _read(out, "copy-2"), _read(out, "copy-1")
+    for a, b in zip(two["history"] + two["evals"], one["history"] + one["evals"]):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_precomputed_reference_trains_as_the_frozen_copy(out):
+    copy, pre = _read(out, "copy-2"), _read(out, "precomputed-2")
+    for a, b in zip(copy["history"] + copy["evals"], pre["history"] + pre["evals"]):
+        for key in a:  # the tables come from other batch shapes (padding): fp32 rounding only
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_the_policy_starts_as_its_reference(out):
+    evals, history = _read(out, "copy-2")["evals"], _read(out, "copy-2")["history"]
+    assert evals[0]["eval_rewards/margins"] == 0.0
+    assert history[0]["loss"] == pytest.approx(0.6931, abs=1e-4)  # log 2: no preference yet
