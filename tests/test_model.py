@@ -65,8 +65,7 @@ def _video_batch(processor, family="qwen2_5_vl", seed=0):
         "mm_token_type_ids": torch.tensor([types], dtype=torch.int),
         "pixel_values_videos": torch.randn(int(grid.prod()), width, generator=g),
         "video_grid_thw": grid,
-        "second_per_grid_ts": torch.tensor([1.0]),
-    }
+    } | ({} if spans > 1 else {"second_per_grid_ts": torch.tensor([1.0])})  # Qwen3-VL: timestamps instead
 
 
 @EVERY_FAMILY
