@@ -204,10 +204,11 @@ def test_traceback_switch_on_every_subcommand(tmp_path, capsys):
 
 def test_module_paths_are_checked_on_the_meta_model_before_spawning(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)
-    from qwenkit.model import registry
+    from qwenkit.model import family
 
     reads = []  # no weights are read: the check builds the module tree on meta, never from_pretrained
-    monkeypatch.setattr(registry.REGISTRY["qwen2_5_vl"], "from_pretrained", classmethod(lambda *a, **k: reads.append(a)))
+    cls = family.get("qwen2_5_vl").load("subclass")
+    monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda *a, **k: reads.append(a)))
     out = tmp_path / "run"
     bad = ["parallel.shard_patterns=[model.visual.blocks.*, model.decoder.layers.*, lm_head]",
            "parallel.recompute=[model.language_model.layer.*]", "model.freeze=[model.visual, model.vision]"]  # fmt: skip

@@ -41,8 +41,15 @@ def forward_backward(model, batch):
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
+# Qwen3-VL: per-sample interleaved mRoPE and DeepStack in a packed row. (Not the MoE: its router's
+# aux loss is averaged over the padded batch's attention mask, which a packed row does not have.)
+DENSE_FAMILIES = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
+
+
+@DENSE_FAMILIES
 @pytest.mark.parametrize("chunk", [True, False])
-def test_packed_equals_padded_loss_and_every_gradient(processor, make_model, batch_factory, chunk):
+def test_packed_equals_padded_loss_and_every_gradient(family_processor, make_model, batch_factory, chunk):
+    processor = family_processor
     samples = samples_of(processor, batch_factory(images_per_sample=IMAGES, seed=1))
     padded, packed = Collator(processor)(samples), Collator(processor, packing=True)(samples)
     assert packed["num_items"] == padded["num_items"]
@@ -81,7 +88,9 @@ def test_no_attention_across_samples(processor, make_model, batch_factory):
         start += len(s["input_ids"])
 
 
-def test_per_sample_positions_equal_unpacked(processor, make_model, batch_factory):
+@DENSE_FAMILIES
+def test_per_sample_positions_equal_unpacked(family_processor, make_model, batch_factory):
+    processor = family_processor
     padded = batch_factory(images_per_sample=IMAGES, seed=3)
     packed = Collator(processor, packing=True)(samples_of(processor, padded))
     model = make_model(chunk=False, seed=0)

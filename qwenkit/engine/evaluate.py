@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
 from qwenkit import data as qdata
@@ -47,6 +46,7 @@ from qwenkit.engine import answers
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import generate as qgen
 from qwenkit.engine.export import load_hf
+from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
@@ -150,7 +150,7 @@ class Evaluator:
     def accuracy(self, step: int, model: nn.Module) -> dict[str, float]:
         t0 = time.perf_counter()
         # HF's own class on the full weights: what from_pretrained on an export of them gives
-        copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, self.device)
+        copy = qgen.unsharded_copy(model, families.of_model(model).load("hf_class"), self.device)
         t = self.cfg.train
         values = generate_and_score(copy, self.dataset, self.samples, qgen.Sampling.of(t), t.eval_metrics,
                                     self.rank, self.world_size, generations_path(self.output_dir, step))  # fmt: skip
@@ -224,12 +224,12 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
             from peft import PeftConfig, PeftModel  # the lora extra: LoRA exports only
 
             base = PeftConfig.from_pretrained(target).base_model_name_or_path
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            model = families.resolve(cfg.model.name, base).load("hf_class").from_pretrained(
                 base, dtype=DTYPES[cfg.model.dtype], local_files_only=True
             )
             model = PeftModel.from_pretrained(model, target).merge_and_unload()
         else:
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            model = families.resolve(cfg.model.name, target).load("hf_class").from_pretrained(
                 target, dtype=DTYPES[cfg.model.dtype], local_files_only=True
             )
         return model, processor, cfg, target.name

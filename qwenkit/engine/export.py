@@ -1,6 +1,6 @@
 """A checkpoint as a Hugging Face model: gathered in one process, written as an HF directory.
 
-:func:`load_hf` reads every DCP shard into HF's own ``Qwen2_5_VLForConditionalGeneration`` (the
+:func:`load_hf` reads every DCP shard into HF's own class of the family (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``, the
 class users deploy), without a process group; :func:`export` saves it with ``save_pretrained``,
 copies the base model's tokenizer and processor files beside it, and writes the run's image
 bounds and video sampling (``data.*``) into the processor files (:func:`write_run_processing`),
@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from qwenkit.config import DTYPES
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 from qwenkit.engine.checkpoint import CheckpointError, resolve
+from qwenkit.model import family as families
 from qwenkit.model import lora
 from qwenkit.model.paths import resolve_path
 
@@ -88,11 +89,11 @@ def load_peft(checkpoint: str | Path, cfg):
     segment dropped (qwenkit trains the module itself, peft a copy of it).
     """
     from peft import get_peft_model
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     ckpt = resolve(checkpoint)
     base = resolve_path(cfg.model)
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(base, dtype=DTYPES[cfg.model.dtype], local_files_only=True)
+    hf_class = families.resolve(cfg.model.name, base).load("hf_class")
+    hf = hf_class.from_pretrained(base, dtype=DTYPES[cfg.model.dtype], local_files_only=True)
     targets, _ = lora.target_problems(hf, cfg.lora)
     config = lora.peft_config(cfg.lora, targets, modules_to_save=True)
     config.base_model_name_or_path = str(base)
@@ -181,7 +182,7 @@ def write_run_processing(out: Path, data) -> None:
 
 
 def load_hf(checkpoint: str | Path, cfg):
-    """A checkpoint's model as a plain ``Qwen2_5_VLForConditionalGeneration`` on the CPU.
+    """A checkpoint's model as a plain HF model of its family (e.g. ``Qwen3VLForConditionalGeneration``) on the CPU.
 
     A LoRA run's is its :func:`load_peft` model with the adapters merged (peft's ``merge_and_unload``).
 
@@ -189,14 +190,14 @@ def load_hf(checkpoint: str | Path, cfg):
     the HF model built with parameters on meta, then given CPU storage. Non-persistent buffers
     (rotary ``inv_freq``) are in no checkpoint: they keep the values computed at construction.
     """
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration  # modeling: export and eval only
+    from transformers import AutoConfig  # modeling: export and eval only
 
     if cfg.lora.r > 0:
         return load_peft(checkpoint, cfg).merge_and_unload()
     ckpt = resolve(checkpoint)
     base = resolve_path(cfg.model)
     config = AutoConfig.from_pretrained(base, local_files_only=True)
-    hf = build_on_meta(Qwen2_5_VLForConditionalGeneration, config)
+    hf = build_on_meta(families.resolve(cfg.model.name, base).load("hf_class"), config)
     buffers = {name: buf.clone() for name, buf in hf.named_buffers()}
     hf.to_empty(device="cpu")
     hf.to(DTYPES[cfg.model.dtype])

@@ -56,7 +56,7 @@ from qwenkit.engine import resume as resume_rule
 from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.profiling import ProfileWindow
-from qwenkit.model import lora, paths, registry
+from qwenkit.model import family, lora, paths, registry
 from qwenkit.rundir import RunDir
 
 log = logging.getLogger("qwenkit.engine.train")
@@ -184,7 +184,8 @@ class Trainer:
             self.bundle.sampler = data.make_sampler(cfg, self.bundle.dataset, self.sp.dp_rank, self.sp.dp_size)
 
         model = registry.build(cfg.model, cfg.loss)
-        patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)  # logs its report
+        patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops,
+                      applicable=family.of_model(model).fused_ops)  # logs its report; fmt: skip
         if cfg.lora.r > 0:  # before recompute and fully_shard: adapters are sharded with their base layers
             targets = lora.apply(model, cfg.lora, t.seed)
             if main_rank:

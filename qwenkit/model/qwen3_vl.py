@@ -14,6 +14,8 @@ Qwen2.5-VL for the shared machinery (:mod:`qwenkit.model.chunked`) is here:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
@@ -53,8 +55,12 @@ class QwenkitQwen3VLMoe(_DeepStack, ChunkLossMixin, Qwen3VLMoeForConditionalGene
     output_class = hf_moe.Qwen3VLMoeCausalLMOutputWithPast
 
     def _router_logits_wanted(self, kwargs: dict) -> bool:
+        """HF's rule: 5.x defaults to the text config's ``output_router_logits``; 4.57 adds the aux
+        loss only when the call passes ``output_router_logits=True``."""
         wanted = kwargs.get("output_router_logits")
-        return self.config.text_config.output_router_logits if wanted is None else bool(wanted)
+        if wanted is None:
+            return bool(self.config.text_config.output_router_logits) if _CONFIG_DEFAULT else False
+        return bool(wanted)
 
     def _prepare_backbone(self, kwargs: dict) -> None:
         kwargs["output_router_logits"] = self._router_logits_wanted(kwargs)
@@ -67,6 +73,9 @@ class QwenkitQwen3VLMoe(_DeepStack, ChunkLossMixin, Qwen3VLMoeForConditionalGene
         aux = hf_moe.load_balancing_loss_func(logits, text.num_experts, text.num_experts_per_tok, attention_mask)
         return aux, text.router_aux_loss_coef
 
+
+# 5.x declares output_router_logits (default: the config's); 4.57 reads it from **kwargs only
+_CONFIG_DEFAULT = "output_router_logits" in inspect.signature(Qwen3VLMoeForConditionalGeneration.forward).parameters
 
 finish_subclass(QwenkitQwen3VL, Qwen3VLForConditionalGeneration)
 finish_subclass(QwenkitQwen3VLMoe, Qwen3VLMoeForConditionalGeneration)

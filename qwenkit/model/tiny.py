@@ -109,9 +109,9 @@ def _qwen3_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddin
         head_dim=16,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        # interleaved mRoPE: the section sums to head_dim/2 = 8
-        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 3, 3],
-                         "mrope_interleaved": True},  # fmt: skip
+        # interleaved mRoPE: the section sums to head_dim/2 = 8 (4.57 reads rope_scaling; 5.x converts it)
+        rope_theta=5_000_000.0,
+        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
         bos_token_id=special_ids["<|endoftext|>"],
         eos_token_id=special_ids["<|im_end|>"],
         pad_token_id=special_ids["<|endoftext|>"],

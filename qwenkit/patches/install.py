@@ -67,13 +67,16 @@ def apply(
     backend: str = "auto",
     ops: str | Sequence[str] = "auto",
     device_of: DeviceOf | None = None,
+    applicable: Sequence[str] | None = None,
 ) -> PatchReport:
     """Patch ``model``'s RMSNorm, vision-RoPE and text-MLP instances; return and log the report.
 
     ``backend``: ``"auto"`` (NPU tensors -> torch_npu, CUDA tensors -> Liger if installed),
     ``"npu"`` or ``"cuda"`` (only that route; its library must be installed). ``ops``: the
     value of ``model.fused_ops``. ``device_of``: the per-call device predicate (tests inject
-    one; the default reads ``tensor.device.type``). All-or-nothing: every requested op must
+    one; the default reads ``tensor.device.type``). ``applicable``: the ops that fit the model's
+    family (its entry's ``fused_ops``; None: all): ``auto`` patches those and reports the others
+    as left unpatched, a list naming another is refused. All-or-nothing: every requested op must
     match at least one module (else :class:`PatchError`) before any module is changed.
     """
     if backend not in BACKENDS:
@@ -91,6 +94,13 @@ def apply(
     if problem:
         raise ValueError(problem)
 
+    unfit = [op for op in OPS if applicable is not None and op not in applicable]
+    if ops != "auto" and (asked := [op for op in wanted if op in unfit]):
+        raise PatchError(
+            f"fused op(s) {asked} do not fit {type(model).__name__} (its family patches {list(applicable)}); "
+            "leave them out of model.fused_ops"
+        )
+    wanted = tuple(op for op in wanted if op not in unfit)
     router = Router(backend, device_of)
     found = {op: targets.find(model, op) for op in wanted}
     empty = [op for op in wanted if not found[op]]
@@ -103,6 +113,9 @@ def apply(
     installs, reports = [], []
     routed_vision = {}  # one routed vision-attention forward per HF function, shared by its instances
     for op in OPS:
+        if op in unfit:
+            reports.append(OpReport(op, f"unpatched (does not fit {type(model).__name__})"))
+            continue
         if op not in wanted:
             reports.append(OpReport(op, "off (not in model.fused_ops)"))
             continue
