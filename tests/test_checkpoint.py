@@ -121,7 +121,7 @@ def _first_launch(rank, out):
     _run(out, "E", ["train.steps=4", "checkpoint.every=2"], rank)
     real_write = ckpt._write
 
-    def dying_write(path, obj):  # step 4's rank files are being written, its DCP shards are not
+    def dying_write(path, obj):  # step 4's DCP shards are on disk, its rank files are not
         if path.parent.name == ".tmp-step-00000004":
             os._exit(17)
         real_write(path, obj)

@@ -181,15 +181,17 @@ def start_save(root: str | Path, step: int, model, optimizer, sampler, device: t
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         pending.report["nbytes"] = _nbytes(model_sd) + _nbytes(optim_sd)
-        _write(pending.tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
-        if rank == 0:
-            _write(pending.tmp / "train_state.pt", {"step": step})
         state = {"model": model_sd, "optimizer": optim_sd}
+        # DCP first, on every rank: a rank that failed before it would leave the others in its collectives
         if saves is None:
             dcp.save(state, checkpoint_id=str(pending.tmp))
         else:
             written = dcp.async_save(state, checkpoint_id=str(pending.tmp), process_group=saves.group,
                                      async_stager=saves.stager)  # fmt: skip
+        _write(pending.tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
+        if rank == 0:
+            _write(pending.tmp / "train_state.pt", {"step": step})
+        if saves is not None:  # the manifest lists the rank files: its thread starts after they are written
             pending.future = _then_manifest(written, pending.tmp, rank)
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
         _failed(pending, e)
