@@ -226,6 +226,9 @@ class CheckpointConfig:
     save_final: bool = True
     load_optimizer: bool = True
     load_rng: bool = True
+    # YAML key checkpoint.async (a Python keyword, hence the field's name): stage the state to CPU
+    # memory and write it in the background (DCP async_save) while training goes on
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass
@@ -396,6 +399,8 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    spelled = {f.metadata["key"]: f.name for f in dataclasses.fields(cls) if "key" in f.metadata}  # checkpoint.async
+    raw = {spelled.get(k, k): v for k, v in raw.items()}
     for key in raw:
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
@@ -845,6 +850,11 @@ def _check_checkpoint(cfg: Config, need) -> None:
     ckpt = cfg.checkpoint
     need(ckpt.every >= 0, f"checkpoint.every must be >= 0, got {ckpt.every}")
     need(ckpt.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ckpt.keep_last}")
+    if ckpt.async_save:
+        import torch.distributed.checkpoint as dcp
+
+        need(hasattr(dcp, "async_save"), f"checkpoint.async=true needs torch.distributed.checkpoint.async_save "
+             f"(torch >= 2.4), this torch is {torch.__version__}: set checkpoint.async=false or upgrade torch")  # fmt: skip
 
 
 def _check_profile(cfg: Config, need) -> None:

@@ -183,10 +183,12 @@ def test_sigterm_saves_and_exits_resumable_and_a_second_job_in_the_folder_is_ref
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
-def test_sigint_and_sigusr1_save_with_one_line(tmp_path, sig):
+@pytest.mark.parametrize("sig, background", [(signal.SIGINT, False), (signal.SIGUSR1, True)])
+def test_sigint_and_sigusr1_save_with_one_line(tmp_path, sig, background):
+    """SIGUSR1 with checkpoint.async saving every step: the signal lands while a background write is
+    in flight; the stop's save waits for it, and the run resumes from the step it stopped at."""
     out = tmp_path / "run"
-    job = Job(out)
+    job = Job(out, *(["checkpoint.async=true", "checkpoint.every=1"] if background else []))
     job.wait_for(r"^step 2/")
     os.kill(job.proc.pid, sig)
     assert job.wait() == EXIT_RESUMABLE, job.text("stderr")[-3000:]
@@ -194,7 +196,14 @@ def test_sigint_and_sigusr1_save_with_one_line(tmp_path, sig):
     assert "KeyboardInterrupt" not in err and "Traceback" not in err, err[-3000:]
     said = [line for line in err.splitlines() if sig.name in line and "rank" not in line.split(":")[0]]
     assert len([line for line in said if line.startswith("qwenkit train: ")]) == 1, err[-3000:]
-    assert _checkpoints(out) == [job.step()]
+    if not background:
+        assert _checkpoints(out) == [job.step()]
+        return
+    steps = _checkpoints(out)  # keep_last=2: the stop's checkpoint and the one before, both complete
+    assert steps == [job.step() - 1, job.step()] and not list(ckpt.checkpoint_root(out).glob(".tmp-*")), steps
+    again = subprocess.run(_cmd(out, f"train.steps={steps[-1] + 1}"), cwd=ROOT, capture_output=True, text=True, timeout=HANG)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {ckpt.step_dir(ckpt.checkpoint_root(out), steps[-1])} at step {steps[-1]}" in again.stderr
 
 
 @pytest.mark.slow
@@ -432,6 +441,9 @@ class _Sampler:
     def state_dict(self):
         return {"epoch": 0, "index": 3}
 
+    def load_state_dict(self, state):
+        assert state == self.state_dict()
+
 
 def _small_model():
     from torch.distributed.fsdp import fully_shard
@@ -591,3 +603,65 @@ def test_checksum_cost_next_to_the_write(tmp_path):
     crc_s = time.perf_counter() - began
     print(f"64 MiB: write+fsync {write_s:.3f} s, crc32 {crc_s:.3f} s")
     assert crc_s < 10 * max(write_s, 0.05)  # catches a pathological checksum, not a slow machine
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint.async (issue 32): the background write's faults, on 2 gloo ranks with a small model
+
+
+def _async_faults(rank, out):
+    from torch.distributed.checkpoint import filesystem
+
+    dist.init_process_group("gloo")
+    cpu = torch.device("cpu")
+    model, optimizer = _small_model()
+    root, group, results = out / "checkpoints", ckpt.AsyncSaves(cpu), {}
+    ckpt.finish(ckpt.start_save(root, 1, model, optimizer, _Sampler(), cpu, keep_last=3, saves=group))
+    # the state is staged when start_save returns: the weights may change under the write
+    saved = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    pending = ckpt.start_save(root, 2, model, optimizer, _Sampler(), cpu, keep_last=3, saves=group)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ckpt.finish(pending)
+    fresh, fresh_optimizer = _small_model()
+    ckpt.load(root / "step-00000002", fresh, fresh_optimizer, _Sampler(), cpu)
+    results["staged"] = all(torch.equal(fresh.state_dict()[k].full_tensor(), v) for k, v in saved.items())
+    real_write = filesystem._write_item
+
+    def no_space(*a, **k):  # a full disk, met by rank 1's background writer
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    filesystem._write_item = no_space if rank == 1 else real_write
+    pending = ckpt.start_save(root, 3, model, optimizer, _Sampler(), cpu, keep_last=3, saves=group)
+    try:
+        ckpt.finish(pending)
+        results["enospc"] = "saved"
+    except ckpt.CheckpointError as e:
+        results["enospc"] = str(e)
+    results["after_enospc"] = sorted(p.name for p in root.iterdir())
+    (out / f"results-{rank}.json").write_text(json.dumps(results))
+
+    def killed(*a, **k):  # rank 1 is SIGKILLed in the middle of its background write
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    filesystem._write_item = killed if rank == 1 else real_write
+    ckpt.finish(ckpt.start_save(root, 4, model, optimizer, _Sampler(), cpu, keep_last=1, saves=group))
+    (out / f"finished-{rank}").write_text("step 4 looked complete")
+
+
+@pytest.mark.slow
+def test_async_save_faults_leave_the_previous_checkpoint_the_one_resumed(tmp_path):
+    codes = run_ranks(_async_faults, 2, tmp_path, timeout=HANG)
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
+    r0, r1 = (json.loads((tmp_path / f"results-{r}.json").read_text()) for r in (0, 1))
+    assert r0["staged"] and r1["staged"]  # the weights changed after start_save; the checkpoint did not
+    assert r0["enospc"] == r1["enospc"] and "is full" in r0["enospc"] and "step-00000002' is intact" in r0["enospc"]
+    assert r0["after_enospc"] == ["step-00000001", "step-00000002"]  # no partial step 3 left
+    # killed mid-write: step 4 never looks complete, keep_last=1 pruned nothing, step 2 is resumed
+    assert not list(tmp_path.glob("finished-*"))
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000001", "step-00000002"]
+    assert (root / ".tmp-step-00000004").is_dir()
+    cfg = qconfig.load(overrides=[f"train.output_dir={tmp_path}"])
+    assert resume.decide(cfg, None).path == root / "step-00000002"

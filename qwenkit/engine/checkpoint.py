@@ -21,6 +21,13 @@ known by errno or by the room left after the failed write)
 removes its partial directory and raises one :class:`CheckpointError` on every rank naming the
 disk, the bytes free and about the bytes needed.
 
+``checkpoint.async``: :func:`start_save` copies the state to CPU memory and DCP writes it from a
+thread on a gloo group of its own (:class:`AsyncSaves`) while training goes on; :func:`finish`
+(called when :func:`written_everywhere` says every rank's write ended, before the next save, and
+before a stop) checks and marks it exactly as a synchronous save does: ``COMPLETE.json`` and the
+CRC-32s only once every rank's write has finished, pruning only then. One save is in flight at
+a time; a crash during the background write leaves a ``.tmp-*`` directory, never a complete one.
+
 Integrity (:mod:`qwenkit.engine.checkpoint_dir`): a resume checks every file against
 ``COMPLETE.json`` (sizes in the launcher, before any process starts; CRC-32s in the ranks, each
 rank reading its share of the files). Which checkpoint a start resumes, and whether it may, is
@@ -40,7 +47,10 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -113,9 +123,29 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 # Save
 
 
+@dataclass
+class Save:
+    """A save under way: started by :func:`start_save`, made complete by :func:`finish` (both collective)."""
+
+    root: Path
+    step: int
+    keep_last: int
+    run: dict | None
+    report: dict  # this rank's: bytes, and the error that stopped its part (None: none yet)
+    future: Future | None = None  # the background write of checkpoint.async (None: written already)
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f"{TMP_PREFIX}{self.step:08d}"
+
+    @property
+    def final(self) -> Path:
+        return step_dir(self.root, self.step)
+
+
 def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.device, keep_last: int,
          run: dict | None = None) -> Path:  # fmt: skip
-    """Collective: every rank calls it. Returns the final directory.
+    """Collective: every rank calls it; the synchronous save. Returns the final directory.
 
     ``run`` (:func:`qwenkit.engine.resume.run_record`) goes into ``COMPLETE.json``: what the
     launcher checks a resume against before any process starts.
@@ -125,35 +155,73 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
     after writing, when a rank failed to write (the partial directory is removed) or when a rank
     does not see every rank's files (no shared output_dir).
     """
-    root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
-    tmp, final = root / f"{TMP_PREFIX}{step:08d}", step_dir(root, step)
-    if (final / COMPLETE).is_file():
-        raise CheckpointError(f"checkpoint {str(final)!r} exists already; a save never replaces one")
+    return finish(start_save(root, step, model, optimizer, sampler, device, keep_last, run))
+
+
+def start_save(root: str | Path, step: int, model, optimizer, sampler, device: torch.device, keep_last: int,
+               run: dict | None = None, saves: AsyncSaves | None = None) -> Save:  # fmt: skip
+    """Collective: write step ``step`` under ``.tmp-step-*``; :func:`finish` makes it a checkpoint.
+
+    Without ``saves`` everything is written here. With ``saves`` (:class:`AsyncSaves`) DCP's
+    ``async_save`` copies the model and optimizer state to CPU memory and writes it from a
+    thread, coordinating on its own gloo group (never on training's); this returns once the copy
+    is made, so the weights may change under the write. The data position and RNG (a few KB) are
+    written here either way, as they are at this step.
+    """
+    root, rank = Path(root), dist.get_rank()
+    pending = Save(root, step, keep_last, run, {"rank": rank, "error": None, "enospc": False, "nbytes": 0, "ranks": []})
+    if (pending.final / COMPLETE).is_file():
+        raise CheckpointError(f"checkpoint {str(pending.final)!r} exists already; a save never replaces one")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in [*root.glob(f"{TMP_PREFIX}*"), *root.glob(f"{PRUNE_PREFIX}*")]:  # left by a killed save
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+        pending.tmp.mkdir()
     dist.barrier()
-    report = {"rank": rank, "error": None, "enospc": False, "nbytes": 0, "ranks": []}
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
-        report["nbytes"] = _nbytes(model_sd) + _nbytes(optim_sd)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
-        _write(tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
+        pending.report["nbytes"] = _nbytes(model_sd) + _nbytes(optim_sd)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        # DCP first, on every rank: a rank that failed before it would leave the others in its collectives
+        if saves is None:
+            dcp.save(state, checkpoint_id=str(pending.tmp))
+        else:
+            written = dcp.async_save(state, checkpoint_id=str(pending.tmp), process_group=saves.group,
+                                     async_stager=saves.stager)  # fmt: skip
+        _write(pending.tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
         if rank == 0:
-            _write(tmp / "train_state.pt", {"step": step})
-        mine = _files_of_rank(tmp, rank)
-        manifest = {name: [(tmp / name).stat().st_size, crc32_file(tmp / name)] for name in mine}
-        _write_text(tmp / MANIFEST.format(rank=rank), json.dumps(manifest))
+            _write(pending.tmp / "train_state.pt", {"step": step})
+        if saves is not None:  # the manifest lists the rank files: its thread starts after they are written
+            pending.future = _then_manifest(written, pending.tmp, rank)
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
-        failures = getattr(e, "failures", None)  # DCP names the ranks whose writes failed
-        free = shutil.disk_usage(root).free if root.exists() else 0  # the partial save still in place
-        # torch.save's zip writer reports a full disk as a RuntimeError without errno ("unexpected
-        # pos"): a failed write that left less room than this rank's part needs is a full disk too
-        full = _is_enospc(e) or free < report["nbytes"]
-        report.update(error=_one_line(e), enospc=full, free=free,
-                      ranks=sorted(failures) if isinstance(failures, dict) else [rank])  # fmt: skip
+        _failed(pending, e)
+    return pending
+
+
+def written_everywhere(pending: Save, device: torch.device) -> bool:
+    """Collective: True on every rank when every rank's background write has ended (one all-reduce)."""
+    local = 1 if pending.future is None or pending.future.done() else 0
+    flag = torch.tensor([local], device=device if dist.get_backend() != "gloo" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def finish(pending: Save) -> Path:
+    """Collective: wait for this rank's write; once every rank's files are written and seen by
+    every rank, rank 0 writes ``COMPLETE.json``, renames the directory and prunes. Returns it.
+
+    A rank that failed (also in the background) raises one :class:`CheckpointError` on every
+    rank, and the partial directory is removed: nothing that looks complete is left.
+    """
+    rank, world, tmp, report = dist.get_rank(), dist.get_world_size(), pending.tmp, pending.report
+    if report["error"] is None:
+        try:
+            if pending.future is not None:
+                pending.future.result()  # the background write and this rank's manifest
+            else:
+                _write_manifest(tmp, rank)
+        except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
+            _failed(pending, e)
     reports = [None] * world
     dist.all_gather_object(reports, report)  # every rank's files are on disk, or its error
     failed = [r for r in reports if r["error"]]
@@ -163,6 +231,7 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
     problems = [None] * world
     dist.all_gather_object(problems, problem)
     problems = [p for p in problems if p]
+    root, step = pending.root, pending.step
     if failed or problems:
         shutil.rmtree(tmp, ignore_errors=True)  # the partial save, on every rank's filesystem
         previous = latest(root)
@@ -176,20 +245,81 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
         log.error("%s", message)
         dist.barrier()
         raise CheckpointError(message)
+    final = pending.final
     if rank == 0:
         marker = {
             "step": step, "world_size": world, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "checksum": "crc32", "files": files, **({"run": run} if run is not None else {}),
+            "checksum": "crc32", "files": files, **({"run": pending.run} if pending.run is not None else {}),
         }  # fmt: skip
         _write_text(tmp / COMPLETE, json.dumps(marker))
         if final.exists():  # an incomplete leftover (no COMPLETE.json), never a finished checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(root)
-        for old in prunable(root, final, keep_last):
+        for old in prunable(root, final, pending.keep_last):
             prune(old)
     dist.barrier()
     return final
+
+
+def _write_manifest(tmp: Path, rank: int) -> None:
+    """``manifest-rank-N.json``: the size and CRC-32 of every file this rank wrote into ``tmp``."""
+    manifest = {name: [(tmp / name).stat().st_size, crc32_file(tmp / name)] for name in _files_of_rank(tmp, rank)}
+    _write_text(tmp / MANIFEST.format(rank=rank), json.dumps(manifest))
+
+
+def _then_manifest(written: Future, tmp: Path, rank: int) -> Future:
+    """The background write, then this rank's manifest in the same thread: reading the files back
+    for their CRC-32s does not block training either. Not a daemon: a process that ends while it
+    runs waits for it (the checkpoint still gets no COMPLETE.json without :func:`finish`)."""
+    done: Future = Future()
+
+    def run():
+        try:
+            written.result()
+            _write_manifest(tmp, rank)
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one; finish() reports it
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="qwenkit-checkpoint-write").start()
+    return done
+
+
+class AsyncSaves:
+    """What ``checkpoint.async`` keeps from save to save (collective to build: every rank at once).
+
+    - a gloo group for the background writes: their collectives (DCP's plan and metadata
+      exchange) run in a thread and must never interleave with training's;
+    - a stager whose CPU copies are reused from save to save (torch >= 2.9; older ones copy into
+      new memory each time): one save is in flight at a time, so a copy is never refilled while
+      its write still reads it. Pinned memory when the model is on an accelerator.
+    """
+
+    def __init__(self, device: torch.device):
+        self.group = dist.new_group(backend="gloo")
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:
+            self.stager = None
+        else:
+            pinned = device.type != "cpu"
+            self.stager = DefaultStager(StagingOptions(pinned, False, False, False))
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+def _failed(pending: Save, error: BaseException) -> None:
+    """Note on this rank's report why its part of the save failed (a full disk told apart)."""
+    failures = getattr(error, "failures", None)  # DCP names the ranks whose writes failed
+    free = shutil.disk_usage(pending.root).free if pending.root.exists() else 0  # the partial save still in place
+    # torch.save's zip writer reports a full disk as a RuntimeError without errno ("unexpected
+    # pos"): a failed write that left less room than this rank's part needs is a full disk too
+    full = _is_enospc(error) or free < pending.report["nbytes"]
+    pending.report.update(error=_one_line(error), enospc=full, free=free,
+                          ranks=sorted(failures) if isinstance(failures, dict) else [pending.report["rank"]])  # fmt: skip
 
 
 def _nbytes(state) -> int:

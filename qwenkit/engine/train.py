@@ -299,6 +299,8 @@ class Trainer:
         window = ProfileWindow(cfg.profile, rt.device, self.out_dir, rt.rank)
         # disable=None: a bar on a terminal, none in batch logs (which get the step lines below)
         bar = tqdm(total=t.steps, initial=self.start_step, disable=None if main_rank else True, desc="train")
+        saves = ckpt.AsyncSaves(rt.device) if ck.async_save else None  # checkpoint.async
+        pending: ckpt.Save | None = None  # the background save in flight (one at a time)
         try:
             if self.start_step == 0 and self.evaluator is not None:
                 metrics.write(0, self.evaluate(0))
@@ -330,24 +332,39 @@ class Trainer:
                 if stop:
                     self.stopped_by = (self.stop_request.name if self.stop_request else None) or "a stop signal to another rank"
                     log.info("stop requested (%s) during step %d: saving a checkpoint", self.stopped_by, step)
-                if (ck.every and step % ck.every == 0) or (step == self.last_step and ck.save_final) or stop:
-                    self.checkpoint = ckpt.save(
+                save_now = (ck.every and step % ck.every == 0) or (step == self.last_step and ck.save_final) or stop
+                if pending is not None and (save_now or ckpt.written_everywhere(pending, rt.device)):
+                    pending = self._saved(pending)  # complete once every rank's write has ended: None
+                if save_now:
+                    pending = ckpt.start_save(
                         ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer,
-                        self.bundle.sampler, rt.device, ck.keep_last, resume_rule.run_record(cfg, rt.world_size),
+                        self.bundle.sampler, rt.device, ck.keep_last, resume_rule.run_record(cfg, rt.world_size), saves,
                     )
-                    self.events.write("checkpoint", step=step, path=str(self.checkpoint))
-                    if main_rank:
-                        tqdm.write(f"checkpoint saved: {self.checkpoint}")
+                    if saves is None or stop or step == self.last_step:  # a stop or the end waits for the write
+                        pending = self._saved(pending)
                 if stop:
                     (log.warning if main_rank else log.info)(
                         "stopped by %s after step %d of %d: checkpoint %s saved; run the same command again to continue",
                         self.stopped_by, step, t.steps, self.checkpoint,
                     )
                     break
+            if pending is not None:  # written in the background since an earlier step
+                pending = self._saved(pending)
         finally:
+            if saves is not None and pending is None:  # (a write still in flight keeps its stager)
+                saves.close()
             bar.close()
             window.close()
             metrics.close()
+
+    def _saved(self, pending: ckpt.Save) -> None:
+        """Collective: wait for the save's write on every rank and mark it complete
+        (:func:`qwenkit.engine.checkpoint.finish`); None: no save is in flight any more."""
+        self.checkpoint = ckpt.finish(pending)
+        self.events.write("checkpoint", step=pending.step, path=str(self.checkpoint))
+        if self.rt.rank == 0:
+            tqdm.write(f"checkpoint saved: {self.checkpoint}")
+        return None
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Eval loss (and accuracy) of the current weights; collective, see :mod:`qwenkit.engine.evaluate`."""
