@@ -181,15 +181,14 @@ def _rank(rank: int, world: int, port: int, sp_size: int, shape_name: str, devic
     step_time = time.perf_counter() - began
     step_peak = meter.peak() - base
 
-    visual = model.model.visual
     base = meter.reset()
     began = time.perf_counter()
     pixels, grid = batch["pixel_values_videos"], batch["video_grid_thw"]
     with SavedBytes(model) as vision_saved:
         if sp_size > 1:
-            features, _ = sequence.encode_share(visual, pixels, grid, sp)
+            features = sequence.encode_share(model, pixels, grid, sp)[0][0]  # the merged features
         else:
-            features = sequence._tower(visual, pixels, grid)
+            features = model.vision_tower(pixels, grid)[0]
     features.float().square().mean().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
