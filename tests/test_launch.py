@@ -47,7 +47,7 @@ def test_train_then_export(tmp_path):
     assert (out / "checkpoints" / "step-00000003" / "COMPLETE.json").is_file()
     for rank in (0, 1):
         rows = [r for r in metrics.read(out) if r["rank"] == rank]
-        assert {r["metric"] for r in rows} == set(metrics.UNITS)
+        assert {r["metric"] for r in rows} == set(metrics.RUN_UNITS)
         assert sorted({r["x"] for r in rows}) == [0, 1, 2, 3]  # x = 0: the eval before the first step
         assert sorted(metrics.series(rows, "eval_accuracy", rank)) == [0, 2, 3]  # and every 2 steps
         assert sorted(metrics.series(rows, "eval_loss", rank)) == [0, 2, 3]

@@ -31,7 +31,7 @@ def test_the_run_logs_every_metric_the_trainer_has(run):
     logged = {r["metric"] for r in metrics.read(out / "metrics" / "rank-00000.jsonl")}
     groups = {f"lr/{g['name']}" for g in trainer.optimizer.param_groups[1:]}  # the optimizer's own names
     assert {"lr/default (no decay)", "lr/model.visual.blocks.*"} <= groups
-    assert logged == set(metrics.UNITS) | groups
+    assert logged == set(metrics.RUN_UNITS) | groups
 
 
 def test_tensorboard_holds_every_metric_of_the_jsonl(run):

@@ -55,7 +55,7 @@ from qwenkit.device import memory_bytes
 from qwenkit.device import reset_peak_memory as reset_device_peak
 from qwenkit.rundir import RunDir
 
-UNITS = {
+RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "loss": "nat",
     "grad_norm": "1",
     "lr": "1",
@@ -68,10 +68,13 @@ UNITS = {
     "peak_memory": "MiB",
     "eval_loss": "nat",
     "eval_accuracy": "1",
-    # train.objective=dpo (TRL's names, qwenkit.engine.preference): rewards are beta x log-ratios
+}
+# train.objective=dpo's too (TRL's names, qwenkit.engine.preference): rewards are beta x log-ratios
+PREFERENCE_UNITS = {
     "rewards": "nat", "logps": "nat", "eval_rewards": "nat", "eval_logps": "nat",
     "rewards/accuracies": "1", "eval_rewards/accuracies": "1",
 }
+UNITS = {**RUN_UNITS, **PREFERENCE_UNITS}
 REPORT_TO = ("tensorboard", "mlflow")
 MLFLOW_RUN_FILE = "mlflow_run.json"
 _MLFLOW_REFUSED = re.compile(r"[^0-9A-Za-z_\-. :]")  # mlflow.utils.validation (and no '/'), ASCII only

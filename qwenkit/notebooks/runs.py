@@ -363,4 +363,5 @@ def eval_figures(run_dir) -> list:
 def figures(out_dir, resume_step: int) -> list:
     """Every figure of notebook 02, in the order it shows them."""
     run = Path(out_dir) / UNINTERRUPTED
-    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, resume_step), *eval_figures(run)]
+    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, resume_step), *eval_figures(run),
+            score_table(out_dir)]  # fmt: skip
