@@ -209,6 +209,15 @@ def _keep_on_device(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, shifted: torch.Tensor, chunk_size) -> torch.Tensor:
+    """The shape and chunk-size checks every chunked head makes; the labels outside the vocabulary [B, S]."""
+    if hidden.shape[:-1] != shifted.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
+    if problem := chunk_size_problem(chunk_size):
+        raise ValueError(problem)
+    return (shifted != IGNORE_INDEX) & ((shifted < 0) | (shifted >= weight.shape[0]))
+
+
 def _raise_out_of_range(bad: torch.Tensor, shifted: torch.Tensor, vocab: int, given_shifted: bool) -> None:
     """The error F.cross_entropy (HF's loss) raises, with where the bad label sits."""
     where = tuple(bad.nonzero()[0].tolist())  # the first bad position, [b, s]
@@ -248,11 +257,7 @@ def chunked_linear_cross_entropy(
     given_shifted = shifted is not None
     if shifted is None:
         shifted = shift_labels(labels)  # [B, S]
-    if hidden.shape[:-1] != shifted.shape:
-        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
-    if problem := chunk_size_problem(chunk_size):
-        raise ValueError(problem)
-    out_of_range = (shifted != IGNORE_INDEX) & ((shifted < 0) | (shifted >= weight.shape[0]))  # [B, S]
+    out_of_range = _check_inputs(hidden, weight, shifted, chunk_size)  # [B, S]
     dtype = compute_dtype(hidden, weight)
     weights = token_weights(shifted, loss_type, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
     shifted = shifted.reshape(-1)  # [N]
@@ -361,11 +366,7 @@ def sequence_logps(
     :func:`chunked_linear_cross_entropy`: one chunk plus the gradients of hidden and weight.
     """
     shifted = shift_labels(labels)  # [B, S]
-    if hidden.shape[:-1] != shifted.shape:
-        raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
-    if problem := chunk_size_problem(chunk_size):
-        raise ValueError(problem)
-    out_of_range = (shifted != IGNORE_INDEX) & ((shifted < 0) | (shifted >= weight.shape[0]))  # [B, S]
+    out_of_range = _check_inputs(hidden, weight, shifted, chunk_size)  # [B, S]
     if out_of_range.any():
         _raise_out_of_range(out_of_range, shifted, weight.shape[0], False)
     dtype = compute_dtype(hidden, weight)

@@ -56,85 +56,60 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four")
 EVAL_SEED = 1  # the held-out synthetic set (data.tiny_eval_samples); training rows use seed 0
 
 
-def qwen2_5_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
-    """A Qwen2.5-VL config with toy sizes (about 0.2M parameters: 215,264 untied)."""
+def _toy_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
+    """The sizes and token ids every family's tiny config shares: ``(text, vision, top-level)``."""
     text = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,  # GQA as in the real model
+        num_key_value_heads=2,  # GQA as in the real models
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim/2 = 8
         bos_token_id=special_ids["<|endoftext|>"],
         eos_token_id=special_ids["<|im_end|>"],
         pad_token_id=special_ids["<|endoftext|>"],
         tie_word_embeddings=tie_word_embeddings,
     )
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=56,  # 2x2 merged tokens per window: the 112 px image has 4 windows
-        fullatt_block_indexes=[1],  # block 0 windowed, block 1 full attention
-        out_hidden_size=64,
-        tokens_per_second=2,
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=special_ids["<|image_pad|>"],
-        video_token_id=special_ids["<|video_pad|>"],
-        vision_start_token_id=special_ids["<|vision_start|>"],
-        vision_end_token_id=special_ids["<|vision_end|>"],
-        tie_word_embeddings=tie_word_embeddings,
-    )
-
-
-def _qwen3_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
-    text = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,  # DeepStack adds after layers 0 and 1: the last one must follow them
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        # interleaved mRoPE: the section sums to head_dim/2 = 8 (4.57 reads rope_scaling; 5.x converts it)
-        rope_theta=5_000_000.0,
-        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-        bos_token_id=special_ids["<|endoftext|>"],
-        eos_token_id=special_ids["<|im_end|>"],
-        pad_token_id=special_ids["<|endoftext|>"],
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=64,
-        num_position_embeddings=16,  # a 4x4 learned grid, interpolated to each image's
-        deepstack_visual_indexes=[0, 1],  # two DeepStack mergers, added after decoder layers 0 and 1
-    )
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64)  # fmt: skip
     top = dict(
         image_token_id=special_ids["<|image_pad|>"],
         video_token_id=special_ids["<|video_pad|>"],
         vision_start_token_id=special_ids["<|vision_start|>"],
         vision_end_token_id=special_ids["<|vision_end|>"],
         tie_word_embeddings=tie_word_embeddings,
+    )
+    return text, vision, top
+
+
+def qwen2_5_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
+    """A Qwen2.5-VL config with toy sizes (about 0.2M parameters: 215,264 untied)."""
+    text, vision, top = _toy_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(num_hidden_layers=2, rope_theta=1_000_000.0,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # sums to head_dim/2 = 8
+    vision.update(
+        patch_size=14,
+        window_size=56,  # 2x2 merged tokens per window: the 112 px image has 4 windows
+        fullatt_block_indexes=[1],  # block 0 windowed, block 1 full attention
+        tokens_per_second=2,
+    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
+
+
+def _qwen3_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
+    text, vision, top = _toy_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(
+        num_hidden_layers=3,  # DeepStack adds after layers 0 and 1: the last one must follow them
+        head_dim=16,
+        # interleaved mRoPE: the section sums to head_dim/2 = 8 (4.57 reads rope_scaling; 5.x converts it)
+        rope_theta=5_000_000.0,
+        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+    )
+    vision.update(
+        patch_size=16,
+        num_position_embeddings=16,  # a 4x4 learned grid, interpolated to each image's
+        deepstack_visual_indexes=[0, 1],  # two DeepStack mergers, added after decoder layers 0 and 1
     )
     return text, vision, top
 
