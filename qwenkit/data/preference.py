@@ -264,11 +264,6 @@ class PairCollator:
         return batch
 
 
-def summarize_pairs(dataset: PairDataset, rows: int) -> str:
-    """``data check``'s line on pairs: how many, and the rows refused because a side was bad."""
-    return f"preference pairs: {len(dataset)} good of {rows} rows read ({rows - len(dataset)} refused)"
-
-
 def preference_data(data):
     """``data`` with its index cache in a ``preference/`` sub-folder: a file read as pairs holds twice its rows."""
     return dataclasses.replace(data, cache_dir=str(Path(cache_dir(data)) / "preference"))
