@@ -1,0 +1,50 @@
+"""Typed run configuration: one dataclass per section, YAML loading, dotted overrides, one validation pass.
+
+A run is described by ``params/*.yaml`` plus command-line overrides such as ``train.steps=30``.
+:func:`load` turns them into a :class:`Config` and validates everything (unknown keys, types,
+ranges, illegal combinations) *before* any model is built. All problems found are reported
+together in one :class:`ConfigError`, each naming the key path, the bad value and what is allowed.
+
+Inside: ``loader`` (YAML 1.2, overrides, typing the values, :func:`load`, :func:`write_config`),
+``schema`` (:class:`Config` and :func:`validate`), ``libraries`` (which library an option needs),
+and one module per section holding its fields, its allowed names and its rules: ``model``,
+``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``checkpoint``, ``profile``.
+"""
+
+from qwenkit.config.checkpoint import CheckpointConfig
+from qwenkit.config.data import DATA_LAYOUTS, DataConfig
+from qwenkit.config.dpo import DPO_LOSSES, DpoConfig
+from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
+from qwenkit.config.loader import BOOL_WORDS, ConfigError, Loader, load, parse_yaml, write_config
+from qwenkit.config.lora import LoraConfig
+from qwenkit.config.loss import LOSS_TYPES, TRAINING_LOSS_TYPES, LossConfig, chunk_size_problem
+from qwenkit.config.model import (
+    DTYPES,
+    FUSED_BACKENDS,
+    FUSED_OPS,
+    MODEL_NAMES,
+    Dtype,
+    ModelConfig,
+    fused_backend_problem,
+    fused_ops_problems,
+)  # fmt: skip
+from qwenkit.config.parallel import ParallelConfig
+from qwenkit.config.profile import ProfileConfig
+from qwenkit.config.schema import Config, validate
+from qwenkit.config.train import (
+    EVAL_METRICS,
+    OBJECTIVES,
+    ParamGroupConfig,
+    TrainConfig,
+    eval_metric_problems,
+    load_user_metric,
+)  # fmt: skip
+
+__all__ = [
+    "BOOL_WORDS", "DATA_LAYOUTS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
+    "FUSED_OPS", "LOSS_TYPES", "MODEL_NAMES", "OBJECTIVES", "PIP_NAMES", "TRAINING_LOSS_TYPES",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DpoConfig", "Dtype", "Loader", "LoraConfig",
+    "LossConfig", "ModelConfig", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig",
+    "chunk_size_problem", "eval_metric_problems", "fused_backend_problem", "fused_ops_problems", "installed",
+    "load", "load_user_metric", "parse_yaml", "validate", "write_config",
+]  # fmt: skip

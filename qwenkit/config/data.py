@@ -1,0 +1,104 @@
+"""``data``: where the rows are, how they are read, checked, cut and batched, and the held-out set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from qwenkit.config.schema import Config, Need
+
+# qwenkit.data.layouts.NAMES (the data floor sits above this module; a test keeps the two equal)
+DATA_LAYOUTS = (
+    "auto", "messages", "sharegpt", "llava", "typed", "qwen_vl", "swift_conversation", "swift_query", "alpaca",
+    "cauldron",
+)  # fmt: skip
+
+
+@dataclass
+class DataConfig:
+    path: str = "tiny"  # "tiny" (embedded synthetic set), a JSON/JSONL file, a directory, or an HF dataset dir
+    layout: Literal[DATA_LAYOUTS] = "auto"  # row layout (docs/DATA.md); auto: detected per row
+    image_dir: str | None = None  # base for relative image paths (default: the dataset file's directory)
+    system_prompt: str = "You are a helpful assistant."
+    max_length: int = 1024  # tokens per sample, images included
+    truncate_text: bool = False  # over-long samples: cut text after the last image instead of dropping
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 256
+    min_image_side: int = 28  # smaller images are bad samples
+    max_aspect_ratio: float = 200.0  # Qwen2-VL's processor refuses more extreme images
+    video_dir: str | None = None  # base for relative video paths (default: data.image_dir, else the file's directory)
+    video_fps: float = 2.0  # frames sampled per second of video
+    video_min_frames: int = 4  # videos with fewer decodable frames are bad samples (short_video)
+    video_max_frames: int = 128  # sampled frames per video at most (longer videos are sampled sparser)
+    video_max_pixels: int = 28 * 28 * 128  # per frame; the lower bound is data.min_pixels
+    video_total_pixels: int = 28 * 28 * 2048  # per video, all frames: caps a video near this/784 tokens
+    on_bad_sample: Literal["error", "skip"] = "skip"
+    max_bad_fraction: float = 0.01  # training fails if more than this fraction is skipped
+    shuffle: bool = True
+    num_workers: int = 0
+    packing: bool = False  # padding-free: each micro-batch is one row of its samples, attention kept per sample
+    max_tokens_per_batch: int = 0  # >0: fill micro-batches up to this many tokens (train.micro_batch_size unused)
+    tiny_samples: int = 64  # size of the embedded synthetic dataset (path=tiny)
+    cache_dir: str | None = None  # prepared-index cache; None: $QWENKIT_CACHE/data-index (~/.cache/qwenkit/data-index)
+    fingerprint: Literal["stat", "content"] = "stat"  # data files keyed by path/size/mtime, or by a content hash
+    num_proc: int = 1  # scan processes per rank on a cold cache (rows are also split across ranks)
+    verify_images: Literal["header", "full"] = "header"  # scan: header (+ end marker) or a full decode
+    eval_path: str | None = None  # held-out set, any format data.path takes
+    eval_fraction: float = 0.0  # or hold out this fraction of data.path's rows (split by train.seed)
+    tiny_eval_samples: int = 0  # path=tiny: held-out synthetic rows drawn with another seed (0: none)
+
+
+def check(cfg: Config, need: Need) -> None:
+    data, loss = cfg.data, cfg.loss
+    need(data.max_length > 0, f"data.max_length must be > 0, got {data.max_length}")
+    need(data.min_pixels > 0, f"data.min_pixels must be > 0, got {data.min_pixels}")
+    need(
+        data.max_pixels >= data.min_pixels,
+        f"data.max_pixels must be >= data.min_pixels ({data.min_pixels}), got {data.max_pixels}",
+    )
+    need(data.min_image_side >= 1, f"data.min_image_side must be >= 1, got {data.min_image_side}")
+    need(data.max_aspect_ratio >= 1, f"data.max_aspect_ratio must be >= 1, got {data.max_aspect_ratio}")
+    need(data.video_fps > 0, f"data.video_fps must be > 0, got {data.video_fps}")
+    need(
+        data.video_min_frames >= 2,
+        f"data.video_min_frames must be >= 2 (one temporal patch), got {data.video_min_frames}",
+    )
+    need(
+        data.video_max_frames >= data.video_min_frames,
+        f"data.video_max_frames must be >= data.video_min_frames ({data.video_min_frames}), got {data.video_max_frames}",
+    )
+    need(
+        data.video_max_pixels >= data.min_pixels,
+        f"data.video_max_pixels must be >= data.min_pixels ({data.min_pixels}), got {data.video_max_pixels}",
+    )
+    need(
+        data.video_total_pixels >= data.min_pixels,
+        f"data.video_total_pixels must be >= data.min_pixels ({data.min_pixels}), got {data.video_total_pixels}",
+    )
+    need(
+        0.0 <= data.max_bad_fraction <= 1.0,
+        f"data.max_bad_fraction must be in [0, 1], got {data.max_bad_fraction}",
+    )
+    need(data.num_workers >= 0, f"data.num_workers must be >= 0, got {data.num_workers}")
+    need(data.tiny_samples > 0, f"data.tiny_samples must be > 0, got {data.tiny_samples}")
+    need(data.max_tokens_per_batch >= 0, f"data.max_tokens_per_batch must be >= 0 (0: off), got {data.max_tokens_per_batch}")
+    if data.max_tokens_per_batch:
+        need(
+            data.max_tokens_per_batch >= data.max_length,
+            f"data.max_tokens_per_batch={data.max_tokens_per_batch} is below data.max_length={data.max_length}: "
+            "a sample of the longest allowed length would fit in no micro-batch",
+        )
+    if data.packing:
+        need(
+            loss.loss_type != "sample_mean",
+            "loss.loss_type: 'sample_mean' is not available with data.packing=true "
+            "(a packed row is one row of several samples); use token_mean or data.packing=false",
+        )
+    need(data.num_proc >= 1, f"data.num_proc must be >= 1, got {data.num_proc}")
+    need(0.0 <= data.eval_fraction < 1.0, f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
+    need(
+        data.eval_path is None or data.eval_fraction == 0.0,
+        f"data.eval_path ({data.eval_path!r}) and data.eval_fraction ({data.eval_fraction}) both give an eval set; keep one",
+    )
+    need(data.tiny_eval_samples >= 0, f"data.tiny_eval_samples must be >= 0, got {data.tiny_eval_samples}")

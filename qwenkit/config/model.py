@@ -1,0 +1,68 @@
+"""``model``: the checkpoint, its family and dtype, frozen modules, the fused ops and their backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
+
+if TYPE_CHECKING:
+    from qwenkit.config.schema import Config, Need
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
+# The allowed names: the schema owns them, and the code that implements them (qwenkit.patches,
+# qwenkit.model.family) imports them from here, so config stays a leaf.
+FUSED_OPS = ("rms_norm", "vision_rope", "swiglu")  # model.fused_ops; qwenkit.patches implements them
+FUSED_BACKENDS = ("auto", "npu", "cuda")  # model.fused_backend
+MODEL_NAMES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name; qwenkit.model.family holds one entry each
+
+
+@dataclass
+class ModelConfig:
+    # the model family (qwenkit.model.family.FAMILIES); auto: the checkpoint's config.json model_type
+    # (path=tiny: qwen2_5_vl). A name that disagrees with the checkpoint is refused before start
+    name: Literal[("auto", *MODEL_NAMES)] = "auto"
+    path: str = "tiny"  # "tiny" (embedded default) or a Hugging Face checkpoint directory
+    dtype: Dtype = "float32"  # dtype the weights are loaded in
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    freeze: list[str] = field(default_factory=list)  # module paths, e.g. ["model.visual"]
+    fused_ops: Literal["auto", "off"] | list[str] = "auto"  # or a subset of FUSED_OPS
+    # auto: NPU tensors run torch_npu, CUDA tensors Liger (when installed); npu | cuda: that route only
+    fused_backend: Literal[FUSED_BACKENDS] = "auto"
+    init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
+    tie_word_embeddings: bool = False  # only for path=tiny (HF checkpoints carry their own)
+
+
+def fused_ops_problems(ops: Any) -> list[str]:
+    """What is wrong with a ``model.fused_ops`` value (``auto``, ``off`` or a list of FUSED_OPS)."""
+    if ops in ("auto", "off"):
+        return []
+    if isinstance(ops, str) or not isinstance(ops, (list, tuple)) or not all(isinstance(o, str) for o in ops):
+        return [f"fused ops must be 'auto', 'off' or a list of {', '.join(FUSED_OPS)}; got {ops!r}"]
+    return [f"unknown fused op {op!r}; allowed: {', '.join(FUSED_OPS)}" for op in ops if op not in FUSED_OPS]
+
+
+def fused_backend_problem(backend: str) -> str | None:
+    """Why ``model.fused_backend`` cannot run here (not a backend, or its library is missing), or None."""
+    if backend not in FUSED_BACKENDS:
+        return f"fused_backend must be one of {', '.join(FUSED_BACKENDS)}, got {backend!r}"
+    library = FUSED_LIBRARIES.get(backend)
+    if library is None or installed(library):
+        return None
+    return (
+        f"fused_backend={backend!r} needs {PIP_NAMES[library]}, which is not installed: "
+        f"pip install 'qwenkit[{backend}]', or use auto (each tensor's device picks its kernels)"
+    )
+
+
+def check(cfg: Config, need: Need) -> None:
+    model = cfg.model
+    for problem in fused_ops_problems(model.fused_ops):
+        need(False, f"model.fused_ops: {problem}")
+    if model.fused_ops != "off":
+        problem = fused_backend_problem(model.fused_backend)
+        need(problem is None, f"model.{problem}")

@@ -1,0 +1,71 @@
+"""``parallel``: processes, backend and device, the FSDP2 shard plan, mixed precision, offload,
+recompute, sequence parallelism and the collective timeout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from qwenkit.config.model import Dtype
+
+if TYPE_CHECKING:
+    from qwenkit.config.schema import Config, Need
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1  # processes on this node (torchrun --nproc-per-node)
+    allow_oversubscribe: bool = False  # CPU: allow more ranks than cores (each rank then gets a share of one)
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    shard_patterns: list[str] = field(
+        default_factory=lambda: [
+            "model.visual.blocks.*",
+            "model.visual.merger",
+            "model.language_model.embed_tokens",
+            "model.language_model.layers.*",
+            "lm_head",
+        ]
+    )
+    reshard_after_forward: bool = True
+    param_dtype: Dtype | None = None  # FSDP2 MixedPrecisionPolicy; None keeps the weights' dtype
+    reduce_dtype: Dtype | None = None
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on host
+    hsdp_replicas: int = 1  # >1: HSDP mesh (replicas, world // replicas); must divide the world size
+    recompute: list[str] = field(default_factory=list)  # e.g. [model.language_model.layers.*]
+    activation_offload: bool = False  # saved activations to host memory
+    # Ulysses sequence parallelism: groups of sp_size ranks split every sequence (1 = off);
+    # data parallelism over nproc // sp_size groups. See docs/SEQUENCE_PARALLEL.md
+    sp_size: int = 1
+    # a collective (or the process group's start) waiting longer than this fails, naming the
+    # rank that stopped answering; long enough for a 7B weight load or checkpoint save
+    timeout_s: int = 600
+
+
+def check(cfg: Config, need: Need) -> None:
+    parallel = cfg.parallel
+    need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
+    need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
+    need(parallel.timeout_s >= 1, f"parallel.timeout_s must be >= 1 (seconds), got {parallel.timeout_s}")
+    _check_sequence_parallel(cfg, need)
+
+
+def _check_sequence_parallel(cfg: Config, need: Need) -> None:
+    """``parallel.sp_size``; the model's head counts are checked by the launcher (they need its config)."""
+    sp = cfg.parallel.sp_size
+    need(sp >= 1, f"parallel.sp_size must be >= 1, got {sp}")
+    if sp <= 1:
+        return
+    need(
+        cfg.parallel.nproc % sp == 0,
+        f"parallel.sp_size={sp} must divide parallel.nproc={cfg.parallel.nproc} (a sequence-parallel group stays on one node)",
+    )
+    need(cfg.loss.chunk, f"parallel.sp_size={sp} needs loss.chunk=true (each rank computes the chunked loss of its slice)")
+    need(
+        cfg.loss.loss_type == "token_mean",
+        f"parallel.sp_size={sp} supports loss.loss_type=token_mean only, got {cfg.loss.loss_type!r}",
+    )
+    need(
+        cfg.model.attn_implementation in ("sdpa", "eager"),
+        f"parallel.sp_size={sp} supports model.attn_implementation sdpa or eager, got {cfg.model.attn_implementation!r}",
+    )

@@ -1,0 +1,154 @@
+"""``train``: the objective, the schedule and optimizer, the output folder and resume, evaluation
+and its answer metrics, the trackers."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from qwenkit.config.libraries import installed
+
+if TYPE_CHECKING:
+    from qwenkit.config.schema import Config, Need
+
+log = logging.getLogger(__name__)
+OBJECTIVES = ("sft", "dpo")  # train.objective
+
+EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)
+
+
+@dataclass
+class ParamGroupConfig:
+    pattern: str = ""  # a module path, * = one segment (model.visual.blocks.*); its parameters form the group
+    lr: float = 0.0  # this group's peak LR (same warmup + cosine shape as train.lr)
+    weight_decay: float | None = None  # None: train.weight_decay
+
+
+@dataclass
+class TrainConfig:
+    objective: Literal[OBJECTIVES] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section)
+    steps: int = 30  # the run's length: the LR schedule spans these steps
+    stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
+    micro_batch_size: int = 2  # samples per rank per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 3
+    weight_decay: float = 0.0
+    # per-module LRs: the first group whose pattern holds a parameter takes it; the rest train at train.lr
+    param_groups: list[ParamGroupConfig] = field(default_factory=list)
+    no_decay: bool = False  # biases, norm weights and embeddings get weight_decay 0 (in every group)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    seed: int = 42
+    output_dir: str = "runs/tiny"
+    resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint directory
+    # resume (or start fresh) behind newer checkpoints in output_dir: they move to superseded-<time>/
+    resume_older: bool = False
+    log_every: int = 1
+    eval_every: int = 0  # eval loss every N steps; always at step 0 and train.steps when an eval set exists
+    eval_samples: int = 16  # eval rows whose greedy replies give eval_accuracy (step 0 and the end); 0: none
+    # also eval_accuracy every N steps (0: step 0 and the end only); each one gathers the full
+    # weights on every rank, and each rank generates its share of the rows
+    eval_accuracy_every: int = 0
+    eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
+    eval_batch_size: int = 8  # prompts per generate call on each rank (left-padded; 1: one row at a time)
+    eval_temperature: float = 0.0  # 0: greedy; > 0 samples (seeded by train.seed and the rank)
+    eval_top_p: float = 1.0  # nucleus sampling's mass when eval_temperature > 0
+    # scores of each reply: exact, normalized (VQA), relaxed (ChartQA), anls (DocVQA) or a user's
+    # module:function(prediction, reference) -> float; eval_accuracy is the first one's mean
+    eval_metrics: list[str] = field(default_factory=lambda: ["exact"])
+    report_to: list[Literal["tensorboard", "mlflow"]] = field(default_factory=list)  # besides the metrics JSONL
+
+
+def check(cfg: Config, need: Need) -> None:
+    train = cfg.train
+    need(train.steps > 0, f"train.steps must be > 0, got {train.steps}")
+    need(
+        0 <= train.stop_after <= train.steps,
+        f"train.stop_after must be in [0, train.steps={train.steps}], got {train.stop_after}",
+    )
+    need(train.micro_batch_size > 0, f"train.micro_batch_size must be > 0, got {train.micro_batch_size}")
+    need(train.grad_accum > 0, f"train.grad_accum must be > 0, got {train.grad_accum}")
+    need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
+    need(0.0 <= train.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")
+    need(train.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {train.warmup_steps}")
+    if train.warmup_steps > train.steps > 0:
+        log.warning(
+            "train.warmup_steps=%d exceeds train.steps=%d: the LR rises for the whole run and never reaches train.lr=%g",
+            train.warmup_steps, train.steps, train.lr,
+        )  # fmt: skip
+    need(
+        bool(train.output_dir.strip()),
+        f"train.output_dir must name a directory, got {train.output_dir!r} "
+        "(empty: config.yaml, checkpoints/, logs/ and metrics/ would land in the current directory)",
+    )
+    need(train.weight_decay >= 0, f"train.weight_decay must be >= 0, got {train.weight_decay}")
+    need(
+        len(train.betas) == 2 and all(0.0 <= b < 1.0 for b in train.betas),
+        f"train.betas must be two numbers in [0, 1), got {train.betas}",
+    )
+    need(train.max_grad_norm >= 0, f"train.max_grad_norm must be >= 0, got {train.max_grad_norm}")
+    need(train.log_every >= 1, f"train.log_every must be >= 1, got {train.log_every}")
+    need(train.eval_every >= 0, f"train.eval_every must be >= 0, got {train.eval_every}")
+    need(train.eval_samples >= 0, f"train.eval_samples must be >= 0, got {train.eval_samples}")
+    need(train.eval_accuracy_every >= 0, f"train.eval_accuracy_every must be >= 0, got {train.eval_accuracy_every}")
+    need(train.eval_max_new_tokens >= 1, f"train.eval_max_new_tokens must be >= 1, got {train.eval_max_new_tokens}")
+    need(train.eval_batch_size >= 1, f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
+    need(train.eval_temperature >= 0, f"train.eval_temperature must be >= 0 (0: greedy), got {train.eval_temperature}")
+    need(0 < train.eval_top_p <= 1, f"train.eval_top_p must be in (0, 1], got {train.eval_top_p}")
+    for problem in eval_metric_problems(train.eval_metrics, "train.eval_metrics"):
+        need(False, problem)
+    need(
+        "mlflow" not in train.report_to or installed("mlflow"),
+        "train.report_to: mlflow needs the mlflow package, which is not installed; pip install 'qwenkit[mlflow]'",
+    )
+    _check_param_groups(cfg, need)
+
+
+def load_user_metric(spec: str, key: str = "train.eval_metrics"):
+    """The function ``module:function`` names (importable from ``PYTHONPATH``); a ``ValueError``
+    naming ``key`` when it does not import or is not callable."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{key}: {spec!r} is neither a built-in metric ({', '.join(EVAL_METRICS)}) nor module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:  # a user's module may fail in any way: say which
+        raise ValueError(f"{key}: {spec!r} does not import ({type(e).__name__}: {e}); is its folder on PYTHONPATH?") from e
+    if not callable(fn):
+        raise ValueError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function(prediction, reference) -> float")
+    return fn
+
+
+def eval_metric_problems(names: list[str], key: str) -> list[str]:
+    """Why ``names`` cannot score replies: none given, unknown, not importable, or two reported alike."""
+    if not names:
+        return [f"{key} must name at least one metric ({', '.join(EVAL_METRICS)} or module:function)"]
+    problems, reported = [], []
+    for spec in names:
+        if spec in EVAL_METRICS:
+            reported.append(spec)
+            continue
+        try:
+            reported.append(load_user_metric(spec, key).__name__)
+        except ValueError as e:
+            problems.append(str(e))
+    twice = sorted({r for r in reported if reported.count(r) > 1})
+    if twice:
+        problems.append(f"{key}: {', '.join(twice)} reported twice (a user metric is reported under its function's name)")
+    return problems
+
+
+def _check_param_groups(cfg: Config, need: Need) -> None:
+    seen = set()
+    for i, group in enumerate(cfg.train.param_groups):
+        key = f"train.param_groups[{i}]"
+        need(bool(group.pattern), f"{key}.pattern must be a module path, e.g. model.visual.blocks.*")
+        need(group.pattern not in seen, f"{key}.pattern {group.pattern!r} is given twice")
+        seen.add(group.pattern)
+        need(group.lr > 0, f"{key}.lr must be > 0, got {group.lr}")
+        if group.weight_decay is not None:
+            need(group.weight_decay >= 0, f"{key}.weight_decay must be >= 0, got {group.weight_decay}")
