@@ -199,6 +199,9 @@ class TrainConfig:
     eval_batch_size: int = 8  # prompts per generate call on each rank (left-padded; 1: one row at a time)
     eval_temperature: float = 0.0  # 0: greedy; > 0 samples (seeded by train.seed and the rank)
     eval_top_p: float = 1.0  # nucleus sampling's mass when eval_temperature > 0
+    # where replies come from: gather (a full copy of the weights on every rank), lockstep (the
+    # sharded model, every rank stepping together), auto (gather when the copy fits, see engine/generate.py)
+    eval_generation: Literal["auto", "gather", "lockstep"] = "auto"
     # scores of each reply: exact, normalized (VQA), relaxed (ChartQA), anls (DocVQA) or a user's
     # module:function(prediction, reference) -> float; eval_accuracy is the first one's mean
     eval_metrics: list[str] = field(default_factory=lambda: ["exact"])

@@ -68,6 +68,7 @@ RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "peak_memory": "MiB",
     "eval_loss": "nat",
     "eval_accuracy": "1",
+    "eval_generation_time": "s",  # an accuracy evaluation's copy, generation and scores (engine/evaluate.py)
 }
 # train.objective=dpo's too (TRL's names, qwenkit.engine.preference): rewards are beta x log-ratios
 PREFERENCE_UNITS = {
