@@ -91,6 +91,8 @@ def reset_peak_memory(device: torch.device | str) -> None:
         return
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
 def device_count(device: str) -> int:
     """Devices of type ``device`` this process sees: accelerators, or for ``cpu`` the cores it may run on."""
     if device == "cuda":

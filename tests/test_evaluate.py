@@ -335,16 +335,29 @@ def test_resume_keeps_the_eval_schedule(tmp_path):
     assert first.evals + second.evals == whole.evals  # DCP resume is bit-identical
 
 
-def test_eval_accuracy_every_adds_accuracy_between_the_ends(tmp_path):
+def test_eval_accuracy_every_adds_accuracy_between_the_ends(tmp_path, monkeypatch, caplog):
+    """The schedule; and train.eval_generation=auto with no free memory: the trainer's model
+    generates in place (lockstep), says why, and replies as a gathered copy of it does."""
     common = BASE + ["train.steps=4", "train.eval_every=3", "train.eval_samples=2", "train.eval_max_new_tokens=3"]
-    trainer = train.Trainer(qconfig.load(overrides=common + ["train.eval_accuracy_every=2", f"train.output_dir={tmp_path}"]))
-    trainer.run()
+    cfg = qconfig.load(overrides=common + ["train.eval_accuracy_every=2", f"train.output_dir={tmp_path}"])
+    trainer = train.Trainer(cfg)
+    with monkeypatch.context() as m, caplog.at_level("INFO", logger="qwenkit.engine.evaluate"):
+        m.setattr(qgen, "free_memory_bytes", lambda device: 0)
+        trainer.run()
     # eval_loss wherever an evaluation runs: step 0, every 3, every accuracy step, the end
     assert [e["step"] for e in trainer.evals] == [0, 2, 3, 4]
     assert [e["step"] for e in trainer.evals if "eval_accuracy" in e] == [0, 2, 4]
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [f"step-{s:06d}.jsonl" for s in (0, 2, 4)]
     rows = metrics.read(tmp_path / "metrics" / "rank-00000.jsonl")
-    assert metrics.series(rows, "eval_accuracy").keys() == {0, 2, 4}
+    assert metrics.series(rows, "eval_accuracy").keys() == metrics.series(rows, "eval_generation_time").keys() == {0, 2, 4}
+    assert caplog.text.count("(lockstep, generation, scores)") == 3 and "does not fit the 0.00 GiB free" in caplog.text
+    ev = trainer.evaluator
+    caplog.clear()
+    with caplog.at_level("INFO", logger="qwenkit.engine.evaluate"):
+        evaluate.Evaluator(cfg, ev.dataset, ev.collator, 0, 1, ev.device, tmp_path / "gather").accuracy(4, trainer.model)
+    assert "(copy, generation, scores)" in caplog.text and "fits the" in caplog.text
+    replies = qgen.read_jsonl(evaluate.generations_path(tmp_path, 4))
+    assert len(replies) == 2 and replies == qgen.read_jsonl(evaluate.generations_path(tmp_path / "gather", 4))
 
 
 def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):
@@ -361,3 +374,4 @@ def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):
     for row in jsonl:
         (point,) = [e for e in events.Scalars(row["metric"]) if e.step == row["x"]]
         assert point.value == pytest.approx(row["value"], rel=1e-6)
+
