@@ -350,12 +350,12 @@ def test_eval_accuracy_every_adds_accuracy_between_the_ends(tmp_path, monkeypatc
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [f"step-{s:06d}.jsonl" for s in (0, 2, 4)]
     rows = metrics.read(tmp_path / "metrics" / "rank-00000.jsonl")
     assert metrics.series(rows, "eval_accuracy").keys() == metrics.series(rows, "eval_generation_time").keys() == {0, 2, 4}
-    assert caplog.text.count("(lockstep, generation, scores)") == 3 and "does not fit the 0.00 GiB free" in caplog.text
+    assert caplog.text.count("(lockstep; then generation, scores)") == 3 and "does not fit the 0.0 MiB free" in caplog.text
     ev = trainer.evaluator
     caplog.clear()
     with caplog.at_level("INFO", logger="qwenkit.engine.evaluate"):
         evaluate.Evaluator(cfg, ev.dataset, ev.collator, 0, 1, ev.device, tmp_path / "gather").accuracy(4, trainer.model)
-    assert "(copy, generation, scores)" in caplog.text and "fits the" in caplog.text
+    assert "(copy gathered in" in caplog.text and "margin fits the" in caplog.text
     replies = qgen.read_jsonl(evaluate.generations_path(tmp_path, 4))
     assert len(replies) == 2 and replies == qgen.read_jsonl(evaluate.generations_path(tmp_path / "gather", 4))
 

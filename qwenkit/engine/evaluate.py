@@ -20,8 +20,8 @@ full copy of the weights or from the sharded model in lockstep (``train.eval_gen
 choice logged; see :mod:`qwenkit.engine.generate`); rank 0 gathers the rows in row order,
 writes them to ``<output_dir>/eval/step-NNNNNN.jsonl`` and broadcasts the means:
 ``eval_accuracy`` is the first metric's, and with several metrics each is also logged as
-``eval_accuracy/<name>``. ``eval_generation_time`` is the rank's seconds for all of it (copy,
-generation, scores, gather).
+``eval_accuracy/<name>``. ``eval_generation_time`` is the rank's seconds from its first prompt
+to the means (generation, scores, the rows' gather; the copy's gather before it is logged apart).
 """
 
 from __future__ import annotations
@@ -159,13 +159,15 @@ class Evaluator:
             source = qgen.unsharded_copy(model, families.of_model(model).load("hf_class"), self.device)
         else:
             source = model
+        t1 = time.perf_counter()
         values = generate_and_score(source, self.dataset, self.samples, sampling, t.eval_metrics, self.rank,
                                     self.world_size, generations_path(self.output_dir, step), lockstep=mode == "lockstep")  # fmt: skip
         del source
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t1
         if self.rank == 0:
-            log.info("eval at step %d: %d rows generated in %.2f s (%s, generation, scores) on %d rank(s), batches of %d (%s)",
-                     step, len(self.samples), seconds, "copy" if mode == "gather" else "lockstep", self.world_size,
+            log.info("eval at step %d: %d rows generated in %.2f s (%s; then generation, scores) on %d rank(s), "
+                     "batches of %d; %s", step, len(self.samples), seconds,
+                     f"copy gathered in {t1 - t0:.2f} s" if mode == "gather" else "lockstep", self.world_size,
                      t.eval_batch_size, why)  # fmt: skip
         return {**accuracy_values(values), "eval_generation_time": seconds}
 

@@ -290,10 +290,13 @@ def choose_generation(setting: str, model: nn.Module, sampling: Sampling, longes
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
     mode = "gather" if fits[0].item() else "lockstep"
-    gib = 2**30
-    why = (f"auto: full copy {copy / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB + {COPY_MARGIN:.0%} margin "
-           f"{'fits' if mode == 'gather' else 'does not fit'} the {fits[1].item() / gib:.2f} GiB free on the tightest rank")  # fmt: skip
+    why = (f"auto: full copy {_size(copy)} + KV cache {_size(kv)} + {COPY_MARGIN:.0%} margin "
+           f"{'fits' if mode == 'gather' else 'does not fit'} the {_size(fits[1].item())} free on the tightest rank")  # fmt: skip
     return mode, why
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def share(indices: list[int], rank: int, world_size: int) -> list[int]:
