@@ -192,8 +192,8 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # eval loss every N steps; always at step 0 and train.steps when an eval set exists
     eval_samples: int = 16  # eval rows whose greedy replies give eval_accuracy (step 0 and the end); 0: none
-    # also eval_accuracy every N steps (0: step 0 and the end only); each one gathers the full
-    # weights on every rank, and each rank generates its share of the rows
+    # also eval_accuracy every N steps (0: step 0 and the end only); each rank generates its share
+    # of the rows (from a full copy of the weights, or in lockstep: train.eval_generation)
     eval_accuracy_every: int = 0
     eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
     eval_batch_size: int = 8  # prompts per generate call on each rank (left-padded; 1: one row at a time)
