@@ -6,7 +6,7 @@ there fails here, naming the setting, rather than at the first tensor moved.
 
 :func:`memory_bytes` is the one way memory is read (training metrics, the profiler's CPU
 snapshot, the measuring harness, the benchmarks): the allocator's bytes on an accelerator, the
-process's resident set on the CPU.
+process's resident set on the CPU; :func:`free_memory_bytes` what is left to take.
 """
 
 from __future__ import annotations
@@ -67,6 +67,22 @@ def memory_bytes(device: torch.device | str, peak: bool = True) -> int:
     raise RuntimeError(f"{field[:-1]} not in /proc/self/status: the current resident set is unknown here")
 
 
+def free_memory_bytes(device: torch.device | str) -> int:
+    """Memory a new tensor on ``device`` could still take: on an accelerator the device's free
+    bytes (``mem_get_info``) plus what the caching allocator holds unused; on the CPU the host's
+    ``MemAvailable`` (``/proc/meminfo``), shared by every process on it."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        memory = torch.get_device_module(device.type)
+        free, _ = memory.mem_get_info(device)
+        return free + memory.memory_reserved(device) - memory.memory_allocated(device)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("MemAvailable not in /proc/meminfo: the host's free memory is unknown here")
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     """Start a new peak for :func:`memory_bytes`: the allocator's statistics, or on CPU ``VmHWM := VmRSS``."""
     device = torch.device(device)
@@ -75,6 +91,8 @@ def reset_peak_memory(device: torch.device | str) -> None:
         return
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
 def device_count(device: str) -> int:
     """Devices of type ``device`` this process sees: accelerators, or for ``cpu`` the cores it may run on."""
     if device == "cuda":

@@ -93,8 +93,13 @@ def test_levenshtein_by_hand():
     ("prediction", "reference", "expected"),
     [
         ("B", "B", 1.0), ("(B) a red square", "B", 1.0), ("b. red", "(B)", 1.0), ("B: red", "B.", 1.0),
+        ("(b)", "B", 1.0), ("B. a cat", "B", 1.0),  # the leading option, whatever follows it (the article a)
         ("C", "B", 0.0), ("Blue.", "B", 0.0),  # a word starting with B is not the option
-        ("The answer is B", "B", 0.0),  # only a leading option counts
+        # else MMBench's can_infer_option (VLMEvalKit): the one capital letter standing alone
+        ("The answer is B", "B", 1.0), ("The answer is B.", "(B)", 1.0), ("I think it is (B).", "B", 1.0),
+        ("The answer is C", "B", 0.0), ("Either A or B", "B", 0.0),  # another option; two options: none
+        ("the answer is b", "B", 0.0),  # lower case inside a sentence is a word, not an option
+        ("I", "I", 1.0), ("I think so", "I", 1.0),  # option I: the pronoun counts only then
     ],
 )  # fmt: skip
 def test_multiple_choice_rows_are_scored_by_the_letter(prediction, reference, expected):

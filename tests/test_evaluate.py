@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import sys
@@ -21,6 +22,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit.data.template import IGNORE_INDEX
+from qwenkit.distributed import fsdp
 from qwenkit.engine import answers, evaluate, metrics, train
 from qwenkit.engine import export as hf_export
 from qwenkit.engine import generate as qgen
@@ -134,12 +136,17 @@ def _eval_worker(rank, out):
     cfg = qconfig.load(
         overrides=BASE + ["train.steps=2", "train.eval_every=1", "train.eval_samples=3", "train.eval_max_new_tokens=6",
                           f"train.output_dir={out / 'two'}", "checkpoint.save_final=true", "train.eval_batch_size=2",
-                          "train.eval_metrics=[exact, normalized, anls]"]
+                          "train.eval_metrics=[exact, normalized, anls]", "train.eval_generation=lockstep"]
     )  # fmt: skip
     trainer = train.Trainer(cfg)
     trainer.run()
     if rank == 0:
         (out / "two-evals.json").write_text(json.dumps(trainer.evals))
+    # the trained sharded model's replies again, from a gathered copy on each rank this time
+    gather = copy.deepcopy(cfg)
+    gather.train.eval_generation = "gather"
+    ev = trainer.evaluator
+    evaluate.Evaluator(gather, ev.dataset, ev.collator, rank, 2, ev.device, out / "gather").accuracy(2, trainer.model)
     # then, in the same ranks, no training: the same random weights on both, the mixed held-out
     # set (images, a video, text only, prompts of different lengths), each rank its share in batches of 2
     from test_generate import NEW_TOKENS
@@ -150,6 +157,16 @@ def _eval_worker(rank, out):
     means = evaluate.generate_and_score(model, dataset, list(range(len(dataset))), qgen.Sampling(NEW_TOKENS, batch_size=2),
                                         ["exact", "anls"], rank, 2, out / "mixed.jsonl")  # fmt: skip
     torch.save(means, out / f"means-{rank}.pt")
+    # lockstep on those weights sharded by FSDP2: rank 0's share a two-image row and a video, rank
+    # 1's one text-only row (each prefill: rank 0 calls the tower once or twice, rank 1 idles as
+    # often; batches of 1: rank 1's second call is a dummy one)
+    sharded = build_model(chunk=True, seed=7)  # the weights of model.pt, as training holds them
+    sharded.vision_calls_per_step = 1
+    fsdp.shard(sharded, MIXED.parallel, fsdp.build_mesh(fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)))
+    for batch_size in (1, 2):
+        evaluate.generate_and_score(sharded, dataset, LOCKSTEP_ROWS, qgen.Sampling(NEW_TOKENS, batch_size=batch_size),
+                                    ["exact"], rank, 2, out / f"lockstep-{batch_size}.jsonl", lockstep=True)  # fmt: skip
+    assert (sharded.chunk_loss, sharded.vision_calls_per_step) == (True, 1)  # the training settings are back
     # and qwenkit eval --nproc 2's ranks on the run's last checkpoint, in this process group
     args = argparse.Namespace(target=str(out / "two"), data=None, samples=3, config=None, out=str(out / "cli.jsonl"),
                               metric=["exact", "normalized", "anls"], nproc=2, batch_size=None)  # fmt: skip
@@ -163,6 +180,7 @@ def _eval_worker(rank, out):
 
 
 MIXED = qconfig.load(overrides=["data.max_length=2048"])  # the mixed set's rows fit
+LOCKSTEP_ROWS = [4, 3, 5]  # shares: rank 0 [4, 5] (two images; a video), rank 1 [3] (text only)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +194,7 @@ def two_ranks(tmp_path_factory, tiny_path, processor):
     stock.load_state_dict(build_model(seed=7).state_dict())
     torch.save(stock, out / "model.pt")
     processor.save_pretrained(out / "tiny")
-    check_ranks(_eval_worker, 2, out)
+    check_ranks(_eval_worker, 2, out, timeout=300)  # a lockstep hang fails here (x QWENKIT_TEST_TIMEOUT_SCALE)
     return out
 
 
@@ -236,6 +254,39 @@ def test_sharded_batched_generation_equals_one_row_on_one_process(two_ranks, pro
 
 
 @pytest.mark.slow
+def test_lockstep_generation_on_two_ranks_equals_one_row_on_one_process(two_ranks, processor):
+    """The sharded model stepped by both ranks together (HF's synced_gpus, idle vision calls on
+    the rank without images, a dummy call on the rank with fewer batches) gives every row's
+    one-row greedy tokens of one process, in row order, in batches of 1 and of 2."""
+    from test_generate import NEW_TOKENS, todays_replies
+
+    dataset, _ = data.read_checked(MIXED.data, processor, str(two_ranks / "mixed" / "eval.json"))
+    shares = [qgen.share(LOCKSTEP_ROWS, rank, 2) for rank in (0, 1)]
+    media = [[{k for k in dataset.prompt(i)[0] if k.startswith("pixel_values")} for i in rows] for rows in shares]
+    assert media == [[{"pixel_values"}, {"pixel_values_videos"}], [set()]]  # rank 1: no image, one row fewer
+    stock = torch.load(two_ranks / "model.pt", weights_only=False)
+    want = todays_replies(stock, dataset, sorted(LOCKSTEP_ROWS), NEW_TOKENS)
+    for batch_size in (1, 2):
+        rows = qgen.read_jsonl(two_ranks / f"lockstep-{batch_size}.jsonl")
+        assert [r["index"] for r in rows] == sorted(LOCKSTEP_ROWS)
+        assert [r["tokens"] for r in rows] == want, batch_size
+
+
+@pytest.mark.slow
+def test_the_trainers_lockstep_generation_equals_a_gathered_copys(two_ranks):
+    """train.eval_generation=lockstep through the trainer (2 ranks, shares of 2 and 1 rows): the
+    same rows and replies as the copy gathered from the same sharded weights; the generation
+    time is logged on every rank at each accuracy step."""
+    lockstep = qgen.read_jsonl(evaluate.generations_path(two_ranks / "two", 2))
+    assert qgen.read_jsonl(evaluate.generations_path(two_ranks / "gather", 2)) == lockstep
+    assert [r["index"] for r in lockstep] == [0, 1, 2]
+    for rank in (0, 1):
+        rows = metrics.read(two_ranks / "two" / "metrics" / f"rank-{rank:05d}.jsonl")
+        assert metrics.series(rows, "eval_generation_time", rank).keys() == {0, 2}
+        assert all(v > 0 for v in metrics.series(rows, "eval_generation_time", rank).values())
+
+
+@pytest.mark.slow
 def test_qwenkit_eval_on_two_ranks_equals_the_trainers_evaluation(two_ranks):
     """``qwenkit eval --nproc 2``'s ranks (eval_main under RANK/WORLD_SIZE) on the run's last
     checkpoint: the rows, replies and every metric per row the 2-rank trainer wrote at that
@@ -284,16 +335,29 @@ def test_resume_keeps_the_eval_schedule(tmp_path):
     assert first.evals + second.evals == whole.evals  # DCP resume is bit-identical
 
 
-def test_eval_accuracy_every_adds_accuracy_between_the_ends(tmp_path):
+def test_eval_accuracy_every_adds_accuracy_between_the_ends(tmp_path, monkeypatch, caplog):
+    """The schedule; and train.eval_generation=auto with no free memory: the trainer's model
+    generates in place (lockstep), says why, and replies as a gathered copy of it does."""
     common = BASE + ["train.steps=4", "train.eval_every=3", "train.eval_samples=2", "train.eval_max_new_tokens=3"]
-    trainer = train.Trainer(qconfig.load(overrides=common + ["train.eval_accuracy_every=2", f"train.output_dir={tmp_path}"]))
-    trainer.run()
+    cfg = qconfig.load(overrides=common + ["train.eval_accuracy_every=2", f"train.output_dir={tmp_path}"])
+    trainer = train.Trainer(cfg)
+    with monkeypatch.context() as m, caplog.at_level("INFO", logger="qwenkit.engine.evaluate"):
+        m.setattr(qgen, "free_memory_bytes", lambda device: 0)
+        trainer.run()
     # eval_loss wherever an evaluation runs: step 0, every 3, every accuracy step, the end
     assert [e["step"] for e in trainer.evals] == [0, 2, 3, 4]
     assert [e["step"] for e in trainer.evals if "eval_accuracy" in e] == [0, 2, 4]
     assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [f"step-{s:06d}.jsonl" for s in (0, 2, 4)]
     rows = metrics.read(tmp_path / "metrics" / "rank-00000.jsonl")
-    assert metrics.series(rows, "eval_accuracy").keys() == {0, 2, 4}
+    assert metrics.series(rows, "eval_accuracy").keys() == metrics.series(rows, "eval_generation_time").keys() == {0, 2, 4}
+    assert caplog.text.count("(lockstep; then generation, scores)") == 3 and "does not fit the 0.0 MiB free" in caplog.text
+    ev = trainer.evaluator
+    caplog.clear()
+    with caplog.at_level("INFO", logger="qwenkit.engine.evaluate"):
+        evaluate.Evaluator(cfg, ev.dataset, ev.collator, 0, 1, ev.device, tmp_path / "gather").accuracy(4, trainer.model)
+    assert "(copy gathered in" in caplog.text and "margin fits the" in caplog.text
+    replies = qgen.read_jsonl(evaluate.generations_path(tmp_path, 4))
+    assert len(replies) == 2 and replies == qgen.read_jsonl(evaluate.generations_path(tmp_path / "gather", 4))
 
 
 def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):
@@ -310,3 +374,4 @@ def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):
     for row in jsonl:
         (point,) = [e for e in events.Scalars(row["metric"]) if e.step == row["x"]]
         assert point.value == pytest.approx(row["value"], rel=1e-6)
+

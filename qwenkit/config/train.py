@@ -50,13 +50,16 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # eval loss every N steps; always at step 0 and train.steps when an eval set exists
     eval_samples: int = 16  # eval rows whose greedy replies give eval_accuracy (step 0 and the end); 0: none
-    # also eval_accuracy every N steps (0: step 0 and the end only); each one gathers the full
-    # weights on every rank, and each rank generates its share of the rows
+    # also eval_accuracy every N steps (0: step 0 and the end only); each rank generates its share
+    # of the rows (from a full copy of the weights, or in lockstep: train.eval_generation)
     eval_accuracy_every: int = 0
     eval_max_new_tokens: int = 32  # generation length limit for eval_accuracy
     eval_batch_size: int = 8  # prompts per generate call on each rank (left-padded; 1: one row at a time)
     eval_temperature: float = 0.0  # 0: greedy; > 0 samples (seeded by train.seed and the rank)
     eval_top_p: float = 1.0  # nucleus sampling's mass when eval_temperature > 0
+    # where replies come from: gather (a full copy of the weights on every rank), lockstep (the
+    # sharded model, every rank stepping together), auto (gather when the copy fits, see engine/generate.py)
+    eval_generation: Literal["auto", "gather", "lockstep"] = "auto"
     # scores of each reply: exact, normalized (VQA), relaxed (ChartQA), anls (DocVQA) or a user's
     # module:function(prediction, reference) -> float; eval_accuracy is the first one's mean
     eval_metrics: list[str] = field(default_factory=lambda: ["exact"])

@@ -24,9 +24,14 @@ names listed in :data:`qwenkit.config.EVAL_METRICS`:
   importable from ``PYTHONPATH``, reported under the function's name.
 
 **Multiple-choice rows** (the reference is an option letter alone: ``B``, ``(B)``, ``B.``) are
-scored by the letter by every built-in metric: 1 when the prediction starts with that option
-(``B``, ``(B) red``, ``B. red``, ``b:``), else 0, as MMBench-style evaluations score choices. A
-user metric gets the strings as they are.
+scored by the letter by every built-in metric: 1 when the option the prediction names is that
+letter, else 0. The option named is the one the reply starts with (``B``, ``(b) red``, ``B. a
+cat``, ``b:``), else the one capital letter standing alone as a word in it (``The answer is B``,
+``I pick (B).``): MMBench's rule (Liu et al., MMBench, ECCV 2024; ``can_infer_option`` of
+open-compass/VLMEvalKit: marks ``.()[],:;!*#{}`` become spaces, and exactly one option letter
+may stand alone). The row does not list its options, so every capital letter counts as one but
+the pronoun ``I`` (unless the reference is ``I``); two different letters (``A or C``) name none.
+A user metric gets the strings as they are.
 """
 
 from __future__ import annotations
@@ -152,9 +157,19 @@ def option_letter(reference: str) -> str | None:
     return m.group(1) if m else None
 
 
-def chosen_letter(prediction: str) -> str | None:
+_MARKS = str.maketrans(dict.fromkeys(".()[],:;!*#{}", " "))  # VLMEvalKit's can_infer_option
+
+
+def chosen_letter(prediction: str, reference_letter: str = "A") -> str | None:
+    """The option letter ``prediction`` names: the one it starts with, else its one capital
+    letter standing alone as a word (``I`` only when ``reference_letter`` is ``I``); None if none or two."""
     m = _CHOSEN.match(prediction)
-    return m.group(1).upper() if m else None
+    if m and (m.group(1).upper() != "I" or reference_letter == "I"):  # "I think it is B": the pronoun is no option
+        return m.group(1).upper()
+    alone = {w for w in prediction.translate(_MARKS).split() if len(w) == 1 and w.isupper()}
+    if reference_letter != "I":
+        alone.discard("I")
+    return alone.pop() if len(alone) == 1 else None
 
 
 # the names the config check accepts are the schema's (EVAL_METRICS); a test keeps the two equal
@@ -166,7 +181,7 @@ def _by_letter(metric: Metric) -> Metric:
         letter = option_letter(reference)
         if letter is None:
             return metric(prediction, reference)
-        return float(chosen_letter(prediction) == letter)
+        return float(chosen_letter(prediction, letter) == letter)
 
     return score
 

@@ -14,12 +14,14 @@ with every label ignored, which adds 0 to both. It runs in ``eval()`` mode under
 ``torch.no_grad()``: no activations kept, no gradients, parameters untouched.
 
 **Accuracy** scores the replies to the first ``train.eval_samples`` eval rows by
-``train.eval_metrics`` (:mod:`qwenkit.engine.answers`; ``exact`` by default). Every rank gathers
-a full copy of the weights and generates (and scores) its share of the rows in batches of
-``train.eval_batch_size`` (see :mod:`qwenkit.engine.generate`); rank 0 gathers the rows in row
-order, writes them to ``<output_dir>/eval/step-NNNNNN.jsonl`` and broadcasts the means:
+``train.eval_metrics`` (:mod:`qwenkit.engine.answers`; ``exact`` by default). Every rank
+generates (and scores) its share of the rows in batches of ``train.eval_batch_size``, from a
+full copy of the weights or from the sharded model in lockstep (``train.eval_generation``, the
+choice logged; see :mod:`qwenkit.engine.generate`); rank 0 gathers the rows in row order,
+writes them to ``<output_dir>/eval/step-NNNNNN.jsonl`` and broadcasts the means:
 ``eval_accuracy`` is the first metric's, and with several metrics each is also logged as
-``eval_accuracy/<name>``.
+``eval_accuracy/<name>``. ``eval_generation_time`` is the rank's seconds from its first prompt
+to the means (generation, scores, the rows' gather; the copy's gather before it is logged apart).
 """
 
 from __future__ import annotations
@@ -149,26 +151,37 @@ class Evaluator:
 
     def accuracy(self, step: int, model: nn.Module) -> dict[str, float]:
         t0 = time.perf_counter()
-        # HF's own class on the full weights: what from_pretrained on an export of them gives
-        copy = qgen.unsharded_copy(model, families.of_model(model).load("hf_class"), self.device)
         t = self.cfg.train
-        values = generate_and_score(copy, self.dataset, self.samples, qgen.Sampling.of(t), t.eval_metrics,
-                                    self.rank, self.world_size, generations_path(self.output_dir, step))  # fmt: skip
-        del copy
+        sampling = qgen.Sampling.of(t)
+        longest = max(int(self.dataset.lengths[i]) for i in self.samples)
+        mode, why = qgen.choose_generation(t.eval_generation, model, sampling, longest, self.device)
+        if mode == "gather":  # HF's own class on the full weights: what from_pretrained on an export of them gives
+            source = qgen.unsharded_copy(model, families.of_model(model).load("hf_class"), self.device)
+        else:
+            source = model
+        t1 = time.perf_counter()
+        values = generate_and_score(source, self.dataset, self.samples, sampling, t.eval_metrics, self.rank,
+                                    self.world_size, generations_path(self.output_dir, step), lockstep=mode == "lockstep")  # fmt: skip
+        del source
+        seconds = time.perf_counter() - t1
         if self.rank == 0:
-            log.info("eval at step %d: %d rows generated in %.2f s (copy, generation, scores) on %d rank(s), batches of %d",
-                     step, len(self.samples), time.perf_counter() - t0, self.world_size, t.eval_batch_size)  # fmt: skip
-        return accuracy_values(values)
+            log.info("eval at step %d: %d rows generated in %.2f s (%s; then generation, scores) on %d rank(s), "
+                     "batches of %d; %s", step, len(self.samples), seconds,
+                     f"copy gathered in {t1 - t0:.2f} s" if mode == "gather" else "lockstep", self.world_size,
+                     t.eval_batch_size, why)  # fmt: skip
+        return {**accuracy_values(values), "eval_generation_time": seconds}
 
 
 def generate_and_score(
     model: nn.Module, dataset, indices: list[int], sampling: qgen.Sampling, metric_names: list[str],
-    rank: int, world_size: int, out: Path,
+    rank: int, world_size: int, out: Path, lockstep: bool = False,
 ) -> dict[str, float]:  # fmt: skip
     """Each rank generates and scores its share of ``indices``; rank 0 writes every row to ``out``
-    in row order; returns each metric's mean, the same on every rank (collective)."""
+    in row order; returns each metric's mean, the same on every rank (collective).
+    ``lockstep``: ``model`` is the sharded training model, stepped by every rank together."""
     metrics = answers.resolve(metric_names)
-    rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank)
+    calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
+    rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank, lockstep_calls=calls)
     for r in rows:
         r.scores = answers.score(metrics, r.generated, r.reference)
     rows = qgen.gather_rows(rows, rank, world_size)

@@ -17,23 +17,39 @@ whose ``generate`` takes the dataset's prompt keys works, ``input_ids`` and the 
 :data:`PAD` left-padded, every other key (pixels, grids) concatenated in row order.
 
 **Every rank generates its share** (rows ``r, r + W, ...`` of the requested ones, longest samples
-first so a batch wastes little padding) **from a full copy of the weights** (:func:`unsharded_copy`):
-one ``get_model_state_dict(full_state_dict=True)`` gather onto every rank's device (one full
-copy per device, beside the rank's shards, optimizer state and a batch's KV cache; on CPU ranks
-one copy per rank in host memory). That is the limit: a model whose full
-copy does not fit one device beside its training shards cannot run ``eval_accuracy`` this way
-(it fails with the device's out-of-memory error at the gather). The sharded alternative, every
-rank stepping the FSDP2 model in lockstep (HF's ``synced_gpus``: each forward of a sharded model
-is a collective, so a rank that finished keeps stepping until all have, and the vision tower must
-run on every rank for every batch), is not built; it is needed only when a full copy does not
-fit one device. Generation from the copy is exactly generation from what ``qwenkit export``
-writes (tests check that).
+first so a batch wastes little padding), from one of two places (``train.eval_generation``):
+
+- ``gather``: **a full copy of the weights** on every rank (:func:`unsharded_copy`): one
+  ``get_model_state_dict(full_state_dict=True)`` gather onto every rank's device, beside the
+  rank's shards, optimizer state and a batch's KV cache (on CPU ranks one copy per rank in host
+  memory). Each rank then generates alone, no collective until the rows are gathered; this is
+  exactly generation from what ``qwenkit export`` writes (tests check that).
+- ``lockstep``: **the FSDP2-sharded training model itself** (:func:`lockstep`), for a model whose
+  full copy does not fit one rank. Each forward of a sharded model is a collective (every unit
+  all-gathers its weights), so every rank must run the same forwards in the same order: HF's
+  ``synced_gpus`` keeps a rank whose replies have ended stepping until every rank's have; every
+  rank makes the same number of ``generate`` calls (a rank short of rows generates one token
+  from a one-token dummy prompt, dropped); and every rank's prefill calls the vision tower as
+  often as the rank that calls it most (the model's idle vision calls,
+  :meth:`~qwenkit.model.chunked.ChunkLossMixin.idle_vision_term`, on a blank patch group: the same
+  rule training follows for a micro-batch without images; DeepStack's outputs are part of it).
+  The replies equal the copy's token for token (fp32, tested); LoRA adapters stay unmerged
+  (equal up to rounding). Every forward all-gathers the weights, so it is slower than ``gather``.
+- ``auto`` (the default): ``gather`` when :func:`copy_fits` on every rank, else ``lockstep``.
+  The rule: the full copy (every parameter and buffer at its stored dtype), one batch's KV cache
+  (``2 x layers x KV heads x head dim x eval_batch_size x (longest prompt + max_new_tokens)``) and a
+  margin of a quarter of the copy (activations, logits, allocator slack) must fit the rank's free
+  memory (:func:`qwenkit.device.free_memory_bytes`: the device's free bytes plus its allocator's
+  unused cache; on CPU ranks the host's available memory divided by the ranks on the host).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +59,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig
 
+from qwenkit.device import free_memory_bytes
 from qwenkit.distributed.meta import build_on_meta
 from qwenkit.model import lora
 from qwenkit.records import read_jsonl as read_jsonl  # the one JSONL reader; eval/step-*.jsonl are read by it
@@ -122,7 +139,9 @@ def generation_config(sampling: Sampling, eos_token_id: int, pad_token_id: int) 
 
 
 @torch.no_grad()
-def generate_rows(model: nn.Module, dataset, indices: list[int], sampling: Sampling, rank: int = 0) -> list[Generation]:
+def generate_rows(
+    model: nn.Module, dataset, indices: list[int], sampling: Sampling, rank: int = 0, lockstep_calls: int | None = None,
+) -> list[Generation]:  # fmt: skip
     """Replies of ``model`` to the prompts of ``dataset[indices]``, in the order of ``indices``.
 
     ``dataset``: ``prompt(i) -> (inputs, conversation)``, ``image_refs(i, conversation)``,
@@ -131,6 +150,8 @@ def generate_rows(model: nn.Module, dataset, indices: list[int], sampling: Sampl
     ``batch_size=1`` is one row per ``generate`` call, unpadded.
     Sampling (temperature > 0) draws from its own generator state seeded by ``seed + rank``:
     the training RNG is left where it was.
+    ``lockstep_calls``: ``model`` is sharded and every rank makes this many ``generate`` calls
+    in lockstep (collective, see the module docstring); None: this rank generates alone.
     """
     tok = dataset.processor.tokenizer
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -138,17 +159,27 @@ def generate_rows(model: nn.Module, dataset, indices: list[int], sampling: Sampl
     config = generation_config(sampling, im_end, pad)
     device = next(model.parameters()).device
     order = sorted(indices, key=lambda i: -int(dataset.lengths[i]))  # stable: ties keep their order
+    batches = [order[start : start + sampling.batch_size] for start in range(0, len(order), sampling.batch_size)]
+    if lockstep_calls is not None:
+        if lockstep_calls < len(batches):
+            raise ValueError(f"lockstep_calls={lockstep_calls} is fewer than this rank's {len(batches)} batches")
+        batches += [[] for _ in range(lockstep_calls - len(batches))]  # a dummy call each, outputs dropped
     was_training = model.training
     model.eval()
     done: dict[int, Generation] = {}
     try:
-        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
+            step = stack.enter_context(lockstep(model)) if lockstep_calls is not None else None
             torch.manual_seed(sampling.seed + rank)
-            for start in range(0, len(order), sampling.batch_size):
-                chunk = order[start : start + sampling.batch_size]
+            for chunk in batches:
                 asked = [dataset.prompt(i) for i in chunk]
-                inputs = {k: v.to(device) for k, v in left_pad([a[0] for a in asked], pad).items()}
-                tokens = model.generate(**inputs, generation_config=config)  # [B, S + new]
+                prompts = [a[0] for a in asked] or [_dummy_prompt(pad)]
+                inputs = {k: v.to(device) for k, v in left_pad(prompts, pad).items()}
+                if step is None:
+                    tokens = model.generate(**inputs, generation_config=config)  # [B, S + new]
+                else:
+                    tokens = step(inputs, config if chunk else _one_token(config))
                 for b, (i, (_, conv)) in enumerate(zip(chunk, asked)):
                     new = tokens[b, inputs["input_ids"].shape[1] :].tolist()
                     new = new[: new.index(im_end)] if im_end in new else new  # then pads, once a row ends
@@ -159,6 +190,113 @@ def generate_rows(model: nn.Module, dataset, indices: list[int], sampling: Sampl
     finally:
         model.train(was_training)
     return [done[i] for i in indices]
+
+
+def _dummy_prompt(pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The prompt of a lockstep call a rank makes without rows: one text token (its vision calls are idle ones)."""
+    return {"input_ids": torch.tensor([[pad_token_id]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+
+
+def _one_token(config: GenerationConfig) -> GenerationConfig:
+    """A dummy call's settings: one new token, greedy; ``synced_gpus`` keeps it stepping with the others."""
+    one = GenerationConfig.from_dict(config.to_dict())
+    one.max_new_tokens, one.do_sample = 1, False
+    return one
+
+
+# the model's attributes lockstep generation sets, and restores after
+_LOCKSTEP_STATE = ("chunk_loss", "sequence_parallel", "vision_calls_per_step")
+
+
+@contextlib.contextmanager
+def lockstep(model: nn.Module):
+    """The sharded training ``model`` (a :class:`~qwenkit.model.chunked.ChunkLossMixin`) set up to
+    generate in lockstep; yields ``step(inputs, config) -> tokens``, one collective ``generate`` call.
+
+    While it is open the model returns logits (chunk loss off) for the whole sequence on every
+    rank (sequence parallelism off: each rank generates its own rows), and its vision tower runs
+    inside the prefill forward: transformers 5.x would encode images *before* the prefill, outside
+    ``forward`` (``_prepare_multimodal_encoder_kwargs_for_generation``), where FSDP2 has not gathered
+    the root's parameters (the tower's patch embedding) and where a rank without images would
+    skip the collectives the others make. Each call agrees the prefill's vision calls with the
+    other ranks (one all-reduce); a forward hook ends them after the prefill, since the decoding
+    steps carry no pixels on any rank.
+    """
+    synced = dist.is_initialized() and dist.get_world_size() > 1
+    device = next(model.parameters()).device
+    saved = {name: getattr(model, name) for name in _LOCKSTEP_STATE}
+    model.chunk_loss, model.sequence_parallel, model.vision_calls_per_step = False, None, 0
+    hook = model.register_forward_hook(lambda module, args, out: setattr(module, "vision_calls_per_step", 0))
+    model._supports_mm_encoder_outputs = lambda: False  # the instance's answer, removed below
+
+    def step(inputs: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
+        if synced:
+            made = torch.tensor([("pixel_values" in inputs) + ("pixel_values_videos" in inputs)], device=device)
+            dist.all_reduce(made, op=dist.ReduceOp.MAX)  # the prefill's tower calls of the rank that makes most
+            model.vision_calls_per_step = int(made.item())
+        return model.generate(**inputs, generation_config=config, synced_gpus=synced)  # [B, S + new]
+
+    try:
+        yield step
+    finally:
+        hook.remove()
+        del model._supports_mm_encoder_outputs
+        for name, value in saved.items():
+            setattr(model, name, value)
+
+
+def lockstep_calls(rows: int, world_size: int, batch_size: int) -> int:
+    """``generate`` calls every rank makes in lockstep: the batches of the largest share."""
+    return math.ceil(math.ceil(rows / world_size) / batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# gather or lockstep (train.eval_generation)
+
+COPY_MARGIN = 0.25  # of the copy's bytes: activations, logits and allocator slack beside it
+
+
+def copy_bytes(model: nn.Module) -> int:
+    """Bytes of a full copy of ``model``: every parameter (a DTensor counts its global size) and buffer."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_cache_bytes(config, batch_size: int, tokens: int, element_size: int) -> int:
+    """One batch's KV cache: keys and values of every layer, ``tokens`` positions per row."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * batch_size * tokens * element_size
+
+
+def copy_fits(copy: int, kv_cache: int, free: int) -> bool:
+    """The ``auto`` rule: the copy, a batch's KV cache and a quarter of the copy fit ``free`` bytes."""
+    return copy + kv_cache + COPY_MARGIN * copy <= free
+
+
+def choose_generation(setting: str, model: nn.Module, sampling: Sampling, longest_prompt: int, device) -> tuple[str, str]:
+    """``(gather | lockstep, why)`` for ``train.eval_generation``; ``auto`` is collective (every
+    rank asks, and ``gather`` needs the copy to fit on every one)."""
+    if setting != "auto":
+        return setting, f"train.eval_generation={setting}"
+    copy = copy_bytes(model)
+    element = next(p for p in model.parameters() if p.is_floating_point()).element_size()
+    kv = kv_cache_bytes(model.config, sampling.batch_size, longest_prompt + sampling.max_new_tokens, element)
+    free = free_memory_bytes(device)
+    if torch.device(device).type == "cpu":  # the host's memory: every rank on it makes a copy
+        free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    fits = torch.tensor([int(copy_fits(copy, kv, free)), free], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    mode = "gather" if fits[0].item() else "lockstep"
+    why = (f"auto: full copy {_size(copy)} + KV cache {_size(kv)} + {COPY_MARGIN:.0%} margin "
+           f"{'fits' if mode == 'gather' else 'does not fit'} the {_size(fits[1].item())} free on the tightest rank")  # fmt: skip
+    return mode, why
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def share(indices: list[int], rank: int, world_size: int) -> list[int]:

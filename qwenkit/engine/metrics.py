@@ -18,7 +18,7 @@ rank), ``peak_memory`` (this rank: accelerator peak allocated during the step, o
 peak RSS on CPU). With an eval set (:mod:`qwenkit.engine.evaluate`): ``eval_loss`` (token mean over the whole eval set) at
 step 0, every ``train.eval_every`` steps and at the end, ``eval_accuracy`` (the mean of the first of
 ``train.eval_metrics``; with several, each also as ``eval_accuracy/<name>``) at step 0,
-every ``train.eval_accuracy_every`` steps and at the end.
+every ``train.eval_accuracy_every`` steps and at the end, with ``eval_generation_time`` (seconds).
 
 ``train.report_to: [tensorboard]`` also writes every metric of rank 0 as a TensorBoard scalar
 (tag = metric, global step = x) under ``<output_dir>/tensorboard`` (the ``tensorboard`` extra).
@@ -68,6 +68,7 @@ RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "peak_memory": "MiB",
     "eval_loss": "nat",
     "eval_accuracy": "1",
+    "eval_generation_time": "s",  # an accuracy evaluation's generation, scores and gather (engine/evaluate.py)
 }
 # train.objective=dpo's too (TRL's names, qwenkit.engine.preference): rewards are beta x log-ratios
 PREFERENCE_UNITS = {
