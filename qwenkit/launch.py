@@ -230,7 +230,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[st
     rendezvous option is given, so the operator's ``PET_*`` variables (torchrun's defaults) never
     change the rendezvous the launcher checked and logged."""
     if rdzv.backend == "c10d":
-        where = [f"--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.master_addr}:{rendezvous_port(rdzv)}",
+        where = ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.master_addr}:{rendezvous_port(rdzv)}",
                  f"--rdzv-id={rdzv.rdzv_id}"]  # fmt: skip
     else:
         where = ["--rdzv-backend=static", f"--node-rank={rdzv.node_rank}", f"--master-addr={rdzv.master_addr}",
