@@ -66,6 +66,7 @@ def _config(tmp_path: Path, out: Path) -> Path:
     cfg["parallel"].update(nproc=1)
     cfg["train"].update(steps=STEPS, warmup_steps=2, eval_samples=0, eval_every=0, eval_accuracy_every=0, output_dir=str(out))
     cfg["checkpoint"] = {"every": 1, "keep_last": 2}
+    cfg["train"]["resume"] = "none"  # the first start's; a restart resumes from the newest checkpoint all the same
     path = tmp_path / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -250,3 +251,17 @@ def test_the_sbatch_script_runs_one_launcher_per_node_on_what_cluster_py_reads()
     said = set(re.findall(r"\b(SLURM_[A-Z_]+)", text.split("#SBATCH", 1)[0]))
     read = set(re.findall(r'"(SLURM_[A-Z_]+)"', (ROOT / "qwenkit" / "cluster.py").read_text()))
     assert said == read
+
+
+def test_ranks_that_saved_and_stopped_are_not_restarted():
+    """Exit 75 is a stop that was asked for (a signal, ``train.stop_after``): torchrun's restart
+    budget is emptied so the job ends with 75; any other failure keeps it."""
+    from types import SimpleNamespace
+
+    from qwenkit import torchrun
+
+    for codes, left in (([75, 75], 0), ([75], 0), ([75, 1], 3), ([-9], 3), ([], 3)):
+        agent = SimpleNamespace(_remaining_restarts=3)
+        result = SimpleNamespace(failures={r: SimpleNamespace(exitcode=c) for r, c in enumerate(codes)})
+        assert torchrun._stops_are_not_failures(lambda self, group, r=result: r)(agent, None) is result
+        assert agent._remaining_restarts == left, codes
