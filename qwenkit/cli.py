@@ -38,9 +38,7 @@ def _train(args) -> int:
 
     # flags, else the scheduler's environment (Slurm, PyTorchJob, PAI-DLC); a contradiction is a ClusterError
     rdzv, nproc, said = cluster.resolve({k: getattr(args, k) for k in cluster.FLAGS}, os.environ)
-    if said:
-        print(f"qwenkit train: {said}", file=sys.stderr, flush=True)
-    return launch.launch(args.config, args.overrides, nproc, rdzv)
+    return launch.launch(args.config, args.overrides, nproc, rdzv, said)  # logs the rendezvous once
 
 
 def _on_dataset(args, command, overrides=()) -> int:
@@ -115,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", default=None, help="params/*.yaml (default: built-in tiny defaults)")
     t.add_argument("--nproc", type=int, default=None, help="processes on this node (overrides parallel.nproc)")
     # unset: the scheduler's (Slurm, PyTorchJob, PAI-DLC; see qwenkit/cluster.py), else one node
-    t.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: the scheduler's, else 1)")
+    t.add_argument("--nnodes", default=None,
+                   help="nodes in the job, N or MIN:MAX (c10d; default: the scheduler's, else 1)")
     t.add_argument("--node-rank", type=int, default=None, help="this node's index (default: the scheduler's, else 0)")
     t.add_argument("--master-addr", default=None, help="node 0's address (default: the scheduler's, else 127.0.0.1)")
     t.add_argument("--master-port", type=int, default=None,

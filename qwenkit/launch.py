@@ -10,9 +10,13 @@ Multi-node: run the same command on every node with ``--nnodes N --node-rank i
 jobs on one machine never collide), or with no flags under Slurm, a Kubeflow PyTorchJob or
 PAI-DLC, whose environment says the same (:mod:`qwenkit.cluster`). The exit status is torchrun's: non-zero
 when any rank fails (torchrun then stops the others and prints the failing rank's error).
+With ``parallel.rendezvous: c10d`` torchrun's elastic rendezvous is used instead (no node ranks,
+``--nnodes MIN:MAX``), and ``parallel.max_restarts`` restarts the group after a failure: the
+restarted ranks resume from the newest complete checkpoint (see docs/CLUSTERS.md).
 
 One folder, one job: the launcher holds an ``flock`` on ``<output_dir>/.qwenkit-node-<i>.lock``
-(its pid, host and start time inside) for the job's lifetime, torchrun inherits it; a second
+(``<i>``: the node rank; under c10d, which numbers the nodes itself, the host name; its pid,
+host and start time inside) for the job's lifetime, torchrun inherits it; a second
 ``qwenkit train`` into that folder is refused naming the holder. The kernel drops the lock when
 its holders exit however they exit, so a lock left by a dead job is simply taken over. The ranks
 read ``<output_dir>/.config-<host>-<pid>.yaml``, written by this launcher alone.
@@ -41,7 +45,7 @@ import time
 from pathlib import Path
 
 from qwenkit import config as qconfig
-from qwenkit.cluster import MULTINODE_PORT, Rendezvous, free_port
+from qwenkit.cluster import MULTINODE_PORT, ClusterError, Rendezvous, free_port, settle
 from qwenkit.data.conversation import parse_row
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
@@ -58,7 +62,13 @@ STOP_GRACE_S = 1800  # torchrun waits this long for the ranks' checkpoint after 
 def rendezvous_port(rdzv: Rendezvous) -> int:
     if rdzv.master_port is not None:
         return rdzv.master_port
-    return free_port(rdzv.master_addr) if rdzv.nnodes == 1 else MULTINODE_PORT
+    return free_port(rdzv.master_addr) if rdzv.most_nodes == 1 else MULTINODE_PORT
+
+
+def node_name(rdzv: Rendezvous) -> str:
+    """This node in its lock file's name: its rank, or under c10d (ranks taken as nodes join) its
+    host (``HOSTNAME``: a pod's name in Kubernetes)."""
+    return str(rdzv.node_rank) if rdzv.backend == "static" else os.environ.get("HOSTNAME") or socket.gethostname()
 
 
 def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
@@ -77,7 +87,7 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     else:
         problems.extend(check_extras(cfg))
-    problems.extend(check_resume(cfg, cfg.parallel.nproc * rdzv.nnodes))
+    problems.extend(check_resume(cfg, cfg.parallel.nproc * rdzv.most_nodes))  # c10d: the ranks check the world they get
     ranks = rank_count_problem(cfg.parallel)
     if ranks:
         problems.append(ranks)
@@ -216,15 +226,22 @@ def torchrun_stop_options() -> list[str]:
 
 
 def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[str]:
-    """torchrun's command line, run through :func:`qwenkit.torchrun.quiet_torchrun`."""
+    """torchrun's command line, run through :func:`qwenkit.torchrun.quiet_torchrun`. Every
+    rendezvous option is given, so the operator's ``PET_*`` variables (torchrun's defaults) never
+    change the rendezvous the launcher checked and logged."""
+    if rdzv.backend == "c10d":
+        where = ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.master_addr}:{rendezvous_port(rdzv)}",
+                 f"--rdzv-id={rdzv.rdzv_id}"]  # fmt: skip
+    else:
+        where = ["--rdzv-backend=static", f"--node-rank={rdzv.node_rank}", f"--master-addr={rdzv.master_addr}",
+                 f"--master-port={rendezvous_port(rdzv)}"]  # fmt: skip
     return [
         sys.executable, "-m", "qwenkit.torchrun",
         *torchrun_stop_options(),
-        f"--nnodes={rdzv.nnodes}",
+        f"--nnodes={rdzv.nodes}",
         f"--nproc-per-node={nproc}",
-        f"--node-rank={rdzv.node_rank}",
-        f"--master-addr={rdzv.master_addr}",
-        f"--master-port={rendezvous_port(rdzv)}",
+        *where,
+        f"--max-restarts={rdzv.max_restarts}",
         "-m", "qwenkit.engine.train", "--config", str(config_path),
     ]  # fmt: skip
 
@@ -233,18 +250,18 @@ class OutputDirBusy(RuntimeError):
     """Another live ``qwenkit train`` holds the output_dir's lock."""
 
 
-def lock_path(output_dir: str | Path, node_rank: int = 0) -> Path:
-    return Path(output_dir) / f".qwenkit-node-{node_rank}.lock"
+def lock_path(output_dir: str | Path, node: int | str = 0) -> Path:
+    return Path(output_dir) / f".qwenkit-node-{node}.lock"
 
 
-def acquire_lock(output_dir: str | Path, node_rank: int = 0) -> int | None:
+def acquire_lock(output_dir: str | Path, node: int | str = 0) -> int | None:
     """Hold ``<output_dir>/.qwenkit-node-<i>.lock`` (an ``flock``); returns its file descriptor.
 
     The kernel releases it when every process holding the descriptor (this one, torchrun) exits,
     however it exits: a lock left by a dead job is taken over. Raises :class:`OutputDirBusy`
     naming the live holder. Returns None, with a warning, on a filesystem without locks.
     """
-    path = lock_path(output_dir, node_rank)
+    path = lock_path(output_dir, node)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -325,32 +342,43 @@ def _cleanly(what: str, fn, *args):
 
 
 def launch(
-    config: str | None, overrides: list[str], nproc: int | None = None, rdzv: Rendezvous = Rendezvous()
+    config: str | None, overrides: list[str], nproc: int | None = None, rdzv: Rendezvous = Rendezvous(),
+    said: str | None = None,
 ) -> int:
     """``qwenkit train``: ``config`` (a params YAML or None for the defaults) with dotted
-    ``overrides``; ``nproc`` overrides ``parallel.nproc``. Returns the exit status."""
+    ``overrides``; ``nproc`` overrides ``parallel.nproc``; ``said``: where ``rdzv`` was found
+    (logged once, with the rendezvous the config settles). Returns the exit status."""
     overrides = list(overrides)
     if nproc is not None:
         overrides.append(f"parallel.nproc={nproc}")
     try:
         cfg = qconfig.load(config, overrides)
-    except qconfig.ConfigError as e:
+        rdzv = settle(rdzv, cfg.parallel)
+    except (qconfig.ConfigError, ClusterError) as e:
         print_user_error("train", e)
         return 2
-    if not 0 <= rdzv.node_rank < rdzv.nnodes:
+    if rdzv.backend == "c10d":
+        said = (f"{said}; " if said else "") + (
+            f"c10d rendezvous {rdzv.rdzv_id!r} at {rdzv.master_addr}:{rendezvous_port(rdzv)}, "
+            f"{rdzv.nodes} node(s), {rdzv.max_restarts} restart(s)"
+        )
+    if said:
+        print(f"qwenkit train: {said}", file=sys.stderr, flush=True)
+    if rdzv.backend == "static" and not 0 <= rdzv.node_rank < rdzv.nnodes:
         print(f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}", file=sys.stderr)
         return 2
     out = Path(cfg.train.output_dir)
+    node = node_name(rdzv)
     lock = None
     try:
         if out.is_dir():  # a job there now: say so before anything else
-            lock = acquire_lock(out, rdzv.node_rank)
+            lock = acquire_lock(out, node)
         problems = check_before_spawn(cfg, rdzv)
         if problems:
             print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
             return 2
         if lock is None:
-            lock = _cleanly(str(lock_path(out, rdzv.node_rank)), acquire_lock, out, rdzv.node_rank)
+            lock = _cleanly(str(lock_path(out, node)), acquire_lock, out, node)
             if lock is None and not out.is_dir():
                 return 2
         return _launch_locked(cfg, rdzv, lock)

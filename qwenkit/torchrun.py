@@ -11,7 +11,11 @@ Besides torch's own behaviour it
   ``EXIT_RESUMABLE`` when every rank saved and stopped, else ``128 + signal``;
 - names the rank that failed *first* (the order torchrun saw them exit, a signal death before an
   error exit seen in the same poll: the survivors of a killed rank fail with connection errors
-  after it), with its signal, and returns that rank's code (``128 + N`` for signal N).
+  after it), with its signal, and returns that rank's code (``128 + N`` for signal N);
+- with ``--max-restarts`` (c10d): restarts the group after a failure, not after ranks that
+  saved and stopped (exit ``EXIT_RESUMABLE``: a stop was asked for, by a signal or
+  ``train.stop_after``), and says in the final headline how many restarts were used. The
+  restarted ranks resume from the newest complete checkpoint (``qwenkit.engine.train``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import signal
 import sys
 import time
 
+from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -32,6 +37,7 @@ from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, shell_code
 _first_seen: dict[int, tuple[int, float]] = {}  # pid -> (poll number, time) its failure was first seen
 _final_codes: dict[int, int] = {}  # local rank -> exit code, after torchrun stopped the ranks
 _polls = [0]
+_restarts = [0]  # group restarts after a failure, this job
 
 
 def _record_failures(capture):
@@ -51,6 +57,30 @@ def _record_shutdown(shutdown):
         for local_rank, handler in getattr(pcontext, "subprocess_handlers", {}).items():
             if handler.proc.returncode is not None:
                 _final_codes[local_rank] = handler.proc.returncode
+
+    return wrapped
+
+
+def _stops_are_not_failures(monitor):
+    """Ranks that exit ``EXIT_RESUMABLE`` saved and stopped as asked: end the job, never restart it."""
+
+    def wrapped(self, worker_group):
+        result = monitor(self, worker_group)
+        failures = getattr(result, "failures", None) or {}
+        if failures and all(f.exitcode == EXIT_RESUMABLE for f in failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+    return wrapped
+
+
+def _count_restarts(restart):
+    def wrapped(self, worker_group):
+        if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):  # not a membership change
+            _restarts[0] += 1
+            print(f"qwenkit train: the group failed; restart {_restarts[0]} of {worker_group.spec.max_restarts}: "
+                  "the ranks resume from the newest complete checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        restart(self, worker_group)
 
     return wrapped
 
@@ -105,9 +135,14 @@ def quiet_torchrun(argv: list[str]) -> int:
     rank that failed first. torchrun's own errors (bad arguments, rendezvous) still surface.
     """
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    # c10d: a fresh store for every attempt. The agent's shared store keeps the last attempt's keys,
+    # and a restarted rank read its dead peer's gloo address from them (connection refused, 30 s)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if hasattr(SubprocessContext, "_capture_process_failures"):  # torch >= 2.8; before, signal deaths first
         SubprocessContext._capture_process_failures = _record_failures(SubprocessContext._capture_process_failures)
     LocalElasticAgent._shutdown = _record_shutdown(LocalElasticAgent._shutdown)
+    LocalElasticAgent._monitor_workers = _stops_are_not_failures(LocalElasticAgent._monitor_workers)
+    LocalElasticAgent._restart_workers = _count_restarts(LocalElasticAgent._restart_workers)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_QuietStop())
     try:
@@ -118,6 +153,8 @@ def quiet_torchrun(argv: list[str]) -> int:
             return EXIT_RESUMABLE
         others = sorted(r for r in e.failures if r != rank)
         after = f"; then torchrun stopped rank(s) {', '.join(map(str, others))}" if others else ""
+        if _restarts[0]:
+            after += f" (after {_restarts[0]} restart(s) of the group, every one used)"
         print(
             f"qwenkit train: rank {rank} (pid {failure.pid}) failed first: {describe(failure.exitcode)}{after}",
             file=sys.stderr, flush=True,

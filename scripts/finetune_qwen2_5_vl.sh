@@ -8,7 +8,7 @@
 #
 # Environment (default: the scheduler's, under Slurm, a PyTorchJob or PAI-DLC; else the one given):
 #   NPROC        processes on this node (parallel.nproc from the config)
-#   NNODES       number of nodes (1)
+#   NNODES       number of nodes (1), or MIN:MAX (torchrun's c10d rendezvous: docs/CLUSTERS.md)
 #   NODE_RANK    this node's index, 0 .. NNODES-1 (0)
 #   MASTER_ADDR  address of node 0 (127.0.0.1)
 #   MASTER_PORT  rendezvous port on node 0 (a free port on one node; 6000 with NNODES > 1)

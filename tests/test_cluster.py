@@ -3,6 +3,8 @@ flags against it, and the contradictions refused before any process starts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from qwenkit import cli, cluster, launch
@@ -13,6 +15,9 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLUR
 PYTORCHJOB = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1",
               "PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1"}  # fmt: skip
 DLC = {"MASTER_ADDR": "dlc-master", "MASTER_PORT": "29500", "WORLD_SIZE": "3", "RANK": "2"}
+# a PyTorchJob with an elasticPolicy (Worker replicas only): the operator's elastic.go variables, no node rank
+ELASTIC = {"PET_RDZV_ENDPOINT": "job-worker-0:23456", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "1:2",
+           "PET_MAX_RESTARTS": "3", "PET_RDZV_ID": "job", "PET_NPROC_PER_NODE": "4"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -33,12 +38,14 @@ def test_slurm_nodelists_expand_like_scontrol_show_hostnames(text, hosts):
 @pytest.mark.parametrize(
     ("env", "want", "nproc"),
     [
-        (SLURM, cluster.Rendezvous(4, 2, "gpu07", cluster.SLURM_PORT_BASE + 4242), 8),
+        (SLURM, cluster.Rendezvous(4, 2, "gpu07", cluster.SLURM_PORT_BASE + 4242, rdzv_id="slurm-4242"), 8),
         (SLURM | {"MASTER_PORT": "31000", "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "4"},
-         cluster.Rendezvous(4, 2, "gpu07", 31000), 8),
+         cluster.Rendezvous(4, 2, "gpu07", 31000, rdzv_id="slurm-4242"), 8),
         (PYTORCHJOB, cluster.Rendezvous(2, 1, "job-master-0", 23456), 4),
         (PYTORCHJOB | {"WORLD_SIZE": "8", "RANK": "5"}, cluster.Rendezvous(2, 1, "job-master-0", 23456), 4),  # processes
         (DLC, cluster.Rendezvous(3, 2, "dlc-master", 29500), None),
+        (ELASTIC, cluster.Rendezvous(1, 0, "job-worker-0", 23456, 2, "c10d", "job", 3,
+                                     "PET_RDZV_BACKEND=c10d, PET_MAX_RESTARTS=3"), 4),
         ({}, cluster.Rendezvous(), None),
     ],
 )  # fmt: skip
@@ -47,13 +54,13 @@ def test_each_scheduler_environment_gives_the_rendezvous(env, want, nproc):
     assert (rdzv, got_nproc) == (want, nproc)
     assert (said is None) == (not env)
     if env:
-        assert said.startswith(f"rendezvous from {cluster.from_environment(env).scheduler}: nnodes={want.nnodes} (")
+        assert said.startswith(f"rendezvous from {cluster.from_environment(env).scheduler}: nnodes={want.nodes} (")
 
 
 def test_flags_win_for_address_port_and_processes():
-    flags = NO_FLAGS | {"master_addr": "10.0.0.7", "master_port": 1234, "nproc": 2, "nnodes": 4, "node_rank": 2}
+    flags = NO_FLAGS | {"master_addr": "10.0.0.7", "master_port": 1234, "nproc": 2, "nnodes": "4", "node_rank": 2}
     rdzv, nproc, said = cluster.resolve(flags, SLURM)
-    assert rdzv == cluster.Rendezvous(4, 2, "10.0.0.7", 1234) and nproc == 2
+    assert rdzv == cluster.Rendezvous(4, 2, "10.0.0.7", 1234, rdzv_id="slurm-4242") and nproc == 2
     assert "master_addr=10.0.0.7 (--master-addr)" in said and "nnodes=4 (--nnodes)" in said
 
 
@@ -66,7 +73,11 @@ def test_flags_win_for_address_port_and_processes():
         (SLURM | {"SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "32"}, {}, "run one per node (srun --ntasks-per-node=1)"),
         (PYTORCHJOB | {"WORLD_SIZE": "3"}, {}, "WORLD_SIZE=3 is neither the pods (PET_NNODES=2) nor the processes"),
         (PYTORCHJOB | {"RANK": "0"}, {}, "RANK=0 (the pod's index) but PET_NODE_RANK=1"),
-        (PYTORCHJOB | {"PET_NNODES": "1:2"}, {}, "PET_NNODES=1:2 asks for an elastic job"),
+        (PYTORCHJOB | {"PET_NNODES": "1:2"}, {}, "PET_NNODES=1:2 asks for an elastic job (MIN:MAX nodes) without a c10d"),
+        (PYTORCHJOB | {"PET_NNODES": "3:2"}, {}, "PET_NNODES='3:2' must be a number of nodes N or a range MIN:MAX"),
+        (ELASTIC | {"PET_RDZV_BACKEND": "etcd"}, {}, "PET_RDZV_BACKEND=etcd: qwenkit train supports the c10d"),
+        (ELASTIC, {"nnodes": "2"}, "--nnodes 2 contradicts PyTorchJob: PET_NNODES=1:2"),
+        ({}, {"nnodes": "0:2"}, "--nnodes='0:2' must be a number of nodes N or a range MIN:MAX with 1 <= MIN <= MAX"),
         (DLC | {"RANK": "3"}, {}, "node rank 3 outside [0, 3)"),
         (SLURM | {"SLURM_NNODES": "four"}, {}, "SLURM_NNODES='four' is not a whole number"),
     ],
@@ -84,3 +95,59 @@ def test_train_refuses_a_contradiction_before_spawning(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert err.strip() == ("qwenkit train: --nnodes 2 contradicts Slurm: SLURM_NNODES=4; drop --nnodes "
                            "(the scheduler started one launcher per node)")  # fmt: skip
+
+
+def _parallel(**keys):
+    from qwenkit import config as qconfig
+
+    return qconfig.load(overrides=[f"parallel.{k}={v}" for k, v in keys.items()]).parallel
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "keys", "want"),
+    [
+        ({}, {}, {}, cluster.Rendezvous()),  # one node, no scheduler: static, as before
+        ({"nnodes": "2", "master_addr": "10.0.0.1"}, {}, {"rendezvous": "c10d", "rdzv_id": "run7", "max_restarts": 2},
+         cluster.Rendezvous(2, 0, "10.0.0.1", None, None, "c10d", "run7", 2)),
+        ({"nnodes": "1:4", "master_addr": "h"}, {}, {"rdzv_id": "x"}, cluster.Rendezvous(1, 0, "h", None, 4, "c10d", "x")),
+        ({}, SLURM, {"rendezvous": "c10d"}, cluster.Rendezvous(4, 0, "gpu07", 24242, None, "c10d", "slurm-4242")),
+        ({}, ELASTIC, {}, cluster.Rendezvous(1, 0, "job-worker-0", 23456, 2, "c10d", "job", 3,
+                                             "PET_RDZV_BACKEND=c10d, PET_MAX_RESTARTS=3")),
+        ({}, ELASTIC, {"max_restarts": 1}, cluster.Rendezvous(1, 0, "job-worker-0", 23456, 2, "c10d", "job", 1,
+                                                              "PET_RDZV_BACKEND=c10d, PET_MAX_RESTARTS=3")),
+    ],
+)  # fmt: skip
+def test_the_config_settles_the_rendezvous(flags, env, keys, want):
+    rdzv, _, _ = cluster.resolve(NO_FLAGS | flags, env)
+    assert cluster.settle(rdzv, _parallel(**keys)) == want
+
+
+def test_c10d_on_one_node_makes_up_its_own_id():
+    rdzv = cluster.settle(cluster.Rendezvous(), _parallel(rendezvous="c10d", max_restarts=1))
+    assert (rdzv.backend, rdzv.max_restarts, rdzv.nodes) == ("c10d", 1, "1") and rdzv.rdzv_id.startswith("qwenkit-")
+    assert cluster.settle(cluster.Rendezvous(), _parallel(rendezvous="c10d")).rdzv_id != rdzv.rdzv_id
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "keys", "message"),
+    [
+        ({"nnodes": "2"}, {}, {"rendezvous": "c10d"}, "parallel.rendezvous=c10d on 2 nodes needs parallel.rdzv_id"),
+        ({"nnodes": "1:2"}, {}, {"rendezvous": "static"}, "--nnodes 1:2 is a range of nodes: it needs parallel.rendezvous=c10d"),
+        ({}, ELASTIC, {"rendezvous": "static"},
+         "parallel.rendezvous=static, but the scheduler set a c10d rendezvous (PET_RDZV_BACKEND=c10d, PET_MAX_RESTARTS=3)"),
+        ({}, ELASTIC | {"PET_RDZV_ID": ""}, {}, "parallel.rendezvous=c10d on 1:2 nodes needs parallel.rdzv_id"),
+    ],
+)  # fmt: skip
+def test_rendezvous_combinations_torchrun_cannot_run_are_refused(flags, env, keys, message):
+    rdzv, _, _ = cluster.resolve(NO_FLAGS | flags, env)
+    with pytest.raises(cluster.ClusterError, match=re.escape(message)):
+        cluster.settle(rdzv, _parallel(**keys))
+
+
+def test_restarts_on_a_static_rendezvous_are_a_config_error():
+    from qwenkit import config as qconfig
+
+    with pytest.raises(qconfig.ConfigError, match=re.escape("parallel.max_restarts=2 needs parallel.rendezvous=c10d")):
+        _parallel(rendezvous="static", max_restarts=2)
+    with pytest.raises(qconfig.ConfigError, match=re.escape("parallel.max_restarts must be >= 0, got -1")):
+        _parallel(max_restarts=-1)

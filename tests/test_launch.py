@@ -263,6 +263,19 @@ def test_torchrun_command_for_multi_node():
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
     assert cmd[-4:] == ["-m", "qwenkit.engine.train", "--config", "runs/x/config.yaml"]
+    assert "--rdzv-backend=static" in cmd and "--max-restarts=0" in cmd  # given: torchrun's PET_* defaults never apply
+
+
+def test_torchrun_command_for_c10d():
+    rdzv = launch.Rendezvous(1, 0, "h0", 29400, max_nnodes=4, backend="c10d", rdzv_id="job7", max_restarts=3)
+    cmd = launch.torchrun_command(Path("c.yaml"), 8, rdzv)
+    for flag in ("--nnodes=1:4", "--rdzv-backend=c10d", "--rdzv-endpoint=h0:29400", "--rdzv-id=job7", "--max-restarts=3"):
+        assert flag in cmd
+    assert not any(f.startswith(("--node-rank", "--master-addr")) for f in cmd)  # c10d numbers the nodes itself
+    from torch.distributed.run import parse_args
+
+    parsed = parse_args(cmd[3:])  # torchrun's own parser takes it as given
+    assert (parsed.nnodes, parsed.rdzv_endpoint, parsed.rdzv_id, parsed.max_restarts) == ("1:4", "h0:29400", "job7", 3)
 
 
 def test_rendezvous_port_is_free_on_one_node_and_agreed_across_nodes():

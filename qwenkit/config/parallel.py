@@ -40,6 +40,14 @@ class ParallelConfig:
     # a collective (or the process group's start) waiting longer than this fails, naming the
     # rank that stopped answering; long enough for a 7B weight load or checkpoint save
     timeout_s: int = 600
+    # torchrun's rendezvous (qwenkit/cluster.py, docs/CLUSTERS.md): static (each node told its rank),
+    # c10d (torchrun's elastic one: --nnodes MIN:MAX, restarts), auto (c10d when the scheduler asks
+    # for it, for a range of nodes or for restarts; else static)
+    rendezvous: Literal["auto", "static", "c10d"] = "auto"
+    rdzv_id: str = ""  # c10d across nodes: the job's id, the same on every node ("": Slurm's job id / the PyTorchJob's rdzvId)
+    # c10d: times the whole group is restarted after a rank fails (0: the scheduler's, e.g. PET_MAX_RESTARTS);
+    # each restart resumes from the newest complete checkpoint (set checkpoint.every to bound the lost steps)
+    max_restarts: int = 0
 
 
 def check(cfg: Config, need: Need) -> None:
@@ -47,6 +55,12 @@ def check(cfg: Config, need: Need) -> None:
     need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
     need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
     need(parallel.timeout_s >= 1, f"parallel.timeout_s must be >= 1 (seconds), got {parallel.timeout_s}")
+    need(parallel.max_restarts >= 0, f"parallel.max_restarts must be >= 0, got {parallel.max_restarts}")
+    need(
+        parallel.rendezvous != "static" or parallel.max_restarts == 0,
+        f"parallel.max_restarts={parallel.max_restarts} needs parallel.rendezvous=c10d (or auto): "
+        "a static rendezvous cannot regroup the nodes after a failure",
+    )
     _check_sequence_parallel(cfg, need)
 
 

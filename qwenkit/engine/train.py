@@ -491,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     log_path = trainer = cfg = None
     try:
         cfg = qconfig.load(args.config, args.overrides)
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # parallel.max_restarts: after a failure
+            cfg.train.resume, cfg.train.resume_older = "auto", False  # go on from this job's newest checkpoint
         log_path = _setup_logging(rank, Path(cfg.train.output_dir))
         trainer = Trainer(cfg, stop=stop)
         trainer.run()
