@@ -10,7 +10,9 @@ VENV ?= .venv
 VENV457 ?= .venv-tf457
 VENVCOMPAT ?= .venv-compat
 PIP_FLAGS ?= -q --disable-pip-version-check
-# Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today).
+# Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today): their single-process
+# tests, and of their multi-process ones those marked `stack` (the model code differs by version; the
+# launcher, sampler and checkpoint plumbing of the others does not, and runs on 5.x).
 TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_patches.py tests/test_packing.py tests/test_lora.py tests/test_sequence_parallel.py
 # Tests that run notebooks (papermill, nbformat, jupyter) or show their widgets (IPython), which the
 # compat environment leaves out.
@@ -48,7 +50,7 @@ test-main: $(VENV)/.installed chromium
 	$(VENV)/bin/python -m pytest -q -rs
 
 test-tf457: $(VENV457)/.installed
-	$(VENV457)/bin/python -m pytest -q -rs $(TF457_TESTS)
+	$(VENV457)/bin/python -m pytest -q -rs -m "not slow or stack" $(TF457_TESTS)
 
 test-compat: $(VENVCOMPAT)/.installed
 	$(VENVCOMPAT)/bin/python -m pytest -q -rs $(addprefix --ignore=,$(COMPAT_IGNORE))

@@ -240,6 +240,7 @@ def resumed(tmp_path_factory, tiny_path):
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 def test_resume_is_bit_identical_with_lora(resumed):
     seen = resumed[1]["seen"]
     a, (b1, b2) = seen["A"][0], seen["B"]
@@ -248,6 +249,7 @@ def test_resume_is_bit_identical_with_lora(resumed):
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 def test_param_groups_get_their_lrs_also_after_resume(resumed):
     seen = resumed[1]["seen"]
     a, b2 = seen["A"][0], seen["B"][1]
@@ -265,6 +267,7 @@ def test_param_groups_get_their_lrs_also_after_resume(resumed):
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 def test_checkpoint_holds_only_what_trains(resumed):
     import torch.distributed.checkpoint as dcp
 
@@ -274,6 +277,7 @@ def test_checkpoint_holds_only_what_trains(resumed):
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 def test_export_loads_in_peft_and_merged_with_qwenkits_logits(resumed, tmp_path, tiny_path):
     from peft import PeftModel
 

@@ -188,6 +188,7 @@ def equality_qwen3(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 @pytest.mark.parametrize("name", ["image", "video", "packed", "image_video"])
 def test_qwen3_vl_two_ranks_equal_one_process(equality_qwen3, name):
     r0, r1 = equality_qwen3[0][name], equality_qwen3[1][name]
@@ -199,6 +200,7 @@ def test_qwen3_vl_two_ranks_equal_one_process(equality_qwen3, name):
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 def test_qwen3_vl_deepstack_one_position_off_is_caught(equality_qwen3):
     """The equality above is sensitive to where DeepStack's features land: one position off fails it."""
     shifted = equality_qwen3[0]["image_deepstack_shifted"]
@@ -213,6 +215,7 @@ def equality4(tmp_path_factory, tiny_path):
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 @pytest.mark.parametrize("name", ["text", "image", "video", "packed", "single_image", "image_video"])
 def test_two_ranks_equal_one_process(equality, name):
     r0, r1 = equality[0][name], equality[1][name]
@@ -230,18 +233,21 @@ def test_four_ranks_sp4_replicate_kv_heads_and_equal_one_process(equality4, name
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 def test_single_image_leaves_one_rank_idle(equality):
     rows = sorted(equality[r]["single_image"]["vision_rows"] for r in range(2))
     assert rows == [0, equality[0]["single_image"]["total_rows"]]
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 @pytest.mark.parametrize("name", ["image", "video"])
 def test_a_placeholder_run_straddles_the_slice_boundary(equality, name):
     assert equality[0][name]["straddles"]
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 @pytest.mark.parametrize("name", ["image", "video", "packed"])
 def test_each_rank_encodes_only_its_share(equality, name):
     rows = [equality[r][name]["vision_rows"] for r in range(2)]
