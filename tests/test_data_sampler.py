@@ -260,8 +260,8 @@ def first_fit_decreasing(lengths, order, budget, window, packed):
         part = sorted(order[w : w + window], key=lambda i: -lengths[i])  # sorted() is stable: ties keep order
         shortest, open_ = lengths[part[-1]], []
         for i in part:
-            cost = lambda b: sum(lengths[j] for j in b) + lengths[i] if packed else (len(b) + 1) * lengths[b[0]]  # noqa: E731
-            fit = next((b for b in open_ if cost(b) <= budget), None)
+            costs = ((sum(lengths[j] for j in b) + lengths[i] if packed else (len(b) + 1) * lengths[b[0]], b) for b in open_)
+            fit = next((b for cost, b in costs if cost <= budget), None)
             if fit is None:
                 batches.append(fit := [])
                 open_ = open_ if packed else []
