@@ -8,9 +8,12 @@ bytes per parameter; 11 layers: 2.2 GB). Between saves the benchmark trains real
 them, as it would in a run.
 
 - **sync blocked**: the whole ``save`` (DCP write, fsync, CRC-32s, marker, rename);
-- **async blocked**: ``start_save`` (the state copied to CPU memory) + ``finish`` once every
-  rank's background write has ended (the marker and rename), the steps in between not counted;
-- **async write**: how long the background write took (training went on meanwhile).
+- **async blocked**: what the trainer waits for, as it waits: ``start_save`` (the state dict
+  taken, the copy to CPU memory started in a thread, the rank files), then, in the next step,
+  the wait for that copy between backward and the optimizer step (:meth:`Save.wait_staged`:
+  the part of the copy the forward and backward did not overlap), and ``finish`` once every
+  rank's background write has ended (the marker and rename); the steps' own compute not counted;
+- **async write**: how long the copy and the background write took (training went on meanwhile).
 
     python benchmarks/checkpoint.py [--layers 11] [--repeats 2] [--dir /tmp/qwenkit-ckpt-bench]
 
@@ -39,10 +42,17 @@ class _Sampler:  # the data position the trainer saves beside the state (a few i
         return {"epoch": 0, "sample": 0}
 
 
-def _train_step(model, optimizer, x):
+def _train_step(model, optimizer, x, pending: ckpt.Save | None = None) -> float:
+    """One step; with a save in flight, first waits for its copy before the update, as the trainer
+    does. Returns the seconds it waited."""
     model(x).square().mean().backward()
+    began = time.perf_counter()
+    if pending is not None:
+        pending.wait_staged()
+    waited = time.perf_counter() - began
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return waited
 
 
 def main() -> None:
@@ -78,8 +88,8 @@ def main() -> None:
         pending = ckpt.start_save(root, step, model, optimizer, _Sampler(), cpu, keep_last=1, saves=group)
         blocked = time.perf_counter() - began
         n = 0
-        while not ckpt.written_everywhere(pending, cpu):  # training goes on during the write
-            _train_step(model, optimizer, x)
+        while not ckpt.written_everywhere(pending, cpu):  # training goes on during the copy and the write
+            blocked += _train_step(model, optimizer, x, pending)
             n += 1
         async_write.append(time.perf_counter() - began)
         began = time.perf_counter()

@@ -201,18 +201,25 @@ def main_start(args) -> int:
     trees = dict(t.split("=", 1) for t in args.trees)
     print(f"{'rows':>9} {'code':<5} {'mode':<5} {'first batch s':>13} {'data s':>7} {'RSS before MiB':>14} "
           f"{'peak RSS MiB':>12} {'data MiB':>8}")  # fmt: skip
+    results = {}
     for n in args.sizes:
         path = make_text_set(root, n)
         for label, tree in trees.items():
             cache_dir = root / f"cache-{label}-{n}"
             modes = ["warm"] if n in args.warm_only else ["cold", "warm"]
             for mode in modes:
-                r = run_start(tree, path, cache_dir, args.procs[0], mode)
+                r = results[label, mode, n] = run_start(tree, path, cache_dir, args.procs[0], mode)
                 print(
                     f"{n:>9} {label:<5} {mode:<5} {r['first_batch_s']:>13.2f} {r['data_s']:>7.2f} "
                     f"{r['rss_before_mib']:>14.0f} {r['peak_rss_mib']:>12.0f} {r['peak_rss_mib'] - r['rss_before_mib']:>8.0f}",
                     flush=True,
                 )
+    small, large = min(args.sizes), max(args.sizes)  # the targets: RSS <= 1.2x, warm start <= 1.5x
+    for label, mode, n in results:
+        if n == large and (label, mode, small) in results and small != large:
+            a, b = results[label, mode, small], results[label, mode, large]
+            print(f"{label} {mode}: {large} vs {small} rows: peak RSS {b['peak_rss_mib'] / a['peak_rss_mib']:.2f}x, "
+                  f"first batch {b['first_batch_s'] / a['first_batch_s']:.2f}x")
     return 0
 
 

@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -112,12 +113,30 @@ def _run(out, name, overrides, rank):
     return trainer
 
 
+class _SlowStaging(ckpt.AsyncSaves):
+    """Copies to CPU that outlast step 3's forward and backward: a trainer that let that step's
+    optimizer update the weights before the copy ended would save step 3's weights as step 2's."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        stage = self.stager._stage
+
+        def slow(state_dict, **kwargs):
+            time.sleep(1.0)
+            return stage(state_dict, **kwargs)
+
+        self.stager._stage = slow
+
+
 def _first_launch(rank, out):
     dist.init_process_group("gloo")
     optim.build_optimizer = _record_applied_lr(optim.build_optimizer)
     _run(out, "A", ["checkpoint.save_final=false"], rank)
     _run(out, "B", ["train.stop_after=4"], rank)  # stops after step 4 (its final checkpoint), schedule of 8
+    real_saves = ckpt.AsyncSaves
+    ckpt.AsyncSaves = _SlowStaging
     _run(out, "BA", ["train.stop_after=4", "checkpoint.async=true", "checkpoint.every=2"], rank)  # B, async
+    ckpt.AsyncSaves = real_saves
     _run(out, "E", ["train.steps=4", "checkpoint.every=2"], rank)
     real_write = ckpt._write
 
@@ -199,21 +218,41 @@ def test_resume_is_bit_identical_and_continues_the_data(out):
     assert _batches(out, "A", 0) != _batches(out, "A", 1)  # the ranks saw different samples
 
 
+def _dcp_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, by its flattened key (read in this process, no group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(tmp_path / "state.pt"))
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + str(k), v)]
+
+    return {k: v for k, v in flat(torch.load(tmp_path / "state.pt", weights_only=False)) if isinstance(v, torch.Tensor)}
+
+
 @pytest.mark.slow
-def test_async_checkpoints_equal_synchronous_ones_bit_for_bit(out):
+def test_async_checkpoints_equal_synchronous_ones_bit_for_bit(out, tmp_path):
     """BA is B with checkpoint.async (and a background save at step 2 while steps 3 and 4 train)."""
     assert _result(out, "BA")["losses"] == _result(out, "B")["losses"]
     root = out / "BA" / "checkpoints"
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000002", "step-00000004"]
-    async_files, sync_files = (ckpt.read_marker(d / "checkpoints" / "step-00000004")["files"] for d in (out / "BA", out / "B"))
-    # every file's size and CRC-32; DCP's .metadata names its own directory, so it (and the manifests
-    # that list its CRC) differ by that path alone: its tensors' entries are compared instead
-    differ = sorted(n for n in sync_files if async_files.get(n) != sync_files[n])
-    assert differ == [".metadata", "manifest-rank-00000.json"], differ
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = [FileSystemReader(str(d / "checkpoints" / "step-00000004")).read_metadata() for d in (out / "BA", out / "B")]
+    # step 4, the final save, against B's: every file's size and CRC-32; DCP's .metadata names its own
+    # directory, so it (and the manifests that list its CRC) differ by that path alone: its tensors'
+    # entries are compared instead
+    async_dir, sync_dir = root / "step-00000004", out / "B" / "checkpoints" / "step-00000004"
+    async_files, sync_files = (ckpt.read_marker(d)["files"] for d in (async_dir, sync_dir))
+    differ = sorted(n for n in sync_files if async_files.get(n) != sync_files[n])
+    assert differ == [".metadata", "manifest-rank-00000.json"], differ
+    metadata = [FileSystemReader(str(d)).read_metadata() for d in (async_dir, sync_dir)]
     assert metadata[0].state_dict_metadata == metadata[1].state_dict_metadata
+    # step 2 was copied while step 3 trained (the copy slowed down, _SlowStaging): its tensors equal
+    # E's synchronous step 2 (the same warmup LR; E's param_groups hold its own next LR, of 4 steps)
+    staged, synced = (_dcp_tensors(d / "checkpoints" / "step-00000002", tmp_path) for d in (out / "BA", out / "E"))
+    assert staged.keys() == synced.keys() and len(staged) > 100
+    assert [k for k in staged if not torch.equal(staged[k], synced[k])] == []
     assert not list(root.glob(".tmp-*"))
 
 
@@ -521,3 +560,28 @@ def test_the_launcher_refuses_another_data_order_before_spawning(tmp_path, monke
     assert code == 2 and not spawned
     (line,) = [x for x in err.splitlines() if "cannot resume" in x]
     assert refusal in line and str(checkpoint) in line, line
+
+
+def test_the_launcher_refuses_a_changed_dataset_before_spawning(tmp_path, monkeypatch, capsys):
+    """COMPLETE.json records the data files' sizes: rows added since the save are refused before
+    spawn, naming the file; the same files moved elsewhere resume."""
+    spawned = []
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: spawned.append(a) or 0)
+    rows = tmp_path / "data" / "part" / "rows.jsonl"
+    rows.parent.mkdir(parents=True)
+    row = '{"messages": [{"role": "user", "content": "Hi %d"}, {"role": "assistant", "content": "Hello."}]}\n'
+    rows.write_text("".join(row % i for i in range(8)))
+    checkpoint = _recorded_checkpoint(tmp_path / "run", 4, f"data.path={tmp_path / 'data'}")
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "data", moved)
+    start = ["train", "--nproc", "2", f"train.output_dir={tmp_path / 'run'}"]
+    assert cli.main([*start, f"data.path={moved}"]) == 0 and spawned, capsys.readouterr().err
+    spawned.clear()
+    saved_size = rows.stat().st_size
+    with open(rows, "a") as f:
+        f.write(row % 8)
+    monkeypatch.setattr(qconfig, "write_config", lambda *a: pytest.fail("a refused start rewrote config.yaml"))
+    assert cli.main([*start, f"data.path={tmp_path / 'data'}"]) == 2 and not spawned
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "cannot resume" in x]
+    assert str(checkpoint) in line and "another train.output_dir" in line, line
+    assert f"data file 'part/rows.jsonl' had {saved_size} bytes, now {rows.stat().st_size}" in line, line

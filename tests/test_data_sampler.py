@@ -251,3 +251,32 @@ def test_a_state_from_before_the_global_position_resumes():
     resumed = TokenBudgetSampler(lengths, 1200, seed=3, rank=1, world_size=2, packed=True, window=32)
     resumed.load_state_dict(old)
     assert take(resumed, 7) == reference[5:]
+
+
+def first_fit_decreasing(lengths, order, budget, window, packed):
+    """The plain reference: per window longest first, each sample into the first open batch it fits."""
+    batches = []
+    for w in range(0, len(order), window):
+        part = sorted(order[w : w + window], key=lambda i: -lengths[i])  # sorted() is stable: ties keep order
+        shortest, open_ = lengths[part[-1]], []
+        for i in part:
+            costs = ((sum(lengths[j] for j in b) + lengths[i] if packed else (len(b) + 1) * lengths[b[0]], b) for b in open_)
+            fit = next((b for cost, b in costs if cost <= budget), None)
+            if fit is None:
+                batches.append(fit := [])
+                open_ = open_ if packed else []
+                open_.append(fit)
+            fit.append(i)
+            if packed:
+                open_ = [b for b in open_ if sum(lengths[j] for j in b) + shortest <= budget]
+    return batches
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_token_budget_batches_equal_a_plain_first_fit_decreasing(packed):
+    """The vectorised plan (arrays, no Python list per batch) equals the per-sample loop it replaced."""
+    lengths = long_tailed(500, seed=7)
+    for window, budget in ((1, 1000), (37, 1000), (128, 2500)):
+        sampler = TokenBudgetSampler(lengths, budget, seed=5, packed=packed, window=window)
+        order = sampler.epoch_order(1).tolist()
+        assert list(sampler.epoch_batches(1)) == first_fit_decreasing(lengths, order, budget, window, packed)

@@ -182,18 +182,47 @@ class SampleIndex:
 
     @classmethod
     def load(cls, path: Path) -> tuple[SampleIndex, dict, dict[str, np.ndarray]] | None:
-        """``(index, header, extra arrays)``, or None when the file is missing, unreadable or of another format."""
+        """``(index, header, extra arrays)``, or None when the file is missing, unreadable or of another format.
+
+        The arrays are read-only memory maps of the file (``np.savez`` stores them uncompressed):
+        a start reads nothing per row, and the ranks of a node share one copy, in the page cache.
+        """
         try:
-            with np.load(path, allow_pickle=False) as z:
-                header = json.loads(z["header"].tobytes())
+            with zipfile.ZipFile(path) as z:
+                with z.open("header.npy") as f:
+                    header = json.loads(np.lib.format.read_array(f, allow_pickle=False).tobytes())
                 if header.get("format") != FORMAT:
                     return None
-                arrays = {k: z[k] for k in z.files if k != "header"}
-                columns = {k: arrays.pop(k) for k in (*ROW_COLUMNS, *MEDIA_COLUMNS, "media_offsets")}
+                arrays = {info.filename[: -len(".npy")]: _mapped(path, info) for info in z.infolist()
+                          if info.filename != "header.npy"}  # fmt: skip
+            columns = {k: arrays.pop(k) for k in (*ROW_COLUMNS, *MEDIA_COLUMNS, "media_offsets")}
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # cut short, damaged, foreign
             return None
         bad = [BadRecord(**b) for b in header.pop("bad")]
         return cls(columns, bad, header["total"]), header, arrays
+
+
+def _mapped(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
+    """A stored (uncompressed) ``.npy`` member of the zip file ``path``, as a read-only memory map."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{path}: {info.filename} is compressed")
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)  # the member's local header: its name and extra field lengths at bytes 26-29
+        if local[:4] != b"PK\x03\x04":
+            raise ValueError(f"{path}: no local header for {info.filename}")
+        f.seek(info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little"))
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"{path}: {info.filename} is .npy format {version}")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+        offset = f.tell()
+    if dtype.hasobject:
+        raise ValueError(f"{path}: {info.filename} holds Python objects")
+    if int(np.prod(shape)) == 0:
+        return np.empty(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
 
 
 def empty_columns() -> dict[str, list]:

@@ -11,11 +11,13 @@ a start with the same data files, processor and encoding settings reads it inste
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from qwenkit.config import DataConfig
 from qwenkit.data import cache
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.preference import preference_data, preference_sources
-from qwenkit.data.reader import DataError, open_sources
+from qwenkit.data.reader import DataError, json_files, open_sources
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import ensure_dataset
 
@@ -80,3 +82,20 @@ def read_checked(data: DataConfig, processor: Processor, source=None, rank: int 
         report.log()
     report.check_fraction(data.max_bad_fraction)
     return dataset, report
+
+
+def file_sizes(data: DataConfig) -> dict[str, int] | None:
+    """The JSON files behind ``data.path`` and their sizes, by name relative to it: what a resume
+    compares before any process starts (rows added or removed change every epoch's order), cheap
+    (``stat`` only) and the same for a dataset moved or copied elsewhere. None for the ``tiny``
+    set and ``datasets`` sources: the ranks check those (rows and their lengths, the sampler state)."""
+    if data.path == "tiny":
+        return None
+    path = Path(data.path).expanduser()
+    if path.is_file():
+        files = {path.name: path} if path.suffix in (".json", ".jsonl") else {}
+    elif path.is_dir() and not (path / "state.json").is_file():
+        files = {str(p.relative_to(path)): p for p in json_files(path)}
+    else:
+        files = {}
+    return {name: p.stat().st_size for name, p in files.items()} or None

@@ -376,14 +376,7 @@ def open_sources(data) -> list[JsonSource | HFSource]:
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         datasets = _import_datasets(data)
         return [HFSource(datasets.load_from_disk(str(path)), str(path), path)]
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.suffix in (".json", ".jsonl")
-        and p.is_file()
-        and p.name not in METADATA_FILES
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+    files = json_files(path)
     if files:
         return [JsonSource(p) for p in files]
     if not any(p.suffix in HF_FILE_BUILDERS for p in path.rglob("*")):
@@ -392,6 +385,18 @@ def open_sources(data) -> list[JsonSource | HFSource]:
             f"{'/'.join(HF_FILE_BUILDERS)} files in this directory"
         )
     return [_hf_load(path, str(path))]
+
+
+def json_files(path: Path) -> list[Path]:
+    """The ``.json``/``.jsonl`` data files under directory ``path`` (not datasets' metadata, not hidden), sorted."""
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.suffix in (".json", ".jsonl")
+        and p.is_file()
+        and p.name not in METADATA_FILES
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
 
 
 def _is_hf_dataset(data) -> bool:

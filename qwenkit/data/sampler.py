@@ -24,9 +24,39 @@ kept, with every step taking the same samples as the uninterrupted run.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+
+class EpochBatches(Sequence):
+    """One rank's micro-batches of an epoch, held as the epoch's order and where each batch lies in it.
+
+    With a fixed ``size``, micro-batch ``k`` is ``order[j : j + size]``, ``j = first + k * stride``
+    in samples. With ``starts`` (the epoch's global micro-batches' starts in ``order``, and its
+    end), it is global micro-batch ``j = first + k * stride``: ``order[starts[j] : starts[j + 1]]``.
+    Nothing is built per batch until it is asked for (at 1M rows a list of lists per epoch took
+    ~74 MiB and ~10 s per rank).
+    """
+
+    def __init__(self, order: np.ndarray, first: int, stride: int, count: int, size: int = 0,
+                 starts: np.ndarray | None = None):  # fmt: skip
+        self.order, self.first, self.stride, self.count = order, first, stride, count
+        self.size, self.starts = size, starts  # either a fixed size or the global batches' starts (+ the end)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, k: int) -> list[int]:
+        if not -self.count <= k < self.count:
+            raise IndexError(f"micro-batch {k} of {self.count}")
+        j = self.first + (k % self.count) * self.stride
+        if self.starts is None:
+            return self.order[j : j + self.size].tolist()
+        return self.order[self.starts[j] : self.starts[j + 1]].tolist()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
 
 class FixedSizeSampler:
@@ -55,7 +85,7 @@ class FixedSizeSampler:
         self.epoch = 0
         self.batch = 0  # the next of this rank's batches in the epoch's plan
         self.resumed_at = (0, 0)  # (epoch, global position) the plan of that epoch starts from
-        self._cached: dict[int, list[list[int]]] = {}  # two epochs: a prefetching loader runs ahead
+        self._cached: dict[int, EpochBatches] = {}  # two epochs: a prefetching loader runs ahead
 
     @property
     def batches_per_epoch(self) -> int:
@@ -71,7 +101,7 @@ class FixedSizeSampler:
         rng = np.random.default_rng([self.seed % 2**64, epoch])  # SeedSequence wants seeds >= 0
         return rng.permutation(self.num_samples)
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
+    def epoch_batches(self, epoch: int) -> EpochBatches:
         """This rank's batches of epoch ``epoch``, in order (of the resumed epoch: from the resume on)."""
         if epoch not in self._cached:
             self._cached = {e: b for e, b in self._cached.items() if e == epoch - 1}
@@ -79,13 +109,12 @@ class FixedSizeSampler:
             self._cached[epoch] = self._rank_batches(epoch, start)
         return self._cached[epoch]
 
-    def _rank_batches(self, epoch: int, start: int) -> list[list[int]]:
-        order = self.epoch_order(epoch)
+    def _rank_batches(self, epoch: int, start: int) -> EpochBatches:
         b = self.batch_size
         g = b * self.world_size
         steps = (self.num_samples - start) // (g * self.accum)
-        first = start + self.rank * b
-        return [order[first + k * g : first + k * g + b].tolist() for k in range(steps * self.accum)]
+        # the rank's k-th batch starts at sample start + rank * b + k * g of the epoch's order
+        return EpochBatches(self.epoch_order(epoch), start + self.rank * b, g, steps * self.accum, size=b)
 
     def plan(self) -> Iterator[tuple[int, int, list[int]]]:
         """Endless ``(epoch, batch, indices)`` from the current position; does not move it."""
@@ -207,11 +236,11 @@ class TokenBudgetSampler(FixedSizeSampler):
         super().__init__(len(self.lengths), 1, seed, shuffle, rank, world_size)
         self.accum = accum
 
-    def _rank_batches(self, epoch: int, start: int) -> list[list[int]]:
-        order = self.epoch_order(epoch)
-        batches = [b for w in range(0, len(order), self.window) for b in self._fill(order[w : w + self.window])]
-        batches = self._balance(batches)
-        return batches[start + self.rank :: self.world_size]
+    def _rank_batches(self, epoch: int, start: int) -> EpochBatches:
+        order, sizes = self._balance(*self._fill(self.epoch_order(epoch)))
+        starts = np.concatenate(([0], np.cumsum(sizes)))  # [batches + 1]
+        count = len(range(start + self.rank, len(sizes), self.world_size))
+        return EpochBatches(order, start + self.rank, self.world_size, count, starts=starts)
 
     def position(self) -> int:
         start = self.resumed_at[1] if self.epoch == self.resumed_at[0] else 0
@@ -224,41 +253,62 @@ class TokenBudgetSampler(FixedSizeSampler):
         world = int(state["world_size"])
         return {**state, "batches_per_step": world, self.POSITION: int(state["batch"]) * world}
 
-    def _fill(self, window: np.ndarray) -> list[list[int]]:
-        """Longest first; each sample into the first batch it fits in (first-fit decreasing).
+    def _fill(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's micro-batches: ``(order, sizes)``, batch ``k`` the next ``sizes[k]`` samples of ``order``.
 
-        Padded, a batch costs ``rows * its first (longest) length``: once full it stays full, so
-        only the newest batch is open (first fit is next fit). Packed, a batch stays open while
-        the shortest sample of the window still fits.
+        Each window goes longest first (ties in epoch order), each sample into the first batch of
+        its window it fits in (first-fit decreasing); a batch holds its samples in that order.
         """
-        window = window[np.argsort(-self.lengths[window], kind="stable")]
-        shortest = int(self.lengths[window[-1]])
-        batches: list[list[int]] = []
-        open_: list[tuple[list[int], list[int]]] = []  # (batch, [tokens used]) that may take more
-        for i in window.tolist():
-            n = int(self.lengths[i])
-            for batch, used in open_:
-                cost = used[0] + n if self.packed else (len(batch) + 1) * int(self.lengths[batch[0]])
-                if cost <= self.max_tokens:
-                    batch.append(i)
-                    used[0] = cost
-                    break
-            else:
-                batches.append([i])
-                if not self.packed:
-                    open_.clear()
-                open_.append((batches[-1], [n]))
-            if self.packed:
-                open_ = [(b, u) for b, u in open_ if u[0] + shortest <= self.max_tokens]
-        return batches
+        lengths = self.lengths[order]
+        by = np.lexsort((-lengths, np.arange(len(order)) // self.window))  # stable: ties keep epoch order
+        order, lengths = order[by], lengths[by]
+        if not self.packed:
+            return order, self._fill_padded(lengths)
+        batch = self._fill_packed(lengths)  # [samples] the batch each sorted sample went to
+        return order[np.argsort(batch, kind="stable")], np.bincount(batch)
 
-    def _balance(self, batches: list[list[int]]) -> list[list[int]]:
+    def _fill_padded(self, lengths: np.ndarray) -> np.ndarray:
+        """Padded, a batch costs ``rows * its first (longest) length``: once full it stays full, so only
+        the newest batch is open (first fit is next fit), and it takes ``max_tokens // that length`` rows."""
+        rows = self.max_tokens // lengths
+        sizes, p = [], 0  # one loop turn per batch, not per sample
+        while p < len(lengths):
+            end = min(p + int(rows[p]), (p // self.window + 1) * self.window, len(lengths))
+            sizes.append(end - p)
+            p = end
+        return np.asarray(sizes, dtype=np.int64)
+
+    def _fill_packed(self, lengths: np.ndarray) -> np.ndarray:
+        """Packed, a batch costs the sum of its lengths and stays open while the shortest sample of
+        its window still fits; returns the batch of each sample, batches numbered as they open."""
+        batch = np.empty(len(lengths), dtype=np.int64)
+        opened = 0
+        for w in range(0, len(lengths), self.window):
+            window = lengths[w : w + self.window].tolist()  # one window's Python ints at a time
+            shortest, ids = window[-1], []
+            open_: list[list[int]] = []  # [batch, tokens used] of the batches that may take more
+            for n in window:
+                for entry in open_:
+                    if entry[1] + n <= self.max_tokens:
+                        entry[1] += n
+                        ids.append(entry[0])
+                        break
+                else:
+                    open_.append([opened, n])
+                    ids.append(opened)
+                    opened += 1
+                open_ = [e for e in open_ if e[1] + shortest <= self.max_tokens]
+            batch[w : w + len(window)] = ids
+        return batch
+
+    def _balance(self, order: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Make the number of batches a multiple of the micro-batches per step (see the class docstring)."""
         m = self.batches_per_step
-        while len(batches) % m:
-            k = max(range(len(batches)), key=lambda j: len(batches[j]))
-            if len(batches[k]) < 2:
-                return batches[: len(batches) - len(batches) % m]
-            b = batches[k]
-            batches[k : k + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
-        return batches
+        while len(sizes) % m:
+            k = int(np.argmax(sizes))  # the first of the largest
+            if sizes[k] < 2:
+                keep = len(sizes) - len(sizes) % m
+                return order[: int(sizes[:keep].sum())], sizes[:keep]
+            sizes = np.insert(sizes, k + 1, sizes[k] - sizes[k] // 2)
+            sizes[k] //= 2
+        return order, sizes

@@ -21,7 +21,9 @@ known by errno or by the room left after the failed write)
 removes its partial directory and raises one :class:`CheckpointError` on every rank naming the
 disk, the bytes free and about the bytes needed.
 
-``checkpoint.async``: :func:`start_save` copies the state to CPU memory and DCP writes it from a
+``checkpoint.async``: :func:`start_save` has the state copied to CPU memory in a thread, which the
+next step's forward and backward overlap (the trainer waits for the copy, :meth:`Save.wait_staged`,
+before the optimizer step changes the state), and DCP writes it from a
 thread on a gloo group of its own (:class:`AsyncSaves`) while training goes on; :func:`finish`
 (called when :func:`written_everywhere` says every rank's write ended, before the next save, and
 before a stop) checks and marks it exactly as a synchronous save does: ``COMPLETE.json`` and the
@@ -133,6 +135,15 @@ class Save:
     run: dict | None
     report: dict  # this rank's: bytes, and the error that stopped its part (None: none yet)
     future: Future | None = None  # the background write of checkpoint.async (None: written already)
+    staged: Future | None = None  # its copy of the state to CPU memory (None: copied already)
+
+    def wait_staged(self) -> None:
+        """Block until the state is copied to CPU memory: called before the next optimizer step,
+        which changes the weights and moments the copy reads (forward and backward only read
+        them, so they run during the copy). A failed copy fails the write: :func:`finish` reports it."""
+        if self.staged is not None:
+            self.staged.exception()
+            self.staged = None
 
     @property
     def tmp(self) -> Path:
@@ -163,9 +174,10 @@ def start_save(root: str | Path, step: int, model, optimizer, sampler, device: t
     """Collective: write step ``step`` under ``.tmp-step-*``; :func:`finish` makes it a checkpoint.
 
     Without ``saves`` everything is written here. With ``saves`` (:class:`AsyncSaves`) DCP's
-    ``async_save`` copies the model and optimizer state to CPU memory and writes it from a
-    thread, coordinating on its own gloo group (never on training's); this returns once the copy
-    is made, so the weights may change under the write. The data position and RNG (a few KB) are
+    ``async_save`` copies the model and optimizer state to CPU memory in a thread and writes it
+    from another, coordinating on its own gloo group (never on training's); this returns at once,
+    and the caller must :meth:`Save.wait_staged` before it changes the state (the next optimizer
+    step; torchtitan's ``maybe_wait_for_staging``). The data position and RNG (a few KB) are
     written here either way, as they are at this step.
     """
     root, rank = Path(root), dist.get_rank()
@@ -192,7 +204,9 @@ def start_save(root: str | Path, step: int, model, optimizer, sampler, device: t
         if rank == 0:
             _write(pending.tmp / "train_state.pt", {"step": step})
         if saves is not None:  # the manifest lists the rank files: its thread starts after they are written
-            pending.future = _then_manifest(written, pending.tmp, rank)
+            # torch >= 2.9 with a staging thread: an AsyncSaveResponse (the copy, then the write); else the write
+            pending.staged = getattr(written, "staging_completion", None)
+            pending.future = _then_manifest(getattr(written, "upload_completion", written), pending.tmp, rank)
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
         _failed(pending, e)
     return pending
@@ -292,8 +306,10 @@ class AsyncSaves:
     - a gloo group for the background writes: their collectives (DCP's plan and metadata
       exchange) run in a thread and must never interleave with training's;
     - a stager whose CPU copies are reused from save to save (torch >= 2.9; older ones copy into
-      new memory each time): one save is in flight at a time, so a copy is never refilled while
-      its write still reads it. Pinned memory when the model is on an accelerator.
+      new memory each time, before ``async_save`` returns): one save is in flight at a time, so a
+      copy is never refilled while its write still reads it. It copies in a thread of its own
+      (``use_async_staging``), so the next step's forward and backward overlap the copy; pinned
+      memory when the model is on an accelerator.
     """
 
     def __init__(self, device: torch.device):
@@ -304,7 +320,7 @@ class AsyncSaves:
             self.stager = None
         else:
             pinned = device.type != "cpu"
-            self.stager = DefaultStager(StagingOptions(pinned, False, False, False))
+            self.stager = DefaultStager(StagingOptions(pinned, False, True, False))
 
     def close(self) -> None:
         if self.stager is not None:

@@ -13,7 +13,9 @@ every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each
   and rank 0 moves them, whole, to ``superseded-<time>/``.
 - The checkpoint must fit the run (:func:`fit`): the same data order (``train.seed``,
   ``data.shuffle``, ``data.max_tokens_per_batch``, and ``data.packing`` under a token budget),
-  checked from ``COMPLETE.json``'s ``run`` record before any process starts. The number of
+  checked from ``COMPLETE.json``'s ``run`` record before any process starts, and the same data
+  files (their sizes, :func:`qwenkit.data.load.file_sizes`; the ranks then check the rows and
+  their lengths, which also covers ``tiny`` and ``datasets`` sources). The number of
   ranks, ``parallel.sp_size``, the HSDP shape, the micro-batch size and the accumulation may
   change: DCP reshards the model and optimizer, the data position is global, the RNG is
   re-seeded per rank (:func:`rank_seed`), and ``changes`` says what changed, for the log. A
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qwenkit.data.load import file_sizes
 from qwenkit.engine.checkpoint_dir import (
     COMPLETE,
     PREFIX,
@@ -64,6 +67,7 @@ def run_record(cfg, world_size: int) -> dict:
         "train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum": cfg.train.grad_accum,
         "train.seed": cfg.train.seed, "data.shuffle": cfg.data.shuffle,
         "data.max_tokens_per_batch": cfg.data.max_tokens_per_batch, "data.packing": cfg.data.packing,
+        "data.files": file_sizes(cfg.data),
     }  # fmt: skip
 
 
@@ -122,6 +126,13 @@ def fit(path: Path, marker: dict, now: dict) -> tuple[list[str], bool]:
                 f"run with {saved_by} ranks or start another train.output_dir"
             )
         return [], True
+    changed = _changed_files(saved.get("data.files"), now["data.files"])
+    if changed:
+        raise CheckpointError(
+            f"cannot resume the data order of checkpoint {str(path)!r}: the dataset changed since it was saved "
+            f"({'; '.join(changed)}): put back the data it was trained on to continue that run, or train on the "
+            "changed data in another train.output_dir"
+        )
     keys = ORDER_KEYS + (("data.packing",) if saved["data.max_tokens_per_batch"] else ())
     wrong = [f"{k} saved {saved[k]!r}, now {now[k]!r}" for k in keys if saved[k] != now[k]]
     if wrong:
@@ -142,6 +153,16 @@ def fit(path: Path, marker: dict, now: dict) -> tuple[list[str], bool]:
             f"({dp} x train.grad_accum={now['train.grad_accum']}): set {choice}, or start another train.output_dir"
         )
     return _changes(saved, now), saved["world_size"] == now["world_size"]
+
+
+def _changed_files(saved: dict | None, now: dict | None) -> list[str]:
+    """The data files (:func:`qwenkit.data.load.file_sizes`) added, removed or resized, in words.
+    Not comparable (a checkpoint from before the record, ``tiny`` or ``datasets`` sources): the ranks check."""
+    if saved is None or now is None:
+        return []
+    out = [f"data file {n!r} had {saved[n]} bytes, now {now[n]}" for n in saved if n in now and saved[n] != now[n]]
+    out += [f"data file {n!r} is gone" for n in saved if n not in now]
+    return out + [f"data file {n!r} is new" for n in now if n not in saved]
 
 
 def _changes(saved: dict, now: dict) -> list[str]:

@@ -18,7 +18,8 @@ One optimizer step:
 3. grad norm over all shards, one all-reduce of the loss, and one host sync (``.tolist()``) for
    logging and the NaN/inf check: a non-finite loss or grad norm raises :class:`NonFiniteError`
    with the step number *before* the optimizer step, so the weights are not updated;
-4. clip to ``train.max_grad_norm``, AdamW step (at the LR logged), LR-scheduler step; with an
+4. clip to ``train.max_grad_norm``, AdamW step (at the LR logged; first waiting for an async
+   checkpoint's copy of the state, which the forward and backward overlapped), LR-scheduler step; with an
    eval set, eval loss and accuracy when due (:mod:`qwenkit.engine.evaluate`; also once before the
    first step); metrics to JSONL (:mod:`qwenkit.engine.metrics`), the profiler window
    (:mod:`qwenkit.engine.profiling`), and a DCP
@@ -307,7 +308,9 @@ class Trainer:
             for step in range(self.start_step + 1, self.last_step + 1):
                 began = time.perf_counter()
                 start_step_peak(rt.device)
-                values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches, self.objective)
+                staged = pending.wait_staged if pending is not None else None  # an async save's copy must end first
+                values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches, self.objective,
+                               staged)  # fmt: skip
                 values["step_time"] = time.perf_counter() - began
                 values["tokens_per_s"] = values.pop("tokens") / values["step_time"]
                 values["samples_per_s"] = values.pop("samples") / values["step_time"]
@@ -389,7 +392,7 @@ def _counts(batch: dict) -> torch.Tensor:
     return torch.stack([batch.pop("num_items"), batch.pop("num_samples"), tokens, positions, bad])
 
 
-def _step(step, cfg, rt, model, params, optimizer, scheduler, batches, objective=None) -> dict:
+def _step(step, cfg, rt, model, params, optimizer, scheduler, batches, objective=None, before_update=None) -> dict:
     t = cfg.train
     micro = [next(batches) for _ in range(t.grad_accum)]
     if objective is not None:
@@ -421,6 +424,8 @@ def _step(step, cfg, rt, model, params, optimizer, scheduler, batches, objective
         raise NonFiniteError(step, loss, norm_value)
     lr = optimizer.param_groups[0]["lr"]  # the LR this step applies (the default group, see build_optimizer)
     group_lrs = {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups[1:]}
+    if before_update is not None:  # e.g. an async checkpoint still copying the weights the step changes
+        before_update()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
