@@ -2,7 +2,8 @@
 
 :func:`decide` is asked by the launcher before any process starts (file sizes checked) and by
 every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each rank its share);
-``qwenkit train``'s refusals and the ranks' are the same sentences. Its own code uses no torch (the data files it compares are listed by :func:`qwenkit.data.load.file_sizes`).
+``qwenkit train``'s refusals and the ranks' are the same sentences. Its own code uses no torch
+(the data files it compares are listed by :func:`qwenkit.data.load.file_sizes`).
 
 - ``train.resume``: ``auto`` takes the newest complete checkpoint that passes the check, passing
   over damaged ones (returned in ``skipped``: the ranks move them to ``damaged-*``); ``none``
