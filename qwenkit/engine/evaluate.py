@@ -274,7 +274,34 @@ def eval_main(args) -> int:
             fsdp.shutdown(runtime)
 
 
+def _evaluate_pairs(args, model, processor, cfg, device) -> int:
+    """A dpo run: held-out pairs, the metrics the trainer logs (:func:`qwenkit.engine.preference.evaluate_pairs`)."""
+    from qwenkit.data.preference import PairCollator, PairDataset
+    from qwenkit.engine.preference import evaluate_pairs
+    from qwenkit.model.paths import resolve_path
+
+    if args.data is not None:
+        dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, pairs=True)[0])
+    else:
+        dataset = qdata.build(cfg, processor).eval_dataset
+    if dataset is None or len(dataset) == 0:
+        raise ValueError(f"{'--data ' + repr(args.data) if args.data else 'the run'}: no held-out pairs to evaluate; pass --data PATH")
+    reference = None
+    if cfg.dpo.loss != "simpo":  # the run's starting weights (model.path; a LoRA run's base)
+        start = resolve_path(cfg.model)
+        reference = families.resolve(cfg.model.name, start).load("hf_class").from_pretrained(
+            start, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+        ).to(device).eval()  # fmt: skip
+    values = evaluate_pairs(cfg, model.eval(), reference, dataset, PairCollator(processor), device)
+    for metric, value in values.items():
+        print(f"{metric} {value:.4f}")
+    print(f"pairs: {len(dataset)}")
+    return 0
+
+
 def _evaluate(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
+    if cfg.train.objective == "dpo":  # preference pairs, no generation: rank 0 scores them all
+        return _evaluate_pairs(args, model, processor, cfg, device) if rank == 0 else 0
     if args.data is not None:
         # training's checks and messages: unreadable files, data.on_bad_sample, data.max_bad_fraction
         dataset, _ = qdata.read_checked(cfg.data, processor, args.data, rank, world_size)
