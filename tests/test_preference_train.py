@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from qwenkit import config as qconfig
 from qwenkit import data
-from qwenkit.engine import metrics, preference, stopping, train
+from qwenkit.engine import init_from, metrics, preference, stopping, train
 from qwenkit.model import lora, paths, registry
 from qwenkit.model.loss import full_sequence_logps
 
@@ -164,3 +164,60 @@ def test_stopped_and_resumed_through_qwenkit_train_equals_the_uninterrupted_run_
             assert torch.equal(want[key], got[key]), key
         else:
             assert want[key] == got[key], key
+
+
+@pytest.mark.slow
+def test_the_resumed_run_exports_to_hf_and_qwenkit_eval_prints_the_trainers_eval_metrics(out, tmp_path):
+    run = out / "resumed-2"
+    exported = _qwenkit("export", str(run), str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "hf")
+    evaluated = _qwenkit("eval", str(run))  # the run's held-out pairs, HF's full logits in one process
+    assert evaluated.returncode == 0, evaluated.stderr
+    printed = dict(line.split(" ", 1) for line in evaluated.stdout.splitlines() if line.startswith("eval_"))
+    logged = _read(out, "copy-2")["evals"][-1]  # the trainer's eval at step 3 (sharded, chunked head)
+    assert printed.keys() == {k for k in logged if k != "step"}
+    for key, value in logged.items():
+        if key != "step":  # printed to 4 decimals; fp32 sums of other shapes below that
+            assert float(printed[key]) == pytest.approx(value, abs=1.5e-4), key
+
+
+def _model_cfg(**kw):
+    return qconfig.load(overrides=[f"model.{k}={v}" for k, v in kw.items()])
+
+
+def test_init_from_refuses_a_run_without_checkpoint_in_one_line(tmp_path, capsys):
+    cfg = _model_cfg(init_from=tmp_path / "none")
+    assert init_from.prepare(cfg, train_recipe=None) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"model.init_from='{tmp_path / 'none'}': no complete checkpoint there" in err
+    cfg = _model_cfg(init_from=tmp_path / "none", init_recipe=tmp_path / "missing.yaml")
+    assert init_from.prepare(cfg, train_recipe=None) == 2
+    assert "model.init_recipe=" in capsys.readouterr().err and cfg.model.path == "tiny"
+
+
+def test_init_from_trains_the_recipe_when_the_run_is_missing_and_stops_when_that_fails(tmp_path, capsys):
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text("train:\n  steps: 2\n")
+    asked = []
+    cfg = _model_cfg(init_from=tmp_path / "sft", init_recipe=recipe)
+    assert init_from.prepare(cfg, lambda params, extra: asked.append((params, extra)) or 75) == 75
+    assert asked == [(str(recipe), [f"train.output_dir={tmp_path / 'sft'}"])]
+    assert "did not finish (exit 75)" in capsys.readouterr().err and cfg.model.path == "tiny"
+
+
+@pytest.mark.slow
+def test_init_from_a_run_exports_its_newest_checkpoint_once_and_starts_there(out):
+    cfg = _model_cfg(init_from=out / "copy-2")
+    assert init_from.prepare(cfg, train_recipe=None) is None
+    start = out / "copy-2" / "hf-step-00000003"
+    assert cfg.model.path == str(start) and (start / "config.json").is_file()
+    made = (start / "config.json").stat().st_mtime_ns
+    again = _model_cfg(init_from=out / "copy-2")
+    assert init_from.prepare(again, train_recipe=None) is None and (start / "config.json").stat().st_mtime_ns == made
+    model = registry.build(cfg.model, cfg.loss)  # the trainer's build: the DPO run's weights at step 3
+    saved = _final_state(out / "copy-2")["model"]
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, saved[name]), name
