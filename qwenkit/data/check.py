@@ -20,6 +20,7 @@ import numpy as np
 from qwenkit import config as qconfig
 from qwenkit.data import cache, layouts, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
+from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
 from qwenkit.model.paths import load_processor, resolve_path
@@ -85,8 +86,6 @@ def summarize_pairs(sources, dataset: EncodedDataset, report: BadSampleReport) -
 
     The refused rows (file, row, reason) are the report's bad samples, listed by :func:`summarize`.
     """
-    from qwenkit.data.preference import PairDataset, pair_layout
-
     layouts_seen: dict[str, int] = {}
     rows = 0
     for source in sources:

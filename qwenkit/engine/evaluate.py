@@ -39,6 +39,7 @@ from torch import nn
 from qwenkit import config as qconfig
 from qwenkit import data as qdata
 from qwenkit.config import DTYPES
+from qwenkit.data.preference import PairCollator, PairDataset
 from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.device import resolve_device
 from qwenkit.distributed import fsdp
@@ -46,10 +47,11 @@ from qwenkit.engine import answers
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import generate as qgen
 from qwenkit.engine.export import load_hf
+from qwenkit.engine.preference import evaluate_pairs
 from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
-from qwenkit.model.paths import load_processor
+from qwenkit.model.paths import load_processor, resolve_path
 from qwenkit.model.processor import Processor, pixel_bounds
 
 log = logging.getLogger(__name__)
@@ -276,10 +278,6 @@ def eval_main(args) -> int:
 
 def _evaluate_pairs(args, model, processor, cfg, device) -> int:
     """A dpo run: held-out pairs, the metrics the trainer logs (:func:`qwenkit.engine.preference.evaluate_pairs`)."""
-    from qwenkit.data.preference import PairCollator, PairDataset
-    from qwenkit.engine.preference import evaluate_pairs
-    from qwenkit.model.paths import resolve_path
-
     if args.data is not None:
         dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, pairs=True)[0])
     else:

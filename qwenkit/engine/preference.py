@@ -39,6 +39,7 @@ from qwenkit.data import cache
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.weights import load_hf_weights
 from qwenkit.model import lora, paths, registry
+from qwenkit.model.loss import full_sequence_logps
 from qwenkit.model.preference_loss import pair_losses, preference_loss_share
 
 log = logging.getLogger(__name__)
@@ -287,8 +288,6 @@ def evaluate_pairs(cfg, policy: nn.Module, reference: nn.Module | None, dataset,
     HF's full logits (:func:`qwenkit.model.loss.full_sequence_logps`): no process group here, and
     evaluation keeps no graph.
     """
-    from qwenkit.model.loss import full_sequence_logps
-
     def logps(model, batch):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return full_sequence_logps(model(**inputs, use_cache=False).logits.float(), batch["labels"])
