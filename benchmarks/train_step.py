@@ -32,8 +32,22 @@ once in the driver put a busy moment into every variant's MFU (1.17 in one run, 
 another). An MFU above 1 is not a result but a peak measured too low (the machine was busy
 then): such a row prints ``error`` in its MFU column and the reason below the table.
 
+With ``--objective dpo`` the batch is one preference pair: two rows of ``seq`` tokens sharing
+the prompt and its image, with different replies, and the step is DPO's (sigmoid, beta 0.1):
+
+- ``dpo-hf``: DPO as TRL computes it: the policy's forward on both rows (full ``[2, S, V]``
+  logits), the reference's (a frozen copy of the starting model) under ``no_grad``, each
+  reduced by a ``log_softmax`` gather (:func:`qwenkit.model.loss.full_sequence_logps`), plain AdamW;
+- ``dpo``: qwenkit's step: ``sequence_logps`` (per-sequence sums from the chunked head, no
+  logits in forward or backward) of the policy and of the frozen reference copy, fused AdamW;
+- ``dpo-lora``: the same with LoRA (r = 16, all-linear): the reference is the policy with its
+  adapters disabled (no second copy).
+
+Targets: ``dpo`` peak <= 0.5x and time <= 0.8x ``dpo-hf``; ``dpo-lora`` peak <= 0.35x ``dpo-hf``.
+
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
+    python benchmarks/train_step.py --objective dpo       # one pair of 2 x 2,048 tokens sharing an image prompt
 """
 
 from __future__ import annotations
@@ -73,6 +87,35 @@ SHAPES = {"cpu": CPU_SHAPES, "3b": GPU_3B_SHAPES, "tiny": TINY_SHAPES}
 SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants whose head projects only labelled rows
 
 
+DPO_VARIANTS = ("dpo-hf", "dpo", "dpo-lora")
+DPO_BETA = 0.1
+
+
+def pair_batch(config, seq: int, image_side: int, device="cpu") -> dict:
+    """One preference pair: rows 0 (chosen) and 1 (rejected) share the prompt and its image; the replies differ."""
+    batch = make_batch(config, seq, image_side, samples=2, learn_prompt=False, ordinary=QWEN_ORDINARY)
+    prompt = int((batch["labels"][0] == -100).sum())  # the prompt text, the image span
+    batch["input_ids"][1, :prompt] = batch["input_ids"][0, :prompt]
+    batch["labels"][1, :prompt] = -100
+    batch["mm_token_type_ids"][1] = batch["mm_token_type_ids"][0]
+    half = batch["pixel_values"].shape[0] // 2
+    batch["pixel_values"][half:] = batch["pixel_values"][:half]
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def dpo_step(policy_logps, reference_logps, batch):
+    """DPO's sigmoid loss of one pair, backward included; returns the loss."""
+    import torch
+    import torch.nn.functional as F
+
+    sums = policy_logps(batch)
+    with torch.no_grad():
+        ref = reference_logps(batch)
+    loss = -F.logsigmoid(DPO_BETA * ((sums[0] - ref[0]) - (sums[1] - ref[1])))
+    loss.backward()
+    return loss
+
+
 def worker(args) -> dict:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -88,6 +131,8 @@ def worker(args) -> dict:
     config = make_config(shapes)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
+    if args.variant in DPO_VARIANTS:
+        return dpo_worker(args, config, shapes, device, dtype)
     if args.variant == "hf" or args.variant == "liger":
         model = Qwen2_5_VLForConditionalGeneration(config)
     else:
@@ -141,6 +186,93 @@ def worker(args) -> dict:
     }  # fmt: skip
 
 
+def dpo_worker(args, config, shapes, device, dtype) -> dict:
+    """One DPO variant's steps (see the module docstring); peak memory and median time."""
+    import copy
+
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from qwenkit.device import memory_bytes, reset_peak_memory
+    from qwenkit.model.loss import full_sequence_logps
+    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+
+    batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if args.variant == "dpo-hf":
+        model = Qwen2_5_VLForConditionalGeneration(config).to(device=device, dtype=dtype).train()
+        reference = copy.deepcopy(model).requires_grad_(False).eval()
+
+        def logps(m):
+            return lambda b: full_sequence_logps(m(**inputs).logits, b["labels"])[0]  # TRL: log_softmax, gather
+
+        policy_logps, reference_logps = logps(model), logps(reference)
+    else:
+        model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto").to(device=device, dtype=dtype)
+        model.lm_head.skip_ignored = True
+        model.train()
+
+        def policy_logps(b):
+            return model.sequence_logps(**b)[0]
+
+        if args.variant == "dpo-lora":
+            from qwenkit import config as qconfig
+            from qwenkit.model import lora
+
+            lora.apply(model, qconfig.load(overrides=["lora.r=16", "lora.alpha=32"]).lora, seed=0)
+
+            def reference_logps(b):
+                with lora.adapters_disabled(model):
+                    return model.sequence_logps(**b)[0]
+        else:
+            reference = copy.deepcopy(model).requires_grad_(False).eval()
+
+            def reference_logps(b):
+                return reference.sequence_logps(**b)[0]
+
+    fused = args.variant != "dpo-hf"
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
+    reset_peak_memory(device)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        loss = dpo_step(policy_logps, reference_logps, batch)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": memory_bytes(device, peak=True),
+        "params": n_params, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "losses": losses, "tokens": 2 * shapes["seq"], "optimizer": "AdamW fused" if fused else "AdamW foreach",
+    }  # fmt: skip
+
+
+def dpo_main(args) -> int:
+    variants = args.variants or list(DPO_VARIANTS)
+    print(f"DPO step, one pair of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
+          f"shapes={args.shapes} vocab={VOCAB:,} device={args.device}")  # fmt: skip
+    rows = [_spawn(args, v) for v in variants]
+    base = next((r for r in rows if r["variant"] == "dpo-hf"), rows[0])
+    print(f"\n{'variant':<10}{'optimizer':>15}{'step s':>8}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}{'trainable':>13}"
+          f"{'first loss':>12}")  # fmt: skip
+    targets = {"dpo": "peak <= 0.50x, time <= 0.80x", "dpo-lora": "peak <= 0.35x"}
+    for r in rows:
+        r["time_ratio"], r["mem_ratio"] = r["step_s"] / base["step_s"], r["peak_bytes"] / base["peak_bytes"]
+        print(f"{r['variant']:<10}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['peak_bytes'] / GiB:>10.2f}"
+              f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['trainable']:>13,}{r['losses'][0]:>12.5f}"
+              f"{'   target ' + targets[r['variant']] if r['variant'] in targets else ''}")  # fmt: skip
+    if args.out:
+        from qwenkit.notebooks.results import write_jsonl
+
+        write_jsonl(rows, args.out)
+    return 0
+
+
 def _mfu_cell(value: float | None, width: int) -> str:
     return f"{value:>{width}.2f}" if value is not None else f"{'error':>{width}}"
 
@@ -148,7 +280,7 @@ def _mfu_cell(value: float | None, width: int) -> str:
 def _spawn(args, variant: str) -> dict:
     cmd = [__file__, "--worker", "--variant", variant, "--device", args.device,
            "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--gemm-size", str(args.gemm_size)]  # fmt: skip
+           "--gemm-size", str(args.gemm_size), "--objective", args.objective]  # fmt: skip
     return fresh_process(cmd, f"variant {variant}")  # the same allocator for every variant
 
 
@@ -160,6 +292,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gemm-size", type=int, default=4096, help="side of the square GEMM the MFU peak is measured with")
+    p.add_argument("--objective", default="sft", choices=["sft", "dpo"], help="dpo: one preference pair, DPO's step")
     p.add_argument("--variants", nargs="+", default=None)
     p.add_argument("--out", default=None, help="also write the results as JSON lines here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -174,6 +307,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: --device cuda but no CUDA device is available")
         return 0
+    if args.objective == "dpo":
+        return dpo_main(args)
     shapes = SHAPES[args.shapes]
     variants = args.variants or ["hf", "chunk-dense", "chunk", "chunk+recompute", "lora"]
     if args.device == "cuda" and args.variants is None:

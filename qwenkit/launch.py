@@ -50,7 +50,7 @@ from qwenkit.data.conversation import parse_row
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
-from qwenkit.engine import optim, stopping
+from qwenkit.engine import init_from, optim, stopping
 from qwenkit.engine import resume as resume_rule
 from qwenkit.errors import print_user_error
 from qwenkit.model import lora, registry
@@ -367,6 +367,10 @@ def launch(
     if rdzv.backend == "static" and not 0 <= rdzv.node_rank < rdzv.nnodes:
         print(f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}", file=sys.stderr)
         return 2
+    # model.init_from: the run it starts from, trained first when missing, exported once
+    stopped = init_from.prepare(cfg, lambda recipe, extra: launch(recipe, extra, nproc, rdzv))
+    if stopped is not None:
+        return stopped
     out = Path(cfg.train.output_dir)
     node = node_name(rdzv)
     lock = None

@@ -157,3 +157,26 @@ def test_pair_collator_counts_pairs_and_chosen_tokens(processor):
     other = {"input_ids": torch.tensor([1, 2, 5]), "labels": torch.tensor([-100, -100, 5])}
     batch = PairCollator(processor)([(sample, other), (sample, other)])
     assert int(batch["num_pairs"]) == 2 and int(batch["num_chosen_items"]) == 4 and int(batch["num_items"]) == 6
+
+
+def test_data_check_reports_pairs_layouts_and_refused_rows(tmp_path, tiny_path, capsys):
+    from qwenkit.data import check
+
+    Image.new("RGB", (56, 56), "red").save(tmp_path / "a.png")
+    rows = [
+        {"prompt": "<image>What colour is the shape?", "chosen": "red", "rejected": "blue", "images": ["a.png"]},
+        {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}],
+         "rejected_response": "green", "images": ["a.png"]},
+        {"prompt": "x", "chosen": 3, "rejected": "blue"},
+        {"foo": 1},
+    ]  # fmt: skip
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = qconfig.load(overrides=["train.objective=dpo"])
+    cfg.data.path = str(path)
+    assert check.check(cfg) == 1
+    out = capsys.readouterr().out
+    assert "pairs: 2 usable of 4 preference rows (2 refused" in out
+    assert "pair layouts: trl 2, none (refused) 1, swift 1" in out
+    assert f"{path}: row 2 (line 3): bad_format: preference row: a plain (string) prompt takes string replies" in out
+    assert f"{path}: row 3 (line 4): bad_format: preference row: no preference layout has the keys ['foo']" in out

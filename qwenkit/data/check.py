@@ -20,6 +20,7 @@ import numpy as np
 from qwenkit import config as qconfig
 from qwenkit.data import cache, layouts, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
+from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
 from qwenkit.model.paths import load_processor, resolve_path
@@ -80,6 +81,29 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
     return "\n".join(lines)
 
 
+def summarize_pairs(sources, dataset: EncodedDataset, report: BadSampleReport) -> str:
+    """``train.objective=dpo``: pairs read and usable (both sides passed the scan), rows by preference layout.
+
+    The refused rows (file, row, reason) are the report's bad samples, listed by :func:`summarize`.
+    """
+    layouts_seen: dict[str, int] = {}
+    rows = 0
+    for source in sources:
+        inner = source.inner
+        for k in range(len(inner)):
+            try:
+                layout = pair_layout(inner.row(k)) or "none (refused)"
+            except Exception:  # noqa: BLE001 - an unreadable row is one of the report's bad samples
+                layout = "unreadable (refused)"
+            layouts_seen[layout] = layouts_seen.get(layout, 0) + 1
+            rows += 1
+    usable = len(PairDataset(dataset))
+    return "\n".join([
+        f"pairs: {usable} usable of {rows} preference rows ({rows - usable} refused: a side failed the scan or no layout fits)",
+        "pair layouts: " + ", ".join(f"{name} {n}" for name, n in sorted(layouts_seen.items(), key=lambda kv: (-kv[1], kv[0]))),
+    ])  # fmt: skip
+
+
 def check(cfg: qconfig.Config) -> int:
     """``qwenkit data check``: scan ``cfg.data.path`` with ``cfg.model``'s processor and print a summary.
 
@@ -89,10 +113,11 @@ def check(cfg: qconfig.Config) -> int:
         model_dir = resolve_path(cfg.model)
         processor = load_processor(cfg, model_dir)
         full = dataclasses.replace(cfg.data, verify_images="full")
-        dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False)
-        sources = open_dataset(cfg.data)
+        pairs = cfg.train.objective == "dpo"  # preference rows: each read as two SFT rows
+        dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False, pairs=pairs)
+        sources = open_dataset(cfg.data, pairs=pairs)
         cache_line = cache.status(sources, processor, cfg.data)
-        layout_lines = layouts.describe(sources, cfg.data.layout)
+        layout_lines = summarize_pairs(sources, dataset, report) if pairs else layouts.describe(sources, cfg.data.layout)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2

@@ -73,7 +73,7 @@ RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
 # train.objective=dpo's too (TRL's names, qwenkit.engine.preference): rewards are beta x log-ratios
 PREFERENCE_UNITS = {
     "rewards": "nat", "logps": "nat", "eval_rewards": "nat", "eval_logps": "nat",
-    "rewards/accuracies": "1", "eval_rewards/accuracies": "1",
+    "rewards/accuracies": "1", "eval_rewards/accuracies": "1", "logps/accuracies": "1", "eval_logps/accuracies": "1",
 }
 UNITS = {**RUN_UNITS, **PREFERENCE_UNITS}
 REPORT_TO = ("tensorboard", "mlflow")

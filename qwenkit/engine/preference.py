@@ -16,8 +16,8 @@ One micro-batch holds ``P`` whole pairs as ``2P`` rows, chosen then rejected
    change the step (the trainer backpropagates ``share * world_size``, as for SFT).
 
 Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
-``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``), means over the step's global
-pairs; evaluation on held-out pairs logs the same with the ``eval_`` prefix and ``eval_loss``.
+``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``), plus ``logps/accuracies`` (the
+policy's own preference, reference aside), means over the step's global pairs; evaluation on held-out pairs logs the same with the ``eval_`` prefix and ``eval_loss``.
 """
 
 from __future__ import annotations
@@ -39,13 +39,16 @@ from qwenkit.data import cache
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.weights import load_hf_weights
 from qwenkit.model import lora, paths, registry
+from qwenkit.model.loss import full_sequence_logps
 from qwenkit.model.preference_loss import pair_losses, preference_loss_share
 
 log = logging.getLogger(__name__)
 
 PAIR_KEYS = ("num_pairs", "num_chosen_items", "pair_index")  # what the objective pops from a micro-batch
+# TRL's names; logps/accuracies (not TRL's): the share of pairs whose chosen reply the policy itself finds
+# likelier, the reference aside (at step 0 the starting model's own preference accuracy)
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")  # fmt: skip
+           "logps/rejected", "logps/accuracies")  # fmt: skip
 
 
 def policy_logps(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +232,7 @@ class PreferenceObjective:
 def _metric_sums(terms, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     margins = terms.chosen_rewards - terms.rejected_rewards
     return torch.stack([terms.chosen_rewards.sum(), terms.rejected_rewards.sum(), margins.sum(),
-                        (margins > 0).sum(), chosen.sum(), rejected.sum()]).double()  # fmt: skip
+                        (margins > 0).sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum()]).double()  # fmt: skip
 
 
 class PreferenceEvaluator:
@@ -246,29 +249,62 @@ class PreferenceEvaluator:
         return step == 0 or step == t.steps or (t.eval_every > 0 and step % t.eval_every == 0)
 
     def run(self, step: int, model: nn.Module) -> dict[str, float]:
-        dpo = self.cfg.dpo
         total = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=self.rt.device)  # + loss sum, pairs
 
         def add(policy, batch, pairs, valid):
             with torch.no_grad():
                 sums, counts = policy_logps(policy, batch)
                 ref_c, ref_r = self.reference(policy, batch, pairs, split="eval")
-            n = sums.shape[0] // 2
-            terms = pair_losses(sums[:n], sums[n:], ref_c, ref_r, counts[:n], counts[n:], dpo.loss, dpo.beta,
-                                dpo.gamma, dpo.label_smoothing)  # fmt: skip
-            keep = valid.to(sums.dtype)
-            for name in ("losses", "chosen_rewards", "rejected_rewards"):
-                setattr(terms, name, getattr(terms, name)[valid])
-            total[: len(METRICS)] += _metric_sums(terms, sums[:n][valid], sums[n:][valid])
-            total[-2] += terms.losses.sum().double()
-            total[-1] += keep.sum().double()
+            total.add_(_eval_sums(self.cfg.dpo, sums, counts, ref_c, ref_r, valid))
 
         for_each_pair_batch(model, self.dataset, self.collator, self.cfg.train.micro_batch_size, self.rt, add)
         dist.all_reduce(total)
-        pairs = total[-1].clamp(min=1)
-        values = {"eval_loss": (total[-2] / pairs).item()}
-        values.update({f"eval_{name}": v for name, v in zip(METRICS, (total[: len(METRICS)] / pairs).tolist())})
-        return values
+        return eval_values(total)
+
+
+def _eval_sums(dpo, sums, counts, ref_c, ref_r, valid) -> torch.Tensor:
+    """``[metric sums..., loss sum, pairs]`` of one micro-batch of held-out pairs (the ``valid`` ones)."""
+    n = sums.shape[0] // 2
+    terms = pair_losses(sums[:n], sums[n:], ref_c, ref_r, counts[:n], counts[n:], dpo.loss, dpo.beta, dpo.gamma,
+                        dpo.label_smoothing)  # fmt: skip
+    for name in ("losses", "chosen_rewards", "rejected_rewards"):
+        setattr(terms, name, getattr(terms, name)[valid])
+    extra = torch.stack([terms.losses.sum().double(), valid.sum().double()])
+    return torch.cat([_metric_sums(terms, sums[:n][valid], sums[n:][valid]), extra])
+
+
+def eval_values(total: torch.Tensor) -> dict[str, float]:
+    """``eval_loss`` and ``eval_`` + :data:`METRICS`, means over the pairs, from the summed :func:`_eval_sums`."""
+    pairs = total[-1].clamp(min=1)
+    values = {"eval_loss": (total[-2] / pairs).item()}
+    values.update({f"eval_{name}": v for name, v in zip(METRICS, (total[: len(METRICS)] / pairs).tolist())})
+    return values
+
+
+def evaluate_pairs(cfg, policy: nn.Module, reference: nn.Module | None, dataset, collator, device) -> dict[str, float]:
+    """``qwenkit eval`` of a dpo run (one process, HF's own classes): the metrics the trainer logs.
+
+    ``reference``: the run's starting model (``model.path``), None for SimPO. Log-probs come from
+    HF's full logits (:func:`qwenkit.model.loss.full_sequence_logps`): no process group here, and
+    evaluation keeps no graph.
+    """
+    def logps(model, batch):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return full_sequence_logps(model(**inputs, use_cache=False).logits.float(), batch["labels"])
+
+    total = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=device)
+    size = cfg.train.micro_batch_size
+    for start in range(0, len(dataset), size):
+        batch = collator([dataset[p] for p in range(start, min(start + size, len(dataset)))])
+        batch = {k: v.to(device) for k, v in batch.items() if k not in (*PAIR_KEYS, "num_items", "num_samples",
+                                                                          "num_bad")}  # fmt: skip
+        with torch.no_grad():
+            sums, counts = logps(policy, batch)
+            ref = logps(reference, batch)[0] if reference is not None else None
+        n = sums.shape[0] // 2
+        valid = torch.ones(n, dtype=torch.bool, device=device)
+        total += _eval_sums(cfg.dpo, sums, counts, *((ref[:n], ref[n:]) if ref is not None else (None, None)), valid)
+    return eval_values(total)
 
 
 def build(cfg, rt, model: nn.Module, bundle, main_rank: bool):
@@ -281,4 +317,4 @@ def build(cfg, rt, model: nn.Module, bundle, main_rank: bool):
     return PreferenceObjective(cfg, reference, rt.device), evaluator
 
 
-__all__ = ["METRICS", "PreferenceEvaluator", "PreferenceObjective", "Reference", "build"]
+__all__ = ["METRICS", "PreferenceEvaluator", "evaluate_pairs", "PreferenceObjective", "Reference", "build"]
