@@ -174,6 +174,20 @@ def _model_type(path: str | Path) -> str | None:
         raise ValueError(f"model.path={str(path)!r}: config.json unreadable ({e})") from None
 
 
+def of_directory(path: str | Path, default: str = "qwen2_5_vl") -> Family:
+    """The family of a model directory: its ``config.json``, a peft adapter directory's base model's
+    (``adapter_config.json``'s ``base_model_name_or_path``), else ``default`` (processor files alone)."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return resolve("auto", path)
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        if base and (Path(base) / "config.json").is_file():
+            return resolve("auto", base)
+    return get(default)
+
+
 def resolve(name: str, path: str | Path) -> Family:
     """``model.name``'s entry, or (``auto``) the one of the checkpoint's ``config.json`` ``model_type``;
     a name the checkpoint disagrees with is refused (before any rank starts: the launcher builds

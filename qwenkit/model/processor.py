@@ -129,10 +129,10 @@ class Processor:
     def from_pretrained(
         cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None, family: str | None = None
     ) -> Processor:
-        """``family``: the model family (default: the one of ``path``'s ``config.json``, else Qwen2.5-VL)."""
+        """``family``: the model family (default: ``path``'s, :func:`qwenkit.model.family.of_directory`)."""
         path = Path(path)
         if family is None:
-            family = families.resolve("auto", path).name if (path / "config.json").is_file() else "qwen2_5_vl"
+            family = families.of_directory(path).name
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         kwargs = {}
         if min_pixels is not None or max_pixels is not None:
