@@ -48,6 +48,7 @@ Targets: ``dpo`` peak <= 0.5x and time <= 0.8x ``dpo-hf``; ``dpo-lora`` peak <= 
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
     python benchmarks/train_step.py --objective dpo       # one pair of 2 x 2,048 tokens sharing an image prompt
+    python benchmarks/train_step.py --family qwen3_vl     # the same CPU shapes on Qwen3-VL (DeepStack, 16-px patches)
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ TINY_SHAPES = dict(  # a smoke check of the script in seconds (--shapes tiny), n
     text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, mrope_section=[4, 6, 6]),
     vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, fullatt_block_indexes=[1]),
-    image_side=56, seq=256, dtype="float32", tie=False,
+    image_side=64, seq=256, dtype="float32", tie=False,
 )  # fmt: skip
 SHAPES = {"cpu": CPU_SHAPES, "3b": GPU_3B_SHAPES, "tiny": TINY_SHAPES}
 SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants whose head projects only labelled rows
@@ -116,27 +117,47 @@ def dpo_step(policy_logps, reference_logps, batch):
     return loss
 
 
+def make_qwen3_config(shapes: dict):
+    """A Qwen3-VL config of the same text sizes (``--family qwen3_vl``): 16-px patches, a learned
+    48x48 position grid, DeepStack from vision block 0, interleaved mRoPE of the same section."""
+    from transformers import Qwen3VLConfig
+
+    base = make_config(shapes)
+    text, vision = base.text_config.to_dict(), shapes["vision"]
+    text.update(head_dim=text["hidden_size"] // text["num_attention_heads"],
+                rope_scaling={"rope_type": "default", "mrope_section": shapes["text"]["mrope_section"],
+                              "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=vision["depth"], hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+                  num_heads=vision["num_heads"], patch_size=16, num_position_embeddings=48 * 48,
+                  deepstack_visual_indexes=[0], out_hidden_size=text["hidden_size"])  # fmt: skip
+    ids = {k: getattr(base, f"{k}_token_id") for k in ("image", "video", "vision_start", "vision_end")}
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=shapes["tie"],
+                         **{f"{k}_token_id": v for k, v in ids.items()})  # fmt: skip
+
+
+CONFIGS = {"qwen2_5_vl": make_config, "qwen3_vl": make_qwen3_config}  # --family: the config of those shapes
+
+
 def worker(args) -> dict:
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     from qwenkit.bench.measure import matmul_peak
     from qwenkit.bench.step import step_flops
     from qwenkit.device import memory_bytes, reset_peak_memory
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model import family as families
 
     shapes = SHAPES[args.shapes]
     device = torch.device(args.device)
     dtype = getattr(torch, shapes["dtype"])
-    config = make_config(shapes)
+    config = CONFIGS[args.family](shapes)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     if args.variant in DPO_VARIANTS:
         return dpo_worker(args, config, shapes, device, dtype)
     if args.variant == "hf" or args.variant == "liger":
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = families.get(args.family).load("hf_class")(config)
     else:
-        model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto")
+        model = families.get(args.family).load("subclass")(config).configure_loss(chunk=True, chunk_size="auto")
         model.lm_head.skip_ignored = args.variant in SKIPPING
     model.to(device=device, dtype=dtype).train()
     if args.variant == "lora":
@@ -280,7 +301,7 @@ def _mfu_cell(value: float | None, width: int) -> str:
 def _spawn(args, variant: str) -> dict:
     cmd = [__file__, "--worker", "--variant", variant, "--device", args.device,
            "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--gemm-size", str(args.gemm_size), "--objective", args.objective]  # fmt: skip
+           "--gemm-size", str(args.gemm_size), "--objective", args.objective, "--family", args.family]  # fmt: skip
     return fresh_process(cmd, f"variant {variant}")  # the same allocator for every variant
 
 
@@ -294,6 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-size", type=int, default=4096, help="side of the square GEMM the MFU peak is measured with")
     p.add_argument("--objective", default="sft", choices=["sft", "dpo"], help="dpo: one preference pair, DPO's step")
     p.add_argument("--variants", nargs="+", default=None)
+    p.add_argument("--family", default="qwen2_5_vl", choices=list(CONFIGS), help="the model family (model.name)")
     p.add_argument("--out", default=None, help="also write the results as JSON lines here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="hf", help=argparse.SUPPRESS)
@@ -308,6 +330,8 @@ def main(argv=None) -> int:
         print("skipped: --device cuda but no CUDA device is available")
         return 0
     if args.objective == "dpo":
+        if args.family != "qwen2_5_vl":  # the pair batch and both DPO steps are written for Qwen2.5-VL
+            p.error(f"--objective dpo measures Qwen2.5-VL (TRL's DPO example model), not --family {args.family}")
         return dpo_main(args)
     shapes = SHAPES[args.shapes]
     variants = args.variants or ["hf", "chunk-dense", "chunk", "chunk+recompute", "lora"]
@@ -321,11 +345,11 @@ def main(argv=None) -> int:
     from qwenkit.model.loss import auto_chunk_size
     from qwenkit.notebooks.results import write_jsonl
 
-    config = make_config(shapes)
+    config = CONFIGS[args.family](shapes)
     labels = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY)["labels"]
     valid = int((labels[:, 1:] != -100).sum())  # positions the skipping head projects
     print(f"batch: {labels.numel()} tokens, {valid} labelled, {1 - valid / labels.numel():.0%} of the labels ignored")
-    print(f"shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
+    print(f"family={args.family} shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
           "MFU against each worker's own GEMM peak")
     rows = [_spawn(args, v) for v in variants]
     base = rows[0]

@@ -53,6 +53,7 @@ from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import init_from, optim, stopping
 from qwenkit.engine import resume as resume_rule
 from qwenkit.errors import print_user_error
+from qwenkit.model import family as families
 from qwenkit.model import lora, registry
 from qwenkit.model.paths import resolve_path
 
@@ -80,9 +81,10 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
         problems.append(str(e))
     else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
         problems.extend(check_module_paths(cfg))
-        heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
-        if heads:
-            problems.append(heads)
+        for problem in (sequence.heads_problem_of(path, cfg.parallel.sp_size),
+                        families.aux_loss_sp_problem(path, cfg.parallel.sp_size)):  # fmt: skip
+            if problem:
+                problems.append(problem)
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     else:

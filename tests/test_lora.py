@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import make_batch
+from conftest import make_batch, tiny_checkpoint
 from multiproc import check_ranks, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
 from qwenkit import launch
 from qwenkit.distributed import fsdp
 from qwenkit.engine import export as hf_export
 from qwenkit.engine import metrics, optim, train
+from qwenkit.model import family as families
 from qwenkit.model import lora, registry
 from qwenkit.model import loss as qloss
 
@@ -200,13 +200,14 @@ GROUPS = [
 ]  # fmt: skip
 
 
-def _resume_runs(rank, out, processor_path):
+def _resume_runs(rank, out, processor_path, family):
     from qwenkit.model.processor import Processor
 
     dist.init_process_group("gloo")
     seen = {}
     for name, extra in (("A", []), ("B", ["train.stop_after=3"]), ("B", [])):
-        cfg = qconfig.load(overrides=[*BASE, *LORA, *GROUPS, *extra, f"train.output_dir={out / name}", "train.resume=auto"])
+        cfg = qconfig.load(overrides=[*BASE, *LORA, *GROUPS, *extra, f"train.output_dir={out / name}", "train.resume=auto",
+                                      f"model.name={family}"])  # fmt: skip
         trainer = train.Trainer(cfg)
         applied = []
         trainer_setup = trainer.setup
@@ -232,11 +233,17 @@ def _resume_runs(rank, out, processor_path):
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory, tiny_path):
-    out = tmp_path_factory.mktemp("resume")
-    check_ranks(_resume_runs, 1, out, tiny_path, timeout=600)
-    return out, torch.load(out / "result.pt")
+# the resume and export proofs for Qwen2.5-VL and for Qwen3-VL-MoE (DeepStack, the router's aux loss;
+# LoRA on attention only, the experts being fused parameters); the dense Qwen3-VL export is the acceptance's
+RESUME_FAMILIES = ("qwen2_5_vl", "qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module", params=RESUME_FAMILIES)
+def resumed(request, tmp_path_factory, _cache):
+    family = request.param
+    out = tmp_path_factory.mktemp(f"resume-{family}")
+    check_ranks(_resume_runs, 1, out, tiny_checkpoint(family), family, timeout=600)
+    return out, torch.load(out / "result.pt"), family
 
 
 @pytest.mark.slow
@@ -278,16 +285,17 @@ def test_checkpoint_holds_only_what_trains(resumed):
 
 @pytest.mark.slow
 @pytest.mark.stack
-def test_export_loads_in_peft_and_merged_with_qwenkits_logits(resumed, tmp_path, tiny_path):
+def test_export_loads_in_peft_and_merged_with_qwenkits_logits(resumed, tmp_path):
     from peft import PeftModel
 
-    out, result = resumed
+    out, result, family = resumed
+    tiny_path, hf_class = tiny_checkpoint(family), families.get(family).load("hf_class")
     cfg = qconfig.load(out / "B" / "config.yaml")
     adapter = hf_export.export(out / "B", tmp_path / "adapter", cfg)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_path)
     for name in ("adapter_model.safetensors", "tokenizer.json", "preprocessor_config.json"):
         assert (adapter / name).is_file(), name
-    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path)
+    base = hf_class.from_pretrained(tiny_path)
     model = PeftModel.from_pretrained(base, adapter).eval()
     with torch.no_grad():
         logits = model(**result["batch"]).logits
@@ -295,7 +303,7 @@ def test_export_loads_in_peft_and_merged_with_qwenkits_logits(resumed, tmp_path,
 
     merged = hf_export.export(out / "B", tmp_path / "merged", cfg, merge=True)
     assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(merged).eval()
+    model = hf_class.from_pretrained(merged).eval()
     with torch.no_grad():
         logits = model(**result["batch"]).logits
     torch.testing.assert_close(logits, result["logits"], **FP32)

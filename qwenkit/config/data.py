@@ -20,7 +20,7 @@ class DataConfig:
     path: str = "tiny"  # "tiny" (embedded synthetic set), a JSON/JSONL file, a directory, or an HF dataset dir
     layout: Literal[DATA_LAYOUTS] = "auto"  # row layout (docs/DATA.md); auto: detected per row
     image_dir: str | None = None  # base for relative image paths (default: the dataset file's directory)
-    system_prompt: str = "You are a helpful assistant."
+    system_prompt: str | None = None  # rows without a system turn; None: the family's (Qwen2.5-VL's default text, Qwen3-VL none)
     max_length: int = 1024  # tokens per sample, images included
     truncate_text: bool = False  # over-long samples: cut text after the last image instead of dropping
     min_pixels: int = 56 * 56

@@ -6,7 +6,8 @@ The fingerprint is a hash of everything that changes what the scan finds:
 
 - the data files: path, size and mtime of each (``data.fingerprint: content`` hashes their
   bytes instead); a ``datasets`` source by the library's own fingerprint;
-- the processor: the tokenizer (its full serialisation) and the image processor's settings;
+- the processor: its model family (the template and the video rule), the tokenizer (its full
+  serialisation) and the image processor's settings;
 - every data setting that changes the encoding or the checks (:data:`ENCODING_KEYS`) and
   ``data.verify_images``.
 
@@ -80,6 +81,7 @@ def _processor_key(processor: Processor) -> dict:
     backend = getattr(tok, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
     return {
+        "family": processor.family,  # the template and the video rule: another family's token counts differ
         "tokenizer": hashlib.sha256(text.encode()).hexdigest(),
         "image_processor": json.loads(
             json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)

@@ -40,7 +40,10 @@ def percentiles(values: list[int]) -> dict[str, float]:
 
 def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int) -> str:
     """The check's report as text: counts, token-length distribution, bad samples by reason."""
-    lines = [f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read"]
+    lines = [
+        f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read",
+        f"model family: {dataset.processor.family} (its chat template and video sampling)",
+    ]
     index = dataset.index
     images, videos = index.kind_mask("image"), index.kind_mask("video")
     lines.append(f"images: {int(images.sum())}")

@@ -35,8 +35,8 @@ from qwenkit.data.images import ImageProbe, MediaRef, load, predict_grid, resolv
 from qwenkit.data.index import MEDIA_KINDS, BadRecord, SampleIndex, SampleInfo, empty_columns, to_index
 from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import REBUILD, BadSample
-from qwenkit.data.template import Qwen2VLTemplate, fit_length
-from qwenkit.data.video import VideoMeta, VideoProbe, VideoProcessor
+from qwenkit.data.template import ChatTemplate, fit_length
+from qwenkit.data.video import VideoMeta, VideoPlan, VideoProbe, VideoProcessor, for_processor
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
@@ -81,8 +81,8 @@ class EncodedDataset:
         origin: str = "scanned",
     ):
         self.sources, self.index, self.processor, self.data = sources, index, processor, data
-        self.template = Qwen2VLTemplate(processor, data.system_prompt)
-        self.video_processor = VideoProcessor.from_config(processor.image_processor, data)
+        self.template = ChatTemplate(processor, data.system_prompt)
+        self.video_processor = for_processor(processor, data)
         self.with_mm_token_type_ids = needs_mm_token_type_ids()
         self.samples = SampleView(index)
         self.index_origin = origin
@@ -138,7 +138,7 @@ class EncodedDataset:
         conv = self.conversation(i)
         sample = dict(media) if media is not None else self._media(i, conv)
         enc = fit_length(
-            self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video")),
+            self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv)),
             conv,
             self.data.max_length,
             self.data.truncate_text,
@@ -162,7 +162,7 @@ class EncodedDataset:
         if conv.turns[-1][0] != "assistant":
             raise ValueError(f"{conv.where}: the last turn is not an assistant reply; nothing to compare a generation to")
         asked = dataclasses.replace(conv, turns=conv.turns[:-1])
-        encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"))
+        encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv))
         inputs = self._media(i, conv)
         input_ids = torch.tensor([encoded.input_ids + self.template.headers["assistant"]], dtype=torch.long)  # [1, S]
         inputs["input_ids"] = input_ids
@@ -170,6 +170,13 @@ class EncodedDataset:
         if self.with_mm_token_type_ids:
             inputs["mm_token_type_ids"] = self._token_types(input_ids)  # [1, S]
         return inputs, conv
+
+    def _video_times(self, i: int, conv: Conversation) -> list[tuple[float, ...]]:
+        """Each video's temporal-patch times, planned again from the index's metadata (no decoding)."""
+        if not self.template.video_timestamps:
+            return []
+        refs = self.video_refs(i, conv)
+        return [self.video_processor.plan(m, conv.where, r.label).timestamps for r, m in zip(refs, self.index.videos(i))]
 
     def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         """transformers 5.x's ``mm_token_type_ids``: 0 text, 1 image pad, 2 video pad."""
@@ -211,11 +218,13 @@ class EncodedDataset:
             pixels.append(patches)
             grids.append(plan.grid)
             seconds.append(plan.second_per_grid)
-        return {
+        out = {
             "pixel_values_videos": torch.cat(pixels),  # [P', C*T*patch²]
             "video_grid_thw": torch.tensor(grids, dtype=torch.long),  # [n_videos, 3]
-            "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32),  # [n_videos]
         }
+        if not self.template.video_timestamps:  # Qwen3-VL's time is the timestamp text, not an mRoPE step
+            out["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)  # [n_videos]
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,9 +240,9 @@ def scan_rows(
     sources: list[Source], processor: Processor, data: DataConfig, lo: int, hi: int, full: bool
 ) -> SampleIndex:
     """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it)."""
-    template = Qwen2VLTemplate(processor, data.system_prompt)
+    template = ChatTemplate(processor, data.system_prompt)
     probe = ImageProbe(data.min_image_side, data.max_aspect_ratio, full)
-    videos = _VideoScan(VideoProbe(data.video_fps), VideoProcessor.from_config(processor.image_processor, data), data)
+    videos = _VideoScan(VideoProbe(data.video_fps), for_processor(processor, data), data)
     starts = row_ranges(sources)
     cols, bad, total = empty_columns(), [], 0
     for s, source in enumerate(sources):
@@ -260,7 +269,7 @@ def scan_rows(
 
 
 def _scan_row(
-    source: Source, r: int, template: Qwen2VLTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig
+    source: Source, r: int, template: ChatTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig
 ):
     conv = parse_row(source.row(r), source.location(r), data.layout)
     grids = []
@@ -270,8 +279,11 @@ def _scan_row(
             grids.append(predict_grid(size, template.processor.image_processor))
         except ValueError as e:  # the processor's own limits (e.g. aspect ratio > 200)
             raise BadSample(conv.where, "aspect_ratio", f"{ref.label}: {e}") from None
-    metas, video_grids = videos.measure(conv, source.base_dir)
-    enc = fit_length(template.encode(conv, grids, video_grids), conv, data.max_length, data.truncate_text)
+    metas, plans = videos.measure(conv, source.base_dir)
+    video_grids = [p.grid for p in plans]
+    enc = fit_length(
+        template.encode(conv, grids, video_grids, [p.timestamps for p in plans]), conv, data.max_length, data.truncate_text
+    )
     learned = sum(label != IGNORE_INDEX for label in enc.labels[1:])
     return len(enc.input_ids), grids, learned, enc.truncated_from is not None, metas, video_grids
 
@@ -282,13 +294,13 @@ class _VideoScan:
     def __init__(self, probe: VideoProbe, processor: VideoProcessor, data: DataConfig):
         self.probe, self.processor, self.base = probe, processor, data.video_dir or data.image_dir
 
-    def measure(self, conv: Conversation, base_dir) -> tuple[list[VideoMeta], list[tuple[int, int, int]]]:
-        metas, grids = [], []
+    def measure(self, conv: Conversation, base_dir) -> tuple[list[VideoMeta], list[VideoPlan]]:
+        metas, plans = [], []
         for ref in resolve(conv.videos, conv.where, base_dir, self.base, kind="video"):
             meta = self.probe.meta(ref, conv.where)
             metas.append(meta)
-            grids.append(self.processor.plan(meta, conv.where, ref.label).grid)
-        return metas, grids
+            plans.append(self.processor.plan(meta, conv.where, ref.label))
+        return metas, plans
 
 
 # what forked scan processes read: set just before the fork, so nothing is pickled but row ranges

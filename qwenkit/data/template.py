@@ -1,14 +1,21 @@
-"""The ``qwen2vl`` chat template: a :class:`Conversation` → token ids and labels.
+"""The family's chat template: a :class:`Conversation` → token ids and labels.
 
-Token layout, identical to the chat template shipped with Qwen2-VL / Qwen2.5-VL checkpoints::
+Token layout, identical to the chat template shipped with the family's checkpoints (the
+processor's family entry, :mod:`qwenkit.model.family`, says which)::
 
     <|im_start|>system\\n{system}<|im_end|>\\n
     <|im_start|>user\\n{text}<|vision_start|><|image_pad|>×n<|vision_end|>{text}<|im_end|>\\n
     <|im_start|>assistant\\n{reply}<|im_end|>\\n
 
+- the system turn: the conversation's, else ``data.system_prompt``, else the family's default
+  (Qwen2.5-VL: "You are a helpful assistant."; Qwen3-VL: none, so no system turn);
 - each ``<image>`` placeholder becomes one vision span with ``n = t*h*w / merge²`` pad tokens,
   ``(t, h, w)`` being that image's patch grid; each ``<video>`` the same with ``<|video_pad|>``
-  (a video's ``t`` is its number of temporal patches);
+  (a video's ``t`` is its number of temporal patches). Families with ``video_timestamps``
+  (Qwen3-VL) write one span per temporal patch instead, each after its time as text,
+  ``<{seconds:.1f} seconds><|vision_start|><|video_pad|>×h*w/merge²<|vision_end|>``, the time
+  being the mean of the patch's two sampled frame times (:attr:`qwenkit.data.video.VideoPlan.timestamps`),
+  as HF's Qwen3VLProcessor writes it; that text is tokenized with the text around it;
 - labels learn only the assistant replies and their ``<|im_end|>`` (the model must learn to
   stop); everything else, the ``\\n`` after ``<|im_end|>`` included, is ``IGNORE_INDEX``;
 - text is tokenized piece by piece between special tokens, so a reply's tokens are the ones
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 
 from qwenkit.data.conversation import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
+from qwenkit.model import family as families
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.processor import Processor
 
@@ -37,12 +45,15 @@ class Encoded:
     truncated_from: int | None = None  # original length when data.truncate_text cut the tail
 
 
-class Qwen2VLTemplate:
-    """Encodes conversations in the Qwen2-VL chat format; ``system_prompt`` is the default system text."""
+class ChatTemplate:
+    """Encodes conversations in the processor's family's chat format; ``system_prompt`` is the
+    system text of conversations without one (``None``: the family's default)."""
 
-    def __init__(self, processor: Processor, system_prompt: str):
+    def __init__(self, processor: Processor, system_prompt: str | None):
         self.processor = processor
-        self.system_prompt = system_prompt
+        family = families.get(processor.family)
+        self.system_prompt = system_prompt if system_prompt is not None else family.default_system
+        self.video_timestamps = family.video_timestamps
         tok = processor.tokenizer
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None:
@@ -62,9 +73,11 @@ class Qwen2VLTemplate:
         conv: Conversation,
         grids: list[tuple[int, int, int]],
         video_grids: list[tuple[int, int, int]] = (),
+        video_times: list[tuple[float, ...]] = (),
     ) -> Encoded:
         """Token ids and labels of ``conv``; ``grids[k]`` / ``video_grids[k]`` is the patch grid
-        of image / video ``k``."""
+        of image / video ``k``, ``video_times[k]`` the seconds of each of video ``k``'s temporal
+        patches (read by families with ``video_timestamps``)."""
         ids: list[int] = []
         labels: list[int] = []
         images_end = 0
@@ -76,25 +89,35 @@ class Qwen2VLTemplate:
         system = conv.system if conv.system is not None else self.system_prompt
         if system:
             add(self.headers["system"] + self._encode_text(system) + [self.im_end] + self.newline)
-        pads = {
-            IMAGE_PLACEHOLDER: (iter(grids), self.processor.image_token_id),
-            VIDEO_PLACEHOLDER: (iter(video_grids), self.processor.video_token_id),
+        media = {
+            IMAGE_PLACEHOLDER: (iter(grids), iter(()), self.processor.image_token_id),
+            VIDEO_PLACEHOLDER: (iter(video_grids), iter(video_times), self.processor.video_token_id),
         }
+        start, end = self.processor.vision_start_id, self.processor.vision_end_id
         for role, text in conv.turns:
             add(self.headers[role])
             if role == "assistant":
                 add(self._encode_text(text) + [self.im_end], learn=True)
                 add(self.newline)
                 continue
+            pending = ""  # text not yet tokenized: HF tokenizes everything between special tokens at once
             for piece in _PLACEHOLDERS.split(text):  # text, placeholder, text, ...
-                if piece not in pads:
-                    add(self._encode_text(piece))
+                if piece not in media:
+                    pending += piece
                     continue
-                grid_iter, pad = pads[piece]
-                n = self.processor.image_tokens(next(grid_iter))
-                add([self.processor.vision_start_id] + [pad] * n + [self.processor.vision_end_id])
+                grid_iter, times, pad = media[piece]
+                grid = next(grid_iter)
+                if pad == self.processor.video_token_id and self.video_timestamps:
+                    t, h, w = grid
+                    for seconds in next(times):  # one span per temporal patch, after its time
+                        add(self._encode_text(pending + f"<{seconds:.1f} seconds>") + [start])
+                        add([pad] * self.processor.image_tokens((1, h, w)) + [end])
+                        pending = ""
+                else:
+                    add(self._encode_text(pending) + [start] + [pad] * self.processor.image_tokens(grid) + [end])
+                    pending = ""
                 images_end = len(ids)
-            add([self.im_end] + self.newline)
+            add(self._encode_text(pending) + [self.im_end] + self.newline)
         return Encoded(ids, labels, images_end)
 
 

@@ -42,6 +42,7 @@ from PIL import Image
 from qwenkit.data.images import CachedProbe, MediaRef, Unreadable, decode_rgb, smart_resize
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REBUILD, BadSample, Location
+from qwenkit.model import family as families
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class VideoPlan:
     indices: tuple[int, ...]  # sampled frames, in order
     grid: tuple[int, int, int]  # (t, h, w) in patches
     size: tuple[int, int]  # (height, width) every sampled frame is resized to
-    second_per_grid: float  # seconds between two temporal patches
+    second_per_grid: float  # seconds between two temporal patches (Qwen2.5-VL's mRoPE time step)
+    timestamps: tuple[float, ...] = ()  # seconds of each temporal patch (the text Qwen3-VL's template writes)
 
 
 def import_av():
@@ -228,7 +230,9 @@ class VideoProcessor:
         return VideoPlan(indices, (n // t, h // self.patch, w // self.patch), (h, w), t / sample_fps)
 
     def pixels(self, frames: list[np.ndarray], plan: VideoPlan) -> torch.Tensor:
-        """``[t·h·w, C·T·patch²]`` float32 patches of the sampled RGB frames (``[H, W, 3]`` uint8 each)."""
+        """``[t·h·w, C·T·patch²]`` float32 patches of the sampled RGB frames (``[H, W, 3]`` uint8 each);
+        a last temporal patch short of frames repeats the last frame (as HF's patchify pads)."""
+        frames = list(frames) + [frames[-1]] * (-len(frames) % self.temporal)
         rh, rw = plan.size
         resized = np.stack(
             [np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC), dtype=np.float32) for f in frames]
@@ -261,3 +265,67 @@ class VideoProcessor:
         """The planned frames of a probed video as patches, and the plan."""
         frames, plan = self.frames(ref, meta, where)
         return self.pixels(frames, plan), plan
+
+
+class Qwen3VLVideoProcessor(VideoProcessor):
+    """Qwen3-VL's frame sampling and resizing, as transformers' ``Qwen3VLVideoProcessor`` with
+    ``cap_pixels_per_frame=True`` (qwen-vl-utils' per-frame cap) does them, in qwenkit's units:
+
+    - frames: ``n = int(frames / fps · data.video_fps)`` clamped to ``[video_min_frames,
+      video_max_frames]`` and to the frames there are (not rounded to the temporal patch: an odd
+      ``n`` repeats its last frame), indices ``linspace(0, frames - 1, n)`` rounded;
+    - size: the video's volume ``n·h·w`` within ``[data.min_pixels, n · max(min(video_max_pixels,
+      video_total_pixels // n), 1.05 · min_pixels)]`` (HF: ``size.shortest_edge``,
+      ``size.longest_edge``, ``max_video_tokens · 32²``), factor ``patch · merge`` = 32;
+    - time: each temporal patch's ``timestamps`` entry is the mean time of its first and last frame
+      (``index / fps``), which the template writes as ``<t seconds>`` text (HF's
+      ``Qwen3VLProcessor._calculate_timestamps``).
+    """
+
+    def plan(self, meta: VideoMeta, where: Location, label: str) -> VideoPlan:
+        if meta.frames < self.min_frames:
+            return super().plan(meta, where, label)  # the short_video refusal
+        t = self.temporal
+        n = min(max(int(meta.frames / meta.fps * self.fps), self.min_frames), self.max_frames, meta.frames)
+        indices = tuple(int(i) for i in np.linspace(0, meta.frames - 1, n).round())
+        factor = self.patch * self.merge
+        per_frame = max(min(self.max_pixels, self.total_pixels // n), int(self.min_pixels * 1.05))
+        try:
+            h, w = _volume_resize(n, meta.height, meta.width, t, factor, self.min_pixels, per_frame * n)
+        except ValueError as e:
+            raise BadSample(where, "aspect_ratio", f"{label} is {meta.width}x{meta.height} px: {e}") from None
+        padded = list(indices) + [indices[-1]] * (-n % t)
+        times = tuple((padded[k] + padded[k + t - 1]) / 2 / meta.fps for k in range(0, len(padded), t))
+        sample_fps = n / meta.frames * meta.fps
+        grid = (len(padded) // t, h // self.patch, w // self.patch)
+        return VideoPlan(indices, grid, (h, w), t / sample_fps, times)
+
+
+def _volume_resize(
+    frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen3-VL's video ``smart_resize``: sides on the ``factor`` grid, the bounds on ``frames·h·w``."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# Family.video_rule -> the processor that samples and resizes that family's videos
+RULES: dict[str, type[VideoProcessor]] = {"qwen2_vl": VideoProcessor, "qwen3_vl": Qwen3VLVideoProcessor}
+
+
+def for_processor(processor, data) -> VideoProcessor:
+    """The video processor of ``processor``'s family, with ``data``'s sampling and pixel bounds."""
+    return RULES[families.get(processor.family).video_rule].from_config(processor.image_processor, data)

@@ -38,7 +38,16 @@ class Family:
     merge_size: int = 2
     # videos: one span per temporal patch, each after a "<t seconds>" timestamp (Qwen3-VL), or one span
     video_timestamps: bool = False
+    # the chat template the family's checkpoints ship ("module:attr"; the tiny checkpoint writes it) and
+    # the system text it writes when a conversation has none (data.system_prompt unset); qwenkit.data.template
+    chat_template: str = "qwenkit.model.processor:CHAT_TEMPLATE"
+    default_system: str | None = "You are a helpful assistant."
+    # frame sampling and resizing of videos: the HF video processor qwenkit.data.video.RULES follows
+    video_rule: str = "qwen2_vl"
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
+    # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
+    # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
+    lora_exclude: tuple[str, ...] = ()
     notes: dict[str, str] = field(default_factory=dict)
 
     def load(self, what: str):
@@ -56,6 +65,9 @@ class Family:
     def in_tower(self, name: str, tower: str) -> bool:
         return any(prefix_match(name, p) for p in self.lora_towers[tower])
 
+    def lora_excluded(self, name: str) -> bool:
+        return any(prefix_match(name, p) for p in self.lora_exclude)
+
 
 _TEXT = ("model.language_model",)
 _LAYERS = ("model.language_model.layers.*",)
@@ -66,6 +78,13 @@ _QWEN3_PARTS = (
     ("deepstack mergers", ("model.visual.deepstack_merger_list",)),
     ("language model", _TEXT),
     ("lm_head", ("lm_head",)),
+)
+# Qwen3-VL's template writes no system turn unless given one; its video processor samples and times frames
+_QWEN3_DATA = dict(
+    video_timestamps=True,
+    chat_template="qwenkit.model.processor:QWEN3_VL_CHAT_TEMPLATE",
+    default_system=None,
+    video_rule="qwen3_vl",
 )
 _QWEN3_SHARD = (*_SHARD[:2], "model.visual.deepstack_merger_list.*", *_SHARD[2:])
 
@@ -103,7 +122,7 @@ FAMILIES: dict[str, Family] = {
             # the vision blocks are LayerNorm + GELU: only the text RMSNorms (q/k norms too) and SwiGLU
             fused_ops=("rms_norm", "swiglu"),
             patch_size=16,
-            video_timestamps=True,
+            **_QWEN3_DATA,
         ),
         Family(
             name="qwen3_vl_moe",
@@ -115,11 +134,15 @@ FAMILIES: dict[str, Family] = {
             lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
             shard_units=_QWEN3_SHARD,
             recompute_units=_LAYERS,
+            lora_exclude=("model.language_model.layers.*.mlp.gate",),
             fused_ops=("rms_norm",),  # the sparse MoE block has fused expert weights, no SwiGLU linears
             patch_size=16,
-            video_timestamps=True,
+            **_QWEN3_DATA,
             aux_loss=True,
-            notes={"experts": "sharded by FSDP2 like any weight; no expert parallelism (parallel.ep_size) yet"},
+            notes={
+            "experts": "sharded by FSDP2 like any weight; no expert parallelism (parallel.ep_size) yet",
+            "lora": "all-linear adapts attention only: the experts are fused 3-D parameters (no linears), the router is never adapted",
+        },
         ),
     )
 }
@@ -151,6 +174,20 @@ def _model_type(path: str | Path) -> str | None:
         raise ValueError(f"model.path={str(path)!r}: config.json unreadable ({e})") from None
 
 
+def of_directory(path: str | Path, default: str = "qwen2_5_vl") -> Family:
+    """The family of a model directory: its ``config.json``, a peft adapter directory's base model's
+    (``adapter_config.json``'s ``base_model_name_or_path``), else ``default`` (processor files alone)."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return resolve("auto", path)
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        if base and (Path(base) / "config.json").is_file():
+            return resolve("auto", base)
+    return get(default)
+
+
 def resolve(name: str, path: str | Path) -> Family:
     """``model.name``'s entry, or (``auto``) the one of the checkpoint's ``config.json`` ``model_type``;
     a name the checkpoint disagrees with is refused (before any rank starts: the launcher builds
@@ -168,3 +205,27 @@ def resolve(name: str, path: str | Path) -> Family:
         hint = f"model.name={by_type[0].name} or auto" if by_type else "a checkpoint of that family"
         raise ValueError(f"model.name={name!r} but {path}/config.json has model_type={model_type!r}: use {hint}")
     return family
+
+
+def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
+    """Why ``parallel.sp_size`` > 1 cannot train the checkpoint at ``path`` exactly, or None.
+
+    A router's load-balancing loss is a product of two means over the tokens of the forward
+    (the fraction routed to each expert times its mean probability): under Ulysses each rank
+    routes only its slice of the sequence, and no sum or mean of the slices' losses is the loss of
+    the whole sequence. So a family whose entry has ``aux_loss`` is refused with SP while its
+    config turns the loss on (``text_config.output_router_logits``, ``router_aux_loss_coef`` > 0).
+    """
+    if sp_size <= 1 or not resolve("auto", path).aux_loss:
+        return None
+    config = json.loads((Path(path) / "config.json").read_text())
+    text = config.get("text_config", config)
+    coef = text.get("router_aux_loss_coef", 0)
+    if not (text.get("output_router_logits") and coef):
+        return None
+    return (
+        f"parallel.sp_size={sp_size} with the router's auxiliary loss on ({path}/config.json: text_config."
+        f"output_router_logits=true, router_aux_loss_coef={coef}): each rank would balance the experts over its "
+        "slice of the sequence only, which is not the loss of the whole sequence; use parallel.sp_size=1, or set "
+        "output_router_logits=false there"
+    )

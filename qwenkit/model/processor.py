@@ -1,4 +1,4 @@
-"""Image-only Qwen2.5-VL processor: a tokenizer plus transformers' Qwen2-VL image processor.
+"""Image-only Qwen-VL processor: a tokenizer plus transformers' Qwen2-VL image processor (Qwen3-VL's too).
 
 ``Qwen2_5_VLProcessor`` insists on a video processor, which imports torchvision: optional here,
 because a torchvision wheel built for another device (PyPI's is CUDA-linked) fails to import on
@@ -15,6 +15,8 @@ import inspect
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from qwenkit.model import family as families
 
 try:  # transformers 5.x: the PIL backend needs no torchvision
     from transformers import Qwen2VLImageProcessorPil as ImageProcessor
@@ -51,6 +53,35 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The Qwen3-VL (Instruct) chat template, as shipped with Qwen3-VL checkpoints, without its tool-call
+# branches (qwenkit trains user/assistant turns): no default system turn, and assistant content parts
+# are text only.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].content is string %}{{- messages[0].content }}"
+    "{%- else %}{%- for content in messages[0].content %}{%- if 'text' in content %}{{- content.text }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}"
+    "{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in content %}{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for content_item in message.content %}"
+    "{%- if 'text' in content_item %}{{- content_item.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 
 def pixel_bounds(image_processor) -> tuple[int, int]:
     """(min_pixels, max_pixels) the image processor resizes into."""
@@ -60,11 +91,16 @@ def pixel_bounds(image_processor) -> tuple[int, int]:
 
 
 class Processor:
-    """Tokenizer + Qwen2-VL image processor, saved and loaded like an HF processor."""
+    """Tokenizer + Qwen2-VL image processor, saved and loaded like an HF processor.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor):
+    ``family`` is the model family whose checkpoint the files come from (``model.name``): its
+    registry entry (:mod:`qwenkit.model.family`) says how conversations are templated and videos
+    sampled, so everything the data pipeline builds from this processor follows the family."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor, family: str = "qwen2_5_vl"):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
+        self.family = families.get(family).name
         missing = [t for t in SPECIAL_TOKENS[1:6] if t not in tokenizer.get_vocab()]
         if missing:
             raise ValueError(f"tokenizer lacks Qwen2-VL special tokens {missing}")
@@ -90,8 +126,13 @@ class Processor:
         self.image_processor.save_pretrained(path)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None) -> Processor:
+    def from_pretrained(
+        cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None, family: str | None = None
+    ) -> Processor:
+        """``family``: the model family (default: ``path``'s, :func:`qwenkit.model.family.of_directory`)."""
         path = Path(path)
+        if family is None:
+            family = families.of_directory(path).name
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         kwargs = {}
         if min_pixels is not None or max_pixels is not None:
@@ -104,7 +145,7 @@ class Processor:
         image_processor = ImageProcessor.from_pretrained(path, local_files_only=True, **kwargs)
         if hasattr(image_processor, "min_pixels"):  # 4.57 resizes by the attributes: make `size` agree
             image_processor.size = {"shortest_edge": image_processor.min_pixels, "longest_edge": image_processor.max_pixels}
-        return cls(tokenizer, image_processor)
+        return cls(tokenizer, image_processor, family)
 
 
 @functools.cache

@@ -145,8 +145,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE with Qwen's pre-tokenizer and special tokens, trained on the synthetic corpus."""
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with Qwen's pre-tokenizer and special tokens, trained on the synthetic corpus;
+    ``chat_template``: the family's (:attr:`qwenkit.model.family.Family.chat_template`)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -168,7 +169,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
@@ -184,7 +185,7 @@ def build_processor(family: str = "qwen2_5_vl") -> Processor:
         temporal_patch_size=2,
         merge_size=entry.merge_size,
     )
-    return Processor(build_tokenizer(), image_processor)
+    return Processor(build_tokenizer(entry.load("chat_template")), image_processor, family)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def ensure_checkpoint(
     families.get(family)  # a known family, or the error naming them
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
-        | ({"family": family} if family != "qwen2_5_vl" else {})
+        | ({"family": family, "template": 2} if family != "qwen2_5_vl" else {})  # 2: the family's chat template
     )
     root = Path(root) if root is not None else _cache_root()
     path = root / f"tiny-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
