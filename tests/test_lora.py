@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import make_batch, tiny_checkpoint
+from conftest import EVERY_FAMILY, make_batch, tiny_checkpoint
 from multiproc import check_ranks, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -160,9 +160,10 @@ def _loss_and_grads(model, batch):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_chunk_loss_equals_hf_head_with_lora(processor):
-    model = _lora_model()
-    batch = make_batch(processor, images_per_sample=(1, 0, 2))
+@EVERY_FAMILY
+def test_chunk_loss_equals_hf_head_with_lora(family, family_processor):
+    model = _lora_model([f"model.name={family}"])
+    batch = make_batch(family_processor, images_per_sample=(1, 0, 2))
     model.configure_loss(chunk=False)
     ref_loss, ref_grads = _loss_and_grads(model, batch)
     model.configure_loss(chunk=True, chunk_size=7)
