@@ -141,6 +141,27 @@ def make_qwen3_config(shapes: dict):
 CONFIGS = {"qwen2_5_vl": make_config, "qwen3_vl": make_qwen3_config}  # --family: the config of those shapes
 
 
+def timed_steps(forward_backward, opt, device, warmup: int, steps: int) -> tuple[float, list[float]]:
+    """``warmup + steps`` optimizer steps (``forward_backward()`` returns the loss, its backward
+    done): the median seconds of the timed ones and every step's loss. The SFT and DPO workers' one loop."""
+    import torch
+
+    times, losses = [], []
+    for step in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = forward_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return statistics.median(times), losses
+
+
 def worker(args) -> dict:
     import torch
 
@@ -183,26 +204,18 @@ def worker(args) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
     gemm_before = matmul_peak(device, dtype, size=args.gemm_size)["flops_per_s"]  # next to the timed steps (see the docstring)
     reset_peak_memory(device)  # the GEMM's operands are freed: the step's peak starts from here
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def forward_backward():
         loss = model(**batch).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        return loss
+
+    step_s, losses = timed_steps(forward_backward, opt, device, args.warmup, args.steps)
     peak = memory_bytes(device, peak=True)
     gemm_after = matmul_peak(device, dtype, size=args.gemm_size)["flops_per_s"]  # after the memory peak is read
     n_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {
-        "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": peak, "params": n_params,
+        "variant": args.variant, "step_s": step_s, "peak_bytes": peak, "params": n_params,
         "param_bytes": n_params * torch.finfo(dtype).bits // 8, "trainable": trainable, "losses": losses,
         "tokens": shapes["seq"], "flops": flops,
         "optimizer": "AdamW fused" if fused else "AdamW foreach",
@@ -263,20 +276,11 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     fused = args.variant != "dpo-hf"
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
     reset_peak_memory(device)
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        loss = dpo_step(policy_logps, reference_logps, batch)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+    step_s, losses = timed_steps(lambda: dpo_step(policy_logps, reference_logps, batch), opt, device,
+                                 args.warmup, args.steps)  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
     return {
-        "variant": args.variant, "step_s": statistics.median(times), "peak_bytes": memory_bytes(device, peak=True),
+        "variant": args.variant, "step_s": step_s, "peak_bytes": memory_bytes(device, peak=True),
         "params": n_params, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "losses": losses, "tokens": 2 * shapes["seq"], "optimizer": "AdamW fused" if fused else "AdamW foreach",
     }  # fmt: skip
