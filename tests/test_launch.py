@@ -41,8 +41,14 @@ def _train(tmp_path, *overrides, nproc=2):
 
 @pytest.mark.slow
 def test_train_then_export(tmp_path):
-    proc, out = _train(tmp_path, "train.eval_accuracy_every=2")
+    # also the keys other launches leave at their defaults: torchrun's c10d rendezvous with restarts
+    # allowed, and replies generated in lockstep from the sharded model
+    proc, out = _train(tmp_path, "train.eval_accuracy_every=2", "parallel.rendezvous=c10d", "parallel.rdzv_id=export7",
+                       "parallel.max_restarts=1", "train.eval_generation=lockstep")  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "c10d rendezvous 'export7'" in proc.stderr and "1 restart(s)" in proc.stderr
+    assert "--rdzv-backend=c10d" in proc.stdout and "--max-restarts=1" in proc.stdout
+    assert "(lockstep; then generation" in (out / "logs" / "rank-00000.log").read_text()
     assert (out / "config.yaml").is_file()
     assert (out / "checkpoints" / "step-00000003" / "COMPLETE.json").is_file()
     for rank in (0, 1):
