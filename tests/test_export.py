@@ -8,7 +8,9 @@ and other than the config defaults, so a processor that forgets them gives other
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -18,14 +20,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import EVERY_FAMILY
 from multiproc import scaled
 from PIL import Image
+from transformers.video_utils import VideoMetadata
 
 from qwenkit import cli
 from qwenkit import config as qconfig
+from qwenkit.data.report import Location
+from qwenkit.data.video import RULES, VideoMeta
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import evaluate, train
 from qwenkit.engine import export as hf_export
+from qwenkit.model import family as families
 from qwenkit.model.paths import load_processor, resolve_path
 from qwenkit.model.processor import ImageProcessor, pixel_bounds
 
@@ -113,7 +120,7 @@ def test_video_sampling_goes_into_the_exported_video_processor(tmp_path):
         "merge_size": 2,
     }))  # fmt: skip
     (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": {"size": {}}, "processor_class": "x"}))
-    hf_export.write_run_processing(tmp_path, cfg.data)
+    hf_export.write_run_processing(tmp_path, cfg.data, families.get("qwen2_5_vl"))
     video = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
     assert video["size"] == {"shortest_edge": 6272, "longest_edge": 12544}
     assert (video["fps"], video["min_frames"], video["max_frames"], video["do_sample_frames"]) == (1.5, 4, 16, True)
@@ -127,6 +134,44 @@ def test_video_sampling_goes_into_the_exported_video_processor(tmp_path):
         return
     assert (loaded.fps, loaded.min_frames, loaded.max_frames) == (1.5, 4, 16)
     assert (loaded.size["shortest_edge"], loaded.size["longest_edge"]) == (6272, 12544)
+
+
+# (frames, fps, width, height) of clips whose size each bound decides, under RUN's sampling (1.5 fps,
+# at most 16 frames) and the test's bounds: 5 frames get data.video_max_pixels each, 12 frames the
+# total's share (100352 // 12), 16 frames the floor 1.05 · min_pixels, and the small clip the
+# volume's lower bound
+CLIPS = [(35, 10, 640, 360), (240, 30, 640, 360), (1200, 24, 1280, 720), (8, 2, 40, 32)]
+
+
+@EVERY_FAMILY
+def test_exported_video_processor_samples_and_resizes_as_training_did(family, family_path, family_processor, tmp_path):
+    """A base without a video config (the tiny models) gets one in its family's HF class, and HF's
+    video processor loaded from the export samples the frames and sizes the grid of qwenkit's rule
+    (Qwen3-VL: a volume bound, the per-frame share by ``cap_pixels_per_frame``)."""
+    cfg = qconfig.load(overrides=RUN + ["data.video_total_pixels=100352"])
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        if (family_path / name).is_file():
+            (tmp_path / name).write_bytes((family_path / name).read_bytes())
+    assert not (tmp_path / "video_preprocessor_config.json").exists()
+    fam = families.get(family)
+    hf_export.write_run_processing(tmp_path, cfg.data, fam)
+    rule = RULES[fam.video_rule]
+    written = json.loads((tmp_path / "video_preprocessor_config.json").read_text())
+    assert written["video_processor_type"] == rule.hf_class and written["fps"] == 1.5
+    ours = rule.from_config(family_processor.image_processor, cfg.data)
+    assert written["patch_size"] == ours.patch and written["merge_size"] == ours.merge
+    module = f"transformers.models.{fam.video_rule}.video_processing_{fam.video_rule}"
+    try:  # Qwen2-VL's video processor imports torchvision, an optional install
+        hf = getattr(importlib.import_module(module), rule.hf_class).from_pretrained(tmp_path, local_files_only=True)
+    except ImportError:
+        pytest.skip(f"{rule.hf_class} needs torchvision")
+    if not hasattr(hf, "get_num_of_video_patches"):
+        pytest.skip(f"this transformers' {rule.hf_class} has no per-frame cap (4.57): the total alone bounds it")
+    for frames, fps, w, h in CLIPS:
+        plan = ours.plan(VideoMeta(frames=frames, fps=float(fps), width=w, height=h), Location("clip.mp4"), "v")
+        indices = hf.sample_frames(VideoMetadata(total_num_frames=frames, fps=float(fps))).tolist()
+        assert list(plan.indices) == indices, (frames, fps)
+        assert math.prod(plan.grid) == hf.get_num_of_video_patches(len(indices), h, w), (frames, fps, w, h)
 
 
 def test_export_never_mixes_or_loses_a_folder(run, tmp_path, capsys):

@@ -187,6 +187,29 @@ class VideoProcessor:
         self.std = np.asarray(image_std, dtype=np.float32)
         self.rescale_factor = rescale_factor
 
+    # the transformers class that samples and resizes videos as this rule does, and what it needs
+    # to be told (:meth:`hf_settings`): ``qwenkit export`` writes both into the export's
+    # ``video_preprocessor_config.json``
+    hf_class = "Qwen2VLVideoProcessor"
+
+    @classmethod
+    def hf_settings(cls, data, factor: int) -> dict:
+        """``data``'s sampling and bounds in the keys of :attr:`hf_class`'s config (``factor``: patch · merge).
+
+        Frames: ``size`` is per frame; 4.57 reads ``min_pixels``/``max_pixels`` instead. The
+        per-video total is ``cap_pixels_per_frame`` with ``max_video_tokens``, from which HF
+        derives ``int(tokens · factor² · 0.9)`` pixels: the smallest token count whose total
+        is at least ``data.video_total_pixels`` (equal when it divides; 4.57 has no total cap).
+        """
+        tokens = math.ceil(data.video_total_pixels / (factor * factor * 0.9))
+        while int(tokens * factor * factor * 0.9) < data.video_total_pixels:  # float rounding of the 0.9
+            tokens += 1
+        return {
+            "size": {"shortest_edge": data.min_pixels, "longest_edge": data.video_max_pixels},
+            "min_pixels": data.min_pixels, "max_pixels": data.video_max_pixels,
+            "cap_pixels_per_frame": True, "max_video_tokens": tokens, **_sampling(data),
+        }  # fmt: skip
+
     @classmethod
     def from_config(cls, image_processor, data) -> VideoProcessor:
         """``data``'s sampling and pixel bounds, the image processor's patching and constants."""
@@ -282,6 +305,20 @@ class Qwen3VLVideoProcessor(VideoProcessor):
       ``Qwen3VLProcessor._calculate_timestamps``).
     """
 
+    hf_class = "Qwen3VLVideoProcessor"
+
+    @classmethod
+    def hf_settings(cls, data, factor: int) -> dict:
+        """``size`` bounds the volume ``n·h·w`` (``longest_edge``: the per-video total);
+        ``cap_pixels_per_frame`` with ``max_video_tokens = data.video_max_pixels / factor²`` is the
+        per-frame share (floored when it does not divide; 4.57 has no cap, and its volume bound is
+        the total alone)."""
+        return {
+            "size": {"shortest_edge": data.min_pixels, "longest_edge": data.video_total_pixels},
+            "cap_pixels_per_frame": True, "max_video_tokens": data.video_max_pixels // (factor * factor),
+            **_sampling(data),
+        }  # fmt: skip
+
     def plan(self, meta: VideoMeta, where: Location, label: str) -> VideoPlan:
         if meta.frames < self.min_frames:
             return super().plan(meta, where, label)  # the short_video refusal
@@ -299,6 +336,11 @@ class Qwen3VLVideoProcessor(VideoProcessor):
         sample_fps = n / meta.frames * meta.fps
         grid = (len(padded) // t, h // self.patch, w // self.patch)
         return VideoPlan(indices, grid, (h, w), t / sample_fps, times)
+
+
+def _sampling(data) -> dict:
+    return {"fps": data.video_fps, "min_frames": data.video_min_frames, "max_frames": data.video_max_frames,
+            "do_sample_frames": True}  # fmt: skip
 
 
 def _volume_resize(

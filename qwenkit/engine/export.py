@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 
 from qwenkit.config import DTYPES
+from qwenkit.data import video
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 from qwenkit.engine.checkpoint import CheckpointError, resolve
 from qwenkit.model import family as families
@@ -38,6 +39,13 @@ PROCESSOR_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
     "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
     "video_preprocessor_config.json", "processor_config.json", "generation_config.json",
+)
+
+
+# what a video processor config takes from the image processor's (one vision tower reads both)
+VIDEO_SHARED_KEYS = (
+    "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
+    "do_rescale", "do_normalize", "do_convert_rgb", "resample",
 )
 
 
@@ -68,7 +76,7 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
     for name in PROCESSOR_FILES:
         if (base / name).is_file():
             shutil.copy2(base / name, tmp / name)
-    write_run_processing(tmp, cfg.data)
+    write_run_processing(tmp, cfg.data, families.resolve(cfg.model.name, base))
     if out.exists():  # a previous export, and overwrite was asked for (check_target)
         old = out.parent / f".old-export-{out.name}-{os.getpid()}"
         os.replace(out, old)
@@ -148,26 +156,33 @@ def _set_bounds(processor_cfg: dict, min_pixels: int, max_pixels: int) -> None:
     processor_cfg["min_pixels"], processor_cfg["max_pixels"] = min_pixels, max_pixels
 
 
-def write_run_processing(out: Path, data) -> None:
-    """The run's ``data`` resize bounds (and video sampling) into ``out``'s processor files.
+def write_run_processing(out: Path, data, family) -> None:
+    """The run's ``data`` resize bounds and video sampling into ``out``'s processor files.
 
     The base model's ``preprocessor_config.json`` has the base's bounds (``longest_edge`` 12544
     for the tiny model); training resized into ``[data.min_pixels, data.max_pixels]``: a
     300x168 image is 10 image tokens under the first and 66 under the defaults of the second.
-    Videos: frames within ``[data.min_pixels, data.video_max_pixels]``, sampled at
-    ``data.video_fps`` within ``[data.video_min_frames, data.video_max_frames]``; HF's video
-    processor has no per-video pixel total (``data.video_total_pixels``), so that cap is not carried.
+    Videos: ``family``'s video rule (:data:`qwenkit.data.video.RULES`) spells its sampling and
+    bounds in the keys of the transformers video processor that follows it (``hf_settings``:
+    per-frame bounds for Qwen2-VL's, a volume bound for Qwen3-VL's); a base without a
+    ``video_preprocessor_config.json`` (the embedded tiny models) gets one, with the image
+    processor's patching and normalisation, since the vision tower reads both the same way.
     """
+    rule = video.RULES[family.video_rule]
+    image_path, video_path = out / "preprocessor_config.json", out / "video_preprocessor_config.json"
+    patching = json.loads(image_path.read_text()) if image_path.is_file() else {}
+    patching = {k: v for k, v in patching.items() if k in VIDEO_SHARED_KEYS}
+    if patching and not video_path.is_file():
+        video_path.write_text(json.dumps({"video_processor_type": rule.hf_class, **patching}) + "\n")
+
     def image(d: dict) -> None:
         _set_bounds(d, data.min_pixels, data.max_pixels)
 
-    def video(d: dict) -> None:
-        _set_bounds(d, data.min_pixels, data.video_max_pixels)
-        d.update(fps=data.video_fps, min_frames=data.video_min_frames, max_frames=data.video_max_frames,
-                 do_sample_frames=True)  # fmt: skip
+    def video_settings(d: dict) -> None:
+        known = {**patching, **d}
+        d.update(rule.hf_settings(data, known["patch_size"] * known["merge_size"]))
 
-    for name, update in (("preprocessor_config.json", image), ("video_preprocessor_config.json", video)):
-        path = out / name
+    for path, update in ((image_path, image), (video_path, video_settings)):
         if path.is_file():
             d = json.loads(path.read_text())
             update(d)
@@ -175,7 +190,7 @@ def write_run_processing(out: Path, data) -> None:
     path = out / "processor_config.json"  # a processor saved whole nests its parts here
     if path.is_file():
         d = json.loads(path.read_text())
-        for key, update in (("image_processor", image), ("video_processor", video)):
+        for key, update in (("image_processor", image), ("video_processor", video_settings)):
             if isinstance(d.get(key), dict):
                 update(d[key])
         path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
