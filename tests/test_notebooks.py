@@ -171,8 +171,8 @@ def test_smoke_02_dpo_from_the_sft_run(smoke_run):
     assert v["dpo_margin_grew"] == (margins[2] > 0)  # recorded; 2 steps from 8 need not move held-out pairs
     sft_eval = metrics.series(metrics.read(folder / runs.UNINTERRUPTED), "eval_loss")
     assert v["dpo_sft_eval_loss"] == sft_eval[8]
-    summary = (smoke_run[0] / "index.html").read_text()
-    assert f"held-out preference accuracy {v['dpo_first_logps_accuracies']:.2f} -> " in summary
+    index = (smoke_run[0] / "index.html").read_text()
+    assert html.escape(f"held-out preference accuracy {v['dpo_first_logps_accuracies']:.2f} -> ") in index
     page = (smoke_run[0] / "02_sharded_training.html").read_text()
     assert "held-out preference accuracy" in page and page.count('class="run-log"') == 3
 
