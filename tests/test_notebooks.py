@@ -155,6 +155,29 @@ def test_smoke_02_sharded_training(smoke_run):
 
 
 @pytest.mark.slow
+def test_smoke_02_dpo_from_the_sft_run(smoke_run):
+    """The smoke set's DPO branch: 2 steps from the uninterrupted run's last checkpoint, its
+    held-out preference metrics at step 0 (the SFT start: margin 0) and the end, in the summary."""
+    v = _metrics(smoke_run, "02_sharded_training")["values"]
+    folder = smoke_run[0] / "02_sharded_training"
+    started = metrics.read(folder / runs.DPO)
+    assert v["dpo_steps"] == 2 and v["dpo_eval_steps"] == [0, 2] and v["dpo_sft_step"] == 8
+    # the start is the uninterrupted run's step-8 checkpoint, exported once into its folder
+    assert (folder / runs.UNINTERRUPTED / "hf-step-00000008" / "config.json").is_file()
+    margins, accuracies = (metrics.series(started, f"eval_rewards/{m}") for m in ("margins", "accuracies"))
+    assert margins[0] == 0 and accuracies[0] == 0  # at step 0 the policy is the reference
+    assert v["dpo_first_logps_accuracies"] == metrics.series(started, "eval_logps/accuracies")[0]
+    assert v["dpo_started_at_reference"] and v["dpo_last_rewards_margins"] == margins[2]
+    assert v["dpo_margin_grew"] == (margins[2] > 0)  # recorded; 2 steps from 8 need not move held-out pairs
+    sft_eval = metrics.series(metrics.read(folder / runs.UNINTERRUPTED), "eval_loss")
+    assert v["dpo_sft_eval_loss"] == sft_eval[8]
+    index = (smoke_run[0] / "index.html").read_text()
+    assert html.escape(f"held-out preference accuracy {v['dpo_first_logps_accuracies']:.2f} -> ") in index
+    page = (smoke_run[0] / "02_sharded_training.html").read_text()
+    assert "held-out preference accuracy" in page and page.count('class="run-log"') == 3
+
+
+@pytest.mark.slow
 def test_smoke_03_chunk_loss_validation(smoke_run):
     m = _metrics(smoke_run, "03_chunk_loss_validation")
     v = m["values"]
@@ -200,7 +223,7 @@ def test_smoke_05_compare_runs(smoke_run):
 @pytest.mark.slow
 def test_report_02_collapses_the_run_logs_below_the_summary(smoke_run):
     page = (smoke_run[0] / "02_sharded_training.html").read_text()
-    assert page.count('class="run-log"') == 2  # the uninterrupted and the resumed run
+    assert page.count('class="run-log"') == 3  # the uninterrupted, the resumed and the DPO run
     first_log = page.index('class="run-log"')
     assert page.index('class="plotly-graph-div"') < first_log  # the summary table comes before the log
     assert page.count("step 1/8") == 1 and "more lines" in page  # inside the block: first and last lines

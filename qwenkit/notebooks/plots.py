@@ -196,6 +196,29 @@ def accuracy_before_after(accuracy: dict[int, float]) -> go.Figure:
     return _finish(fig, "Held-out accuracy: untrained, during and after training", height=360)
 
 
+def preference_over_training(accuracy: dict[str, dict[int, float]], margins: dict[str, dict[int, float]],
+                             start: float | None) -> go.Figure:  # fmt: skip
+    """A DPO run's held-out preference accuracy (left) and reward margins (right) over its steps.
+
+    ``accuracy`` / ``margins``: ``{curve name: {step: value}}``; ``start``: the SFT start's own
+    preference accuracy (the DPO run's step 0), drawn as a grey line across the left panel.
+    """
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["held-out preference accuracy", "reward margin (nats x beta)"])
+    for col, curves in ((1, accuracy), (2, margins)):
+        for k, (name, values) in enumerate(curves.items()):
+            steps = sorted(values)
+            fig.add_trace(go.Scatter(x=steps, y=[values[s] for s in steps], name=name,
+                                     mode="lines+markers" if len(steps) < 30 else "lines",
+                                     line_color=COLOURS[(k + 2 * (col - 1)) % len(COLOURS)]), row=1, col=col)  # fmt: skip
+    if start is not None and accuracy:
+        steps = sorted({s for values in accuracy.values() for s in values})
+        fig.add_trace(go.Scatter(x=[steps[0], steps[-1]], y=[start, start], name="the SFT start", mode="lines",
+                                 line=dict(color=REFERENCE_COLOUR, dash="dash")), row=1, col=1)  # fmt: skip
+    fig.update_xaxes(title_text="DPO step")
+    fig.update_yaxes(range=[0, 1.05], row=1, col=1)
+    return _finish(fig, "DPO from the SFT run: held-out preference accuracy and reward margins", height=420)
+
+
 # ---------------------------------------------------------------------------------------------
 # 03: chunk vs full
 

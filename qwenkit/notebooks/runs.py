@@ -189,11 +189,16 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, Any]], resume_step: int,
-         resumed_run: TrainRun) -> dict[str, Any]:  # fmt: skip
+         resumed_run: TrainRun, dpo_run: TrainRun | None = None) -> dict[str, Any]:  # fmt: skip
     """``training_metrics.csv`` (both runs, long format) and ``metrics.json``; returns the metrics' values.
 
     ``resumed`` is a run that resumed from the uninterrupted run's checkpoint of ``resume_step``:
     every step after it, and every evaluation after it, must equal the uninterrupted run's.
+    ``dpo_run``: a DPO run started from the uninterrupted one (:func:`dpo_values`); it passes when
+    it evaluated its held-out pairs at step 0 and at its end and started at its reference (step 0's
+    reward margin and accuracy are 0: the policy is the reference there). Whether the margin grew
+    is recorded (``dpo_margin_grew``), not required: a few steps from a few-step SFT run (the smoke
+    set) need not move held-out pairs.
     """
     rows = [{**r, "series": f"uninterrupted {r['series']}"} for r in uninterrupted]
     rows += [{**r, "series": f"resumed {r['series']}"} for r in resumed]
@@ -233,8 +238,83 @@ def save(out_dir, uninterrupted: list[dict[str, Any]], resumed: list[dict[str, A
     if values["eval_accuracy_steps"]:
         summary += (f"; held-out accuracy {values['first_eval_accuracy']:.2f} -> {values['last_eval_accuracy']:.2f}"
                     f" (step {values['eval_accuracy_steps'][0]} -> {values['eval_accuracy_steps'][-1]})")  # fmt: skip
+    if dpo_run is not None:
+        values.update(dpo_values(Path(out_dir) / UNINTERRUPTED, dpo_run.output_dir))
+        values["dpo_margin_grew"] = values["dpo_last_rewards_margins"] > values["dpo_first_rewards_margins"]
+        values["dpo_started_at_reference"] = values["dpo_first_rewards_margins"] == 0 == values["dpo_first_rewards_accuracies"]
+        evaluated = len(values["dpo_eval_steps"]) >= 2 and values["dpo_eval_steps"][-1] == values["dpo_steps"]
+        passed = passed and evaluated and values["dpo_started_at_reference"]
+        summary += (f"; DPO {values['dpo_steps']} steps: held-out preference accuracy "
+                    f"{values['dpo_first_logps_accuracies']:.2f} -> {values['dpo_last_logps_accuracies']:.2f}, "
+                    f"reward margin {values['dpo_first_rewards_margins']:.2f} -> {values['dpo_last_rewards_margins']:.2f}")
     results.write_metrics(out_dir, "02_sharded_training", summary, passed, **values)
     return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference tuning (DPO) from the uninterrupted SFT run
+
+DPO = "dpo"  # the DPO run's folder in output_dir, started from the uninterrupted run (dpo_config)
+DPO_ACCURACY = {"policy prefers the chosen reply (eval_logps/accuracies)": "eval_logps/accuracies",
+                "reward of chosen > rejected (eval_rewards/accuracies)": "eval_rewards/accuracies"}  # fmt: skip
+DPO_MARGINS = {"held-out (eval_rewards/margins)": "eval_rewards/margins", "training (rewards/margins)": "rewards/margins"}
+
+
+def dpo_overrides(sft_run: str | Path, recipe: str | Path, steps: int, extra: list[str]) -> list[str]:
+    """A DPO run's overrides: start from ``sft_run``'s newest checkpoint (``model.init_from``; its
+    ``recipe`` is the params file that trained it), ``steps`` optimizer steps (0: the config's own)."""
+    return [f"model.init_from={sft_run}", f"model.init_recipe={recipe}", *([f"train.steps={steps}"] if steps else []),
+            *extra]  # fmt: skip
+
+
+def _sft_start(sft_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The SFT run's last held-out evaluation: what DPO starts from."""
+    loss, acc = series(sft_rows, "eval_loss"), series(sft_rows, "eval_accuracy")
+    return {"step": max(loss, default=None), "eval_loss": loss[max(loss)] if loss else float("nan"),
+            "eval_accuracy": acc[max(acc)] if acc else float("nan")}  # fmt: skip
+
+
+def dpo_values(sft_run: str | Path, dpo_run: str | Path) -> dict[str, Any]:
+    """The DPO run's held-out preference metrics at its first (step 0: the SFT start) and last
+    evaluation, and the SFT start's own held-out eval loss and exact-match accuracy."""
+    rows = metrics.read(dpo_run)
+    start = _sft_start(metrics.read(sft_run))
+    values: dict[str, Any] = {"dpo_sft_step": start["step"], "dpo_sft_eval_loss": start["eval_loss"],
+                              "dpo_sft_eval_accuracy": start["eval_accuracy"],
+                              "dpo_steps": len(series(rows, "loss"))}  # fmt: skip
+    for name in ("eval_logps/accuracies", "eval_rewards/accuracies", "eval_rewards/margins"):
+        ev = series(rows, name)
+        key = name.replace("eval_", "").replace("/", "_")
+        values["dpo_eval_steps"] = sorted(ev)
+        values[f"dpo_first_{key}"] = ev[min(ev)] if ev else float("nan")
+        values[f"dpo_last_{key}"] = ev[max(ev)] if ev else float("nan")
+    return values
+
+
+def dpo_table(out_dir):
+    """The SFT start beside the DPO run: held-out loss and exact match of the SFT run's last
+    evaluation, the held-out preference accuracy and reward margin at DPO's step 0 and its end."""
+    v = dpo_values(Path(out_dir) / UNINTERRUPTED, Path(out_dir) / DPO)
+    rows = [
+        {"model": f"SFT start (uninterrupted run, step {v['dpo_sft_step']})", "held-out eval loss": v["dpo_sft_eval_loss"],
+         "held-out exact match": v["dpo_sft_eval_accuracy"], "preference accuracy": v["dpo_first_logps_accuracies"],
+         "reward margin": v["dpo_first_rewards_margins"]},
+        {"model": f"after DPO (step {v['dpo_eval_steps'][-1]})", "held-out eval loss": float("nan"),
+         "held-out exact match": float("nan"), "preference accuracy": v["dpo_last_logps_accuracies"],
+         "reward margin": v["dpo_last_rewards_margins"]},
+    ]  # fmt: skip
+    return plots.table(rows, list(rows[0]), title="Held-out: the SFT start and the DPO run",
+                       formats={"held-out eval loss": ".4f", "held-out exact match": ".3f",
+                                "preference accuracy": ".3f", "reward margin": ".3f"})  # fmt: skip
+
+
+def dpo_figure(out_dir):
+    """:func:`qwenkit.notebooks.plots.preference_over_training` of the DPO run in ``out_dir``."""
+    rows = metrics.read(Path(out_dir) / DPO)
+    accuracy = {label: series(rows, name) for label, name in DPO_ACCURACY.items()}
+    start = accuracy[next(iter(DPO_ACCURACY))]
+    return plots.preference_over_training(accuracy, {label: series(rows, name) for label, name in DPO_MARGINS.items()},
+                                          start[min(start)] if start else None)  # fmt: skip
 
 
 EVAL_SAMPLES = "eval_samples.jsonl"  # notebook 02's gallery rows: reference, untrained and trained answers and scores
@@ -363,5 +443,8 @@ def eval_figures(run_dir) -> list:
 def figures(out_dir, resume_step: int) -> list:
     """Every figure of notebook 02, in the order it shows them."""
     run = Path(out_dir) / UNINTERRUPTED
-    return [summary_table(run), metrics_figure(run), resume_figure(out_dir, resume_step), *eval_figures(run),
-            score_table(out_dir)]  # fmt: skip
+    shown = [summary_table(run), metrics_figure(run), resume_figure(out_dir, resume_step), *eval_figures(run),
+             score_table(out_dir)]  # fmt: skip
+    if "dpo_steps" in results.read_metrics(out_dir)["values"]:  # the run had a dpo_config
+        shown += [dpo_table(out_dir), dpo_figure(out_dir)]
+    return shown
