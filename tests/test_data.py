@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_reference_ids, make_cfg, runs
+from conftest import hf_reference_ids, make_cfg, runs, write_png
 from PIL import Image
 
 from qwenkit import config as qconfig
@@ -32,12 +32,6 @@ def run_processor(tiny_path):
     """The processor a default run builds: the tiny tokenizer with data.min_pixels/max_pixels."""
     d = qconfig.load().data
     return Processor.from_pretrained(tiny_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
-
-
-def write_png(path: Path, size=(64, 48), colour=(200, 30, 30)) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, colour).save(path)
-    return path
 
 
 ROW = {
