@@ -27,6 +27,7 @@ from qwenkit.cli import main as cli_main
 from qwenkit.data import BadSample, layouts, read_dataset
 from qwenkit.data.images import MediaRef, load
 from qwenkit.data.video import VideoMeta, probe
+from qwenkit.engine import events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -414,7 +415,7 @@ def test_every_layout_trains_two_steps(media):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert f"data: {len(TRAINED)} samples" in log and "(0 skipped)" in log
-    assert "step 2/2" in log
+    assert [e["step"] for e in events.read(media / "run") if e["event"] == "step"] == [1, 2]
 
 
 # ---------------------------------------------------------------------------------------------

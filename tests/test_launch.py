@@ -19,7 +19,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import cli, launch
 from qwenkit import config as qconfig
-from qwenkit.engine import generate, metrics
+from qwenkit.engine import events, generate, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2",
@@ -60,7 +60,10 @@ def test_train_then_export(tmp_path):
         assert sorted(metrics.series(rows, "eval_accuracy", rank)) == [0, 2, 3]  # and every 2 steps
         assert sorted(metrics.series(rows, "eval_loss", rank)) == [0, 2, 3]
         assert all(r["rank"] == rank and r["device"] == "cpu" for r in rows)
-    assert re.search(r"step 3/3  loss \d", proc.stdout) and "eval at step 3: eval_loss" in proc.stdout
+    written = events.read(out)  # what the run tells other programs; its console lines are for people
+    assert [e["step"] for e in written if e["event"] == "step"] == [1, 2, 3] and "step 3/3  loss" in proc.stdout
+    assert [(e["step"], "eval_loss" in e) for e in written if e["event"] == "eval"] == [(0, True), (2, True), (3, True)]
+    assert events.last(written, "stopped")["reason"] == "completed"
     assert len(generate.read_jsonl(out / "eval" / "step-000003.jsonl")) == 2
     assert len(generate.read_jsonl(out / "eval" / "step-000002.jsonl")) == 2
     assert "part" in proc.stderr and "trainable" in proc.stderr  # the parameter manifest is logged
@@ -130,8 +133,9 @@ def test_a_failing_rank_fails_the_command(tmp_path):
 def test_nan_is_reported_with_its_step(tmp_path):
     proc, out = _train(tmp_path, "train.lr=1.0e+30", "train.warmup_steps=0", "train.max_grad_norm=0")
     assert proc.returncode != 0
-    found = re.search(r"step (\d+): non-finite loss", proc.stdout + proc.stderr)
-    assert found, proc.stderr[-3000:]
+    failed = next((e for e in events.read(out) if e["event"] == "failed"), None)
+    found = failed and re.match(r"step (\d+): non-finite loss", failed["message"])
+    assert found and failed["error"] == "NonFiniteError", proc.stderr[-3000:]
     logged = metrics.series(metrics.read(out), "loss")
     assert max(logged, default=0) == int(found.group(1)) - 1  # the bad step was never completed
 
