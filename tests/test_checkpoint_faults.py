@@ -97,7 +97,7 @@ def _checkpoint_faults(rank, out, tmpfs):
         dist.barrier()  # the barrier the killed save's rank 0 never reached
     ckpt.shutil.rmtree = real_rmtree
     dist.barrier()
-    results["after_prune"] = [(p.name, ckpt.check_files(p)) for p in ckpt.completecheckpoints(shared / "checkpoints")]
+    results["after_prune"] = [(p.name, ckpt.check_files(p)) for p in ckpt.complete_checkpoints(shared / "checkpoints")]
 
     # item 10: a full disk (DCP's writer on rank 1 gets ENOSPC)
     from torch.distributed.checkpoint import filesystem
@@ -249,7 +249,7 @@ def test_async_save_faults_leave_the_previous_checkpoint_the_one_resumed(tmp_pat
     # killed mid-write: step 4 never looks complete, keep_last=1 pruned nothing, step 2 is resumed
     assert not list(tmp_path.glob("finished-*"))
     root = tmp_path / "checkpoints"
-    assert [p.name for p in ckpt.completecheckpoints(root)] == ["step-00000001", "step-00000002"]
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000001", "step-00000002"]
     assert (root / ".tmp-step-00000004").is_dir()
     cfg = qconfig.load(overrides=[f"train.output_dir={tmp_path}"])
     assert resume.decide(cfg, None).path == root / "step-00000002"
