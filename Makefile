@@ -13,7 +13,7 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today): their single-process
 # tests, and of their multi-process ones those marked `stack` (the model code differs by version; the
 # launcher, sampler and checkpoint plumbing of the others does not, and runs on 5.x).
-TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_qwen3*.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_patches.py tests/test_packing.py tests/test_lora.py tests/test_sequence_parallel.py
+TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_qwen3*.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_reader.py tests/test_index.py tests/test_collator.py tests/test_template.py tests/test_prepare.py tests/test_meta.py tests/test_weights.py tests/test_registry.py tests/test_patches.py tests/test_packing.py tests/test_lora.py tests/test_sequence_parallel.py
 # Tests that run notebooks (papermill, nbformat, jupyter) or show their widgets (IPython), which the
 # compat environment leaves out.
 # It does install plotly: the notebook layer's modules (perf, samples, runs, validation) draw

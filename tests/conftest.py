@@ -1,6 +1,10 @@
 """Shared fixtures: the tiny checkpoint in a per-session cache, hand-built model batches, and
 the references the data tests compare against.
 
+Also the small set-ups several test files share: :func:`write_png` (a one-colour image file),
+:func:`record_applied` (what each optimizer step applies), :func:`package_modules` (every
+``qwenkit`` module by dotted name).
+
 Model and loss tests build their batches here, independently of ``qwenkit.data``, so a bug
 in the data pipeline cannot hide a bug in the model (and the other way round). Data tests
 compare the pipeline's token ids with what transformers' own chat template makes of a row
@@ -12,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +194,41 @@ def hf_reference_ids(processor, row: dict, image_grids, video_grids=()) -> list[
     left = {pad: iter(g) for pad, g in grids.items()}
     text = "".join(p * processor.image_tokens(next(left[p])) if k % 2 else p for k, p in enumerate(pieces))
     return processor.tokenizer.encode(text, add_special_tokens=False)
+
+
+def write_png(path: Path, size=(64, 48), colour=(200, 30, 30)) -> Path:
+    """A one-colour RGB PNG of ``size`` (width, height) at ``path`` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def record_applied(optimizer) -> list[dict]:
+    """The list an optimizer fills, before each of its steps, with what that step applies:
+    ``{"lr": first group's LR, "adam_steps": Adam's count so far, "groups": {name: (lr, weight_decay)}}``
+    (a group without a ``name`` goes by its index). The scheduler moves the LR only after the step.
+    A step at LR 0 is not noted: DCP's ``get_state_dict`` initialises an empty optimizer state by one
+    step at LR 0 (a run's schedule never is 0: ``min_lr_ratio > 0``, warmup from step 1)."""
+    applied: list[dict] = []
+
+    def note(o, args, kwargs):
+        if o.param_groups[0]["lr"] == 0.0:
+            return
+        adam_steps = float(next(iter(o.state.values()))["step"]) if o.state else 0.0
+        groups = {g.get("name", i): (g["lr"], g["weight_decay"]) for i, g in enumerate(o.param_groups)}
+        applied.append({"lr": o.param_groups[0]["lr"], "adam_steps": adam_steps, "groups": groups})
+
+    optimizer.register_step_pre_hook(note)
+    return applied
+
+
+PACKAGE = Path(__file__).resolve().parent.parent / "qwenkit"
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the ``qwenkit`` package by dotted name (a package by its own name) -> its file."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out

@@ -12,21 +12,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from conftest import package_modules
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
 MAX_FUNCTION_IMPORTS = 9  # the CLI's, one per subcommand (sweep the ninth)
 ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.train"}
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
-
-
-MODULES = _modules()
+MODULES = package_modules()
 
 
 def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:

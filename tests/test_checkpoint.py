@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import make_batch
+from conftest import make_batch, record_applied
 from multiproc import check_ranks, run_ranks
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -79,15 +79,7 @@ def _record_applied_lr(build):
 
     def wrapped(model, train_cfg):
         opt = build(model, train_cfg)
-        opt.applied = []
-
-        def note(o, args, kwargs):
-            if o.param_groups[0]["lr"] == 0.0:  # DCP's get_state_dict initialises an empty state by
-                return  # one step at LR 0 (the schedule never is 0: min_lr_ratio > 0, warmup from 1)
-            adam_steps = float(next(iter(o.state.values()))["step"]) if o.state else 0.0
-            o.applied.append({"lr": o.param_groups[0]["lr"], "adam_steps": adam_steps})
-
-        opt.register_step_pre_hook(note)
+        opt.applied = record_applied(opt)
         return opt
 
     return wrapped

@@ -1,7 +1,8 @@
 """Data pipeline: the real mllm_demo set end to end, the qwen2vl template against HF's chat
-template, image grids against the image processor, every accepted input layout, the collator.
+template, image grids against the image processor, every accepted input layout.
 
-Bad-input cases live in test_data_bad.py, the resumable order in test_data_sampler.py.
+Bad-input cases live in test_data_bad.py, the resumable order in test_data_sampler.py, the
+collator's padding in test_collator.py, system prompts and truncation in test_template.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_reference_ids, make_cfg, runs
+from conftest import hf_reference_ids, make_cfg, runs, write_png
 from PIL import Image
 
 from qwenkit import config as qconfig
@@ -32,12 +33,6 @@ def run_processor(tiny_path):
     """The processor a default run builds: the tiny tokenizer with data.min_pixels/max_pixels."""
     d = qconfig.load().data
     return Processor.from_pretrained(tiny_path, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
-
-
-def write_png(path: Path, size=(64, 48), colour=(200, 30, 30)) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, colour).save(path)
-    return path
 
 
 ROW = {
@@ -160,56 +155,6 @@ def test_predicted_grid_equals_the_image_processor(tiny_path, bounds):
         assert predict_grid(size, processor.image_processor) == tuple(out["image_grid_thw"][0].tolist()), size
 
 
-def test_default_and_custom_system_prompt(tmp_path, processor):
-    rows = [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-        {
-            "messages": [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "hello"},
-            ]
-        },
-    ]
-    path = tmp_path / "d.json"
-    path.write_text(json.dumps(rows))
-    dataset, _ = read_dataset(make_cfg().data, processor, str(path))
-    for i, row in enumerate(rows):
-        assert dataset[i]["input_ids"].tolist() == hf_reference_ids(processor, row, [])
-    decoded = processor.tokenizer.decode(dataset[0]["input_ids"])
-    assert decoded.startswith(
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi"
-    )
-    other = read_dataset(make_cfg(system_prompt="Answer in French.").data, processor, str(path))[0]
-    assert "Answer in French." in processor.tokenizer.decode(other[0]["input_ids"])
-    assert "Be brief." in processor.tokenizer.decode(other[1]["input_ids"])
-
-
-def test_truncate_text_cuts_after_the_last_image(tmp_path, processor):
-    write_png(tmp_path / "a.png", (112, 112))
-    long_reply = " ".join(["word"] * 200)
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": "<image>Describe."},
-                {"role": "assistant", "content": long_reply},
-            ],
-            "images": ["a.png"],
-        }
-    ]
-    path = tmp_path / "d.json"
-    path.write_text(json.dumps(rows))
-    full, _ = read_dataset(make_cfg(max_length=4096).data, processor, str(path))
-    cut, report = read_dataset(make_cfg(max_length=64, truncate_text=True).data, processor, str(path))
-    assert report.skipped == 0 and cut.samples[0].truncated
-    a, b = full[0], cut[0]
-    assert len(b["input_ids"]) == 64
-    assert torch.equal(b["input_ids"], a["input_ids"][:64]) and torch.equal(b["labels"], a["labels"][:64])
-    assert torch.equal(b["pixel_values"], a["pixel_values"])
-    n_pad = processor.image_tokens(a["image_grid_thw"][0])
-    assert int((b["input_ids"] == processor.image_token_id).sum()) == n_pad
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading: files, directories, layouts, image entries, HF datasets
 
@@ -322,37 +267,7 @@ def test_tiny_goes_through_the_same_path(processor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Collator
-
-
-def test_collator_pads_right_and_counts_shifted_labels(processor):
-    def sample(ids, labels, n_patches=0, grid=None):
-        s = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
-        if needs_mm_token_type_ids():
-            s["mm_token_type_ids"] = torch.zeros(len(ids), dtype=torch.long)
-        if n_patches:
-            s["pixel_values"] = torch.full((n_patches, 1176), float(n_patches))
-            s["image_grid_thw"] = torch.tensor([grid])
-        return s
-
-    samples = [
-        sample([5, 6, 7], [5, -100, 7], 16, [1, 4, 4]),
-        sample([8, 9, 10, 11, 12], [8, 9, -100, -100, 12]),
-        sample([13], [-100], 4, [1, 2, 2]),
-    ]
-    batch = Collator(processor)(samples)
-    pad = processor.pad_token_id
-    assert batch["input_ids"].tolist() == [[5, 6, 7, pad, pad], [8, 9, 10, 11, 12], [13, pad, pad, pad, pad]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert batch["labels"].tolist() == [[5, -100, 7, -100, -100], [8, 9, -100, -100, 12], [-100] * 5]
-    # after the causal shift the first label of each row never counts: 7, 9, 12
-    assert batch["num_items"].item() == 3 and batch["num_items"].dim() == 0
-    assert batch["num_samples"].item() == 3
-    assert batch["pixel_values"][:, 0].tolist() == [16.0] * 16 + [4.0] * 4  # sample order
-    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2]]
-    assert ("mm_token_type_ids" in batch) == needs_mm_token_type_ids()
-    text_only = Collator(processor)([samples[1]])
-    assert "pixel_values" not in text_only and "image_grid_thw" not in text_only
+# Determinism, unreadable paths
 
 
 def test_encoding_is_deterministic(processor):

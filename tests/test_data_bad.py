@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import make_cfg
+from conftest import make_cfg, write_png
 from PIL import Image
 
 from qwenkit import config as qconfig
@@ -30,7 +30,7 @@ def good_row(image: str | None = "ok.png") -> dict:
 
 def write_set(tmp_path: Path, bad_row: dict | str, n_good: int = 2, suffix: str = ".json") -> Path:
     """``n_good`` good rows, then the bad one at row ``n_good``; returns the dataset path."""
-    Image.new("RGB", (64, 64), (10, 200, 10)).save(tmp_path / "ok.png")
+    write_png(tmp_path / "ok.png", (64, 64), (10, 200, 10))
     rows = [good_row() for _ in range(n_good)] + [bad_row]
     path = tmp_path / f"data{suffix}"
     if suffix == ".jsonl":
@@ -162,18 +162,18 @@ def test_too_long_image_span_is_never_truncated(tmp_path, processor):
 
 
 def test_image_too_small(tmp_path, processor):
-    Image.new("RGB", (12, 80)).save(tmp_path / "thin.png")
+    write_png(tmp_path / "thin.png", (12, 80), (0, 0, 0))
     message = only_bad(write_set(tmp_path, good_row("thin.png")), processor, "small_image")
     assert "12x80" in message and "data.min_image_side=28" in message
 
 
 def test_extreme_aspect_ratio(tmp_path, processor):
-    Image.new("RGB", (3000, 30)).save(tmp_path / "wide.png")
+    write_png(tmp_path / "wide.png", (3000, 30), (0, 0, 0))
     path = write_set(tmp_path, good_row("wide.png"))
     assert "aspect ratio 100.0 > data.max_aspect_ratio=50" in only_bad(
         path, processor, "aspect_ratio", max_aspect_ratio=50
     )
-    Image.new("RGB", (30 * 300, 30)).save(tmp_path / "wide.png")
+    write_png(tmp_path / "wide.png", (30 * 300, 30), (0, 0, 0))
     # beyond the image processor's own limit (200) even when the config allows more
     assert "aspect ratio" in only_bad(path, processor, "aspect_ratio", max_aspect_ratio=1000)
 
@@ -218,7 +218,7 @@ def test_row_id_is_named(tmp_path, processor):
 
 
 def mixed_set(tmp_path: Path, n_good: int, n_bad: int) -> Path:
-    Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
+    write_png(tmp_path / "ok.png", (64, 64), (0, 0, 0))
     rows = [good_row() for _ in range(n_good)] + [good_row("missing.png") for _ in range(n_bad)]
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps(rows))
@@ -284,7 +284,7 @@ def test_check_tiny_passes(capsys):
 
 
 def test_check_lists_every_bad_sample_and_fails(tmp_path, capsys):
-    Image.new("RGB", (64, 64)).save(tmp_path / "ok.png")
+    write_png(tmp_path / "ok.png", (64, 64), (0, 0, 0))
     rows = [
         good_row(),
         good_row("missing.png"),

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,6 @@ from multiproc import check_ranks
 from PIL import Image
 
 from qwenkit import config as qconfig
-from qwenkit.cli import main as cli_main
 from qwenkit.config import DataConfig
 from qwenkit.data import BadSample, Collator, build, cache, read_dataset
 from qwenkit.data.index import SampleIndex
@@ -234,12 +232,6 @@ def test_two_processes_scan_what_one_does(tmp_path, processor):
     assert [b.row for b in one.index.bad] == [5]
 
 
-def test_index_is_arrays_under_200_bytes_per_row(tmp_path, processor):
-    dataset, _ = read_dataset(data_cfg(write_set(tmp_path / "d", corrupt=False), tmp_path), processor)
-    assert all(isinstance(a, np.ndarray) for a in dataset.index.columns.values())
-    assert dataset.index.bytes_per_row() <= 200
-
-
 # ---------------------------------------------------------------------------------------------
 # Image checks: header by default, full on request and in `data check`; bad samples at load time
 
@@ -333,22 +325,3 @@ def test_training_skips_a_sample_bad_at_load_time_on_one_rank_and_every_rank_cou
 
 # ---------------------------------------------------------------------------------------------
 # qwenkit data prepare / check
-
-
-def test_prepare_then_check_reports_the_cache(tmp_path, capsys):
-    path = write_set(tmp_path / "d")
-    cache_dir = f"data.cache_dir={tmp_path / 'cache'}"
-    assert cli_main(["data", "check", str(path), cache_dir]) == 1  # full decode: the damaged image is bad
-    out = capsys.readouterr().out
-    assert (
-        f"{path}: row {CORRUPT_ROW}: corrupt_image" in out
-        and f"cache: none for this data and config in {tmp_path / 'cache'}" in out
-    )
-    assert cli_main(["data", "prepare", str(path), "--num-proc", "2", cache_dir]) == 0
-    out = capsys.readouterr().out
-    assert "scanned 12 rows" in out and "x 2 processes" in out and "rows: 12 read, 11 good, 1 bad" in out
-    assert cli_main(["data", "check", str(path), cache_dir]) == 1
-    assert re.search(
-        rf"cache: {tmp_path / 'cache'}/\w+\.npz matches \(built .*, 11 good of 12 rows",
-        capsys.readouterr().out,
-    )

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_cfg
+from conftest import make_cfg, write_png
 from PIL import Image
 
 from qwenkit import config as qconfig
@@ -27,21 +27,16 @@ from qwenkit.cli import main as cli_main
 from qwenkit.data import BadSample, layouts, read_dataset
 from qwenkit.data.images import MediaRef, load
 from qwenkit.data.video import VideoMeta, probe
+from qwenkit.engine import events
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def png(path: Path, size, colour) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, colour).save(path)
-    return str(path)
 
 
 @pytest.fixture
 def media(tmp_path):
     """Two images under tmp_path/img (relative names a.png / b.png from the data file's dir)."""
-    png(tmp_path / "img" / "a.png", (64, 48), (200, 30, 30))
-    png(tmp_path / "img" / "b.png", (40, 90), (30, 30, 200))
+    write_png(tmp_path / "img" / "a.png", (64, 48), (200, 30, 30))
+    write_png(tmp_path / "img" / "b.png", (40, 90), (30, 30, 200))
     return tmp_path
 
 
@@ -276,8 +271,8 @@ def test_frame_list_video_equals_the_decoded_clip(tmp_path, processor):
 
 
 def test_frame_list_with_a_missing_or_odd_sized_frame_is_named(tmp_path):
-    png(tmp_path / "f0.png", (64, 48), (1, 2, 3))
-    png(tmp_path / "f1.png", (32, 48), (1, 2, 3))
+    write_png(tmp_path / "f0.png", (64, 48), (1, 2, 3))
+    write_png(tmp_path / "f1.png", (32, 48), (1, 2, 3))
     where = layouts.Location("d.jsonl", row=0)
     ref = MediaRef("video 0 of 1", frames=(MediaRef("frame 0", path=tmp_path / "f0.png"), MediaRef("frame 1", path=tmp_path / "f1.png")))
     with pytest.raises(BadSample, match="corrupt_video: video 0 of 1: frame 1 is 32x48 px, frame 0 is 64x48"):
@@ -420,7 +415,7 @@ def test_every_layout_trains_two_steps(media):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert f"data: {len(TRAINED)} samples" in log and "(0 skipped)" in log
-    assert "step 2/2" in log
+    assert [e["step"] for e in events.read(media / "run") if e["event"] == "step"] == [1, 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +448,7 @@ def test_transparent_images_are_converted_as_hf_does(tmp_path, processor, mode):
 
 def _replaced_set(tmp_path):
     for k in range(3):
-        png(tmp_path / f"{k}.png", (64, 48), (50 * k, 30, 30))
+        write_png(tmp_path / f"{k}.png", (64, 48), (50 * k, 30, 30))
     rows = [messages_row([("<image>Hi?", f"Colour {k}.")], [f"{k}.png"]) for k in range(3)]
     return write_jsonl(tmp_path / "d.jsonl", rows)
 
@@ -463,7 +458,7 @@ def test_an_image_replaced_after_the_index_is_a_bad_sample(tmp_path, processor, 
     path = _replaced_set(tmp_path)
     cfg = make_cfg(path=str(path), shuffle=False, cache_dir=str(tmp_path / "cache"), on_bad_sample=policy).data
     read_dataset(cfg, processor)  # the index is built and cached
-    png(tmp_path / "1.png", (300, 200), (1, 2, 3))  # replaced by a larger image: another grid
+    write_png(tmp_path / "1.png", (300, 200), (1, 2, 3))  # replaced by a larger image: another grid
     dataset, _ = read_dataset(cfg, processor)
     assert dataset.index_origin.startswith("index from cache")  # the cache still matches: the data file is unchanged
     if policy == "error":

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import hf_reference_ids, make_cfg, runs
+from conftest import hf_reference_ids, make_cfg, runs, write_png
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration
 from videos import LOSSLESS, decode_all, frame, write_video
@@ -161,7 +161,7 @@ def test_video_settings_are_validated(overrides, problem):
 def write_mixed_set(root: Path) -> Path:
     write_video(root / "clips" / "a.avi", 96, 72, 20, 10)
     write_video(root / "clips" / "b.mp4", 120, 64, 16, 8)
-    Image.new("RGB", (64, 48), (200, 30, 30)).save(root / "red.png")
+    write_png(root / "red.png")
     rows = [
         video_row("<video>What moves?", videos=["clips/a.avi"]),
         video_row("Look: <image> and <video>, then <video>.", "Red, then two clips.", ["clips/a.avi", "clips/b.mp4"], ["red.png"]),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import EVERY_FAMILY, make_batch, tiny_checkpoint
+from conftest import EVERY_FAMILY, make_batch, record_applied, tiny_checkpoint
 from multiproc import check_ranks, free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -210,17 +210,16 @@ def _resume_runs(rank, out, processor_path, family):
         cfg = qconfig.load(overrides=[*BASE, *LORA, *GROUPS, *extra, f"train.output_dir={out / name}", "train.resume=auto",
                                       f"model.name={family}"])  # fmt: skip
         trainer = train.Trainer(cfg)
-        applied = []
+        recorded = {}
         trainer_setup = trainer.setup
 
-        def setup(trainer=trainer, trainer_setup=trainer_setup, applied=applied):
+        def setup(trainer=trainer, trainer_setup=trainer_setup, recorded=recorded):
             trainer_setup()
-            trainer.optimizer.register_step_post_hook(
-                lambda o, a, k: applied.append({g["name"]: (g["lr"], g["weight_decay"]) for g in o.param_groups})
-            )
+            recorded["applied"] = record_applied(trainer.optimizer)
 
         trainer.setup = setup
         trainer.run()
+        applied = [a["groups"] for a in recorded["applied"]]
         seen.setdefault(name, []).append({"losses": [h["loss"] for h in trainer.history], "applied": applied,
                                           "logged": [{k: v for k, v in h.items() if k.startswith("lr")} for h in trainer.history]})  # fmt: skip
     model = trainer.model
@@ -262,7 +261,7 @@ def test_param_groups_get_their_lrs_also_after_resume(resumed):
     seen = resumed[1]["seen"]
     a, b2 = seen["A"][0], seen["B"][1]
     factors = [optim.lr_factor(s, 1, 6, qconfig.TrainConfig().min_lr_ratio) for s in range(1, 7)]
-    # read from the optimizer after each step: the LR that step applied (the scheduler moves it after)
+    # read from the optimizer before each step: the LR that step applies (the scheduler moves it after)
     for step, applied in enumerate(a["applied"], start=1):
         f = factors[step - 1]
         # LoRA's A and B are matrices: the default group has no bias, norm or embedding to exempt

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import package_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
@@ -26,15 +27,7 @@ class Optional(Exception):
     """The name lives behind an optional dependency that is not installed here."""
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
-
-
-MODULES = _modules()
+MODULES = package_modules()
 
 
 def _resolve_dotted(name: str) -> bool:

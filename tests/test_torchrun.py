@@ -1,11 +1,19 @@
-"""qwenkit.torchrun's pure parts: the variables a rank gets, exit codes as a shell reports them, the first failure."""
+"""qwenkit.torchrun: the variables a rank gets, exit codes as a shell reports them, the first failure; and on real
+``qwenkit train`` jobs (2 gloo ranks, :mod:`jobs`): a killed launcher or torchrun takes the ranks with it, a killed
+or hung rank is named (issue #23)."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
+
+import pytest
+from jobs import ROOT, STEPS, Job, checkpoints, children, gone, rank_pids
 
 from qwenkit import torchrun
 from qwenkit.engine import stopping
@@ -35,3 +43,83 @@ def test_first_failure_is_the_earliest_seen_then_a_signal_death():
         assert torchrun.first_failure(failures)[0] == 0  # rank 0 failed a poll earlier
     finally:
         torchrun._first_seen.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# a killed launcher or torchrun: no orphan ranks
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_group_takes_torchrun_and_the_ranks_with_it(tmp_path):
+    out = tmp_path / "run"
+    job = Job(out)
+    job.wait_for_event("step", 2)
+    ranks = rank_pids(job.proc.pid)
+    torchrun = children(job.proc.pid)
+    os.killpg(job.proc.pid, signal.SIGKILL)  # the launcher's whole process group
+    job.wait()
+    assert gone([*torchrun, *ranks.values()], timeout=120), "torchrun or ranks still running without the launcher"
+    # torchrun got SIGTERM when the launcher died, so the ranks saved on their way out
+    assert len(checkpoints(out)) == 1 and 2 <= checkpoints(out)[0] < STEPS  # not orphans that trained on
+
+
+@pytest.mark.slow
+def test_a_killed_torchrun_takes_the_ranks_with_it(tmp_path):
+    out = tmp_path / "run"
+    job = Job(out)
+    job.wait_for_event("step", 2)
+    ranks = rank_pids(job.proc.pid)
+    (torchrun,) = children(job.proc.pid)
+    os.kill(torchrun, signal.SIGKILL)
+    assert job.wait() == 128 + signal.SIGKILL
+    assert gone(ranks.values(), timeout=60), "ranks still training after torchrun died"
+    assert checkpoints(out) == []  # they died with it: no orphan trained on to a final save
+
+
+# ---------------------------------------------------------------------------------------------
+# a killed rank, a hung rank: the one that failed first is named
+
+
+@pytest.mark.slow
+def test_the_rank_killed_first_is_named_with_its_signal_and_code(tmp_path):
+    out = tmp_path / "run"
+    job = Job(out)
+    job.wait_for_event("step", 2)
+    ranks = rank_pids(job.proc.pid)
+    os.kill(ranks[1], signal.SIGKILL)
+    code = job.wait()
+    err = job.text("stderr")
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    named = re.findall(r"^qwenkit train: rank (\d) \(pid (\d+)\) failed first: killed by (SIG\w+)", err, flags=re.M)
+    assert named == [("1", str(ranks[1]), "SIGKILL")], err[-3000:]
+    assert "the rank that failed first is named above" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_times_out_and_is_named(tmp_path):
+    out = tmp_path / "run"
+    job = Job(out, "parallel.timeout_s=8")
+    job.wait_for_event("step", 2)
+    ranks = rank_pids(job.proc.pid)
+    began = time.monotonic()
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        failed = job.wait_for_event("failed")  # the rank that found the silence reports it in the event stream
+    finally:
+        try:
+            os.kill(ranks[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    waited = time.monotonic() - began
+    found = re.match(r"qwenkit train: rank 0 failed: .*stopped answering: rank 1 \(silent for (\d+) s", failed["summary"])
+    assert found and failed["rank"] == 0, failed
+    assert int(found.group(1)) >= 4 and waited < 8 + 120  # parallel.timeout_s, not gloo's 30 minutes
+    assert job.wait() != 0
+
+
+def test_torchrun_process_does_not_import_the_training_kit():
+    # The launcher process only supervises the ranks; importing transformers and distributed
+    # checkpointing there cost every `qwenkit train` ~2 s before any rank started.
+    code = "import sys, qwenkit.torchrun; print(sorted(m for m in ('transformers', 'qwenkit.model', 'qwenkit.engine.checkpoint') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

@@ -1,9 +1,8 @@
-"""The training loop: LR schedule, a NaN stops the step before the update, the profiler window."""
+"""The training loop: a NaN stops the step before the update, the profiler window (the LR schedule: test_optim.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -14,19 +13,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from qwenkit import config as qconfig
 from qwenkit import data
-from qwenkit.engine import metrics, optim, train
+from qwenkit.engine import metrics, train
 
 BASE = ["train.micro_batch_size=2", "data.tiny_samples=16", "train.resume=none", "checkpoint.save_final=false"]
 POISONED_BATCH = 2  # the third micro-batch of rank 1: step 3 with grad_accum=1
-
-
-def test_lr_warmup_then_cosine_to_the_floor():
-    f = [optim.lr_factor(s, warmup=4, total=20, min_ratio=0.1) for s in range(1, 21)]
-    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a > b for a, b in zip(f[3:], f[4:]))  # strictly decreasing after warmup
-    assert math.isclose(f[-1], 0.1)
-    assert math.isclose(optim.lr_factor(12, warmup=4, total=20, min_ratio=0.1), 0.1 + 0.9 * 0.5)  # half-way
-    assert optim.lr_factor(1, warmup=0, total=10, min_ratio=0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi / 10)))
 
 
 def _poisoned(rank):

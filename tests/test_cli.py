@@ -1,0 +1,47 @@
+"""qwenkit.cli: the subcommands' parsing (overrides anywhere, ``--traceback`` on every one) and what
+``qwenkit train`` refuses before any process starts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from qwenkit import cli, errors, launch
+from qwenkit import config as qconfig
+
+
+def test_traceback_switch_on_every_subcommand(tmp_path, capsys):
+    """An input error is one line and exit 2; with --traceback the traceback comes above it."""
+    parser = cli.build_parser()
+    leaves = [["train"], ["data", "check", "x"], ["data", "prepare", "x"], ["export", "a", "b"], ["eval", "a"],
+              ["sweep", "run", "f"], ["sweep", "status", "d"], ["notebooks", "run"]]  # fmt: skip
+    for argv in leaves:
+        assert parser.parse_args([*argv, "--traceback"]).traceback, argv
+    for argv in (["train", "train.steps=0"], ["data", "check", "tiny", "data.max_length=0"],
+                 ["export", str(tmp_path), str(tmp_path / "hf")]):  # fmt: skip
+        os.environ.pop(errors.TRACEBACK_ENV, None)
+        assert cli.main(argv) == 2
+        plain = capsys.readouterr().err
+        assert len(plain.strip().splitlines()) == 1 and "Traceback" not in plain, plain
+        try:
+            assert cli.main([*argv, "--traceback"]) == 2
+        finally:
+            os.environ.pop(errors.TRACEBACK_ENV, None)
+        shown = capsys.readouterr().err
+        assert shown.startswith("Traceback (most recent call last)") and shown.strip().splitlines()[-1] == plain.strip()
+
+
+def test_overrides_may_stand_before_or_after_options(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "_train", lambda args: seen.update(vars(args)) or 0)  # main builds its parser after
+    assert cli.main(["train", "train.steps=3", "--nproc", "2", "loss.chunk_size=64"]) == 0
+    assert seen["nproc"] == 2 and seen["overrides"] == ["train.steps=3", "loss.chunk_size=64"]
+    assert cli.main(["export", "a", "b", "train.steps=3"]) == 2  # export takes no overrides
+
+
+def test_timeout_key_is_validated_before_spawning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("must not start"))
+    assert cli.main(["train", "parallel.timeout_s=0", f"train.output_dir={tmp_path / 'run'}"]) == 2
+    assert "parallel.timeout_s must be >= 1" in capsys.readouterr().err
+    assert qconfig.load().parallel.timeout_s == 600

@@ -1,0 +1,92 @@
+"""qwenkit.engine.resume: which checkpoint a start resumes, and may it. ``train.stop_after``'s loop to the end,
+another data order refused, damaged checkpoints (truncated, flipped bytes, bad markers) named or skipped, on
+real ``qwenkit train`` jobs (2 gloo ranks, :mod:`jobs`) and on hand-made checkpoint folders (issues #23, #34)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from jobs import EXIT_RESUMABLE, checkpoints, invocation, steps, train
+
+from qwenkit import config as qconfig
+from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine import events, resume
+
+
+@pytest.mark.slow
+def test_stop_after_loop_to_the_end_and_damaged_checkpoints(tmp_path):
+    out = tmp_path / "run"
+
+    def run(*overrides, nproc=2):
+        """One invocation into ``out``; returns it and the events it wrote."""
+        before = len(events.read(out))
+        proc = train(out, "train.stop_after=2", "checkpoint.keep_last=3", *overrides, nproc=nproc, steps=4)
+        return proc, invocation(out, before)
+
+    first, written = run()
+    assert first.returncode == EXIT_RESUMABLE, first.stderr[-3000:]
+    assert "run the same command again to continue" in first.stderr and checkpoints(out) == [2]
+    stopped = events.last(written, "stopped")
+    assert steps(written) == [1, 2] and (stopped["reason"], stopped["exit_code"]) == ("stop_after", EXIT_RESUMABLE)
+    second, written = run()
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert events.resumed_step(written) == 2 and steps(written) == [3, 4] and checkpoints(out) == [2, 4]
+    assert events.last(written, "stopped")["reason"] == "completed"
+    # a complete run started again trains nothing; on 1 rank, so it is also a resume on another world size
+    third, written = run(nproc=1)
+    assert third.returncode == 0 and "training is complete: at step 4 of train.steps=4" in third.stderr
+    assert events.resumed_step(written) == 4 and steps(written) == [], written
+    assert events.last(written, "stopped")["reason"] == "completed" and checkpoints(out) == [2, 4]
+
+    # another data order (train.seed): refused by the launcher from COMPLETE.json in one line,
+    # nothing started, the run's record (config.yaml) left as the run wrote it
+    record = (out / "config.yaml").read_text()
+    other, written = run("train.seed=2")
+    assert other.returncode == 2, other.stderr[-3000:]
+    refusal = [line for line in other.stderr.splitlines() if "cannot resume" in line]
+    assert len(refusal) == 1 and "train.seed saved 42, now 2: set train.seed=42 to continue" in refusal[0], other.stderr
+    assert "torchrun" not in other.stdout and "Traceback" not in other.stderr
+    assert (out / "config.yaml").read_text() == record and written == []
+
+    root = ckpt.checkpoint_root(out)
+    # a truncated file, asked for by path: one line naming checkpoint and file, offering step 2
+    truncated = root / "step-00000004" / "__1_0.distcp"
+    saved = truncated.read_bytes()
+    truncated.write_bytes(saved[: len(saved) // 2])
+    named, _ = run(f"train.resume={root / 'step-00000004'}", "train.steps=6", "train.stop_after=0")
+    assert named.returncode == 2, named.stderr[-3000:]
+    assert "__1_0.distcp is" in named.stderr and str(root / "step-00000004") in named.stderr
+    assert f"the newest older complete checkpoint is {str(root / 'step-00000002')!r}" in named.stderr
+    assert "PytorchStreamReader" not in named.stderr and "Traceback" not in named.stderr
+    truncated.write_bytes(saved)
+
+    # 64 flipped bytes inside a .distcp (same size: only the checksum sees it): auto falls back
+    flipped = root / "step-00000004" / "__0_0.distcp"
+    data = bytearray(flipped.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    flipped.write_bytes(bytes(data))
+    fallback, written = run("train.steps=6", "train.stop_after=0")
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "__0_0.distcp fails its checksum" in fallback.stderr and "falling back" in fallback.stderr
+    resumed = events.last(written, "resumed")
+    assert (resumed["step"], resumed["checkpoint"]) == (2, str(root / "step-00000002"))
+    assert steps(written) == [3, 4, 5, 6]
+    assert checkpoints(out) == [2, 6] and list(root.glob("damaged-step-00000004-*"))
+
+
+def test_damaged_markers_are_named_and_auto_skips_them(tmp_path):
+    root = ckpt.checkpoint_root(tmp_path)
+    for step, marker in [(2, {"step": 2}), (4, ""), (6, "{not json")]:
+        ckpt.step_dir(root, step).mkdir(parents=True)
+        text = marker if isinstance(marker, str) else json.dumps(marker)
+        (ckpt.step_dir(root, step) / ckpt.COMPLETE).write_text(text)
+    decision = resume.decide(qconfig.load(overrides=[f"train.output_dir={tmp_path}"]), None)
+    assert decision.path == ckpt.step_dir(root, 2)
+    assert [(p.name, re.sub(r".*COMPLETE.json is ", "", why)[:5]) for p, why in decision.skipped] == [
+        ("step-00000006", "not v"), ("step-00000004", "empty")
+    ]
+    with pytest.raises(ckpt.CheckpointError, match=r"COMPLETE.json is empty; the newest older complete checkpoint is .*step-00000002"):
+        resume.decide(qconfig.load(overrides=[f"train.output_dir={tmp_path}", f"train.resume={ckpt.step_dir(root, 4)}"]), None)
