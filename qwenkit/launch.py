@@ -56,6 +56,7 @@ from qwenkit.errors import print_user_error
 from qwenkit.model import family as families
 from qwenkit.model import lora, registry
 from qwenkit.model.paths import resolve_path
+from qwenkit.rundir import RunDir
 from qwenkit.torchrun import EVENTS_DIR
 
 STOP_GRACE_S = 1800  # torchrun waits this long for the ranks' checkpoint after a signal, then SIGKILLs
@@ -421,12 +422,13 @@ def torchrun_ended(out: Path, code: int) -> None:
 
 
 def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
-    out = Path(cfg.train.output_dir)
-    if _cleanly(str(out / "config.yaml"), qconfig.write_config, cfg, out) is None:
-        return refused(cfg, f"qwenkit train: cannot write {out / 'config.yaml'}")
+    run = RunDir(cfg.train.output_dir)
+    out = run.path
+    if _cleanly(str(run.config), qconfig.write_config, cfg, out) is None:
+        return refused(cfg, f"qwenkit train: cannot write {run.config}")
     # the ranks read a copy only this launcher wrote (config.yaml is for export and for people)
     rank_config = out / f".config-{socket.gethostname()}-{os.getpid()}.yaml"
-    if _cleanly(str(rank_config), shutil.copyfile, out / "config.yaml", rank_config) is None:
+    if _cleanly(str(rank_config), shutil.copyfile, run.config, rank_config) is None:
         return refused(cfg, f"qwenkit train: cannot write {rank_config}")
     since = events.Follower(out)  # this job's events: torchrun's wrapper or a rank may record the failure
     try:
@@ -438,10 +440,10 @@ def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
     since.poll()
     if code not in (0, stopping.EXIT_RESUMABLE) and not events.failed(since.seen):
         torchrun_ended(out, code)
-    logs = out / "logs"
+    logs = run.logs
     if code == stopping.EXIT_RESUMABLE:
         print(f"qwenkit train: stopped with a checkpoint saved before train.steps={cfg.train.steps} "
-              f"(exit {code}, see {logs}/rank-00000.log): run the same command again to continue", file=sys.stderr)  # fmt: skip
+              f"(exit {code}, see {run.rank_log(0)}): run the same command again to continue", file=sys.stderr)  # fmt: skip
     elif code != 0:
         print(
             f"qwenkit train: failed with exit code {code}; the rank that failed first is named above "
