@@ -50,12 +50,14 @@ from qwenkit.data.conversation import parse_row
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
-from qwenkit.engine import init_from, optim, stopping
+from qwenkit.engine import events, init_from, optim, stopping
 from qwenkit.engine import resume as resume_rule
 from qwenkit.errors import print_user_error
 from qwenkit.model import family as families
 from qwenkit.model import lora, registry
 from qwenkit.model.paths import resolve_path
+from qwenkit.rundir import RunDir
+from qwenkit.torchrun import EVENTS_DIR
 
 STOP_GRACE_S = 1800  # torchrun waits this long for the ranks' checkpoint after a signal, then SIGKILLs
 
@@ -227,10 +229,11 @@ def torchrun_stop_options() -> list[str]:
     return options
 
 
-def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[str]:
+def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous, events_dir: Path | None = None) -> list[str]:
     """torchrun's command line, run through :func:`qwenkit.torchrun.quiet_torchrun`. Every
     rendezvous option is given, so the operator's ``PET_*`` variables (torchrun's defaults) never
-    change the rendezvous the launcher checked and logged."""
+    change the rendezvous the launcher checked and logged. ``events_dir``: the run folder where
+    the wrapper records a failure no rank recorded."""
     if rdzv.backend == "c10d":
         where = ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.master_addr}:{rendezvous_port(rdzv)}",
                  f"--rdzv-id={rdzv.rdzv_id}"]  # fmt: skip
@@ -239,6 +242,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous) -> list[st
                  f"--master-port={rendezvous_port(rdzv)}"]  # fmt: skip
     return [
         sys.executable, "-m", "qwenkit.torchrun",
+        *([f"{EVENTS_DIR}{events_dir}"] if events_dir is not None else []),
         *torchrun_stop_options(),
         f"--nnodes={rdzv.nodes}",
         f"--nproc-per-node={nproc}",
@@ -353,11 +357,14 @@ def launch(
     overrides = list(overrides)
     if nproc is not None:
         overrides.append(f"parallel.nproc={nproc}")
+    cfg = None
     try:
         cfg = qconfig.load(config, overrides)
         rdzv = settle(rdzv, cfg.parallel)
     except (qconfig.ConfigError, ClusterError) as e:
         print_user_error("train", e)
+        if cfg is not None:  # a config that does not load names no folder to record it in
+            refused(cfg, f"qwenkit train: {e}")
         return 2
     if rdzv.backend == "c10d":
         said = (f"{said}; " if said else "") + (
@@ -367,12 +374,14 @@ def launch(
     if said:
         print(f"qwenkit train: {said}", file=sys.stderr, flush=True)
     if rdzv.backend == "static" and not 0 <= rdzv.node_rank < rdzv.nnodes:
-        print(f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}", file=sys.stderr)
-        return 2
+        line = f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}"
+        print(line, file=sys.stderr)
+        return refused(cfg, line)
     # model.init_from: the run it starts from, trained first when missing, exported once
     stopped = init_from.prepare(cfg, lambda recipe, extra: launch(recipe, extra, nproc, rdzv))
     if stopped is not None:
-        return stopped
+        return refused(cfg, f"qwenkit train: model.init_from={cfg.model.init_from!r}: the run to start from is not "
+                       f"ready (exit {stopped}; the lines above say why)", stopped)  # fmt: skip
     out = Path(cfg.train.output_dir)
     node = node_name(rdzv)
     lock = None
@@ -382,38 +391,59 @@ def launch(
         problems = check_before_spawn(cfg, rdzv)
         if problems:
             print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
-            return 2
+            return refused(cfg, "qwenkit train: invalid run: " + "; ".join(problems), message=problems[0])
         if lock is None:
             lock = _cleanly(str(lock_path(out, node)), acquire_lock, out, node)
             if lock is None and not out.is_dir():
                 return 2
         return _launch_locked(cfg, rdzv, lock)
     except OutputDirBusy as e:
-        print_user_error("train", e)
+        print_user_error("train", e)  # no event: the folder's stream is the live job's
         return 2
     finally:
         if lock is not None:
             os.close(lock)  # torchrun's copy is closed with torchrun: the lock is free now
 
 
+def refused(cfg, summary: str, code: int = 2, message: str | None = None) -> int:
+    """``code``, after the run's ``failed`` event for a refusal (the console line is printed already)."""
+    events.launcher_failed(cfg.train.output_dir, summary, error="refused",
+                           message=message or summary.removeprefix("qwenkit train: "), exit_code=code)  # fmt: skip
+    return code
+
+
+def torchrun_ended(out: Path, code: int) -> None:
+    """The ``failed`` event when torchrun ended non-zero and neither a rank nor its wrapper said why
+    (torchrun killed by a signal, or refusing its arguments)."""
+    sig = next((s.name for s in signal.Signals if code > 128 and s.value == code - 128), None)
+    how = f"torchrun was killed by {sig}" if sig else f"torchrun exited with {code}"
+    events.launcher_failed(out, f"qwenkit train: {how} without naming a failed rank", error="torchrun",
+                           message=how, exit_code=code, signal=sig)  # fmt: skip
+
+
 def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
-    out = Path(cfg.train.output_dir)
-    if _cleanly(str(out / "config.yaml"), qconfig.write_config, cfg, out) is None:
-        return 2
+    run = RunDir(cfg.train.output_dir)
+    out = run.path
+    if _cleanly(str(run.config), qconfig.write_config, cfg, out) is None:
+        return refused(cfg, f"qwenkit train: cannot write {run.config}")
     # the ranks read a copy only this launcher wrote (config.yaml is for export and for people)
     rank_config = out / f".config-{socket.gethostname()}-{os.getpid()}.yaml"
-    if _cleanly(str(rank_config), shutil.copyfile, out / "config.yaml", rank_config) is None:
-        return 2
+    if _cleanly(str(rank_config), shutil.copyfile, run.config, rank_config) is None:
+        return refused(cfg, f"qwenkit train: cannot write {rank_config}")
+    since = events.Follower(out)  # this job's events: torchrun's wrapper or a rank may record the failure
     try:
-        cmd = torchrun_command(rank_config, cfg.parallel.nproc, rdzv)
+        cmd = torchrun_command(rank_config, cfg.parallel.nproc, rdzv, events_dir=out)
         print(f"qwenkit train: {shlex.join(cmd)}", flush=True)
         code = spawn(cmd, rank_environment(cfg, os.environ), pass_fds=() if lock is None else (lock,))
     finally:
         rank_config.unlink(missing_ok=True)
-    logs = out / "logs"
+    since.poll()
+    if code not in (0, stopping.EXIT_RESUMABLE) and not events.failed(since.seen):
+        torchrun_ended(out, code)
+    logs = run.logs
     if code == stopping.EXIT_RESUMABLE:
         print(f"qwenkit train: stopped with a checkpoint saved before train.steps={cfg.train.steps} "
-              f"(exit {code}, see {logs}/rank-00000.log): run the same command again to continue", file=sys.stderr)  # fmt: skip
+              f"(exit {code}, see {run.rank_log(0)}): run the same command again to continue", file=sys.stderr)  # fmt: skip
     elif code != 0:
         print(
             f"qwenkit train: failed with exit code {code}; the rank that failed first is named above "

@@ -12,6 +12,10 @@ Besides torch's own behaviour it
 - names the rank that failed *first* (the order torchrun saw them exit, a signal death before an
   error exit seen in the same poll: the survivors of a killed rank fail with connection errors
   after it), with its signal, and returns that rank's code (``128 + N`` for signal N);
+- with ``--events-dir=DIR`` (its first argument; the launcher gives the run's folder): writes the
+  run's ``failed`` event (:func:`qwenkit.engine.events.launcher_failed`) when the rank that failed
+  first did not write its own (killed by a signal, exited non-zero without a Python exception),
+  when a stop signal ended ranks that had not saved, and when torchrun itself raised;
 - with ``--max-restarts`` (c10d): restarts the group after a failure, not after ranks that
   saved and stopped (exit ``EXIT_RESUMABLE``: a stop was asked for, by a signal or
   ``train.stop_after``), and says in the final headline how many restarts were used. The
@@ -32,12 +36,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, Subpr
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
+from qwenkit.engine import events
 from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, shell_code
 
 _first_seen: dict[int, tuple[int, float]] = {}  # pid -> (poll number, time) its failure was first seen
 _final_codes: dict[int, int] = {}  # local rank -> exit code, after torchrun stopped the ranks
 _polls = [0]
 _restarts = [0]  # group restarts after a failure, this job
+_run: list = [None, None]  # --events-dir, and an events.Follower of its events.jsonl from the current attempt on
 
 
 def _record_failures(capture):
@@ -80,6 +86,8 @@ def _count_restarts(restart):
             _restarts[0] += 1
             print(f"qwenkit train: the group failed; restart {_restarts[0]} of {worker_group.spec.max_restarts}: "
                   "the ranks resume from the newest complete checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+            if _run[1] is not None:
+                _run[1] = events.Follower(_run[0])  # a rank's report of the failed attempt is not the next one's
         restart(self, worker_group)
 
     return wrapped
@@ -114,6 +122,30 @@ def describe(exitcode: int) -> str:
     return f"exited with {exitcode}"
 
 
+def failure_message(failure) -> str:
+    """What a rank's ProcessFailure says: its error file's message when the rank wrote one (torch's
+    ``@record``), else how it ended."""
+    said = failure.message if os.path.isfile(failure.error_file) else ""
+    how = describe(failure.exitcode)
+    if failure.exitcode == -signal.SIGKILL:
+        how += " (by a person, the scheduler, or the kernel's out-of-memory killer: see dmesg)"
+    elif failure.exitcode > 0:
+        how += " without reporting a Python exception"
+    return f"{how}: {events.first_line(said)}" if said else how
+
+
+def _record(summary: str, *, error: str, message: str, exit_code: int, rank: int | None = None,
+            signal_name: str | None = None) -> None:  # fmt: skip
+    """The run's ``failed`` event, unless a rank of this attempt wrote one (``rank``: that rank's own)."""
+    out, follower = _run
+    if follower is None:
+        return
+    follower.poll()
+    if not events.failed(follower.seen, rank):
+        events.launcher_failed(out, summary, error=error, message=message, exit_code=exit_code, rank=rank,
+                               signal=signal_name)  # fmt: skip
+
+
 def first_failure(failures: dict) -> tuple[int, object]:
     """The (global rank, ProcessFailure) that failed first: earliest poll, then a signal death."""
 
@@ -126,18 +158,21 @@ def first_failure(failures: dict) -> tuple[int, object]:
     return rank, failures[rank]
 
 
-def quiet_torchrun(argv: list[str]) -> int:
+def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
     """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
 
     A qwenkit rank reports its own failure, one line then the traceback (see
     ``qwenkit.engine.train.report_failure``), and exits with status 1; torchrun then stops the other
     ranks and raises ``ChildFailedError``, whose printout is replaced here by one line naming the
     rank that failed first. torchrun's own errors (bad arguments, rendezvous) still surface.
+    ``events_dir``: the run folder whose ``events.jsonl`` gets the ``failed`` event no rank wrote.
     """
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     # c10d: a fresh store for every attempt. The agent's shared store keeps the last attempt's keys,
     # and a restarted rank read its dead peer's gloo address from them (connection refused, 30 s)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if events_dir is not None:
+        _run[:] = [events_dir, events.Follower(events_dir)]
     if hasattr(SubprocessContext, "_capture_process_failures"):  # torch >= 2.8; before, signal deaths first
         SubprocessContext._capture_process_failures = _record_failures(SubprocessContext._capture_process_failures)
     LocalElasticAgent._shutdown = _record_shutdown(LocalElasticAgent._shutdown)
@@ -155,20 +190,37 @@ def quiet_torchrun(argv: list[str]) -> int:
         after = f"; then torchrun stopped rank(s) {', '.join(map(str, others))}" if others else ""
         if _restarts[0]:
             after += f" (after {_restarts[0]} restart(s) of the group, every one used)"
-        print(
-            f"qwenkit train: rank {rank} (pid {failure.pid}) failed first: {describe(failure.exitcode)}{after}",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
-        return shell_code(failure.exitcode) or 1
+        line = f"qwenkit train: rank {rank} (pid {failure.pid}) failed first: {describe(failure.exitcode)}{after}"
+        print(line, file=sys.stderr, flush=True)
+        code = shell_code(failure.exitcode) or 1
+        killed = failure.exitcode < 0
+        _record(line, error="killed" if killed else "exited", message=failure_message(failure), exit_code=code,
+                rank=rank, signal_name=failure.signal_name() if killed else None)  # fmt: skip
+        return code
     except SignalException as e:
         codes = set(_final_codes.values())
         if codes == {EXIT_RESUMABLE}:
             return EXIT_RESUMABLE
-        print(f"qwenkit train: stopped by {e.sigval.name}; rank exit codes "
-              f"{dict(sorted(_final_codes.items()))}", file=sys.stderr, flush=True)  # fmt: skip
-        return shell_code(-int(e.sigval))
+        line = f"qwenkit train: stopped by {e.sigval.name}; rank exit codes {dict(sorted(_final_codes.items()))}"
+        print(line, file=sys.stderr, flush=True)
+        code = shell_code(-int(e.sigval))
+        _record(line, error="stopped", message=f"{e.sigval.name} stopped ranks that had not saved a checkpoint",
+                exit_code=code, signal_name=e.sigval.name)  # fmt: skip
+        return code
+    except Exception as e:  # torchrun's own failure (a rendezvous): recorded, then its traceback as ever
+        _record(f"qwenkit train: torchrun failed: {type(e).__name__}: {events.first_line(e)}", error=type(e).__name__,
+                message=events.first_line(e), exit_code=1)  # fmt: skip
+        raise
     return 0
 
 
+EVENTS_DIR = "--events-dir="  # the launcher's own first argument, never torchrun's
+
+
+def main(argv: list[str]) -> int:
+    events_dir = argv[0][len(EVENTS_DIR):] if argv and argv[0].startswith(EVENTS_DIR) else None
+    return quiet_torchrun(argv[1:] if events_dir is not None else argv, events_dir)
+
+
 if __name__ == "__main__":
-    sys.exit(quiet_torchrun(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

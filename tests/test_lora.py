@@ -183,12 +183,12 @@ def test_adapter_init_is_peft_default_and_per_seed():
     assert all(not v.any() for k, v in init_a.items() if ".lora_B." in k)
 
 
-def test_manifest_lists_adapters_per_part():
-    manifest = registry.parameter_manifest(_lora_model(["lora.vision=true"]))
-    assert manifest["language model"]["adapters"] > 0 and manifest["vision blocks"]["adapters"] > 0
-    assert manifest["lm_head"]["adapters"] == manifest["lm_head"]["trainable"] == 0
-    assert manifest["merger"]["trainable"] == manifest["merger"]["total"]  # saved module: trained fully
-    lm = manifest["language model"]
+def test_parameter_counts_list_adapters_per_part():
+    counts = registry.parameter_counts(_lora_model(["lora.vision=true"]))
+    assert counts["language model"]["adapters"] > 0 and counts["vision blocks"]["adapters"] > 0
+    assert counts["lm_head"]["adapters"] == counts["lm_head"]["trainable"] == 0
+    assert counts["merger"]["trainable"] == counts["merger"]["total"]  # saved module: trained fully
+    lm = counts["language model"]
     assert lm["trainable"] == lm["adapters"] < lm["total"]
 
 

@@ -1,6 +1,7 @@
 """``qwenkit sweep``: the sweep file and its validation, device slots, and real sweeps of the tiny
-model on one rank: a failing trial, a sweep killed in the middle and resumed (its interrupted
-trial's losses against an uninterrupted run of the same config), and MLflow beside the JSONL."""
+model on one rank: a trial the launcher refuses, a trial whose rank is killed and then the sweep
+killed in the middle, both resumed (the trial's losses against an uninterrupted trial of the same
+training), and MLflow beside the JSONL. A rank's own failure report: tests/test_events.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import yaml
 
 from qwenkit import config as qconfig
 from qwenkit import sweep
-from qwenkit.engine import metrics
+from qwenkit.engine import events, metrics
 from qwenkit.sweep import ledger
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,27 +168,16 @@ def test_status_of_a_folder_without_a_ledger_is_a_user_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_trial_is_recorded_and_the_others_finish(tmp_path):
-    # freezing every module passes the config check and fails in the trainer (no trainable parameters)
-    path = _write(tmp_path, trials=[{"train.lr": 0.003}, {"model.freeze": ["model", "lm_head"]}, {"train.lr": 0.001}])
-    out = tmp_path / "out"
-    proc = _qwenkit("sweep", "run", str(path), "--out", str(out))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    rows = ledger.latest(out)
-    assert [r["status"] for r in rows.values()] == ["done", "failed", "done"]
-    failed = rows["freezemodel,lm_head"]
-    assert failed["exit_code"] != 0 and "no trainable parameters" in failed["error"]
-    assert failed["error"].startswith("qwenkit train: rank 0 failed: ValueError")
-    for name in ("lr0.003", "lr0.001"):
-        m = rows[name]["metrics"]
-        assert m["steps"] == 4 and m["loss"] == metrics.series(metrics.read(out / name), "loss")[4]
-        assert m["eval_loss"] > 0 and 0 <= m["eval_accuracy"] <= 1 and m["tokens_per_s"] > 0
-        assert m["trainable_params"] > 0 and m["peak_memory"] > 0 and m["wall_time"] > 0
-    # one line per trial, and the table
-    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("[")] == [
-        "[1/3] lr0.003", "[2/3] freezemodel,lm_head", "[3/3] lr0.001"]  # fmt: skip
-    status = _qwenkit("sweep", "status", str(out))
-    assert status.returncode == 0 and "failed" in status.stdout and "no trainable parameters" in status.stdout
+def test_a_trial_the_launcher_refuses_is_recorded_with_its_reason(tmp_path, capsys):
+    # the data file is there when the sweep checks its trials and gone when the trial starts
+    data = tmp_path / "rows.jsonl"
+    data.write_text("")
+    s = sweep.load(_write(tmp_path, trials=[{"data.path": str(data)}]), tmp_path / "out")
+    data.unlink()
+    (row,) = sweep.run(s)
+    assert (row["status"], row["exit_code"]) == ("failed", 2)
+    assert row["error"] == f"qwenkit train: invalid run: data.path={str(data)!r} does not exist"  # the launcher's event
+    assert capsys.readouterr().out.rstrip().endswith(f"failed, exit code 2: {row['error']}")
 
 
 @pytest.mark.slow
@@ -221,52 +211,86 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.slow
-def test_killed_sweep_resumes_the_interrupted_trial_and_skips_the_finished_one(tmp_path):
-    # trial 2 is long enough to be killed in the middle: 24 steps, a checkpoint every 2
-    long = {"train.lr": 0.002, "train.steps": 24, "checkpoint.every": 2}
-    path = _write(tmp_path, trials=[{"train.lr": 0.003}, long, {"train.lr": 0.001}])
-    out = tmp_path / "out"
-    s = sweep.load(path, out)
-    victim = s.trials[1]
-    proc = subprocess.Popen([sys.executable, "-m", "qwenkit.cli", "sweep", "run", str(path), "--out", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not (victim.output_dir / "checkpoints" / "step-00000002" / "COMPLETE.json").is_file():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else ""
-        time.sleep(0.05)
-    for pid in [proc.pid, *_descendants(proc.pid)]:  # the sweep, the trial's launcher, torchrun, the rank
+def _kill(proc: subprocess.Popen, rank_only: bool = False) -> None:
+    """SIGKILL the sweep's process tree (the sweep, the trial's launcher, torchrun, the rank), or
+    only the trial's rank."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            if not rank_only or ("qwenkit.engine.train" in argv and "qwenkit.torchrun" not in argv):
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, FileNotFoundError):
             pass
-    proc.wait()
-    killed = ledger.latest(out)
-    assert killed["lr0.003"]["status"] == "done" and killed[victim.name]["status"] == "running"
-    assert "lr0.001" not in killed
+
+
+def _until(proc: subprocess.Popen, done, what: str) -> None:
+    deadline = time.monotonic() + 600
+    while not done():
+        assert proc.poll() is None, f"the sweep ended before {what}: " + proc.stdout.read()
+        assert time.monotonic() < deadline, f"no {what} in 600 s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_and_a_killed_sweep_resume_to_the_uninterrupted_losses(tmp_path, capsys):
+    # Trial 1 is stopped twice in the middle: its rank SIGKILLed (the trial fails with the launcher's
+    # event, the sweep goes on with trial 2), then, resumed, the whole sweep (the trial stays
+    # `running`). Trial 2 is the same training uninterrupted (checkpoint.keep_last changes no step).
+    long = {"train.lr": 0.002, "train.steps": 16, "checkpoint.every": 2}
+    path = _write(tmp_path, trials=[long, {**long, "checkpoint.keep_last": 3}])
+    out = tmp_path / "out"
+    victim, ref = sweep.load(path, out).trials
+    command = [sys.executable, "-m", "qwenkit.cli", "sweep", "run", str(path), "--out", str(out)]
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _until(first, lambda: (victim.output_dir / "checkpoints" / "step-00000002" / "COMPLETE.json").is_file(), "step 2")
+    _kill(first, rank_only=True)
+    text = first.communicate(timeout=600)[0]
+    assert first.returncode == 1, text
+    rows = ledger.latest(out)
+    assert [r["status"] for r in rows.values()] == ["failed", "done"]
+    failed = rows[victim.name]
+    assert failed["exit_code"] == 128 + signal.SIGKILL
+    assert failed["error"].startswith("qwenkit train: rank 0 (pid ") and "failed first: killed by SIGKILL" in failed["error"]
+    assert events.last(events.read(victim.output_dir), "failed")["by"] == "launcher"
+    m = rows[ref.name]["metrics"]  # the trial after the failed one finished, with its summary numbers
+    assert m["steps"] == 16 and m["loss"] == metrics.series(metrics.read(ref.output_dir), "loss")[16]
+    assert m["eval_loss"] > 0 and 0 <= m["eval_accuracy"] <= 1 and m["tokens_per_s"] > 0
+    assert m["trainable_params"] > 0 and m["peak_memory"] > 0 and m["wall_time"] > 0
+    assert [line.split(":")[0] for line in text.splitlines() if line.startswith("[")] == [
+        f"[1/2] {victim.name}", f"[2/2] {ref.name}"]  # fmt: skip
+    assert sweep.status_command(str(out)) == 0
+    table = capsys.readouterr().out
+    assert "failed" in table and "killed by SIGKILL" in table
+
+    second = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def saved_after_resuming() -> bool:
+        seen = events.read(victim.output_dir)
+        at = max((i for i, e in enumerate(seen) if e["event"] == "resumed"), default=None)
+        return at is not None and any(e["event"] == "checkpoint" for e in seen[at:])
+
+    _until(second, saved_after_resuming, "checkpoint after resuming")
+    _kill(second)
+    second.wait()
+    assert ledger.latest(out)[victim.name]["status"] == "running"
     steps_before = max(metrics.series(metrics.read(victim.output_dir), "loss"))
-    assert steps_before < 24, "the trial finished before it was killed"
+    assert steps_before < 16, "the trial finished before the sweep was killed"
 
     again = _qwenkit("sweep", "run", str(path), "--out", str(out))
     assert again.returncode == 0, again.stdout + again.stderr
     rows = ledger.latest(out)
-    assert [r["status"] for r in rows.values()] == ["done", "done", "done"]
-    assert rows["lr0.003"]["attempt"] == 1 and "done earlier" in again.stdout  # skipped, not run again
-    assert (out / "lr0.003" / "train.log").read_text().count("starting fresh") == 1
+    assert [r["status"] for r in rows.values()] == ["done", "done"]
+    assert rows[ref.name]["attempt"] == 1 and "done earlier" in again.stdout  # skipped, not run again
+    assert (ref.output_dir / "train.log").read_text().count("starting fresh") == 1
     resumed = rows[victim.name]
-    assert resumed["attempt"] == 2 and 2 <= resumed["resumed_from"] <= steps_before
+    assert resumed["attempt"] == 3 and 4 <= resumed["resumed_from"] <= steps_before
     assert f"resumed from step {resumed['resumed_from']}" in again.stdout
-
-    # the same trial, uninterrupted
-    ref = tmp_path / "uninterrupted"
-    train = _qwenkit("train", "--config", str(s.base), *victim.overrides, f"train.output_dir={ref}")
-    assert train.returncode == 0, train.stderr
-    want = metrics.series(metrics.read(ref), "loss")
+    want = metrics.series(metrics.read(ref.output_dir), "loss")
     got = metrics.series(metrics.read(victim.output_dir), "loss")  # a step logged twice keeps its last row
-    assert sorted(got) == sorted(want) == list(range(1, 25))
+    assert sorted(got) == sorted(want) == list(range(1, 17))
     assert max(abs(got[k] - want[k]) for k in want) <= 1e-6  # DCP resume on one CPU rank: identical in fp32
     assert metrics.series(metrics.read(victim.output_dir), "eval_loss") == pytest.approx(
-        metrics.series(metrics.read(ref), "eval_loss"), abs=1e-6)  # fmt: skip
+        metrics.series(metrics.read(ref.output_dir), "eval_loss"), abs=1e-6)  # fmt: skip
 
 
 @pytest.mark.slow

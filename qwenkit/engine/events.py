@@ -11,9 +11,26 @@ JSON object per line, appended by every invocation of the run (a resumed run con
     {"event": "eval", ..., "step": 20, "eval_loss": 5.2, "eval_accuracy": 0.25}
     {"event": "checkpoint", ..., "step": 20, "path": "/runs/x/checkpoints/step-00000020"}
     {"event": "stopped", ..., "step": 30, "reason": "completed", "exit_code": 0}
-    {"event": "failed", ..., "rank": 1, "error": "ValueError", "message": "...", "summary": "qwenkit train: rank 1 failed: ..."}
+    {"event": "failed", ..., "rank": 1, "by": "rank", "error": "ValueError", "message": "...",
+     "summary": "qwenkit train: rank 1 failed: ..."}
+    {"event": "failed", ..., "rank": 0, "by": "launcher", "error": "killed", "signal": "SIGKILL",
+     "exit_code": 137, "message": "killed by SIGKILL ...", "summary": "qwenkit train: rank 0 (pid 7) failed first: ..."}
 
-Rank 0 writes every event but ``failed``, which the failing rank writes. ``step`` comes at the
+Rank 0 writes every event but ``failed``. A rank that raises writes its own ``failed`` (``by:
+rank``). The launcher side writes one (``by: launcher``, with ``exit_code`` and ``signal``) for a
+failure no rank recorded, so that every failed invocation ends with one:
+
+- ``refused``: ``qwenkit train`` refused the run before torchrun started (``rank`` null; only
+  into a folder that exists: a refused new run leaves no folder behind; a folder another live
+  job holds is that job's and gets nothing);
+- ``killed`` / ``exited``: the rank torchrun saw fail first died by a signal (SIGKILL: a
+  person, the scheduler or the kernel's out-of-memory killer) or exited non-zero without
+  reporting a Python exception (:mod:`qwenkit.torchrun` writes it);
+- ``stopped``: a stop signal ended the ranks before every one saved;
+- a torchrun exception's name (a rendezvous that failed), or ``torchrun``: torchrun itself ended
+  non-zero (killed, bad arguments) without naming a rank.
+
+``step`` comes at the
 trainer's step-line cadence (``train.log_every`` and the invocation's last step). ``stopped``'s
 ``reason``: ``completed`` (``train.steps`` reached), ``stop_after`` (``train.stop_after``
 reached; exit 75), ``signal`` (with ``signal``: the stop signal's name; exit 75). A crashed
@@ -49,8 +66,34 @@ class EventLog:
             records.append_jsonl(self.path, {"event": kind, "time": records.now(), "rank": self.rank, **fields})
 
     def failed(self, error: BaseException, summary: str) -> None:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        self.write("failed", error=type(error).__name__, message=message, summary=summary)
+        """This rank's own failure: the exception it raised."""
+        self.write("failed", by="rank", error=type(error).__name__, message=first_line(error), summary=summary)
+
+
+def first_line(error: BaseException | str) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def launcher_failed(output_dir: str | Path, summary: str, *, error: str, message: str, exit_code: int,
+                    rank: int | None = None, signal: str | None = None) -> bool:  # fmt: skip
+    """The launcher's ``failed`` event, for a failure no rank recorded (see the module docstring).
+    Written only into a folder that exists; False when nothing was written (no folder, or a full
+    disk: then the console line is all there is)."""
+    if not Path(output_dir).is_dir():
+        return False
+    try:
+        EventLog(output_dir, rank).write("failed", by="launcher", error=error, message=message, exit_code=exit_code,
+                                         signal=signal, summary=summary)  # fmt: skip
+    except OSError:
+        return False
+    return True
+
+
+def failed(events: list[dict[str, Any]], rank: int | None = None) -> bool:
+    """Whether ``events`` hold a ``failed`` event (of ``rank``'s own, when given)."""
+    return any(e.get("event") == "failed" and (rank is None or (e.get("rank") == rank and e.get("by") != "launcher"))
+               for e in events)  # fmt: skip
 
 
 def read(output_dir: str | Path) -> list[dict[str, Any]]:
@@ -92,8 +135,12 @@ def resumed_step(events: list[dict[str, Any]]) -> int | None:
 
 
 def failure(events: list[dict[str, Any]]) -> str | None:
-    """The first failing rank's one-line report among ``events`` (None: no rank reported one)."""
-    return next((e["summary"] for e in events if e.get("event") == "failed"), None)
+    """The one-line report of why ``events``' invocation failed (None: nothing recorded one): the
+    launcher's, when it wrote one (it names the rank torchrun saw fail first, which a peer's
+    later connection error must not hide), else the first failing rank's own."""
+    reports = [e for e in events if e.get("event") == "failed"]
+    verdict = next((e for e in reports if e.get("by") == "launcher"), reports[0] if reports else None)
+    return None if verdict is None else verdict["summary"]
 
 
 def describe(event: dict[str, Any]) -> str:

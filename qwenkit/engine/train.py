@@ -3,7 +3,7 @@
 Startup, all before the first step: process group and device (:mod:`qwenkit.distributed.fsdp`), seeds,
 processor and data (:mod:`qwenkit.data`), model (HF weights, or meta-device init whose weights
 are read straight into the shards), LoRA adapters when ``lora.r > 0`` (:mod:`qwenkit.model.lora`,
-added before sharding), trainable-parameter manifest, recompute wrappers, ``fully_shard`` plan,
+added before sharding), parameter counts per part, recompute wrappers, ``fully_shard`` plan,
 AdamW over the parameter groups of ``train.param_groups`` with linear warmup + cosine decay
 (the same shape for every group), and a resume from a checkpoint.
 
@@ -203,10 +203,10 @@ class Trainer:
                     self.sp.dp_size, sp_size,
                 )
         if main_rank:
-            manifest = registry.parameter_manifest(model)
-            log.info("parameters:\n%s", registry.format_manifest(manifest))
+            counts = registry.parameter_counts(model)
+            log.info("parameters:\n%s", registry.format_parameter_counts(counts))
             # read by sweeps and notebooks 02 and 05 (trainable parameters per run), see qwenkit.engine.metrics.final_metrics
-            RunDir(self.out_dir).parameters.write_text(json.dumps(manifest, indent=1) + "\n")
+            RunDir(self.out_dir).parameters.write_text(json.dumps(counts, indent=1) + "\n")
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
         plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
         plan.recompute = recomputed

@@ -4,7 +4,7 @@
 ``model_type``, and :func:`resolve` refuses a directory of another family before
 any rank starts. Everything else in qwenkit asks the entry instead of testing the family:
 the classes (HF's and qwenkit's chunk-loss subclass, by import path, so this module stays
-light for the launcher and the data checks), the module paths that the manifest, ``model.freeze``
+light for the launcher and the data checks), the module paths that the parameter counts, ``model.freeze``
 and LoRA name (matched with :func:`qwenkit.model.modules.prefix_match`), the shard and
 recompute units the params files use, the fused ops that apply, the vision patch geometry the
 data pipeline resizes to, and the tiny default's config builder.
@@ -28,7 +28,7 @@ class Family:
     hf_class: str  # transformers' class, "module:attr"
     subclass: str  # qwenkit's chunk-loss subclass, "module:attr"
     tiny_config: str  # the tiny default's config builder, "module:attr"
-    # (manifest part, module-path prefixes), first match wins; model.freeze names these paths too
+    # (parameter-count part, module-path prefixes), first match wins; model.freeze names these paths too
     parts: tuple[tuple[str, tuple[str, ...]], ...]
     lora_towers: dict[str, tuple[str, ...]]  # "text" / "vision": module-path prefixes LoRA adapts
     shard_units: tuple[str, ...]  # parallel.shard_patterns for this family's module tree
@@ -56,7 +56,7 @@ class Family:
         return getattr(importlib.import_module(module), attr)
 
     def part_of(self, name: str) -> str | None:
-        """The manifest part a parameter or module path belongs to, or None."""
+        """The part (of :func:`qwenkit.model.registry.parameter_counts`) a parameter or module path belongs to, or None."""
         for part, prefixes in self.parts:
             if any(prefix_match(name, p) for p in prefixes):
                 return part

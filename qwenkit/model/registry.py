@@ -1,5 +1,5 @@
 """The one ``build`` function (the family's subclass, :mod:`qwenkit.model.family`), freezing, and
-the trainable-parameter manifest."""
+the parameter counts per part (``parameters.json``)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def freeze(model: nn.Module, paths: list[str]) -> None:
         module.requires_grad_(False)
 
 
-def parameter_manifest(model: nn.Module) -> dict[str, dict[str, int]]:
+def parameter_counts(model: nn.Module) -> dict[str, dict[str, int]]:
     """Total, trainable and LoRA-adapter parameter counts per part of the family (tied weights counted once)."""
     family = families.of_model(model)
     out = {name: {"total": 0, "trainable": 0, "adapters": 0} for name, _ in family.parts}
@@ -77,10 +77,10 @@ def parameter_manifest(model: nn.Module) -> dict[str, dict[str, int]]:
     return out
 
 
-def format_manifest(manifest: dict[str, dict[str, int]]) -> str:
+def format_parameter_counts(counts: dict[str, dict[str, int]]) -> str:
     lines = [f"{'part':<16}{'total':>14}{'trainable':>14}{'adapters':>14}"]
-    for name, c in manifest.items():
+    for name, c in counts.items():
         lines.append(f"{name:<16}{c['total']:>14,}{c['trainable']:>14,}{c.get('adapters', 0):>14,}")
-    total, trainable, adapters = (sum(c.get(k, 0) for c in manifest.values()) for k in ("total", "trainable", "adapters"))
+    total, trainable, adapters = (sum(c.get(k, 0) for c in counts.values()) for k in ("total", "trainable", "adapters"))
     lines.append(f"{'all':<16}{total:>14,}{trainable:>14,}{adapters:>14,}")
     return "\n".join(lines)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import fcntl
 import os
 import queue
-import re
 import signal
 import sys
 import threading
@@ -28,10 +27,6 @@ from qwenkit.sweep.file import Sweep, SweepError, Trial, load
 from qwenkit.sweep.progress import TerminalProgress
 
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-# A failure no rank recorded (the launcher refused the run, torchrun saw a rank die): the ledger's
-# error is the first console line that reads like one, for the person reading the ledger.
-ERROR_LINE = re.compile(r"failed: |invalid run|Error|error:")
-
 
 
 def device_slots(device: str, parallel: int, nproc: int, env: dict[str, str], count: int) -> list[dict[str, str]]:
@@ -175,23 +170,16 @@ def _follow(trial: Trial, proc: TrainProcess, slot: int, attempt: int, earlier_w
     """The trial's output lines and run events into the queue; then its ledger row (``wall_time``:
     this attempt's plus ``earlier_wall``, the attempts that ended before it)."""
     began, start = time.monotonic(), ledger.now()
-    errors = []
-
-    def line(text: str) -> None:
-        if ERROR_LINE.search(text) and not text.startswith("qwenkit train: python"):
-            errors.append(text.strip())
-        queue_.put(("line", trial, text))
-
-    code = proc.follow(line, lambda event: queue_.put(("event", trial, event)))
+    code = proc.follow(lambda text: queue_.put(("line", trial, text)), lambda event: queue_.put(("event", trial, event)))
     wall = time.monotonic() - began + earlier_wall
-    # the failing rank's own report (its event), else the first error-like line of the output
-    error = events.failure(proc.events.seen) or (errors[0] if errors else None)
+    # the failure's report from the run's events: a rank's own, or the launcher's for one no rank recorded
+    error = events.failure(proc.events.seen) or f"exit code {code}; no failed event was recorded, see {proc.run_dir.train_log}"
     resumed = events.resumed_step(proc.events.seen)
     status = "done" if code == 0 else "failed"
     final = metrics.final_metrics(trial.output_dir, wall) if code == 0 else {}
     row = {
         "trial": trial.name, "status": status, "overrides": trial.overrides, "varied": trial.varied,
-        "start": start, "end": ledger.now(), "exit_code": code, "error": None if code == 0 else error or f"exit code {code}",
+        "start": start, "end": ledger.now(), "exit_code": code, "error": None if code == 0 else error,
         "metrics": final, "attempt": attempt, "resumed_from": resumed, "output_dir": str(trial.output_dir),
         "wall_s": time.monotonic() - began,
     }  # fmt: skip
