@@ -28,18 +28,18 @@ def test_a_model_name_the_checkpoint_disagrees_with_is_refused(tiny_path):
         registry.build(qconfig.load(overrides=["model.name=qwen3_vl", f"model.path={tiny_path}"]).model)
 
 
-def test_the_manifest_counts_every_parameter_once_in_its_part(tiny_path):
+def test_parameter_counts_count_every_parameter_once_in_its_part(tiny_path):
     model = registry.build(qconfig.load(overrides=["model.freeze=[model.visual]", "model.init_device=meta"]).model)
-    manifest = registry.parameter_manifest(model)
+    counts = registry.parameter_counts(model)
     numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731 - dedups tied weights too
     visual = model.model.visual
-    assert manifest == {
+    assert counts == {
         "vision blocks": {"total": numel(visual) - numel(visual.merger), "trainable": 0, "adapters": 0},
         "merger": {"total": numel(visual.merger), "trainable": 0, "adapters": 0},
         "language model": {"total": numel(model.model.language_model), "trainable": numel(model.model.language_model),
                            "adapters": 0},
         "lm_head": {"total": numel(model.lm_head), "trainable": numel(model.lm_head), "adapters": 0},
     }  # fmt: skip
-    table = registry.format_manifest(manifest).splitlines()
+    table = registry.format_parameter_counts(counts).splitlines()
     assert table[-1].split() == ["all", f"{numel(model):,}", f"{numel(model) - numel(visual):,}", "0"]
     assert [line.split()[0] for line in table[1:-1]] == ["vision", "merger", "language", "lm_head"]
