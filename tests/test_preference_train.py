@@ -1,6 +1,9 @@
 """train.objective=dpo through the trainer: the model's per-sequence log-probs equal HF's full logits;
-the disabled-adapter reference equals a separate frozen base; 2-rank runs check that 2 ranks equal
-1 process and that the precomputed reference trains as the on-the-fly frozen copy."""
+the disabled-adapter reference equals a separate frozen base; the runs of one module fixture check
+that 2 ranks equal 1 process (with accumulation and recompute), that the precomputed reference
+trains as the on-the-fly frozen copy, that a run resumed through ``qwenkit train`` is bit-identical,
+that ``model.init_from`` trains, exports and starts from its SFT run, and that the frozen copy under
+mixed precision keeps bf16 shards with the same log-probs."""
 
 from __future__ import annotations
 
@@ -146,7 +149,7 @@ def out(tmp_path_factory, tiny_path):
         said[name] = proc.stdout
     (out / "said.json").write_text(json.dumps(said))
     start = [f"model.path={qconfig.load(out / 'copy-2' / 'config.yaml').model.path}"]
-    check_ranks(_worker, 1, out, [("copy-1", start + ["train.micro_batch_size=1", "train.grad_accum=4", RECOMPUTE])])
+    check_ranks(_worker, 1, out, [("copy-1", start + ["train.micro_batch_size=2", "train.grad_accum=2", RECOMPUTE])])
     two = start + ["train.micro_batch_size=2"]
     check_ranks(_worker, 2, out, [("precomputed-2", two + ["dpo.precompute_ref=true", f"data.cache_dir={out / 'cache'}"]),
                                   ("bf16-2", two + BF16)])  # fmt: skip
