@@ -60,12 +60,12 @@ def prepare(cfg, train_recipe: Callable[[str, list[str]], int]) -> int | None:
     ``train_recipe(params_file, overrides)`` runs ``qwenkit train`` (the launcher passes its own).
     """
     m = cfg.model
-    if not m.init_from:
-        return None
-    said = problem(m)
+    said = problem(m)  # before the early return: a recipe without init_from is refused, not ignored
     if said:
         print(f"qwenkit train: {said}", file=sys.stderr)
         return 2
+    if not m.init_from:
+        return None
     ckpt = _checkpoint(m.init_from)
     if ckpt is None:
         print(f"qwenkit train: model.init_from={m.init_from!r} has no checkpoint yet: training it first with "

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from qwenkit import patches
+from qwenkit.config import DTYPES
 from qwenkit.data import cache
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.weights import load_hf_weights
@@ -90,11 +91,26 @@ class Reference:
 
 
 def frozen_copy(cfg, rt, like: nn.Module) -> nn.Module:
-    """The starting weights again, frozen and sharded like the policy (full fine-tuning's reference)."""
+    """The starting weights again, frozen and sharded like the policy (full fine-tuning's reference).
+
+    Under mixed precision (``parallel.param_dtype``) its shards are stored in that dtype: FSDP2
+    casts every shard to ``param_dtype`` before each all-gather anyway, and the copy has no
+    gradients or optimizer state that would want fp32 masters, so fp32 shards only double its
+    memory (4 bytes a parameter instead of 2, summed over the ranks) and add a cast per all-gather. The gathered weights are the same bits (one round-to-nearest fp32 -> bf16 either
+    way); buffers (rotary ``inv_freq``) are not FSDP's to cast and keep their dtype.
+    """
     ref = registry.build(cfg.model, cfg.loss)
     patches.apply(ref, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)
     ref.requires_grad_(False)
+    if cfg.parallel.param_dtype:
+        compute = DTYPES[cfg.parallel.param_dtype]
+        for p in ref.parameters():
+            if p.is_floating_point() and p.element_size() > compute.itemsize:
+                p.data = p.data.to(compute)
     fsdp.shard(ref, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
+    # fsdp.shard keeps the root gathered after forward, for the backward that follows it; the copy
+    # has no backward, so its root (embeddings, tied lm_head) would stay whole on every rank for good
+    ref.set_reshard_after_forward(True, recurse=False)
     if cfg.model.init_device == "meta":
         fsdp.materialize(ref, rt.device, cfg.parallel.cpu_offload)
         load_hf_weights(ref, ref.name_or_path)
