@@ -1,6 +1,7 @@
 """Checkpoints on 2 gloo ranks: bit-identical resume, a killed save, a corrupt one, export to HF.
 
-Two job launches share the work (each launch costs seconds of imports on 2 cores):
+Two job launches share the work (each launch costs seconds of imports on 2 cores), with the
+2-rank runs of "another number of ranks" below (``R``, ``RT`` in the first, ``W2`` in the second):
 
 1. ``A`` trains 8 steps straight; ``B`` the same with a checkpoint every 4 steps (``BA``: the same
    with ``checkpoint.async``); ``K`` saves every
@@ -130,6 +131,7 @@ def _first_launch(rank, out):
     _run(out, "BA", ["train.stop_after=4", "checkpoint.async=true", "checkpoint.every=2"], rank)  # B, async
     ckpt.AsyncSaves = real_saves
     _run(out, "E", ["train.steps=4", "checkpoint.every=2"], rank)
+    _reshape_runs(rank, out, FIRST_RESHAPE_RUNS)  # before K: K's save ends the launch
     real_write = ckpt._write
 
     def dying_write(path, obj):  # step 4's DCP shards are on disk, its rank files are not
@@ -169,12 +171,14 @@ def _second_launch(rank, out, processor_path):
         (out / "E3" / f"replace-rank{rank}.txt").write_text(str(e))
     _run(out, "K2", ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=2"], rank)
     _run(out, "X", [], rank)
+    _reshape_runs(rank, out, [("W2", [])])
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, tiny_path):
+    """Both 2-rank launches, and between them the 1-rank one of "another number of ranks"."""
     out = tmp_path_factory.mktemp("ckpt")
     codes = run_ranks(_first_launch, 2, out)
     assert codes == [17, 17], f"first launch: exit codes {codes}, expected both ranks killed in K's save"
@@ -185,6 +189,11 @@ def out(tmp_path_factory, tiny_path):
     (out / "X" / "checkpoints" / "step-00000004" / ".metadata").write_bytes(b"not a DCP metadata file")
     shutil.copytree(out / "K" / "checkpoints", out / "K2" / "checkpoints")
     os.rename(out / "K" / "metrics", out / "K2" / "metrics-killed")
+    for source, dest in (("R", "W1"), ("R", "W4"), ("RT", "WT")):
+        _copy_checkpoint(out, source, 4, dest)
+    check_ranks(_reshape_launch, 1, out, [("W1", ["train.grad_accum=2", "checkpoint.every=2"]),
+                                          ("WT", [*BUDGET, "train.grad_accum=2"])])  # fmt: skip
+    _copy_checkpoint(out, "W1", 6, "W2")
     check_ranks(_second_launch, 2, out, tiny_path)
     return out
 
@@ -344,6 +353,7 @@ def test_export_loads_in_transformers_with_the_same_logits(out, tmp_path):
 # saves at step 6) and on 4 ranks with half the micro-batch (W4); W1's step 6 resumes on 2 ranks
 # (W2). The global batch is kept in each, so each step takes R's samples. RT/WT: the same, 2 ranks
 # -> 1 rank x 2, under a packed token budget. Each rank records the sample indices it took.
+# R, RT and W2 run in the 2-rank launches of ``out`` above, W1 and WT between them.
 
 RESHAPE = ["train.steps=8", "train.warmup_steps=2", "data.tiny_samples=16", "data.tiny_eval_samples=0",
            "train.eval_samples=0", "train.micro_batch_size=2"]  # fmt: skip
@@ -368,8 +378,16 @@ def _sample_recorder(path, rank):
     return build
 
 
+FIRST_RESHAPE_RUNS = [("R", ["checkpoint.every=4"]), ("RT", [*BUDGET, "checkpoint.every=4"])]
+
+
 def _reshape_launch(rank, out, runs):
     dist.init_process_group("gloo")
+    _reshape_runs(rank, out, runs)
+    dist.destroy_process_group()
+
+
+def _reshape_runs(rank, out, runs):
     for name, overrides in runs:
         run_dir = out / name
         run_dir.mkdir(exist_ok=True)
@@ -386,7 +404,6 @@ def _reshape_launch(rank, out, runs):
                 "lr": [h["lr"] for h in trainer.history], "world": dist.get_world_size(),
                 "accum": cfg.train.grad_accum,
             }))  # fmt: skip
-    dist.destroy_process_group()
 
 
 def _copy_checkpoint(out, source, step, dest):
@@ -395,15 +412,7 @@ def _copy_checkpoint(out, source, step, dest):
 
 
 @pytest.fixture(scope="module")
-def reshaped(tmp_path_factory, tiny_path):
-    out = tmp_path_factory.mktemp("reshape")
-    check_ranks(_reshape_launch, 2, out, [("R", ["checkpoint.every=4"]), ("RT", [*BUDGET, "checkpoint.every=4"])])
-    for source, dest in (("R", "W1"), ("R", "W4"), ("RT", "WT")):
-        _copy_checkpoint(out, source, 4, dest)
-    check_ranks(_reshape_launch, 1, out, [("W1", ["train.grad_accum=2", "checkpoint.every=2"]),
-                                          ("WT", [*BUDGET, "train.grad_accum=2"])])  # fmt: skip
-    _copy_checkpoint(out, "W1", 6, "W2")
-    check_ranks(_reshape_launch, 2, out, [("W2", [])])
+def reshaped(out):
     check_ranks(_reshape_launch, 4, out, [("W4", ["train.micro_batch_size=1"])])
     return out
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import check_ranks
+from multiproc import check_ranks, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -33,9 +34,10 @@ BASE = [
 RECOMPUTE = "parallel.recompute=[model.language_model.layers.*, model.visual.blocks.*]"
 # name -> overrides; the 2-rank runs use grad_accum=1, the 1-process references grad_accum=2, so
 # each optimizer step sees the same 4 samples (the sampler's global batches, see qwenkit.data.sampler)
+# Recompute has no run of its own: "meta", "offload" and "hf_head_recompute" recompute (with CPU init
+# in the last two), and HF's head is checked with recompute, where the KV cache would show.
 RUNS_2 = {
     "plain": [],
-    "recompute": [RECOMPUTE],
     "meta": [RECOMPUTE, "model.init_device=meta"],
     "offload": [RECOMPUTE, "parallel.activation_offload=true"],
     "tied": ["model.tie_word_embeddings=true"],
@@ -43,7 +45,6 @@ RUNS_2 = {
     "hsdp": ["parallel.nproc=2", "parallel.hsdp_replicas=2"],  # mesh (2 replicas, 1 shard)
     "bf16": ["parallel.param_dtype=bfloat16", "parallel.reduce_dtype=float32"],
     # HF's own head: training must not build a KV cache (a recomputed layer would extend it twice)
-    "hf_head": ["loss.chunk=false"],
     "hf_head_recompute": ["loss.chunk=false", RECOMPUTE],
 }
 if fsdp.hsdp_problem(qconfig.load(overrides=["parallel.hsdp_replicas=2", "parallel.backend=gloo"]).parallel):
@@ -157,7 +158,6 @@ def _mixed_modalities(rank, out):
 
     from qwenkit.model.processor import Processor
 
-    dist.init_process_group("gloo")
     proc = Processor.from_pretrained(ensure_checkpoint())
     batches = [make_batch(proc, images_per_sample=(0, 0), seed=1), make_batch(proc, images_per_sample=(1, 2), seed=2)]
     total = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
@@ -184,14 +184,11 @@ def _mixed_modalities(rank, out):
             want = sum(ref.eval()(**b, num_items_in_batch=total).loss for b in batches)
         torch.testing.assert_close(evaluated, want, **FP32)
         (out / "ok").write_text("ok")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_ranks_with_and_without_images_agree(tmp_path, tiny_path):
-    check_ranks(_mixed_modalities, 2, tmp_path)
-    assert (tmp_path / "ok").is_file()
+def test_ranks_with_and_without_images_agree(two_rank_checks):
+    _passed(two_rank_checks, _mixed_modalities)
 
 
 def _sum_when_asked_to_average() -> None:
@@ -210,8 +207,8 @@ def _sum_when_asked_to_average() -> None:
 
 def _gradients_averaged(rank, out):
     """2 ranks, each its own input, vs one process on the mean of both losses: with this torch's
-    backend as it is, then with reduce-scatters that sum when asked to average."""
-    dist.init_process_group("gloo")
+    backend as it is, then with reduce-scatters that sum when asked to average (for the rest of
+    the process: the last of the checks)."""
     inputs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     parallel = dataclasses.replace(qconfig.load().parallel, shard_patterns=["0", "2"])
     rt = fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)
@@ -234,31 +231,137 @@ def _gradients_averaged(rank, out):
                 assert plan.gradient_divisor == 2 and "divided by 2" in plan.describe()
     if rank == 0:
         (out / "ok").write_text("ok")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_fsdp_averages_gradients_over_ranks(tmp_path):
+def test_fsdp_averages_gradients_over_ranks(two_rank_checks):
     """The trainer's ``loss * world_size`` assumes FSDP averages; torch 2.7's gloo summed instead."""
-    check_ranks(_gradients_averaged, 2, tmp_path)
-    assert (tmp_path / "ok").is_file()
+    _passed(two_rank_checks, _gradients_averaged)
 
 
 def _tiny_under_group(rank, root):
-    dist.init_process_group("gloo")
     path = ensure_checkpoint(root=root)  # collectively: rank 0 writes, the others wait for it
     assert (path / "model.safetensors").is_file(), f"rank {rank}: no weights in {path}"
+    dist.barrier()
+    if rank == 0:
+        (root / "ok").write_text("ok")
+
+
+@pytest.mark.slow
+def test_tiny_checkpoint_written_under_a_process_group_has_weights(two_rank_checks):
+    """transformers' save_pretrained writes weights on rank 0 only under a process group."""
+    root = _passed(two_rank_checks, _tiny_under_group)
+    (written,) = [p for p in root.iterdir() if p.name.startswith("tiny-")]
+    assert (written / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 on 2 gloo ranks with video rows: one rank's micro-batch has images only (or only text),
+# the other's images and a video (two vision-tower calls). FSDP's collectives must still pair up,
+# and the gradients must equal one process's over both micro-batches.
+
+
+def _write_rows(root):
+    from PIL import Image
+    from videos import write_video
+
+    write_video(root / "clip.avi", 96, 72, 20, 10)
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(root / "red.png")
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    reply = {"role": "assistant", "content": "A red box and a moving square."}
+    rows = [
+        {"messages": [user("<image>What is it?"), reply], "images": ["red.png"]},
+        {"messages": [user("<image>and<video>?"), reply], "images": ["red.png"], "videos": ["clip.avi"]},
+        {"messages": [user("No picture today?"), reply]},
+    ]
+    (root / "data.json").write_text(json.dumps(rows))
+    return root / "data.json"
+
+
+def _media_batches(path, ranks_rows):
+    from qwenkit.data import build
+    from qwenkit.model.paths import load_processor
+
+    cfg = qconfig.load(overrides=[f"data.path={path}", "data.shuffle=false", "train.micro_batch_size=1"])
+    bundle = build(cfg, load_processor(cfg))
+    batches = [bundle.collator([bundle.dataset[i] for i in rows]) for rows in ranks_rows]
+    for b in batches:
+        b.pop("num_samples")
+    return batches, sum(b.pop("num_items") for b in batches)
+
+
+MEDIA_CASES = {"image|image+video": ([0], [1]), "text|image+video": ([2], [1])}  # 1 and 2 idle calls on rank 0
+
+
+def _different_media(rank, out):
+    from conftest import build_model  # tests/ is on the spawned ranks' sys.path
+
+    rt = fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)
+    for name, ranks_rows in MEDIA_CASES.items():
+        batches, total = _media_batches(out / "data.json", ranks_rows)
+        model = build_model(chunk=True, seed=4)
+        model.vision_calls_per_step = 2  # images and videos
+        model.train()
+        fsdp.shard(model, qconfig.load().parallel, fsdp.build_mesh(rt))
+        (model(**batches[rank], num_items_in_batch=total).loss * 2).backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            ref = build_model(chunk=True, seed=4)
+            for b in batches:
+                ref(**b, num_items_in_batch=total).loss.backward()
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(grads[n], p.grad, **FP32, msg=lambda m, n=n, c=name: f"{c}: {n}: {m}")
+            (out / name.replace("|", "-")).write_text("ok")
+    dist.barrier()
+    if rank == 0:
+        (out / "ok").write_text("ok")
+
+
+@pytest.mark.slow
+def test_ranks_with_different_media_agree(two_rank_checks):
+    pytest.importorskip("av")
+    out = _passed(two_rank_checks, _different_media)
+    assert sorted(p.name for p in out.glob("*-*")) == sorted(n.replace("|", "-") for n in MEDIA_CASES)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks above in one start of 2 ranks (a start costs seconds of imports per rank): in this
+# order, the summing backend last; each writes <out>/<check>/ok on rank 0 when it passed, and a
+# check that raises ends the ranks (its traceback printed; the later checks do not run).
+
+TWO_RANK_CHECKS = (_tiny_under_group, _mixed_modalities, _different_media, _gradients_averaged)
+
+
+def _two_rank_checks(rank, out, names):
+    dist.init_process_group("gloo")
+    for check in TWO_RANK_CHECKS:
+        if check.__name__ in names:
+            check(rank, out / check.__name__)
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_tiny_checkpoint_written_under_a_process_group_has_weights(tmp_path):
-    """transformers' save_pretrained writes weights on rank 0 only under a process group."""
-    check_ranks(_tiny_under_group, 2, tmp_path)
-    (written,) = [p for p in tmp_path.iterdir() if p.name.startswith("tiny-")]
-    assert (written / "model.safetensors").is_file()
+@pytest.fixture(scope="module")
+def two_rank_checks(tmp_path_factory, tiny_path):
+    out = tmp_path_factory.mktemp("two_rank_checks")
+    names = [c.__name__ for c in TWO_RANK_CHECKS]
+    for name in names:
+        (out / name).mkdir()
+    try:
+        import av  # noqa: F401 - the video rows need PyAV
+    except ImportError:
+        names.remove(_different_media.__name__)
+    else:
+        _write_rows(out / _different_media.__name__)
+    return out, run_ranks(_two_rank_checks, 2, out, names)
+
+
+def _passed(two_rank_checks, check):
+    """The folder ``check`` wrote, after asserting that it passed on the ranks."""
+    out, codes = two_rank_checks
+    folder = out / check.__name__
+    assert (folder / "ok").is_file(), f"{check.__name__} did not pass: the ranks exited with {codes} (tracebacks above)"
+    return folder
 
 
 def _meta_init_readers(rank, out):
@@ -328,8 +431,6 @@ def test_ranks_exit_with_their_own_status_every_time_under_load(tmp_path):
     where two busy loops used to be), each rank's status must be its own."""
     import multiprocessing
     from concurrent.futures import ThreadPoolExecutor
-
-    from multiproc import run_ranks
 
     # the ranks fork from a server that imported this module once: a job costs its own work only
     multiprocessing.get_context("forkserver").set_forkserver_preload(["multiproc", "test_fsdp"])

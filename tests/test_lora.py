@@ -40,13 +40,13 @@ RUNS_2 = {
     "lora": LORA,
     "meta": LORA + [RECOMPUTE, "model.init_device=meta"],
     "offload": LORA + [RECOMPUTE, "parallel.activation_offload=true"],
-    "vision": LORA + ["lora.vision=true", "lora.use_rslora=true"],
-    "dora": LORA + ["lora.use_dora=true"],
+    # the vision tower's adapters, rsLoRA's scale and DoRA's magnitudes in one run
+    "vision_dora": LORA + ["lora.vision=true", "lora.use_rslora=true", "lora.use_dora=true"],
     # packed rows under a token budget: batches of another make-up, so no one-process twin here
     "packed_budget": LORA + ["data.packing=true", "data.max_tokens_per_batch=300", "data.max_length=300"],
 }
-RUNS_1 = {"lora": LORA, "vision": RUNS_2["vision"], "dora": RUNS_2["dora"]}
-REFERENCE = {"lora": "lora", "meta": "lora", "offload": "lora", "vision": "vision", "dora": "dora", "bf16": "lora",
+RUNS_1 = {"lora": LORA, "vision_dora": RUNS_2["vision_dora"]}
+REFERENCE = {"lora": "lora", "meta": "lora", "offload": "lora", "vision_dora": "vision_dora", "bf16": "lora",
              "hsdp": "lora"}  # fmt: skip
 RUNS_2["bf16"] = LORA + ["parallel.param_dtype=bfloat16", "parallel.reduce_dtype=float32"]
 RUNS_2["hsdp"] = LORA + ["parallel.hsdp_replicas=2"]  # mesh (2 replicas, 1 shard)
@@ -87,11 +87,12 @@ def _train_runs(rank, out, runs, grad_accum):
         trainer = train.run(cfg)
         trained = {n.replace("._checkpoint_wrapped_module", "") for n, p in trainer.model.named_parameters() if p.requires_grad}
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        copied = _copy_for_generation(trainer.model, rank) if name == "lora" else {}
         got_grad, asked_w = _grads_of_one_step(trainer)
         if rank == 0:
             torch.save({
                 "losses": [h["loss"] for h in trainer.history], "grad_norms": [h["grad_norm"] for h in trainer.history],
-                "trained": sorted(trained), "state": state, "got_grad": got_grad, "asked_w": asked_w,
+                "trained": sorted(trained), "state": state, "got_grad": got_grad, "asked_w": asked_w, **copied,
             }, out / f"{name}.pt")  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
@@ -127,7 +128,8 @@ def test_only_adapters_and_saved_modules_train_and_get_gradients(runs, name):
     assert got["trained"] and all(lora.is_adapter_key(n) or n.startswith("model.visual.merger.") for n in got["trained"])
     assert any(n.startswith("model.visual.merger.") for n in got["trained"])
     assert sorted(got["got_grad"]) == got["trained"]
-    assert any("model.visual.blocks" in n for n in got["trained"]) == (name == "vision")
+    assert any("model.visual.blocks" in n for n in got["trained"]) == (name == "vision_dora")
+    assert any(".lora_magnitude_vector." in n for n in got["trained"]) == (name == "vision_dora")
     # the frozen lm_head under FSDP2: the chunked head never allocates its fp32 weight gradient
     assert got["asked_w"] and not any(got["asked_w"])
     # B = 0 at the start, adapters moved by training; the base weights did not
@@ -350,57 +352,64 @@ def _qwenkit(*args, timeout=300):
 
 
 @pytest.mark.slow
-def test_qwenkit_train_lora_export_and_eval(tmp_path):
+def test_qwenkit_train_lora_export_and_eval(tmp_path, capsys):
+    """``qwenkit train`` in a process of its own (2 ranks); ``export`` and ``eval`` through the same
+    entry point in this one (their own process boundary: tests/test_evaluate.py, tests/test_launch.py)."""
+    from qwenkit import cli
+
     out = tmp_path / "run"
     small = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2"]
     proc = _qwenkit("train", "--config", "params/tiny_cpu.yaml", "--master-port", str(free_port()), "lora.r=8",
                     *small, f"train.output_dir={out}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "LoRA r=8 on" in proc.stderr and "adapters" in proc.stderr
-    exported = _qwenkit("export", str(out), str(tmp_path / "adapter"))
-    assert exported.returncode == 0, exported.stderr
+
+    def qwenkit(*args):
+        code = cli.main(list(args))
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        return captured.out
+
+    qwenkit("export", str(out), str(tmp_path / "adapter"))
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    run_eval = _qwenkit("eval", str(out), "--samples", "2")
-    adapter_eval = _qwenkit("eval", str(tmp_path / "adapter"), "--samples", "2", "--config", str(out / "config.yaml"))
-    assert run_eval.returncode == adapter_eval.returncode == 0, run_eval.stderr + adapter_eval.stderr
-    lines = [line for line in run_eval.stdout.splitlines() if line.startswith(("eval_loss", "eval_accuracy"))]
-    assert lines and lines == [line for line in adapter_eval.stdout.splitlines() if line.startswith(("eval_loss", "eval_accuracy"))]
+    run_eval = qwenkit("eval", str(out), "--samples", "2")
+    adapter_eval = qwenkit("eval", str(tmp_path / "adapter"), "--samples", "2", "--config", str(out / "config.yaml"))
+    lines = [line for line in run_eval.splitlines() if line.startswith(("eval_loss", "eval_accuracy"))]
+    assert lines and lines == [line for line in adapter_eval.splitlines() if line.startswith(("eval_loss", "eval_accuracy"))]
     # the trainer's own evaluation of the sharded LoRA model at the last step gives the same numbers
     logged = {m: metrics.series(metrics.read(out / "metrics" / "rank-00000.jsonl"), m)[3] for m in ("eval_loss", "eval_accuracy")}
-    assert f"eval_loss {logged['eval_loss']:.4f}" in run_eval.stdout
-    assert f"eval_accuracy {logged['eval_accuracy']:.4f}" in run_eval.stdout
+    assert f"eval_loss {logged['eval_loss']:.4f}" in run_eval
+    assert f"eval_accuracy {logged['eval_accuracy']:.4f}" in run_eval
 
 
 # ---------------------------------------------------------------------------------------------
 # Generation's copy leaves the training model alone
 
 
-def _copy_for_generation(rank, out):
+def _copy_for_generation(model, rank):
+    """The merged copy eval accuracy generates with, built from the trained ``model`` (collective):
+    which of the model's full tensors it changed (on one rank they are the parameters themselves)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from qwenkit.engine import generate as qgen
 
-    dist.init_process_group("gloo")
-    cfg = qconfig.load(overrides=[*BASE, *LORA, "train.steps=2", f"train.output_dir={out / 'run'}"])
-    model = train.run(cfg).model
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     before = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
     copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, torch.device("cpu"), rank == 0)
     after = get_model_state_dict(model, options=full)
-    if rank == 0:
-        changed = [k for k in before if not torch.equal(before[k], after[k])]
-        torch.save({"changed": changed, "copy_params": sum(p.numel() for p in copy.parameters())}, out / "copy.pt")
-    dist.destroy_process_group()
+    if rank != 0:
+        return {}
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    return {"copy_changed": changed, "copy_params": sum(p.numel() for p in copy.parameters())}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_generation_copy_leaves_the_training_model_unchanged(tmp_path, tiny_path, world):
+def test_generation_copy_leaves_the_training_model_unchanged(runs, world):
     """Eval accuracy mid-run builds a merged copy for generation: on one CPU rank the gathered
     full tensors are the training parameters themselves, so merging the adapters into the copy
     must not write into them (it did: every later step of a 1-rank LoRA run with a mid-run
-    eval_accuracy changed)."""
-    check_ranks(_copy_for_generation, world, tmp_path, timeout=600)
-    got = torch.load(tmp_path / "copy.pt")
+    eval_accuracy changed). The ``lora`` runs of the fixture above, after training."""
+    got = runs[world - 1]["lora"]
     assert got["copy_params"] > 0
-    assert got["changed"] == [], got["changed"][:5]
+    assert got["copy_changed"] == [], got["copy_changed"][:5]
