@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import EVERY_FAMILY
 from multiproc import check_ranks, free_port, scaled
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
@@ -45,11 +46,13 @@ def _batch(cfg, processor, pairs=(0, 1)):
     return batch
 
 
+@EVERY_FAMILY
 @pytest.mark.parametrize("tied", [False, True])
-def test_model_sequence_logps_equal_hf_full_logits_with_images_and_their_grads(processor, tied):
-    cfg = qconfig.load(overrides=BASE + [f"model.tie_word_embeddings={str(tied).lower()}"])
+def test_model_sequence_logps_equal_hf_full_logits_with_images_and_their_grads(family, family_path, family_processor, tied):
+    model_keys = [f"model.name={family}", f"model.path={family_path}", f"model.tie_word_embeddings={str(tied).lower()}"]
+    cfg = qconfig.load(overrides=BASE + model_keys)
     model = registry.build(cfg.model, cfg.loss)
-    batch = _batch(cfg, processor, pairs=(0, 1, 2))  # rows of three layouts, with images
+    batch = _batch(cfg, family_processor, pairs=(0, 1, 2))  # rows of three layouts, with images
     sums, counts = model.sequence_logps(**batch)
     model.chunk_loss = False  # HF's own forward: full [B, S, V] logits
     ref, ref_counts = full_sequence_logps(model(**{k: v for k, v in batch.items() if k != "labels"}).logits,
@@ -64,6 +67,27 @@ def test_model_sequence_logps_equal_hf_full_logits_with_images_and_their_grads(p
     for a, b in zip(got, want):
         if a is not None or b is not None:
             torch.testing.assert_close(a, b, **FP32)
+
+
+@EVERY_FAMILY
+def test_dpo_trains_every_family_from_its_own_start(family, family_path, tmp_path):
+    """One process, the frozen copy as reference: the policy starts as its reference, so step 0's
+    held-out rewards are exactly 0 and the first loss is sigmoid DPO's log 2 (no SFT term here)."""
+    out = tmp_path / "run"
+    cfg = qconfig.load(overrides=BASE + [
+        f"model.name={family}", f"model.path={family_path}", "data.tiny_samples=8", "train.steps=2",
+        "train.eval_every=2", "train.micro_batch_size=2", "dpo.sft_weight=0", "checkpoint.save_final=false",
+        f"train.output_dir={out}",
+    ])  # fmt: skip
+    train.run(cfg)
+    run = _read(tmp_path, "run")
+    assert [sorted(h) for h in run["history"]] == [sorted(LOGGED)] * 2
+    assert run["history"][0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert all(math.isfinite(v) for h in run["history"] for v in h.values())
+    first, last = run["evals"][0], run["evals"][-1]
+    assert (first["step"], last["step"]) == (0, 2)
+    assert first["eval_rewards/margins"] == 0 and first["eval_rewards/chosen"] == 0
+    assert last["eval_rewards/margins"] != 0  # two steps moved the policy off its reference
 
 
 def test_disabled_adapters_give_the_frozen_base_and_enabled_ones_do_not(processor):

@@ -39,7 +39,7 @@ from qwenkit.config import DTYPES
 from qwenkit.data import cache
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.weights import load_hf_weights
-from qwenkit.model import lora, paths, registry
+from qwenkit.model import family, lora, paths, registry
 from qwenkit.model.loss import full_sequence_logps
 from qwenkit.model.preference_loss import pair_losses, preference_loss_share
 
@@ -100,7 +100,8 @@ def frozen_copy(cfg, rt, like: nn.Module) -> nn.Module:
     way); buffers (rotary ``inv_freq``) are not FSDP's to cast and keep their dtype.
     """
     ref = registry.build(cfg.model, cfg.loss)
-    patches.apply(ref, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops)
+    patches.apply(ref, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops,
+                  applicable=family.of_model(ref).fused_ops)  # as the policy's (engine/train.py); fmt: skip
     ref.requires_grad_(False)
     if cfg.parallel.param_dtype:
         compute = DTYPES[cfg.parallel.param_dtype]
