@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from conftest import EVERY_FAMILY
 from multiproc import check_ranks, free_port, scaled
+from test_model import _video_batch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
@@ -48,11 +49,15 @@ def _batch(cfg, processor, pairs=(0, 1)):
 
 @EVERY_FAMILY
 @pytest.mark.parametrize("tied", [False, True])
-def test_model_sequence_logps_equal_hf_full_logits_with_images_and_their_grads(family, family_path, family_processor, tied):
+@pytest.mark.parametrize("media", ["images", "video"])
+def test_model_sequence_logps_equal_hf_full_logits_and_their_grads(family, family_path, family_processor, tied, media):
     model_keys = [f"model.name={family}", f"model.path={family_path}", f"model.tie_word_embeddings={str(tied).lower()}"]
     cfg = qconfig.load(overrides=BASE + model_keys)
     model = registry.build(cfg.model, cfg.loss)
-    batch = _batch(cfg, family_processor, pairs=(0, 1, 2))  # rows of three layouts, with images
+    if media == "images":  # the preference rows of three layouts, with images (text-only prompts among them)
+        batch = _batch(cfg, family_processor, pairs=(0, 1, 2))
+    else:  # a text + video sequence (Qwen3-VL: a timestamp before each frame group)
+        batch = _video_batch(family_processor, family)
     sums, counts = model.sequence_logps(**batch)
     model.chunk_loss = False  # HF's own forward: full [B, S, V] logits
     ref, ref_counts = full_sequence_logps(model(**{k: v for k, v in batch.items() if k != "labels"}).logits,
