@@ -22,6 +22,8 @@ import time
 import zlib
 from pathlib import Path
 
+from qwenkit.rundir import RunDir
+
 COMPLETE = "COMPLETE.json"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
@@ -82,7 +84,7 @@ def resolve(path: str | Path) -> Path:
 def run_config_path(checkpoint: str | Path) -> Path:
     """The resolved config a run saved in its output_dir (``<output_dir>/config.yaml``)."""
     ckpt = resolve(checkpoint)
-    path = ckpt.parent.parent / "config.yaml"
+    path = RunDir(ckpt.parent.parent).config
     if not path.is_file():
         raise FileNotFoundError(f"no config.yaml in the run directory {str(ckpt.parent.parent)!r}; pass --config")
     return path

@@ -445,7 +445,7 @@ def _setup_logging(rank: int, output_dir: Path) -> Path:
 
     Returns that file, ``<output_dir>/logs/rank-NNNNN.log`` (appended to by a resumed run).
     """
-    path = output_dir / "logs" / f"rank-{rank:05d}.log"
+    path = RunDir(output_dir).rank_log(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     console, file = logging.StreamHandler(), logging.FileHandler(path)
