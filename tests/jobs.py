@@ -43,6 +43,21 @@ def train(out, *overrides, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(out, *overrides, **kw), cwd=ROOT, capture_output=True, text=True, timeout=scaled(HANG))
 
 
+def refused(out, *overrides, **kw) -> int:
+    """The launcher of :func:`train`'s command in this process, for a refusal before spawn (no
+    process start to pay): its exit status; the test fails if it would start torchrun. Its one line
+    is in the test's ``capsys``."""
+    import pytest
+
+    from qwenkit import cli, launch
+
+    argv = train_cmd(out, *overrides, **kw)[3:]  # after `python -m qwenkit.cli`
+    argv[argv.index("--config") + 1] = str(ROOT / argv[argv.index("--config") + 1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "spawn", lambda *a, **k: pytest.fail("the launcher started torchrun"))
+        return cli.main(argv)
+
+
 def invocation(out, before: int = 0) -> list[dict]:
     """The events of the last invocation into ``out`` that started after its first ``before`` events."""
     new = events.read(out)[before:]

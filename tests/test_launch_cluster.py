@@ -142,6 +142,7 @@ def test_two_slurm_nodes_train_with_no_flags(slurm_run):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_pytorchjob_pods_restart_after_a_killed_rank_and_end_with_the_uninterrupted_losses(slurm_run, tmp_path):
     manifest = yaml.safe_load(MANIFEST.read_text())
     port, out = free_port(), tmp_path / "pytorchjob"

@@ -104,12 +104,34 @@ def test_runner_rejects_unknown_keys_and_sets(tmp_path):
 # Executing every notebook with its smoke set
 
 
+# Notebooks 04 and 05 run in the `long` tier (`make test-all`, not CI): their figures and numbers
+# come from the benchmark harness and the sweep, whose own tests (test_perf, test_sweep) CI runs.
+LONG_NOTEBOOKS = ("04_performance_profiling", "05_compare_runs")
+
+
+def _tier(name: str):
+    return pytest.param(name, marks=pytest.mark.long) if name in LONG_NOTEBOOKS else name
+
+
+def _run_smoke(tmp_path_factory, names) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("reports")
+    run_dir, outcomes = runner.run("smoke", only=list(names), out=out, run_name="smoke", root=ROOT)
+    return run_dir, {o.notebook: o for o in outcomes}
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """One runner call for all five notebooks (the expensive part: about three minutes on 2 cores)."""
-    out = tmp_path_factory.mktemp("reports")
-    run_dir, outcomes = runner.run("smoke", out=out, run_name="smoke", root=ROOT)
-    return run_dir, {o.notebook: o for o in outcomes}
+    """One runner call for notebooks 01-03 (the expensive part: about two minutes on 2 cores)."""
+    return _run_smoke(tmp_path_factory, [n for n in NAMES if n not in LONG_NOTEBOOKS])
+
+
+@pytest.fixture(scope="module")
+def smoke_run_long(tmp_path_factory):
+    return _run_smoke(tmp_path_factory, LONG_NOTEBOOKS)
+
+
+def _smoke(request, name: str):
+    return request.getfixturevalue("smoke_run_long" if name in LONG_NOTEBOOKS else "smoke_run")
 
 
 def _metrics(smoke_run, name):
@@ -191,8 +213,9 @@ def test_smoke_03_chunk_loss_validation(smoke_run):
 
 
 @pytest.mark.slow
-def test_smoke_04_performance_profiling(smoke_run):
-    m = _metrics(smoke_run, "04_performance_profiling")
+@pytest.mark.long
+def test_smoke_04_performance_profiling(smoke_run_long):
+    m = _metrics(smoke_run_long, "04_performance_profiling")
     v = m["values"]
     assert v["head"]["peak_ratio"] < 0.8  # the chunked head's memory is well below the full head's
     assert v["recommended_chunk"] in (32, 128, 512)
@@ -202,11 +225,12 @@ def test_smoke_04_performance_profiling(smoke_run):
 
 
 @pytest.mark.slow
-def test_smoke_05_compare_runs(smoke_run):
-    m = _metrics(smoke_run, "05_compare_runs")
+@pytest.mark.long
+def test_smoke_05_compare_runs(smoke_run_long):
+    m = _metrics(smoke_run_long, "05_compare_runs")
     v = m["values"]
     assert v["runs"] == v["done"] == 3 and v["varied"] == ["train.lr", "train.seed"]
-    folder = smoke_run[0] / "05_compare_runs"
+    folder = smoke_run_long[0] / "05_compare_runs"
     finals = {name: metrics.final_metrics(folder / "sweep" / name) for name in v["ranking"]}
     losses = [finals[name]["eval_loss"] for name in v["ranking"]]
     assert losses == sorted(losses) and v["best"] == v["ranking"][0]  # rank_by eval_loss: lowest first
@@ -214,7 +238,7 @@ def test_smoke_05_compare_runs(smoke_run):
     assert all(f["steps"] == 4 and f["trainable_params"] > 0 for f in finals.values())
     rows = ledger.latest(folder / "sweep")
     assert [r["status"] for r in rows.values()] == ["done"] * 3
-    page = (smoke_run[0] / "05_compare_runs.html").read_text()
+    page = (smoke_run_long[0] / "05_compare_runs.html").read_text()
     # the report: figures first, each trial's log collapsed at the end
     assert page.count('class="run-log"') == 3 and page.index('class="plotly-graph-div"') < page.index('class="run-log"')
     assert m["passed"]
@@ -230,8 +254,9 @@ def test_report_02_collapses_the_run_logs_below_the_summary(smoke_run):
 
 
 @pytest.mark.slow
-def test_index_links_every_report_with_its_summary(smoke_run):
-    run_dir, outcomes = smoke_run
+@pytest.mark.parametrize("fixture", ["smoke_run", pytest.param("smoke_run_long", marks=pytest.mark.long)])
+def test_index_links_every_report_with_its_summary(request, fixture):
+    run_dir, outcomes = request.getfixturevalue(fixture)
     index = (run_dir / "index.html").read_text()
     for name, o in outcomes.items():
         assert f'href="{name}.html"' in index and (run_dir / f"{name}.html").is_file()
@@ -241,13 +266,13 @@ def test_index_links_every_report_with_its_summary(smoke_run):
 
 
 @pytest.mark.slow
-def test_reports_are_standalone_with_code_hidden(smoke_run):
-    run_dir, _ = smoke_run
-    for name in NAMES:
-        page = (run_dir / f"{name}.html").read_text()
-        assert "cdnjs.cloudflare.com" not in page and "unpkg.com" not in page, f"{name}: a CDN script"
-        assert "kernel.setup()" not in page, f"{name}: code is shown"
-        assert page.count('class="plotly-graph-div"') >= 2, f"{name}: plotly figures missing"
+@pytest.mark.parametrize("name", [_tier(n) for n in NAMES])
+def test_reports_are_standalone_with_code_hidden(request, name):
+    run_dir, _ = _smoke(request, name)
+    page = (run_dir / f"{name}.html").read_text()
+    assert "cdnjs.cloudflare.com" not in page and "unpkg.com" not in page, f"{name}: a CDN script"
+    assert "kernel.setup()" not in page, f"{name}: code is shown"
+    assert page.count('class="plotly-graph-div"') >= 2, f"{name}: plotly figures missing"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,9 +283,9 @@ NO_BROWSER = chromium.available_reason()
 
 @pytest.mark.slow
 @pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))
-@pytest.mark.parametrize("name", ["02_sharded_training", "03_chunk_loss_validation", "05_compare_runs"])
-def test_report_charts_draw_in_chromium_without_errors(smoke_run, name):
-    page = chromium.open_page(smoke_run[0] / f"{name}.html")
+@pytest.mark.parametrize("name", [_tier(n) for n in ("02_sharded_training", "03_chunk_loss_validation", "05_compare_runs")])
+def test_report_charts_draw_in_chromium_without_errors(request, name):
+    page = chromium.open_page(_smoke(request, name)[0] / f"{name}.html")
     assert page.exceptions == [] and page.console_errors == [], (page.exceptions, page.console_errors)
     assert page.external_requests == [], "a standalone report must not fetch anything"
     assert len(page.charts) >= 3
@@ -311,11 +336,11 @@ def _redrawn(name: str, folder: Path) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
-def test_figures_redraw_from_the_result_files_alone(smoke_run, name, tmp_path):
+@pytest.mark.parametrize("name", [_tier(n) for n in NAMES])
+def test_figures_redraw_from_the_result_files_alone(request, name, tmp_path):
     """Copy only the CSV/JSON/JSONL a notebook wrote, re-draw its figures from them, and compare
     every trace with what the executed notebook showed."""
-    run_dir, _ = smoke_run
+    run_dir, _ = _smoke(request, name)
     for path in (run_dir / name).rglob("*"):
         if path.suffix in (".csv", ".json", ".jsonl"):
             copy = tmp_path / path.relative_to(run_dir / name)

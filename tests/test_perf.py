@@ -33,6 +33,7 @@ def test_head_cases_in_fresh_processes_show_the_chunk_saving():
     assert full["peak_mb"] > chunked["peak_mb"] + 8
 
 
+@pytest.mark.long
 def test_heads_sharing_a_process_have_the_peaks_they_have_alone():
     """Reference: each head alone in its warmed-up process. Run in either order in one process,
     each head's peak is its own: the warm-up round takes the math libraries' one-time buffers
@@ -121,6 +122,7 @@ def test_train_step_benchmark_never_reports_an_mfu_above_one():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_train_step_benchmark_measures_the_peak_in_each_worker(tmp_path):
     import json
     import subprocess

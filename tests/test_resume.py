@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from jobs import EXIT_RESUMABLE, checkpoints, invocation, steps, train
+from jobs import EXIT_RESUMABLE, checkpoints, invocation, refused, steps, train
 
 from qwenkit import config as qconfig
 from qwenkit.engine import checkpoint as ckpt
@@ -16,7 +16,7 @@ from qwenkit.engine import events, resume
 
 
 @pytest.mark.slow
-def test_stop_after_loop_to_the_end_and_damaged_checkpoints(tmp_path):
+def test_stop_after_loop_to_the_end_and_damaged_checkpoints(tmp_path, capsys):
     out = tmp_path / "run"
 
     def run(*overrides, nproc=2):
@@ -42,24 +42,26 @@ def test_stop_after_loop_to_the_end_and_damaged_checkpoints(tmp_path):
 
     # another data order (train.seed): refused by the launcher from COMPLETE.json in one line,
     # nothing started, the run's record (config.yaml) left as the run wrote it
-    record = (out / "config.yaml").read_text()
-    other, written = run("train.seed=2")
-    assert other.returncode == 2, other.stderr[-3000:]
-    refusal = [line for line in other.stderr.splitlines() if "cannot resume" in line]
-    assert len(refusal) == 1 and "train.seed saved 42, now 2: set train.seed=42 to continue" in refusal[0], other.stderr
-    assert "torchrun" not in other.stdout and "Traceback" not in other.stderr
-    assert (out / "config.yaml").read_text() == record and written == []
+    # (the launcher in this process: jobs.refused)
+    record, before = (out / "config.yaml").read_text(), len(events.read(out))
+    capsys.readouterr()
+    assert refused(out, "train.stop_after=2", "checkpoint.keep_last=3", "train.seed=2", steps=4) == 2
+    other = capsys.readouterr()
+    refusal = [line for line in other.err.splitlines() if "cannot resume" in line]
+    assert len(refusal) == 1 and "train.seed saved 42, now 2: set train.seed=42 to continue" in refusal[0], other.err
+    assert "torchrun" not in other.out and "Traceback" not in other.err
+    assert (out / "config.yaml").read_text() == record and invocation(out, before) == []
 
     root = ckpt.checkpoint_root(out)
     # a truncated file, asked for by path: one line naming checkpoint and file, offering step 2
     truncated = root / "step-00000004" / "__1_0.distcp"
     saved = truncated.read_bytes()
     truncated.write_bytes(saved[: len(saved) // 2])
-    named, _ = run(f"train.resume={root / 'step-00000004'}", "train.steps=6", "train.stop_after=0")
-    assert named.returncode == 2, named.stderr[-3000:]
-    assert "__1_0.distcp is" in named.stderr and str(root / "step-00000004") in named.stderr
-    assert f"the newest older complete checkpoint is {str(root / 'step-00000002')!r}" in named.stderr
-    assert "PytorchStreamReader" not in named.stderr and "Traceback" not in named.stderr
+    assert refused(out, "checkpoint.keep_last=3", f"train.resume={root / 'step-00000004'}", steps=6) == 2
+    named = capsys.readouterr().err
+    assert "__1_0.distcp is" in named and str(root / "step-00000004") in named
+    assert f"the newest older complete checkpoint is {str(root / 'step-00000002')!r}" in named
+    assert "PytorchStreamReader" not in named and "Traceback" not in named
     truncated.write_bytes(saved)
 
     # 64 flipped bytes inside a .distcp (same size: only the checksum sees it): auto falls back

@@ -387,7 +387,7 @@ def test_cli_refuses_bad_sp_before_start(tmp_path, monkeypatch, capsys, override
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp1_ranks", ["1", "2"])
+@pytest.mark.parametrize("sp1_ranks", [pytest.param("1", marks=pytest.mark.long), "2"])
 def test_benchmark_runs_and_its_variants_agree(tmp_path, sp1_ranks):
     """benchmarks/sequence_parallel.py at the toy size, SP 1 on one rank (the full size's CPU
     setting) and on two: the rows come out, one per rank, and the two variants' losses are equal."""

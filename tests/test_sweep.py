@@ -181,6 +181,7 @@ def test_a_trial_the_launcher_refuses_is_recorded_with_its_reason(tmp_path, caps
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_parallel_trials_on_cpu_when_asked(tmp_path):
     path = _write(tmp_path, grid={"train.lr": [0.003, 0.001]})
     out = tmp_path / "out"
@@ -295,6 +296,7 @@ def test_a_killed_rank_and_a_killed_sweep_resume_to_the_uninterrupted_losses(tmp
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed (the mlflow extra)")
+@pytest.mark.long
 def test_mlflow_runs_hold_the_same_metrics_as_the_jsonl(tmp_path):
     import mlflow
 

@@ -50,6 +50,7 @@ def test_first_failure_is_the_earliest_seen_then_a_signal_death():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_killed_launcher_group_takes_torchrun_and_the_ranks_with_it(tmp_path):
     out = tmp_path / "run"
     job = Job(out)
@@ -64,6 +65,7 @@ def test_a_killed_launcher_group_takes_torchrun_and_the_ranks_with_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_killed_torchrun_takes_the_ranks_with_it(tmp_path):
     out = tmp_path / "run"
     job = Job(out)
