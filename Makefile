@@ -1,7 +1,9 @@
 # Two commands do all the set-up on a fresh machine (Python 3.10+, pip, PyPI only):
 #   make report   creates .venv, installs qwenkit, runs the main job on the embedded tiny default
-#   make test     creates .venv and .venv-tf457, installs, runs the whole test suite on
-#                 transformers 5.x and the model/loss/data subset on transformers 4.57.6
+#   make test     creates .venv and .venv-tf457, installs, runs the test suite on transformers 5.x
+#                 (all but the tests marked `long`) and the model/loss/data subset on 4.57.6: what CI runs
+# Before each submission and release:
+#   make test-all make test, then the `long` tier (second variants, benchmark harnesses, notebooks 04-05)
 # Before a release (not in CI: it downloads ~3 GB):
 #   make test-compat  creates .venv-compat with the oldest supported stack (torch 2.7.1,
 #                 transformers 4.57.6) and runs every test that does not need the notebooks extra
@@ -20,7 +22,7 @@ TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests
 # their figures with it and import it at the top, and their torch code is what compat must cover.
 COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py tests/test_progress.py
 
-.PHONY: test test-main test-tf457 test-compat report train bench lint clean chromium
+.PHONY: test test-all test-long test-main test-tf457 test-compat report train bench lint clean chromium
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +41,8 @@ $(VENVCOMPAT)/.installed: pyproject.toml constraints/compat.txt
 
 test: test-main test-tf457
 
+test-all: test test-long
+
 # Headless Chromium (Debian's) for the test that opens a rendered report; installed when root.
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -47,7 +51,10 @@ chromium:
 	  else echo "chromium not found and not root: the report browser test will skip"; fi; }
 
 test-main: $(VENV)/.installed chromium
-	$(VENV)/bin/python -m pytest -q -rs
+	$(VENV)/bin/python -m pytest -q -rs -m "not long"
+
+test-long: $(VENV)/.installed chromium
+	$(VENV)/bin/python -m pytest -q -rs -m long
 
 test-tf457: $(VENV457)/.installed
 	$(VENV457)/bin/python -m pytest -q -rs -m "not slow or stack" $(TF457_TESTS)
