@@ -79,3 +79,26 @@ def test_two_metrics_on_one_tracker_name_are_refused():
     assert names("lr/a*") == "lr:a_"
     with pytest.raises(ValueError, match=r"metrics 'lr/a\*' and 'lr/a\?' would both be logged as 'lr:a_'"):
         names("lr/a?")
+
+
+def test_two_trials_creating_one_sweep_experiment_at_once_both_log_to_it(tmp_path, monkeypatch):
+    """``qwenkit sweep --parallel``: each trial looks for the sweep's experiment, finds none and creates
+    it; the second create then meets the first's. Both runs land in the one experiment."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sweep")
+    for trial in ("a", "b"):
+        (tmp_path / trial).mkdir()
+    first = metrics.MlflowWriter(tmp_path / "a", {})
+    real, looks = mlflow.MlflowClient.get_experiment_by_name, []
+
+    def looked_too_early(self, name):  # the second trial's first look came before the first's create
+        looks.append(name)
+        return None if len(looks) == 1 else real(self, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(mlflow.MlflowClient, "get_experiment_by_name", looked_too_early)
+        second = metrics.MlflowWriter(tmp_path / "b", {})
+    client = mlflow.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("sweep").experiment_id
+    assert {client.get_run(w.run_id).info.experiment_id for w in (first, second)} == {experiment}

@@ -184,12 +184,27 @@ class MlflowWriter:
             return
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or output_dir.resolve().name
         experiment = self.client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        experiment_id = experiment.experiment_id if experiment else self._create_experiment(name)
         self.run_id = self.client.create_run(experiment_id, run_name=output_dir.resolve().name).info.run_id
         flat = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         for i in range(0, len(flat), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=flat[i:i + 100])
         saved.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}) + "\n")
+
+    def _create_experiment(self, name: str) -> str:
+        """The experiment's id; where a parallel trial of the same sweep created it between our look
+        and this create (MLflow: RESOURCE_ALREADY_EXISTS), the one it created."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is None or experiment.lifecycle_stage != "active":  # MLflow's message says what to do
+                raise
+            return experiment.experiment_id
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
