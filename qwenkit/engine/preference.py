@@ -34,12 +34,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from qwenkit import patches
 from qwenkit.config import DTYPES
 from qwenkit.data import cache
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.weights import load_hf_weights
-from qwenkit.model import family, lora, paths, registry
+from qwenkit.engine.build import fused_model
+from qwenkit.model import lora, paths
 from qwenkit.model.loss import full_sequence_logps
 from qwenkit.model.preference_loss import pair_losses, preference_loss_share
 
@@ -99,9 +99,7 @@ def frozen_copy(cfg, rt, like: nn.Module) -> nn.Module:
     memory (4 bytes a parameter instead of 2, summed over the ranks) and add a cast per all-gather. The gathered weights are the same bits (one round-to-nearest fp32 -> bf16 either
     way); buffers (rotary ``inv_freq``) are not FSDP's to cast and keep their dtype.
     """
-    ref = registry.build(cfg.model, cfg.loss)
-    patches.apply(ref, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops,
-                  applicable=family.of_model(ref).fused_ops)  # as the policy's (engine/train.py); fmt: skip
+    ref = fused_model(cfg)  # as the policy's (engine/train.py)
     ref.requires_grad_(False)
     if cfg.parallel.param_dtype:
         compute = DTYPES[cfg.parallel.param_dtype]

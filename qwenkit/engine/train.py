@@ -48,16 +48,17 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from qwenkit import config as qconfig
-from qwenkit import data, patches
+from qwenkit import data
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import events, optim, preference, stopping
 from qwenkit.engine import resume as resume_rule
+from qwenkit.engine.build import fused_model
 from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.profiling import ProfileWindow
-from qwenkit.model import family, lora, paths, registry
+from qwenkit.model import lora, paths, registry
 from qwenkit.rundir import RunDir
 
 log = logging.getLogger("qwenkit.engine.train")
@@ -184,9 +185,7 @@ class Trainer:
         if sp_size > 1:  # one micro-batch per SP group: the sampler deals over the groups
             self.bundle.sampler = data.make_sampler(cfg, self.bundle.dataset, self.sp.dp_rank, self.sp.dp_size)
 
-        model = registry.build(cfg.model, cfg.loss)
-        patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops,
-                      applicable=family.of_model(model).fused_ops)  # logs its report; fmt: skip
+        model = fused_model(cfg)
         if cfg.lora.r > 0:  # before recompute and fully_shard: adapters are sharded with their base layers
             targets = lora.apply(model, cfg.lora, t.seed)
             if main_rank:
@@ -470,7 +469,7 @@ def report_failure(rank: int, error: BaseException, log_path: Path | None, note:
     the torchrun wrapper the launcher runs (:func:`qwenkit.torchrun.quiet_torchrun`) keeps the
     agent's summary quiet.
     """
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    message = events.first_line(error)
     where = f"log: {log_path}" if log_path is not None else "no log file: failed before logging started"
     line = f"qwenkit train: rank {rank} failed: {type(error).__name__}: {message} ({where})"
     if note:
