@@ -96,7 +96,7 @@ def build_model(chunk=False, seed=None, **overrides):
     return m
 
 
-def make_batch(processor, images_per_sample=(1, 0, 2), seq_len=None, seed=0, with_video=False):
+def make_batch(processor, images_per_sample=(1, 0, 2), seq_len=None, seed=0):
     """A right-padded batch: per sample, text tokens around ``n`` image spans, random labels.
 
     Labels: every second text run is "learned"; pad and image tokens are -100. Returns the
