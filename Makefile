@@ -12,6 +12,9 @@ VENV ?= .venv
 VENV457 ?= .venv-tf457
 VENVCOMPAT ?= .venv-compat
 PIP_FLAGS ?= -q --disable-pip-version-check
+# pytest-xdist workers; a file's tests stay on one worker, so a module fixture starts its ranks once
+TEST_WORKERS ?= 2
+PYTEST ?= -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today): their single-process
 # tests, and of their multi-process ones those marked `stack` (the model code differs by version; the
 # launcher, sampler and checkpoint plumbing of the others does not, and runs on 5.x).
@@ -51,16 +54,16 @@ chromium:
 	  else echo "chromium not found and not root: the report browser test will skip"; fi; }
 
 test-main: $(VENV)/.installed chromium
-	$(VENV)/bin/python -m pytest -q -rs -m "not long"
+	$(VENV)/bin/python $(PYTEST) -m "not long"
 
 test-long: $(VENV)/.installed chromium
-	$(VENV)/bin/python -m pytest -q -rs -m long
+	$(VENV)/bin/python $(PYTEST) -m long
 
 test-tf457: $(VENV457)/.installed
-	$(VENV457)/bin/python -m pytest -q -rs -m "not slow or stack" $(TF457_TESTS)
+	$(VENV457)/bin/python $(PYTEST) -m "not slow or stack" $(TF457_TESTS)
 
 test-compat: $(VENVCOMPAT)/.installed
-	$(VENVCOMPAT)/bin/python -m pytest -q -rs $(addprefix --ignore=,$(COMPAT_IGNORE))
+	$(VENVCOMPAT)/bin/python $(PYTEST) $(addprefix --ignore=,$(COMPAT_IGNORE))
 
 report: $(VENV)/.installed
 	$(VENV)/bin/qwenkit notebooks run --params default
