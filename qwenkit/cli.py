@@ -85,7 +85,8 @@ def _eval(args) -> int:
 def _notebooks(args) -> int:
     from qwenkit.notebooks import runner  # papermill and nbconvert (the notebooks extra): notebooks only
 
-    out_dir, outcomes = runner.run(args.params, args.only, args.out, args.run_name)  # bad input: main's one line
+    out_dir, outcomes = runner.run(args.params, args.only, args.out, args.run_name,
+                                   cell_timeout=args.cell_timeout)  # bad input: main's one line; fmt: skip
     print(f"index: {out_dir / 'index.html'}")
     return 0 if all(o.status == "passed" for o in outcomes) else 1
 
@@ -177,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--only", nargs="*", default=None, help="notebook names or numbers to run")
     r.add_argument("--out", default="reports", help="reports folder")
     r.add_argument("--run-name", default=None, help="sub-folder name (default: timestamp)")
+    r.add_argument("--cell-timeout", type=float, default=None, metavar="S",
+                   help="fail a notebook whose cell runs longer than S seconds (default: no limit)")  # fmt: skip
     r.set_defaults(func=_notebooks)
     return p
 

@@ -38,15 +38,27 @@ def test_list_parameters():
         kernel.int_list("7,big")
 
 
-def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):
+def _notebook(folder: Path, name: str, code: str) -> Path:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     params = nbformat.v4.new_code_cell('output_dir = "x"  # where results go')
     params.metadata["tags"] = ["parameters"]
-    nb.cells = [nbformat.v4.new_markdown_cell("# 09 broken"), params, nbformat.v4.new_code_cell("1 / 0")]
-    src = tmp_path / "notebooks" / "09_broken.ipynb"
-    src.parent.mkdir()
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {name}"), params, nbformat.v4.new_code_cell(code)]
+    src = folder / "notebooks" / f"{name}.ipynb"
+    src.parent.mkdir(exist_ok=True)
     nbformat.write(nb, str(src))
+    return src
+
+
+def test_a_cell_past_the_cell_timeout_fails_its_notebook(tmp_path):
+    src = _notebook(tmp_path, "09_hung", "import time\ntime.sleep(600)  # a cell that never returns")
+    outcome = runner.execute(src, tmp_path / "reports", "smoke", {}, cell_timeout=1)
+    assert outcome.status == "error" and "timed out" in outcome.summary.lower(), outcome.summary
+    assert outcome.seconds < 300  # the cell's 600 s did not run out
+
+
+def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):
+    src = _notebook(tmp_path, "09_broken", "1 / 0")
     out = tmp_path / "reports"
     outcome = runner.execute(src, out, "smoke", {})
     assert outcome.status == "error" and "ZeroDivisionError" in outcome.summary
@@ -66,6 +78,12 @@ def test_widgets_interactive_builds_controls_static_displays_content(monkeypatch
     box = shown[-1]
     assert isinstance(box, ipywidgets.VBox) and isinstance(box.children[0], ipywidgets.IntSlider)
     assert box.children[0].max == 4
+    # the sample is the HTML widget's value, redrawn when the slider moves (no Output widget:
+    # papermill's client would answer one on the shell channel, nbclient#312)
+    slider, view = box.children
+    assert isinstance(view, ipywidgets.HTML) and view.value == "<b>0</b>"
+    slider.value = 3
+    assert view.value == "<b>3</b>"
     shown.clear()
     widgets.choice_view([7, 64], lambda c: f"fig {c}", interactive=False, label="chunk size")
     assert shown == ["fig 7"]

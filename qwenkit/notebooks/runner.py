@@ -122,8 +122,10 @@ class Outcome:
         return self.error or "the notebook wrote no metrics.json"
 
 
-def execute(notebook: Path, out_dir: Path, params_name: str, values: dict[str, Any]) -> Outcome:
-    """Run one notebook into ``out_dir`` and render its HTML; never raises for a failing notebook."""
+def execute(notebook: Path, out_dir: Path, params_name: str, values: dict[str, Any],
+            cell_timeout: float | None = None) -> Outcome:  # fmt: skip
+    """Run one notebook into ``out_dir`` and render its HTML; never raises for a failing notebook
+    (nor for a cell that runs past ``cell_timeout`` seconds: that is its error)."""
     import papermill
 
     stem = notebook.stem
@@ -138,7 +140,7 @@ def execute(notebook: Path, out_dir: Path, params_name: str, values: dict[str, A
     try:
         papermill.execute_notebook(
             str(notebook), str(out_nb), parameters=parameters, kernel_name=KERNEL,
-            cwd=str(notebook.parent), progress_bar=False, log_output=False,
+            cwd=str(notebook.parent), progress_bar=False, log_output=False, execution_timeout=cell_timeout,
         )  # fmt: skip
     except Exception as e:  # papermill's error carries the failing cell's exception
         error = _one_line(e)
@@ -236,6 +238,7 @@ def run(
     out: str | Path = "reports",
     run_name: str | None = None,
     root: Path | None = None,
+    cell_timeout: float | None = None,
 ) -> tuple[Path, list[Outcome]]:
     """Run the selected notebooks with one parameter set; returns the run folder and outcomes."""
     root = root or project_root()
@@ -250,7 +253,7 @@ def run(
     outcomes = []
     for nb in chosen:
         print(f"[{nb.stem}] running with params/{nb.stem}/{params}.yaml ...", flush=True)
-        o = execute(nb, out_dir, params, values[nb])
+        o = execute(nb, out_dir, params, values[nb], cell_timeout)
         print(f"[{nb.stem}] {o.status} in {o.seconds:.0f} s: {o.summary}", flush=True)
         outcomes.append(o)
         write_index(out_dir, outcomes, run_name, params)  # a partial index is there if a later one hangs

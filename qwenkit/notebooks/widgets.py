@@ -25,17 +25,17 @@ def sample_browser(count: int, render: Callable[[int], str], interactive: bool, 
         return
     import ipywidgets as w
 
+    # an HTML widget, not an Output one: its value is the sample (also in a saved notebook's widget
+    # state), and papermill's client has no Output widget to mimic, whose replies on the shell
+    # channel race its wait for the cell's reply and can hang the run (jupyter/nbclient#312)
     slider = w.IntSlider(value=0, min=0, max=count - 1, description="sample", continuous_update=False)
-    out = w.Output()
+    view = w.HTML(value=render(0))
 
-    def show(_=None) -> None:
-        with out:
-            out.clear_output(wait=True)
-            display(HTML(render(slider.value)))
+    def show(change) -> None:
+        view.value = render(change["new"])
 
     slider.observe(show, names="value")
-    show()
-    display(w.VBox([slider, out]))
+    display(w.VBox([slider, view]))
 
 
 def choice_view(
