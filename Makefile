@@ -12,7 +12,8 @@ VENV ?= .venv
 VENV457 ?= .venv-tf457
 VENVCOMPAT ?= .venv-compat
 PIP_FLAGS ?= -q --disable-pip-version-check
-# pytest-xdist workers; a file's tests stay on one worker, so a module fixture starts its ranks once
+# pytest-xdist workers for the main suite; a file's tests stay on one worker, so a module fixture
+# starts its ranks once (the 4.57.6 subset, mostly single-process, runs faster on one)
 TEST_WORKERS ?= 2
 PYTEST ?= -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today): their single-process
@@ -60,7 +61,7 @@ test-long: $(VENV)/.installed chromium
 	$(VENV)/bin/python $(PYTEST) -m long
 
 test-tf457: $(VENV457)/.installed
-	$(VENV457)/bin/python $(PYTEST) -m "not slow or stack" $(TF457_TESTS)
+	$(VENV457)/bin/python -m pytest -q -rs -m "not slow or stack" $(TF457_TESTS)  # one worker: faster for these
 
 test-compat: $(VENVCOMPAT)/.installed
 	$(VENVCOMPAT)/bin/python $(PYTEST) $(addprefix --ignore=,$(COMPAT_IGNORE))
