@@ -107,6 +107,11 @@ class Job:
 
         return self._until(found, f"{kind} event" + (f" at step >= {step}" if step else ""), timeout)
 
+    def running(self, step: int = 2) -> tuple[dict[int, int], list[int]]:
+        """Once the run has logged ``step``: its ranks' pids (rank -> pid) and torchrun's pid(s)."""
+        self.wait_for_event("step", step)
+        return rank_pids(self.proc.pid), children(self.proc.pid)
+
     def wait(self, timeout=HANG) -> int:
         try:
             return self.proc.wait(scaled(timeout))

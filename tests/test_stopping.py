@@ -37,9 +37,7 @@ from qwenkit.engine import events, resume, stopping
 def test_sigterm_saves_and_exits_resumable_and_a_second_job_in_the_folder_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     job = Job(out)
-    job.wait_for_event("step", 2)
-    ranks = rank_pids(job.proc.pid)
-    torchrun = children(job.proc.pid)
+    ranks, torchrun = job.running()
     # a second job into the same folder, another seed: refused, naming the first; nothing written
     capsys.readouterr()
     assert refused(out, "train.seed=7") == 2

@@ -13,7 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from jobs import ROOT, STEPS, Job, checkpoints, children, gone, rank_pids
+from jobs import ROOT, STEPS, Job, checkpoints, gone
 
 from qwenkit import torchrun
 from qwenkit.engine import stopping
@@ -54,9 +54,7 @@ def test_first_failure_is_the_earliest_seen_then_a_signal_death():
 def test_a_killed_launcher_group_takes_torchrun_and_the_ranks_with_it(tmp_path):
     out = tmp_path / "run"
     job = Job(out)
-    job.wait_for_event("step", 2)
-    ranks = rank_pids(job.proc.pid)
-    torchrun = children(job.proc.pid)
+    ranks, torchrun = job.running()
     os.killpg(job.proc.pid, signal.SIGKILL)  # the launcher's whole process group
     job.wait()
     assert gone([*torchrun, *ranks.values()], timeout=120), "torchrun or ranks still running without the launcher"
@@ -69,9 +67,7 @@ def test_a_killed_launcher_group_takes_torchrun_and_the_ranks_with_it(tmp_path):
 def test_a_killed_torchrun_takes_the_ranks_with_it(tmp_path):
     out = tmp_path / "run"
     job = Job(out)
-    job.wait_for_event("step", 2)
-    ranks = rank_pids(job.proc.pid)
-    (torchrun,) = children(job.proc.pid)
+    ranks, (torchrun,) = job.running()
     os.kill(torchrun, signal.SIGKILL)
     assert job.wait() == 128 + signal.SIGKILL
     assert gone(ranks.values(), timeout=60), "ranks still training after torchrun died"
@@ -86,8 +82,7 @@ def test_a_killed_torchrun_takes_the_ranks_with_it(tmp_path):
 def test_the_rank_killed_first_is_named_with_its_signal_and_code(tmp_path):
     out = tmp_path / "run"
     job = Job(out)
-    job.wait_for_event("step", 2)
-    ranks = rank_pids(job.proc.pid)
+    ranks, _ = job.running()
     os.kill(ranks[1], signal.SIGKILL)
     code = job.wait()
     err = job.text("stderr")
@@ -101,8 +96,7 @@ def test_the_rank_killed_first_is_named_with_its_signal_and_code(tmp_path):
 def test_a_hung_rank_times_out_and_is_named(tmp_path):
     out = tmp_path / "run"
     job = Job(out, "parallel.timeout_s=8")
-    job.wait_for_event("step", 2)
-    ranks = rank_pids(job.proc.pid)
+    ranks, _ = job.running()
     began = time.monotonic()
     os.kill(ranks[1], signal.SIGSTOP)
     try:
