@@ -64,7 +64,7 @@ test-tf457: $(VENV457)/.installed
 	$(VENV457)/bin/python -m pytest -q -rs -m "not slow or stack" $(TF457_TESTS)  # one worker: faster for these
 
 test-compat: $(VENVCOMPAT)/.installed
-	$(VENVCOMPAT)/bin/python $(PYTEST) $(addprefix --ignore=,$(COMPAT_IGNORE))
+	$(VENVCOMPAT)/bin/python -m pytest -q -rs $(addprefix --ignore=,$(COMPAT_IGNORE))
 
 report: $(VENV)/.installed
 	$(VENV)/bin/qwenkit notebooks run --params default

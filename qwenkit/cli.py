@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--only", nargs="*", default=None, help="notebook names or numbers to run")
     r.add_argument("--out", default="reports", help="reports folder")
     r.add_argument("--run-name", default=None, help="sub-folder name (default: timestamp)")
-    r.add_argument("--cell-timeout", type=float, default=None, metavar="S",
+    r.add_argument("--cell-timeout", type=int, default=None, metavar="S",
                    help="fail a notebook whose cell runs longer than S seconds (default: no limit)")  # fmt: skip
     r.set_defaults(func=_notebooks)
     return p

@@ -29,13 +29,18 @@ STEPS = int(os.environ.get("QK_FAULTS_STEPS", 400))  # long enough to be signall
 EXIT_RESUMABLE = 75  # qwenkit.engine.EXIT_RESUMABLE, spelled out: a scheduler sees the number
 
 
-def train_cmd(out, *overrides, nproc=2, steps=STEPS) -> list[str]:
-    """``qwenkit train`` on the tiny model into ``out``, no periodic checkpoints, a port of its own."""
+def train_args(out, *overrides, nproc=2, steps=STEPS) -> list[str]:
+    """``qwenkit train``'s arguments: the tiny model into ``out``, no periodic checkpoints, a port of its own."""
     return [
-        sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_cpu.yaml", "--nproc", str(nproc),
+        "train", "--config", str(ROOT / "params" / "tiny_cpu.yaml"), "--nproc", str(nproc),
         "--master-port", str(free_port()), *SMALL, f"train.steps={steps}", "checkpoint.every=0",
         f"train.output_dir={out}", *overrides,
     ]  # fmt: skip
+
+
+def train_cmd(out, *overrides, **kw) -> list[str]:
+    """:func:`train_args` as a command line."""
+    return [sys.executable, "-m", "qwenkit.cli", *train_args(out, *overrides, **kw)]
 
 
 def train(out, *overrides, **kw) -> subprocess.CompletedProcess:
@@ -51,11 +56,9 @@ def refused(out, *overrides, **kw) -> int:
 
     from qwenkit import cli, launch
 
-    argv = train_cmd(out, *overrides, **kw)[3:]  # after `python -m qwenkit.cli`
-    argv[argv.index("--config") + 1] = str(ROOT / argv[argv.index("--config") + 1])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "spawn", lambda *a, **k: pytest.fail("the launcher started torchrun"))
-        return cli.main(argv)
+        return cli.main(train_args(out, *overrides, **kw))
 
 
 def invocation(out, before: int = 0) -> list[dict]:

@@ -22,9 +22,9 @@ from qwenkit.model.tiny import ensure_checkpoint
 
 # Both sides fp32; sums over ranks and micro-batches run in another order (the bound).
 FP32 = dict(rtol=1e-5, atol=1e-5)
-LR = 2e-3
+LR, STEPS = 2e-3, 3
 BASE = [
-    "train.steps=3",
+    f"train.steps={STEPS}",
     f"train.lr={LR}",
     "train.micro_batch_size=2",
     "train.warmup_steps=1",
@@ -90,7 +90,7 @@ def runs(tmp_path_factory, tiny_path):
 def test_two_ranks_equal_one_process(runs, name):
     ones, twos = runs
     ref, got = ones[REFERENCE[name]], twos[name]
-    assert len(got["losses"]) == 3
+    assert len(got["losses"]) == STEPS
     tol = TOLERANCE.get(name, FP32)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol)
     # AdamW ignores a uniform gradient scale and 3 steps move the weights little: the gradients
@@ -101,7 +101,7 @@ def test_two_ranks_equal_one_process(runs, name):
         for key, value in ref["state"].items():
             torch.testing.assert_close(got["state"][key], value, **tol, msg=lambda m, k=key: f"{k}: {m}")
     else:
-        assert_adamw_weights_close(got["state"], ref["state"], tol, lr=LR, steps=3)
+        assert_adamw_weights_close(got["state"], ref["state"], tol, lr=LR, steps=STEPS)
     # the weights moved: equality is not two untouched copies of the initial model
     assert got["losses"][-1] < got["losses"][0]
 

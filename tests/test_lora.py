@@ -30,10 +30,11 @@ from qwenkit.model import loss as qloss
 ROOT = Path(__file__).resolve().parent.parent
 FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks run in another order
 LORA = ["lora.r=4", "lora.alpha=8", "lora.modules_to_save=[model.visual.merger]"]
+LR, STEPS = 1e-2, 3
 BASE = [
-    "train.steps=3", "train.micro_batch_size=2", "train.warmup_steps=1", "train.resume=none",
+    f"train.steps={STEPS}", "train.micro_batch_size=2", "train.warmup_steps=1", "train.resume=none",
     "checkpoint.save_final=false", "data.tiny_samples=16", "loss.chunk=true", "loss.chunk_size=16",
-    "train.lr=1.0e-2",
+    f"train.lr={LR}",
 ]  # fmt: skip
 RECOMPUTE = "parallel.recompute=[model.language_model.layers.*, model.visual.blocks.*]"
 RUNS_2 = {
@@ -56,7 +57,6 @@ if fsdp.hsdp_problem(qconfig.load(overrides=["parallel.hsdp_replicas=2", "parall
 TOLERANCE = {"bf16": dict(rtol=2e-2, atol=2e-2)}
 # bf16 weights: AdamW moves an element by up to ~lr per step whatever its gradient's size, so
 # where bf16 noise flips the sign of a tiny gradient two runs part by up to 2 x lr per step
-LR, STEPS = 1e-2, 3  # BASE
 WEIGHT_TOLERANCE = {"bf16": dict(rtol=2e-2, atol=2 * LR * STEPS)}
 
 

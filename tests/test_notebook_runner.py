@@ -7,6 +7,7 @@ import ipywidgets
 import nbformat
 import pytest
 
+from qwenkit import cli
 from qwenkit.notebooks import kernel, runner, widgets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,20 @@ def test_a_cell_past_the_cell_timeout_fails_its_notebook(tmp_path):
     outcome = runner.execute(src, tmp_path / "reports", "smoke", {}, cell_timeout=1)
     assert outcome.status == "error" and "timed out" in outcome.summary.lower(), outcome.summary
     assert outcome.seconds < 300  # the cell's 600 s did not run out
+
+
+def test_qwenkit_notebooks_run_takes_the_cell_timeout(tmp_path, capsys):
+    """Through the command: notebook 01's first code cell (imports, seconds) runs past 1 s and
+    fails it (exit 1); a timeout of 0 is refused in one line before any notebook runs (exit 2)."""
+    out = tmp_path / "reports"
+    assert cli.main(["notebooks", "run", "--params", "smoke", "--only", "01", "--out", str(out),
+                     "--cell-timeout", "1"]) == 1  # fmt: skip
+    assert "CellTimeoutError" in (out / "latest" / "index.html").read_text()
+    capsys.readouterr()
+    assert cli.main(["notebooks", "run", "--only", "01", "--out", str(tmp_path / "r2"), "--cell-timeout", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--cell-timeout must be a whole number of seconds > 0, got 0" in err, err
+    assert not (tmp_path / "r2").exists()
 
 
 def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):

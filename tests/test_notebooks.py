@@ -118,7 +118,7 @@ def _run_smoke(tmp_path_factory, names) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("reports")
     # a hung cell fails its notebook instead of the whole run (no smoke cell takes a minute)
     run_dir, outcomes = runner.run("smoke", only=list(names), out=out, run_name="smoke", root=ROOT,
-                                   cell_timeout=scaled(600))  # fmt: skip
+                                   cell_timeout=int(scaled(600)))  # fmt: skip
     return run_dir, {o.notebook: o for o in outcomes}
 
 
@@ -319,7 +319,7 @@ def test_interactive_true_adds_widget_controls(tmp_path):
     papermill.execute_notebook(
         str(nb), str(out), kernel_name="python3", cwd=str(nb.parent), progress_bar=False,
         parameters={"tiny_samples": 4, "interactive": True, "output_dir": str(tmp_path / "res")},
-        execution_timeout=scaled(300),  # a hung cell fails the test instead of the whole run
+        execution_timeout=int(scaled(300)),  # a hung cell fails the test instead of the whole run
     )  # fmt: skip
     outputs = [o for c in nbformat.read(str(out), as_version=4).cells if c.cell_type == "code" for o in c.outputs]
     views = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]

@@ -123,7 +123,7 @@ class Outcome:
 
 
 def execute(notebook: Path, out_dir: Path, params_name: str, values: dict[str, Any],
-            cell_timeout: float | None = None) -> Outcome:  # fmt: skip
+            cell_timeout: int | None = None) -> Outcome:  # fmt: skip
     """Run one notebook into ``out_dir`` and render its HTML; never raises for a failing notebook
     (nor for a cell that runs past ``cell_timeout`` seconds: that is its error)."""
     import papermill
@@ -238,9 +238,13 @@ def run(
     out: str | Path = "reports",
     run_name: str | None = None,
     root: Path | None = None,
-    cell_timeout: float | None = None,
+    cell_timeout: int | None = None,
 ) -> tuple[Path, list[Outcome]]:
-    """Run the selected notebooks with one parameter set; returns the run folder and outcomes."""
+    """Run the selected notebooks with one parameter set; returns the run folder and outcomes.
+    ``cell_timeout``: seconds a cell may run before its notebook fails (None: no limit)."""
+    if cell_timeout is not None and (not isinstance(cell_timeout, int) or cell_timeout <= 0):
+        # papermill's client (nbclient) takes whole seconds only
+        raise ValueError(f"--cell-timeout must be a whole number of seconds > 0, got {cell_timeout!r}")
     root = root or project_root()
     chosen = select(list_notebooks(root), only)
     if not chosen:
