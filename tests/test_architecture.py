@@ -147,6 +147,9 @@ FLOORS = {
 }
 # every trial passes the checks every `qwenkit train` passes before any trial starts
 LAUNCHER_CHECK = ("qwenkit.sweep.file", "qwenkit.launch")
+# the leaf reads the family registry, the one list of families (model.name's allowed values): a
+# light module of the standard library and the module-path rule only (test_the_family_table_is_light)
+FAMILY_TABLE = ("qwenkit.model.family", "qwenkit.model.modules")
 # data needs the model floor's light modules (paths, processor, tokens, loss constants), never its code.
 MODEL_CODE = ("qwenkit.model.qwen2_5_vl", "qwenkit.model.registry")
 
@@ -171,11 +174,22 @@ def test_imports_go_down_the_floors():
     upward = []
     for m, line, target, _, text in _imports():
         a, b = floor_of(m), floor_of(target)
-        if a == b or b == "package" or (m, target) == LAUNCHER_CHECK:
+        if a == b or b == "package" or (m, target) == LAUNCHER_CHECK or (a == "leaf" and target in FAMILY_TABLE):
             continue
         if b not in FLOORS.get(a, set()) or (a == "data" and target.startswith(MODEL_CODE)):
             upward.append(f"{m}:{line}: {text.strip()}  ({a} -> {b})")
     assert not upward, "imports against the floors of docs/ARCHITECTURE.md:\n" + "\n".join(upward)
+
+
+def test_the_family_table_is_light():
+    """What the leaf may read of the model floor imports nothing of qwenkit above it, nor torch or transformers."""
+    for module in FAMILY_TABLE:
+        tree = ast.parse(MODULES[module].read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        heavy = {i for i in imported if i.split(".")[0] in ("torch", "transformers")}
+        above = {i for i in imported if i.startswith("qwenkit.") and i not in FAMILY_TABLE}
+        assert not heavy and not above, f"{module} imports {sorted(heavy | above)}"
 
 
 def test_floor_check_catches_an_upward_import():

@@ -60,6 +60,7 @@ from qwenkit.engine.build import fused_model
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.profiling import ProfileWindow
+from qwenkit.model import family as families
 from qwenkit.model import lora, paths, registry
 from qwenkit.rundir import RunDir
 
@@ -178,6 +179,9 @@ class Trainer:
         set_seed(t.seed)
         sp_size = cfg.parallel.sp_size
         self.sp = sequence.init_groups(rt.rank, rt.world_size, sp_size)  # sp_size 1: one rank per group
+        problems = families.problems(cfg, self.model_path)  # as the launcher asked, for ranks started another way
+        if problems:
+            raise ValueError("; ".join(problems))
         decision = self.resume_point()  # before anything is built: a refused resume fails fast
         resume = decision.path
 
