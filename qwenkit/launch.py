@@ -248,7 +248,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous, events_dir
         f"--nproc-per-node={nproc}",
         *where,
         f"--max-restarts={rdzv.max_restarts}",
-        "-m", "qwenkit.engine.train", "--config", str(config_path),
+        "-m", "qwenkit.engine.rank", "--config", str(config_path),
     ]  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 - no import cycles among qwenkit modules (function-level imports count: a cycle hidden in a
   function still couples the two modules);
 - at most 9 imports of qwenkit modules inside functions, each with a reason on its line;
-- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.train``);
+- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.rank``);
 - the training kit never imports the notebook layer.
 """
 
@@ -17,7 +17,7 @@ from conftest import package_modules
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
 MAX_FUNCTION_IMPORTS = 9  # the CLI's, one per subcommand (sweep the ninth)
-ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.train"}
+ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.rank"}
 
 
 MODULES = package_modules()
