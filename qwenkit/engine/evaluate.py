@@ -185,7 +185,7 @@ def generate_and_score(
     calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
     rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank, lockstep_calls=calls)
     for r in rows:
-        r.scores = answers.score(metrics, r.generated, r.reference)
+        r.scores = answers.score(metrics, r.generated, r.reference, f"eval row {r.index}")
     rows = qgen.gather_rows(rows, rank, world_size)
     means = torch.zeros(len(metrics), dtype=torch.float64, device=next(model.parameters()).device)
     if rank == 0:
@@ -290,13 +290,19 @@ def eval_main(args) -> int:
 
 
 def _evaluate_pairs(args, model, processor, cfg, device) -> int:
-    """A dpo run: held-out pairs, the metrics the trainer logs (:func:`qwenkit.engine.preference.evaluate_pairs`)."""
+    """A dpo run: held-out pairs, the metrics the trainer logs (:func:`qwenkit.engine.preference.evaluate_pairs`);
+    ``--samples``: the first that many pairs. Nothing is generated, so ``--metric`` is refused."""
+    if args.metric is not None:
+        raise ValueError(f"--metric {' '.join(args.metric)}: a dpo run is evaluated on its held-out pairs (the "
+                         "trainer's preference metrics), nothing is generated to score; leave --metric out")  # fmt: skip
     if args.data is not None:
         dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, pairs=True)[0])
     else:
         dataset = qdata.build(cfg, processor).eval_dataset
     if dataset is None or len(dataset) == 0:
         raise ValueError(f"{'--data ' + repr(args.data) if args.data else 'the run'}: no held-out pairs to evaluate; pass --data PATH")
+    if args.samples is not None:
+        dataset = PairDataset(dataset.samples, dataset.pairs[: args.samples])
     reference = None
     if cfg.dpo.loss != "simpo":  # the run's starting weights (model.path; a LoRA run's base)
         start = resolve_path(cfg.model)
