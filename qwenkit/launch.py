@@ -26,8 +26,9 @@ read ``<output_dir>/.config-<host>-<pid>.yaml``, written by this launcher alone.
 Signals (see docs/CHECKPOINTS.md): SIGTERM, SIGINT and SIGUSR1 are forwarded to torchrun (which
 runs in its own process group, so a terminal's Ctrl-C reaches it once, through here); the ranks
 finish their step, save a checkpoint and exit with ``EXIT_RESUMABLE`` (75); a second signal stops
-them at once. torchrun gets SIGTERM when this process dies (``PR_SET_PDEATHSIG``), the ranks
-SIGKILL when torchrun dies.
+them at once. torchrun gets ``stopping.LAUNCHER_DIED`` when this process dies
+(``PR_SET_PDEATHSIG``) and stops the ranks as for one SIGTERM; the ranks get SIGKILL when
+torchrun dies.
 """
 
 from __future__ import annotations
@@ -164,9 +165,10 @@ def acquire_lock(output_dir: str | Path, node: int | str = 0) -> int | None:
 
 
 def _torchrun_child() -> None:
-    """In torchrun's process before exec: its own process group, and SIGTERM when we die."""
+    """In torchrun's process before exec: its own process group, and ``LAUNCHER_DIED`` when we die
+    (which :mod:`qwenkit.torchrun` takes as one SIGTERM, however many times it comes)."""
     os.setpgid(0, 0)
-    stopping.set_parent_death_signal(signal.SIGTERM)
+    stopping.set_parent_death_signal(stopping.LAUNCHER_DIED)
 
 
 def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> int:
