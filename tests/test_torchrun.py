@@ -140,7 +140,8 @@ sys.exit(75)
 @pytest.mark.slow
 @pytest.mark.parametrize("sent, each_rank_gets", [
     ([stopping.LAUNCHER_DIED] * 3, 1),  # the kernel's parent-death signal, once per exiting launcher thread
-    ([signal.SIGTERM, signal.SIGTERM], 2),  # a person's second signal (through the launcher): stop at once
+    # a person's second signal (through the launcher): stop at once (CI runs test_stopping's end to end)
+    pytest.param([signal.SIGTERM, signal.SIGTERM], 2, marks=pytest.mark.long),
 ])  # fmt: skip
 def test_the_launchers_death_is_one_stop_however_often_it_is_signalled(tmp_path, sent, each_rank_gets):
     """torch's agent stops the ranks again when a signal lands in its shutdown (``run``'s ``finally``):
