@@ -78,7 +78,7 @@ def prepare(cfg, train_recipe: Callable[[str, list[str]], int]) -> int | None:
             return code or 1
     out = export_dir(ckpt)
     if not (out / "config.json").is_file():
-        from qwenkit.engine import export  # the DCP read, only when exporting: the launcher's start stays light
+        from qwenkit.engine import export  # loads DCP: here only, the launcher stays light
 
         sft = qconfig.load(checkpoint_dir.run_config_path(ckpt))
         export.export(ckpt, out, sft, merge=True, overwrite=out.exists())

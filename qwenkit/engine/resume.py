@@ -212,11 +212,11 @@ def _state_problem(path: Path, saved: dict, now: dict) -> str | None:
                      for k2 in keys if saved[k].get(k2) != now[k].get(k2)]  # fmt: skip
         else:
             said.append(f"{k} saved {saved[k]!r}, now {now[k]!r}")
-    run = path.parent.parent
+    keys = ", ".join(k.replace("model.shape", "model.path") for k in differ)  # the shape is model.path's
     return (
         f"cannot resume checkpoint {str(path)!r}: it holds another model or objective than this run trains "
-        f"({'; '.join(said)}): set {', '.join(k.replace('model.shape', 'model.path') for k in differ)} back to continue that run; or start from its weights with "
-        f"model.init_from={str(run)!r} in another train.output_dir; or start fresh in another train.output_dir "
+        f"({'; '.join(said)}): set {keys} back to continue that run; or start from its weights with "
+        f"model.init_from={str(path.parent.parent)!r} in another train.output_dir; or start fresh in another train.output_dir "
         "(or here with train.resume=none train.resume_older=true, its checkpoints moved aside)"
     )
 
