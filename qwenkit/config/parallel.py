@@ -51,7 +51,7 @@ class ParallelConfig:
     rendezvous: Literal["auto", "static", "c10d"] = "auto"
     rdzv_id: str = ""  # c10d across nodes: the job's id, the same on every node ("": Slurm's job id / the PyTorchJob's rdzvId)
     # c10d: times the whole group is restarted after a rank fails (0: the scheduler's, e.g. PET_MAX_RESTARTS);
-    # each restart resumes from the newest complete checkpoint (set checkpoint.every to bound the lost steps)
+    # each restart resumes from the newest complete checkpoint (set checkpoint.every to bound the lost steps); at most MAX_RESTARTS
     max_restarts: int = 0
 
 
