@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -136,12 +137,52 @@ def test_user_metric_is_imported_and_reported_under_its_name(tmp_path, monkeypat
     sys.modules.pop("my_scores", None)
 
 
-def test_a_user_metric_that_returns_no_number_names_itself(tmp_path, monkeypatch):
-    (tmp_path / "bad_scores.py").write_text("def words(p, r):\n    return 'many'\n")
+@pytest.mark.parametrize("returned, said", [
+    ("'many'", "eval metric 'f' returned 'many' (str) on eval row 3; it must return a float"),
+    ("float('nan')", "eval metric 'f' returned nan on eval row 3; a score must be a finite number in [0, 1]"),
+    ("float('inf')", "eval metric 'f' returned inf on eval row 3; a score must be a finite number in [0, 1]"),
+    ("7.0", "eval metric 'f' returned 7.0 on eval row 3; a score must be a finite number in [0, 1]"),
+    ("-0.5", "eval metric 'f' returned -0.5 on eval row 3; a score must be a finite number in [0, 1]"),
+    ("None", "eval metric 'f' returned None (NoneType) on eval row 3; it must return a float"),
+    ("[1.0]", "eval metric 'f' returned [1.0] (list) on eval row 3; it must return a float"),
+    ("{}['key']", "eval metric 'f' raised KeyError: 'key' on eval row 3"),
+])  # fmt: skip
+def test_a_user_metric_that_fails_or_returns_no_score_is_named_with_the_row(tmp_path, monkeypatch, returned, said):
+    (tmp_path / "bad_scores.py").write_text(f"def f(p, r):\n    return {returned}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ValueError, match="'words' returned 'many'"):
-        answers.score(answers.resolve(["bad_scores:words"]), "a", "b")
     sys.modules.pop("bad_scores", None)
+    with pytest.raises(answers.UserFunctionError) as e:
+        answers.score(answers.resolve(["bad_scores:f"]), "a", "b", "eval row 3")
+    assert str(e.value) == said
+
+
+def test_numpy_and_torch_scalars_and_bools_are_scores():
+    import numpy as np
+    import torch
+
+    for value in (np.float32(1.0), np.float64(0.25), np.int64(1), np.bool_(True), True, 0, torch.tensor(0.5)):
+        assert answers.user_score(lambda p, r, v=value: v, "eval metric 'f'", "a row", "p", "r") == float(value)
+    # GRPO's rewards: any finite number, the same messages
+    assert answers.user_score(lambda: -3.5, "reward function 'r'", "rollout 1", bounds=None) == -3.5
+    with pytest.raises(answers.UserFunctionError, match=r"reward function 'r' returned nan on rollout 1; .* finite number$"):
+        answers.user_score(lambda: np.float32("nan"), "reward function 'r'", "rollout 1", bounds=None)
+
+
+@pytest.mark.parametrize("source, said", [
+    ("x = 1 / 0\n", "'broken_on_import:f' does not import (ZeroDivisionError: division by zero)"),
+    ("def f(p, r)\n    return 1.0\n", "'broken_on_import:f' does not import (SyntaxError: "),
+])  # fmt: skip
+def test_a_metric_module_that_fails_on_import_is_one_line_naming_it(tmp_path, monkeypatch, capsys, source, said):
+    from qwenkit import cli
+
+    (tmp_path / "broken_on_import.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("broken_on_import", None)
+    with pytest.raises(qconfig.ConfigError, match=re.escape(f"train.eval_metrics: {said}")):
+        qconfig.load(overrides=["train.eval_metrics=[broken_on_import:f]"])
+    assert cli.main(["eval", str(tmp_path), "--metric", "broken_on_import:f"]) == 2
+    err = capsys.readouterr().err
+    assert f"qwenkit eval: --metric: {said}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_eval_settings_are_checked():

@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,8 @@ def test_unknown_section():
         ("loss.chunk_size=big", r"loss\.chunk_size: got 'big', expected int or one of 'auto'"),
         ("model.dtype=fp8", r"model\.dtype: got 'fp8', expected one of 'float32'"),
         ("model.freeze=model.visual", r"model\.freeze: got 'model.visual', expected a list of str"),
+        # the key as typed, not the field behind it (async is a Python keyword: the field is async_save)
+        ("checkpoint.async=maybe", r"checkpoint\.async: got 'maybe', expected bool"),
     ],
 )
 def test_wrong_types_name_key_and_value(override, pattern):
@@ -59,11 +62,19 @@ def test_wrong_types_name_key_and_value(override, pattern):
         ("data.verify_images=decode", r"data\.verify_images: got 'decode'"),
         ("data.fingerprint=mtime", r"data\.fingerprint: got 'mtime'"),
         ("train.betas=[0.9]", r"train\.betas must be two numbers"),
+        ("parallel.max_restarts=99999999999", r"parallel\.max_restarts must be in \[0, 100\], got 99999999999"),
     ],
 )
 def test_out_of_range(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         config.load(overrides=[override])
+
+
+def test_one_setting_under_its_two_names_is_refused():
+    message = "checkpoint.async and checkpoint.async_save are one setting, given twice: keep checkpoint.async"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.load(overrides=["checkpoint.async=true", "checkpoint.async_save=false"])
+    assert config.load(overrides=["checkpoint.async=true"]).checkpoint.async_save is True
 
 
 @pytest.mark.parametrize("chunk", ["true", "false"])
@@ -272,11 +283,11 @@ def test_typed_values_reach_qwenkit_train(tmp_path, monkeypatch, capsys):
     """Through the CLI: the override strings a shell passes, checked before any process starts."""
     from qwenkit import cli
 
-    started = []
-    monkeypatch.setattr("qwenkit.launch.spawn", lambda cmd, *a, **k: started.append(cmd) or 0)
+    started = []  # what the ranks would read: the file after --config (config.yaml is rank 0's to write)
+    monkeypatch.setattr("qwenkit.launch.spawn", lambda cmd, *a, **k: started.append(config.load(cmd[cmd.index("--config") + 1])) or 0)
     out = tmp_path / "run"
     assert cli.main(["train", "train.lr=1e-4", "model.fused_ops=off", f"train.output_dir={out}"]) == 0, capsys.readouterr().err
-    written = config.load(out / "config.yaml")
+    written = started[0]
     assert written.train.lr == 1e-4 and written.model.fused_ops == "off"
     assert cli.main(["train", "train.output_dir="]) == 2
     assert "train.output_dir must name a directory" in capsys.readouterr().err

@@ -322,6 +322,15 @@ def test_eval_arguments_are_checked_before_any_rank_starts(capsys, tmp_path):
     assert "no such run, checkpoint or export" in capsys.readouterr().err
 
 
+def test_qwenkit_eval_of_a_dpo_run_refuses_metric_it_cannot_score():
+    """A dpo run is evaluated on pairs, nothing generated: ``--metric`` is refused in one line (it was ignored);
+    ``--samples`` takes the first pairs (tests/test_preference_train.py, on a trained run)."""
+    cfg = qconfig.load(overrides=["train.objective=dpo"])
+    args = argparse.Namespace(metric=["exact"], data=None, samples=None)
+    with pytest.raises(ValueError, match=r"--metric exact: a dpo run is evaluated on its held-out pairs .* leave --metric out"):
+        evaluate._evaluate(args, None, None, cfg, "run", 0, 1, "cpu")
+
+
 def test_resume_keeps_the_eval_schedule(tmp_path):
     common = BASE + ["train.steps=4", "train.eval_every=3", "train.eval_samples=0", "checkpoint.every=1"]
     whole = train.Trainer(qconfig.load(overrides=common + [f"train.output_dir={tmp_path / 'whole'}"]))

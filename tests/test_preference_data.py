@@ -131,6 +131,35 @@ def test_a_pair_with_one_bad_side_is_dropped_whole_and_named(media, processor):
     assert len(bundle.dataset) == 2 and bundle.report.skipped == 1
 
 
+def test_bad_pairs_are_counted_once_as_pairs_and_equal_sides_are_bad(media, processor, capsys):
+    """Ten pairs, three bad (a malformed row: both sides; an empty rejected reply: one side; chosen ==
+    rejected): 3 of 10 pairs, over a data.max_bad_fraction of 0.2 (counted per side it was 3 of 20, under);
+    data check lists each once, and the messages say pairs."""
+    from qwenkit.data import check
+
+    good = [dict(ROWS["swift"], messages=[{"role": "user", "content": f"<image>Question {k}?"},
+                                          {"role": "assistant", "content": GOOD}]) for k in range(7)]  # fmt: skip
+    rows = [*good, {"prompt": Q, "chosen": 3, "rejected": BAD}, dict(ROWS["swift"], rejected_response=""),
+            dict(ROWS["trl_plain"], rejected=GOOD)]  # fmt: skip
+    path = _write(media, rows)
+    with pytest.raises(ValueError, match=r"^3 of 10 pairs \(30\.0%\) are bad, more than data\.max_bad_fraction=0\.2"):
+        qdata.build(_cfg(media, path, **{"data.max_bad_fraction": 0.2}), processor)
+    bundle = qdata.build(_cfg(media, path, **{"data.max_bad_fraction": 0.3}), processor)
+    assert (bundle.report.skipped, bundle.report.total, len(bundle.dataset)) == (3, 10, 7)
+    assert bundle.report.by_reason == {"bad_format": 1, "empty_reply": 1, "same_replies": 1}
+    with pytest.raises(ValueError, match="the dataset has 7 usable pairs, fewer than one global batch"):
+        qdata.build(_cfg(media, path, **{"data.max_bad_fraction": 0.3, "train.micro_batch_size": 8}), processor)
+    cfg = _cfg(media, path)
+    assert check.check(cfg) == 1
+    out = capsys.readouterr().out
+    listed = out[out.index("bad pairs:\n"):].splitlines()[1:4]
+    assert [line.split(": ")[1:3] for line in listed] == [
+        ["row 7 (line 8)", "bad_format"], ["row 8 (line 9)", "empty_reply"], ["row 9 (line 10)", "same_replies"]
+    ]  # fmt: skip
+    assert "pairs: 7 good, 3 bad, 10 preference rows read" in out and "FAILED: 3 bad pairs" in out
+    assert out.count("row 7 (line 8)") == 1
+
+
 def test_the_sampler_never_splits_a_pair_across_micro_batches_or_ranks(media, processor):
     """Each pair is one sampler index; every rank's micro-batch holds whole pairs (chosen i, rejected P+i)."""
     rows = [dict(ROWS["swift"], messages=[{"role": "user", "content": f"<image>Question {k}?"},
@@ -176,7 +205,7 @@ def test_data_check_reports_pairs_layouts_and_refused_rows(tmp_path, tiny_path, 
     cfg.data.path = str(path)
     assert check.check(cfg) == 1
     out = capsys.readouterr().out
-    assert "pairs: 2 usable of 4 preference rows (2 refused" in out
+    assert "pairs: 2 good, 2 bad, 4 preference rows read" in out and "FAILED: 2 bad pairs" in out
     assert "pair layouts: trl 2, none (refused) 1, swift 1" in out
     assert f"{path}: row 2 (line 3): bad_format: preference row: a plain (string) prompt takes string replies" in out
     assert f"{path}: row 3 (line 4): bad_format: preference row: no preference layout has the keys ['foo']" in out

@@ -286,6 +286,8 @@ def test_the_resumed_run_exports_to_hf_and_qwenkit_eval_prints_the_trainers_eval
     for key, value in logged.items():
         if key != "step":  # printed to 4 decimals; fp32 sums of other shapes below that
             assert float(printed[key]) == pytest.approx(value, abs=1.5e-4), key
+    first = _qwenkit("eval", str(run), "--samples", "2")  # the first pairs only (the option was ignored)
+    assert first.returncode == 0 and "pairs: 2" in first.stdout, first.stderr
 
 
 def _model_cfg(**kw):
