@@ -13,6 +13,7 @@ from conftest import FAMILIES
 
 from qwenkit import config as qconfig
 from qwenkit import launch
+from qwenkit.engine import prespawn
 from qwenkit.model import family as families
 from qwenkit.model import registry
 
@@ -52,7 +53,7 @@ def test_unset_module_patterns_are_the_familys_units(name):
     assert families.units(model, "shard_patterns", "auto") == list(family.shard_units)
     assert families.units(model, "recompute", "auto") == list(family.recompute_units)
     assert families.units(model, "recompute", []) == []  # recompute stays off unless asked
-    assert launch.check_module_paths(cfg) == []  # every unit names modules of the family's tree
+    assert prespawn.check_module_paths(cfg) == []  # every unit names modules of the family's tree
 
 
 def test_params_files_do_not_copy_the_familys_units():
