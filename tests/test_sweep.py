@@ -1,7 +1,7 @@
 """``qwenkit sweep``: the sweep file and its validation, device slots, and real sweeps of the tiny
 model on one rank: a trial the launcher refuses, a trial whose rank is killed and then the sweep
 killed in the middle, both resumed (the trial's losses against an uninterrupted trial of the same
-training), and MLflow beside the JSONL. A rank's own failure report: tests/test_events.py."""
+training), and MLflow beside the JSONL. A rank's own failure report: tests/engine/test_events.py."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ def _train_step_benchmark():
     import sys
     from pathlib import Path
 
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
     sys.path.insert(0, str(bench))  # the script imports its sibling synthetic.py
     try:
         spec = importlib.util.spec_from_file_location("train_step_benchmark", bench / "train_step.py")
@@ -131,7 +131,7 @@ def test_train_step_benchmark_measures_the_peak_in_each_worker(tmp_path):
 
     from multiproc import scaled
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "rows.jsonl"
     proc = subprocess.run(
         [sys.executable, "benchmarks/train_step.py", "--shapes", "tiny", "--steps", "1", "--warmup", "0",

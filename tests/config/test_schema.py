@@ -187,7 +187,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_every_params_file_loads():
-    files = sorted(Path(__file__).parent.parent.glob("params/*.yaml"))
+    files = sorted(Path(__file__).parents[2].glob("params/*.yaml"))
     for f in files:
         config.load(f)
 

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 from multiproc import scaled
-from test_data_cache import data_cfg, write_set
 
+from data.test_cache import data_cfg, write_set
 from qwenkit.data import cache, read_dataset, reader
 from qwenkit.data.index import SampleIndex
 from qwenkit.model.paths import load_processor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------

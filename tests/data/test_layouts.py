@@ -29,7 +29,7 @@ from qwenkit.data.images import MediaRef, load
 from qwenkit.data.video import VideoMeta, probe
 from qwenkit.engine import events
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

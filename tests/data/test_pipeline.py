@@ -1,8 +1,8 @@
 """Data pipeline: the real mllm_demo set end to end, the qwen2vl template against HF's chat
 template, image grids against the image processor, every accepted input layout.
 
-Bad-input cases live in test_data_bad.py, the resumable order in test_data_sampler.py, the
-collator's padding in test_collator.py, system prompts and truncation in test_template.py.
+Bad-input cases live in data/test_report.py, the resumable order in data/test_sampler.py, the
+collator's padding in data/test_collator.py, system prompts and truncation in data/test_template.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from qwenkit.data.images import predict_grid
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
-MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
+MLLM_DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
 needs_demo = pytest.mark.skipif(
     not MLLM_DEMO.is_file(), reason="the mllm_demo dataset is not on this machine"
 )

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import re
 
-from test_data_cache import CORRUPT_ROW, write_set
-
+from data.test_cache import CORRUPT_ROW, write_set
 from qwenkit.cli import main as cli_main
 
 

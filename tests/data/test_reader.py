@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_cfg, write_png
-from test_data_layouts import cases
 
+from data.test_layouts import cases
 from qwenkit.data import read_dataset, reader
 from qwenkit.data.dataset import EncodedDataset, row_ranges, scan_rows
 from qwenkit.data.reader import JsonSource
 from qwenkit.data.report import Location
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ODD_ROWS = [
     {"messages": [{"role": "user", "content": 'say "hi" \\ then \u00e9\u4e2d\U0001f600'}], "n": 12345},
     {"a": [1, 2.5e-3, -7, True, None, {"b": ']}\\\\\\"'}], "s": "x" * 40},

@@ -17,7 +17,7 @@ from qwenkit import config as qconfig
 from qwenkit.cli import main as cli_main
 from qwenkit.data import BadSample, build, read_dataset
 
-MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
+MLLM_DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout
 
 
 def good_row(image: str | None = "ok.png") -> dict:

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import build_model, make_batch, tiny_checkpoint
+from data.test_packing import samples_of
+from model.test_chunked import _video_batch
 from multiproc import check_ranks, free_port
-from test_model import _video_batch
-from test_packing import samples_of
 
 from qwenkit import config as qconfig
 from qwenkit.data.collator import Collator
@@ -290,7 +290,7 @@ def test_heads_not_divisible_are_refused():
 # ---------------------------------------------------------------------------------------------
 # qwenkit train with parallel.sp_size (tests/test_launch.py style: torchrun, gloo ranks)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ["train.steps=4", "data.tiny_samples=32", "data.tiny_eval_samples=6", "train.eval_every=2",
        "train.eval_accuracy_every=4", "train.eval_samples=2", "checkpoint.every=2", "train.resume=auto",
        "parallel.allow_oversubscribe=true"]  # 4 CPU ranks on a 2-core machine: slow, not wrong  # fmt: skip
@@ -315,7 +315,7 @@ def _metrics(out):
 def cli_runs(tmp_path_factory, tiny_path):
     tmp = tmp_path_factory.mktemp("sp_cli")
     # DP 2 x SP 2 on 4 ranks, on an HSDP mesh (2 replicas x 2 shards) across the two SP groups where
-    # this torch's gloo has one; FSDP sharding over 4 ranks alone is tests/test_checkpoint.py's W4
+    # this torch's gloo has one; FSDP sharding over 4 ranks alone is tests/engine/test_checkpoint.py's W4
     gloo_hsdp = qconfig.load(overrides=["parallel.hsdp_replicas=2", "parallel.backend=gloo"]).parallel
     hsdp = [] if fsdp.hsdp_problem(gloo_hsdp) else ["parallel.hsdp_replicas=2"]
     runs = {
@@ -325,7 +325,7 @@ def cli_runs(tmp_path_factory, tiny_path):
         "dp2_sp2": _train(tmp / "dp2_sp2", 4, "parallel.sp_size=2", "train.micro_batch_size=4", *hsdp),
     }
     # sp2 stopped after step 2 and resumed, in one start of the 2 ranks: the trainer's SP checkpoint and
-    # data position (the command line's stop, exit 75 and resume=auto: tests/test_resume.py's stop_after loop)
+    # data position (the command line's stop, exit 75 and resume=auto: tests/engine/test_resume.py's stop_after loop)
     check_ranks(_stop_and_resume, 2, tmp / "resumed", timeout=600)
     runs["resumed"] = _metrics(tmp / "resumed")
     runs["resumed"]["resumed_from"] = events.resumed_step(events.read(tmp / "resumed"))

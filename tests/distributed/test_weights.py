@@ -1,6 +1,6 @@
 """qwenkit.distributed.weights: checkpoint names in both Qwen2.5-VL layouts map to the model's keys; the
 rows read from the safetensors files are ``from_pretrained``'s tensors; a shape or a tensor the model
-needs and the files lack is named (file, key); one process (the 2-rank sharded read: test_fsdp.py)."""
+needs and the files lack is named (file, key); one process (the 2-rank sharded read: distributed/test_fsdp.py)."""
 
 from __future__ import annotations
 

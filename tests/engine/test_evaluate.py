@@ -149,7 +149,7 @@ def _eval_worker(rank, out):
     evaluate.Evaluator(gather, ev.dataset, ev.collator, rank, 2, ev.device, out / "gather").accuracy(2, trainer.model)
     # then, in the same ranks, no training: the same random weights on both, the mixed held-out
     # set (images, a video, text only, prompts of different lengths), each rank its share in batches of 2
-    from test_generate import NEW_TOKENS
+    from engine.test_generate import NEW_TOKENS
 
     processor = Processor.from_pretrained(out / "tiny")
     dataset, _ = data.read_checked(MIXED.data, processor, str(out / "mixed" / "eval.json"), rank, 2)
@@ -185,7 +185,7 @@ LOCKSTEP_ROWS = [4, 3, 5]  # shares: rank 0 [4, 5] (two images; a video), rank 1
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, tiny_path, processor):
-    from test_generate import write_mixed_eval_set
+    from engine.test_generate import write_mixed_eval_set
 
     out = tmp_path_factory.mktemp("eval")
     (out / "mixed").mkdir()
@@ -240,7 +240,7 @@ def test_generation_under_fsdp_equals_generation_from_the_export(two_ranks, tmp_
 
 @pytest.mark.slow
 def test_sharded_batched_generation_equals_one_row_on_one_process(two_ranks, processor):
-    from test_generate import NEW_TOKENS, todays_replies
+    from engine.test_generate import NEW_TOKENS, todays_replies
 
     dataset, _ = data.read_checked(MIXED.data, processor, str(two_ranks / "mixed" / "eval.json"))
     rows = qgen.read_jsonl(two_ranks / "mixed.jsonl")
@@ -258,7 +258,7 @@ def test_lockstep_generation_on_two_ranks_equals_one_row_on_one_process(two_rank
     """The sharded model stepped by both ranks together (HF's synced_gpus, idle vision calls on
     the rank without images, a dummy call on the rank with fewer batches) gives every row's
     one-row greedy tokens of one process, in row order, in batches of 1 and of 2."""
-    from test_generate import NEW_TOKENS, todays_replies
+    from engine.test_generate import NEW_TOKENS, todays_replies
 
     dataset, _ = data.read_checked(MIXED.data, processor, str(two_ranks / "mixed" / "eval.json"))
     shares = [qgen.share(LOCKSTEP_ROWS, rank, 2) for rank in (0, 1)]

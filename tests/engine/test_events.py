@@ -18,7 +18,7 @@ from qwenkit import config as qconfig
 from qwenkit import launch, records
 from qwenkit.engine import events, metrics, train
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = ["train.resume=none", "data.tiny_samples=16", "data.tiny_eval_samples=0", "train.micro_batch_size=2",
         "train.steps=4", "checkpoint.every=2", "train.log_every=1"]  # fmt: skip

@@ -36,7 +36,7 @@ from qwenkit.model import family as families
 from qwenkit.model.paths import load_processor, resolve_path
 from qwenkit.model.processor import ImageProcessor, pixel_bounds
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # the run's bounds: 300x168 is 50 image tokens here, 10 under the tiny base's 3136..12544 and
 # 66 under the config defaults (3136..200704)
 RUN = ["data.min_pixels=6272", "data.max_pixels=50176", "train.steps=1", "data.tiny_samples=4", "data.tiny_eval_samples=2",

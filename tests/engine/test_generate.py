@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 import torch
-from test_model import _video_batch
+from model.test_chunked import _video_batch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit.model import processor, qwen2_5_vl

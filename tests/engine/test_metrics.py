@@ -1,6 +1,6 @@
 """qwenkit.engine.metrics: what a rank's writer puts in its JSONL (long format, units, the rank), how a resumed
 run's repeated step and a half-written last line read back, and a run's headline numbers (``final_metrics``)
-against the same numbers computed by hand from the rows written. The trackers: test_trackers.py."""
+against the same numbers computed by hand from the rows written. The trackers: engine/test_trackers.py."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import EVERY_FAMILY
+from model.test_chunked import _video_batch
 from multiproc import check_ranks, free_port, scaled
-from test_model import _video_batch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
@@ -30,7 +30,7 @@ from qwenkit.model import lora, registry
 from qwenkit.model.loss import full_sequence_logps
 from qwenkit.sweep import file as sweep_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # max_grad_norm=0: compare the updates themselves, not clipping (whose norm is an all-reduce)
 BASE = ["train.objective=dpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", "train.steps=3",
         "train.resume=none", "train.max_grad_norm=0", "train.lr=0.01", "train.warmup_steps=0"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The training loop: a NaN stops the step before the update, the profiler window (the LR schedule: test_optim.py)."""
+"""The training loop: a NaN stops the step before the update, the profiler window (the LR schedule: engine/test_optim.py)."""
 
 from __future__ import annotations
 

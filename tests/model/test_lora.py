@@ -27,7 +27,7 @@ from qwenkit.model import family as families
 from qwenkit.model import lora, registry
 from qwenkit.model import loss as qloss
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks run in another order
 LORA = ["lora.r=4", "lora.alpha=8", "lora.modules_to_save=[model.visual.merger]"]
 LR, STEPS = 1e-2, 3
@@ -53,7 +53,7 @@ RUNS_2["bf16"] = LORA + ["parallel.param_dtype=bfloat16", "parallel.reduce_dtype
 RUNS_2["hsdp"] = LORA + ["parallel.hsdp_replicas=2"]  # mesh (2 replicas, 1 shard)
 if fsdp.hsdp_problem(qconfig.load(overrides=["parallel.hsdp_replicas=2", "parallel.backend=gloo"]).parallel):
     del RUNS_2["hsdp"], REFERENCE["hsdp"]  # torch < 2.8: the launcher refuses HSDP on gloo
-# bf16 compute against the fp32 reference: 8 bits of mantissa (relative 4e-3 per op), as tests/test_fsdp.py
+# bf16 compute against the fp32 reference: 8 bits of mantissa (relative 4e-3 per op), as tests/distributed/test_fsdp.py
 TOLERANCE = {"bf16": dict(rtol=2e-2, atol=2e-2)}
 # bf16 weights: AdamW moves an element by up to ~lr per step whatever its gradient's size, so
 # where bf16 noise flips the sign of a tiny gradient two runs part by up to 2 x lr per step
@@ -357,7 +357,7 @@ def _qwenkit(*args, timeout=300):
 @pytest.mark.slow
 def test_qwenkit_train_lora_export_and_eval(tmp_path, capsys):
     """``qwenkit train`` in a process of its own (2 ranks); ``export`` and ``eval`` through the same
-    entry point in this one (their own process boundary: tests/test_evaluate.py, tests/test_launch.py)."""
+    entry point in this one (their own process boundary: tests/engine/test_evaluate.py, tests/test_launch.py)."""
     from qwenkit import cli
 
     out = tmp_path / "run"

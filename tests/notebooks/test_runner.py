@@ -10,7 +10,7 @@ import pytest
 from qwenkit import cli
 from qwenkit.notebooks import kernel, runner, widgets
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NBS = [Path(f"/x/notebooks/{n}.ipynb") for n in ("01_data_prep", "02_sharded_training", "03_chunk_loss_validation")]
 
 

@@ -12,7 +12,7 @@ from qwenkit.data.check import percentiles
 from qwenkit.model.paths import load_processor
 from qwenkit.notebooks import samples
 
-MLLM_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"
+MLLM_DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"
 
 
 def test_segments_group_tokens_by_what_the_loss_does_with_them(processor):
