@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import EVERY_FAMILY
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -457,3 +458,39 @@ def test_sequence_logps_build_no_full_logits():
         got, _ = sequence_logps(hidden, weight, labels, chunk_size=16)
         got.sum().backward()
     assert max(sizes) < 2 * 64 * 512  # never [B, S, V]: at most one [16, V] chunk or grad W [V, H]
+
+
+# ---------------------------------------------------------------------------------------------
+# Each family's own head: its final hidden states, its lm_head, the labels of a batch with images
+
+
+@EVERY_FAMILY
+def test_each_familys_head_equals_hf_and_trl_on_its_hidden_states(make_model, batch_factory):
+    """The kernel on what it gets in training, per family: the backbone's final (normed) hidden
+    states of a batch with image spans, and the family's lm_head at its own vocabulary and width.
+    References: HF's ForCausalLMLoss (token_mean), :func:`full_cross_entropy` (sample_mean) and
+    TRL's full-logits log-probs (per sequence), each with the gradients of hidden and weight."""
+    model = make_model(chunk=False, seed=5)
+    batch = batch_factory(images_per_sample=(1, 0, 2))
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+    handle.remove()
+    hidden = seen[0].requires_grad_()  # [B, S, H]
+    weight = model.lm_head.weight.detach().clone().requires_grad_()  # [V, H]
+    labels = batch["labels"]
+    assert (labels != IGNORE_INDEX).any() and (labels == IGNORE_INDEX).any()  # image and pad positions ignored
+    per_sequence = torch.tensor([0.5, -1.0, 2.0])  # DPO weighs each sequence's log-prob differently
+    checks = [  # (reference on full logits [B, S, V], chunked)
+        (ForCausalLMLoss(hidden @ weight.T, labels, vocab_size=weight.shape[0]),
+         chunked_linear_cross_entropy(hidden, weight, labels, "token_mean", chunk_size=7)),
+        (full_cross_entropy(hidden @ weight.T, labels, "sample_mean"),
+         chunked_linear_cross_entropy(hidden, weight, labels, "sample_mean", chunk_size=13)),
+        ((full_sequence_logps(hidden @ weight.T, labels)[0] * per_sequence).sum(),
+         (sequence_logps(hidden, weight, labels, chunk_size=11)[0] * per_sequence).sum()),
+    ]  # fmt: skip
+    for ref, got in checks:
+        torch.testing.assert_close(got, ref, **FP32)
+        for a, b in zip(_grads(got, hidden, weight), _grads(ref, hidden, weight)):
+            torch.testing.assert_close(a, b, **FP32)
