@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_adamw_weights_close
+from conftest import FAMILIES, assert_adamw_weights_close, tiny_checkpoint
 from multiproc import check_ranks, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from qwenkit import config as qconfig
 from qwenkit.distributed import fsdp
 from qwenkit.engine import train
+from qwenkit.model import family as families
 from qwenkit.model.modules import module_path
 from qwenkit.model.tiny import ensure_checkpoint
 
@@ -52,8 +53,15 @@ RUNS_2 = {
 }
 if fsdp.hsdp_problem(qconfig.load(overrides=["parallel.hsdp_replicas=2", "parallel.backend=gloo"]).parallel):
     del RUNS_2["hsdp"]  # torch < 2.8: the launcher refuses HSDP on gloo (tests/test_launch.py)
-RUNS_1 = {"plain": [], "tied": ["model.tie_word_embeddings=true"]}
-REFERENCE = {name: "tied" if name == "tied" else "plain" for name in RUNS_2}
+# every other family: its tiny model sharded by its own units, each against its own one-process run
+OTHER_FAMILIES = {
+    name: [f"model.name={name}", f"parallel.shard_patterns=[{', '.join(families.get(name).shard_units)}]"]
+    for name in FAMILIES
+    if name != "qwen2_5_vl"
+}
+RUNS_2 |= OTHER_FAMILIES
+RUNS_1 = {"plain": [], "tied": ["model.tie_word_embeddings=true"], **OTHER_FAMILIES}
+REFERENCE = {name: name if name in RUNS_1 else "plain" for name in RUNS_2}
 # bf16 compute against the fp32 reference: bf16 keeps 8 bits of mantissa (relative 4e-3 per op)
 TOLERANCE = {"bf16": dict(rtol=2e-2, atol=2e-2)}
 
@@ -77,6 +85,8 @@ def _train_runs(rank, out, runs, grad_accum):
 def runs(tmp_path_factory, tiny_path):
     # The tiny checkpoints are written once here, as the launcher does, so the ranks only read them.
     ensure_checkpoint(tie_word_embeddings=True)
+    for name in OTHER_FAMILIES:
+        tiny_checkpoint(name)
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     check_ranks(_train_runs, 1, one, RUNS_1, 2)
     check_ranks(_train_runs, 2, two, RUNS_2, 1)
