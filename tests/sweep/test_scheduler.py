@@ -1,7 +1,7 @@
-"""``qwenkit sweep``: the sweep file and its validation, device slots, and real sweeps of the tiny
-model on one rank: a trial the launcher refuses, a trial whose rank is killed and then the sweep
-killed in the middle, both resumed (the trial's losses against an uninterrupted trial of the same
-training), and MLflow beside the JSONL. A rank's own failure report: tests/engine/test_events.py."""
+"""qwenkit.sweep.scheduler (``qwenkit sweep run``): device slots, and real sweeps of the tiny model on
+one rank: a trial the launcher refuses, a trial whose rank is killed and then the sweep killed in the
+middle, both resumed (the trial's losses against an uninterrupted trial of the same training), and
+MLflow beside the JSONL. A rank's own failure report: tests/engine/test_events.py."""
 
 from __future__ import annotations
 
@@ -14,101 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from qwenkit import config as qconfig
 from qwenkit import sweep
 from qwenkit.engine import events, metrics
 from qwenkit.sweep import ledger
-
-ROOT = Path(__file__).resolve().parent.parent
-# 1 rank, a few steps of 4 rows, a 4-row eval set (2 of them generated for accuracy)
-SMALL = ["parallel.nproc=1", "train.steps=4", "train.micro_batch_size=4", "data.tiny_samples=16",
-         "data.tiny_eval_samples=4", "train.eval_samples=2", "train.eval_every=0", "train.eval_accuracy_every=0",
-         "checkpoint.every=0", "train.warmup_steps=1"]  # fmt: skip
-
-
-def _write(tmp_path, **spec) -> Path:
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"base": str(ROOT / "params" / "tiny_cpu.yaml"), "overrides": SMALL, **spec}))
-    return path
-
-
-def _qwenkit(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "qwenkit.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# The sweep file
-
-
-def test_trials_are_override_sets_times_grid_times_seeds(tmp_path):
-    s = sweep.load(_write(tmp_path, trials=[{"loss.chunk": True}, ["loss.chunk=false"]],
-                          grid={"train.lr": [0.001, 0.003]}, seeds=[1, 2]), tmp_path / "out")  # fmt: skip
-    assert len(s.trials) == 2 * 2 * 2
-    assert [t.name for t in s.trials[:4]] == ["chunkTrue-lr0.001-seed1", "chunkTrue-lr0.001-seed2",
-                                              "chunkTrue-lr0.003-seed1", "chunkTrue-lr0.003-seed2"]  # fmt: skip
-    t = s.trials[5]
-    assert t.varied == {"loss.chunk": False, "train.lr": 0.001, "train.seed": 2}
-    assert (t.cfg.loss.chunk, t.cfg.train.lr, t.cfg.train.seed, t.cfg.train.steps) == (False, 0.001, 2, 4)
-    assert t.output_dir == (tmp_path / "out" / t.name).resolve() and t.cfg.train.resume == "auto"
-    assert s.varied_keys == ["loss.chunk", "train.lr", "train.seed"]
-
-
-@pytest.mark.parametrize("value", [0.003, 1e-05, True, "x y", [1, 2], None])
-def test_override_text_parses_back_to_the_value(value):
-    key, text = sweep.override_text("a.b", value).split("=", 1)
-    assert yaml.safe_load(text) == value
-
-
-def test_sweep_files_are_read_as_configs_are(tmp_path):
-    # YAML 1.1 (yaml.safe_load) reads `off` as False and `1e-4` as a string; the config loader does not
-    path = tmp_path / "sweep.yaml"
-    path.write_text(f"base: {ROOT / 'params' / 'tiny_cpu.yaml'}\noverrides: [{', '.join(SMALL)}]\n"
-                    "grid: {model.fused_ops: [off], train.lr: [1e-4]}\ntrials: [[train.warmup_steps=off]]\n")
-    with pytest.raises(sweep.SweepError, match="train.warmup_steps"):  # an int field: `off` stays a string
-        sweep.load(path, tmp_path / "out")
-    path.write_text(path.read_text().replace("trials: [[train.warmup_steps=off]]", "trials: [[loss.chunk=off]]"))
-    (t,) = sweep.load(path, tmp_path / "out").trials
-    assert (t.cfg.model.fused_ops, t.cfg.train.lr, t.cfg.loss.chunk) == ("off", 1e-4, False)
-    assert t.varied == {"loss.chunk": "off", "model.fused_ops": "off", "train.lr": 1e-4}
-
-
-def test_names_keep_keys_apart_when_their_last_parts_clash():
-    assert sweep.trial_name({"train.lr": 0.003, "train.seed": 1}) == "lr0.003-seed1"
-    assert sweep.trial_name({"a.r": 1, "b.r": 2}) == "a_r1-b_r2"
-    assert sweep.trial_name({"model.freeze": ["model.visual"]}) == "freezemodel.visual"
-    assert sweep.trial_name({}) == "base"
-
-
-def test_a_bad_value_in_one_trial_fails_the_sweep_before_any_run(tmp_path, tiny_path):  # tiny_path: the checkpoint is written, its progress bar is not in stderr
-    path = _write(tmp_path, trials=[{"train.lr": 0.001}, {"train.lr": 0.002}, {"train.warmup_steps": -1}])
-    out = tmp_path / "out"
-    proc = _qwenkit("sweep", "run", str(path), "--out", str(out))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "trial 3 (warmup_steps-1)" in lines[0] and "train.warmup_steps must be >= 0" in lines[0]
-    assert not out.exists()  # nothing ran, nothing was written
-
-
-def test_an_unknown_key_names_the_trial_and_the_key(tmp_path, tiny_path):
-    with pytest.raises(sweep.SweepError, match=r"trial 2 \(lrr0.1\): unknown key 'train.lrr'; did you mean 'train.lr'"):
-        sweep.load(_write(tmp_path, trials=[{"train.lr": 0.1}, {"train.lrr": 0.1}]), tmp_path / "out")
-    with pytest.raises(sweep.SweepError, match="unknown key 'grids'"):
-        sweep.load(_write(tmp_path, grids={"train.lr": [1]}), tmp_path / "out")
-    with pytest.raises(sweep.SweepError, match="seeds must be a non-empty list of integers"):
-        sweep.load(_write(tmp_path, seeds=["1"]), tmp_path / "out")
-    with pytest.raises(sweep.SweepError, match="trials 1 and 2 are both 'lr0.1'"):
-        sweep.load(_write(tmp_path, trials=[{"train.lr": 0.1}, {"train.lr": 0.1}]), tmp_path / "out")
-
-
-def test_a_trial_folder_run_with_another_config_is_refused(tmp_path):
-    s = sweep.load(_write(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")
-    qconfig.write_config(s.trials[0].cfg, s.trials[0].output_dir)
-    sweep.load(_write(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")  # the same config: fine
-    with pytest.raises(sweep.SweepError, match="was run with another config"):
-        sweep.load(_write(tmp_path, grid={"train.lr": [0.001]}, overrides=[*SMALL, "train.steps=5"]), tmp_path / "out")
+from sweep.sweeps import ROOT, SMALL, run_qwenkit, write_sweep
 
 
 def test_device_slots_split_the_visible_devices():
@@ -122,32 +33,9 @@ def test_device_slots_split_the_visible_devices():
 
 def test_parallel_on_cpu_is_refused_unless_asked(tmp_path, tiny_path):
     # tiny_path: the tiny checkpoint already written (its first write draws a progress bar on stderr)
-    proc = _qwenkit("sweep", "run", str(_write(tmp_path, grid={"train.lr": [0.001, 0.002]})), "--out",
+    proc = run_qwenkit("sweep", "run", str(write_sweep(tmp_path, grid={"train.lr": [0.001, 0.002]})), "--out",
                     str(tmp_path / "out"), "--parallel", "2")  # fmt: skip
     assert proc.returncode == 2 and "--cpu-parallel" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-
-
-def test_terminal_progress_redraws_one_line_per_trial():
-    import io
-
-    trial = sweep.Trial(2, "lr0.003", {"train.lr": 0.003}, ["train.lr=0.003"], qconfig.Config())
-    stream = io.StringIO()
-    view = sweep.TerminalProgress(3, stream, live=True)
-    view.start(trial, "starting")
-    view.event(trial, {"event": "step", "step": 1, "steps": 4, "loss": 6.01, "tokens_per_s": 812.2})
-    view.event(trial, {"event": "checkpoint", "step": 1, "path": "x"})  # not a step: no redraw
-    view.event(trial, {"event": "step", "step": 2, "steps": 4, "loss": 5.9, "tokens_per_s": 830.0})
-    view.end(trial, {"status": "done", "metrics": {"loss": 5.8, "wall_time": 12.0}})
-    text = stream.getvalue()
-    assert text.count("\n") == 1 and text.count("\r") == 4  # one line, redrawn in place
-    assert "[2/3] lr0.003: step 2/4  loss 5.9000  830 tok/s  ETA" in text
-    assert text.rstrip().endswith("[2/3] lr0.003: done in 12 s: loss 5.8")
-    quiet = io.StringIO()
-    view = sweep.TerminalProgress(3, quiet, live=False)  # not a terminal: the result line only
-    view.start(trial, "starting")
-    view.event(trial, {"event": "step", "step": 1, "steps": 4, "loss": 6.01, "tokens_per_s": 812.2})
-    view.end(trial, {"status": "failed", "exit_code": 1, "error": "boom", "metrics": {}})
-    assert quiet.getvalue() == "[2/3] lr0.003: failed, exit code 1: boom\n"
 
 
 def test_report_to_mlflow_is_refused_when_mlflow_is_missing(monkeypatch):
@@ -156,11 +44,6 @@ def test_report_to_mlflow_is_refused_when_mlflow_is_missing(monkeypatch):
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     with pytest.raises(qconfig.ConfigError, match="train.report_to: mlflow needs the mlflow package"):
         qconfig.load(overrides=["train.report_to=[mlflow]"])
-
-
-def test_status_of_a_folder_without_a_ledger_is_a_user_error(tmp_path):
-    proc = _qwenkit("sweep", "status", str(tmp_path))
-    assert proc.returncode == 2 and "sweep.jsonl does not exist" in proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +55,7 @@ def test_a_trial_the_launcher_refuses_is_recorded_with_its_reason(tmp_path, caps
     # the data file is there when the sweep checks its trials and gone when the trial starts
     data = tmp_path / "rows.jsonl"
     data.write_text("")
-    s = sweep.load(_write(tmp_path, trials=[{"data.path": str(data)}]), tmp_path / "out")
+    s = sweep.load(write_sweep(tmp_path, trials=[{"data.path": str(data)}]), tmp_path / "out")
     data.unlink()
     (row,) = sweep.run(s)
     assert (row["status"], row["exit_code"]) == ("failed", 2)
@@ -183,9 +66,9 @@ def test_a_trial_the_launcher_refuses_is_recorded_with_its_reason(tmp_path, caps
 @pytest.mark.slow
 @pytest.mark.long
 def test_parallel_trials_on_cpu_when_asked(tmp_path):
-    path = _write(tmp_path, grid={"train.lr": [0.003, 0.001]})
+    path = write_sweep(tmp_path, grid={"train.lr": [0.003, 0.001]})
     out = tmp_path / "out"
-    proc = _qwenkit("sweep", "run", str(path), "--out", str(out), "--parallel", "2", "--cpu-parallel")
+    proc = run_qwenkit("sweep", "run", str(path), "--out", str(out), "--parallel", "2", "--cpu-parallel")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = ledger.read(out)
     started = [r for r in rows if r["status"] == "running"]
@@ -238,7 +121,7 @@ def test_a_killed_rank_and_a_killed_sweep_resume_to_the_uninterrupted_losses(tmp
     # event, the sweep goes on with trial 2), then, resumed, the whole sweep (the trial stays
     # `running`). Trial 2 is the same training uninterrupted (checkpoint.keep_last changes no step).
     long = {"train.lr": 0.002, "train.steps": 16, "checkpoint.every": 2}
-    path = _write(tmp_path, trials=[long, {**long, "checkpoint.keep_last": 3}])
+    path = write_sweep(tmp_path, trials=[long, {**long, "checkpoint.keep_last": 3}])
     out = tmp_path / "out"
     victim, ref = sweep.load(path, out).trials
     command = [sys.executable, "-m", "qwenkit.cli", "sweep", "run", str(path), "--out", str(out)]
@@ -277,7 +160,7 @@ def test_a_killed_rank_and_a_killed_sweep_resume_to_the_uninterrupted_losses(tmp
     steps_before = max(metrics.series(metrics.read(victim.output_dir), "loss"))
     assert steps_before < 16, "the trial finished before the sweep was killed"
 
-    again = _qwenkit("sweep", "run", str(path), "--out", str(out))
+    again = run_qwenkit("sweep", "run", str(path), "--out", str(out))
     assert again.returncode == 0, again.stdout + again.stderr
     rows = ledger.latest(out)
     assert [r["status"] for r in rows.values()] == ["done", "done"]
@@ -300,10 +183,10 @@ def test_a_killed_rank_and_a_killed_sweep_resume_to_the_uninterrupted_losses(tmp
 def test_mlflow_runs_hold_the_same_metrics_as_the_jsonl(tmp_path):
     import mlflow
 
-    path = _write(tmp_path, grid={"train.lr": [0.003, 0.001]}, overrides=[*SMALL, "train.report_to=[mlflow]"],
+    path = write_sweep(tmp_path, grid={"train.lr": [0.003, 0.001]}, overrides=[*SMALL, "train.report_to=[mlflow]"],
                   name="mlflow-check")  # fmt: skip
     out = tmp_path / "out"
-    proc = _qwenkit("sweep", "run", str(path), "--out", str(out))
+    proc = run_qwenkit("sweep", "run", str(path), "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = mlflow.MlflowClient(tracking_uri=(out / "mlruns").as_uri())
