@@ -24,7 +24,7 @@ from PIL import Image
 
 from qwenkit import config as qconfig
 from qwenkit.cli import main as cli_main
-from qwenkit.data import BadSample, layout_survey, layouts, read_dataset
+from qwenkit.data import BadSample, layouts, read_dataset
 from qwenkit.data.images import MediaRef, load
 from qwenkit.data.video import VideoMeta, probe
 from qwenkit.engine import events
@@ -472,9 +472,3 @@ def test_an_image_replaced_after_the_index_is_a_bad_sample(tmp_path, processor, 
     assert "changed_media" in caplog.text and "rebuild the index" in caplog.text
 
 
-def test_survey_counts_rows_no_layout_reads(tmp_path):
-    from qwenkit.data.reader import JsonSource
-
-    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"text": "hi"}])
-    (found,) = layout_survey.survey([JsonSource(path)])
-    assert found.lines() == [f"layout: llava (image/conversations), 1 row; no layout, 1 row in {path}"]

@@ -1,14 +1,13 @@
-"""The runner's helpers: notebook selection, paths relative to the project root, list parameters,
-HTML rendering of a failed notebook, the index; and the widgets' interactive/static switch."""
+"""qwenkit.notebooks.runner: notebook selection, list parameters, the cell timeout, HTML rendering of
+a failed notebook, the index (paths against the project root: test_kernel.py; widgets: test_widgets.py)."""
 
 from pathlib import Path
 
-import ipywidgets
 import nbformat
 import pytest
 
 from qwenkit import cli
-from qwenkit.notebooks import kernel, runner, widgets
+from qwenkit.notebooks import kernel, runner
 
 ROOT = Path(__file__).resolve().parents[2]
 NBS = [Path(f"/x/notebooks/{n}.ipynb") for n in ("01_data_prep", "02_sharded_training", "03_chunk_loss_validation")]
@@ -20,16 +19,6 @@ def test_select_by_number_name_or_stem():
     assert runner.select(NBS, ["sharded_training", "02_sharded_training.ipynb"]) == [NBS[1]]
     with pytest.raises(ValueError, match="--only '7' matches no notebook"):
         runner.select(NBS, ["7"])
-
-
-def test_paths_resolve_against_the_project_root_from_anywhere(monkeypatch, tmp_path):
-    monkeypatch.chdir(ROOT / "notebooks")  # where JupyterLab runs a notebook
-    assert kernel.project_root() == ROOT
-    assert kernel.project_path("params/tiny_cpu.yaml") == ROOT / "params" / "tiny_cpu.yaml"
-    assert kernel.project_path("/abs/x") == Path("/abs/x")
-    cfg = kernel.load_config({"data.path": "../shared/x.json", "model.path": "tiny", "train.steps": 3})
-    assert cfg.data.path == str((ROOT / "../shared/x.json").resolve()) and cfg.model.path == "tiny"
-    assert cfg.train.steps == 3
 
 
 def test_list_parameters():
@@ -83,25 +72,3 @@ def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):
     assert 'href="09_broken.html"' in index and ">error<" in index
 
 
-def test_widgets_interactive_builds_controls_static_displays_content(monkeypatch):
-    shown = []
-    monkeypatch.setattr(widgets, "display", shown.append)
-    widgets.sample_browser(5, lambda i: f"<b>{i}</b>", interactive=False, static_count=2)
-    assert [s.data for s in shown] == ["<b>0</b>", "<b>1</b>"]
-    shown.clear()
-    widgets.sample_browser(5, lambda i: f"<b>{i}</b>", interactive=True)
-    box = shown[-1]
-    assert isinstance(box, ipywidgets.VBox) and isinstance(box.children[0], ipywidgets.IntSlider)
-    assert box.children[0].max == 4
-    # the sample is the HTML widget's value, redrawn when the slider moves (no Output widget:
-    # papermill's client would answer one on the shell channel, nbclient#312)
-    slider, view = box.children
-    assert isinstance(view, ipywidgets.HTML) and view.value == "<b>0</b>"
-    slider.value = 3
-    assert view.value == "<b>3</b>"
-    shown.clear()
-    widgets.choice_view([7, 64], lambda c: f"fig {c}", interactive=False, label="chunk size")
-    assert shown == ["fig 7"]
-    widgets.choice_view([7, 64], lambda c: f"fig {c}", interactive=True, label="chunk size")
-    slider = shown[-1].children[0]
-    assert isinstance(slider, ipywidgets.SelectionSlider) and slider.options == (7, 64)
