@@ -6,12 +6,13 @@ Two job launches share the work (each launch costs seconds of imports on 2 cores
 1. ``A`` trains 8 steps straight; ``B`` the same with a checkpoint every 4 steps (``BA``: the same
    with ``checkpoint.async``); ``K`` saves every
    step and is killed (``os._exit``) in the middle of saving step 4.
-   ``E`` trains 4 steps with a checkpoint every 2.
+   ``E`` trains 4 steps with a checkpoint every 2. Every other family (``A-qwen3_vl``, ...) trains
+   4 steps straight and stops after 2 (``B-<family>``).
 2. in fresh processes: ``C`` resumes ``B`` from step 4 (its step-8 checkpoint removed, as if the
    job had stopped there); ``D`` the same without the optimizer state; ``L`` the same with
    another ``train.lr``; ``K2`` resumes ``K``; ``X`` tries a copy of ``B`` whose metadata is
    corrupt; ``E2`` and ``E3`` resume copies of ``E`` from step 2, behind its step 4 (refused;
-   then asked for with ``train.resume_older``).
+   then asked for with ``train.resume_older``); ``C-<family>`` resumes ``B-<family>`` from step 2.
 
 Every optimizer records the LR each step applies and its Adam step count (a step pre-hook).
 """
@@ -29,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import make_batch, record_applied
+from conftest import FAMILIES, make_batch, record_applied, tiny_checkpoint
 from multiproc import check_ranks, run_ranks
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -38,6 +39,7 @@ from qwenkit import config as qconfig
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import export as hf_export
 from qwenkit.engine import metrics, optim, resume, train
+from qwenkit.model import family as families
 
 BASE = [
     "train.steps=8",
@@ -48,6 +50,12 @@ BASE = [
 ]
 NEW_LR = 5e-4  # L resumes B with another train.lr
 E_RUN = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=1"]
+# every other family's tiny model, sharded by its own units: A-<family> straight, B-<family> stops, C-<family> resumes
+OTHER_FAMILIES = {
+    name: [f"model.name={name}", f"parallel.shard_patterns=[{', '.join(families.get(name).shard_units)}]", "train.steps=4"]
+    for name in FAMILIES
+    if name != "qwen2_5_vl"
+}
 
 
 def _schedule(lr, steps, total=8):
@@ -131,6 +139,9 @@ def _first_launch(rank, out):
     _run(out, "BA", ["train.stop_after=4", "checkpoint.async=true", "checkpoint.every=2"], rank)  # B, async
     ckpt.AsyncSaves = real_saves
     _run(out, "E", ["train.steps=4", "checkpoint.every=2"], rank)
+    for name, overrides in OTHER_FAMILIES.items():
+        _run(out, f"A-{name}", [*overrides, "checkpoint.save_final=false"], rank)
+        _run(out, f"B-{name}", [*overrides, "train.stop_after=2"], rank)
     _reshape_runs(rank, out, FIRST_RESHAPE_RUNS)  # before K: K's save ends the launch
     real_write = ckpt._write
 
@@ -171,6 +182,8 @@ def _second_launch(rank, out, processor_path):
         (out / "E3" / f"replace-rank{rank}.txt").write_text(str(e))
     _run(out, "K2", ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=2"], rank)
     _run(out, "X", [], rank)
+    for name, overrides in OTHER_FAMILIES.items():
+        _run(out, f"C-{name}", overrides, rank)
     _reshape_runs(rank, out, [("W2", [])])
     dist.barrier()
     dist.destroy_process_group()
@@ -180,10 +193,14 @@ def _second_launch(rank, out, processor_path):
 def out(tmp_path_factory, tiny_path):
     """Both 2-rank launches, and between them the 1-rank one of "another number of ranks"."""
     out = tmp_path_factory.mktemp("ckpt")
+    for name in OTHER_FAMILIES:
+        tiny_checkpoint(name)  # written here, the ranks only read it
     codes = run_ranks(_first_launch, 2, out)
     assert codes == [17, 17], f"first launch: exit codes {codes}, expected both ranks killed in K's save"
     for copy in ("C", "D", "L", "X"):
         shutil.copytree(out / "B" / "checkpoints", out / copy / "checkpoints")
+    for name in OTHER_FAMILIES:
+        shutil.copytree(out / f"B-{name}" / "checkpoints", out / f"C-{name}" / "checkpoints")
     for copy in ("E2", "E3"):
         shutil.copytree(out / "E" / "checkpoints", out / copy / "checkpoints")
     (out / "X" / "checkpoints" / "step-00000004" / ".metadata").write_bytes(b"not a DCP metadata file")
@@ -217,6 +234,17 @@ def test_resume_is_bit_identical_and_continues_the_data(out):
     for rank in (0, 1):
         assert _batches(out, "C", rank) == _batches(out, "A", rank)[4:]
     assert _batches(out, "A", 0) != _batches(out, "A", 1)  # the ranks saw different samples
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OTHER_FAMILIES))
+def test_every_family_resumes_bit_identical(out, name):
+    a, b, c = _result(out, f"A-{name}"), _result(out, f"B-{name}"), _result(out, f"C-{name}")
+    assert len(a["losses"]) == 4 and b["losses"] == a["losses"][:2]
+    assert c["start"] == 2
+    assert c["losses"] == a["losses"][2:]  # exact float equality, not a tolerance
+    for rank in (0, 1):
+        assert _batches(out, f"C-{name}", rank) == _batches(out, f"A-{name}", rank)[2:]
 
 
 def _dcp_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
