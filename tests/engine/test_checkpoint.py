@@ -496,17 +496,6 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path):
         resume.decide(_cfg(tmp_path, tmp_path / "nope"), 2)
 
 
-def test_only_marked_directories_count(tmp_path):
-    root = ckpt.checkpoint_root(tmp_path)
-    for name, complete in [("step-00000002", True), ("step-00000010", True), ("step-00000011", False)]:
-        (root / name).mkdir(parents=True)
-        if complete:
-            (root / name / ckpt.COMPLETE).write_text("{}")
-    (root / ".tmp-step-00000012").mkdir()
-    assert ckpt.latest(root).name == "step-00000010"  # numeric order, unmarked and temp skipped
-    assert ckpt.resolve(tmp_path).name == "step-00000010"
-
-
 def test_rng_state_round_trip(tmp_path):
     device = torch.device("cpu")
     state = ckpt.rng_state(device)
@@ -524,14 +513,6 @@ def _fake_checkpoints(output_dir, steps):
         ckpt.step_dir(root, step).mkdir(parents=True)
         (ckpt.step_dir(root, step) / ckpt.COMPLETE).write_text(json.dumps({"step": step}))
     return root
-
-
-def test_pruning_never_removes_the_checkpoint_written_or_a_newer_one(tmp_path):
-    root = _fake_checkpoints(tmp_path, [10, 20, 25, 30])
-    written = ckpt.step_dir(root, 25)  # a save of step 25 next to a step-30 checkpoint
-    assert ckpt.prunable(root, written, keep_last=1) == [ckpt.step_dir(root, 10), ckpt.step_dir(root, 20)]
-    assert ckpt.prunable(root, written, keep_last=2) == [ckpt.step_dir(root, 10)]
-    assert ckpt.prunable(root, ckpt.step_dir(root, 10), keep_last=1) == []
 
 
 @pytest.mark.parametrize(
