@@ -2,7 +2,7 @@
 (its metrics, its checkpoints); the reader on the files a crashed writer leaves; and the
 ``failed`` event every failed invocation ends with: a rank's own, or the launcher's for a failure
 no rank recorded (a refusal, a rank exiting without a Python exception, torchrun killed). A rank
-killed by SIGKILL and a refusal inside a sweep reach the ledger in tests/test_sweep.py."""
+killed by SIGKILL and a refusal inside a sweep reach the ledger in tests/sweep/test_scheduler.py."""
 
 from __future__ import annotations
 
