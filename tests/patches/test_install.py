@@ -49,7 +49,7 @@ def test_cpu_patched_model_is_bit_identical_and_revert_restores(make_model, batc
 
 
 # ---------------------------------------------------------------------------------------------
-# Idempotence, switches, errors, report
+# Idempotence, switches, errors
 
 
 def test_apply_twice_is_a_no_op_and_says_so(make_model, monkeypatch):
