@@ -142,10 +142,6 @@ def test_mm_token_type_ids_mark_image_pads(processor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Template and images
-
-
-# ---------------------------------------------------------------------------------------------
 # Reading: files, directories, layouts, image entries, HF datasets
 
 

@@ -207,9 +207,3 @@ def test_unparseable_file_is_never_skipped(tmp_path, processor):
     (tmp_path / "broken.json").write_text('[{"messages": ')
     with pytest.raises(ValueError, match=r"(?s)unreadable dataset files cannot be skipped.*broken\.json: line 1"):
         build(run_cfg(tmp_path, on_bad_sample="skip"), processor)
-
-
-# ---------------------------------------------------------------------------------------------
-# qwenkit data check
-
-
