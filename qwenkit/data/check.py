@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from qwenkit import config as qconfig
-from qwenkit.data import cache, layouts, open_dataset, read_dataset
+from qwenkit.data import cache, layout_survey, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
@@ -113,7 +113,7 @@ def check(cfg: qconfig.Config) -> int:
         dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False, pairs=pairs)
         sources = open_dataset(cfg.data, pairs=pairs)
         cache_line = cache.status(sources, processor, cfg.data)
-        layout_lines = summarize_pairs(sources) if pairs else layouts.describe(sources, cfg.data.layout)
+        layout_lines = summarize_pairs(sources) if pairs else layout_survey.describe(sources, cfg.data.layout)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2
