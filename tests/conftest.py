@@ -46,7 +46,7 @@ def processor(tiny_path):
     return Processor.from_pretrained(tiny_path)
 
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name of every family
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # model.name of every family
 # parametrize a test over the families (the ``family`` fixture; without it a test runs Qwen2.5-VL)
 EVERY_FAMILY = pytest.mark.parametrize("family", FAMILIES, indirect=True)
 

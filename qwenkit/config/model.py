@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # qwenkit.model.family) imports them from here, so config stays a leaf.
 FUSED_OPS = ("rms_norm", "vision_rope", "swiglu")  # model.fused_ops; qwenkit.patches implements them
 FUSED_BACKENDS = ("auto", "npu", "cuda")  # model.fused_backend
-MODEL_NAMES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name; qwenkit.model.family holds one entry each
+MODEL_NAMES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # model.name; qwenkit.model.family holds one entry each
 
 
 @dataclass

@@ -44,6 +44,8 @@ class Family:
     default_system: str | None = "You are a helpful assistant."
     # frame sampling and resizing of videos: the HF video processor qwenkit.data.video.RULES follows
     video_rule: str = "qwen2_vl"
+    # the replies after the last user turn open with a thinking block (Qwen3.5: "<think>\n\n</think>\n\n" when empty)
+    think_tags: bool = False
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
@@ -87,6 +89,22 @@ _QWEN3_DATA = dict(
     video_rule="qwen3_vl",
 )
 _QWEN3_SHARD = (*_SHARD[:2], "model.visual.deepstack_merger_list.*", *_SHARD[2:])
+
+_QWEN3_5_PARTS = (
+    ("vision blocks", ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")),
+    ("merger", ("model.visual.merger",)),
+    ("language model", _TEXT),
+    ("lm_head", ("lm_head",)),
+)
+# Qwen3.5 templates as Qwen3-VL does, plus the thinking block of the replies after the last user turn
+_QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
+_QWEN3_5_NOTES = {
+    "transformers": "needs transformers 5.x (4.57 has no Qwen3.5)",
+    "fused ops": "SwiGLU only: the text RMSNorms scale by (1 + weight) and the linear attention's norm is gated, "
+    "so they stay HF's",
+    "linear attention": "packed rows restart the conv window and the recurrent state at every sample "
+    "(qwenkit.model.linear_attention); parallel.sp_size > 1 is refused",
+}
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -143,6 +161,44 @@ FAMILIES: dict[str, Family] = {
             "experts": "sharded by FSDP2 like any weight; no expert parallelism (parallel.ep_size) yet",
             "lora": "all-linear adapts attention only: the experts are fused 3-D parameters (no linears), the router is never adapted",
         },
+        ),
+        Family(
+            name="qwen3_5",
+            model_type="qwen3_5",
+            hf_class="transformers:Qwen3_5ForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_5:QwenkitQwen3_5",
+            tiny_config="qwenkit.model.tiny:qwen3_5_config",
+            parts=_QWEN3_5_PARTS,
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            # the text RMSNorms scale by (1 + weight) and the gated norm gates: no kernel here matches them
+            fused_ops=("swiglu",),
+            patch_size=16,
+            **_QWEN3_5_DATA,
+            notes=_QWEN3_5_NOTES,
+        ),
+        Family(
+            name="qwen3_5_moe",
+            model_type="qwen3_5_moe",
+            hf_class="transformers:Qwen3_5MoeForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_5:QwenkitQwen3_5Moe",
+            tiny_config="qwenkit.model.tiny:qwen3_5_moe_config",
+            parts=(*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_5_PARTS[2:]),
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            lora_exclude=("model.language_model.layers.*.mlp.gate", "model.language_model.layers.*.mlp.shared_expert_gate"),
+            fused_ops=("swiglu",),  # the shared expert's MLP; the routed experts are fused 3-D parameters
+            patch_size=16,
+            **_QWEN3_5_DATA,
+            aux_loss=True,
+            notes={
+                **_QWEN3_5_NOTES,
+                "experts": "sharded by FSDP2 like any weight; no expert parallelism (parallel.ep_size) yet",
+                "lora": "all-linear adapts attention, linear attention and the shared expert: the routed experts are "
+                "fused 3-D parameters (no linears); the router and the shared expert's gate are never adapted",
+            },
         ),
     )
 }
