@@ -408,7 +408,7 @@ def test_family_comes_from_the_checkpoint_and_a_mismatch_is_refused(family_path)
         registry.build(cfg.model)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"], indirect=True)
 def test_moe_aux_loss_is_in_the_training_loss_as_hf_adds_it(make_model, batch_factory):
     """The tiny MoE has output_router_logits on: HF's loss includes coef x aux, and so must ours
     (the family equality tests above would miss a dropped aux term if it were zero)."""

@@ -41,9 +41,11 @@ def forward_backward(model, batch):
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-# Qwen3-VL: per-sample interleaved mRoPE and DeepStack in a packed row. (Not the MoE: its router's
-# aux loss is averaged over the padded batch's attention mask, which a packed row does not have.)
-DENSE_FAMILIES = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
+# Qwen3-VL: per-sample interleaved mRoPE and DeepStack in a packed row; Qwen3.5: the linear-attention
+# layers' conv window and recurrent state restart at each sample (qwenkit.model.linear_attention). (Not
+# the MoEs: the router's aux loss is averaged over the padded batch's attention mask, which a packed row
+# does not have.)
+DENSE_FAMILIES = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"], indirect=True)
 
 
 @DENSE_FAMILIES

@@ -21,12 +21,17 @@ from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCondition
 from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
+from qwenkit.model import linear_attention
 from qwenkit.model.chunked import ChunkLossMixin, finish_subclass
 from qwenkit.model.qwen3_vl import RouterAuxLoss
 
 
 class _Packed:
     """Packed rows of the hybrid decoder: positions per sample, and the boundaries for the linear layers."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        linear_attention.install()  # once per process: HF's module functions that keep samples apart
 
     def _packed_inputs(self, input_ids, packed_seq_lens, use_cache, kwargs) -> bool:
         use_cache = super()._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
