@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import over_families
 
 from qwenkit.data import Collator
 from qwenkit.model.processor import needs_mm_token_type_ids
@@ -45,7 +46,7 @@ def forward_backward(model, batch):
 # layers' conv window and recurrent state restart at each sample (qwenkit.model.linear_attention). (Not
 # the MoEs: the router's aux loss is averaged over the padded batch's attention mask, which a packed row
 # does not have.)
-DENSE_FAMILIES = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"], indirect=True)
+DENSE_FAMILIES = over_families("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 @DENSE_FAMILIES

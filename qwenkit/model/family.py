@@ -13,6 +13,7 @@ data pipeline resizes to, and the tiny default's config builder.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,12 +51,24 @@ class Family:
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
+    # why parallel.sp_size > 1 cannot train this family exactly (refused before start), or None
+    sp_refusal: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
 
     def load(self, what: str):
         """The class (or function) an import path of this entry names."""
         module, _, attr = getattr(self, what).partition(":")
         return getattr(importlib.import_module(module), attr)
+
+    def unavailable(self) -> str | None:
+        """Why this transformers install cannot build the family (4.57 has no Qwen3.5), or None."""
+        module = f"transformers.models.{self.model_type}"
+        if importlib.util.find_spec(module) is not None:
+            return None
+        import transformers  # the installed version, for the message only
+
+        return (f"model.name={self.name} needs transformers 5.x ({module}); transformers {transformers.__version__} "
+                "is installed and has no such model")  # fmt: skip
 
     def part_of(self, name: str) -> str | None:
         """The part (of :func:`qwenkit.model.registry.parameter_counts`) a parameter or module path belongs to, or None."""
@@ -105,6 +118,12 @@ _QWEN3_5_NOTES = {
     "linear attention": "packed rows restart the conv window and the recurrent state at every sample "
     "(qwenkit.model.linear_attention); parallel.sp_size > 1 is refused",
 }
+# Ulysses gives each rank a slice of the sequence; a Gated DeltaNet layer run on a slice starts its conv
+# window and recurrent state at the slice, not at the sample (torchtitan refuses context parallelism for it)
+_LINEAR_ATTENTION_SP = (
+    "its Gated DeltaNet layers carry a conv window and a recurrent state along the whole sequence, and each "
+    "rank would run them on its slice only (a head exchange for these layers is not built yet); use parallel.sp_size=1"
+)
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -176,6 +195,7 @@ FAMILIES: dict[str, Family] = {
             fused_ops=("swiglu",),
             patch_size=16,
             **_QWEN3_5_DATA,
+            sp_refusal=_LINEAR_ATTENTION_SP,
             notes=_QWEN3_5_NOTES,
         ),
         Family(
@@ -192,6 +212,7 @@ FAMILIES: dict[str, Family] = {
             fused_ops=("swiglu",),  # the shared expert's MLP; the routed experts are fused 3-D parameters
             patch_size=16,
             **_QWEN3_5_DATA,
+            sp_refusal=_LINEAR_ATTENTION_SP,
             aux_loss=True,
             notes={
                 **_QWEN3_5_NOTES,
@@ -261,6 +282,22 @@ def resolve(name: str, path: str | Path) -> Family:
         hint = f"model.name={by_type[0].name} or auto" if by_type else "a checkpoint of that family"
         raise ValueError(f"model.name={name!r} but {path}/config.json has model_type={model_type!r}: use {hint}")
     return family
+
+
+def entry_problems(name: str, path: str | Path, sp_size: int) -> list[str]:
+    """What the family entry of ``model.name`` / ``model.path`` says it cannot run, one line each, before
+    anything is built: a transformers without the family, ``parallel.sp_size`` > 1 where the entry refuses it.
+    (The hook for ``Family.problems(cfg)``; ``auto`` with ``tiny`` is Qwen2.5-VL, which refuses nothing.)"""
+    if name != "auto":
+        family = get(name)
+    elif (Path(path).expanduser() / "config.json").is_file():
+        family = resolve("auto", Path(path).expanduser())
+    else:
+        return []
+    problems = [p for p in (family.unavailable(),) if p]
+    if sp_size > 1 and family.sp_refusal:
+        problems.append(f"parallel.sp_size={sp_size} with model.name={family.name}: {family.sp_refusal}")
+    return problems
 
 
 def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:

@@ -96,9 +96,10 @@ QWEN3_5_CHAT_TEMPLATE = (
     + QWEN3_VL_CHAT_TEMPLATE[QWEN3_VL_CHAT_TEMPLATE.index("{%- set image_count") : QWEN3_VL_CHAT_TEMPLATE.index(
         "{%- elif message.role == 'assistant' %}")]
     + "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\\n' }}"
-    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}"
-    "{%- for content_item in message.content %}{%- if 'text' in content_item %}{%- set content = content + content_item.text %}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- set text = namespace(value='') %}{%- if message.content is string %}{%- set text.value = message.content %}"
+    "{%- else %}{%- for content_item in message.content %}{%- if 'text' in content_item %}"
+    "{%- set text.value = text.value + content_item.text %}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- set content = text.value %}"
     "{%- set reasoning = '' %}{%- if '</think>' in content %}"
     "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"

@@ -245,7 +245,8 @@ def ensure_checkpoint(
     The directory name hashes everything that determines its content, so a stale one is never
     reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
     """
-    families.get(family)  # a known family, or the error naming them
+    if problem := families.get(family).unavailable():  # a known family this transformers can build
+        raise ValueError(problem)
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
         | ({"family": family, "template": 2} if family != "qwen2_5_vl" else {})  # 2: the family's chat template
