@@ -16,6 +16,8 @@ processor's family entry, :mod:`qwenkit.model.family`, says which)::
   ``<{seconds:.1f} seconds><|vision_start|><|video_pad|>×h*w/merge²<|vision_end|>``, the time
   being the mean of the patch's two sampled frame times (:attr:`qwenkit.data.video.VideoPlan.timestamps`),
   as HF's Qwen3VLProcessor writes it; that text is tokenized with the text around it;
+- families with ``think_tags`` (Qwen3.5) open the replies after the last user turn with a thinking
+  block, ``<think>\\n{reasoning}\\n</think>\\n\\n`` (:meth:`ChatTemplate._thinking`);
 - labels learn only the assistant replies and their ``<|im_end|>`` (the model must learn to
   stop); everything else, the ``\\n`` after ``<|im_end|>`` included, is ``IGNORE_INDEX``;
 - text is tokenized piece by piece between special tokens, so a reply's tokens are the ones
