@@ -8,8 +8,9 @@
 - tokens: the family's chat template through HF's ``apply_chat_template`` (the thinking block);
 - ``generate`` of the subclass equals HF's class; LoRA's ``all-linear`` reaches the
   linear-attention projections;
-- what the entry cannot run is refused before any process starts: ``parallel.sp_size`` > 1, and
-  a transformers without Qwen3.5 (4.57).
+- refused before any process starts: linear-attention heads that ``parallel.sp_size`` does not
+  divide, and a transformers without Qwen3.5 (4.57). Sequence parallelism's equality with one
+  process is in ``test_sequence_parallel.py``.
 
 The Qwen3.5 tests of the shared files run through ``EVERY_FAMILY`` (``test_model.py`` chunk = HF for
 text, image, video, tied, MoE aux loss; ``test_lora.py``, ``test_export.py``, ``test_preference_train.py``).
@@ -188,14 +189,15 @@ def test_all_linear_lora_adapts_the_linear_attention_projections():
 # Refusals before start
 
 
-def test_sequence_parallelism_is_refused_before_start(tmp_path, monkeypatch, capsys):
+@NEEDS_QWEN3_5
+def test_linear_attention_heads_that_do_not_split_are_refused_before_start(tmp_path, monkeypatch, capsys):
+    """sp_size=4: the tiny model's 4 attention heads split, its 2 linear-attention key heads do not."""
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
     out = tmp_path / "run"
-    for name in ("qwen3_5", "qwen3_5_moe"):
-        assert cli.main(["train", "--nproc", "2", f"model.name={name}", "parallel.sp_size=2", "parallel.device=cpu",
-                         f"train.output_dir={out}"]) == 2  # fmt: skip
-        err = capsys.readouterr().err
-        assert f"parallel.sp_size=2 with model.name={name}: its Gated DeltaNet layers" in err and "Traceback" not in err
+    assert cli.main(["train", "--nproc", "4", "model.name=qwen3_5", "parallel.sp_size=4", "parallel.device=cpu",
+                     f"train.output_dir={out}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "parallel.sp_size=4 must divide text_config.linear_num_key_heads=2" in err and "Traceback" not in err
     assert not out.exists()
 
 

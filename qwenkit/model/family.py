@@ -51,8 +51,6 @@ class Family:
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
-    # why parallel.sp_size > 1 cannot train this family exactly (refused before start), or None
-    sp_refusal: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
 
     def load(self, what: str):
@@ -115,15 +113,9 @@ _QWEN3_5_NOTES = {
     "transformers": "needs transformers 5.x (4.57 has no Qwen3.5)",
     "fused ops": "SwiGLU only: the text RMSNorms scale by (1 + weight) and the linear attention's norm is gated, "
     "so they stay HF's",
-    "linear attention": "packed rows restart the conv window and the recurrent state at every sample "
-    "(qwenkit.model.linear_attention); parallel.sp_size > 1 is refused",
+    "linear attention": "packed rows restart the conv window and the recurrent state at every sample; under "
+    "Ulysses each rank runs them on whole sequences for its heads (qwenkit.model.linear_attention)",
 }
-# Ulysses gives each rank a slice of the sequence; a Gated DeltaNet layer run on a slice starts its conv
-# window and recurrent state at the slice, not at the sample (torchtitan refuses context parallelism for it)
-_LINEAR_ATTENTION_SP = (
-    "its Gated DeltaNet layers carry a conv window and a recurrent state along the whole sequence, and each "
-    "rank would run them on its slice only (a head exchange for these layers is not built yet); use parallel.sp_size=1"
-)
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -195,7 +187,6 @@ FAMILIES: dict[str, Family] = {
             fused_ops=("swiglu",),
             patch_size=16,
             **_QWEN3_5_DATA,
-            sp_refusal=_LINEAR_ATTENTION_SP,
             notes=_QWEN3_5_NOTES,
         ),
         Family(
@@ -212,7 +203,6 @@ FAMILIES: dict[str, Family] = {
             fused_ops=("swiglu",),  # the shared expert's MLP; the routed experts are fused 3-D parameters
             patch_size=16,
             **_QWEN3_5_DATA,
-            sp_refusal=_LINEAR_ATTENTION_SP,
             aux_loss=True,
             notes={
                 **_QWEN3_5_NOTES,
@@ -284,20 +274,17 @@ def resolve(name: str, path: str | Path) -> Family:
     return family
 
 
-def entry_problems(name: str, path: str | Path, sp_size: int) -> list[str]:
+def entry_problems(name: str, path: str | Path) -> list[str]:
     """What the family entry of ``model.name`` / ``model.path`` says it cannot run, one line each, before
-    anything is built: a transformers without the family, ``parallel.sp_size`` > 1 where the entry refuses it.
-    (The hook for ``Family.problems(cfg)``; ``auto`` with ``tiny`` is Qwen2.5-VL, which refuses nothing.)"""
+    anything is built: a transformers without the family (Qwen3.5 on 4.57). (The hook for
+    ``Family.problems(cfg)``; ``auto`` with ``tiny`` is Qwen2.5-VL, which every version has.)"""
     if name != "auto":
         family = get(name)
     elif (Path(path).expanduser() / "config.json").is_file():
         family = resolve("auto", Path(path).expanduser())
     else:
         return []
-    problems = [p for p in (family.unavailable(),) if p]
-    if sp_size > 1 and family.sp_refusal:
-        problems.append(f"parallel.sp_size={sp_size} with model.name={family.name}: {family.sp_refusal}")
-    return problems
+    return [p for p in (family.unavailable(),) if p]
 
 
 def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:

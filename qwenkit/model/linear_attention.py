@@ -22,6 +22,12 @@ conv and delta-rule tensors.
 
 fla-core's own PyTorch references (``fla/ops/gated_delta_rule/naive.py``, 0.4.2) take no
 ``cu_seqlens``: on CPU they would mix samples as HF's fallback does, hence the per-sample run here.
+Under Ulysses sequence parallelism each rank holds a slice of the sequence; the layer's functions
+then get the group (``sequence_parallel``, the attention's context) and exchange the projected
+streams for whole sequences: the conv runs on this rank's ``C/N`` channels, the delta rule on its
+``heads/N`` key and value heads (contiguous, so each value head keeps its key head), and the
+results go back to the slice layout. Four all-to-alls per layer; the state never sees a slice.
+
 The kernel libraries are optional (``pip install qwenkit[cuda]``); they are imported on the first
 CUDA call with boundaries, and a missing one is remembered and that route runs the fallback.
 """
@@ -70,6 +76,14 @@ def _fallback(module, fn: str):
     return inspect.unwrap(_originals.get((module.__name__, fn), getattr(module, fn)))
 
 
+def boundaries(seq_lens, device) -> dict:
+    """HF's varlen keywords of one packed row (``cu_seq_lens_q/k`` ``[n + 1]`` int32, ``max_length_q/k``)."""
+    lengths = torch.as_tensor(seq_lens, device=device).to(torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 # --- packed <-> padded ------------------------------------------------------------------------
 
 
@@ -103,8 +117,13 @@ def to_packed(x: torch.Tensor, layout) -> torch.Tensor:
 def _conv_for(module):
     hf = getattr(module, CONV)
 
-    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, **kwargs):
-        """HF's causal conv1d ``[B, C, T]``; with ``cu_seq_lens_q`` (one packed row) each sample's window starts empty."""
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None,
+                         sequence_parallel=None, **kwargs):  # fmt: skip
+        """HF's causal conv1d ``[B, C, T]``; with ``cu_seq_lens_q`` (one packed row) each sample's window
+        starts empty; under Ulysses (``sequence_parallel``) on this rank's channels of the whole sequence."""
+        if sequence_parallel is not None:
+            return _conv_on_channels(causal_conv1d_fn, hidden_states, weight, bias, activation, cu_seq_lens_q,
+                                     sequence_parallel)  # fmt: skip
         if cu_seq_lens_q is None:
             return hf(hidden_states, weight, bias, activation=activation, **kwargs)
         if hidden_states.shape[0] != 1:
@@ -124,14 +143,36 @@ def _conv_for(module):
     return causal_conv1d_fn
 
 
+def _conv_on_channels(conv, hidden_states, weight, bias, activation, cu_seq_lens_q, sp):
+    """Ulysses: ``[B, C, T/N]`` -> this rank's ``C/N`` channels of the whole sequence, the (depthwise,
+    so per-channel exact) conv on them, and back. ``C/N`` contiguous channels: the conv needs no
+    head alignment, only ``C % N == 0`` (refused before start otherwise)."""
+    n, rank = sp.size, torch.distributed.get_rank(sp.group)
+    width = weight.shape[0] // n
+    mine = slice(rank * width, (rank + 1) * width)
+    x = sp.to_heads(hidden_states.unsqueeze(-1)).squeeze(-1)  # [B, C/N, T]
+    out = conv(x, weight[mine], None if bias is None else bias[mine], activation=activation, cu_seq_lens_q=cu_seq_lens_q)
+    return sp.to_seq(out.unsqueeze(-1)).squeeze(-1)  # [B, C, T/N]
+
+
 def _delta_for(module):
     hf = getattr(module, DELTA)
 
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):  # fmt: skip
+                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, sequence_parallel=None,
+                                     **kwargs):  # fmt: skip
         """HF's chunked gated delta rule ``[B, T, heads, dim]``; with ``cu_seqlens`` (one packed row)
-        each sample starts from a zero state."""
+        each sample starts from a zero state; under Ulysses (``sequence_parallel``) on this rank's heads
+        of the whole sequence."""
         common = dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        if sequence_parallel is not None:
+            if initial_state is not None or output_final_state:
+                raise ValueError("sequence parallelism runs the delta rule without a cache (training)")
+            sp = sequence_parallel
+            heads = [sp.to_heads(t.transpose(1, 2)).transpose(1, 2) for t in (query, key, value)]  # [B, T, H/N, D]
+            gate, b = (sp.to_heads(t.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2) for t in (g, beta))
+            out, _ = torch_chunk_gated_delta_rule(*heads, g=gate, beta=b, cu_seqlens=cu_seqlens, **common, **kwargs)
+            return sp.to_seq(out.transpose(1, 2)).transpose(1, 2), None  # [B, T/N, H, D]
         if cu_seqlens is None:
             return hf(query, key, value, g=g, beta=beta, initial_state=initial_state, **common, **kwargs)
         if query.shape[0] != 1 or initial_state is not None:

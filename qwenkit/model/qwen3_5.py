@@ -9,7 +9,8 @@ full attention; the vision tower is Qwen3-VL's without DeepStack, so the shared
 - packed rows: the linear-attention layers must restart their conv window and recurrent state at
   every sample; :meth:`_packed_inputs` hands the sample boundaries to them as HF's own
   ``cu_seq_lens_q`` keyword, which :mod:`qwenkit.model.linear_attention` reads (HF's PyTorch
-  fallback refuses it, so a run without that path fails instead of mixing samples);
+  fallback refuses it, so a run without that path fails instead of mixing samples); under
+  sequence parallelism the same module exchanges heads for the sequence around those layers;
 - MoE: the router's loss (the shared expert joins every token's output, not the balancing) as
   HF's forward adds it (:class:`qwenkit.model.qwen3_vl.RouterAuxLoss`).
 """
@@ -35,16 +36,8 @@ class _Packed:
 
     def _packed_inputs(self, input_ids, packed_seq_lens, use_cache, kwargs) -> bool:
         use_cache = super()._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
-        kwargs.update(packed_boundaries(packed_seq_lens, input_ids.device))
+        kwargs.update(linear_attention.boundaries(packed_seq_lens, input_ids.device))
         return use_cache
-
-
-def packed_boundaries(seq_lens: torch.Tensor, device) -> dict:
-    """HF's varlen keywords of one packed row (``cu_seq_lens_q/k`` ``[n + 1]`` int32, ``max_length_q/k``)."""
-    lengths = torch.as_tensor(seq_lens, device=device).to(torch.int32)
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    longest = int(lengths.max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 class QwenkitQwen3_5(_Packed, ChunkLossMixin, Qwen3_5ForConditionalGeneration):
