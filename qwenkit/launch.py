@@ -76,11 +76,7 @@ def node_name(rdzv: Rendezvous) -> str:
 
 def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
     """Problems that would otherwise surface only inside every rank; empty when all is well."""
-    try:  # what the family's entry cannot run: before the tiny checkpoint or the module tree is built
-        problems = families.entry_problems(cfg.model.name, cfg.model.path)
-    except ValueError as e:  # a checkpoint whose model_type is no family
-        problems = [str(e)]
-    if problems:
+    if problems := families.entry_problems(cfg.model.name, cfg.model.path):  # before any tiny checkpoint is written
         return problems
     try:
         path = resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it

@@ -281,7 +281,10 @@ def entry_problems(name: str, path: str | Path) -> list[str]:
     if name != "auto":
         family = get(name)
     elif (Path(path).expanduser() / "config.json").is_file():
-        family = resolve("auto", Path(path).expanduser())
+        try:
+            family = resolve("auto", Path(path).expanduser())
+        except ValueError as e:  # a model_type of no family
+            return [str(e)]
     else:
         return []
     return [p for p in (family.unavailable(),) if p]

@@ -17,7 +17,6 @@ full attention; the vision tower is Qwen3-VL's without DeepStack, so the shared
 
 from __future__ import annotations
 
-import torch
 from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
