@@ -380,7 +380,7 @@ def _fit(row: dict, layout: Layout, forced: bool, where: Location) -> None:
             where,
             "the row has 'objects' (ms-swift grounding): qwenkit does not fill <ref-object>/<bbox> from it; write the "
             "references and boxes into the text in the family's coordinates (Qwen2.5-VL: absolute pixels of the resized "
-            "image; Qwen3-VL: relative, 0-1000)",
+            "image; Qwen3-VL and Qwen3.5: relative, 0-1000)",
         )
     if row.get("tools"):
         raise _bad(where, "the row has 'tools' (agent tool definitions); qwenkit's template does not render them")

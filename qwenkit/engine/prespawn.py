@@ -32,7 +32,8 @@ def check_before_spawn(cfg, nodes: int = 1) -> list[str]:
     """Problems that would otherwise surface only inside every rank; empty when all is well.
     ``nodes``: how many nodes the job may have (the world the resume rule checks; under c10d the
     most, the ranks check the world they get)."""
-    problems = []
+    if problems := families.entry_problems(cfg.model.name, cfg.model.path):  # before any tiny checkpoint is written
+        return problems
     try:
         path = resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
     except FileNotFoundError as e:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import over_families, tiny_checkpoint
 
 from qwenkit.data import Collator
+from qwenkit.model import family as families
 from qwenkit.model.processor import needs_mm_token_type_ids
 
 IMAGES = (1, 0, 2, 1)  # images at different offsets: after text of random length, 2nd sample text-only
@@ -41,9 +43,11 @@ def forward_backward(model, batch):
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-# Qwen3-VL: per-sample interleaved mRoPE and DeepStack in a packed row. (Not the MoE: its router's
-# aux loss is averaged over the padded batch's attention mask, which a packed row does not have.)
-DENSE_FAMILIES = pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"], indirect=True)
+# Qwen3-VL: per-sample interleaved mRoPE and DeepStack in a packed row; Qwen3.5: the linear-attention
+# layers' conv window and recurrent state restart at each sample (qwenkit.model.linear_attention). (Not
+# the MoEs: the router's aux loss is averaged over the padded batch's attention mask, which a packed row
+# does not have.)
+DENSE_FAMILIES = over_families("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 @DENSE_FAMILIES
@@ -177,6 +181,9 @@ TRAIN_RUNS = {  # name: overrides; "budget-resumed" stops after step 2 and resum
     "packed": ["data.packing=true"],
     "budget": BUDGET,
     "budget-resumed": BUDGET,
+    # Qwen3.5: packed rows through the linear-attention layers' per-sample path on gloo ranks
+    "qwen3_5-padded": ["model.name=qwen3_5", "data.packing=false"],
+    "qwen3_5-packed": ["model.name=qwen3_5", "data.packing=true"],
 }
 
 
@@ -203,17 +210,24 @@ def trained(tmp_path_factory, tiny_path):  # tiny_path: written before the ranks
     from multiproc import check_ranks
 
     out = tmp_path_factory.mktemp("packing")
+    if not families.get("qwen3_5").unavailable():
+        tiny_checkpoint("qwen3_5")  # written here, the ranks only read it
+    else:  # transformers 4.57: no Qwen3.5 runs
+        TRAIN_RUNS.pop("qwen3_5-padded"), TRAIN_RUNS.pop("qwen3_5-packed")
     check_ranks(_train_worker, 2, out, timeout=1800)  # five short runs; the default is for one
     return out
 
 
 @pytest.mark.slow
-def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained):
+@pytest.mark.parametrize("family", ["", "qwen3_5-"])
+def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained, family):
     from qwenkit.engine import metrics
 
+    if f"{family}packed" not in TRAIN_RUNS:
+        pytest.skip("transformers 4.57 has no Qwen3.5")
     for rank in (0, 1):
         padded, packed = ({m: metrics.series(metrics.read(trained / run / "metrics" / f"rank-{rank:05d}.jsonl"), m, rank)
-                           for m in ("loss", "valid_tokens", "padding_fraction")} for run in ("padded", "packed"))
+                           for m in ("loss", "valid_tokens", "padding_fraction")} for run in (f"{family}padded", f"{family}packed"))
         assert sorted(padded["loss"]) == sorted(packed["loss"]) == list(range(1, 5))
         for step, loss in padded["loss"].items():
             assert packed["loss"][step] == pytest.approx(loss, rel=2e-4), step

@@ -26,6 +26,7 @@ from qwenkit import config as qconfig
 from qwenkit.data.collator import Collator
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine import events, metrics
+from qwenkit.model import family as families
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound; fp32, sums over ranks in another order
 
@@ -55,7 +56,8 @@ def cases(processor, family="qwen2_5_vl") -> dict[str, dict]:
     # one image: the rank without a share runs the tower on a blank patch (the idle-tower rule)
     single = _odd(make_batch(processor, images_per_sample=(0, 1), seed=2), processor)
     return {"text": text, "image": image, "video": video, "packed": packed, "single_image": single,
-            "image_video": _image_and_video(processor, family), "image_deepstack_shifted": image}  # fmt: skip
+            "image_video": _image_and_video(processor, family), "image_deepstack_shifted": image,
+            "image_linear_on_slice": image}  # fmt: skip
 
 
 def _image_and_video(processor, family="qwen2_5_vl") -> dict:
@@ -123,6 +125,20 @@ def _shift_deepstack(monkeypatch_target):
     return lambda: setattr(monkeypatch_target, "_deepstack_inputs", real)
 
 
+def _linear_attention_on_the_slice():
+    """Mutation: Qwen3.5's linear-attention layers run on this rank's slice (the trap: the conv window
+    and the state start at the slice). Returns the function that undoes it."""
+    import importlib
+
+    from qwenkit.model import linear_attention as la
+
+    module = importlib.import_module(la.MODULES[0])
+    real = {fn: getattr(module, fn) for fn in (la.CONV, la.DELTA)}
+    for fn, f in real.items():
+        setattr(module, fn, lambda *a, sequence_parallel=None, _f=f, **k: _f(*a, **k))
+    return lambda: [setattr(module, fn, f) for fn, f in real.items()]
+
+
 def _equality_ranks(rank, out, plan, sp_size=2):
     """``plan``: {family: [case names]}, each case of each family against its one-process reference."""
     dist.init_process_group("gloo")
@@ -151,6 +167,8 @@ def _equalities(sp, family, names, sp_size):
         sequence.enable(model, sp)
         vision_rows = _count_vision_rows(model)
         undo = _shift_deepstack(parallel) if name == "image_deepstack_shifted" else (lambda: None)
+        if name == "image_linear_on_slice":
+            undo = _linear_attention_on_the_slice()
         loss, grads = _loss_grads(model, batch)
         undo()
         total = loss.clone()
@@ -184,6 +202,9 @@ def equalities(tmp_path_factory, tiny_path):
     tiny_checkpoint("qwen3_vl")  # written here, the ranks only read it
     plan = {"qwen2_5_vl": ["text", "image", "video", "packed", "single_image", "image_video"],
             "qwen3_vl": ["image", "video", "packed", "image_video", "image_deepstack_shifted"]}  # fmt: skip
+    if not families.get("qwen3_5").unavailable():  # Qwen3.5: linear attention on whole sequences per head
+        tiny_checkpoint("qwen3_5")
+        plan["qwen3_5"] = ["text", "image", "video", "packed", "image_video", "image_linear_on_slice"]
     check_ranks(_equality_ranks, 2, out, plan, timeout=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -216,6 +237,32 @@ def test_qwen3_vl_deepstack_one_position_off_is_caught(equality_qwen3):
     """The equality above is sensitive to where DeepStack's features land: one position off fails it."""
     shifted = equality_qwen3[0]["image_deepstack_shifted"]
     assert len(shifted["mismatched_grads"]) > 10 and shifted["worst_grad_diff"] > 1e-3, shifted
+
+
+@pytest.fixture(scope="module")
+def equality_qwen3_5(equalities):
+    if "qwen3_5" not in equalities[0]:
+        pytest.skip("transformers 4.57 has no Qwen3.5")
+    return [rank["qwen3_5"] for rank in equalities]
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+@pytest.mark.parametrize("name", ["text", "image", "video", "packed", "image_video"])
+def test_qwen3_5_two_ranks_equal_one_process(equality_qwen3_5, name):
+    """The Gated DeltaNet layers exchange heads for the sequence (conv and recurrence on whole
+    sequences), the attention layer as Ulysses does; a packed row restarts them at every sample."""
+    r0, r1 = equality_qwen3_5[0][name], equality_qwen3_5[1][name]
+    assert r0["loss"] == pytest.approx(r0["ref_loss"], rel=1e-5, abs=1e-5)
+    assert not r0["mismatched_grads"] and not r1["mismatched_grads"], (r0["mismatched_grads"], r0["worst_grad_diff"])
+
+
+@pytest.mark.slow
+@pytest.mark.stack
+def test_qwen3_5_linear_attention_on_the_slice_is_caught(equality_qwen3_5):
+    """Run on each rank's slice (the trap), the linear layers give other losses and gradients."""
+    sliced = equality_qwen3_5[0]["image_linear_on_slice"]
+    assert len(sliced["mismatched_grads"]) > 10 and sliced["worst_grad_diff"] > 1e-3, sliced
 
 
 @pytest.fixture(scope="module")

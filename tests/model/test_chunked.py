@@ -1,7 +1,7 @@
 """Chunk mode vs HF's own forward on each family's tiny model: loss and every parameter's gradient.
 
-Tests marked ``EVERY_FAMILY`` run for Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (whose tiny config
-has the router's auxiliary loss on, so the equality includes it as HF adds it).
+Tests marked ``EVERY_FAMILY`` run for Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (the
+MoE tiny configs have the router's auxiliary loss on, so the equality includes it as HF adds it).
 """
 
 import pytest
@@ -17,6 +17,10 @@ from qwenkit.model.loss import shift_labels
 
 # fp32 on both sides; the chunked head sums in another order, so allow a few ulps of the sums.
 FP32 = dict(rtol=1e-5, atol=1e-7)
+# Qwen3.5's Gated DeltaNet layers solve a triangular system per 64-token chunk (fp32, HF's fallback):
+# the head's few-ulp differences in d(hidden) come out of four such layers up to ~2e-7 absolute in the
+# embedding gradient (2 of 28,672 elements above 1e-7 measured); a wrong term moves them by orders more.
+HYBRID_FP32 = dict(rtol=1e-5, atol=1e-6)
 
 
 def _pair(make_model, seed=1, **kw):
@@ -24,8 +28,10 @@ def _pair(make_model, seed=1, **kw):
     return make_model(chunk=False, seed=seed, **kw), make_model(chunk=True, seed=seed, **kw)
 
 
-def _assert_same(a, b, tol=FP32):
+def _assert_same(a, b, tol=None):
     (la, ga), (lb, gb) = a, b
+    if tol is None:
+        tol = HYBRID_FP32 if any(".linear_attn." in name for name in ga) else FP32
     torch.testing.assert_close(la, lb, **tol)
     assert ga.keys() == gb.keys()
     for name in ga:
@@ -402,7 +408,7 @@ def test_family_comes_from_the_checkpoint_and_a_mismatch_is_refused(family_path)
         registry.build(cfg.model)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"], indirect=True)
 def test_moe_aux_loss_is_in_the_training_loss_as_hf_adds_it(make_model, batch_factory):
     """The tiny MoE has output_router_logits on: HF's loss includes coef x aux, and so must ours
     (the family equality tests above would miss a dropped aux term if it were zero)."""
