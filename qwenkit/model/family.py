@@ -20,6 +20,7 @@ leaf may read the names here (docs/ARCHITECTURE.md, the floors).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -97,10 +98,8 @@ class Family:
         module = f"transformers.models.{self.model_type}"
         if importlib.util.find_spec(module) is not None:
             return None
-        import transformers  # the installed version, for the message only
-
-        return (f"model.name={self.name} needs transformers 5.x ({module}); transformers {transformers.__version__} "
-                "is installed and has no such model")  # fmt: skip
+        return (f"model.name={self.name} needs transformers 5.x ({module}); transformers "
+                f"{importlib.metadata.version('transformers')} is installed and has no such model")  # fmt: skip
 
     def part_of(self, name: str) -> str | None:
         """The part (of :func:`qwenkit.model.registry.parameter_counts`) a parameter or module path belongs to, or None."""
