@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 log = logging.getLogger(__name__)
-OBJECTIVES = ("sft", "dpo")  # train.objective
+OBJECTIVES = ("sft", "dpo", "grpo")  # train.objective
 
 EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)
 
@@ -28,7 +28,7 @@ class ParamGroupConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal[OBJECTIVES] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section)
+    objective: Literal[OBJECTIVES] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section); grpo: rollouts and rewards (the grpo section)
     steps: int = 30  # the run's length: the LR schedule spans these steps
     stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch
