@@ -45,6 +45,9 @@ class Family:
     # frame sampling and resizing of videos: the HF video processor qwenkit.data.video.RULES follows
     video_rule: str = "qwen2_vl"
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
+    # the boxes the family writes (grounding): pixels of the resized image (Qwen2.5-VL) or per_mille,
+    # 0-1000 of the width and height (Qwen3-VL); the iou reward (qwenkit.engine.rewards) reads it
+    box_units: str = "pixels"
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
@@ -85,6 +88,7 @@ _QWEN3_DATA = dict(
     chat_template="qwenkit.model.processor:QWEN3_VL_CHAT_TEMPLATE",
     default_system=None,
     video_rule="qwen3_vl",
+    box_units="per_mille",
 )
 _QWEN3_SHARD = (*_SHARD[:2], "model.visual.deepstack_merger_list.*", *_SHARD[2:])
 
