@@ -315,7 +315,6 @@ def test_a_dpo_beta_grid_is_valid():
 
 
 GRPO = ["train.objective=grpo"]
-NOT_WIRED = "the training loop's GRPO entry is not"  # issue 43: refused until the objective entry lands
 
 
 @pytest.mark.parametrize(
@@ -353,11 +352,10 @@ def test_grpo_settings_and_what_they_cannot_go_with_are_refused(overrides, patte
     assert any(re.search(pattern, line) for line in lines), str(e.value)
 
 
-def test_grpo_settings_in_range_leave_only_the_missing_loop_entry():
+def test_grpo_settings_in_range_are_valid():
     cfg = config.load(overrides=["lora.r=8"])
     cfg.train.objective = "grpo"
     cfg.grpo = config.GrpoConfig(num_generations=4, beta=0.04, epsilon_high=0.28, loss_type="grpo",
                                  importance_sampling_level="sequence", scale_rewards="none",
                                  rewards=["exact", "format", "iou", "os.path:basename"], reward_weights=[1, 0.5, 1, 0])
-    problems = config.validate(cfg)
-    assert len(problems) == 1 and NOT_WIRED in problems[0]
+    assert config.validate(cfg) == []

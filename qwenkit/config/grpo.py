@@ -74,11 +74,6 @@ def check(cfg: Config, need: Need) -> None:
         len(tags) == 2 and all(t.strip() and "<" not in t and ">" not in t for t in tags) and tags[0] != tags[1],
         f"grpo.format_tags must be two different tag names without brackets (e.g. [think, answer]), got {tags}",
     )
-    need(
-        False,
-        "train.objective=grpo cannot train yet: its config, log-probs, loss and rewards are built, the training "
-        "loop's GRPO entry is not (issue 43)",
-    )
     need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
     need(
         not cfg.data.packing,

@@ -68,14 +68,15 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     """Per-token label log-probs ``[N]``; backward recomputes each chunk against ``-g`` (module docstring, step 4)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, rows, chunk, dtype, entropy):
+    def forward(ctx, hidden, weight, bias, targets, rows, chunk, dtype, entropy, shape):
         with _autocast_off(hidden.device.type):
             b_c = bias.to(dtype) if bias is not None else None
             row_logps, row_ents = _row_logps_entropy(hidden.to(dtype), weight.to(dtype), b_c, targets, rows, chunk, entropy)
-        logps = row_logps if rows is None else torch.zeros(targets.shape, device=hidden.device).index_copy_(0, rows, row_logps)
-        ents = None
+        # [B, S] tensors of their own, not views: FSDP2 warns of a module returning a view (an in-place
+        # op on it would skip its backward hook)
+        logps = _scatter(row_logps, rows, shape)
+        ents = _scatter(row_ents, rows, shape) if entropy else None
         if entropy:
-            ents = row_ents if rows is None else torch.zeros(targets.shape, device=hidden.device).index_copy_(0, rows, row_ents)
             ctx.mark_non_differentiable(ents)
         ctx.save_for_backward(hidden, weight, bias, targets, rows)
         ctx.chunk, ctx.dtype = chunk, dtype
@@ -85,7 +86,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_ents):
         hidden, weight, bias, targets, rows = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        weights = torch.where(targets != IGNORE_INDEX, -grad_logps.float(), 0.0)  # [N]
+        weights = torch.where(targets != IGNORE_INDEX, -grad_logps.float().reshape(-1), 0.0)  # [N]
         with _autocast_off(hidden.device.type):
             b_c = bias.to(ctx.dtype) if bias is not None else None
             _, gh, gw, gb = _chunk_pass(
@@ -94,7 +95,18 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         gh = gh.to(hidden.dtype) if gh is not None else None
         gw = gw.to(weight.dtype) if gw is not None else None
         gb = gb.to(bias.dtype) if gb is not None else None
-        return gh, gw, gb, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None
+
+
+def _scatter(values: torch.Tensor, rows: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """``[B, S]`` float32 holding ``values [M]`` at the flat positions ``rows`` (all when None), 0 elsewhere."""
+    out = torch.zeros(shape, dtype=torch.float32, device=values.device)
+    flat = out.view(-1)
+    if rows is None:
+        flat.copy_(values)
+    else:
+        flat.index_copy_(0, rows, values)
+    return out
 
 
 def token_logps(
@@ -128,8 +140,7 @@ def token_logps(
     n_rows = h.shape[0] if rows is None else rows.numel()
     chunk = auto_chunk_size(n_rows, weight.shape[0], chunk_budget_bytes) if chunk_size == "auto" else chunk_size
     with torch.autograd.graph.saved_tensors_hooks(_keep_on_device, _keep_on_device):
-        logps, ents = _ChunkedTokenLogps.apply(h, weight, bias, targets, rows, chunk, dtype, entropy)
-    return logps.view(shifted.shape), (ents.view(shifted.shape) if ents is not None else None)
+        return _ChunkedTokenLogps.apply(h, weight, bias, targets, rows, chunk, dtype, entropy, shifted.shape)
 
 
 def full_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
