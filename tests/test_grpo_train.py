@@ -102,3 +102,21 @@ def test_completions_file_holds_every_completion_with_its_rewards(out):
 def test_group_seed_depends_on_run_draw_and_row_only():
     assert group_seed(42, 0, 7) == group_seed(42, 0, 7)
     assert len({group_seed(42, 0, 7), group_seed(43, 0, 7), group_seed(42, 1, 7), group_seed(42, 0, 8)}) == 4
+
+
+def test_data_check_counts_the_usable_prompts(tmp_path, tiny_path, capsys):
+    from qwenkit.data import check
+
+    rows = [
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"conversations": [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris"}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                      {"role": "user", "content": "Bye"}]},  # no reference: the scan refuses it
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = qconfig.load(overrides=["train.objective=grpo", f"data.path={path}"])
+    assert check.check(cfg) == 1
+    out = capsys.readouterr().out
+    assert "prompts: 2 usable (each good sample's last assistant reply is its reference)" in out
+    assert f"{path}: row 2 (line 3): turn_order" in out
