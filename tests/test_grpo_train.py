@@ -50,11 +50,13 @@ def _worker(rank, out, runs):
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, tiny_path):
     """one: 1 process, 2 prompts a micro-batch; resumed: the same, stopped after step 2 and run again;
-    two: 2 ranks, 1 prompt each (the same 2 prompts a step)."""
+    lora: one with LoRA adapters; two: 2 ranks, 1 prompt each (the same 2 prompts a step)."""
     out = tmp_path_factory.mktemp("grpo")
     one = ["train.micro_batch_size=2"]
     cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop
-    check_ranks(_worker, 1, out, [("one", one), ("resumed", cut + ["train.stop_after=2"]), ("resumed", cut)])
+    lora = one + ["lora.r=8", "train.steps=2"]  # the reference: the policy with its adapters disabled
+    check_ranks(_worker, 1, out, [("one", one), ("resumed", cut + ["train.stop_after=2"]), ("resumed", cut),
+                                  ("lora", lora)])  # fmt: skip
     check_ranks(_worker, 2, out, [("two", ["train.micro_batch_size=1"])])
     return out
 
@@ -78,6 +80,12 @@ def test_trl_metric_names_and_step_one_kl_is_zero(out):
     assert first["grad_norm"] > 0 and history[-1]["kl"] > 0  # the vowel reward moved the policy off its start
     assert first["reward"] == pytest.approx(2 * first["rewards/vowels/mean"] + first["rewards/exact/mean"]
                                             + first["rewards/format/mean"])  # fmt: skip
+
+
+def test_lora_reference_is_the_policy_without_adapters(out):
+    first, second = _history(out, "lora")
+    assert first["kl"] == 0 and first["grad_norm"] > 0  # adapters start at B = 0: the policy is its reference
+    assert second["kl"] > 0
 
 
 def test_two_ranks_equal_one_process_on_the_same_prompts_and_seeds(out):
