@@ -32,6 +32,7 @@ FP32 = dict(rel=1e-5, abs=1e-7)
 
 def vowels(prediction: str, reference: str, **row) -> float:
     """A reward the random tiny model's completions differ by: their share of vowels."""
+    assert "messages" in row, f"a user's reward gets the row's columns, got {sorted(row)}"
     return sum(c in "aeiou" for c in prediction) / max(1, len(prediction))
 
 

@@ -41,7 +41,7 @@ class Completion:
     text: str  # decoded without the end token
     truncated: bool  # cut at max_new_tokens (no end token)
     reference: str  # the row's last reply
-    row: dict = field(default_factory=dict)  # the row's columns a user's reward reads
+    row: dict = field(default_factory=dict)  # the row's columns as read, a user's reward's keywords
 
 
 class Rollouts(Protocol):
@@ -87,6 +87,7 @@ class HfRollouts:
                 step = stack.enter_context(lockstep(model))
                 for i in indices:
                     prompt, conv = dataset.prompt(i)
+                    columns = dataset.columns(i)
                     inputs = {k: v.to(device) for k, v in left_pad([prompt] * self.num_generations, pad).items()}
                     torch.manual_seed(group_seed(self.sampling.seed, draw, i))
                     tokens = step(inputs, config)[:, inputs["input_ids"].shape[1] :].tolist()  # [G, new]
@@ -94,7 +95,7 @@ class HfRollouts:
                         ended = end in new
                         new = new[: new.index(end) + 1] if ended else new  # the end token is trained on, as TRL's EOS
                         text = tok.decode(new[:-1] if ended else new, skip_special_tokens=True)
-                        out.append(Completion(i, prompt, new, text, not ended, conv.turns[-1][1]))
+                        out.append(Completion(i, prompt, new, text, not ended, conv.turns[-1][1], columns))
         finally:
             model.train(was_training)
         return out
