@@ -104,7 +104,7 @@ def test_completions_file_holds_every_completion_with_its_rewards(out):
     rows = [json.loads(line) for line in (out / "one" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines()]
     assert len(rows) == 3 * 2 * 4  # steps x prompts x generations
     assert set(rows[0]["rewards"]) == {"exact", "format", "vowels"}
-    assert rows[0]["rewards"]["vowels"] == pytest.approx(vowels(rows[0]["completion"], ""))
+    assert rows[0]["rewards"]["vowels"] == pytest.approx(vowels(rows[0]["completion"], "", messages=[]))
     assert len({r["index"] for r in rows}) == 6  # 2 new prompts per step
 
 
