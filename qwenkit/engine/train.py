@@ -1,4 +1,4 @@
-"""The training loop: one FSDP2 process per rank, started by torchrun (``python -m qwenkit.engine.train``).
+"""The training loop: one FSDP2 process per rank (started by torchrun as ``python -m qwenkit.engine.rank``).
 
 Startup, all before the first step: process group and device (:mod:`qwenkit.distributed.fsdp`), seeds,
 processor and data (:mod:`qwenkit.data`), model (HF weights, or meta-device init whose weights
@@ -30,15 +30,11 @@ One optimizer step:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
 import random
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +56,7 @@ from qwenkit.engine.build import fused_model
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.profiling import ProfileWindow
+from qwenkit.model import family as families
 from qwenkit.model import lora, paths, registry
 from qwenkit.rundir import RunDir
 
@@ -178,7 +175,10 @@ class Trainer:
         set_seed(t.seed)
         sp_size = cfg.parallel.sp_size
         self.sp = sequence.init_groups(rt.rank, rt.world_size, sp_size)  # sp_size 1: one rank per group
-        decision = self.resume_point()  # before anything is built: a refused resume fails fast
+        problems = families.problems(cfg, self.model_path)  # as the launcher asked, for ranks started another way
+        if problems:
+            raise ValueError("; ".join(problems))
+        decision = resume_rule.agree(cfg, rt.rank, rt.world_size)  # before anything is built: a refused resume fails fast
         resume = decision.path
 
         model_path = self.model_path
@@ -246,48 +246,6 @@ class Trainer:
         if main_rank:  # the run's record, once the start is accepted (a refused resume leaves it as it was)
             qconfig.write_config(cfg, self.out_dir)
         self.scheduler = optim.build_scheduler(self.optimizer, t, self.start_step)
-
-    def resume_point(self) -> resume_rule.Resume:
-        """The checkpoint this start resumes, by the rule the launcher asked too
-        (:func:`qwenkit.engine.resume.decide`), verified and agreed by every rank.
-
-        Every rank must see the same checkpoints (else: no shared output_dir, refused). The
-        files' checksums are verified, each rank reading its share; ``resume: auto`` passes
-        over a damaged one (saying so) and rank 0 moves it aside; with ``train.resume_older``
-        rank 0 moves the newer checkpoints aside (not deleted). The launcher refused the runs
-        the rule refuses before any rank started; this covers ranks started another way.
-        """
-        t, main_rank = self.cfg.train, self.rt.rank == 0
-        root = ckpt.checkpoint_root(self.out_dir)
-        seen = [(p.name, _marker_text(p)) for p in ckpt.complete_checkpoints(root)]
-        views = [None] * self.rt.world_size
-        dist.all_gather_object(views, seen)
-        if any(v != views[0] for v in views):
-            differ = next(r for r, v in enumerate(views) if v != views[0])
-            raise ckpt.CheckpointError(
-                f"the ranks do not see the same checkpoints in {str(root)!r}: rank 0 sees "
-                f"{[n for n, _ in views[0]] or 'none'}, rank {differ} sees {[n for n, _ in views[differ]] or 'none'}: "
-                "every node must write to one train.output_dir (a filesystem shared by every node)"
-            )
-
-        def check(path: Path) -> str | None:  # collective: each rank checksums its share of the files
-            problem = ckpt.check_files(path, checksums=True, rank=self.rt.rank, world_size=self.rt.world_size)
-            problems = [None] * self.rt.world_size
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p), None)
-            if problem and t.resume == "auto" and main_rank:
-                log.warning("train.resume=auto: %s; falling back to the newest older complete checkpoint", problem)
-            return problem
-
-        decision = resume_rule.decide(self.cfg, self.rt.world_size, check)
-        dist.barrier()  # every rank has looked before rank 0 moves anything
-        if main_rank:
-            for path, _ in decision.skipped:
-                log.warning("moved the damaged %s to %s", path.name, ckpt.set_aside_damaged(path))
-            if decision.newer:
-                log.warning("train.resume_older: moved the newer checkpoints to %s", ckpt.set_aside(decision.newer))
-        dist.barrier()
-        return decision
 
     def train(self) -> None:
         cfg, rt = self.cfg, self.rt
@@ -429,95 +387,3 @@ def _counts(batch: dict) -> torch.Tensor:
     tokens = mask.sum() if mask is not None else positions
     bad = batch.pop("num_bad", torch.tensor(0))
     return torch.stack([batch.pop("num_items"), batch.pop("num_samples"), tokens, positions, bad])
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry point (one per rank, under torchrun)
-
-
-def _setup_logging(rank: int, output_dir: Path) -> Path:
-    """Console: INFO on rank 0, warnings on the others; every rank's INFO log in its own file.
-
-    Returns that file, ``<output_dir>/logs/rank-NNNNN.log`` (appended to by a resumed run).
-    """
-    path = RunDir(output_dir).rank_log(rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    console, file = logging.StreamHandler(), logging.FileHandler(path)
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    for handler in (console, file):
-        handler.setFormatter(fmt)
-    logging.basicConfig(level=logging.INFO, handlers=[console, file])
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    return path
-
-
-def report_failure(rank: int, error: BaseException, log_path: Path | None, note: str = "") -> str:
-    """One line first (rank, exception, log), the traceback below it, once; returns the line.
-
-    torchrun would print a failing rank's traceback up to three times (the rank, its error file,
-    the agent's summary): the rank reports here and exits with status 1 instead of raising, and
-    the torchrun wrapper the launcher runs (:func:`qwenkit.torchrun.quiet_torchrun`) keeps the
-    agent's summary quiet.
-    """
-    message = events.first_line(error)
-    where = f"log: {log_path}" if log_path is not None else "no log file: failed before logging started"
-    line = f"qwenkit train: rank {rank} failed: {type(error).__name__}: {message} ({where})"
-    if note:
-        line += f"; {note}"
-    details = "".join(traceback.format_exception(error))
-    print(f"{line}\n{details}", file=sys.stderr, flush=True)
-    if log_path is not None:
-        logging.shutdown()  # flush the file handler before appending to its file
-        with open(log_path, "a") as f:
-            f.write(f"{line}\n{details}")
-    return line
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwenkit.engine.train", description="one rank of a qwenkit training run")
-    p.add_argument("--config", required=True, help="the resolved YAML the launcher wrote")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
-    args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
-    if os.environ.get(stopping.AGENT_PID_ENV):
-        stopping.die_with_parent()  # torchrun SIGKILLed: this rank goes with it
-    stop = stopping.StopRequest.install()  # SIGTERM/SIGINT/SIGUSR1: save at the end of the step, exit 75
-    log_path = trainer = cfg = None
-    try:
-        cfg = qconfig.load(args.config, args.overrides)
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # parallel.max_restarts: after a failure
-            cfg.train.resume, cfg.train.resume_older = "auto", False  # go on from this job's newest checkpoint
-        log_path = _setup_logging(rank, Path(cfg.train.output_dir))
-        trainer = Trainer(cfg, stop=stop)
-        trainer.run()
-    except Exception as e:  # noqa: BLE001 - every failure is reported the same readable way
-        beat = trainer.heartbeat if trainer is not None else None
-        note = beat.describe() if beat is not None and _looks_like_a_peer(e) else ""
-        summary = report_failure(rank, e, log_path, note)
-        if cfg is not None:
-            events.EventLog(cfg.train.output_dir, rank).failed(e, summary)
-        return 1
-    return trainer.exit_code
-
-
-def _marker_text(path: Path) -> str:
-    try:
-        return (path / ckpt.COMPLETE).read_text()
-    except OSError:
-        return ""
-
-
-def _looks_like_a_peer(error: BaseException) -> bool:
-    """A collective that timed out or lost its peer (gloo, NCCL): worth naming who went quiet."""
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(w in text for w in ("timed out", "timeout", "connection", "peer"))
-
-
-if __name__ == "__main__":
-    fsdp.exit_process(main())  # not sys.exit: see exit_process
