@@ -259,7 +259,6 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.model.loss import full_sequence_logps
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
-
     from qwenkit.model.token_logps import full_token_logps
 
     batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
