@@ -48,9 +48,16 @@ the prompt and its image, with different replies, and the step is DPO's (sigmoid
 
 Targets: ``dpo`` peak <= 0.5x and time <= 0.8x ``dpo-hf``; ``dpo-lora`` peak <= 0.35x ``dpo-hf``.
 
+With ``--objective grpo`` the batch is the same two rows, two completions of one prompt (a group
+of 2, advantages +1 and -1), and the step is GRPO's learner step (dapo, beta 0.04, the reference a
+frozen copy): ``grpo-hf`` takes per-token log-probs from full ``[2, S, V]`` logits (TRL's
+``selective_log_softmax``), ``grpo`` from the chunked head (``token_logps``, no logits). Target:
+``grpo`` peak <= 0.5x ``grpo-hf``. The rollout (generation) is not timed here.
+
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
     python benchmarks/train_step.py --objective dpo       # one pair of 2 x 2,048 tokens sharing an image prompt
+    python benchmarks/train_step.py --objective grpo      # GRPO's learner step on two completions of 2,048 tokens
     python benchmarks/train_step.py --family qwen3_vl     # the same CPU shapes on Qwen3-VL (DeepStack, 16-px patches)
     python benchmarks/train_step.py --family qwen3_5      # Qwen3.5: Gated DeltaNet layers, 248,320 vocabulary
 """
@@ -94,6 +101,7 @@ SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants who
 
 DPO_VARIANTS = ("dpo-hf", "dpo", "dpo-precompute", "dpo-lora")
 DPO_BETA = 0.1
+GRPO_VARIANTS = ("grpo-hf", "grpo")
 
 
 def pair_batch(config, seq: int, image_side: int, device="cpu") -> dict:
@@ -117,6 +125,24 @@ def dpo_step(policy_logps, reference_logps, batch):
     with torch.no_grad():
         ref = reference_logps(batch)
     loss = -F.logsigmoid(DPO_BETA * ((sums[0] - ref[0]) - (sums[1] - ref[1])))
+    loss.backward()
+    return loss
+
+
+def grpo_step(policy_logps, reference_logps, batch):
+    """GRPO's learner step on a group of 2 (advantages +1, -1): dapo, beta 0.04, the rollout's own policy."""
+    import torch
+
+    from qwenkit.config import GrpoConfig
+    from qwenkit.model.grpo_loss import GrpoLoss, StepTotals
+    from qwenkit.model.loss import IGNORE_INDEX, shift_labels
+
+    logps = policy_logps(batch)  # [2, S]
+    with torch.no_grad():
+        ref = reference_logps(batch)
+    mask = shift_labels(batch["labels"]) != IGNORE_INDEX
+    advantages = torch.tensor([1.0, -1.0], device=logps.device)
+    loss = GrpoLoss(GrpoConfig(beta=0.04))(logps, advantages, mask, StepTotals(2, mask.sum(), 1), ref=ref).loss
     loss.backward()
     return loss
 
@@ -211,7 +237,7 @@ def worker(args) -> dict:
     config = CONFIGS[args.family](shapes)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    if args.variant in DPO_VARIANTS:
+    if args.variant in DPO_VARIANTS + GRPO_VARIANTS:
         return dpo_worker(args, config, shapes, device, dtype)
     if args.variant == "hf" or args.variant == "liger":
         model = families.get(args.family).load("hf_class")(config)
@@ -268,15 +294,18 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.model.loss import full_sequence_logps
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.token_logps import full_token_logps
 
     batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    if args.variant == "dpo-hf":
+    grpo = args.objective == "grpo"  # per-token log-probs and GRPO's step; else per-sequence sums and DPO's
+    full_logps = full_token_logps if grpo else full_sequence_logps
+    if args.variant in ("dpo-hf", "grpo-hf"):
         model = Qwen2_5_VLForConditionalGeneration(config).to(device=device, dtype=dtype).train()
         reference = copy.deepcopy(model).requires_grad_(False).eval()
 
         def logps(m):
-            return lambda b: full_sequence_logps(m(**inputs).logits, b["labels"])[0]  # TRL: log_softmax, gather
+            return lambda b: full_logps(m(**inputs).logits, b["labels"])[0]  # TRL: log_softmax, gather
 
         policy_logps, reference_logps = logps(model), logps(reference)
     else:
@@ -285,7 +314,7 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
         model.train()
 
         def policy_logps(b):
-            return model.sequence_logps(**b)[0]
+            return model.token_logps(**b)[0] if grpo else model.sequence_logps(**b)[0]
 
         if args.variant == "dpo-lora":
             from qwenkit import config as qconfig
@@ -306,12 +335,13 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
             reference = copy.deepcopy(model).requires_grad_(False).eval()
 
             def reference_logps(b):
-                return reference.sequence_logps(**b)[0]
+                return reference.token_logps(**b)[0] if grpo else reference.sequence_logps(**b)[0]
 
-    fused = args.variant != "dpo-hf"
+    fused = args.variant not in ("dpo-hf", "grpo-hf")
+    step = grpo_step if grpo else dpo_step
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
     reset_peak_memory(device)
-    step_s, losses = timed_steps(lambda: dpo_step(policy_logps, reference_logps, batch), opt, device,
+    step_s, losses = timed_steps(lambda: step(policy_logps, reference_logps, batch), opt, device,
                                  args.warmup, args.steps)  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
     return {
@@ -322,15 +352,18 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
 
 
 def dpo_main(args) -> int:
-    variants = args.variants or list(DPO_VARIANTS)
-    print(f"DPO step, one pair of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
+    """``--objective dpo`` or ``grpo``: the two-row steps of the module docstring, each against its full-logits step."""
+    grpo = args.objective == "grpo"
+    variants = args.variants or list(GRPO_VARIANTS if grpo else DPO_VARIANTS)
+    what = "GRPO learner step, two completions" if grpo else "DPO step, one pair"
+    print(f"{what} of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
           f"shapes={args.shapes} vocab={VOCAB:,} device={args.device}")  # fmt: skip
     rows = [_spawn(args, v) for v in variants]
-    base = next((r for r in rows if r["variant"] == "dpo-hf"), rows[0])
+    base = next((r for r in rows if r["variant"] in ("dpo-hf", "grpo-hf")), rows[0])
     print(f"\n{'variant':<10}{'optimizer':>15}{'step s':>8}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}{'trainable':>13}"
           f"{'first loss':>12}")  # fmt: skip
     targets = {"dpo": "peak <= 0.50x, time <= 0.80x", "dpo-precompute": "peak <= 0.50x, time <= 0.80x",
-               "dpo-lora": "peak <= 0.35x"}
+               "dpo-lora": "peak <= 0.35x", "grpo": "peak <= 0.50x"}
     for r in rows:
         r["time_ratio"], r["mem_ratio"] = r["step_s"] / base["step_s"], r["peak_bytes"] / base["peak_bytes"]
         print(f"{r['variant']:<10}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['peak_bytes'] / GiB:>10.2f}"
@@ -362,7 +395,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gemm-size", type=int, default=4096, help="side of the square GEMM the MFU peak is measured with")
-    p.add_argument("--objective", default="sft", choices=["sft", "dpo"], help="dpo: one preference pair, DPO's step")
+    p.add_argument("--objective", default="sft", choices=["sft", "dpo", "grpo"],
+                   help="dpo: one preference pair, DPO's step; grpo: two completions, GRPO's learner step")
     p.add_argument("--variants", nargs="+", default=None)
     p.add_argument("--family", default="qwen2_5_vl", choices=list(CONFIGS), help="the model family (model.name)")
     p.add_argument("--out", default=None, help="also write the results as JSON lines here")
@@ -378,9 +412,9 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: --device cuda but no CUDA device is available")
         return 0
-    if args.objective == "dpo":
-        if args.family != "qwen2_5_vl":  # the pair batch and both DPO steps are written for Qwen2.5-VL
-            p.error(f"--objective dpo measures Qwen2.5-VL (TRL's DPO example model), not --family {args.family}")
+    if args.objective in ("dpo", "grpo"):
+        if args.family != "qwen2_5_vl":  # the pair batch and the steps are written for Qwen2.5-VL
+            p.error(f"--objective {args.objective} measures Qwen2.5-VL, not --family {args.family}")
         return dpo_main(args)
     shapes = SHAPES[args.shapes]
     variants = args.variants or ["hf", "chunk-dense", "chunk", "chunk+recompute", "lora"]

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 OBJECTIVES = {
     "sft": "qwenkit.engine.sft:Sft",
     "dpo": "qwenkit.engine.preference:PreferenceObjective",
+    "grpo": "qwenkit.engine.grpo:GrpoObjective",
 }
 
 EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)
@@ -33,7 +34,8 @@ class ParamGroupConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal[tuple(OBJECTIVES)] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section)
+    # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section); grpo: rollouts scored by rewards (the grpo section)
+    objective: Literal[tuple(OBJECTIVES)] = "sft"
     steps: int = 30  # the run's length: the LR schedule spans these steps
     stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch

@@ -114,6 +114,8 @@ def check(cfg: qconfig.Config) -> int:
         sources = open_dataset(cfg.data, pairs=pairs)
         cache_line = cache.status(sources, processor, cfg.data)
         layout_lines = summarize_pairs(sources) if pairs else layout_survey.describe(sources, cfg.data.layout)
+        if cfg.train.objective == "grpo":  # the scan refuses a row that does not end with an assistant reply
+            layout_lines += f"\nprompts: {len(dataset)} usable (each good sample's last assistant reply is its reference)"
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2

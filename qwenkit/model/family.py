@@ -84,6 +84,9 @@ class Family:
     think_tags: bool = False
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
+    # the boxes the family writes (grounding): pixels of the resized image (Qwen2.5-VL) or per_mille,
+    # 0-1000 of the width and height (Qwen3-VL); the iou reward (qwenkit.engine.rewards) reads it
+    box_units: str = "pixels"
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
@@ -170,6 +173,7 @@ _QWEN3_DATA = dict(
     chat_template="qwenkit.model.processor:QWEN3_VL_CHAT_TEMPLATE",
     default_system=None,
     video_rule="Qwen3VLVideoProcessor",
+    box_units="per_mille",
 )
 _QWEN3_SHARD = (*_SHARD[:2], "model.visual.deepstack_merger_list.*", *_SHARD[2:])
 # Qwen3.5: Qwen3-VL's vision tower without DeepStack; three of four text layers are linear attention

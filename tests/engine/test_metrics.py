@@ -64,3 +64,12 @@ def test_final_metrics_are_the_rows_summarised(tmp_path):
     empty = metrics.final_metrics(tmp_path / "nothing")
     assert empty == {**dict.fromkeys(metrics.FINAL), "steps": 0}
 
+
+
+def test_grpo_metrics_have_units_and_dpo_rewards_stay_nats():
+    unit = metrics.unit_of
+    assert [unit(m) for m in ("reward", "rewards/exact/mean", "rewards/my_reward/std", "kl", "entropy")] == \
+        ["1", "1", "1", "nat", "nat"]  # fmt: skip
+    assert [unit(m) for m in ("completions/max_length", "completions/clipped_ratio", "clip_ratio/low_min")] == \
+        ["token", "1", "1"]  # fmt: skip
+    assert unit("rewards/chosen") == unit("eval_rewards/margins") == "nat"  # DPO's: beta x log-ratios
