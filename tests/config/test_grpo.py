@@ -7,7 +7,6 @@ import pytest
 from qwenkit import config
 from qwenkit.config import ConfigError
 
-
 GRPO = ["train.objective=grpo"]
 
 

@@ -8,9 +8,9 @@ and video, every family; the backward never builds ``[B, S, V]``.
 import pytest
 import torch
 from conftest import EVERY_FAMILY
-from model.test_chunked import _video_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from model.test_chunked import _video_batch
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.token_logps import full_token_logps, token_logps
 
@@ -110,4 +110,6 @@ def test_model_token_logps_equal_hf_full_logits_and_their_grads(make_model, batc
     got_grads = torch.autograd.grad((model.token_logps(**batch)[0] * g).sum(), params, allow_unused=True)
     for a, b in zip(got_grads, want):
         if a is not None or b is not None:
-            torch.testing.assert_close(a, b, **FP32)
+            # fp32 summation-order noise is relative to the largest terms summed: a weight gradient of
+            # magnitude 10 (Qwen3.5's linear-attention projections) differs by a few 1e-6 in its last bits
+            torch.testing.assert_close(a, b, rtol=FP32["rtol"], atol=FP32["atol"] * max(1.0, float(b.abs().max())))
