@@ -45,6 +45,9 @@ class Family:
     # frame sampling and resizing of videos: the HF video processor qwenkit.data.video.RULES follows
     video_rule: str = "qwen2_vl"
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
+    # the routed-experts modules (fused 3-D gate_up_proj / down_proj, HF's forward(hidden, top_k_index,
+    # top_k_weights)) that parallel.ep_size splits across ranks (qwenkit.distributed.expert); () = a dense family
+    experts: tuple[str, ...] = ()
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
@@ -139,8 +142,9 @@ FAMILIES: dict[str, Family] = {
             patch_size=16,
             **_QWEN3_DATA,
             aux_loss=True,
+            experts=("model.language_model.layers.*.mlp.experts",),
             notes={
-            "experts": "sharded by FSDP2 like any weight; no expert parallelism (parallel.ep_size) yet",
+            "experts": "sharded by FSDP2 like any weight, or split whole across parallel.ep_size ranks (expert parallelism)",
             "lora": "all-linear adapts attention only: the experts are fused 3-D parameters (no linears), the router is never adapted",
         },
         ),

@@ -1,0 +1,136 @@
+"""Expert parallelism (qwenkit/distributed/expert.py) against plain FSDP2 and HF's experts forward.
+
+The reference of a run with ``parallel.ep_size`` is the same ranks with ``ep_size=1`` (plain FSDP2,
+itself checked against one process in tests/test_fsdp.py): the same loss, aux loss and every
+gradient. fp32 on both sides; only the order of sums differs (the combine sums a token's top-k
+outputs at once, HF's loop adds them expert by expert), hence 1e-5, relative to each gradient's
+largest element (the expert gradients are ~1e-4: an absolute 1e-5 would hide a factor of 2).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import build_model, make_batch, tiny_processor
+from multiproc import check_ranks
+from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
+
+from qwenkit import config as qconfig
+from qwenkit.distributed import expert, fsdp
+from qwenkit.model import family as families
+
+FP32 = dict(rtol=1e-5, atol=1e-5)
+EXPERTS = families.get("qwen3_vl_moe").experts
+
+
+def _experts_module(seed=0, experts=4, hidden=16, inter=8):
+    cfg = hf_moe.Qwen3VLMoeTextConfig(num_experts=experts, hidden_size=hidden, moe_intermediate_size=inter, hidden_act="silu")
+    module = hf_moe.Qwen3VLMoeTextExperts(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return module
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
+def test_local_experts_match_hf_experts(grouped):
+    """Rows grouped by expert (one with none) through the local experts = HF's experts forward
+    (each row top-1 to its expert, weight 1), outputs and weight gradients."""
+    if grouped and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    module = _experts_module()
+    sizes = [3, 0, 5, 2]  # expert 1 gets no row
+    rows = torch.randn(sum(sizes), 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes)).unsqueeze(-1)
+    ref = module(rows, ids, torch.ones(len(rows), 1))
+    ref.square().sum().backward()
+    ref_grads = [p.grad.clone() for p in (rows, module.gate_up_proj, module.down_proj)]
+    for p in (rows, module.gate_up_proj, module.down_proj):
+        p.grad = None
+    got = expert.local_experts(rows, sizes, module.gate_up_proj, module.down_proj, module.act_fn, grouped=grouped)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, ref, **FP32)
+    for g, r in zip((rows.grad, module.gate_up_proj.grad, module.down_proj.grad), ref_grads):
+        torch.testing.assert_close(g, r, **FP32)
+    assert module.gate_up_proj.grad[1].abs().max() == 0  # the idle expert: a zero gradient, not None
+
+
+# ---------------------------------------------------------------------------------------------
+# ep_size=2 vs ep_size=1 on the same ranks
+
+
+def _route(model, how: str) -> None:
+    """``every``: each token to all 4 experts; ``low``: only to experts 0 and 1 (rank 1's experts idle)."""
+    text = model.config.text_config
+    for layer in model.model.language_model.layers:
+        gate = layer.mlp.gate
+        if how == "every":
+            gate.top_k = text.num_experts_per_tok = text.num_experts
+        elif how == "low":
+            forward = gate.forward
+
+            def low(hidden, _forward=forward):
+                logits, weights, index = _forward(hidden)
+                return logits, weights, index % 2
+
+            gate.forward = low
+
+
+def _loss_and_grads(model, batch):
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.aux_loss.detach(), grads
+
+
+def _compare_ranks(rank, out, ep_size, routes):
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    cfg = qconfig.load(overrides=["model.name=qwen3_vl_moe", "loss.chunk=true", "loss.chunk_size=16"])
+    mesh = fsdp.build_mesh(fsdp.Runtime(rank, world, rank, torch.device("cpu"), "gloo", False))
+    batch = make_batch(tiny_processor("qwen3_vl_moe"), images_per_sample=(1, 0), seed=rank)
+    report = {}
+    for how in routes:
+        results = []
+        for ep in (1, ep_size):
+            model = build_model(chunk=True, seed=0, name="qwen3_vl_moe")
+            _route(model, how)
+            experts = None
+            if ep > 1:
+                experts = expert.apply(model, EXPERTS, expert.build_expert_mesh("cpu", world, ep))
+            fsdp.shard(model, cfg.parallel, mesh, experts)
+            results.append(_loss_and_grads(model, batch))
+        (loss1, aux1, grads1), (loss2, aux2, grads2) = results
+        torch.testing.assert_close(loss2, loss1, **FP32)
+        torch.testing.assert_close(aux2, aux1, **FP32)
+        assert grads2.keys() == grads1.keys()
+        for name, ref in grads1.items():
+            scale = dict(rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+            torch.testing.assert_close(grads2[name], ref, **scale, msg=lambda m, n=name: f"{n}: {m}")
+        idle = [n for n, g in grads2.items() if "experts" in n and g[2:].abs().max() == 0]
+        report[how] = {"loss": loss1.item(), "aux": aux1.item(), "idle_expert_grads": len(idle)}
+    if rank == 0:
+        (out / "report.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_ep2_equal_ep1(tmp_path):
+    """2 ranks, ep_size=2 (each rank 2 whole experts): loss, aux loss and every gradient = ep_size=1;
+    also with every token sent to every expert, and with rank 1's experts given no token at all."""
+    tiny_processor("qwen3_vl_moe")  # written once here, read by the ranks
+    check_ranks(_compare_ranks, 2, tmp_path, 2, ("topk", "every", "low"))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["low"]["idle_expert_grads"] == 2 * 3  # both weights of every layer: zero for experts 2, 3
+    assert report["topk"]["idle_expert_grads"] == 0
+
+
+@pytest.mark.long  # the 2-rank test above runs the same path
+def test_four_ranks_ep2_by_efsdp2_equal_fsdp(tmp_path):
+    """4 ranks, mesh (efsdp 2, ep 2): each expert on 2 ranks, sharded by FSDP between them."""
+    tiny_processor("qwen3_vl_moe")
+    check_ranks(_compare_ranks, 4, tmp_path, 2, ("topk",))
