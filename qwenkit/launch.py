@@ -84,7 +84,8 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
     else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
         problems.extend(check_module_paths(cfg))
         for problem in (sequence.heads_problem_of(path, cfg.parallel.sp_size),
-                        families.aux_loss_sp_problem(path, cfg.parallel.sp_size)):  # fmt: skip
+                        families.aux_loss_sp_problem(path, cfg.parallel.sp_size),
+                        families.expert_parallel_problem(path, cfg.parallel.ep_size)):  # fmt: skip
             if problem:
                 problems.append(problem)
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():

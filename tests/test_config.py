@@ -2,12 +2,15 @@
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+from conftest import tiny_checkpoint
 
 from qwenkit import config
 from qwenkit.config import ConfigError
+from qwenkit.model.family import expert_parallel_problem
 
 
 def test_defaults_are_valid():
@@ -311,3 +314,37 @@ def test_a_dpo_beta_grid_is_valid():
     for beta in ("0.05", "0.5"):
         cfg = config.load(overrides=["train.objective=dpo", f"dpo.beta={beta}", "dpo.loss=simpo", "dpo.gamma=0.3"])
         assert cfg.dpo.beta == float(beta)
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["parallel.ep_size=0"], r"parallel\.ep_size must be >= 1"),
+        (["parallel.nproc=4", "parallel.ep_size=3"], r"parallel\.ep_size=3 must divide parallel\.nproc=4"),
+        (["parallel.nproc=4", "parallel.ep_size=2", "parallel.sp_size=2"], r"not built with parallel\.sp_size > 1"),
+        (["parallel.nproc=4", "parallel.ep_size=2", "parallel.hsdp_replicas=2"], r"not built with parallel\.hsdp_replicas"),
+        (["parallel.nproc=2", "parallel.ep_size=2", "parallel.cpu_offload=true"], r"not built with parallel\.cpu_offload"),
+        (["parallel.nproc=2", "parallel.ep_size=2", "lora.r=8"], r"not built with LoRA"),
+        (["parallel.nproc=2", "parallel.ep_size=2", "train.objective=dpo"], r"not built with train\.objective other than sft"),
+    ],
+)
+def test_expert_parallel_settings_it_cannot_run_are_refused(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        config.load(overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "family, ep, pattern",
+    [
+        ("qwen3_vl", 2, r"qwen3_vl has no routed experts to split \(a dense family\)"),
+        ("qwen3_vl_moe", 8, r"parallel\.ep_size=8 must divide the expert count .*num_experts=4"),
+        ("qwen3_vl_moe", 2, None),
+        ("qwen2_5_vl", 1, None),
+    ],
+)
+def test_expert_parallel_needs_a_moe_checkpoint_whose_experts_it_divides(family, ep, pattern):
+    problem = expert_parallel_problem(tiny_checkpoint(family), ep)
+    if pattern is None:
+        assert problem is None
+    else:
+        assert re.search(pattern, problem), problem

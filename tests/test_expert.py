@@ -10,16 +10,18 @@ largest element (the expert gradients are ~1e-4: an absolute 1e-5 would hide a f
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model, make_batch, tiny_processor
+from conftest import assert_adamw_weights_close, build_model, make_batch, tiny_processor
 from multiproc import check_ranks
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
 
 from qwenkit import config as qconfig
 from qwenkit.distributed import expert, fsdp
+from qwenkit.engine import export, train
 from qwenkit.model import family as families
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -134,3 +136,81 @@ def test_four_ranks_ep2_by_efsdp2_equal_fsdp(tmp_path):
     """4 ranks, mesh (efsdp 2, ep 2): each expert on 2 ranks, sharded by FSDP between them."""
     tiny_processor("qwen3_vl_moe")
     check_ranks(_compare_ranks, 4, tmp_path, 2, ("topk",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the trainer: losses, grad norms, checkpoints (2 ranks, one process group for every run)
+
+LR, STEPS = 2e-3, 4
+TRAIN = [
+    "model.name=qwen3_vl_moe", f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=2",
+    "train.warmup_steps=1", "data.tiny_samples=16", "loss.chunk=true", "loss.chunk_size=16",
+    "checkpoint.every=2", "checkpoint.keep_last=2", "train.max_grad_norm=1.0",
+]  # fmt: skip
+RUNS = {
+    "ep1": [],
+    "ep2": ["parallel.ep_size=2"],
+    # each rank reads only its experts' rows from the HF files; recompute re-runs the exchanges in backward
+    "ep2_meta": ["parallel.ep_size=2", "model.init_device=meta", "parallel.recompute=[model.language_model.layers.*]"],
+    "ep1_from_ep2": ["train.resume=auto"],  # ep2's step-2 checkpoint, resumed without EP
+}
+
+
+def _train(rank, out):
+    dist.init_process_group("gloo")
+    for name, overrides in RUNS.items():
+        run_dir = out / name
+        if name == "ep1_from_ep2" and rank == 0:
+            step = "step-00000002"
+            shutil.copytree(out / "ep2" / "checkpoints" / step, run_dir / "checkpoints" / step)
+        dist.barrier()
+        resume = [] if "train.resume=auto" in overrides else ["train.resume=none"]
+        cfg = qconfig.load(overrides=[*TRAIN, *resume, *overrides, "parallel.nproc=2", f"train.output_dir={run_dir}"])
+        trainer = train.run(cfg)
+        if rank == 0:
+            (run_dir / "result.json").write_text(json.dumps({
+                "start": trainer.start_step,
+                "losses": [h["loss"] for h in trainer.history],
+                "grad_norms": [h["grad_norm"] for h in trainer.history],
+            }))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tiny_processor("qwen3_vl_moe")
+    out = tmp_path_factory.mktemp("ep")
+    check_ranks(_train, 2, out)
+    return out
+
+
+def _result(out, name):
+    return json.loads((out / name / "result.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2", "ep2_meta"])
+def test_trainer_with_ep_size_2_logs_the_losses_of_ep_size_1(trained, name):
+    ref, got = _result(trained, "ep1"), _result(trained, name)
+    assert len(got["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **FP32)
+    # the grad norm counts each expert once (before clipping; 1.0 clips the later steps)
+    torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **FP32)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_ep_2_resumes_under_ep_1_with_the_uninterrupted_losses(trained):
+    ref, got = _result(trained, "ep1"), _result(trained, "ep1_from_ep2")
+    assert got["start"] == 2
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), **FP32)
+
+
+@pytest.mark.slow
+def test_an_ep_2_checkpoint_exports_the_hf_keys_of_ep_1(trained):
+    """The experts are saved under HF's keys with their global shape: the export is HF's model."""
+    cfg = qconfig.load(overrides=[*TRAIN, "parallel.nproc=2"])
+    final = "checkpoints/step-00000004"
+    got, ref = (export.load_hf(trained / run / final, cfg).state_dict() for run in ("ep2", "ep1"))
+    assert got["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert_adamw_weights_close(got, ref, FP32, lr=LR, steps=STEPS)

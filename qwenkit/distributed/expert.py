@@ -191,17 +191,20 @@ def local_experts(
     return torch.cat(outs)
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of sharded gradients that may live on different meshes (the world's, the experts').
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Sharded tensors grouped by their mesh (the world's, the experts'; plain tensors apart):
+    DTensor ops (a foreach norm, a clip) take one mesh at a time."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
 
-    Each mesh's DTensor gradients are reduced on their own mesh (an element counted on the one
-    rank that holds it), then the squares are summed.
-    """
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of sharded gradients that may live on different meshes: each mesh's partial
+    norms reduced on that mesh (an element counted on the one rank that holds it), then the squares summed."""
     norms = []
-    for group in by_mesh.values():
+    for group in by_mesh(grads):
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]

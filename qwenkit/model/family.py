@@ -13,6 +13,7 @@ data pipeline resizes to, and the tiny default's config builder.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,3 +234,27 @@ def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
         "slice of the sequence only, which is not the loss of the whole sequence; use parallel.sp_size=1, or set "
         "output_router_logits=false there"
     )
+
+
+def expert_parallel_problem(path: str | Path, ep_size: int) -> str | None:
+    """Why ``parallel.ep_size`` cannot split the experts of the checkpoint at ``path``, or None:
+    a family without routed experts (its entry's ``experts``), or an expert count ``ep_size`` does
+    not divide (each rank holds whole experts); transformers 4.x, whose experts take the router's
+    dense weights (``forward(hidden, routing_weights, router_indices)``), not the top-k ones."""
+    if ep_size <= 1:
+        return None
+    version = importlib.metadata.version("transformers")
+    if int(version.split(".")[0]) < 5:
+        return f"parallel.ep_size={ep_size} needs transformers >= 5 (installed: {version}); use parallel.ep_size=1"
+    family = resolve("auto", path)
+    if not family.experts:
+        return f"parallel.ep_size={ep_size}: {family.name} has no routed experts to split (a dense family); use parallel.ep_size=1"
+    text = json.loads((Path(path) / "config.json").read_text())
+    text = text.get("text_config", text)
+    experts = text.get("num_experts", text.get("num_local_experts"))  # the hub's name; what transformers 5 writes
+    if not experts or experts % ep_size:
+        return (
+            f"parallel.ep_size={ep_size} must divide the expert count ({path}/config.json: text_config."
+            f"num_experts={experts}): each rank holds whole experts"
+        )
+    return None
