@@ -28,8 +28,9 @@ so FSDP's reduce-scatters and the all-to-alls stay in step.
 
 Gradients: the trainer scales each rank's loss by the world size and FSDP averages. An expert's
 gradient already sums the tokens of its whole ``ep`` group (the all-to-all's backward brings them),
-so its FSDP group divides by the world size, not by its ``efsdp`` size
-(``set_gradient_divide_factor``, as torchtitan does). The grad norm (:func:`total_norm`) sums each
+so its FSDP group divides by the world size, not by its ``efsdp`` size alone (torchtitan sets
+that factor with ``set_gradient_divide_factor``; that is a ``PREMUL_SUM``, which gloo lacks, so
+qwenkit lets FSDP average over ``efsdp`` and a hook divides by ``ep``). The grad norm (:func:`total_norm`) sums each
 mesh's squared norm once: every expert element lives on exactly one rank of the 2-D mesh.
 
 Not built this round (refused before start by the config check): ``ep_size`` with sequence

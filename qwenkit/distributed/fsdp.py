@@ -253,14 +253,9 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroup
     matched = match_modules(model, parallel_cfg.shard_patterns, "parallel.shard_patterns")
     tied = tied_outside(model, matched)
     plan = ShardPlan(groups=[], left_to_root=tied)
-    if experts is not None:
-        efsdp = {**kwargs, "mesh": experts.mesh["efsdp"]}
-        for name, module in experts.modules:
-            # dimension 1: the rank's whole experts (dim 0) may be fewer than the efsdp ranks
-            fully_shard(module, reshard_after_forward=parallel_cfg.reshard_after_forward,
-                        shard_placement_fn=_experts_dim_1, **efsdp)  # fmt: skip
-            module.set_gradient_divide_factor(float(mesh.size()))
-            plan.groups.append(module_path(name))
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if experts is not None:  # first: inside the decoder layers
+        _shard_experts(experts, parallel_cfg, kwargs, dtype, plan)
     # Children before parents: fully_shard on a parent must see its children already sharded.
     sharded = []
     for name, module in sorted(matched, key=lambda item: -item[0].count(".")):
@@ -272,7 +267,6 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroup
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     sharded.append(model)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     plan.gradient_divisor = gradient_excess(mesh, kwargs["mp_policy"], dtype)
     if plan.gradient_divisor > 1:
         for module in sharded:
@@ -282,6 +276,23 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroup
 
 def _experts_dim_1(param: nn.Parameter) -> Shard:
     return Shard(1)
+
+
+def _shard_experts(experts: ExpertGroups, parallel_cfg, kwargs: dict, dtype: torch.dtype, plan: ShardPlan) -> None:
+    """Each experts module its own FSDP group on the ``efsdp`` ranks, sharded on dimension 1 (a rank's whole
+    experts, dimension 0, may be fewer than those ranks).
+
+    FSDP averages an expert's gradient over ``efsdp``; it already sums its ``ep`` group's tokens (the
+    all-to-all's backward brought them), so a hook divides by ``ep`` as well: the world's average,
+    as every other group's. (Not ``set_gradient_divide_factor``: that is a ``PREMUL_SUM``, which gloo lacks.)
+    """
+    efsdp = experts.mesh["efsdp"]
+    by = experts.mesh["ep"].size() * gradient_excess(efsdp, kwargs["mp_policy"], dtype)
+    for name, module in experts.modules:
+        fully_shard(module, reshard_after_forward=parallel_cfg.reshard_after_forward,
+                    shard_placement_fn=_experts_dim_1, **{**kwargs, "mesh": efsdp})  # fmt: skip
+        module.set_all_reduce_hook(functools.partial(_divide_, by=by))
+        plan.groups.append(module_path(name))
 
 
 class _Probe(nn.Module):
