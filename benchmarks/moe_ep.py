@@ -67,7 +67,7 @@ def _count(sent: collections.Counter, name: str, original):
         group = kwargs.get("group")
         n, me = dist.get_world_size(group), dist.get_rank(group)
         if name == "all_to_all_single":
-            out, inp = args[0], args[1]
+            inp = args[1]
             in_sizes = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
             row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
             sent[name] += (sum(in_sizes) - in_sizes[me]) * row if in_sizes else inp.numel() * inp.element_size() * (n - 1) // n
@@ -104,7 +104,7 @@ def _rank(rank: int, world: int, port: int, shape: str, ep: int, out: str) -> No
             p.to_local().normal_(0, 0.02)
     block = model.mlp.experts
     held = {}
-    block.register_forward_pre_hook(lambda m, a: held.update(gathered=sum(expert._local(p).nbytes for p in m.parameters())))
+    block.register_forward_pre_hook(lambda m, a: held.update(gathered=sum(expert.local_weight(p).nbytes for p in m.parameters())))
     sharded = sum(p.to_local().nbytes for p in block.parameters())
     x = torch.randn(1, s["tokens"], s["hidden_size"], generator=torch.Generator().manual_seed(rank)).to(dtype)
 

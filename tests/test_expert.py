@@ -19,10 +19,12 @@ from conftest import assert_adamw_weights_close, build_model, make_batch, tiny_p
 from multiproc import check_ranks
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
 
+from qwenkit import cli, launch, records
 from qwenkit import config as qconfig
 from qwenkit.distributed import expert, fsdp
 from qwenkit.engine import export, train
 from qwenkit.model import family as families
+from qwenkit.rundir import RunDir
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 EXPERTS = families.get("qwen3_vl_moe").experts
@@ -156,6 +158,21 @@ def test_four_ranks_ep2_by_efsdp2_equal_fsdp(tmp_path):
     check_ranks(_compare_ranks, 4, tmp_path, 2, ("topk",))
 
 
+@pytest.mark.parametrize("model, refusal", [
+    ("qwen2_5_vl", "parallel.ep_size=2: qwen2_5_vl has no routed experts to split (a dense family)"),
+    ("qwen3_vl_moe", None),
+])  # fmt: skip
+def test_the_launcher_refuses_ep_on_a_dense_family_before_spawning(tmp_path, monkeypatch, capsys, model, refusal):
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)  # a run that would start reports success
+    out = tmp_path / "run"
+    code = cli.main(["train", "--nproc", "2", "parallel.allow_oversubscribe=true", "parallel.ep_size=2",
+                     f"model.name={model}", f"train.output_dir={out}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == (2 if refusal else 0), err
+    if refusal:
+        assert refusal in err and not out.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Through the trainer: losses, grad norms, checkpoints (2 ranks, one process group for every run)
 
@@ -164,12 +181,16 @@ TRAIN = [
     "model.name=qwen3_vl_moe", f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=2",
     "train.warmup_steps=1", "data.tiny_samples=16", "loss.chunk=true", "loss.chunk_size=16",
     "checkpoint.every=2", "checkpoint.keep_last=2", "train.max_grad_norm=1.0",
+    # eval loss and greedy replies at steps 0 and 4 (held-out rows: the training batches stay the same)
+    "data.tiny_eval_samples=4", "train.eval_samples=2", "train.eval_max_new_tokens=4",
 ]  # fmt: skip
 RUNS = {
     "ep1": [],
     "ep2": ["parallel.ep_size=2"],
     # each rank reads only its experts' rows from the HF files; recompute re-runs the exchanges in backward
-    "ep2_meta": ["parallel.ep_size=2", "model.init_device=meta", "parallel.recompute=[model.language_model.layers.*]"],
+    # lockstep: the replies generated on the sharded model, every rank's exchanges in step
+    "ep2_meta": ["parallel.ep_size=2", "model.init_device=meta", "parallel.recompute=[model.language_model.layers.*]",
+                 "train.eval_generation=lockstep"],
     "ep2_bf16": ["parallel.ep_size=2", "parallel.param_dtype=bfloat16", "parallel.reduce_dtype=float32"],
     "ep1_from_ep2": ["train.resume=auto"],  # ep2's step-2 checkpoint, resumed without EP
 }
@@ -210,6 +231,11 @@ def _result(out, name):
     return json.loads((out / name / "result.json").read_text())
 
 
+def _evaluated(out, name, metric):
+    rows = records.read_jsonl(RunDir(out / name).metrics / "rank-00000.jsonl")
+    return {r["x"]: r["value"] for r in rows if r["metric"] == metric}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ep2", "ep2_meta", "ep2_bf16"])
 def test_trainer_with_ep_size_2_logs_the_losses_of_ep_size_1(trained, name):
@@ -219,6 +245,10 @@ def test_trainer_with_ep_size_2_logs_the_losses_of_ep_size_1(trained, name):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol)
     # the grad norm counts each expert once (before clipping)
     torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **tol)
+    want = _evaluated(trained, "ep1", "eval_loss")
+    assert sorted(want) == [0, STEPS]
+    torch.testing.assert_close(_evaluated(trained, name, "eval_loss"), want, **tol)
+    assert sorted(_evaluated(trained, name, "eval_accuracy")) == [0, STEPS]  # the replies were generated
 
 
 @pytest.mark.slow

@@ -90,7 +90,8 @@ def shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
 
     On meta the slice is meta too (the weights are read later into the shards,
     :func:`qwenkit.distributed.weights.load_hf_weights`); otherwise it is copied, and the full
-    tensor freed.
+    tensor freed. ``num_experts`` stays the global count (the router's; the dispatch reads the
+    local count off the weights).
     """
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for name, param in list(module.named_parameters(recurse=False)):
@@ -99,9 +100,10 @@ def shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
             raise ValueError(f"parallel.ep_size={ep} must divide the expert count {experts} ({name}: {tuple(param.shape)})")
         local = experts // ep
         piece = param[rank * local : (rank + 1) * local].clone()
+        if not piece.is_meta:  # on the mesh's device (the current accelerator), as FSDP2 puts its shards
+            piece = piece.to(ep_mesh.device_type)
         dt = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
         setattr(module, name, nn.Parameter(dt, requires_grad=param.requires_grad))
-    module.num_experts = module.gate_up_proj.shape[0] // ep  # local experts, as HF's EP plan sets it
 
 
 def install(module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -141,8 +143,8 @@ def dispatch(module: nn.Module, group, hidden: torch.Tensor, top_k_index: torch.
     4. send the outputs back (all-to-all), undo the sort, weight by the router's top-k and sum per token.
     """
     ep = dist.get_world_size(group)
-    gate_up = _local(module.gate_up_proj)  # [L, 2I, H]
-    down = _local(module.down_proj)  # [L, H, I]
+    gate_up = local_weight(module.gate_up_proj)  # [L, 2I, H]
+    down = local_weight(module.down_proj)  # [L, H, I]
     local = gate_up.shape[0]
     tokens, k = top_k_index.shape
     ids = top_k_index.reshape(-1)
@@ -163,7 +165,7 @@ def dispatch(module: nn.Module, group, hidden: torch.Tensor, top_k_index: torch.
     return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def local_weight(param: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a weight (FSDP has gathered the ``efsdp`` shards; ``to_local`` keeps autograd)."""
     return param.to_local() if isinstance(param, DTensor) else param
 

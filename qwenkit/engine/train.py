@@ -44,7 +44,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from qwenkit import config as qconfig
