@@ -83,11 +83,10 @@ def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
         problems.append(str(e))
     else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
         problems.extend(check_module_paths(cfg))
-        for problem in (sequence.heads_problem_of(path, cfg.parallel.sp_size),
-                        families.aux_loss_sp_problem(path, cfg.parallel.sp_size),
-                        families.expert_parallel_problem(path, cfg.parallel.ep_size)):  # fmt: skip
-            if problem:
-                problems.append(problem)
+        problems.extend(families.problems(cfg, path))  # what the family cannot run: SP, packing, fused ops...
+        heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
+        if heads:
+            problems.append(heads)
     if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     else:
@@ -159,10 +158,10 @@ def check_module_paths(cfg) -> list[str]:
     except (ValueError, OSError) as e:
         return [str(e)]
     problems = []
-    for key in ("parallel.shard_patterns", "parallel.recompute"):
-        for pattern in getattr(cfg.parallel, key.split(".")[1]):
+    for key in ("shard_patterns", "recompute"):  # auto: the family's units
+        for pattern in families.units(model, key, getattr(cfg.parallel, key)):
             try:
-                fsdp.match_modules(model, [pattern], key)  # the rule fully_shard and the recompute wrappers use
+                fsdp.match_modules(model, [pattern], f"parallel.{key}")  # the rule fully_shard and the recompute wrappers use
             except ValueError as e:
                 problems.append(str(e))
     for path in cfg.model.freeze:
@@ -249,7 +248,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous, events_dir
         f"--nproc-per-node={nproc}",
         *where,
         f"--max-restarts={rdzv.max_restarts}",
-        "-m", "qwenkit.engine.train", "--config", str(config_path),
+        "-m", "qwenkit.engine.rank", "--config", str(config_path),
     ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ Besides torch's own behaviour it
 - with ``--max-restarts`` (c10d): restarts the group after a failure, not after ranks that
   saved and stopped (exit ``EXIT_RESUMABLE``: a stop was asked for, by a signal or
   ``train.stop_after``), and says in the final headline how many restarts were used. The
-  restarted ranks resume from the newest complete checkpoint (``qwenkit.engine.train``).
+  restarted ranks resume from the newest complete checkpoint (:func:`qwenkit.engine.rank.main` sets ``train.resume: auto``).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
     """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
 
     A qwenkit rank reports its own failure, one line then the traceback (see
-    ``qwenkit.engine.train.report_failure``), and exits with status 1; torchrun then stops the other
+    :func:`qwenkit.engine.rank.report_failure`), and exits with status 1; torchrun then stops the other
     ranks and raises ``ChildFailedError``, whose printout is replaced here by one line naming the
     rank that failed first. torchrun's own errors (bad arguments, rendezvous) still surface.
     ``events_dir``: the run folder whose ``events.jsonl`` gets the ``failed`` event no rank wrote.

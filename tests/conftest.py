@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from qwenkit import config as qconfig
+from qwenkit.model import family as families
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,7 +47,7 @@ def processor(tiny_path):
     return Processor.from_pretrained(tiny_path)
 
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name of every family
+FAMILIES = tuple(families.FAMILIES)  # model.name of every family: the registry's one list
 # parametrize a test over the families (the ``family`` fixture; without it a test runs Qwen2.5-VL)
 EVERY_FAMILY = pytest.mark.parametrize("family", FAMILIES, indirect=True)
 

@@ -120,7 +120,7 @@ def test_a_rank_that_raises_reports_itself_and_the_launcher_adds_nothing(tmp_pat
     # freezing every module passes every check before spawn and fails in the trainer
     cfg = qconfig.load(overrides=["model.freeze=[model,lm_head]", f"train.output_dir={tmp_path}"])
     qconfig.write_config(cfg, tmp_path)
-    proc = _torchrun(tmp_path, 1, "-m", "qwenkit.engine.train", "--config", str(tmp_path / "config.yaml"))
+    proc = _torchrun(tmp_path, 1, "-m", "qwenkit.engine.rank", "--config", str(tmp_path / "config.yaml"))
     assert proc.returncode == 1, proc.stderr
     (failed,) = [e for e in events.read(tmp_path) if e["event"] == "failed"]
     assert (failed["rank"], failed["by"], failed["error"]) == (0, "rank", "ValueError")

@@ -253,7 +253,7 @@ def test_torchrun_command_for_multi_node():
     assert cmd[1:3] == ["-m", "qwenkit.torchrun"]  # torchrun, through quiet_torchrun
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
-    assert cmd[-4:] == ["-m", "qwenkit.engine.train", "--config", "runs/x/config.yaml"]
+    assert cmd[-4:] == ["-m", "qwenkit.engine.rank", "--config", "runs/x/config.yaml"]
     assert "--rdzv-backend=static" in cmd and "--max-restarts=0" in cmd  # given: torchrun's PET_* defaults never apply
 
 

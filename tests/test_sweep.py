@@ -218,7 +218,7 @@ def _kill(proc: subprocess.Popen, rank_only: bool = False) -> None:
     for pid in [proc.pid, *_descendants(proc.pid)]:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            if not rank_only or ("qwenkit.engine.train" in argv and "qwenkit.torchrun" not in argv):
+            if not rank_only or ("qwenkit.engine.rank" in argv and "qwenkit.torchrun" not in argv):
                 os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, FileNotFoundError):
             pass

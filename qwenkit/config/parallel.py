@@ -18,21 +18,16 @@ class ParallelConfig:
     allow_oversubscribe: bool = False  # CPU: allow more ranks than cores (each rank then gets a share of one)
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    shard_patterns: list[str] = field(
-        default_factory=lambda: [
-            "model.visual.blocks.*",
-            "model.visual.merger",
-            "model.language_model.embed_tokens",
-            "model.language_model.layers.*",
-            "lm_head",
-        ]
-    )
+    # the modules fully_shard wraps, one FSDP unit each; auto: the family's shard_units (qwenkit.model.family.FAMILIES)
+    shard_patterns: Literal["auto"] | list[str] = "auto"
     reshard_after_forward: bool = True
     param_dtype: Dtype | None = None  # FSDP2 MixedPrecisionPolicy; None keeps the weights' dtype
     reduce_dtype: Dtype | None = None
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on host
     hsdp_replicas: int = 1  # >1: HSDP mesh (replicas, world // replicas); must divide the world size
-    recompute: list[str] = field(default_factory=list)  # e.g. [model.language_model.layers.*]
+    # modules recomputed in backward, e.g. [model.language_model.layers.*]; auto: the family's
+    # recompute_units (qwenkit.model.family.FAMILIES: the decoder layers); [] (default): none
+    recompute: Literal["auto"] | list[str] = field(default_factory=list)
     activation_offload: bool = False  # saved activations to host memory
     # Ulysses sequence parallelism: groups of sp_size ranks split every sequence (1 = off);
     # data parallelism over nproc // sp_size groups. See docs/SEQUENCE_PARALLEL.md
@@ -102,7 +97,7 @@ _EP_NOT_WITH = (
 
 def _check_expert_parallel(cfg: Config, need: Need) -> None:
     """``parallel.ep_size``; the family (a MoE?) and its expert count are checked by the launcher
-    (:func:`qwenkit.model.family.expert_parallel_problem`: they need the checkpoint's config)."""
+    (:meth:`qwenkit.model.family.Family.problems`: they need the checkpoint's config)."""
     ep = cfg.parallel.ep_size
     need(ep >= 1, f"parallel.ep_size must be >= 1, got {ep}")
     if ep <= 1:

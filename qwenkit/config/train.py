@@ -14,7 +14,12 @@ if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 log = logging.getLogger(__name__)
-OBJECTIVES = ("sft", "dpo")  # train.objective
+# train.objective: the one registry of objectives, each name's entry (a subclass of
+# qwenkit.engine.objective.Objective) by import path, so this leaf names them without importing the engine
+OBJECTIVES = {
+    "sft": "qwenkit.engine.sft:Sft",
+    "dpo": "qwenkit.engine.preference:PreferenceObjective",
+}
 
 EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)
 
@@ -28,7 +33,7 @@ class ParamGroupConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal[OBJECTIVES] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section)
+    objective: Literal[tuple(OBJECTIVES)] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section)
     steps: int = 30  # the run's length: the LR schedule spans these steps
     stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch

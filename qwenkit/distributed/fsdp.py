@@ -45,6 +45,7 @@ from torch.distributed.tensor import Shard
 from qwenkit.config import DTYPES
 from qwenkit.device import resolve_device
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
+from qwenkit.model import family as families
 from qwenkit.model.modules import module_path, path_match
 
 if TYPE_CHECKING:
@@ -179,12 +180,13 @@ def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[tuple
     return sorted(found.items(), key=lambda item: order[item[0]])
 
 
-def apply_recompute(model: nn.Module, patterns: list[str]) -> list[str]:
+def apply_recompute(model: nn.Module, patterns: list[str] | str) -> list[str]:
     """Wrap each matching module in non-reentrant activation checkpointing; returns their paths.
 
     Memory: a wrapped block keeps only its inputs for backward and recomputes the rest, so the
     saved activations of N blocks fall from N x (everything a block saves) to N x (its input).
     """
+    patterns = families.units(model, "recompute", patterns)
     if not patterns:
         return []
     wrapped = []
@@ -250,7 +252,8 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroup
     (an expert's gradient already sums its ``ep`` group's tokens; see :mod:`qwenkit.distributed.expert`).
     """
     kwargs = fsdp_kwargs(parallel_cfg, mesh)
-    matched = match_modules(model, parallel_cfg.shard_patterns, "parallel.shard_patterns")
+    patterns = families.units(model, "shard_patterns", parallel_cfg.shard_patterns)
+    matched = match_modules(model, patterns, "parallel.shard_patterns")
     tied = tied_outside(model, matched)
     plan = ShardPlan(groups=[], left_to_root=tied)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())

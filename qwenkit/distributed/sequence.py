@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -187,8 +188,8 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
                       sequence_parallel: AttentionContext | None = None, inner: str = "sdpa", **kwargs):  # fmt: skip
     """transformers attention function: Ulysses around ``inner`` (``[B, S/N, H, D]``, None)."""
     if sequence_parallel is None:  # not under SP (generation, a plain forward): the inner one as is
-        return _inner_function(inner)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)  # fmt: skip
+        return _inner_function(inner, module)(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)  # fmt: skip
     ctx = sequence_parallel
     n = ctx.size
     heads, kv = query.shape[1], key.shape[1]
@@ -211,13 +212,11 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _inner_function(inner: str):
+def _inner_function(inner: str, module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if inner == "eager":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import eager_attention_forward
-
-        return eager_attention_forward
+    if inner == "eager":  # not registered: the one of the attention layer's own modeling file
+        return sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[inner]
 
 

@@ -1,9 +1,10 @@
 """The one resume rule: which checkpoint a start resumes, and whether it may.
 
 :func:`decide` is asked by the launcher before any process starts (file sizes checked) and by
-every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each rank its share);
-``qwenkit train``'s refusals and the ranks' are the same sentences. Its own code uses no torch
-(the data files it compares are listed by :func:`qwenkit.data.load.file_sizes`).
+every rank in :func:`agree` (checksums, each rank its share, and every rank seeing the same
+checkpoints); ``qwenkit train``'s refusals and the ranks' are the same sentences. The rule itself
+uses no torch (the data files it compares are listed by :func:`qwenkit.data.load.file_sizes`);
+:func:`agree` is the ranks' collective around it.
 
 - ``train.resume``: ``auto`` takes the newest complete checkpoint that passes the check, passing
   over damaged ones (returned in ``skipped``: the ranks move them to ``damaged-*``); ``none``
@@ -27,10 +28,13 @@ every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch.distributed as dist
 
 from qwenkit.data.load import file_sizes
 from qwenkit.engine.checkpoint_dir import (
@@ -42,8 +46,12 @@ from qwenkit.engine.checkpoint_dir import (
     complete_checkpoints,
     damaged_error,
     read_marker,
+    set_aside,
+    set_aside_damaged,
     step_of,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -202,3 +210,53 @@ def _resume_step(resume: Path) -> int:
         return int(read_marker(resume)["step"])
     except (CheckpointError, KeyError, TypeError, ValueError):
         return step_of(resume) if resume.name.startswith(PREFIX) else 0
+
+
+def agree(cfg, rank: int, world_size: int) -> Resume:
+    """The checkpoint this start resumes, by :func:`decide` (the rule the launcher asked too),
+    verified and agreed by every rank (collective: every rank calls it, under a process group).
+
+    Every rank must see the same checkpoints (else: no shared output_dir, refused). The files'
+    checksums are verified, each rank reading its share; ``resume: auto`` passes over a damaged
+    one (saying so) and rank 0 moves it aside; with ``train.resume_older`` rank 0 moves the newer
+    checkpoints aside (not deleted). The launcher refused the runs the rule refuses before any
+    rank started; this covers ranks started another way.
+    """
+    main_rank = rank == 0
+    root = checkpoint_root(cfg.train.output_dir)
+    seen = [(p.name, _marker_text(p)) for p in complete_checkpoints(root)]
+    views = [None] * world_size
+    dist.all_gather_object(views, seen)
+    if any(v != views[0] for v in views):
+        differ = next(r for r, v in enumerate(views) if v != views[0])
+        raise CheckpointError(
+            f"the ranks do not see the same checkpoints in {str(root)!r}: rank 0 sees "
+            f"{[n for n, _ in views[0]] or 'none'}, rank {differ} sees {[n for n, _ in views[differ]] or 'none'}: "
+            "every node must write to one train.output_dir (a filesystem shared by every node)"
+        )
+
+    def check(path: Path) -> str | None:  # collective: each rank checksums its share of the files
+        problem = check_files(path, checksums=True, rank=rank, world_size=world_size)
+        problems = [None] * world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+        if problem and cfg.train.resume == "auto" and main_rank:
+            log.warning("train.resume=auto: %s; falling back to the newest older complete checkpoint", problem)
+        return problem
+
+    decision = decide(cfg, world_size, check)
+    dist.barrier()  # every rank has looked before rank 0 moves anything
+    if main_rank:
+        for path, _ in decision.skipped:
+            log.warning("moved the damaged %s to %s", path.name, set_aside_damaged(path))
+        if decision.newer:
+            log.warning("train.resume_older: moved the newer checkpoints to %s", set_aside(decision.newer))
+    dist.barrier()
+    return decision
+
+
+def _marker_text(path: Path) -> str:
+    try:
+        return (path / COMPLETE).read_text()
+    except OSError:
+        return ""

@@ -97,7 +97,7 @@ class Processor:
     registry entry (:mod:`qwenkit.model.family`) says how conversations are templated and videos
     sampled, so everything the data pipeline builds from this processor follows the family."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor, family: str = "qwen2_5_vl"):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor, family: str = families.TINY_DEFAULT):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.family = families.get(family).name

@@ -175,7 +175,7 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFa
     )
 
 
-def build_processor(family: str = "qwen2_5_vl") -> Processor:
+def build_processor(family: str = families.TINY_DEFAULT) -> Processor:
     entry = families.get(family)
     side = entry.patch_size * entry.merge_size  # pixels per merged token: 28 (Qwen2.5-VL), 32 (Qwen3-VL)
     image_processor = ImageProcessor(
@@ -197,7 +197,7 @@ def _cache_root() -> Path:
 
 
 def ensure_checkpoint(
-    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = "qwen2_5_vl"
+    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = families.TINY_DEFAULT
 ) -> Path:
     """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``.
 
@@ -207,7 +207,7 @@ def ensure_checkpoint(
     families.get(family)  # a known family, or the error naming them
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
-        | ({"family": family, "template": 2} if family != "qwen2_5_vl" else {})  # 2: the family's chat template
+        | ({"family": family, "template": 2} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
     )
     root = Path(root) if root is not None else _cache_root()
     path = root / f"tiny-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
@@ -242,7 +242,7 @@ def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: i
         raise
 
 
-def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = "qwen2_5_vl") -> None:
+def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = families.TINY_DEFAULT) -> None:
     entry = families.get(family)
     processor = build_processor(family)
     vocab = len(processor.tokenizer)

@@ -3,7 +3,7 @@
 The reference is what ``tests/test_model.py`` compares against: HF's own forward for
 ``token_mean``, and :func:`qwenkit.model.loss.full_cross_entropy` on HF's logits for ``sample_mean``.
 The same model is switched between the two heads
-(:meth:`qwenkit.model.qwen2_5_vl.QwenkitQwen2_5_VL.configure_loss`), so the weights are
+(:meth:`qwenkit.model.chunked.ChunkLossMixin.configure_loss`), so the weights are
 identical by construction and any difference is the loss head's.
 
 1. :func:`validation_batches` takes real samples from a dataset (:func:`qwenkit.bench.step.sample_batches`);
