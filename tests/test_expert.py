@@ -73,7 +73,7 @@ def test_grouped_mm_on_cuda_bf16_matches_the_loop_in_fp32():
     rows = torch.randn(sum(sizes), 128, generator=torch.Generator().manual_seed(1))
     ref = expert.local_experts(rows, sizes, module.gate_up_proj, module.down_proj, module.act_fn, grouped=False)
     cuda = torch.device("cuda")
-    assert expert.grouped_mm_wanted(cuda)
+    assert expert.grouped_mm_wanted(cuda, torch.bfloat16) and not expert.grouped_mm_wanted(cuda, torch.float32)
     weights = [p.detach().to(cuda, torch.bfloat16) for p in (module.gate_up_proj, module.down_proj)]
     got = expert.local_experts(rows.to(cuda, torch.bfloat16), sizes, *weights, module.act_fn)
     torch.testing.assert_close(got.float().cpu(), ref.detach(), rtol=2e-2, atol=2e-2)

@@ -17,7 +17,7 @@ experts of a layer for every micro-batch although each token uses ``top_k`` of t
    its top-k weights and its auxiliary loss are HF's, untouched: routing is per token, so each
    rank routes its own tokens exactly as before. Each (token, expert) pair goes to the expert's
    rank (one ``all_to_all_single``), the local experts run (:func:`local_experts`: one
-   ``torch._grouped_mm`` per projection on CUDA, a loop over the local experts elsewhere), the
+   ``torch._grouped_mm`` per projection on CUDA in bf16, a loop over the local experts elsewhere), the
    outputs come back (a second one) and are weighted and summed per token on the sender. A
    shared expert (Qwen3.5-MoE's ``mlp.shared_expert``) is outside the routed experts module and
    stays a dense FSDP weight.
@@ -170,9 +170,10 @@ def local_weight(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def grouped_mm_wanted(device: torch.device) -> bool:
-    """One ``torch._grouped_mm`` per projection where the device has a kernel for it (CUDA); a loop elsewhere."""
-    return device.type == "cuda" and hasattr(torch, "_grouped_mm")
+def grouped_mm_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """One ``torch._grouped_mm`` per projection where the device has a kernel for it (CUDA, bf16: the
+    dtype its CUDA kernel takes in every torch that has it); a loop over the local experts elsewhere."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
 def local_experts(
@@ -182,7 +183,7 @@ def local_experts(
     ``down_e(act(gate) * up)`` with ``gate, up = (rows @ gate_up_e.T).chunk(2)``. Every expert runs, also on
     zero rows, so each gets a gradient (zero) and the backward is the same on every rank."""
     if grouped is None:
-        grouped = grouped_mm_wanted(rows.device)
+        grouped = grouped_mm_wanted(rows.device, rows.dtype)
     if grouped:
         offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
