@@ -52,6 +52,7 @@ Targets: ``dpo`` peak <= 0.5x and time <= 0.8x ``dpo-hf``; ``dpo-lora`` peak <= 
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
     python benchmarks/train_step.py --objective dpo       # one pair of 2 x 2,048 tokens sharing an image prompt
     python benchmarks/train_step.py --family qwen3_vl     # the same CPU shapes on Qwen3-VL (DeepStack, 16-px patches)
+    python benchmarks/train_step.py --family qwen3_5      # Qwen3.5: Gated DeltaNet layers, 248,320 vocabulary
 """
 
 from __future__ import annotations
@@ -138,7 +139,41 @@ def make_qwen3_config(shapes: dict):
                          **{f"{k}_token_id": v for k, v in ids.items()})  # fmt: skip
 
 
-CONFIGS = {"qwen2_5_vl": make_config, "qwen3_vl": make_qwen3_config}  # --family: the config of those shapes
+QWEN3_5_VOCAB = 248_320  # Qwen3.5's vocabulary: the chunked head's ratios are measured at it
+
+
+def make_qwen3_5_config(shapes: dict):
+    """A Qwen3.5 config of the same text sizes (``--family qwen3_5``) at Qwen3.5's 248,320 vocabulary:
+    layers in the checkpoints' pattern (every 4th full attention, the others Gated DeltaNet with half
+    as many key heads as value heads, head dim 128 as in the 9B), partial rotary (a quarter of
+    head_dim), Qwen3-VL's tower without DeepStack."""
+    from transformers import Qwen3_5Config
+
+    base = make_config(shapes, vocab=QWEN3_5_VOCAB)
+    text = base.text_config.to_dict()
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    head_dim = hidden // text["num_attention_heads"]
+    half = head_dim // 4 // 2  # rotary dims / 2
+    value_heads = max(2, hidden // 128)
+    text = {k: text[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}  # fmt: skip
+    text.update(head_dim=head_dim, linear_num_value_heads=value_heads, linear_num_key_heads=value_heads // 2,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                # every 4th full attention, and the last layer (a 2-layer smoke config still has one)
+                layer_types=["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [half - 2 * (half // 3), half // 3, half // 3], "mrope_interleaved": True})  # fmt: skip
+    vision = shapes["vision"]
+    vision = dict(depth=vision["depth"], hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+                  num_heads=vision["num_heads"], patch_size=16, num_position_embeddings=48 * 48,
+                  out_hidden_size=hidden)  # fmt: skip
+    ids = {k: getattr(base, f"{k}_token_id") for k in ("image", "video", "vision_start", "vision_end")}
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=shapes["tie"],
+                         **{f"{k}_token_id": v for k, v in ids.items()})  # fmt: skip
+
+
+# --family: the config of those shapes
+CONFIGS = {"qwen2_5_vl": make_config, "qwen3_vl": make_qwen3_config, "qwen3_5": make_qwen3_5_config}
 
 
 def timed_steps(forward_backward, opt, device, warmup: int, steps: int) -> tuple[float, list[float]]:
@@ -363,7 +398,8 @@ def main(argv=None) -> int:
     labels = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY)["labels"]
     valid = int((labels[:, 1:] != -100).sum())  # positions the skipping head projects
     print(f"batch: {labels.numel()} tokens, {valid} labelled, {1 - valid / labels.numel():.0%} of the labels ignored")
-    print(f"family={args.family} shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
+    vocab = config.get_text_config().vocab_size
+    print(f"family={args.family} shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={vocab:,} device={args.device}; "
           "MFU against each worker's own GEMM peak")
     rows = [_spawn(args, v) for v in variants]
     base = rows[0]
@@ -395,7 +431,7 @@ def main(argv=None) -> int:
               f"peak {lo['peak_bytes'] / full['peak_bytes']:.2f}x (target <= 0.55), trainable parameters "
               f"{lo['trainable']:,} of {lo['params']:,}; first losses {lo['losses'][0]:.6f} vs {full['losses'][0]:.6f}")
     pb = base["param_bytes"]
-    chunk = auto_chunk_size(valid, VOCAB, 512 * 2**20) * VOCAB * 4
+    chunk = auto_chunk_size(valid, vocab, 512 * 2**20) * vocab * 4
     floor = 4 * pb + chunk
     print(f"\nfloor: weights + grads + AdamW (2 states) = 4 x {pb / GiB:.2f} GiB, + one logits chunk "
           f"{chunk / GiB:.2f} GiB = {floor / GiB:.2f} GiB ({floor / base['peak_bytes']:.2f} of HF's peak)")

@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 
+# parallel.max_restarts at most: each restart resumes from the last checkpoint, so a group that failed
+# this often fails for a reason a restart does not cure (and torchrun would retry it for ever)
+MAX_RESTARTS = 100
+
+
 @dataclass
 class ParallelConfig:
     nproc: int = 1  # processes on this node (torchrun --nproc-per-node)
@@ -45,7 +50,7 @@ class ParallelConfig:
     rendezvous: Literal["auto", "static", "c10d"] = "auto"
     rdzv_id: str = ""  # c10d across nodes: the job's id, the same on every node ("": Slurm's job id / the PyTorchJob's rdzvId)
     # c10d: times the whole group is restarted after a rank fails (0: the scheduler's, e.g. PET_MAX_RESTARTS);
-    # each restart resumes from the newest complete checkpoint (set checkpoint.every to bound the lost steps)
+    # each restart resumes from the newest complete checkpoint (set checkpoint.every to bound the lost steps); at most MAX_RESTARTS
     max_restarts: int = 0
 
 
@@ -54,7 +59,8 @@ def check(cfg: Config, need: Need) -> None:
     need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
     need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
     need(parallel.timeout_s >= 1, f"parallel.timeout_s must be >= 1 (seconds), got {parallel.timeout_s}")
-    need(parallel.max_restarts >= 0, f"parallel.max_restarts must be >= 0, got {parallel.max_restarts}")
+    need(0 <= parallel.max_restarts <= MAX_RESTARTS,
+         f"parallel.max_restarts must be in [0, {MAX_RESTARTS}], got {parallel.max_restarts}")  # fmt: skip
     need(
         parallel.rendezvous != "static" or parallel.max_restarts == 0,
         f"parallel.max_restarts={parallel.max_restarts} needs parallel.rendezvous=c10d (or auto): "

@@ -124,8 +124,9 @@ def load_user_metric(spec: str, key: str = "train.eval_metrics"):
         raise ValueError(f"{key}: {spec!r} is neither a built-in metric ({', '.join(EVAL_METRICS)}) nor module:function")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:  # a user's module may fail in any way: say which
-        raise ValueError(f"{key}: {spec!r} does not import ({type(e).__name__}: {e}); is its folder on PYTHONPATH?") from e
+    except Exception as e:  # noqa: BLE001 - a user's module may fail in any way (1/0, a syntax error): say which
+        hint = "; is its folder on PYTHONPATH?" if isinstance(e, ImportError) else ""
+        raise ValueError(f"{key}: {spec!r} does not import ({type(e).__name__}: {e}){hint}") from e
     if not callable(fn):
         raise ValueError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function(prediction, reference) -> float")
     return fn

@@ -85,6 +85,13 @@ def heads_problem(text_config, sp_size: int) -> str | None:
             f"parallel.sp_size={sp_size} must divide the model's attention heads: it has {heads} query heads "
             f"and {kv} key/value heads (Ulysses gives each rank heads/sp_size query heads)"
         )
+    linear = getattr(text_config, "linear_num_key_heads", None)  # Qwen3.5's Gated DeltaNet layers
+    if linear is not None and linear % sp_size:
+        return (
+            f"parallel.sp_size={sp_size} must divide text_config.linear_num_key_heads={linear} (and with it "
+            f"linear_num_value_heads={text_config.linear_num_value_heads}): each rank runs the linear-attention "
+            "layers' conv and recurrence for linear_num_key_heads/sp_size key heads on the whole sequence"
+        )
     return None
 
 
@@ -182,6 +189,15 @@ class AttentionContext:
     group: dist.ProcessGroup
     size: int
     mask: torch.Tensor | None  # [B, 1, S, S] bool on the whole sequence (True: attend); None: causal
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S/N, D] -> [B, H/N, S, D]`` (autograd): what Qwen3.5's linear attention
+        (:mod:`qwenkit.model.linear_attention`) exchanges, beside the attention's own."""
+        return seq_to_heads(x.contiguous(), self.group)
+
+    def to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H/N, S, D] -> [B, H, S/N, D]`` (autograd)."""
+        return heads_to_seq(x.contiguous(), self.group)
 
 
 def ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -183,7 +183,7 @@ def generate_and_score(
     calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
     rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank, lockstep_calls=calls)
     for r in rows:
-        r.scores = answers.score(metrics, r.generated, r.reference)
+        r.scores = answers.score(metrics, r.generated, r.reference, f"eval row {r.index}")
     rows = qgen.gather_rows(rows, rank, world_size)
     means = torch.zeros(len(metrics), dtype=torch.float64, device=next(model.parameters()).device)
     if rank == 0:

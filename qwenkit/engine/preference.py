@@ -260,7 +260,11 @@ class PreferenceObjective(Objective):
     @staticmethod
     def evaluate_cli(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
         """``qwenkit eval`` of a dpo run: held-out pairs, the metrics the trainer logs (:func:`evaluate_pairs`);
-        no generation, rank 0 scores every pair."""
+        ``--samples``: the first that many pairs. Nothing is generated, so ``--metric`` is refused; rank 0
+        scores every pair."""
+        if args.metric is not None:
+            raise ValueError(f"--metric {' '.join(args.metric)}: a dpo run is evaluated on its held-out pairs (the "
+                             "trainer's preference metrics), nothing is generated to score; leave --metric out")  # fmt: skip
         if rank != 0:
             return 0
         if args.data is not None:
@@ -270,6 +274,8 @@ class PreferenceObjective(Objective):
         if dataset is None or len(dataset) == 0:
             where = f"--data {args.data!r}" if args.data else "the run"
             raise ValueError(f"{where}: no held-out pairs to evaluate; pass --data PATH")
+        if args.samples is not None:
+            dataset = PairDataset(dataset.samples, dataset.pairs[: args.samples])
         reference = None
         if cfg.dpo.loss != "simpo":  # the run's starting weights (model.path; a LoRA run's base)
             start = paths.resolve_path(cfg.model)

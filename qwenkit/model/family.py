@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +45,14 @@ class Mixer:
     attn_implementations: tuple[str, ...]  # model.attn_implementation values the layer runs with
 
 
+_ATTN = ("sdpa", "eager", "flash_attention_2")
 # every layer kind a family may list; a new kind says here what it can do
 MIXERS: dict[str, Mixer] = {
-    "attention": Mixer(sequence_parallel=True, packing=True, attn_implementations=("sdpa", "eager", "flash_attention_2")),
+    "attention": Mixer(sequence_parallel=True, packing=True, attn_implementations=_ATTN),
+    # Gated DeltaNet (Qwen3.5): a causal conv1d and a recurrent state along the sequence. Packed rows
+    # restart both at every sample, and under Ulysses each rank runs them on whole sequences for its
+    # heads (qwenkit.model.linear_attention); the attention implementation is its full-attention layers'
+    "linear_attention": Mixer(sequence_parallel=True, packing=True, attn_implementations=_ATTN),
 }
 
 
@@ -74,6 +80,8 @@ class Family:
     # frame sampling and resizing of videos: the name of transformers' video processor class that
     # qwenkit.data.video.RULES follows
     video_rule: str = "Qwen2VLVideoProcessor"
+    # the replies after the last user turn open with a thinking block (Qwen3.5: "<think>\n\n</think>\n\n" when empty)
+    think_tags: bool = False
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
     # the routed-experts modules (fused 3-D gate_up_proj / down_proj, HF's forward(hidden, top_k_index,
@@ -87,6 +95,14 @@ class Family:
         """The class (or function) an import path of this entry names."""
         module, _, attr = getattr(self, what).partition(":")
         return getattr(importlib.import_module(module), attr)
+
+    def unavailable(self) -> str | None:
+        """Why this transformers install cannot build the family (4.57 has no Qwen3.5), or None."""
+        module = f"transformers.models.{self.model_type}"
+        if importlib.util.find_spec(module) is not None:
+            return None
+        return (f"model.name={self.name} needs transformers 5.x ({module}); transformers "
+                f"{importlib.metadata.version('transformers')} is installed and has no such model")  # fmt: skip
 
     def part_of(self, name: str) -> str | None:
         """The part (of :func:`qwenkit.model.registry.parameter_counts`) a parameter or module path belongs to, or None."""
@@ -164,6 +180,15 @@ _QWEN3_DATA = dict(
     video_rule="Qwen3VLVideoProcessor",
 )
 _QWEN3_SHARD = (*_SHARD[:2], "model.visual.deepstack_merger_list.*", *_SHARD[2:])
+# Qwen3.5: Qwen3-VL's vision tower without DeepStack; three of four text layers are linear attention
+_QWEN3_5_PARTS = (
+    ("vision blocks", ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")),
+    ("merger", ("model.visual.merger",)),
+    ("language model", _TEXT),
+    ("lm_head", ("lm_head",)),
+)
+# Qwen3.5 templates as Qwen3-VL does, plus the thinking block of the replies after the last user turn
+_QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -217,6 +242,43 @@ FAMILIES: dict[str, Family] = {
             **_QWEN3_DATA,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
+        ),
+        Family(
+            name="qwen3_5",
+            model_type="qwen3_5",
+            hf_class="transformers:Qwen3_5ForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_5:QwenkitQwen3_5",
+            tiny_config="qwenkit.model.tiny:qwen3_5_config",
+            parts=_QWEN3_5_PARTS,
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            # the text RMSNorms scale by (1 + weight) and the linear attention's norm is gated: no kernel
+            # here matches them, so they stay HF's
+            fused_ops=("swiglu",),
+            patch_size=16,
+            **_QWEN3_5_DATA,
+            mixers=("attention", "linear_attention"),
+        ),
+        Family(
+            name="qwen3_5_moe",
+            model_type="qwen3_5_moe",
+            hf_class="transformers:Qwen3_5MoeForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_5:QwenkitQwen3_5Moe",
+            tiny_config="qwenkit.model.tiny:qwen3_5_moe_config",
+            parts=(*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_5_PARTS[2:]),
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            # all-linear adapts attention, linear attention and the shared expert: the routed experts are fused
+            # 3-D parameters (no linears); the router and the shared expert's gate are never adapted
+            lora_exclude=("model.language_model.layers.*.mlp.gate", "model.language_model.layers.*.mlp.shared_expert_gate"),
+            fused_ops=("swiglu",),  # the shared expert's MLP; the routed experts are fused 3-D parameters
+            patch_size=16,
+            **_QWEN3_5_DATA,
+            mixers=("attention", "linear_attention"),
+            aux_loss=True,
+            experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
         ),
     )
 }
@@ -279,6 +341,22 @@ def resolve(name: str, path: str | Path) -> Family:
         hint = f"model.name={by_type[0].name} or auto" if by_type else "a checkpoint of that family"
         raise ValueError(f"model.name={name!r} but {path}/config.json has model_type={model_type!r}: use {hint}")
     return family
+
+
+def entry_problems(name: str, path: str | Path) -> list[str]:
+    """What the family entry of ``model.name`` / ``model.path`` says it cannot run before anything is
+    built (the tiny checkpoint included): a transformers without the family (Qwen3.5 on 4.57).
+    ``auto`` with ``tiny`` is the tiny default, which every version has."""
+    if name != "auto":
+        family = get(name)
+    elif (Path(path).expanduser() / "config.json").is_file():
+        try:
+            family = resolve("auto", Path(path).expanduser())
+        except ValueError as e:  # a model_type of no family
+            return [str(e)]
+    else:
+        return []
+    return [p for p in (family.unavailable(),) if p]
 
 
 def units(model, key: str, value) -> list[str]:
