@@ -27,7 +27,6 @@ from qwenkit.model import family as families
 from qwenkit.rundir import RunDir
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
-EXPERTS = families.get("qwen3_vl_moe").experts
 
 
 def _experts_module(seed=0, experts=4, hidden=16, inter=8):
@@ -107,21 +106,21 @@ def _loss_and_grads(model, batch):
     return out.loss.detach(), out.aux_loss.detach(), grads
 
 
-def _compare_ranks(rank, out, ep_size, routes):
+def _compare_ranks(rank, out, ep_size, routes, family="qwen3_vl_moe"):
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    cfg = qconfig.load(overrides=["model.name=qwen3_vl_moe", "loss.chunk=true", "loss.chunk_size=16"])
+    cfg = qconfig.load(overrides=[f"model.name={family}", "loss.chunk=true", "loss.chunk_size=16"])
     mesh = fsdp.build_mesh(fsdp.Runtime(rank, world, rank, torch.device("cpu"), "gloo", False))
-    batch = make_batch(tiny_processor("qwen3_vl_moe"), images_per_sample=(1, 0), seed=rank)
+    batch = make_batch(tiny_processor(family), images_per_sample=(1, 0), seed=rank)
     report = {}
     for how in routes:
         results = []
         for ep in (1, ep_size):
-            model = build_model(chunk=True, seed=0, name="qwen3_vl_moe")
+            model = build_model(chunk=True, seed=0, name=family)
             _route(model, how)
             experts = None
             if ep > 1:
-                experts = expert.apply(model, EXPERTS, expert.build_expert_mesh("cpu", world, ep))
+                experts = expert.apply(model, families.get(family).experts, expert.build_expert_mesh("cpu", world, ep))
             fsdp.shard(model, cfg.parallel, mesh, experts)
             results.append(_loss_and_grads(model, batch))
         (loss1, aux1, grads1), (loss2, aux2, grads2) = results
@@ -148,6 +147,13 @@ def test_two_ranks_ep2_equal_ep1(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["low"]["idle_expert_grads"] == 2 * 3  # both weights of every layer: zero for experts 2, 3
     assert report["topk"]["idle_expert_grads"] == 0
+
+
+@pytest.mark.slow
+def test_two_ranks_ep2_equal_ep1_with_a_shared_expert(tmp_path):
+    """Qwen3.5-MoE: the gated shared expert stays a dense weight beside the split routed experts."""
+    tiny_processor("qwen3_5_moe")
+    check_ranks(_compare_ranks, 2, tmp_path, 2, ("topk",), "qwen3_5_moe")
 
 
 @pytest.mark.slow
