@@ -1,5 +1,5 @@
 """``parallel``: processes, backend and device, the FSDP2 shard plan, mixed precision, offload,
-recompute, sequence parallelism and the collective timeout."""
+recompute, sequence and expert parallelism and the collective timeout."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ class ParallelConfig:
     # Ulysses sequence parallelism: groups of sp_size ranks split every sequence (1 = off);
     # data parallelism over nproc // sp_size groups. See docs/SEQUENCE_PARALLEL.md
     sp_size: int = 1
+    # expert parallelism (MoE families): each layer's experts split whole across groups of ep_size
+    # consecutive ranks, tokens sent to them; the experts FSDP-sharded over nproc // ep_size ranks.
+    # 1 = off (experts sharded like any weight). See docs/TRAINING.md
+    ep_size: int = 1
     # a collective (or the process group's start) waiting longer than this fails, naming the
     # rank that stopped answering; long enough for a 7B weight load or checkpoint save
     timeout_s: int = 600
@@ -63,6 +67,7 @@ def check(cfg: Config, need: Need) -> None:
         "a static rendezvous cannot regroup the nodes after a failure",
     )
     _check_sequence_parallel(cfg, need)
+    _check_expert_parallel(cfg, need)
 
 
 def _check_sequence_parallel(cfg: Config, need: Need) -> None:
@@ -84,3 +89,28 @@ def _check_sequence_parallel(cfg: Config, need: Need) -> None:
         cfg.model.attn_implementation in ("sdpa", "eager"),
         f"parallel.sp_size={sp} supports model.attn_implementation sdpa or eager, got {cfg.model.attn_implementation!r}",
     )
+
+
+# what parallel.ep_size > 1 is not built with yet: (is it on?, the setting named in the refusal)
+_EP_NOT_WITH = (
+    (lambda c: c.parallel.sp_size > 1, "parallel.sp_size > 1"),
+    (lambda c: c.parallel.hsdp_replicas > 1, "parallel.hsdp_replicas > 1"),
+    (lambda c: c.parallel.cpu_offload, "parallel.cpu_offload=true"),
+    (lambda c: c.lora.r > 0, "LoRA (lora.r > 0)"),
+    (lambda c: c.train.objective != "sft", "train.objective other than sft"),
+)
+
+
+def _check_expert_parallel(cfg: Config, need: Need) -> None:
+    """``parallel.ep_size``; the family (a MoE?) and its expert count are checked by the launcher
+    (:meth:`qwenkit.model.family.Family.problems`: they need the checkpoint's config)."""
+    ep = cfg.parallel.ep_size
+    need(ep >= 1, f"parallel.ep_size must be >= 1, got {ep}")
+    if ep <= 1:
+        return
+    need(
+        cfg.parallel.nproc % ep == 0,
+        f"parallel.ep_size={ep} must divide parallel.nproc={cfg.parallel.nproc} (an expert group stays on one node)",
+    )
+    for on, what in _EP_NOT_WITH:
+        need(not on(cfg), f"parallel.ep_size={ep} is not built with {what} yet; use parallel.ep_size=1 for that")

@@ -42,12 +42,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from qwenkit import config as qconfig
 from qwenkit import data
-from qwenkit.distributed import fsdp, sequence
+from qwenkit.distributed import expert, fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import events, objective, optim, stopping
@@ -87,12 +86,12 @@ def set_seed(seed: int) -> None:
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clips the (sharded) gradients in place when ``max_norm > 0``; returns their total L2 norm before clipping."""
+    # the per-shard partial norms reduced on each mesh (expert parallelism adds the experts' own)
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # reduce the per-shard partial norms
+    total = expert.total_norm(grads)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in expert.by_mesh(params):  # clip_grads_with_norm_ scales the gradients of one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
@@ -209,8 +208,14 @@ class Trainer:
             log.info("parameters:\n%s", registry.format_parameter_counts(counts))
             # read by sweeps and notebooks 02 and 05 (trainable parameters per run), see qwenkit.engine.metrics.final_metrics
             RunDir(self.out_dir).parameters.write_text(json.dumps(counts, indent=1) + "\n")
+        experts = None
+        if cfg.parallel.ep_size > 1:  # before recompute and fully_shard: each rank keeps its whole experts
+            mesh = expert.build_expert_mesh(rt.device.type, rt.world_size, cfg.parallel.ep_size)
+            experts = expert.apply(model, families.of_model(model).experts, mesh)
+            if main_rank:
+                log.info("expert parallel: experts split over %d ranks, FSDP-sharded over %d", *mesh.shape[::-1])
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
-        plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
+        plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas), experts)
         plan.recompute = recomputed
         if cfg.model.init_device == "meta":
             fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)

@@ -87,6 +87,9 @@ class Family:
     # the boxes the family writes (grounding): pixels of the resized image (Qwen2.5-VL) or per_mille,
     # 0-1000 of the width and height (Qwen3-VL); the iou reward (qwenkit.engine.rewards) reads it
     box_units: str = "pixels"
+    # the routed-experts modules (fused 3-D gate_up_proj / down_proj, HF's forward(hidden, top_k_index,
+    # top_k_weights)) that parallel.ep_size splits across ranks (qwenkit.distributed.expert); () = a dense family
+    experts: tuple[str, ...] = ()
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
@@ -122,8 +125,9 @@ class Family:
 
         Generic over the entry's fields: each layer kind of :attr:`mixers` against sequence
         parallelism, packing and the attention implementation (:data:`MIXERS`), ``model.fused_ops``
-        against the entry's ``fused_ops``, and the router's aux loss with sequence parallelism (read from
-        ``path``'s ``config.json``, the checkpoint's setting; skipped without ``path``).
+        against the entry's ``fused_ops``, the router's aux loss with sequence parallelism (read from
+        ``path``'s ``config.json``, the checkpoint's setting; skipped without ``path``), and expert
+        parallelism against the entry's ``experts`` (and the checkpoint's expert count).
         """
         problems, sp, attn = [], cfg.parallel.sp_size, cfg.model.attn_implementation
         for kind in self.mixers:
@@ -152,6 +156,10 @@ class Family:
             )
         if path is not None and sp > 1 and self.aux_loss:
             problem = _aux_loss_sp_problem(path, sp)
+            if problem:
+                problems.append(problem)
+        if cfg.parallel.ep_size > 1:
+            problem = _expert_parallel_problem(self, path, cfg.parallel.ep_size)
             if problem:
                 problems.append(problem)
         return problems
@@ -237,6 +245,7 @@ FAMILIES: dict[str, Family] = {
             patch_size=16,
             **_QWEN3_DATA,
             aux_loss=True,
+            experts=("model.language_model.layers.*.mlp.experts",),
         ),
         Family(
             name="qwen3_5",
@@ -273,6 +282,7 @@ FAMILIES: dict[str, Family] = {
             **_QWEN3_5_DATA,
             mixers=("attention", "linear_attention"),
             aux_loss=True,
+            experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
         ),
     )
 }
@@ -393,3 +403,26 @@ def _aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
         "slice of the sequence only, which is not the loss of the whole sequence; use parallel.sp_size=1, or set "
         "output_router_logits=false there"
     )
+
+
+def _expert_parallel_problem(family: Family, path: str | Path | None, ep_size: int) -> str | None:
+    """Why ``parallel.ep_size`` cannot split ``family``'s experts, or None: a family without routed
+    experts (its entry's ``experts``); transformers 4.x, whose experts take the router's dense weights
+    (``forward(hidden, routing_weights, router_indices)``), not the top-k ones; an expert count of the
+    checkpoint at ``path`` that ``ep_size`` does not divide (each rank holds whole experts)."""
+    if not family.experts:
+        return f"parallel.ep_size={ep_size}: {family.name} has no routed experts to split (a dense family); use parallel.ep_size=1"
+    version = importlib.metadata.version("transformers")
+    if int(version.split(".")[0]) < 5:
+        return f"parallel.ep_size={ep_size} needs transformers >= 5 (installed: {version}); use parallel.ep_size=1"
+    if path is None:
+        return None
+    text = json.loads((Path(path) / "config.json").read_text())
+    text = text.get("text_config", text)
+    experts = text.get("num_experts", text.get("num_local_experts"))  # the hub's name; what transformers 5 writes
+    if not experts or experts % ep_size:
+        return (
+            f"parallel.ep_size={ep_size} must divide the expert count ({path}/config.json: text_config."
+            f"num_experts={experts}): each rank holds whole experts"
+        )
+    return None

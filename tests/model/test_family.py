@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import EVERY_FAMILY, FAMILIES
+from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint
 
 from qwenkit import config as qconfig
 from qwenkit import launch
@@ -130,3 +130,21 @@ def test_fused_ops_that_do_not_fit_are_refused_before_start(tmp_path, monkeypatc
                                 f"train.output_dir={tmp_path}"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and "model.fused_ops: swiglu do not fit qwen3_vl_moe" in err
+
+
+@pytest.mark.parametrize(
+    "family, ep, pattern",
+    [
+        ("qwen3_vl", 2, r"qwen3_vl has no routed experts to split \(a dense family\)"),
+        ("qwen3_vl_moe", 8, r"parallel\.ep_size=8 must divide the expert count .*num_experts=4"),
+        ("qwen3_vl_moe", 2, None),
+        ("qwen2_5_vl", 1, None),
+    ],
+)
+def test_expert_parallel_needs_a_moe_checkpoint_whose_experts_it_divides(family, ep, pattern):
+    cfg = qconfig.load(overrides=[f"model.name={family}", f"parallel.nproc={ep}", f"parallel.ep_size={ep}"])
+    problems = families.problems(cfg, tiny_checkpoint(family))
+    if pattern is None:
+        assert problems == []
+    else:
+        assert any(re.search(pattern, p) for p in problems), problems
