@@ -140,11 +140,11 @@ def test_pattern_matching_nothing_is_named(make_model):
 
 def test_tied_embedding_and_head_are_left_to_the_root(make_model):
     model = make_model(tie_word_embeddings=True)
-    cfg = qconfig.load()
-    matched = fsdp.match_modules(model, cfg.parallel.shard_patterns, "parallel.shard_patterns")
+    units = families.units(model, "shard_patterns", qconfig.load().parallel.shard_patterns)  # auto: the family's
+    matched = fsdp.match_modules(model, units, "parallel.shard_patterns")
     assert set(fsdp.tied_outside(model, matched)) == {"model.language_model.embed_tokens", "lm_head"}
     untied = make_model()
-    assert fsdp.tied_outside(untied, fsdp.match_modules(untied, cfg.parallel.shard_patterns, "x")) == {}
+    assert fsdp.tied_outside(untied, fsdp.match_modules(untied, units, "x")) == {}
 
 
 def test_recompute_keeps_state_dict_keys_and_outputs(make_model, batch_factory):
