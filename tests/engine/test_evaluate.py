@@ -23,7 +23,7 @@ from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.distributed import fsdp
-from qwenkit.engine import answers, evaluate, metrics, train
+from qwenkit.engine import answers, evaluate, metrics, objective, train
 from qwenkit.engine import export as hf_export
 from qwenkit.engine import generate as qgen
 from qwenkit.model.processor import Processor
@@ -296,7 +296,7 @@ def test_qwenkit_eval_of_a_dpo_run_refuses_metric_it_cannot_score():
     cfg = qconfig.load(overrides=["train.objective=dpo"])
     args = argparse.Namespace(metric=["exact"], data=None, samples=None)
     with pytest.raises(ValueError, match=r"--metric exact: a dpo run is evaluated on its held-out pairs .* leave --metric out"):
-        evaluate._evaluate(args, None, None, cfg, "run", 0, 1, "cpu")
+        objective.entry("dpo").evaluate_cli(args, None, None, cfg, "run", 0, 1, "cpu")
 
 
 def test_resume_keeps_the_eval_schedule(tmp_path):

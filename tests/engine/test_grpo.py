@@ -23,7 +23,7 @@ from qwenkit.engine.rollout import group_seed
 
 BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
         "train.warmup_steps=0", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
-        "grpo.rewards=[exact, format, test_grpo_train:vowels]", "grpo.reward_weights=[1, 1, 2]",
+        "grpo.rewards=[exact, format, engine.test_grpo:vowels]", "grpo.reward_weights=[1, 1, 2]",
         "checkpoint.save_final=false", "train.resume=auto"]  # fmt: skip
 TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory")
 # fp32; 2 ranks sum the gradient over ranks and reduce the counts in another order: a few ulps

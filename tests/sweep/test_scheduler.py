@@ -39,6 +39,7 @@ def test_parallel_on_cpu_is_refused_unless_asked(tmp_path, tiny_path):
 
 
 def test_report_to_mlflow_is_refused_when_mlflow_is_missing(monkeypatch):
+    monkeypatch.delitem(sys.modules, "mlflow", raising=False)  # another test file of this worker may have imported it
     if importlib.util.find_spec("mlflow") is not None:
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
