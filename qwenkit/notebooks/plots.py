@@ -152,6 +152,15 @@ def training_metrics(rows: Sequence[dict[str, Any]], title: str = "Training metr
     return _finish(fig, title, height=300 * nrows)
 
 
+def live_progress(steps: Sequence[int], loss: Sequence[float], tokens_per_s: Sequence[float], title: str) -> go.Figure:
+    """A training run's loss and tokens/s by step, so far (the live view while it trains)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["loss", "tokens/s (rank 0)"], horizontal_spacing=0.1)
+    fig.add_trace(go.Scatter(x=list(steps), y=list(loss), mode="lines", line_color=COLOURS[0], showlegend=False), 1, 1)
+    fig.add_trace(go.Scatter(x=list(steps), y=list(tokens_per_s), mode="lines", line_color=COLOURS[2], showlegend=False), 1, 2)
+    fig.update_xaxes(title_text="step")
+    return _finish(fig, title, height=320)
+
+
 def resume_overlay(
     uninterrupted: dict[int, float], resumed: dict[int, float], resume_step: int, metric: str = "loss"
 ) -> go.Figure:
