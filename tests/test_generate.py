@@ -220,7 +220,8 @@ def test_reply_text_shows_broken_bytes_as_escapes_and_valid_text_as_the_tokenize
     tok = family_processor.tokenizer
     byte_token = {b: tok.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
     utf8 = "é".encode()  # two bytes; the first alone is no character
-    ids = [byte_token[utf8[0]], *tok.encode("red", add_special_tokens=False)]
+    beyond = len(tok) + 3  # an untrained model's embedding rows past the tokenizer's vocabulary
+    ids = [byte_token[utf8[0]], beyond, *tok.encode("red", add_special_tokens=False)]
     assert "\ufffd" in tok.decode(ids, skip_special_tokens=True)  # what the tokenizer shows
     assert generate.reply_text(tok, ids) == (utf8[:1] + b"red").decode("utf-8", errors="backslashreplace")
     assert generate.reply_text(tok, ids) == "\\xc3red"

@@ -144,7 +144,8 @@ def reply_text(tokenizer, ids: list[int]) -> str:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
-    pieces = tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=True)
+    # ids past the tokenizer's vocabulary (a model's embedding can be larger) have no piece; decode drops them too
+    pieces = [p for p in tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=True) if p is not None]
     if not all(c in byte_of for piece in pieces for c in piece):
         return text  # not a byte-level vocabulary: the tokenizer's own decoding
     return bytes(byte_of[c] for piece in pieces for c in piece).decode("utf-8", errors="backslashreplace")
