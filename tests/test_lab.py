@@ -96,6 +96,9 @@ def test_03_chunk_size_slider_redraws_and_charts_keep_their_size(browser):
 def test_notebook_runs_and_its_charts_keep_their_size(browser, name):
     nb = _ran(browser, name)
     assert chromium.chart_sizes(nb.page), f"{name}: no chart drawn"
+    if name == "02_sharded_training":  # the live curves, redrawn in place: one chart per run, at its last step
+        titles = nb.page.eval_on_selector_all(".js-plotly-plot .gtitle", "els => els.map(e => e.textContent)")
+        assert "the uninterrupted run: step 8" in titles and "the resumed run: step 8" in titles, titles
     _charts_keep_their_size(nb)
     nb.page.close()
 
