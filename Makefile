@@ -20,12 +20,12 @@ PYTEST ?= -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 # Tests that must also pass on transformers 4.57.6 (what Ascend stacks pin today): their single-process
 # tests, and of their multi-process ones those marked `stack` (the model code differs by version; the
 # launcher, sampler and checkpoint plumbing of the others does not, and runs on 5.x).
-TF457_TESTS ?= tests/test_config.py tests/test_tiny.py tests/test_model.py tests/test_qwen3*.py tests/test_generate.py tests/test_loss.py tests/test_data*.py tests/test_reader.py tests/test_index.py tests/test_collator.py tests/test_template.py tests/test_prepare.py tests/test_meta.py tests/test_weights.py tests/test_registry.py tests/test_patches.py tests/test_packing.py tests/test_lora.py tests/test_sequence_parallel.py
+TF457_TESTS ?= tests/config tests/model/test_tiny.py tests/model/test_processor.py tests/data/test_images.py tests/data/test_conversation.py tests/model/test_chunked.py tests/data/test_qwen3_data.py tests/engine/test_qwen3_engine.py tests/engine/test_generate.py tests/model/test_loss.py tests/data/test_pipeline.py tests/data/test_report.py tests/data/test_check.py tests/data/test_cache.py tests/data/test_layouts.py tests/data/test_layout_survey.py tests/data/test_sampler.py tests/data/test_video.py tests/data/test_reader.py tests/data/test_index.py tests/data/test_collator.py tests/data/test_template.py tests/data/test_prepare.py tests/distributed/test_meta.py tests/distributed/test_weights.py tests/model/test_registry.py tests/patches tests/data/test_packing.py tests/model/test_lora.py tests/distributed/test_sequence.py
 # Tests that run notebooks (papermill, nbformat, jupyter) or show their widgets (IPython), which the
 # compat environment leaves out.
 # It does install plotly: the notebook layer's modules (perf, samples, runs, validation) draw
 # their figures with it and import it at the top, and their torch code is what compat must cover.
-COMPAT_IGNORE ?= tests/test_notebooks.py tests/test_notebook_runner.py tests/test_progress.py
+COMPAT_IGNORE ?= tests/test_notebooks.py tests/notebooks/test_runner.py tests/notebooks/test_kernel.py tests/notebooks/test_widgets.py tests/notebooks/test_progress.py
 
 .PHONY: test test-all test-long test-main test-tf457 test-compat lab report train bench lint clean chromium
 

@@ -160,7 +160,7 @@ def _rank(rank: int, world: int, port: int, sp_size: int, shape_name: str, devic
     config = make_config(shapes, VOCAB, IDS, max_positions=65_536, **TOKENS)
     model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True).to(device)
     if recompute:
-        fsdp.apply_recompute(model, ["model.language_model.layers.*"])
+        fsdp.apply_recompute(model, "auto")  # the family's recompute units: the decoder layers
     sp = sequence.init_groups(rank, world, sp_size)
     if sp_size > 1:
         sequence.enable(model, sp)

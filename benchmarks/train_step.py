@@ -48,10 +48,18 @@ the prompt and its image, with different replies, and the step is DPO's (sigmoid
 
 Targets: ``dpo`` peak <= 0.5x and time <= 0.8x ``dpo-hf``; ``dpo-lora`` peak <= 0.35x ``dpo-hf``.
 
+With ``--objective grpo`` the batch is the same two rows, two completions of one prompt (a group
+of 2, advantages +1 and -1), and the step is GRPO's learner step (dapo, beta 0.04, the reference a
+frozen copy): ``grpo-hf`` takes per-token log-probs from full ``[2, S, V]`` logits (TRL's
+``selective_log_softmax``), ``grpo`` from the chunked head (``token_logps``, no logits). Target:
+``grpo`` peak <= 0.5x ``grpo-hf``. The rollout (generation) is not timed here.
+
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
     python benchmarks/train_step.py --objective dpo       # one pair of 2 x 2,048 tokens sharing an image prompt
+    python benchmarks/train_step.py --objective grpo      # GRPO's learner step on two completions of 2,048 tokens
     python benchmarks/train_step.py --family qwen3_vl     # the same CPU shapes on Qwen3-VL (DeepStack, 16-px patches)
+    python benchmarks/train_step.py --family qwen3_5      # Qwen3.5: Gated DeltaNet layers, 248,320 vocabulary
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants who
 
 DPO_VARIANTS = ("dpo-hf", "dpo", "dpo-precompute", "dpo-lora")
 DPO_BETA = 0.1
+GRPO_VARIANTS = ("grpo-hf", "grpo")
 
 
 def pair_batch(config, seq: int, image_side: int, device="cpu") -> dict:
@@ -120,6 +129,24 @@ def dpo_step(policy_logps, reference_logps, batch):
     return loss
 
 
+def grpo_step(policy_logps, reference_logps, batch):
+    """GRPO's learner step on a group of 2 (advantages +1, -1): dapo, beta 0.04, the rollout's own policy."""
+    import torch
+
+    from qwenkit.config import GrpoConfig
+    from qwenkit.model.grpo_loss import GrpoLoss, StepTotals
+    from qwenkit.model.loss import IGNORE_INDEX, shift_labels
+
+    logps = policy_logps(batch)  # [2, S]
+    with torch.no_grad():
+        ref = reference_logps(batch)
+    mask = shift_labels(batch["labels"]) != IGNORE_INDEX
+    advantages = torch.tensor([1.0, -1.0], device=logps.device)
+    loss = GrpoLoss(GrpoConfig(beta=0.04))(logps, advantages, mask, StepTotals(2, mask.sum(), 1), ref=ref).loss
+    loss.backward()
+    return loss
+
+
 def make_qwen3_config(shapes: dict):
     """A Qwen3-VL config of the same text sizes (``--family qwen3_vl``): 16-px patches, a learned
     48x48 position grid, DeepStack from vision block 0, interleaved mRoPE of the same section."""
@@ -138,7 +165,41 @@ def make_qwen3_config(shapes: dict):
                          **{f"{k}_token_id": v for k, v in ids.items()})  # fmt: skip
 
 
-CONFIGS = {"qwen2_5_vl": make_config, "qwen3_vl": make_qwen3_config}  # --family: the config of those shapes
+QWEN3_5_VOCAB = 248_320  # Qwen3.5's vocabulary: the chunked head's ratios are measured at it
+
+
+def make_qwen3_5_config(shapes: dict):
+    """A Qwen3.5 config of the same text sizes (``--family qwen3_5``) at Qwen3.5's 248,320 vocabulary:
+    layers in the checkpoints' pattern (every 4th full attention, the others Gated DeltaNet with half
+    as many key heads as value heads, head dim 128 as in the 9B), partial rotary (a quarter of
+    head_dim), Qwen3-VL's tower without DeepStack."""
+    from transformers import Qwen3_5Config
+
+    base = make_config(shapes, vocab=QWEN3_5_VOCAB)
+    text = base.text_config.to_dict()
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    head_dim = hidden // text["num_attention_heads"]
+    half = head_dim // 4 // 2  # rotary dims / 2
+    value_heads = max(2, hidden // 128)
+    text = {k: text[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}  # fmt: skip
+    text.update(head_dim=head_dim, linear_num_value_heads=value_heads, linear_num_key_heads=value_heads // 2,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                # every 4th full attention, and the last layer (a 2-layer smoke config still has one)
+                layer_types=["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [half - 2 * (half // 3), half // 3, half // 3], "mrope_interleaved": True})  # fmt: skip
+    vision = shapes["vision"]
+    vision = dict(depth=vision["depth"], hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+                  num_heads=vision["num_heads"], patch_size=16, num_position_embeddings=48 * 48,
+                  out_hidden_size=hidden)  # fmt: skip
+    ids = {k: getattr(base, f"{k}_token_id") for k in ("image", "video", "vision_start", "vision_end")}
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=shapes["tie"],
+                         **{f"{k}_token_id": v for k, v in ids.items()})  # fmt: skip
+
+
+# --family: the config of those shapes
+CONFIGS = {"qwen2_5_vl": make_config, "qwen3_vl": make_qwen3_config, "qwen3_5": make_qwen3_5_config}
 
 
 def timed_steps(forward_backward, opt, device, warmup: int, steps: int) -> tuple[float, list[float]]:
@@ -176,7 +237,7 @@ def worker(args) -> dict:
     config = CONFIGS[args.family](shapes)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    if args.variant in DPO_VARIANTS:
+    if args.variant in DPO_VARIANTS + GRPO_VARIANTS:
         return dpo_worker(args, config, shapes, device, dtype)
     if args.variant == "hf" or args.variant == "liger":
         model = families.get(args.family).load("hf_class")(config)
@@ -233,15 +294,18 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.model.loss import full_sequence_logps
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.token_logps import full_token_logps
 
     batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    if args.variant == "dpo-hf":
+    grpo = args.objective == "grpo"  # per-token log-probs and GRPO's step; else per-sequence sums and DPO's
+    full_logps = full_token_logps if grpo else full_sequence_logps
+    if args.variant in ("dpo-hf", "grpo-hf"):
         model = Qwen2_5_VLForConditionalGeneration(config).to(device=device, dtype=dtype).train()
         reference = copy.deepcopy(model).requires_grad_(False).eval()
 
         def logps(m):
-            return lambda b: full_sequence_logps(m(**inputs).logits, b["labels"])[0]  # TRL: log_softmax, gather
+            return lambda b: full_logps(m(**inputs).logits, b["labels"])[0]  # TRL: log_softmax, gather
 
         policy_logps, reference_logps = logps(model), logps(reference)
     else:
@@ -250,7 +314,7 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
         model.train()
 
         def policy_logps(b):
-            return model.sequence_logps(**b)[0]
+            return model.token_logps(**b)[0] if grpo else model.sequence_logps(**b)[0]
 
         if args.variant == "dpo-lora":
             from qwenkit import config as qconfig
@@ -271,12 +335,13 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
             reference = copy.deepcopy(model).requires_grad_(False).eval()
 
             def reference_logps(b):
-                return reference.sequence_logps(**b)[0]
+                return reference.token_logps(**b)[0] if grpo else reference.sequence_logps(**b)[0]
 
-    fused = args.variant != "dpo-hf"
+    fused = args.variant not in ("dpo-hf", "grpo-hf")
+    step = grpo_step if grpo else dpo_step
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
     reset_peak_memory(device)
-    step_s, losses = timed_steps(lambda: dpo_step(policy_logps, reference_logps, batch), opt, device,
+    step_s, losses = timed_steps(lambda: step(policy_logps, reference_logps, batch), opt, device,
                                  args.warmup, args.steps)  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
     return {
@@ -287,15 +352,18 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
 
 
 def dpo_main(args) -> int:
-    variants = args.variants or list(DPO_VARIANTS)
-    print(f"DPO step, one pair of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
+    """``--objective dpo`` or ``grpo``: the two-row steps of the module docstring, each against its full-logits step."""
+    grpo = args.objective == "grpo"
+    variants = args.variants or list(GRPO_VARIANTS if grpo else DPO_VARIANTS)
+    what = "GRPO learner step, two completions" if grpo else "DPO step, one pair"
+    print(f"{what} of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
           f"shapes={args.shapes} vocab={VOCAB:,} device={args.device}")  # fmt: skip
     rows = [_spawn(args, v) for v in variants]
-    base = next((r for r in rows if r["variant"] == "dpo-hf"), rows[0])
+    base = next((r for r in rows if r["variant"] in ("dpo-hf", "grpo-hf")), rows[0])
     print(f"\n{'variant':<10}{'optimizer':>15}{'step s':>8}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}{'trainable':>13}"
           f"{'first loss':>12}")  # fmt: skip
     targets = {"dpo": "peak <= 0.50x, time <= 0.80x", "dpo-precompute": "peak <= 0.50x, time <= 0.80x",
-               "dpo-lora": "peak <= 0.35x"}
+               "dpo-lora": "peak <= 0.35x", "grpo": "peak <= 0.50x"}
     for r in rows:
         r["time_ratio"], r["mem_ratio"] = r["step_s"] / base["step_s"], r["peak_bytes"] / base["peak_bytes"]
         print(f"{r['variant']:<10}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['peak_bytes'] / GiB:>10.2f}"
@@ -327,7 +395,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gemm-size", type=int, default=4096, help="side of the square GEMM the MFU peak is measured with")
-    p.add_argument("--objective", default="sft", choices=["sft", "dpo"], help="dpo: one preference pair, DPO's step")
+    p.add_argument("--objective", default="sft", choices=["sft", "dpo", "grpo"],
+                   help="dpo: one preference pair, DPO's step; grpo: two completions, GRPO's learner step")
     p.add_argument("--variants", nargs="+", default=None)
     p.add_argument("--family", default="qwen2_5_vl", choices=list(CONFIGS), help="the model family (model.name)")
     p.add_argument("--out", default=None, help="also write the results as JSON lines here")
@@ -343,9 +412,9 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: --device cuda but no CUDA device is available")
         return 0
-    if args.objective == "dpo":
-        if args.family != "qwen2_5_vl":  # the pair batch and both DPO steps are written for Qwen2.5-VL
-            p.error(f"--objective dpo measures Qwen2.5-VL (TRL's DPO example model), not --family {args.family}")
+    if args.objective in ("dpo", "grpo"):
+        if args.family != "qwen2_5_vl":  # the pair batch and the steps are written for Qwen2.5-VL
+            p.error(f"--objective {args.objective} measures Qwen2.5-VL, not --family {args.family}")
         return dpo_main(args)
     shapes = SHAPES[args.shapes]
     variants = args.variants or ["hf", "chunk-dense", "chunk", "chunk+recompute", "lora"]
@@ -363,7 +432,8 @@ def main(argv=None) -> int:
     labels = make_batch(config, shapes["seq"], shapes["image_side"], learn_prompt=False, ordinary=QWEN_ORDINARY)["labels"]
     valid = int((labels[:, 1:] != -100).sum())  # positions the skipping head projects
     print(f"batch: {labels.numel()} tokens, {valid} labelled, {1 - valid / labels.numel():.0%} of the labels ignored")
-    print(f"family={args.family} shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={VOCAB:,} device={args.device}; "
+    vocab = config.get_text_config().vocab_size
+    print(f"family={args.family} shapes={args.shapes} dtype={shapes['dtype']} seq={shapes['seq']} vocab={vocab:,} device={args.device}; "
           "MFU against each worker's own GEMM peak")
     rows = [_spawn(args, v) for v in variants]
     base = rows[0]
@@ -395,7 +465,7 @@ def main(argv=None) -> int:
               f"peak {lo['peak_bytes'] / full['peak_bytes']:.2f}x (target <= 0.55), trainable parameters "
               f"{lo['trainable']:,} of {lo['params']:,}; first losses {lo['losses'][0]:.6f} vs {full['losses'][0]:.6f}")
     pb = base["param_bytes"]
-    chunk = auto_chunk_size(valid, VOCAB, 512 * 2**20) * VOCAB * 4
+    chunk = auto_chunk_size(valid, vocab, 512 * 2**20) * vocab * 4
     floor = 4 * pb + chunk
     print(f"\nfloor: weights + grads + AdamW (2 states) = 4 x {pb / GiB:.2f} GiB, + one logits chunk "
           f"{chunk / GiB:.2f} GiB = {floor / GiB:.2f} GiB ({floor / base['peak_bytes']:.2f} of HF's peak)")

@@ -37,8 +37,8 @@ def _train(args) -> int:
     from qwenkit import cluster, launch  # torch.distributed and the model: train only
 
     # flags, else the scheduler's environment (Slurm, PyTorchJob, PAI-DLC); a contradiction is a ClusterError
-    rdzv, nproc, said = cluster.resolve({k: getattr(args, k) for k in cluster.FLAGS}, os.environ)
-    return launch.launch(args.config, args.overrides, nproc, rdzv, said)  # logs the rendezvous once
+    rdzv, nproc, source = cluster.resolve({k: getattr(args, k) for k in cluster.FLAGS}, os.environ)
+    return launch.launch(args.config, args.overrides, nproc, rdzv, source)  # logs the rendezvous once
 
 
 def _on_dataset(args, command, overrides=()) -> int:

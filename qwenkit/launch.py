@@ -1,9 +1,11 @@
-"""``qwenkit train``: validate the config, write it to the run's output_dir, and start torchrun.
+"""``qwenkit train``: validate the config, check the run before spawning, and start torchrun.
 
 One path for every size: even ``--nproc 1`` runs under torchrun, so a rank always sees the same
-environment. The config is loaded and checked (keys, types, ranges, the model directory, the
-dataset path) *before* any process starts; the resolved YAML written to
-``<output_dir>/config.yaml`` is what every rank reads and what ``qwenkit export`` finds later.
+environment. The config is loaded and checked (keys, types, ranges, and
+:func:`qwenkit.engine.prespawn.check_before_spawn`: the model directory, the dataset path, the
+resume point) *before* any process starts; the ranks read the resolved YAML this launcher
+writes, and rank 0 writes it to ``<output_dir>/config.yaml`` (what ``qwenkit export`` finds
+later) once the start is accepted, so a start that fails never rewrites a run's record.
 
 Multi-node: run the same command on every node with ``--nnodes N --node-rank i
 --master-addr <node 0's address>`` (default port 6000; on one node a free port, so concurrent
@@ -24,19 +26,18 @@ read ``<output_dir>/.config-<host>-<pid>.yaml``, written by this launcher alone.
 Signals (see docs/CHECKPOINTS.md): SIGTERM, SIGINT and SIGUSR1 are forwarded to torchrun (which
 runs in its own process group, so a terminal's Ctrl-C reaches it once, through here); the ranks
 finish their step, save a checkpoint and exit with ``EXIT_RESUMABLE`` (75); a second signal stops
-them at once. torchrun gets SIGTERM when this process dies (``PR_SET_PDEATHSIG``), the ranks
-SIGKILL when torchrun dies.
+them at once. torchrun gets ``stopping.LAUNCHER_DIED`` when this process dies
+(``PR_SET_PDEATHSIG``) and stops the ranks as for one SIGTERM; the ranks get SIGKILL when
+torchrun dies.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import json
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -46,16 +47,10 @@ from pathlib import Path
 
 from qwenkit import config as qconfig
 from qwenkit.cluster import MULTINODE_PORT, ClusterError, Rendezvous, free_port, settle
-from qwenkit.data.conversation import parse_row
-from qwenkit.data.reader import DataError, open_sources
-from qwenkit.device import CPU_MALLOC_ENV, device_count, resolve_device
-from qwenkit.distributed import fsdp, sequence
-from qwenkit.engine import events, init_from, optim, stopping
-from qwenkit.engine import resume as resume_rule
+from qwenkit.device import CPU_MALLOC_ENV, resolve_device
+from qwenkit.engine import events, init_from, stopping
+from qwenkit.engine.prespawn import check_before_spawn
 from qwenkit.errors import print_user_error
-from qwenkit.model import family as families
-from qwenkit.model import lora, registry
-from qwenkit.model.paths import resolve_path
 from qwenkit.rundir import RunDir
 from qwenkit.torchrun import EVENTS_DIR
 
@@ -72,137 +67,6 @@ def node_name(rdzv: Rendezvous) -> str:
     """This node in its lock file's name: its rank, or under c10d (ranks taken as nodes join) its
     host (``HOSTNAME``: a pod's name in Kubernetes)."""
     return str(rdzv.node_rank) if rdzv.backend == "static" else os.environ.get("HOSTNAME") or socket.gethostname()
-
-
-def check_before_spawn(cfg, rdzv: Rendezvous = Rendezvous()) -> list[str]:
-    """Problems that would otherwise surface only inside every rank; empty when all is well."""
-    problems = []
-    try:
-        path = resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
-    except FileNotFoundError as e:
-        problems.append(str(e))
-    else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
-        problems.extend(check_module_paths(cfg))
-        for problem in (sequence.heads_problem_of(path, cfg.parallel.sp_size),
-                        families.aux_loss_sp_problem(path, cfg.parallel.sp_size)):  # fmt: skip
-            if problem:
-                problems.append(problem)
-    if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
-        problems.append(f"data.path={cfg.data.path!r} does not exist")
-    else:
-        problems.extend(check_extras(cfg))
-    problems.extend(check_resume(cfg, cfg.parallel.nproc * rdzv.most_nodes))  # c10d: the ranks check the world they get
-    ranks = rank_count_problem(cfg.parallel)
-    if ranks:
-        problems.append(ranks)
-    hsdp = fsdp.hsdp_problem(cfg.parallel)
-    if hsdp:
-        problems.append(hsdp)
-    return problems
-
-
-def check_extras(cfg) -> list[str]:
-    """Optional extras this run needs that are not installed, one line each naming the pip extra
-    (the ranks would fail only after the model is built, with a ``ModuleNotFoundError``).
-
-    ``train.report_to: [mlflow]`` and ``model.fused_backend`` are refused by the config check
-    already. The dataset is looked at only when ``datasets`` or PyAV is missing: its sources are
-    opened (a Hugging Face dataset then fails, naming its extra), and without PyAV its rows are
-    parsed for videos.
-    """
-    problems = []
-    if cfg.lora.r > 0 and not qconfig.installed("peft"):
-        problems.append(f"lora.r={cfg.lora.r} needs peft, which is not installed: pip install 'qwenkit[lora]'")
-    if "tensorboard" in cfg.train.report_to and not qconfig.installed("tensorboard"):
-        problems.append("train.report_to: tensorboard needs the tensorboard package, which is not installed: "
-                        "pip install 'qwenkit[tensorboard]'")  # fmt: skip
-    if cfg.data.path == "tiny" or (qconfig.installed("datasets") and qconfig.installed("av")):
-        return problems
-    paths = [cfg.data.path] + ([cfg.data.eval_path] if cfg.data.eval_path else [])
-    for path in paths:
-        try:
-            sources = open_sources(path)
-        except DataError as e:
-            if "qwenkit[" in str(e):
-                problems.append(str(e))
-            continue  # any other problem of the data is the ranks' to report, row by row
-        if qconfig.installed("av"):
-            continue
-        for source in sources:
-            try:
-                rows = len(source)
-            except ValueError:  # a malformed file: the ranks report it
-                continue
-            if any(_has_videos(source, i, cfg.data.layout) for i in range(rows)):
-                problems.append(f"data: {source.name} has video rows; reading them needs PyAV (FFmpeg bindings), "
-                                "which is not installed: pip install 'qwenkit[video]'")  # fmt: skip
-                break
-    return problems
-
-
-def _has_videos(source, i: int, layout: str) -> bool:
-    try:
-        return bool(parse_row(source.row(i), source.location(i), layout).videos)
-    except ValueError:  # a bad row: data.on_bad_sample decides in the ranks
-        return False
-
-
-def check_module_paths(cfg) -> list[str]:
-    """``parallel.shard_patterns``, ``parallel.recompute``, ``model.freeze``, the LoRA targets and
-    saved modules and the ``train.param_groups`` patterns against the model's module tree, built
-    on the meta device from the checkpoint's ``config.json``: no weights are read and no memory
-    is taken (about a second for a 7B model), where the ranks would find the same mistake only
-    after loading the weights, with ``config.yaml`` and ``logs/`` already written."""
-    try:
-        model = registry.build(dataclasses.replace(cfg.model, init_device="meta", freeze=[]))
-    except (ValueError, OSError) as e:
-        return [str(e)]
-    problems = []
-    for key in ("parallel.shard_patterns", "parallel.recompute"):
-        for pattern in getattr(cfg.parallel, key.split(".")[1]):
-            try:
-                fsdp.match_modules(model, [pattern], key)  # the rule fully_shard and the recompute wrappers use
-            except ValueError as e:
-                problems.append(str(e))
-    for path in cfg.model.freeze:
-        try:
-            registry.freeze(model, [path])  # the meta copy is thrown away: freezing it changes nothing
-        except ValueError as e:
-            problems.append(str(e))
-    return problems + lora.problems(model, cfg.lora) + optim.group_problems(model, cfg.train)
-
-
-def rank_count_problem(parallel) -> str | None:
-    """More ranks than this node's accelerators fail in the ranks; more CPU ranks than cores swap
-    the machine to a halt (each rank holds a model copy and its threads): refused before spawning."""
-    try:
-        device = resolve_device(parallel.device)
-    except ValueError as e:
-        return str(e)
-    n, have = parallel.nproc, device_count(device)
-    if device != "cpu" and n > have:
-        return f"parallel.nproc={n} ranks on {device}, but this node sees {have} {device} device(s); use --nproc {have} or fewer"
-    if device == "cpu" and n > have and not parallel.allow_oversubscribe:
-        return (
-            f"parallel.nproc={n} CPU ranks, but this process may use {have} core(s); use --nproc {have} or fewer, "
-            "or set parallel.allow_oversubscribe=true to run them anyway"
-        )
-    return None
-
-
-def check_resume(cfg, world_size: int | None = None) -> list[str]:
-    """The resume rule (:func:`qwenkit.engine.resume.decide`) before any process starts: the
-    checkpoint ``train.resume`` names exists, is whole (files and sizes as recorded; the ranks
-    verify the checksums), fits this run of ``world_size`` ranks, and newer ones would not be
-    written over. With ``resume: auto`` a damaged newest checkpoint is skipped, saying so."""
-    try:
-        decision = resume_rule.decide(cfg, world_size)
-    except resume_rule.CheckpointError as e:
-        return [str(e)]
-    for _, problem in decision.skipped:
-        print(f"qwenkit train: train.resume=auto: {problem}; resuming from {decision.path or 'scratch'} instead",
-              file=sys.stderr)  # fmt: skip
-    return []
 
 
 def rank_environment(cfg, base: dict[str, str]) -> dict[str, str]:
@@ -248,7 +112,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous, events_dir
         f"--nproc-per-node={nproc}",
         *where,
         f"--max-restarts={rdzv.max_restarts}",
-        "-m", "qwenkit.engine.train", "--config", str(config_path),
+        "-m", "qwenkit.engine.rank", "--config", str(config_path),
     ]  # fmt: skip
 
 
@@ -301,9 +165,10 @@ def acquire_lock(output_dir: str | Path, node: int | str = 0) -> int | None:
 
 
 def _torchrun_child() -> None:
-    """In torchrun's process before exec: its own process group, and SIGTERM when we die."""
+    """In torchrun's process before exec: its own process group, and ``LAUNCHER_DIED`` when we die
+    (which :mod:`qwenkit.torchrun` takes as one SIGTERM, however many times it comes)."""
     os.setpgid(0, 0)
-    stopping.set_parent_death_signal(signal.SIGTERM)
+    stopping.set_parent_death_signal(stopping.LAUNCHER_DIED)
 
 
 def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> int:
@@ -338,8 +203,8 @@ def spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -
             signal.signal(sig, handler)
 
 
-def _cleanly(what: str, fn, *args):
-    """``fn(*args)``, or None after one line naming what could not be written and why."""
+def _write_or_say(what: str, fn, *args):
+    """``fn(*args)`` (a write), or None after one line naming what could not be written and why."""
     try:
         return fn(*args)
     except OSError as e:
@@ -349,11 +214,11 @@ def _cleanly(what: str, fn, *args):
 
 def launch(
     config: str | None, overrides: list[str], nproc: int | None = None, rdzv: Rendezvous = Rendezvous(),
-    said: str | None = None,
+    rendezvous_source: str | None = None,
 ) -> int:
     """``qwenkit train``: ``config`` (a params YAML or None for the defaults) with dotted
-    ``overrides``; ``nproc`` overrides ``parallel.nproc``; ``said``: where ``rdzv`` was found
-    (logged once, with the rendezvous the config settles). Returns the exit status."""
+    ``overrides``; ``nproc`` overrides ``parallel.nproc``; ``rendezvous_source``: where ``rdzv``
+    was found (logged once, with the rendezvous the config settles). Returns the exit status."""
     overrides = list(overrides)
     if nproc is not None:
         overrides.append(f"parallel.nproc={nproc}")
@@ -364,23 +229,23 @@ def launch(
     except (qconfig.ConfigError, ClusterError) as e:
         print_user_error("train", e)
         if cfg is not None:  # a config that does not load names no folder to record it in
-            refused(cfg, f"qwenkit train: {e}")
+            record_refusal(cfg, f"qwenkit train: {e}")
         return 2
     if rdzv.backend == "c10d":
-        said = (f"{said}; " if said else "") + (
+        rendezvous_source = (f"{rendezvous_source}; " if rendezvous_source else "") + (
             f"c10d rendezvous {rdzv.rdzv_id!r} at {rdzv.master_addr}:{rendezvous_port(rdzv)}, "
             f"{rdzv.nodes} node(s), {rdzv.max_restarts} restart(s)"
         )
-    if said:
-        print(f"qwenkit train: {said}", file=sys.stderr, flush=True)
+    if rendezvous_source:
+        print(f"qwenkit train: {rendezvous_source}", file=sys.stderr, flush=True)
     if rdzv.backend == "static" and not 0 <= rdzv.node_rank < rdzv.nnodes:
         line = f"qwenkit train: --node-rank must be in [0, --nnodes={rdzv.nnodes}), got {rdzv.node_rank}"
         print(line, file=sys.stderr)
-        return refused(cfg, line)
+        return record_refusal(cfg, line)
     # model.init_from: the run it starts from, trained first when missing, exported once
     stopped = init_from.prepare(cfg, lambda recipe, extra: launch(recipe, extra, nproc, rdzv))
     if stopped is not None:
-        return refused(cfg, f"qwenkit train: model.init_from={cfg.model.init_from!r}: the run to start from is not "
+        return record_refusal(cfg, f"qwenkit train: model.init_from={cfg.model.init_from!r}: the run to start from is not "
                        f"ready (exit {stopped}; the lines above say why)", stopped)  # fmt: skip
     out = Path(cfg.train.output_dir)
     node = node_name(rdzv)
@@ -388,12 +253,12 @@ def launch(
     try:
         if out.is_dir():  # a job there now: say so before anything else
             lock = acquire_lock(out, node)
-        problems = check_before_spawn(cfg, rdzv)
+        problems = check_before_spawn(cfg, rdzv.most_nodes)
         if problems:
             print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
-            return refused(cfg, "qwenkit train: invalid run: " + "; ".join(problems), message=problems[0])
+            return record_refusal(cfg, "qwenkit train: invalid run: " + "; ".join(problems), message=problems[0])
         if lock is None:
-            lock = _cleanly(str(lock_path(out, node)), acquire_lock, out, node)
+            lock = _write_or_say(str(lock_path(out, node)), acquire_lock, out, node)
             if lock is None and not out.is_dir():
                 return 2
         return _launch_locked(cfg, rdzv, lock)
@@ -405,7 +270,7 @@ def launch(
             os.close(lock)  # torchrun's copy is closed with torchrun: the lock is free now
 
 
-def refused(cfg, summary: str, code: int = 2, message: str | None = None) -> int:
+def record_refusal(cfg, summary: str, code: int = 2, message: str | None = None) -> int:
     """``code``, after the run's ``failed`` event for a refusal (the console line is printed already)."""
     events.launcher_failed(cfg.train.output_dir, summary, error="refused",
                            message=message or summary.removeprefix("qwenkit train: "), exit_code=code)  # fmt: skip
@@ -424,12 +289,11 @@ def torchrun_ended(out: Path, code: int) -> None:
 def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
     run = RunDir(cfg.train.output_dir)
     out = run.path
-    if _cleanly(str(run.config), qconfig.write_config, cfg, out) is None:
-        return refused(cfg, f"qwenkit train: cannot write {run.config}")
-    # the ranks read a copy only this launcher wrote (config.yaml is for export and for people)
+    # the ranks read a file only this launcher wrote; the run's record (config.yaml, for export and
+    # for people) is rank 0's to write once the start is accepted: a start that fails leaves it as it was
     rank_config = out / f".config-{socket.gethostname()}-{os.getpid()}.yaml"
-    if _cleanly(str(rank_config), shutil.copyfile, run.config, rank_config) is None:
-        return refused(cfg, f"qwenkit train: cannot write {rank_config}")
+    if _write_or_say(str(rank_config), qconfig.write_config, cfg, out, rank_config.name) is None:
+        return record_refusal(cfg, f"qwenkit train: cannot write {rank_config}")
     since = events.Follower(out)  # this job's events: torchrun's wrapper or a rank may record the failure
     try:
         cmd = torchrun_command(rank_config, cfg.parallel.nproc, rdzv, events_dir=out)

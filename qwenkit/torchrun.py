@@ -7,6 +7,12 @@ of every ``qwenkit train`` on a 2-core machine).
 Besides torch's own behaviour it
 
 - tells its ranks its pid (``QWENKIT_AGENT_PID``), so a rank started after torchrun died exits;
+- takes its launcher's death (``stopping.LAUNCHER_DIED``, the parent-death signal the launcher
+  sets) as one SIGTERM, once, and not at all once it is stopping the ranks: Linux sends the
+  parent-death signal again for every thread of the launcher that exits after the one that
+  started torchrun, and a second signal into torch's agent while it stops the ranks makes it stop
+  them again (its ``run`` closes the ranks again in ``finally``): they would get SIGTERM twice and
+  stop at once, without their checkpoint (docs/TESTING.md);
 - returns the ranks' exit code after a stop signal (torch raises its ``SignalException``):
   ``EXIT_RESUMABLE`` when every rank saved and stopped, else ``128 + signal``;
 - names the rank that failed *first* (the order torchrun saw them exit, a signal death before an
@@ -19,7 +25,7 @@ Besides torch's own behaviour it
 - with ``--max-restarts`` (c10d): restarts the group after a failure, not after ranks that
   saved and stopped (exit ``EXIT_RESUMABLE``: a stop was asked for, by a signal or
   ``train.stop_after``), and says in the final headline how many restarts were used. The
-  restarted ranks resume from the newest complete checkpoint (``qwenkit.engine.train``).
+  restarted ranks resume from the newest complete checkpoint (:func:`qwenkit.engine.rank.main` sets ``train.resume: auto``).
 """
 
 from __future__ import annotations
@@ -37,13 +43,22 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
 from qwenkit.engine import events
-from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, shell_code
+from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, LAUNCHER_DIED, shell_code
 
 _first_seen: dict[int, tuple[int, float]] = {}  # pid -> (poll number, time) its failure was first seen
 _final_codes: dict[int, int] = {}  # local rank -> exit code, after torchrun stopped the ranks
 _polls = [0]
 _restarts = [0]  # group restarts after a failure, this job
 _run: list = [None, None]  # --events-dir, and an events.Follower of its events.jsonl from the current attempt on
+_stopping = [False]  # the ranks are being stopped (or the launcher's death was taken): its death is no second stop
+
+
+def _launcher_died(signum, frame) -> None:
+    """``LAUNCHER_DIED``: one SIGTERM into torch's agent the first time, nothing after (see the module docstring)."""
+    if _stopping[0]:
+        return
+    _stopping[0] = True
+    raise SignalException(f"Process {os.getpid()} got signal: SIGTERM (its launcher died)", sigval=signal.SIGTERM)
 
 
 def _record_failures(capture):
@@ -58,6 +73,7 @@ def _record_failures(capture):
 
 def _record_shutdown(shutdown):
     def wrapped(self, *args, **kwargs):
+        _stopping[0] = True
         shutdown(self, *args, **kwargs)
         pcontext = getattr(self, "_pcontext", None)
         for local_rank, handler in getattr(pcontext, "subprocess_handlers", {}).items():
@@ -89,6 +105,7 @@ def _count_restarts(restart):
             if _run[1] is not None:
                 _run[1] = events.Follower(_run[0])  # a rank's report of the failed attempt is not the next one's
         restart(self, worker_group)
+        _stopping[0] = False  # the new ranks run: the launcher's death stops them again
 
     return wrapped
 
@@ -162,12 +179,13 @@ def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
     """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
 
     A qwenkit rank reports its own failure, one line then the traceback (see
-    ``qwenkit.engine.train.report_failure``), and exits with status 1; torchrun then stops the other
+    :func:`qwenkit.engine.rank.report_failure`), and exits with status 1; torchrun then stops the other
     ranks and raises ``ChildFailedError``, whose printout is replaced here by one line naming the
     rank that failed first. torchrun's own errors (bad arguments, rendezvous) still surface.
     ``events_dir``: the run folder whose ``events.jsonl`` gets the ``failed`` event no rank wrote.
     """
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    signal.signal(LAUNCHER_DIED, _launcher_died)
     # c10d: a fresh store for every attempt. The agent's shared store keeps the last attempt's keys,
     # and a restarted rank read its dead peer's gloo address from them (connection refused, 30 s)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

@@ -161,7 +161,7 @@ def rank_pids(launcher: int, timeout=HANG) -> dict[int, int]:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"qwenkit.engine.train" in cmdline:
+            if b"qwenkit.engine.rank" in cmdline:
                 rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
                 if rank is not None:
                     ranks[rank] = pid

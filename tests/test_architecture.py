@@ -3,7 +3,7 @@
 - no import cycles among qwenkit modules (function-level imports count: a cycle hidden in a
   function still couples the two modules);
 - at most 9 imports of qwenkit modules inside functions, each with a reason on its line;
-- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.train``);
+- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.rank``);
 - the training kit never imports the notebook layer.
 """
 
@@ -17,7 +17,7 @@ from conftest import package_modules
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
 MAX_FUNCTION_IMPORTS = 9  # the CLI's, one per subcommand (sweep the ninth)
-ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.train"}
+ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.rank"}
 
 
 MODULES = package_modules()
@@ -141,12 +141,13 @@ FLOORS = {
     "engine": {"leaf", "patches", "model", "distributed", "data"},
     "entry": {"leaf", "patches", "model", "distributed", "data", "engine", "bench", "sweep", "notebooks"},
     "bench": {"leaf", "patches", "model", "distributed", "data"},
-    # sweeps of whole runs; the launcher's pre-spawn check (LAUNCHER_CHECK) is the one import above
+    # sweeps of whole runs (every trial passes engine.prespawn's checks, as every `qwenkit train` does)
     "sweep": {"leaf", "patches", "model", "distributed", "data", "engine"},
     "notebooks": {"leaf", "patches", "model", "distributed", "data", "engine", "bench", "sweep"},
 }
-# every trial passes the checks every `qwenkit train` passes before any trial starts
-LAUNCHER_CHECK = ("qwenkit.sweep.file", "qwenkit.launch")
+# the leaf reads the family registry, the one list of families (model.name's allowed values): a
+# light module of the standard library and the module-path rule only (test_the_family_table_is_light)
+FAMILY_TABLE = ("qwenkit.model.family", "qwenkit.model.modules")
 # data needs the model floor's light modules (paths, processor, tokens, loss constants), never its code.
 MODEL_CODE = ("qwenkit.model.qwen2_5_vl", "qwenkit.model.registry")
 
@@ -171,11 +172,22 @@ def test_imports_go_down_the_floors():
     upward = []
     for m, line, target, _, text in _imports():
         a, b = floor_of(m), floor_of(target)
-        if a == b or b == "package" or (m, target) == LAUNCHER_CHECK:
+        if a == b or b == "package" or (a == "leaf" and target in FAMILY_TABLE):
             continue
         if b not in FLOORS.get(a, set()) or (a == "data" and target.startswith(MODEL_CODE)):
             upward.append(f"{m}:{line}: {text.strip()}  ({a} -> {b})")
     assert not upward, "imports against the floors of docs/ARCHITECTURE.md:\n" + "\n".join(upward)
+
+
+def test_the_family_table_is_light():
+    """What the leaf may read of the model floor imports nothing of qwenkit above it, nor torch or transformers."""
+    for module in FAMILY_TABLE:
+        tree = ast.parse(MODULES[module].read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        heavy = {i for i in imported if i.split(".")[0] in ("torch", "transformers")}
+        above = {i for i in imported if i.startswith("qwenkit.") and i not in FAMILY_TABLE}
+        assert not heavy and not above, f"{module} imports {sorted(heavy | above)}"
 
 
 def test_floor_check_catches_an_upward_import():

@@ -149,5 +149,5 @@ def test_restarts_on_a_static_rendezvous_are_a_config_error():
 
     with pytest.raises(qconfig.ConfigError, match=re.escape("parallel.max_restarts=2 needs parallel.rendezvous=c10d")):
         _parallel(rendezvous="static", max_restarts=2)
-    with pytest.raises(qconfig.ConfigError, match=re.escape("parallel.max_restarts must be >= 0, got -1")):
+    with pytest.raises(qconfig.ConfigError, match=re.escape("parallel.max_restarts must be in [0, 100], got -1")):
         _parallel(max_restarts=-1)

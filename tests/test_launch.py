@@ -19,7 +19,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import cli, launch
 from qwenkit import config as qconfig
-from qwenkit.engine import events, generate, metrics
+from qwenkit.engine import events, generate, metrics, prespawn
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2",
@@ -229,7 +229,7 @@ def test_hsdp_on_gloo_is_refused_before_spawning_on_old_torch(tmp_path, monkeypa
 def test_more_ranks_than_cores_or_accelerators_are_refused_before_spawning(tmp_path, monkeypatch, capsys):
     started = []
     monkeypatch.setattr(launch, "spawn", lambda cmd, *a, **k: started.append(cmd) or 0)
-    monkeypatch.setattr(launch, "device_count", lambda device: {"cpu": 2, "cuda": 1}[device])
+    monkeypatch.setattr(prespawn, "device_count", lambda device: {"cpu": 2, "cuda": 1}[device])
     out = tmp_path / "run"
     common = ["parallel.device=cpu", f"train.output_dir={out}"]
     assert cli.main(["train", "--nproc", "64", *common]) == 2
@@ -240,7 +240,7 @@ def test_more_ranks_than_cores_or_accelerators_are_refused_before_spawning(tmp_p
     assert cli.main(["train", "--nproc", "3", "parallel.allow_oversubscribe=true", *common]) == 0  # asked for
     assert [c[c.index("-m") + 1] for c in started] == ["qwenkit.torchrun"] * 2
     assert "--nproc-per-node=3" in started[1]
-    monkeypatch.setattr(launch, "resolve_device", lambda name, key="parallel.device": "cuda")
+    monkeypatch.setattr(prespawn, "resolve_device", lambda name, key="parallel.device": "cuda")
     assert cli.main(["train", "--nproc", "2", "parallel.device=cuda", "parallel.allow_oversubscribe=true",
                      f"train.output_dir={tmp_path / 'gpu'}"]) == 2  # fmt: skip
     assert "parallel.nproc=2 ranks on cuda, but this node sees 1 cuda device(s)" in capsys.readouterr().err
@@ -253,7 +253,7 @@ def test_torchrun_command_for_multi_node():
     assert cmd[1:3] == ["-m", "qwenkit.torchrun"]  # torchrun, through quiet_torchrun
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
-    assert cmd[-4:] == ["-m", "qwenkit.engine.train", "--config", "runs/x/config.yaml"]
+    assert cmd[-4:] == ["-m", "qwenkit.engine.rank", "--config", "runs/x/config.yaml"]
     assert "--rdzv-backend=static" in cmd and "--max-restarts=0" in cmd  # given: torchrun's PET_* defaults never apply
 
 
@@ -355,15 +355,31 @@ def test_cpu_ranks_get_a_pinned_mmap_threshold_unless_the_user_set_one():
 
 
 def test_launcher_writes_fail_in_one_line(tmp_path, monkeypatch, capsys):
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "config.yaml"))
+    def full(cfg, output_dir, name="config.yaml"):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / name))
 
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("must not start"))
     monkeypatch.setattr(qconfig, "write_config", full)
     assert cli.main(["train", f"train.output_dir={tmp_path / 'run'}"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("qwenkit")]
-    assert err == [f"qwenkit train: cannot write {tmp_path / 'run' / 'config.yaml'}: No space left on device "
-                   f"({tmp_path / 'run' / 'config.yaml'})"]  # fmt: skip
+    rank_config = tmp_path / "run" / f".config-{socket.gethostname()}-{os.getpid()}.yaml"
+    assert err == [f"qwenkit train: cannot write {rank_config}: No space left on device ({rank_config})"]
+    assert not (tmp_path / "run" / "config.yaml").exists()  # the run's record is rank 0's, once the start is accepted
+
+
+def test_the_launcher_start_does_not_load_the_dcp_checkpoint_code():
+    """``qwenkit train``'s start and the pre-spawn checks import no DCP code of qwenkit's (the chain
+    launch -> init_from -> export -> checkpoint is cut). transformers 5 itself imports
+    torch.distributed.checkpoint with its modeling code (``transformers.distributed.checkpoint``);
+    4.57 does not, so there the torch module must stay out too."""
+    probe = ("import sys, json, qwenkit.launch, qwenkit.engine.prespawn, qwenkit.sweep.file; "
+             "print(json.dumps([m for m in sys.modules if m.startswith(('qwenkit.', 'torch.distributed.checkpoint', "
+             "'transformers.distributed.checkpoint'))]))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(json.loads(proc.stdout.splitlines()[-1]))
+    assert not loaded & {"qwenkit.engine.checkpoint", "qwenkit.engine.export"}, sorted(loaded)
+    assert "torch.distributed.checkpoint" not in loaded or "transformers.distributed.checkpoint" in loaded
 
 
 def test_the_lock_is_held_and_taken_over_when_its_holder_is_gone(tmp_path):

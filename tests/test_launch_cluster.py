@@ -46,7 +46,7 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"qwenkit.engine.train" in cmdline and f"RANK={rank}".encode() in env:
+        if b"qwenkit.engine.rank" in cmdline and f"RANK={rank}".encode() in env:
             return pid
     return None
 

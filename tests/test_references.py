@@ -117,9 +117,10 @@ def doc_references(paths: list[Path]) -> list[tuple[Path, int, str, str]]:
 
 
 def _file_exists(target: str) -> bool:
-    """``a/b.py`` from the repository root or the package; a bare ``b.py`` anywhere in the repository."""
+    """``a/b.py`` from the repository root, the package or tests/ (``engine/test_optim.py``); a bare
+    ``b.py`` anywhere in the repository."""
     if "/" in target:
-        return (ROOT / target).is_file() or (PACKAGE / target).is_file()
+        return any((base / target).is_file() for base in (ROOT, PACKAGE, ROOT / "tests"))
     return any(p.is_file() for d in ("qwenkit", "tests", "benchmarks", "scripts") for p in (ROOT / d).rglob(target))
 
 

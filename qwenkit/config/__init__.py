@@ -8,12 +8,13 @@ together in one :class:`ConfigError`, each naming the key path, the bad value an
 Inside: ``loader`` (YAML 1.2, overrides, typing the values, :func:`load`, :func:`write_config`),
 ``schema`` (:class:`Config` and :func:`validate`), ``libraries`` (which library an option needs),
 and one module per section holding its fields, its allowed names and its rules: ``model``,
-``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``checkpoint``, ``profile``.
+``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``grpo``, ``checkpoint``, ``profile``.
 """
 
 from qwenkit.config.checkpoint import CheckpointConfig
 from qwenkit.config.data import DATA_LAYOUTS, DataConfig
 from qwenkit.config.dpo import DPO_LOSSES, DpoConfig
+from qwenkit.config.grpo import BUILTIN_REWARDS, GRPO_LOSSES, GrpoConfig, reward_problems
 from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
 from qwenkit.config.loader import BOOL_WORDS, ConfigError, Loader, load, parse_yaml, write_config
 from qwenkit.config.lora import LoraConfig
@@ -41,10 +42,10 @@ from qwenkit.config.train import (
 )  # fmt: skip
 
 __all__ = [
-    "BOOL_WORDS", "DATA_LAYOUTS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
-    "FUSED_OPS", "LOSS_TYPES", "MODEL_NAMES", "OBJECTIVES", "PIP_NAMES", "TRAINING_LOSS_TYPES",
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DpoConfig", "Dtype", "Loader", "LoraConfig",
+    "BOOL_WORDS", "BUILTIN_REWARDS", "DATA_LAYOUTS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
+    "FUSED_OPS", "GRPO_LOSSES", "LOSS_TYPES", "MODEL_NAMES", "OBJECTIVES", "PIP_NAMES", "TRAINING_LOSS_TYPES",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DpoConfig", "Dtype", "GrpoConfig", "Loader", "LoraConfig",
     "LossConfig", "ModelConfig", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig",
     "chunk_size_problem", "eval_metric_problems", "fused_backend_problem", "fused_ops_problems", "installed",
-    "load", "load_user_metric", "parse_yaml", "validate", "write_config",
+    "load", "load_user_metric", "parse_yaml", "reward_problems", "validate", "write_config",
 ]  # fmt: skip

@@ -125,15 +125,16 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
     return cfg
 
 
-def write_config(cfg: Config, output_dir: str | Path) -> Path:
-    """``<output_dir>/config.yaml``: the resolved config every rank reads and ``qwenkit export`` finds.
+def write_config(cfg: Config, output_dir: str | Path, name: str = "config.yaml") -> Path:
+    """``<output_dir>/config.yaml``: the resolved config, the run's record ``qwenkit export`` finds
+    (``name``: another file, such as the copy the launcher writes for the ranks).
 
     Written to a temporary name and renamed, so a reader never sees half a file.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    path = output_dir / "config.yaml"
-    tmp = path.with_name(f".config.yaml.{os.getpid()}")
+    path = output_dir / name
+    tmp = path.with_name(f".{name}.{os.getpid()}")
     tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     os.replace(tmp, path)
     return path
@@ -183,6 +184,13 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     spelled = {f.metadata["key"]: f.name for f in dataclasses.fields(cls) if "key" in f.metadata}  # checkpoint.async
+    typed = {}  # field name -> the key as the user typed it (its messages name that key)
+    for key in raw:
+        name = spelled.get(key, key)
+        if name in typed:
+            problems.append(f"{prefix}{typed[name]} and {prefix}{key} are one setting, given twice: keep "
+                            f"{prefix}{next(k for k, n in spelled.items() if n == name)}")  # fmt: skip
+        typed[name] = key
     raw = {spelled.get(k, k): v for k, v in raw.items()}
     for key in raw:
         if key not in names:
@@ -208,7 +216,7 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
         if ok:
             kwargs[name] = value
         else:
-            problems.append(f"{prefix}{name}: got {raw[name]!r}, expected {_describe(hint)}{_bool_hint(raw[name], hint)}")
+            problems.append(f"{prefix}{typed[name]}: got {raw[name]!r}, expected {_describe(hint)}{_bool_hint(raw[name], hint)}")
     return cls(**kwargs)
 
 

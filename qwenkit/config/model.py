@@ -8,23 +8,25 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
+from qwenkit.model.family import FAMILIES
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
-# The allowed names: the schema owns them, and the code that implements them (qwenkit.patches,
-# qwenkit.model.family) imports them from here, so config stays a leaf.
+# The allowed names: the schema owns them, and the code that implements them (qwenkit.patches)
+# imports them from here, so config stays a leaf.
 FUSED_OPS = ("rms_norm", "vision_rope", "swiglu")  # model.fused_ops; qwenkit.patches implements them
 FUSED_BACKENDS = ("auto", "npu", "cuda")  # model.fused_backend
-MODEL_NAMES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # model.name; qwenkit.model.family holds one entry each
+# model.name: the families' one list is their registry (a light module the leaf may read, docs/ARCHITECTURE.md)
+MODEL_NAMES = tuple(FAMILIES)
 
 
 @dataclass
 class ModelConfig:
     # the model family (qwenkit.model.family.FAMILIES); auto: the checkpoint's config.json model_type
-    # (path=tiny: qwen2_5_vl). A name that disagrees with the checkpoint is refused before start
+    # (path=tiny: qwenkit.model.family.TINY_DEFAULT). A name that disagrees with the checkpoint is refused before start
     name: Literal[("auto", *MODEL_NAMES)] = "auto"
     path: str = "tiny"  # "tiny" (embedded default) or a Hugging Face checkpoint directory
     dtype: Dtype = "float32"  # dtype the weights are loaded in

@@ -1,5 +1,5 @@
 """``parallel``: processes, backend and device, the FSDP2 shard plan, mixed precision, offload,
-recompute, sequence parallelism and the collective timeout."""
+recompute, sequence and expert parallelism and the collective timeout."""
 
 from __future__ import annotations
 
@@ -12,31 +12,35 @@ if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 
+# parallel.max_restarts at most: each restart resumes from the last checkpoint, so a group that failed
+# this often fails for a reason a restart does not cure (and torchrun would retry it for ever)
+MAX_RESTARTS = 100
+
+
 @dataclass
 class ParallelConfig:
     nproc: int = 1  # processes on this node (torchrun --nproc-per-node)
     allow_oversubscribe: bool = False  # CPU: allow more ranks than cores (each rank then gets a share of one)
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    shard_patterns: list[str] = field(
-        default_factory=lambda: [
-            "model.visual.blocks.*",
-            "model.visual.merger",
-            "model.language_model.embed_tokens",
-            "model.language_model.layers.*",
-            "lm_head",
-        ]
-    )
+    # the modules fully_shard wraps, one FSDP unit each; auto: the family's shard_units (qwenkit.model.family.FAMILIES)
+    shard_patterns: Literal["auto"] | list[str] = "auto"
     reshard_after_forward: bool = True
     param_dtype: Dtype | None = None  # FSDP2 MixedPrecisionPolicy; None keeps the weights' dtype
     reduce_dtype: Dtype | None = None
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on host
     hsdp_replicas: int = 1  # >1: HSDP mesh (replicas, world // replicas); must divide the world size
-    recompute: list[str] = field(default_factory=list)  # e.g. [model.language_model.layers.*]
+    # modules recomputed in backward, e.g. [model.language_model.layers.*]; auto: the family's
+    # recompute_units (qwenkit.model.family.FAMILIES: the decoder layers); [] (default): none
+    recompute: Literal["auto"] | list[str] = field(default_factory=list)
     activation_offload: bool = False  # saved activations to host memory
     # Ulysses sequence parallelism: groups of sp_size ranks split every sequence (1 = off);
     # data parallelism over nproc // sp_size groups. See docs/SEQUENCE_PARALLEL.md
     sp_size: int = 1
+    # expert parallelism (MoE families): each layer's experts split whole across groups of ep_size
+    # consecutive ranks, tokens sent to them; the experts FSDP-sharded over nproc // ep_size ranks.
+    # 1 = off (experts sharded like any weight). See docs/TRAINING.md
+    ep_size: int = 1
     # a collective (or the process group's start) waiting longer than this fails, naming the
     # rank that stopped answering; long enough for a 7B weight load or checkpoint save
     timeout_s: int = 600
@@ -46,7 +50,7 @@ class ParallelConfig:
     rendezvous: Literal["auto", "static", "c10d"] = "auto"
     rdzv_id: str = ""  # c10d across nodes: the job's id, the same on every node ("": Slurm's job id / the PyTorchJob's rdzvId)
     # c10d: times the whole group is restarted after a rank fails (0: the scheduler's, e.g. PET_MAX_RESTARTS);
-    # each restart resumes from the newest complete checkpoint (set checkpoint.every to bound the lost steps)
+    # each restart resumes from the newest complete checkpoint (set checkpoint.every to bound the lost steps); at most MAX_RESTARTS
     max_restarts: int = 0
 
 
@@ -55,13 +59,15 @@ def check(cfg: Config, need: Need) -> None:
     need(parallel.nproc >= 1, f"parallel.nproc must be >= 1, got {parallel.nproc}")
     need(parallel.hsdp_replicas >= 1, f"parallel.hsdp_replicas must be >= 1, got {parallel.hsdp_replicas}")
     need(parallel.timeout_s >= 1, f"parallel.timeout_s must be >= 1 (seconds), got {parallel.timeout_s}")
-    need(parallel.max_restarts >= 0, f"parallel.max_restarts must be >= 0, got {parallel.max_restarts}")
+    need(0 <= parallel.max_restarts <= MAX_RESTARTS,
+         f"parallel.max_restarts must be in [0, {MAX_RESTARTS}], got {parallel.max_restarts}")  # fmt: skip
     need(
         parallel.rendezvous != "static" or parallel.max_restarts == 0,
         f"parallel.max_restarts={parallel.max_restarts} needs parallel.rendezvous=c10d (or auto): "
         "a static rendezvous cannot regroup the nodes after a failure",
     )
     _check_sequence_parallel(cfg, need)
+    _check_expert_parallel(cfg, need)
 
 
 def _check_sequence_parallel(cfg: Config, need: Need) -> None:
@@ -83,3 +89,28 @@ def _check_sequence_parallel(cfg: Config, need: Need) -> None:
         cfg.model.attn_implementation in ("sdpa", "eager"),
         f"parallel.sp_size={sp} supports model.attn_implementation sdpa or eager, got {cfg.model.attn_implementation!r}",
     )
+
+
+# what parallel.ep_size > 1 is not built with yet: (is it on?, the setting named in the refusal)
+_EP_NOT_WITH = (
+    (lambda c: c.parallel.sp_size > 1, "parallel.sp_size > 1"),
+    (lambda c: c.parallel.hsdp_replicas > 1, "parallel.hsdp_replicas > 1"),
+    (lambda c: c.parallel.cpu_offload, "parallel.cpu_offload=true"),
+    (lambda c: c.lora.r > 0, "LoRA (lora.r > 0)"),
+    (lambda c: c.train.objective != "sft", "train.objective other than sft"),
+)
+
+
+def _check_expert_parallel(cfg: Config, need: Need) -> None:
+    """``parallel.ep_size``; the family (a MoE?) and its expert count are checked by the launcher
+    (:meth:`qwenkit.model.family.Family.problems`: they need the checkpoint's config)."""
+    ep = cfg.parallel.ep_size
+    need(ep >= 1, f"parallel.ep_size must be >= 1, got {ep}")
+    if ep <= 1:
+        return
+    need(
+        cfg.parallel.nproc % ep == 0,
+        f"parallel.ep_size={ep} must divide parallel.nproc={cfg.parallel.nproc} (an expert group stays on one node)",
+    )
+    for on, what in _EP_NOT_WITH:
+        need(not on(cfg), f"parallel.ep_size={ep} is not built with {what} yet; use parallel.ep_size=1 for that")

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qwenkit.config import checkpoint, data, dpo, lora, loss, model, parallel, profile, train
+from qwenkit.config import checkpoint, data, dpo, grpo, lora, loss, model, parallel, profile, train
 from qwenkit.config.checkpoint import CheckpointConfig
 from qwenkit.config.data import DataConfig
 from qwenkit.config.dpo import DpoConfig
+from qwenkit.config.grpo import GrpoConfig
 from qwenkit.config.lora import LoraConfig
 from qwenkit.config.loss import LossConfig
 from qwenkit.config.model import ModelConfig
@@ -26,8 +27,8 @@ from qwenkit.config.train import TrainConfig
 
 Need = Callable[[bool, str], None]  # validate's collector: need(condition, problem)
 # each section's rules, in the order their problems are listed
-CHECKS = (model.check, data.check, loss.check, parallel.check, train.check, lora.check, dpo.check, checkpoint.check,
-          profile.check)  # fmt: skip
+CHECKS = (model.check, data.check, loss.check, parallel.check, train.check, lora.check, dpo.check, grpo.check,
+          checkpoint.check, profile.check)  # fmt: skip
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 

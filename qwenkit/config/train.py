@@ -14,7 +14,13 @@ if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 log = logging.getLogger(__name__)
-OBJECTIVES = ("sft", "dpo")  # train.objective
+# train.objective: the one registry of objectives, each name's entry (a subclass of
+# qwenkit.engine.objective.Objective) by import path, so this leaf names them without importing the engine
+OBJECTIVES = {
+    "sft": "qwenkit.engine.sft:Sft",
+    "dpo": "qwenkit.engine.preference:PreferenceObjective",
+    "grpo": "qwenkit.engine.grpo:GrpoObjective",
+}
 
 EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)
 
@@ -28,7 +34,8 @@ class ParamGroupConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal[OBJECTIVES] = "sft"  # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section)
+    # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section); grpo: rollouts scored by rewards (the grpo section)
+    objective: Literal[tuple(OBJECTIVES)] = "sft"
     steps: int = 30  # the run's length: the LR schedule spans these steps
     stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps
     micro_batch_size: int = 2  # samples per rank per micro-batch
@@ -119,8 +126,9 @@ def load_user_metric(spec: str, key: str = "train.eval_metrics"):
         raise ValueError(f"{key}: {spec!r} is neither a built-in metric ({', '.join(EVAL_METRICS)}) nor module:function")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:  # a user's module may fail in any way: say which
-        raise ValueError(f"{key}: {spec!r} does not import ({type(e).__name__}: {e}); is its folder on PYTHONPATH?") from e
+    except Exception as e:  # noqa: BLE001 - a user's module may fail in any way (1/0, a syntax error): say which
+        hint = "; is its folder on PYTHONPATH?" if isinstance(e, ImportError) else ""
+        raise ValueError(f"{key}: {spec!r} does not import ({type(e).__name__}: {e}){hint}") from e
     if not callable(fn):
         raise ValueError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function(prediction, reference) -> float")
     return fn

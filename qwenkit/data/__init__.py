@@ -9,7 +9,7 @@
 Modules: :mod:`.pipeline` (``build``: dataset, sampler choice, collator, eval set; ``DataBundle``),
 :mod:`.load` (sources, the cached or scanned index, the bad-sample policy), :mod:`.split` (the
 held-out split), :mod:`.reader` (files and HF datasets), :mod:`.layouts` (public dataset layouts),
-:mod:`.conversation` (row layout, roles, turns), :mod:`.images` (image entries, decoding, grids),
+:mod:`.layout_survey` (the layouts a dataset holds), :mod:`.conversation` (row layout, roles, turns), :mod:`.images` (image entries, decoding, grids),
 :mod:`.video` (video decoding, frame sampling), :mod:`.template` (qwen2vl tokens and labels),
 :mod:`.dataset` (scan and lazy encoding), :mod:`.index` (the index as arrays), :mod:`.cache`
 (fingerprint, parallel cold scan, cache file), :mod:`.collator`, :mod:`.sampler`, :mod:`.report`

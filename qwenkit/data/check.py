@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from qwenkit import config as qconfig
-from qwenkit.data import cache, layouts, open_dataset, read_dataset
+from qwenkit.data import cache, layout_survey, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
@@ -40,8 +40,9 @@ def percentiles(values: list[int]) -> dict[str, float]:
 
 def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int) -> str:
     """The check's report as text: counts, token-length distribution, bad samples by reason."""
+    good, rows = (len(PairDataset(dataset)), "preference rows") if report.unit == "pairs" else (len(dataset), "rows")
     lines = [
-        f"samples: {len(dataset)} good, {report.skipped} bad, {report.total} rows read",
+        f"{report.unit}: {good} good, {report.skipped} bad, {report.total} {rows} read",
         f"model family: {dataset.processor.family} (its chat template and video sampling)",
     ]
     index = dataset.index
@@ -72,25 +73,22 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
         if truncated:
             lines.append(f"truncated after the last image or video: {truncated}")
     if report.skipped:
-        lines.append("bad samples by reason:")
+        lines.append(f"bad {report.unit} by reason:")
         for reason, n in sorted(report.by_reason.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {reason:<15} {n:>6}  {REASONS[reason]}")
-        lines.append("bad samples:")
+        lines.append(f"bad {report.unit}:")
         lines.extend(f"  {m}" for m in report.messages[:MAX_LISTED])
         if len(report.messages) > MAX_LISTED:
             lines.append(f"  ... and {len(report.messages) - MAX_LISTED} more")
     else:
-        lines.append("bad samples: none")
+        lines.append(f"bad {report.unit}: none")
     return "\n".join(lines)
 
 
-def summarize_pairs(sources, dataset: EncodedDataset, report: BadSampleReport) -> str:
-    """``train.objective=dpo``: pairs read and usable (both sides passed the scan), rows by preference layout.
-
-    The refused rows (file, row, reason) are the report's bad samples, listed by :func:`summarize`.
-    """
+def summarize_pairs(sources) -> str:
+    """``train.objective=dpo``: the rows by preference layout. The pairs read, usable (both sides
+    passed the scan) and refused (file, row, reason, once per pair) are :func:`summarize`'s lines."""
     layouts_seen: dict[str, int] = {}
-    rows = 0
     for source in sources:
         inner = source.inner
         for k in range(len(inner)):
@@ -99,12 +97,7 @@ def summarize_pairs(sources, dataset: EncodedDataset, report: BadSampleReport) -
             except Exception:  # noqa: BLE001 - an unreadable row is one of the report's bad samples
                 layout = "unreadable (refused)"
             layouts_seen[layout] = layouts_seen.get(layout, 0) + 1
-            rows += 1
-    usable = len(PairDataset(dataset))
-    return "\n".join([
-        f"pairs: {usable} usable of {rows} preference rows ({rows - usable} refused: a side failed the scan or no layout fits)",
-        "pair layouts: " + ", ".join(f"{name} {n}" for name, n in sorted(layouts_seen.items(), key=lambda kv: (-kv[1], kv[0]))),
-    ])  # fmt: skip
+    return "pair layouts: " + ", ".join(f"{name} {n}" for name, n in sorted(layouts_seen.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def check(cfg: qconfig.Config) -> int:
@@ -120,7 +113,9 @@ def check(cfg: qconfig.Config) -> int:
         dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False, pairs=pairs)
         sources = open_dataset(cfg.data, pairs=pairs)
         cache_line = cache.status(sources, processor, cfg.data)
-        layout_lines = summarize_pairs(sources, dataset, report) if pairs else layouts.describe(sources, cfg.data.layout)
+        layout_lines = summarize_pairs(sources) if pairs else layout_survey.describe(sources, cfg.data.layout)
+        if cfg.train.objective == "grpo":  # the scan refuses a row that does not end with an assistant reply
+            layout_lines += f"\nprompts: {len(dataset)} usable (each good sample's last assistant reply is its reference)"
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2
@@ -136,7 +131,7 @@ def check(cfg: qconfig.Config) -> int:
     print(summarize(dataset, report, cfg.data.max_length))
     print(cache_line)
     if report.skipped:
-        print(f"FAILED: {report.skipped} bad sample{'s' if report.skipped != 1 else ''}")
+        print(f"FAILED: {report.skipped} bad {report.unit if report.skipped != 1 else report.unit.removesuffix('s')}")
         return 1
     print("OK")
     return 0

@@ -105,6 +105,11 @@ class EncodedDataset:
         row = int(self.index.row[i])
         return parse_row(source.row(row), source.location(row), self.data.layout)
 
+    def columns(self, i: int) -> dict:
+        """Sample ``i``'s row as read (its columns: ``messages``, ``images``, a ``solution``...; GRPO's rewards get them)."""
+        row = self.sources[int(self.index.source[i])].row(int(self.index.row[i]))
+        return dict(row) if isinstance(row, dict) else {}
+
     def image_refs(self, i: int, conv: Conversation | None = None) -> list[MediaRef]:
         """Where sample ``i``'s images are (``conv``: its conversation, read when not given)."""
         conv = self.conversation(i) if conv is None else conv

@@ -28,18 +28,17 @@ layout             rows as written by
 Refused, naming the row, because reading them as text would train wrongly: ms-swift grounding
 rows (``objects``, ``<ref-object>``/``<bbox>``), ``<img>`` tags in any other layout, tool
 definitions (``tools``), a ``loss_weight`` that differs from "learn the replies only", and a
-media key that the row's layout does not take (``image`` in a ``messages`` row, ...).
+media key that the row's layout does not take (``image`` in a ``messages`` row, ...). Which layouts
+a dataset's files hold, and the keys no reader reads: :mod:`qwenkit.data.layout_survey`.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qwenkit.data.reader import HFSource
 from qwenkit.data.report import BadSample, Location
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -381,7 +380,7 @@ def _fit(row: dict, layout: Layout, forced: bool, where: Location) -> None:
             where,
             "the row has 'objects' (ms-swift grounding): qwenkit does not fill <ref-object>/<bbox> from it; write the "
             "references and boxes into the text in the family's coordinates (Qwen2.5-VL: absolute pixels of the resized "
-            "image; Qwen3-VL: relative, 0-1000)",
+            "image; Qwen3-VL and Qwen3.5: relative, 0-1000)",
         )
     if row.get("tools"):
         raise _bad(where, "the row has 'tools' (agent tool definitions); qwenkit's template does not render them")
@@ -418,82 +417,3 @@ def read(row: dict, where: Location, layout: str = "auto") -> Read:
                 "read as layout qwen_vl)",
             )
     return result
-
-
-# ---------------------------------------------------------------------------------------------
-# What data check and notebook 01 show
-
-
-def ignored_keys(row: dict, layout: str) -> set[str]:
-    """Keys of ``row`` that ``layout`` does not read (``messages[].loss_weight`` for message keys)."""
-    spec = LAYOUTS[layout]
-    out = {k for k in row if k not in spec.keys}
-    turns_key = next((k for k in spec.turns if k in row), None)
-    turns = row.get(turns_key) if turns_key in ("messages", "conversations", "conversation", "texts") else None
-    if isinstance(turns, list):
-        for m in turns:
-            if isinstance(m, dict):
-                out.update(f"{turns_key}[].{k}" for k in m if k not in spec.message_keys)
-                if layout == "typed" and isinstance(m.get("content"), list):
-                    for part in m["content"]:
-                        if isinstance(part, dict):
-                            read = PART_KEYS | (FRAME_LIST_KEYS if isinstance(part.get("video"), list) else set())
-                            out.update(f"content[].{k}" for k, v in part.items() if v is not None and k not in read)
-    return out
-
-
-# keys a typed part is read by: its type, text and source; a frame list's frame rate
-PART_KEYS = {"type", "text", "value", "image", "image_url", "video", "url", "path", "index"}
-FRAME_LIST_KEYS = {"fps", "sample_fps"}
-
-
-@dataclass
-class FileLayouts:
-    """Layouts of one file's rows, and the keys they carry that qwenkit does not read."""
-
-    name: str
-    counts: Counter = field(default_factory=Counter)
-    ignored: set[str] = field(default_factory=set)
-
-    def lines(self) -> list[str]:
-        parts = [
-            f"{name} ({LAYOUTS[name].describe}), {n:,} row{'s' if n != 1 else ''}"
-            if name in LAYOUTS else f"no layout, {n:,} row{'s' if n != 1 else ''}"
-            for name, n in self.counts.most_common()
-        ]  # fmt: skip
-        out = [f"layout: {'; '.join(parts) or 'no rows'} in {self.name}"]
-        if self.ignored:
-            out.append(f"  keys not read (ignored): {', '.join(sorted(self.ignored))}")
-        return out
-
-
-def survey(sources, layout: str = "auto") -> list[FileLayouts]:
-    """Per source: how many rows of each layout, and the keys no reader reads.
-
-    A ``datasets`` source has one schema, so its first row stands for all of them."""
-    out = []
-    for source in sources:
-        found = FileLayouts(source.name)
-        if source.error is not None:
-            out.append(found)
-            continue
-        n, one_schema = len(source), isinstance(source, HFSource)
-        for i in range(min(n, 1) if one_schema else n):
-            try:
-                row = source.row(i)
-            except BadSample:
-                found.counts[None] += 1
-                continue
-            name = (detect(row) if layout == "auto" else layout) if isinstance(row, dict) else None
-            if name is None:
-                found.counts[None] += 1
-                continue
-            found.counts[name] += n if one_schema else 1
-            found.ignored |= ignored_keys(row, name)
-        out.append(found)
-    return out
-
-
-def describe(sources, layout: str = "auto") -> str:
-    """:func:`survey` as the lines ``data check`` and notebook 01 print."""
-    return "\n".join(line for found in survey(sources, layout) for line in found.lines())

@@ -16,7 +16,7 @@ from pathlib import Path
 from qwenkit.config import DataConfig
 from qwenkit.data import cache
 from qwenkit.data.dataset import EncodedDataset
-from qwenkit.data.preference import preference_data, preference_sources
+from qwenkit.data.preference import pair_report, preference_data, preference_sources
 from qwenkit.data.reader import DataError, json_files, open_sources
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import ensure_dataset
@@ -58,7 +58,7 @@ def read_dataset(
     if stop_at_first and index.bad:
         raise index.bad[0].error()
     dataset = EncodedDataset(sources, index, processor, data, prepared.origin)
-    return dataset, index.report()
+    return dataset, pair_report(index) if pairs else index.report()
 
 
 def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1, pairs=False):

@@ -64,21 +64,15 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     """
     data, pairs = cfg.data, cfg.train.objective == "dpo"
     dataset, report = read_checked(data, processor, source, rank, world_size, pairs)
-    if rank == 0:
-        log.info(
-            "data: %d samples from %s (%d skipped); %s",
-            len(dataset),
-            data.path if source is None else source,
-            report.skipped,
-            dataset.index_origin,
-        )
+    origin = dataset.index_origin
     dataset, eval_dataset = _eval_set(cfg, processor, dataset, rank, world_size, source)
     collator = Collator(processor, data.packing)
     if pairs:  # one sampler index per pair: a pair is never split across micro-batches or ranks
         dataset, collator = PairDataset(dataset), PairCollator(processor)
         eval_dataset = PairDataset(eval_dataset) if eval_dataset is not None else None
-        if rank == 0:
-            log.info("preference pairs: %d (both sides passed the scan)", len(dataset))
+    if rank == 0:
+        log.info("data: %d %s from %s (%d skipped); %s", len(dataset), report.unit,
+                 data.path if source is None else source, report.skipped, origin)  # fmt: skip
     return DataBundle(
         dataset, make_sampler(cfg, dataset, rank, world_size), collator, report, data.num_workers, eval_dataset
     )
@@ -93,7 +87,7 @@ def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: in
             accum=accum,
         )
     return FixedSizeSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size,
-                            accum)  # fmt: skip
+                            accum, unit="pairs" if isinstance(dataset, PairDataset) else "samples")  # fmt: skip
 
 
 def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: int, world_size: int, source):

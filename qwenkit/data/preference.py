@@ -19,8 +19,10 @@ ms-swift            ``messages`` ending in the chosen assistant reply + ``reject
                     (a string); ``rejected_images`` where the rejected reply sees other images
 ==================  ==============================================================================
 
-A row that fits none, or whose parts are malformed, is one bad pair naming its file, row and
-reason; a pair is used only when both of its sides pass the scan. :class:`PairDataset` hands
+A row that fits none, or whose parts are malformed, or whose two sides are the same
+(``same_replies``: nothing to prefer), is one bad pair naming its file, row and reason; a pair is
+used only when both of its sides pass the scan, and bad pairs are counted as pairs
+(:func:`pair_report`: ``data.max_bad_fraction`` and ``data check`` count pairs, not sides). :class:`PairDataset` hands
 out ``(chosen, rejected)`` samples: the images (and videos) are loaded and processed once per
 pair when both sides see the same ones, and a pair is one index of the sampler, so it is never
 split across micro-batches or ranks. :class:`PairCollator` makes one micro-batch of the chosen
@@ -42,7 +44,7 @@ from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.layouts import IMAGE_PLACEHOLDER
 from qwenkit.data.reader import HFSource
-from qwenkit.data.report import BadSample, Location
+from qwenkit.data.report import BadSample, BadSampleReport, Location
 from qwenkit.model.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,29 @@ def split_pair(row: Any, where: Location) -> tuple[dict, dict]:
             "conversations/chosen/rejected or ms-swift messages/rejected_response (see docs/DATA.md)",
         )
     common = {k: row[k] for k in ("id", "system") if k in row}
-    return {"trl": _trl, "llamafactory": _llamafactory, "swift": _swift}[layout](row, where, common)
+    chosen, rejected = {"trl": _trl, "llamafactory": _llamafactory, "swift": _swift}[layout](row, where, common)
+    if chosen == rejected:  # the same reply (and images): DPO's loss is constant on it, nothing is learned
+        raise BadSample(where, "same_replies", "preference row: the chosen and rejected replies are the same")
+    return chosen, rejected
+
+
+def pair_report(index) -> BadSampleReport:
+    """The scan's tally in pairs (``index``: a :class:`~qwenkit.data.index.SampleIndex` of a
+    :class:`PreferenceSource`, two samples per row): a pair is bad once, however many of its sides
+    are, under its first side's reason; a second side's other problem joins the pair's one line."""
+    report = BadSampleReport(total=index.total // 2, unit="pairs")
+    lines: dict[tuple, list[str]] = {}
+    for i, rec in enumerate(index.bad):
+        key = (rec.source, rec.row) if rec.row is not None else ("file", i)  # a row's two sides share its location
+        bad = rec.error()
+        if key not in lines:
+            lines[key] = [str(bad)]
+            report.skipped += 1
+            report.by_reason[bad.reason] = report.by_reason.get(bad.reason, 0) + 1
+        elif f"{bad.reason}: {bad.detail}" not in lines[key][0]:
+            lines[key].append(f"{bad.reason}: {bad.detail}")
+    report.messages = ["; and ".join(parts) for parts in lines.values()]
+    return report
 
 
 def _trl(row: dict, where: Location, common: dict) -> tuple[dict, dict]:

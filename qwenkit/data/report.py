@@ -33,6 +33,7 @@ REASONS = {
     "too_long": "the sample has more tokens than data.max_length",
     "media_url": "an image or video is an http(s) URL; URLs are not fetched",
     "changed_media": "an image or video changed after the index was built",
+    "same_replies": "a preference pair's chosen and rejected sides are the same (it teaches no preference)",
 }
 
 # what a changed_media message tells the user: the index is keyed by the data files, not the media
@@ -80,13 +81,15 @@ class BadSampleReport:
     """Tally of a dataset scan: rows seen, rows skipped, and why.
 
     ``messages`` keeps every bad sample's message (one line each) so ``data check`` can list
-    them all; training logs only the first few.
+    them all; training logs only the first few. ``unit``: what is counted, ``samples`` or
+    (preference rows, :func:`qwenkit.data.preference.pair_report`) ``pairs``.
     """
 
     total: int = 0
     skipped: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
+    unit: str = "samples"
 
     def add_ok(self) -> None:
         self.total += 1
@@ -108,21 +111,23 @@ class BadSampleReport:
         """Raise if more than ``max_bad_fraction`` of the rows were skipped."""
         if self.skipped and self.fraction > max_bad_fraction:
             raise ValueError(
-                f"{self.skipped} of {self.total} samples ({self.fraction:.1%}) are bad, more than "
+                f"{self.skipped} of {self.total} {self.unit} ({self.fraction:.1%}) are bad, more than "
                 f"data.max_bad_fraction={max_bad_fraction:g}: {self.reasons_line()}; first: {self.messages[0]}"
             )
 
     def log(self, first: int = 20) -> None:
         """Log the skipped samples (the first ``first`` one by one) and the counts by reason."""
+        one = self.unit.removesuffix("s")
         for message in self.messages[:first]:
-            log.warning("skipping bad sample: %s", message)
+            log.warning("skipping bad %s: %s", one, message)
         if len(self.messages) > first:
-            log.warning("... and %d more bad samples", len(self.messages) - first)
+            log.warning("... and %d more bad %s", len(self.messages) - first, self.unit)
         if self.skipped:
             log.warning(
-                "skipped %d of %d samples (%.2f%%): %s",
+                "skipped %d of %d %s (%.2f%%): %s",
                 self.skipped,
                 self.total,
+                self.unit,
                 100 * self.fraction,
                 self.reasons_line(),
             )

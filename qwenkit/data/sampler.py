@@ -71,12 +71,13 @@ class FixedSizeSampler:
         rank: int = 0,
         world_size: int = 1,
         accum: int = 1,
+        unit: str = "samples",  # what an index is, for the messages (a preference pair: "pairs")
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if num_samples < batch_size * world_size * accum:
             raise ValueError(
-                f"the dataset has {num_samples} usable samples, fewer than one global batch: "
+                f"the dataset has {num_samples} usable {unit}, fewer than one global batch: "
                 f"train.micro_batch_size={batch_size} x world size {world_size} x train.grad_accum={accum} "
                 f"= {batch_size * world_size * accum}"
             )

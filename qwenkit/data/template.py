@@ -16,6 +16,8 @@ processor's family entry, :mod:`qwenkit.model.family`, says which)::
   ``<{seconds:.1f} seconds><|vision_start|><|video_pad|>×h*w/merge²<|vision_end|>``, the time
   being the mean of the patch's two sampled frame times (:attr:`qwenkit.data.video.VideoPlan.timestamps`),
   as HF's Qwen3VLProcessor writes it; that text is tokenized with the text around it;
+- families with ``think_tags`` (Qwen3.5) open the replies after the last user turn with a thinking
+  block, ``<think>\\n{reasoning}\\n</think>\\n\\n`` (:meth:`ChatTemplate._thinking`);
 - labels learn only the assistant replies and their ``<|im_end|>`` (the model must learn to
   stop); everything else, the ``\\n`` after ``<|im_end|>`` included, is ``IGNORE_INDEX``;
 - text is tokenized piece by piece between special tokens, so a reply's tokens are the ones
@@ -54,6 +56,7 @@ class ChatTemplate:
         family = families.get(processor.family)
         self.system_prompt = system_prompt if system_prompt is not None else family.default_system
         self.video_timestamps = family.video_timestamps
+        self.think_tags = family.think_tags
         tok = processor.tokenizer
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None:
@@ -94,9 +97,12 @@ class ChatTemplate:
             VIDEO_PLACEHOLDER: (iter(video_grids), iter(video_times), self.processor.video_token_id),
         }
         start, end = self.processor.vision_start_id, self.processor.vision_end_id
-        for role, text in conv.turns:
+        last_user = max((k for k, (role, _) in enumerate(conv.turns) if role == "user"), default=-1)
+        for k, (role, text) in enumerate(conv.turns):
             add(self.headers[role])
             if role == "assistant":
+                prompt, text = self._thinking(text, after_last_user=k > last_user)
+                add(self._encode_text(prompt))
                 add(self._encode_text(text) + [self.im_end], learn=True)
                 add(self.newline)
                 continue
@@ -119,6 +125,26 @@ class ChatTemplate:
                 images_end = len(ids)
             add(self._encode_text(pending) + [self.im_end] + self.newline)
         return Encoded(ids, labels, images_end)
+
+    def _thinking(self, reply: str, after_last_user: bool) -> tuple[str, str]:
+        """``(unlearned prefix, learned reply)`` of an assistant turn, as the family's template writes it.
+
+        Families with ``think_tags`` (Qwen3.5) open the replies after the last user turn with a
+        thinking block: a reply's own ``<think>...</think>`` is its reasoning, learned with the
+        answer; without one the template writes the block empty, which is what a prompt with
+        ``enable_thinking=false`` holds, so it is not learned. Earlier replies keep their answer only.
+        """
+        if not self.think_tags:
+            return "", reply
+        reasoning = None
+        if "</think>" in reply:
+            reasoning = reply.split("</think>")[0].split("<think>")[-1].strip("\n")
+            reply = reply.split("</think>")[-1].lstrip("\n")
+        if not after_last_user:
+            return "", reply
+        if reasoning is None:
+            return "<think>\n\n</think>\n\n", reply
+        return "", f"<think>\n{reasoning}\n</think>\n\n{reply}"
 
 
 def fit_length(enc: Encoded, conv: Conversation, max_length: int, truncate_text: bool) -> Encoded:

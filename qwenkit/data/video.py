@@ -364,8 +364,9 @@ def _volume_resize(
     return h_bar, w_bar
 
 
-# Family.video_rule -> the processor that samples and resizes that family's videos
-RULES: dict[str, type[VideoProcessor]] = {"qwen2_vl": VideoProcessor, "qwen3_vl": Qwen3VLVideoProcessor}
+# Family.video_rule (the name of transformers' video processor class a rule follows) -> the
+# processor that samples and resizes that family's videos
+RULES: dict[str, type[VideoProcessor]] = {rule.hf_class: rule for rule in (VideoProcessor, Qwen3VLVideoProcessor)}
 
 
 def for_processor(processor, data) -> VideoProcessor:

@@ -12,7 +12,9 @@ The distributed engine is PyTorch's own; this module only decides *what* to hand
 3. :func:`shard` calls ``fully_shard`` on every module matching ``parallel.shard_patterns``,
    deepest first, then on the root. A module holding a weight that is shared with a module
    outside it (Qwen2.5-VL-3B ties ``lm_head`` to ``embed_tokens``) is left to the root, so a tied
-   weight lives in exactly one FSDP group. :func:`gradient_excess` then asks FSDP, on a
+   weight lives in exactly one FSDP group. With expert parallelism (:mod:`qwenkit.distributed.expert`)
+   the experts modules come first, each sharded over the ``efsdp`` dimension of the expert mesh.
+   :func:`gradient_excess` then asks FSDP, on a
    throwaway module, whether its reduction really averages over the ranks; where the backend sums
    instead (torch 2.7's gloo), every group divides its reduced gradients by the difference.
 
@@ -30,7 +32,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,11 +40,16 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from qwenkit.config import DTYPES
 from qwenkit.device import resolve_device
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
+from qwenkit.model import family as families
 from qwenkit.model.modules import module_path, path_match
+
+if TYPE_CHECKING:
+    from qwenkit.distributed.expert import ExpertGroups
 
 log = logging.getLogger(__name__)
 DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -173,12 +180,13 @@ def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[tuple
     return sorted(found.items(), key=lambda item: order[item[0]])
 
 
-def apply_recompute(model: nn.Module, patterns: list[str]) -> list[str]:
+def apply_recompute(model: nn.Module, patterns: list[str] | str) -> list[str]:
     """Wrap each matching module in non-reentrant activation checkpointing; returns their paths.
 
     Memory: a wrapped block keeps only its inputs for backward and recomputes the rest, so the
     saved activations of N blocks fall from N x (everything a block saves) to N x (its input).
     """
+    patterns = families.units(model, "recompute", patterns)
     if not patterns:
         return []
     wrapped = []
@@ -236,12 +244,21 @@ def fsdp_kwargs(parallel_cfg, mesh: DeviceMesh) -> dict:
     return {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
 
 
-def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh) -> ShardPlan:
-    """``fully_shard`` each module matching ``parallel.shard_patterns`` (deepest first), then the root."""
+def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroups | None = None) -> ShardPlan:
+    """``fully_shard`` each module matching ``parallel.shard_patterns`` (deepest first), then the root.
+
+    ``experts`` (expert parallelism): their modules go first, each its own group on the expert
+    mesh's ``efsdp`` dimension, its gradients divided by the world size like every other group's
+    (an expert's gradient already sums its ``ep`` group's tokens; see :mod:`qwenkit.distributed.expert`).
+    """
     kwargs = fsdp_kwargs(parallel_cfg, mesh)
-    matched = match_modules(model, parallel_cfg.shard_patterns, "parallel.shard_patterns")
+    patterns = families.units(model, "shard_patterns", parallel_cfg.shard_patterns)
+    matched = match_modules(model, patterns, "parallel.shard_patterns")
     tied = tied_outside(model, matched)
     plan = ShardPlan(groups=[], left_to_root=tied)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if experts is not None:  # first: inside the decoder layers
+        _shard_experts(experts, parallel_cfg, kwargs, dtype, plan)
     # Children before parents: fully_shard on a parent must see its children already sharded.
     sharded = []
     for name, module in sorted(matched, key=lambda item: -item[0].count(".")):
@@ -253,12 +270,32 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh) -> ShardPlan:
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     sharded.append(model)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     plan.gradient_divisor = gradient_excess(mesh, kwargs["mp_policy"], dtype)
     if plan.gradient_divisor > 1:
         for module in sharded:
             module.set_all_reduce_hook(functools.partial(_divide_, by=plan.gradient_divisor))
     return plan
+
+
+def _experts_dim_1(param: nn.Parameter) -> Shard:
+    return Shard(1)
+
+
+def _shard_experts(experts: ExpertGroups, parallel_cfg, kwargs: dict, dtype: torch.dtype, plan: ShardPlan) -> None:
+    """Each experts module its own FSDP group on the ``efsdp`` ranks, sharded on dimension 1 (a rank's whole
+    experts, dimension 0, may be fewer than those ranks).
+
+    FSDP averages an expert's gradient over ``efsdp``; it already sums its ``ep`` group's tokens (the
+    all-to-all's backward brought them), so a hook divides by ``ep`` as well: the world's average,
+    as every other group's. (Not ``set_gradient_divide_factor``: that is a ``PREMUL_SUM``, which gloo lacks.)
+    """
+    efsdp = experts.mesh["efsdp"]
+    by = experts.mesh["ep"].size() * gradient_excess(efsdp, kwargs["mp_policy"], dtype)
+    for name, module in experts.modules:
+        fully_shard(module, reshard_after_forward=parallel_cfg.reshard_after_forward,
+                    shard_placement_fn=_experts_dim_1, **{**kwargs, "mesh": efsdp})  # fmt: skip
+        module.set_all_reduce_hook(functools.partial(_divide_, by=by))
+        plan.groups.append(module_path(name))
 
 
 class _Probe(nn.Module):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,13 @@ def heads_problem(text_config, sp_size: int) -> str | None:
         return (
             f"parallel.sp_size={sp_size} must divide the model's attention heads: it has {heads} query heads "
             f"and {kv} key/value heads (Ulysses gives each rank heads/sp_size query heads)"
+        )
+    linear = getattr(text_config, "linear_num_key_heads", None)  # Qwen3.5's Gated DeltaNet layers
+    if linear is not None and linear % sp_size:
+        return (
+            f"parallel.sp_size={sp_size} must divide text_config.linear_num_key_heads={linear} (and with it "
+            f"linear_num_value_heads={text_config.linear_num_value_heads}): each rank runs the linear-attention "
+            "layers' conv and recurrence for linear_num_key_heads/sp_size key heads on the whole sequence"
         )
     return None
 
@@ -182,13 +190,22 @@ class AttentionContext:
     size: int
     mask: torch.Tensor | None  # [B, 1, S, S] bool on the whole sequence (True: attend); None: causal
 
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, S/N, D] -> [B, H/N, S, D]`` (autograd): what Qwen3.5's linear attention
+        (:mod:`qwenkit.model.linear_attention`) exchanges, beside the attention's own."""
+        return seq_to_heads(x.contiguous(), self.group)
+
+    def to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H/N, S, D] -> [B, H, S/N, D]`` (autograd)."""
+        return heads_to_seq(x.contiguous(), self.group)
+
 
 def ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       sequence_parallel: AttentionContext | None = None, inner: str = "sdpa", **kwargs):  # fmt: skip
     """transformers attention function: Ulysses around ``inner`` (``[B, S/N, H, D]``, None)."""
     if sequence_parallel is None:  # not under SP (generation, a plain forward): the inner one as is
-        return _inner_function(inner)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)  # fmt: skip
+        return _inner_function(inner, module)(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)  # fmt: skip
     ctx = sequence_parallel
     n = ctx.size
     heads, kv = query.shape[1], key.shape[1]
@@ -211,13 +228,11 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _inner_function(inner: str):
+def _inner_function(inner: str, module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if inner == "eager":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import eager_attention_forward
-
-        return eager_attention_forward
+    if inner == "eager":  # not registered: the one of the attention layer's own modeling file
+        return sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[inner]
 
 

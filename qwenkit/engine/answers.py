@@ -21,7 +21,9 @@ names listed in :data:`qwenkit.config.EVAL_METRICS`:
   ICCV 2019, eq. 1; Mathew et al., DocVQA, WACV 2021): ``1 - lev(p, r) / max(|p|, |r|)`` on
   lower-cased, whitespace-collapsed strings, 0 when that distance is ``>= 0.5``.
 - ``module:function``: a user's ``function(prediction: str, reference: str) -> float``,
-  importable from ``PYTHONPATH``, reported under the function's name.
+  importable from ``PYTHONPATH``, reported under the function's name. What it returns goes
+  through :func:`user_score` (a finite number in ``[0, 1]``, numpy scalars too; else, or when it
+  raises, one line naming the metric and the row).
 
 **Multiple-choice rows** (the reference is an option letter alone: ``B``, ``(B)``, ``B.``) are
 scored by the letter by every built-in metric: 1 when the option the prediction names is that
@@ -36,8 +38,11 @@ A user metric gets the strings as they are.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Callable
+from typing import Any
 
 from qwenkit.config import load_user_metric
 
@@ -199,12 +204,35 @@ def resolve(names: list[str]) -> dict[str, Metric]:
     return out
 
 
-def score(metrics: dict[str, Metric], prediction: str, reference: str) -> dict[str, float]:
-    """Every metric's value for one row; a user metric's result must be a number."""
-    out = {}
-    for name, metric in metrics.items():
-        value = metric(prediction, reference)
-        if not isinstance(value, (int, float)):  # bool is an int: a match counts 1
-            raise ValueError(f"eval metric {name!r} returned {value!r} ({type(value).__name__}); it must return a float")
-        out[name] = float(value)
-    return out
+def score(metrics: dict[str, Metric], prediction: str, reference: str, where: str = "a row") -> dict[str, float]:
+    """Every metric's value for one row (``where``: the row, for the messages), each through :func:`user_score`."""
+    return {name: user_score(metric, f"eval metric {name!r}", where, prediction, reference) for name, metric in metrics.items()}
+
+
+class UserFunctionError(ValueError):
+    """A user's scoring function raised, or returned what is not a score; names the function and the row."""
+
+
+def user_score(fn: Callable[..., Any], what: str, where: str, *args, bounds: tuple[float, float] | None = (0.0, 1.0),
+               **kwargs) -> float:  # fmt: skip
+    """``fn(*args, **kwargs)`` as a float: the one check of what a user's scoring function returns,
+    for eval metrics and GRPO's reward functions alike (``bounds=None``: any finite number).
+
+    A real number (``bool``, ``int``, ``float``, a numpy or torch scalar) that is finite and within
+    ``bounds``; anything else, or an exception, is a :class:`UserFunctionError` naming ``what``
+    (``"eval metric 'f'"``) and ``where`` (the row): a NaN or a 7.0 never becomes a mean.
+    """
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a user's function may fail in any way: say which and where
+        raise UserFunctionError(f"{what} raised {type(e).__name__}: {e} on {where}") from e
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        value = value.item()  # numpy and torch scalars (np.float32(1.0), np.bool_, a 0-d tensor)
+    if not isinstance(value, numbers.Real):  # bool is an int: a match counts 1
+        raise UserFunctionError(f"{what} returned {value!r} ({type(value).__name__}) on {where}; it must return a float")
+    value = float(value)
+    low, high = bounds if bounds is not None else (-math.inf, math.inf)
+    if not math.isfinite(value) or not low <= value <= high:
+        within = f" in [{low:g}, {high:g}]" if bounds is not None else ""
+        raise UserFunctionError(f"{what} returned {value!r} on {where}; a score must be a finite number{within}")
+    return value

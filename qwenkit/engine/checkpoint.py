@@ -12,8 +12,8 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
   (``run``), and every file's size and CRC-32.
 
 Saving is atomic: everything is written under ``.tmp-step-00000012``; then every rank checks that
-it sees every rank's files, as the manifests list them (ranks on nodes without one shared
-output_dir do not, and the save is refused, naming them); only then does rank 0 write
+it sees every rank's files, as the manifests list them (:mod:`qwenkit.engine.checkpoint_files`;
+ranks on nodes without one shared output_dir do not, and the save is refused, naming them); only then does rank 0 write
 ``COMPLETE.json`` and rename the directory. A save killed midway leaves a ``.tmp-*`` directory
 that is never picked as latest (and is removed by the next save), so the previous checkpoint
 stays the one a resume selects. A save that fails (DCP's ``CheckpointException``; a full disk is
@@ -43,7 +43,6 @@ and never a newer one (:func:`~qwenkit.engine.checkpoint_dir.prune`).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -88,6 +87,14 @@ from qwenkit.engine.checkpoint_dir import (  # noqa: F401 - the folder's names, 
     set_aside_damaged,
     step_dir,
     step_of,
+)
+from qwenkit.engine.checkpoint_files import (
+    failure_message,
+    gather_manifests,
+    is_enospc,
+    one_line,
+    write_manifest,
+    write_text,
 )
 from qwenkit.model.lora import has_adapters
 
@@ -233,7 +240,7 @@ def finish(pending: Save) -> Path:
             if pending.future is not None:
                 pending.future.result()  # the background write and this rank's manifest
             else:
-                _write_manifest(tmp, rank)
+                write_manifest(tmp, rank)
         except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
             _failed(pending, e)
     reports = [None] * world
@@ -241,7 +248,7 @@ def finish(pending: Save) -> Path:
     failed = [r for r in reports if r["error"]]
     files, problem = {}, None
     if not failed:  # every rank checks that it sees what every rank wrote
-        files, problem = _gather_manifests(tmp, world, rank)
+        files, problem = gather_manifests(tmp, world, rank)
     problems = [None] * world
     dist.all_gather_object(problems, problem)
     problems = [p for p in problems if p]
@@ -251,7 +258,7 @@ def finish(pending: Save) -> Path:
         previous = latest(root)
         kept = f"{str(previous)!r} is intact" if previous else "there is no earlier checkpoint"
         if failed:
-            message = _save_failure(step, tmp, failed, sum(r["nbytes"] for r in reports), min(r["free"] for r in failed))
+            message = failure_message(step, tmp, failed, sum(r["nbytes"] for r in reports), min(r["free"] for r in failed))
         else:
             message = (f"checkpoint step {step} not saved: {problems[0]}: every rank must write to the same "
                        "train.output_dir (a filesystem shared by every node)")  # fmt: skip
@@ -265,7 +272,7 @@ def finish(pending: Save) -> Path:
             "step": step, "world_size": world, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "checksum": "crc32", "files": files, **({"run": pending.run} if pending.run is not None else {}),
         }  # fmt: skip
-        _write_text(tmp / COMPLETE, json.dumps(marker))
+        write_text(tmp / COMPLETE, json.dumps(marker))
         if final.exists():  # an incomplete leftover (no COMPLETE.json), never a finished checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -274,12 +281,6 @@ def finish(pending: Save) -> Path:
             prune(old)
     dist.barrier()
     return final
-
-
-def _write_manifest(tmp: Path, rank: int) -> None:
-    """``manifest-rank-N.json``: the size and CRC-32 of every file this rank wrote into ``tmp``."""
-    manifest = {name: [(tmp / name).stat().st_size, crc32_file(tmp / name)] for name in _files_of_rank(tmp, rank)}
-    _write_text(tmp / MANIFEST.format(rank=rank), json.dumps(manifest))
 
 
 def _then_manifest(written: Future, tmp: Path, rank: int) -> Future:
@@ -291,7 +292,7 @@ def _then_manifest(written: Future, tmp: Path, rank: int) -> Future:
     def run():
         try:
             written.result()
-            _write_manifest(tmp, rank)
+            write_manifest(tmp, rank)
             done.set_result(None)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one; finish() reports it
             done.set_exception(e)
@@ -333,8 +334,8 @@ def _failed(pending: Save, error: BaseException) -> None:
     free = shutil.disk_usage(pending.root).free if pending.root.exists() else 0  # the partial save still in place
     # torch.save's zip writer reports a full disk as a RuntimeError without errno ("unexpected
     # pos"): a failed write that left less room than this rank's part needs is a full disk too
-    full = _is_enospc(error) or free < pending.report["nbytes"]
-    pending.report.update(error=_one_line(error), enospc=full, free=free,
+    full = is_enospc(error) or free < pending.report["nbytes"]
+    pending.report.update(error=one_line(error), enospc=full, free=free,
                           ranks=sorted(failures) if isinstance(failures, dict) else [pending.report["rank"]])  # fmt: skip
 
 
@@ -350,90 +351,9 @@ def _nbytes(state) -> int:
     return 0
 
 
-def _files_of_rank(tmp: Path, rank: int) -> list[str]:
-    """The files rank ``rank`` wrote into ``tmp``: DCP names its shards ``__<rank>_<i>.distcp``;
-    the coordinator (rank 0) writes ``.metadata`` and ``train_state.pt``."""
-    names = {n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") and n.endswith(".distcp")}
-    names.add(f"rank-{rank:05d}.pt")
-    if rank == 0:
-        names.update(n for n in (".metadata", "train_state.pt") if (tmp / n).is_file())
-    return sorted(names)
-
-
-def _gather_manifests(tmp: Path, world: int, rank: int) -> tuple[dict, str | None]:
-    """All ranks' manifests merged, as this rank sees them, or the first file it does not see."""
-    files = {}
-    for r in range(world):
-        manifest = tmp / MANIFEST.format(rank=r)
-        try:
-            listed = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            return {}, f"rank {rank} does not see rank {r}'s files in {str(tmp)!r} (no {manifest.name})"
-        for name, (size, crc) in listed.items():
-            try:
-                actual = (tmp / name).stat().st_size
-            except FileNotFoundError:
-                return {}, f"rank {rank} does not see {name} (written by rank {r}) in {str(tmp)!r}"
-            if actual != size:
-                return {}, f"rank {rank} sees {name} (written by rank {r}) with {actual} bytes, {size} were written"
-            files[name] = [size, crc]
-        files[manifest.name] = [manifest.stat().st_size, crc32_file(manifest)]
-    return files, None
-
-
-def _causes(error: BaseException):
-    """``error``, its causes, and the per-rank failures inside DCP's CheckpointException."""
-    seen, todo = set(), [error]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [e.__cause__, e.__context__]
-        for failure in getattr(e, "failures", {}).values() if isinstance(getattr(e, "failures", None), dict) else ():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-
-
-def _is_enospc(error: BaseException) -> bool:
-    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
-
-
-def _one_line(error: BaseException) -> str:
-    for e in _causes(error):
-        if isinstance(e, OSError):
-            return f"{type(e).__name__}: {e}"
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-def _save_failure(step: int, tmp: Path, failed: list[dict], needed: int, free: int) -> str:
-    ranks = ", ".join(str(r) for r in sorted({r for report in failed for r in report["ranks"]}))
-    if any(r["enospc"] for r in failed):
-        where = _mount_point(tmp.parent)
-        return (f"checkpoint step {step} not saved: the disk of {str(tmp.parent)!r} (mounted at {where}) is full: "
-                f"{free:,} bytes free, this save needs about {needed:,} bytes (rank {ranks})")  # fmt: skip
-    return f"checkpoint step {step} not saved: rank {ranks} failed to write it: {failed[0]['error']}"
-
-
-def _mount_point(path: Path) -> str:
-    path = Path(path).resolve()
-    dev = path.stat().st_dev
-    while path.parent != path and path.parent.stat().st_dev == dev:
-        path = path.parent
-    return str(path)
-
-
 def _write(path: Path, obj) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 

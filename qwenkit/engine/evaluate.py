@@ -41,19 +41,17 @@ from torch import nn
 from qwenkit import config as qconfig
 from qwenkit import data as qdata
 from qwenkit.config import DTYPES
-from qwenkit.data.preference import PairCollator, PairDataset
 from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.device import resolve_device
 from qwenkit.distributed import fsdp
-from qwenkit.engine import answers
+from qwenkit.engine import answers, objective
 from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import generate as qgen
 from qwenkit.engine.export import load_hf
-from qwenkit.engine.preference import evaluate_pairs
 from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
-from qwenkit.model.paths import load_processor, resolve_path
+from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor, pixel_bounds
 
 log = logging.getLogger(__name__)
@@ -185,7 +183,7 @@ def generate_and_score(
     calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
     rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank, lockstep_calls=calls)
     for r in rows:
-        r.scores = answers.score(metrics, r.generated, r.reference)
+        r.scores = answers.score(metrics, r.generated, r.reference, f"eval row {r.index}")
     rows = qgen.gather_rows(rows, rank, world_size)
     means = torch.zeros(len(metrics), dtype=torch.float64, device=next(model.parameters()).device)
     if rank == 0:
@@ -283,36 +281,14 @@ def eval_main(args) -> int:
     device = runtime.device if runtime is not None else torch.device(resolve_device(cfg.parallel.device))
     model = model.to(device)
     try:
-        return _evaluate(args, model, processor, cfg, name, rank, world_size, device)
+        return objective.entry(cfg.train.objective).evaluate_cli(args, model, processor, cfg, name, rank, world_size, device)
     finally:
         if runtime is not None:
             fsdp.shutdown(runtime)
 
 
-def _evaluate_pairs(args, model, processor, cfg, device) -> int:
-    """A dpo run: held-out pairs, the metrics the trainer logs (:func:`qwenkit.engine.preference.evaluate_pairs`)."""
-    if args.data is not None:
-        dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, pairs=True)[0])
-    else:
-        dataset = qdata.build(cfg, processor).eval_dataset
-    if dataset is None or len(dataset) == 0:
-        raise ValueError(f"{'--data ' + repr(args.data) if args.data else 'the run'}: no held-out pairs to evaluate; pass --data PATH")
-    reference = None
-    if cfg.dpo.loss != "simpo":  # the run's starting weights (model.path; a LoRA run's base)
-        start = resolve_path(cfg.model)
-        reference = families.resolve(cfg.model.name, start).load("hf_class").from_pretrained(
-            start, dtype=DTYPES[cfg.model.dtype], local_files_only=True
-        ).to(device).eval()  # fmt: skip
-    values = evaluate_pairs(cfg, model.eval(), reference, dataset, PairCollator(processor), device)
-    for metric, value in values.items():
-        print(f"{metric} {value:.4f}")
-    print(f"pairs: {len(dataset)}")
-    return 0
-
-
-def _evaluate(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
-    if cfg.train.objective == "dpo":  # preference pairs, no generation: rank 0 scores them all
-        return _evaluate_pairs(args, model, processor, cfg, device) if rank == 0 else 0
+def evaluate_replies(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
+    """``qwenkit eval`` of a run that trains on replies (``train.objective: sft``): eval loss, answer metrics."""
     if args.data is not None:
         # training's checks and messages: unreadable files, data.on_bad_sample, data.max_bad_fraction
         dataset, _ = qdata.read_checked(cfg.data, processor, args.data, rank, world_size)

@@ -4,7 +4,9 @@
 class users deploy), without a process group; :func:`export` saves it with ``save_pretrained``,
 copies the base model's tokenizer and processor files beside it, and writes the run's image
 bounds and video sampling (``data.*``) into the processor files (:func:`write_run_processing`),
-so HF's processor loaded from the export resizes exactly as training did.
+so HF's processor loaded from the export resizes exactly as training did. A base checkpoint's
+multi-token-prediction tensors (Qwen3.5's ``mtp.*``, which HF's class does not load) go into the
+export unchanged (:func:`keep_mtp`).
 
 The export is written under a temporary name beside the target and renamed into place: a
 failed export leaves no half directory. The target must be new or empty; ``overwrite``
@@ -73,6 +75,9 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
         load_peft(ckpt, cfg).save_pretrained(tmp)
     else:
         load_hf(ckpt, cfg).save_pretrained(tmp)
+        if kept := keep_mtp(base, tmp):
+            log.info("export keeps the base model's multi-token-prediction layer: %d mtp.* tensors of %s, "
+                     "unchanged (not trained; vLLM and SGLang use them for speculative decoding)", kept, base)  # fmt: skip
     for name in PROCESSOR_FILES:
         if (base / name).is_file():
             shutil.copy2(base / name, tmp / name)
@@ -86,6 +91,49 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
         os.replace(tmp, out)
     log.debug("exported %s to %s", ckpt, out)
     return out
+
+
+MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction layer: in the checkpoints, not in HF's class
+MTP_FILE = "model-mtp.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def keep_mtp(base: Path, out: Path) -> int:
+    """Copy the base checkpoint's ``mtp.*`` tensors, unchanged, into the export at ``out``; returns how many.
+
+    HF's class does not load them (``_keys_to_ignore_on_load_unexpected``), so ``save_pretrained``
+    drops them; they go to their own file, listed in the export's ``model.safetensors.index.json``
+    (written when ``save_pretrained`` wrote a single file), which vLLM and SGLang read. Tensors are
+    read one at a time (``safe_open``), never the whole base.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index = base / INDEX
+    if index.is_file():
+        files = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if k.startswith(MTP_PREFIX)})
+    else:
+        files = [p.name for p in sorted(base.glob("*.safetensors"))]
+    tensors = {}
+    for name in files:
+        with safe_open(base / name, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(MTP_PREFIX)})
+    if not tensors:
+        return 0
+    save_file(tensors, out / MTP_FILE, metadata={"format": "pt"})
+    if (out / INDEX).is_file():
+        written = json.loads((out / INDEX).read_text())
+    else:  # one file: index it, so that readers of the index find both
+        with safe_open(out / "model.safetensors", framework="pt") as f:
+            keys = list(f.keys())
+        size = (out / "model.safetensors").stat().st_size
+        written = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(keys, "model.safetensors")}
+    written["weight_map"].update(dict.fromkeys(tensors, MTP_FILE))
+    written["metadata"]["total_size"] = written["metadata"].get("total_size", 0) + sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
+    (out / INDEX).write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return len(tensors)
 
 
 def load_peft(checkpoint: str | Path, cfg):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qwenkit import config as qconfig
-from qwenkit.engine import checkpoint_dir, export
+from qwenkit.engine import checkpoint_dir
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ def prepare(cfg, train_recipe: Callable[[str, list[str]], int]) -> int | None:
             return code or 1
     out = export_dir(ckpt)
     if not (out / "config.json").is_file():
+        from qwenkit.engine import export  # loads DCP: here only, the launcher stays light
+
         sft = qconfig.load(checkpoint_dir.run_config_path(ckpt))
         export.export(ckpt, out, sft, merge=True, overwrite=out.exists())
         print(f"qwenkit train: model.init_from: exported {ckpt} to {out}", flush=True)

@@ -75,7 +75,22 @@ PREFERENCE_UNITS = {
     "rewards": "nat", "logps": "nat", "eval_rewards": "nat", "eval_logps": "nat",
     "rewards/accuracies": "1", "eval_rewards/accuracies": "1", "logps/accuracies": "1", "eval_logps/accuracies": "1",
 }
-UNITS = {**RUN_UNITS, **PREFERENCE_UNITS}
+# train.objective=grpo's (TRL's names, qwenkit.engine.grpo); rewards/<name>/mean|std: see unit_of
+GRPO_UNITS = {
+    "reward": "1", "reward_std": "1", "frac_reward_zero_std": "1", "kl": "nat", "entropy": "nat", "clip_ratio": "1",
+    "completions": "token", "completions/clipped_ratio": "1",
+}  # fmt: skip
+UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS}
+_GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)
+
+
+def unit_of(metric: str) -> str:
+    """A metric's unit: its own, a GRPO reward's ("1"), else its family's (``lr/<group>``: a group's LR)."""
+    if metric in UNITS:
+        return UNITS[metric]
+    if _GRPO_REWARD.fullmatch(metric):
+        return "1"
+    return UNITS[metric.split("/", 1)[0]]
 REPORT_TO = ("tensorboard", "mlflow")
 MLFLOW_RUN_FILE = "mlflow_run.json"
 _MLFLOW_REFUSED = re.compile(r"[^0-9A-Za-z_\-. :]")  # mlflow.utils.validation (and no '/'), ASCII only
@@ -128,7 +143,7 @@ class MetricsWriter:
         now = records.now()
         for metric, value in values.items():
             row = records.record(
-                metric, value, unit=UNITS.get(metric) or UNITS[metric.split("/", 1)[0]],  # lr/<group>: a group's LR
+                metric, value, unit=unit_of(metric),
                 series=f"rank {self.rank}", x_name="step", x=step, device=self.device, timestamp=now,
             ) | {"rank": self.rank}
             self._file.write(json.dumps(row) + "\n")

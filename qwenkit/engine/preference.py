@@ -34,11 +34,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
+from qwenkit import data as qdata
 from qwenkit.config import DTYPES
 from qwenkit.data import cache
+from qwenkit.data.preference import PairCollator, PairDataset
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.weights import load_hf_weights
 from qwenkit.engine.build import fused_model
+from qwenkit.engine.objective import Objective
+from qwenkit.model import family as families
 from qwenkit.model import lora, paths
 from qwenkit.model.loss import full_sequence_logps
 from qwenkit.model.preference_loss import pair_losses, preference_loss_share
@@ -210,15 +214,25 @@ def for_each_pair_batch(model, dataset, collator, batch_size: int, rt, fn) -> No
 # The objective in the trainer's step
 
 
-class PreferenceObjective:
-    """The trainer's hooks for ``train.objective: dpo`` (see :func:`qwenkit.engine.train._step`)."""
+class PreferenceObjective(Objective):
+    """The trainer's hooks for ``train.objective: dpo`` (see :mod:`qwenkit.engine.objective`)."""
 
-    def __init__(self, cfg, reference: Reference, device: torch.device):
-        self.dpo, self.reference, self.device = cfg.dpo, reference, device
+    def __init__(self, cfg, reference: Reference, device: torch.device, evaluator: PreferenceEvaluator | None = None):
+        self.dpo, self.reference, self.device, self.evaluator = cfg.dpo, reference, device, evaluator
         self.queue: list[torch.Tensor] = []  # pair indices of the step's micro-batches, in order
         self.norms = self.sums = None
 
-    def begin(self, micro: list[dict]) -> None:
+    @classmethod
+    def build(cls, cfg, rt, model: nn.Module, bundle, sp=None, out_dir=None) -> PreferenceObjective:
+        """The model is sharded and holds its starting weights: the reference is built from them."""
+        enable(model)
+        reference = build_reference(cfg, rt, model, bundle, rt.rank == 0)
+        evaluator = None
+        if bundle.eval_dataset is not None:
+            evaluator = PreferenceEvaluator(cfg, bundle.eval_dataset, bundle.collator, reference, rt)
+        return cls(cfg, reference, rt.device, evaluator)
+
+    def begin(self, micro: list[dict], counts: torch.Tensor) -> None:
         """Pop the pair keys of the step's micro-batches; the global pair and chosen-token counts."""
         self.queue = [b.pop("pair_index") for b in micro]
         counts = torch.stack([torch.stack([b.pop("num_pairs"), b.pop("num_chosen_items")]) for b in micro]).sum(0)
@@ -242,6 +256,37 @@ class PreferenceObjective:
         """The step's metrics (TRL's names): one all-reduce, means over the global pairs."""
         dist.all_reduce(self.sums)
         return dict(zip(METRICS, (self.sums / self.norms[0].clamp(min=1)).tolist()))
+
+    @staticmethod
+    def evaluate_cli(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
+        """``qwenkit eval`` of a dpo run: held-out pairs, the metrics the trainer logs (:func:`evaluate_pairs`);
+        ``--samples``: the first that many pairs. Nothing is generated, so ``--metric`` is refused; rank 0
+        scores every pair."""
+        if args.metric is not None:
+            raise ValueError(f"--metric {' '.join(args.metric)}: a dpo run is evaluated on its held-out pairs (the "
+                             "trainer's preference metrics), nothing is generated to score; leave --metric out")  # fmt: skip
+        if rank != 0:
+            return 0
+        if args.data is not None:
+            dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, pairs=True)[0])
+        else:
+            dataset = qdata.build(cfg, processor).eval_dataset
+        if dataset is None or len(dataset) == 0:
+            where = f"--data {args.data!r}" if args.data else "the run"
+            raise ValueError(f"{where}: no held-out pairs to evaluate; pass --data PATH")
+        if args.samples is not None:
+            dataset = PairDataset(dataset.samples, dataset.pairs[: args.samples])
+        reference = None
+        if cfg.dpo.loss != "simpo":  # the run's starting weights (model.path; a LoRA run's base)
+            start = paths.resolve_path(cfg.model)
+            reference = families.resolve(cfg.model.name, start).load("hf_class").from_pretrained(
+                start, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+            ).to(device).eval()  # fmt: skip
+        values = evaluate_pairs(cfg, model.eval(), reference, dataset, PairCollator(processor), device)
+        for metric, value in values.items():
+            print(f"{metric} {value:.4f}")
+        print(f"pairs: {len(dataset)}")
+        return 0
 
 
 def _metric_sums(terms, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -322,14 +367,4 @@ def evaluate_pairs(cfg, policy: nn.Module, reference: nn.Module | None, dataset,
     return eval_values(total)
 
 
-def build(cfg, rt, model: nn.Module, bundle, main_rank: bool):
-    """``(objective, evaluator or None)`` of a dpo run; the model is sharded and holds its starting weights."""
-    enable(model)
-    reference = build_reference(cfg, rt, model, bundle, main_rank)
-    evaluator = None
-    if bundle.eval_dataset is not None:
-        evaluator = PreferenceEvaluator(cfg, bundle.eval_dataset, bundle.collator, reference, rt)
-    return PreferenceObjective(cfg, reference, rt.device), evaluator
-
-
-__all__ = ["METRICS", "PreferenceEvaluator", "evaluate_pairs", "PreferenceObjective", "Reference", "build"]
+__all__ = ["METRICS", "PreferenceEvaluator", "evaluate_pairs", "PreferenceObjective", "Reference"]

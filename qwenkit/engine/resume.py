@@ -1,9 +1,10 @@
 """The one resume rule: which checkpoint a start resumes, and whether it may.
 
 :func:`decide` is asked by the launcher before any process starts (file sizes checked) and by
-every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each rank its share);
-``qwenkit train``'s refusals and the ranks' are the same sentences. Its own code uses no torch
-(the data files it compares are listed by :func:`qwenkit.data.load.file_sizes`).
+every rank in :func:`agree` (checksums, each rank its share, and every rank seeing the same
+checkpoints); ``qwenkit train``'s refusals and the ranks' are the same sentences. The rule itself
+uses no torch (the data files it compares are listed by :func:`qwenkit.data.load.file_sizes`);
+:func:`agree` is the ranks' collective around it.
 
 - ``train.resume``: ``auto`` takes the newest complete checkpoint that passes the check, passing
   over damaged ones (returned in ``skipped``: the ranks move them to ``damaged-*``); ``none``
@@ -12,6 +13,10 @@ every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each
 - Newer complete checkpoints in ``output_dir`` are never written over: a resume behind them (or a
   fresh start next to them) is refused unless ``train.resume_older``; then ``newer`` lists them
   and rank 0 moves them, whole, to ``superseded-<time>/``.
+- The checkpoint must hold what this run trains (:data:`STATE_KEYS`: the family, the model's
+  shape, the objective, LoRA on or off and its targets) and read the same data (JSON files
+  against the tiny set or a ``datasets`` folder); a run that differs is refused before any process
+  starts, naming the keys, so the run's ``config.yaml`` is never rewritten by a start that fails.
 - The checkpoint must fit the run (:func:`fit`): the same data order (``train.seed``,
   ``data.shuffle``, ``data.max_tokens_per_batch``, and ``data.packing`` under a token budget),
   checked from ``COMPLETE.json``'s ``run`` record before any process starts, and the same data
@@ -27,10 +32,14 @@ every rank in :meth:`qwenkit.engine.train.Trainer.resume_point` (checksums, each
 
 from __future__ import annotations
 
+import json
+import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch.distributed as dist
 
 from qwenkit.data.load import file_sizes
 from qwenkit.engine.checkpoint_dir import (
@@ -42,8 +51,14 @@ from qwenkit.engine.checkpoint_dir import (
     complete_checkpoints,
     damaged_error,
     read_marker,
+    set_aside,
+    set_aside_damaged,
     step_of,
 )
+from qwenkit.model import family as families
+from qwenkit.model.paths import resolve_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,7 +73,17 @@ class Resume:
 
 
 # what a data order depends on (a resume needs them equal); under a token budget data.packing too
-ORDER_KEYS = ("train.seed", "data.shuffle", "data.max_tokens_per_batch")
+ORDER_KEYS = ("train.seed", "data.shuffle", "data.max_tokens_per_batch", "data.eval_fraction")
+# what the saved model and optimizer state are (a resume needs them equal: else DCP fails in the ranks)
+STATE_KEYS = (
+    "model.name", "model.shape", "train.objective",
+    "lora.r", "lora.target_modules", "lora.vision", "lora.modules_to_save", "lora.use_dora",
+)  # fmt: skip
+# the numbers of a model directory's config.json that shape its tensors ("model.shape")
+SHAPE_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "num_experts", "moe_intermediate_size", "depth", "num_heads", "out_hidden_size",
+)  # fmt: skip
 
 
 def run_record(cfg, world_size: int) -> dict:
@@ -68,8 +93,29 @@ def run_record(cfg, world_size: int) -> dict:
         "train.micro_batch_size": cfg.train.micro_batch_size, "train.grad_accum": cfg.train.grad_accum,
         "train.seed": cfg.train.seed, "data.shuffle": cfg.data.shuffle,
         "data.max_tokens_per_batch": cfg.data.max_tokens_per_batch, "data.packing": cfg.data.packing,
-        "data.files": file_sizes(cfg.data),
+        "data.eval_fraction": cfg.data.eval_fraction, "data.files": file_sizes(cfg.data),
+        "train.objective": cfg.train.objective, **{f"lora.{k}": getattr(cfg.lora, k) for k in _LORA_KEYS},
+        **model_record(cfg.model),
     }  # fmt: skip
+
+
+_LORA_KEYS = tuple(k.removeprefix("lora.") for k in STATE_KEYS if k.startswith("lora."))
+
+
+def model_record(model_cfg) -> dict:
+    """``model.name`` (the family, ``auto`` resolved) and ``model.shape`` (:data:`SHAPE_KEYS` of the
+    model directory's ``config.json``, ``text.*`` / ``vision.*``, and tied embeddings); empty when
+    the directory cannot be read (the launcher reports that itself)."""
+    try:
+        path = resolve_path(model_cfg)
+        config = json.loads((path / "config.json").read_text())
+        name = families.resolve(model_cfg.name, path).name
+    except (OSError, ValueError):
+        return {}
+    shape = {"tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
+    for part, section in (("text", config.get("text_config") or config), ("vision", config.get("vision_config") or {})):
+        shape |= {f"{part}.{k}": section[k] for k in SHAPE_KEYS if k in section}
+    return {"model.name": name, "model.shape": shape}
 
 
 def decide(cfg, world_size: int | None, check: Callable[[Path], str | None] = check_files) -> Resume:
@@ -127,7 +173,10 @@ def fit(path: Path, marker: dict, now: dict) -> tuple[list[str], bool]:
                 f"run with {saved_by} ranks or start another train.output_dir"
             )
         return [], True
-    changed = _changed_files(saved.get("data.files"), now["data.files"])
+    state_problem = _state_problem(path, saved, now)
+    if state_problem:
+        raise CheckpointError(state_problem)
+    changed = _changed_files(saved["data.files"], now["data.files"]) if "data.files" in saved else []
     if changed:
         raise CheckpointError(
             f"cannot resume the data order of checkpoint {str(path)!r}: the dataset changed since it was saved "
@@ -135,6 +184,7 @@ def fit(path: Path, marker: dict, now: dict) -> tuple[list[str], bool]:
             "changed data in another train.output_dir"
         )
     keys = ORDER_KEYS + (("data.packing",) if saved["data.max_tokens_per_batch"] else ())
+    keys = tuple(k for k in keys if k in saved)  # a record from before a key was added: the ranks check
     wrong = [f"{k} saved {saved[k]!r}, now {now[k]!r}" for k in keys if saved[k] != now[k]]
     if wrong:
         undo = " ".join(f"{k}={saved[k]}".lower() if isinstance(saved[k], bool) else f"{k}={saved[k]}"
@@ -156,9 +206,36 @@ def fit(path: Path, marker: dict, now: dict) -> tuple[list[str], bool]:
     return _changes(saved, now), saved["world_size"] == now["world_size"]
 
 
+def _state_problem(path: Path, saved: dict, now: dict) -> str | None:
+    """Why checkpoint ``path`` does not hold what the run ``now`` trains (:data:`STATE_KEYS`), or None.
+    A key the saved record lacks (a checkpoint from before it was recorded) is not compared."""
+    differ = [k for k in STATE_KEYS if k in saved and k in now and saved[k] != now[k]]
+    if not differ:
+        return None
+    said = []
+    for k in differ:
+        if k == "model.shape":
+            keys = sorted(set(saved[k]) | set(now[k]))
+            said += [f"model.shape ({k2} saved {saved[k].get(k2)}, now {now[k].get(k2)} in model.path's config.json)"
+                     for k2 in keys if saved[k].get(k2) != now[k].get(k2)]  # fmt: skip
+        else:
+            said.append(f"{k} saved {saved[k]!r}, now {now[k]!r}")
+    keys = ", ".join(k.replace("model.shape", "model.path") for k in differ)  # the shape is model.path's
+    return (
+        f"cannot resume checkpoint {str(path)!r}: it holds another model or objective than this run trains "
+        f"({'; '.join(said)}): set {keys} back to continue that run; or start from its weights with "
+        f"model.init_from={str(path.parent.parent)!r} in another train.output_dir; or start fresh in another train.output_dir "
+        "(or here with train.resume=none train.resume_older=true, its checkpoints moved aside)"
+    )
+
+
 def _changed_files(saved: dict | None, now: dict | None) -> list[str]:
     """The data files (:func:`qwenkit.data.load.file_sizes`) added, removed or resized, in words.
-    Not comparable (a checkpoint from before the record, ``tiny`` or ``datasets`` sources): the ranks check."""
+    Not comparable (a checkpoint from before the record, or ``tiny`` and ``datasets`` sources on
+    both sides): the ranks check."""
+    if (saved is None) != (now is None):
+        return ["the saved run read " + ("JSON files" if saved else "the tiny set or a datasets folder")
+                + ", this one reads " + ("JSON files" if now else "the tiny set or a datasets folder")]
     if saved is None or now is None:
         return []
     out = [f"data file {n!r} had {saved[n]} bytes, now {now[n]}" for n in saved if n in now and saved[n] != now[n]]
@@ -202,3 +279,53 @@ def _resume_step(resume: Path) -> int:
         return int(read_marker(resume)["step"])
     except (CheckpointError, KeyError, TypeError, ValueError):
         return step_of(resume) if resume.name.startswith(PREFIX) else 0
+
+
+def agree(cfg, rank: int, world_size: int) -> Resume:
+    """The checkpoint this start resumes, by :func:`decide` (the rule the launcher asked too),
+    verified and agreed by every rank (collective: every rank calls it, under a process group).
+
+    Every rank must see the same checkpoints (else: no shared output_dir, refused). The files'
+    checksums are verified, each rank reading its share; ``resume: auto`` passes over a damaged
+    one (saying so) and rank 0 moves it aside; with ``train.resume_older`` rank 0 moves the newer
+    checkpoints aside (not deleted). The launcher refused the runs the rule refuses before any
+    rank started; this covers ranks started another way.
+    """
+    main_rank = rank == 0
+    root = checkpoint_root(cfg.train.output_dir)
+    seen = [(p.name, _marker_text(p)) for p in complete_checkpoints(root)]
+    views = [None] * world_size
+    dist.all_gather_object(views, seen)
+    if any(v != views[0] for v in views):
+        differ = next(r for r, v in enumerate(views) if v != views[0])
+        raise CheckpointError(
+            f"the ranks do not see the same checkpoints in {str(root)!r}: rank 0 sees "
+            f"{[n for n, _ in views[0]] or 'none'}, rank {differ} sees {[n for n, _ in views[differ]] or 'none'}: "
+            "every node must write to one train.output_dir (a filesystem shared by every node)"
+        )
+
+    def check(path: Path) -> str | None:  # collective: each rank checksums its share of the files
+        problem = check_files(path, checksums=True, rank=rank, world_size=world_size)
+        problems = [None] * world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+        if problem and cfg.train.resume == "auto" and main_rank:
+            log.warning("train.resume=auto: %s; falling back to the newest older complete checkpoint", problem)
+        return problem
+
+    decision = decide(cfg, world_size, check)
+    dist.barrier()  # every rank has looked before rank 0 moves anything
+    if main_rank:
+        for path, _ in decision.skipped:
+            log.warning("moved the damaged %s to %s", path.name, set_aside_damaged(path))
+        if decision.newer:
+            log.warning("train.resume_older: moved the newer checkpoints to %s", set_aside(decision.newer))
+    dist.barrier()
+    return decision
+
+
+def _marker_text(path: Path) -> str:
+    try:
+        return (path / COMPLETE).read_text()
+    except OSError:
+        return ""

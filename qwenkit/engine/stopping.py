@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 EXIT_RESUMABLE = 75  # sysexits' EX_TEMPFAIL: a checkpoint is saved and more steps remain; run again
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 AGENT_PID_ENV = "QWENKIT_AGENT_PID"  # torchrun's pid, set by qwenkit.torchrun for its ranks
+# torchrun's parent-death signal (the launcher died): not a stop signal torch forwards, so
+# qwenkit.torchrun takes it once however often the kernel sends it (docs/TESTING.md)
+LAUNCHER_DIED = signal.SIGUSR2
 PR_SET_PDEATHSIG = 1
 
 

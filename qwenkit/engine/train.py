@@ -1,4 +1,4 @@
-"""The training loop: one FSDP2 process per rank, started by torchrun (``python -m qwenkit.engine.train``).
+"""The training loop: one FSDP2 process per rank (started by torchrun as ``python -m qwenkit.engine.rank``).
 
 Startup, all before the first step: process group and device (:mod:`qwenkit.distributed.fsdp`), seeds,
 processor and data (:mod:`qwenkit.data`), model (HF weights, or meta-device init whose weights
@@ -9,12 +9,14 @@ AdamW over the parameter groups of ``train.param_groups`` with linear warmup + c
 
 One optimizer step:
 
-1. take ``train.grad_accum`` micro-batches; pop their ``num_items`` / ``num_samples`` and
-   all-reduce the sums once: the loss of every micro-batch is normalised by the **global**
-   counts (all ranks, all accumulation steps), so it does not depend on world size or split;
-2. forward and backward each micro-batch. A rank's loss is its *share* of the global mean, so
-   the global gradient is the *sum* of the ranks' gradients; FSDP averages them, hence the
-   backward runs on ``loss * world_size`` (exact in fp32 for power-of-two world sizes);
+1. the objective (``train.objective``, :mod:`qwenkit.engine.objective`) gives the step's
+   ``train.grad_accum`` micro-batches (SFT and DPO: the sampler's); pop their ``num_items`` /
+   ``num_samples`` and all-reduce the sums once, and the objective pops and reduces its own: the
+   loss of every micro-batch is normalised by the **global** counts (all ranks, all accumulation
+   steps), so it does not depend on world size or split;
+2. forward and backward each micro-batch (the objective's loss). A rank's loss is its *share* of
+   the global mean, so the global gradient is the *sum* of the ranks' gradients; FSDP averages
+   them, hence the backward runs on ``loss * world_size`` (exact in fp32 for power-of-two world sizes);
 3. grad norm over all shards, one all-reduce of the loss, and one host sync (``.tolist()``) for
    logging and the NaN/inf check: a non-finite loss or grad norm raises :class:`NonFiniteError`
    with the step number *before* the optimizer step, so the weights are not updated;
@@ -28,15 +30,11 @@ One optimizer step:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
 import random
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,20 +42,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from qwenkit import config as qconfig
 from qwenkit import data
-from qwenkit.distributed import fsdp, sequence
+from qwenkit.distributed import expert, fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import events, optim, preference, stopping
+from qwenkit.engine import events, objective, optim, stopping
 from qwenkit.engine import resume as resume_rule
 from qwenkit.engine.build import fused_model
-from qwenkit.engine.evaluate import Evaluator
 from qwenkit.engine.metrics import MetricsWriter, peak_memory_mib, start_step_peak
+from qwenkit.engine.objective import Objective
 from qwenkit.engine.profiling import ProfileWindow
+from qwenkit.model import family as families
 from qwenkit.model import lora, paths, registry
 from qwenkit.rundir import RunDir
 
@@ -88,12 +86,12 @@ def set_seed(seed: int) -> None:
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clips the (sharded) gradients in place when ``max_norm > 0``; returns their total L2 norm before clipping."""
+    # the per-shard partial norms reduced on each mesh (expert parallelism adds the experts' own)
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # reduce the per-shard partial norms
+    total = expert.total_norm(grads)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in expert.by_mesh(params):  # clip_grads_with_norm_ scales the gradients of one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
@@ -130,11 +128,12 @@ class Trainer:
         self.heartbeat: stopping.Heartbeat | None = None
         self.checkpoint: Path | None = None  # the last checkpoint written
         self.evals: list[dict] = []  # {"step", "eval_loss"[, "eval_accuracy"]} per evaluation run here
-        self.evaluator: Evaluator | None = None
+        self.evaluator = None  # the objective's held-out evaluation (due, run), or None
         self.model = self.optimizer = self.scheduler = self.bundle = self.rt = self.model_path = None
         self.sp: sequence.SequenceParallel | None = None
         self.events: events.EventLog | None = None  # <output_dir>/events.jsonl, rank 0's
-        self.objective: preference.PreferenceObjective | None = None  # train.objective=dpo; None: SFT
+        self.objective: Objective | None = None  # train.objective's entry (qwenkit.config.OBJECTIVES)
+        self.params: list[nn.Parameter] = []  # the trainable parameters (the clipped gradients')
 
     def run(self) -> None:
         # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
@@ -175,7 +174,10 @@ class Trainer:
         set_seed(t.seed)
         sp_size = cfg.parallel.sp_size
         self.sp = sequence.init_groups(rt.rank, rt.world_size, sp_size)  # sp_size 1: one rank per group
-        decision = self.resume_point()  # before anything is built: a refused resume fails fast
+        problems = families.problems(cfg, self.model_path)  # as the launcher asked, for ranks started another way
+        if problems:
+            raise ValueError("; ".join(problems))
+        decision = resume_rule.agree(cfg, rt.rank, rt.world_size)  # before anything is built: a refused resume fails fast
         resume = decision.path
 
         model_path = self.model_path
@@ -206,8 +208,14 @@ class Trainer:
             log.info("parameters:\n%s", registry.format_parameter_counts(counts))
             # read by sweeps and notebooks 02 and 05 (trainable parameters per run), see qwenkit.engine.metrics.final_metrics
             RunDir(self.out_dir).parameters.write_text(json.dumps(counts, indent=1) + "\n")
+        experts = None
+        if cfg.parallel.ep_size > 1:  # before recompute and fully_shard: each rank keeps its whole experts
+            mesh = expert.build_expert_mesh(rt.device.type, rt.world_size, cfg.parallel.ep_size)
+            experts = expert.apply(model, families.of_model(model).experts, mesh)
+            if main_rank:
+                log.info("expert parallel: experts split over %d ranks, FSDP-sharded over %d", *mesh.shape[::-1])
         recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
-        plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
+        plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas), experts)
         plan.recompute = recomputed
         if cfg.model.init_device == "meta":
             fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)
@@ -220,13 +228,10 @@ class Trainer:
             log.info("%s", plan.describe())
         model.train()
         self.model = model
-        if t.objective == "dpo":  # before the resume: the reference is the starting weights
-            self.objective, self.evaluator = preference.build(cfg, rt, model, self.bundle, main_rank)
-        elif self.bundle.eval_dataset is not None:
-            self.evaluator = Evaluator(
-                cfg, self.bundle.eval_dataset, self.bundle.collator, rt.rank, rt.world_size, rt.device, self.out_dir,
-                sp=self.sp,
-            )
+        # before the resume: an objective may keep the starting weights (DPO's reference)
+        self.objective = objective.build(cfg, rt, model, self.bundle, self.sp, self.out_dir)
+        self.evaluator = self.objective.evaluator
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optim.build_optimizer(model, t)
         if resume is None:
             if main_rank:
@@ -247,53 +252,10 @@ class Trainer:
             qconfig.write_config(cfg, self.out_dir)
         self.scheduler = optim.build_scheduler(self.optimizer, t, self.start_step)
 
-    def resume_point(self) -> resume_rule.Resume:
-        """The checkpoint this start resumes, by the rule the launcher asked too
-        (:func:`qwenkit.engine.resume.decide`), verified and agreed by every rank.
-
-        Every rank must see the same checkpoints (else: no shared output_dir, refused). The
-        files' checksums are verified, each rank reading its share; ``resume: auto`` passes
-        over a damaged one (saying so) and rank 0 moves it aside; with ``train.resume_older``
-        rank 0 moves the newer checkpoints aside (not deleted). The launcher refused the runs
-        the rule refuses before any rank started; this covers ranks started another way.
-        """
-        t, main_rank = self.cfg.train, self.rt.rank == 0
-        root = ckpt.checkpoint_root(self.out_dir)
-        seen = [(p.name, _marker_text(p)) for p in ckpt.complete_checkpoints(root)]
-        views = [None] * self.rt.world_size
-        dist.all_gather_object(views, seen)
-        if any(v != views[0] for v in views):
-            differ = next(r for r, v in enumerate(views) if v != views[0])
-            raise ckpt.CheckpointError(
-                f"the ranks do not see the same checkpoints in {str(root)!r}: rank 0 sees "
-                f"{[n for n, _ in views[0]] or 'none'}, rank {differ} sees {[n for n, _ in views[differ]] or 'none'}: "
-                "every node must write to one train.output_dir (a filesystem shared by every node)"
-            )
-
-        def check(path: Path) -> str | None:  # collective: each rank checksums its share of the files
-            problem = ckpt.check_files(path, checksums=True, rank=self.rt.rank, world_size=self.rt.world_size)
-            problems = [None] * self.rt.world_size
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p), None)
-            if problem and t.resume == "auto" and main_rank:
-                log.warning("train.resume=auto: %s; falling back to the newest older complete checkpoint", problem)
-            return problem
-
-        decision = resume_rule.decide(self.cfg, self.rt.world_size, check)
-        dist.barrier()  # every rank has looked before rank 0 moves anything
-        if main_rank:
-            for path, _ in decision.skipped:
-                log.warning("moved the damaged %s to %s", path.name, ckpt.set_aside_damaged(path))
-            if decision.newer:
-                log.warning("train.resume_older: moved the newer checkpoints to %s", ckpt.set_aside(decision.newer))
-        dist.barrier()
-        return decision
-
     def train(self) -> None:
         cfg, rt = self.cfg, self.rt
         t, ck = cfg.train, cfg.checkpoint
         main_rank = rt.rank == 0
-        params = [p for p in self.model.parameters() if p.requires_grad]
         batches = self.bundle.batches()  # created after the resume: starts at the restored position
         metrics = MetricsWriter(self.out_dir, rt.rank, rt.device, t.report_to, cfg.to_dict())
         window = ProfileWindow(cfg.profile, rt.device, self.out_dir, rt.rank)
@@ -308,8 +270,7 @@ class Trainer:
                 began = time.perf_counter()
                 start_step_peak(rt.device)
                 staged = pending.wait_staged if pending is not None else None  # an async save's copy must end first
-                values = _step(step, cfg, rt, self.model, params, self.optimizer, self.scheduler, batches, self.objective,
-                               staged)  # fmt: skip
+                values = self._step(step, batches, staged)
                 values["step_time"] = time.perf_counter() - began
                 values["tokens_per_s"] = values.pop("tokens") / values["step_time"]
                 values["samples_per_s"] = values.pop("samples") / values["step_time"]
@@ -368,6 +329,46 @@ class Trainer:
             tqdm.write(f"checkpoint saved: {self.checkpoint}")
         return None
 
+    def _step(self, step: int, batches, before_update: Callable | None = None) -> dict:
+        """One optimizer step (the module docstring's numbered flow); returns the step's metrics.
+
+        ``batches``: the sampler's micro-batch iterator, from which the objective takes the step's
+        micro-batches (:meth:`qwenkit.engine.objective.Objective.micro_batches`);
+        ``before_update``: called just before the optimizer changes the weights (an async
+        checkpoint still copying them).
+        """
+        cfg, rt, obj = self.cfg, self.rt, self.objective
+        micro = obj.micro_batches(self.model, batches, cfg.train.grad_accum)
+        counts = torch.stack([_counts(b) for b in micro]).sum(0).to(rt.device)  # [5] of this rank's step, see _counts
+        dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
+        counts = counts // cfg.parallel.sp_size  # the ranks of an SP group hold the same micro-batch
+        obj.begin(micro, counts)
+        loss_sum = torch.zeros((), device=rt.device)
+        for batch in micro:
+            with fsdp.activation_offload(cfg.parallel.activation_offload, rt.device):
+                loss = obj.loss(self.model, _to(batch, rt.device))
+            (loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
+            loss_sum += loss.detach().float()
+        norm = clip_grad_norm(self.params, cfg.train.max_grad_norm)
+        dist.all_reduce(loss_sum)
+        loss, norm_value, items, samples, tokens, positions, bad = torch.cat(
+            [torch.stack([loss_sum, norm.float()]), counts.float()]
+        ).tolist()
+        if not (math.isfinite(loss) and math.isfinite(norm_value)):
+            raise NonFiniteError(step, loss, norm_value)
+        optimizer = self.optimizer
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step applies (the default group, see build_optimizer)
+        group_lrs = {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups[1:]}
+        if before_update is not None:
+            before_update()
+        optimizer.step()
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {
+            "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
+            "padding_fraction": 1.0 - tokens / positions, "bad_samples": int(bad), **group_lrs, **obj.metrics(),
+        }  # fmt: skip
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Eval loss (and accuracy) of the current weights; collective, see :mod:`qwenkit.engine.evaluate`."""
         values = self.evaluator.run(step, self.model)
@@ -379,7 +380,9 @@ class Trainer:
 
 
 def _counts(batch: dict) -> torch.Tensor:
-    """``[label tokens, samples, input tokens, positions]`` of a micro-batch; pops the first two.
+    """``[label tokens, samples, input tokens, positions, bad samples]`` of a micro-batch; pops the
+    collator's ``num_items``, ``num_samples`` and ``num_bad`` (bad samples skipped while loading,
+    ``data.on_bad_sample: skip``).
 
     Input tokens exclude padding (a packed row has none, and no attention_mask); positions are
     what the model computes, padding included.
@@ -387,141 +390,5 @@ def _counts(batch: dict) -> torch.Tensor:
     mask = batch.get("attention_mask")
     positions = torch.tensor(batch["input_ids"].numel())
     tokens = mask.sum() if mask is not None else positions
-    bad = batch.pop("num_bad", torch.tensor(0))  # bad samples skipped while loading (on_bad_sample: skip)
+    bad = batch.pop("num_bad", torch.tensor(0))
     return torch.stack([batch.pop("num_items"), batch.pop("num_samples"), tokens, positions, bad])
-
-
-def _step(step, cfg, rt, model, params, optimizer, scheduler, batches, objective=None, before_update=None) -> dict:
-    t = cfg.train
-    micro = [next(batches) for _ in range(t.grad_accum)]
-    if objective is not None:
-        objective.begin(micro)  # pops the pair counts and all-reduces them
-    counts = torch.stack([_counts(b) for b in micro]).sum(0)  # [5] of this rank's step, see _counts
-    counts = counts.to(rt.device)
-    dist.all_reduce(counts)  # global: every micro-batch's loss is normalised by these
-    counts = counts // cfg.parallel.sp_size  # the ranks of an SP group hold the same micro-batch
-    num_items, num_samples = counts[0], counts[1]
-    loss_sum = torch.zeros((), device=rt.device)
-    for batch in micro:
-        with fsdp.activation_offload(cfg.parallel.activation_offload, rt.device):
-            # use_cache=False: HF's config defaults to a KV cache, which training never needs and
-            # which a recomputed decoder layer would extend a second time in its backward
-            if objective is not None:
-                loss = objective.loss(model, _to(batch, rt.device))
-            else:
-                loss = model(
-                    **_to(batch, rt.device), use_cache=False, num_items_in_batch=num_items, num_samples=num_samples
-                ).loss
-        (loss * rt.world_size).backward()  # FSDP averages over ranks; the loss is already a share
-        loss_sum += loss.detach().float()
-    norm = clip_grad_norm(params, t.max_grad_norm)
-    dist.all_reduce(loss_sum)
-    loss, norm_value, items, samples, tokens, positions, bad = torch.cat(
-        [torch.stack([loss_sum, norm.float()]), counts.float()]
-    ).tolist()
-    if not (math.isfinite(loss) and math.isfinite(norm_value)):
-        raise NonFiniteError(step, loss, norm_value)
-    lr = optimizer.param_groups[0]["lr"]  # the LR this step applies (the default group, see build_optimizer)
-    group_lrs = {f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups[1:]}
-    if before_update is not None:  # e.g. an async checkpoint still copying the weights the step changes
-        before_update()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {
-        "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
-        "padding_fraction": 1.0 - tokens / positions,
-        "bad_samples": int(bad), **group_lrs, **(objective.metrics() if objective is not None else {}),
-    }  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry point (one per rank, under torchrun)
-
-
-def _setup_logging(rank: int, output_dir: Path) -> Path:
-    """Console: INFO on rank 0, warnings on the others; every rank's INFO log in its own file.
-
-    Returns that file, ``<output_dir>/logs/rank-NNNNN.log`` (appended to by a resumed run).
-    """
-    path = RunDir(output_dir).rank_log(rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    console, file = logging.StreamHandler(), logging.FileHandler(path)
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    for handler in (console, file):
-        handler.setFormatter(fmt)
-    logging.basicConfig(level=logging.INFO, handlers=[console, file])
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    return path
-
-
-def report_failure(rank: int, error: BaseException, log_path: Path | None, note: str = "") -> str:
-    """One line first (rank, exception, log), the traceback below it, once; returns the line.
-
-    torchrun would print a failing rank's traceback up to three times (the rank, its error file,
-    the agent's summary): the rank reports here and exits with status 1 instead of raising, and
-    the torchrun wrapper the launcher runs (:func:`qwenkit.torchrun.quiet_torchrun`) keeps the
-    agent's summary quiet.
-    """
-    message = events.first_line(error)
-    where = f"log: {log_path}" if log_path is not None else "no log file: failed before logging started"
-    line = f"qwenkit train: rank {rank} failed: {type(error).__name__}: {message} ({where})"
-    if note:
-        line += f"; {note}"
-    details = "".join(traceback.format_exception(error))
-    print(f"{line}\n{details}", file=sys.stderr, flush=True)
-    if log_path is not None:
-        logging.shutdown()  # flush the file handler before appending to its file
-        with open(log_path, "a") as f:
-            f.write(f"{line}\n{details}")
-    return line
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwenkit.engine.train", description="one rank of a qwenkit training run")
-    p.add_argument("--config", required=True, help="the resolved YAML the launcher wrote")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=30")
-    args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
-    if os.environ.get(stopping.AGENT_PID_ENV):
-        stopping.die_with_parent()  # torchrun SIGKILLed: this rank goes with it
-    stop = stopping.StopRequest.install()  # SIGTERM/SIGINT/SIGUSR1: save at the end of the step, exit 75
-    log_path = trainer = cfg = None
-    try:
-        cfg = qconfig.load(args.config, args.overrides)
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # parallel.max_restarts: after a failure
-            cfg.train.resume, cfg.train.resume_older = "auto", False  # go on from this job's newest checkpoint
-        log_path = _setup_logging(rank, Path(cfg.train.output_dir))
-        trainer = Trainer(cfg, stop=stop)
-        trainer.run()
-    except Exception as e:  # noqa: BLE001 - every failure is reported the same readable way
-        beat = trainer.heartbeat if trainer is not None else None
-        note = beat.describe() if beat is not None and _looks_like_a_peer(e) else ""
-        summary = report_failure(rank, e, log_path, note)
-        if cfg is not None:
-            events.EventLog(cfg.train.output_dir, rank).failed(e, summary)
-        return 1
-    return trainer.exit_code
-
-
-def _marker_text(path: Path) -> str:
-    try:
-        return (path / ckpt.COMPLETE).read_text()
-    except OSError:
-        return ""
-
-
-def _looks_like_a_peer(error: BaseException) -> bool:
-    """A collective that timed out or lost its peer (gloo, NCCL): worth naming who went quiet."""
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(w in text for w in ("timed out", "timeout", "connection", "peer"))
-
-
-if __name__ == "__main__":
-    fsdp.exit_process(main())  # not sys.exit: see exit_process

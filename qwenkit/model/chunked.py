@@ -29,6 +29,7 @@ from torch import nn
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
 from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy, sequence_logps
+from qwenkit.model.token_logps import token_logps
 
 log = logging.getLogger(__name__)
 
@@ -208,22 +209,30 @@ class ChunkLossMixin:
         return self.output_class(**{**rest, "loss": loss, "logits": None, **({"aux_loss": aux} if aux is not None else {})})
 
     def sequence_logps(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sequence ``(sums [B], counts [B])`` of the label log-probs, without logits (preference objectives).
+        """Per-sequence ``(sums [B], counts [B])`` of the label log-probs, without logits (preference
+        objectives): :func:`qwenkit.model.loss.sequence_logps` as the head's loss function."""
+        return self._labelled_head(sequence_logps, input_ids, labels, kwargs)
 
-        HF's backbone as in the chunk-loss forward, then the lm_head module with
-        :func:`qwenkit.model.loss.sequence_logps` as its loss function. Under FSDP2 call it as a
-        registered forward method (``register_fsdp_forward_method``): the root's hooks gather its
-        parameters only around ``forward`` and registered methods.
+    def token_logps(self, input_ids=None, labels=None, entropy: bool = False, **kwargs):
+        """Per-token ``(logps [B, S], entropies [B, S] or None)`` of the labels, without logits (GRPO):
+        :func:`qwenkit.model.token_logps.token_logps` as the head's loss function."""
+        return self._labelled_head(functools.partial(token_logps, entropy=entropy), input_ids, labels, kwargs)
+
+    def _labelled_head(self, head_fn, input_ids, labels, kwargs) -> tuple:
+        """HF's backbone as in the chunk-loss forward, then the lm_head module with ``head_fn`` as
+        its loss function; the idle vision calls this rank owes join the first output. Under FSDP2
+        call the public method as a registered forward method (``register_fsdp_forward_method``):
+        the root's hooks gather its parameters only around ``forward`` and registered methods.
         """
         if labels is None:
-            raise ValueError("sequence_logps needs labels (the reply tokens whose log-probs are summed)")
+            raise ValueError("log-probs need labels (the reply tokens whose log-probs are computed)")
         kwargs = self._drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"})
         idle = self._idle_vision(input_ids, kwargs)
         self._prepare_backbone(kwargs)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
-        loss_fn = functools.partial(sequence_logps, chunk_size=self.chunk_size, chunk_budget_bytes=self.chunk_budget_bytes)
-        sums, counts = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
-        return (sums + idle if idle is not None else sums), counts
+        loss_fn = functools.partial(head_fn, chunk_size=self.chunk_size, chunk_budget_bytes=self.chunk_budget_bytes)
+        first, second = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
+        return (first + idle if idle is not None else first), second
 
     def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs):
         """Step 3 (no chunk loss): HF's own forward; other loss types reduce HF's logits with qwenkit's loss."""

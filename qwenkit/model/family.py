@@ -1,24 +1,59 @@
 """Model families: one entry per family holds everything that differs between them.
 
-``model.name`` picks the entry (:data:`FAMILIES`); a checkpoint's ``config.json`` names its own
-``model_type``, and :func:`resolve` refuses a directory of another family before
-any rank starts. Everything else in qwenkit asks the entry instead of testing the family:
-the classes (HF's and qwenkit's chunk-loss subclass, by import path, so this module stays
-light for the launcher and the data checks), the module paths that the parameter counts, ``model.freeze``
-and LoRA name (matched with :func:`qwenkit.model.modules.prefix_match`), the shard and
-recompute units the params files use, the fused ops that apply, the vision patch geometry the
-data pipeline resizes to, and the tiny default's config builder.
+:data:`FAMILIES` is the one list of families: ``model.name``'s allowed values
+(:data:`qwenkit.config.MODEL_NAMES`) and the tests' ``EVERY_FAMILY`` are read from it, and no
+module outside ``qwenkit/model/`` spells a family's name (``tests/test_family.py``). A
+checkpoint's ``config.json`` names its own ``model_type``, and :func:`resolve` refuses a
+directory of another family before any rank starts. Everything else in qwenkit asks the entry
+instead of testing the family: the classes (HF's and qwenkit's chunk-loss subclass, by import
+path), the module paths that the parameter counts, ``model.freeze`` and LoRA name (matched with
+:func:`qwenkit.model.modules.prefix_match`), the shard and recompute units an unset
+``parallel.shard_patterns`` / ``parallel.recompute: auto`` mean, the fused ops that apply, the
+vision patch geometry the data pipeline resizes to, the chat template and video rule, the tiny
+default's config builder, and what the family cannot run (:meth:`Family.problems`, asked by the
+launcher before any process starts and by every rank).
+
+Light on purpose: the standard library and :mod:`qwenkit.model.modules` only, so the config
+leaf may read the names here (docs/ARCHITECTURE.md, the floors).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from qwenkit.config import MODEL_NAMES
 from qwenkit.model.modules import prefix_match
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """What one kind of sequence-mixing layer supports; a family lists its kinds in :attr:`Family.mixers`.
+
+    A setting that would run a layer kind wrongly without a word is refused for every family that
+    has such a layer, until it is exact (docs/ARCHITECTURE.md, "A new model family").
+    """
+
+    # Ulysses (parallel.sp_size > 1) reroutes the attention functions only (qwenkit.distributed.sequence):
+    # any other layer would run on one rank's slice of the sequence
+    sequence_parallel: bool
+    # data.packing: samples of a row kept apart by per-sample positions and the attention mask
+    packing: bool
+    attn_implementations: tuple[str, ...]  # model.attn_implementation values the layer runs with
+
+
+_ATTN = ("sdpa", "eager", "flash_attention_2")
+# every layer kind a family may list; a new kind says here what it can do
+MIXERS: dict[str, Mixer] = {
+    "attention": Mixer(sequence_parallel=True, packing=True, attn_implementations=_ATTN),
+    # Gated DeltaNet (Qwen3.5): a causal conv1d and a recurrent state along the sequence. Packed rows
+    # restart both at every sample, and under Ulysses each rank runs them on whole sequences for its
+    # heads (qwenkit.model.linear_attention); the attention implementation is its full-attention layers'
+    "linear_attention": Mixer(sequence_parallel=True, packing=True, attn_implementations=_ATTN),
+}
 
 
 @dataclass(frozen=True)
@@ -42,18 +77,35 @@ class Family:
     # the system text it writes when a conversation has none (data.system_prompt unset); qwenkit.data.template
     chat_template: str = "qwenkit.model.processor:CHAT_TEMPLATE"
     default_system: str | None = "You are a helpful assistant."
-    # frame sampling and resizing of videos: the HF video processor qwenkit.data.video.RULES follows
-    video_rule: str = "qwen2_vl"
+    # frame sampling and resizing of videos: the name of transformers' video processor class that
+    # qwenkit.data.video.RULES follows
+    video_rule: str = "Qwen2VLVideoProcessor"
+    # the replies after the last user turn open with a thinking block (Qwen3.5: "<think>\n\n</think>\n\n" when empty)
+    think_tags: bool = False
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
+    mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
+    # the boxes the family writes (grounding): pixels of the resized image (Qwen2.5-VL) or per_mille,
+    # 0-1000 of the width and height (Qwen3-VL); the iou reward (qwenkit.engine.rewards) reads it
+    box_units: str = "pixels"
+    # the routed-experts modules (fused 3-D gate_up_proj / down_proj, HF's forward(hidden, top_k_index,
+    # top_k_weights)) that parallel.ep_size splits across ranks (qwenkit.distributed.expert); () = a dense family
+    experts: tuple[str, ...] = ()
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
-    notes: dict[str, str] = field(default_factory=dict)
 
     def load(self, what: str):
         """The class (or function) an import path of this entry names."""
         module, _, attr = getattr(self, what).partition(":")
         return getattr(importlib.import_module(module), attr)
+
+    def unavailable(self) -> str | None:
+        """Why this transformers install cannot build the family (4.57 has no Qwen3.5), or None."""
+        module = f"transformers.models.{self.model_type}"
+        if importlib.util.find_spec(module) is not None:
+            return None
+        return (f"model.name={self.name} needs transformers 5.x ({module}); transformers "
+                f"{importlib.metadata.version('transformers')} is installed and has no such model")  # fmt: skip
 
     def part_of(self, name: str) -> str | None:
         """The part (of :func:`qwenkit.model.registry.parameter_counts`) a parameter or module path belongs to, or None."""
@@ -67,6 +119,50 @@ class Family:
 
     def lora_excluded(self, name: str) -> bool:
         return any(prefix_match(name, p) for p in self.lora_exclude)
+
+    def problems(self, cfg, path: str | Path | None = None) -> list[str]:
+        """What of ``cfg`` this family cannot run, one line each naming the key; empty: all is well.
+
+        Generic over the entry's fields: each layer kind of :attr:`mixers` against sequence
+        parallelism, packing and the attention implementation (:data:`MIXERS`), ``model.fused_ops``
+        against the entry's ``fused_ops``, the router's aux loss with sequence parallelism (read from
+        ``path``'s ``config.json``, the checkpoint's setting; skipped without ``path``), and expert
+        parallelism against the entry's ``experts`` (and the checkpoint's expert count).
+        """
+        problems, sp, attn = [], cfg.parallel.sp_size, cfg.model.attn_implementation
+        for kind in self.mixers:
+            mixer = MIXERS[kind]
+            if sp > 1 and not mixer.sequence_parallel:
+                problems.append(
+                    f"parallel.sp_size={sp}: {self.name}'s {kind} layers cannot run sequence parallel (Ulysses "
+                    "splits attention only; they would see one rank's slice of the sequence); use parallel.sp_size=1"
+                )
+            if cfg.data.packing and not mixer.packing:
+                problems.append(
+                    f"data.packing=true: {self.name}'s {kind} layers cannot keep a packed row's samples apart; "
+                    "use data.packing=false"
+                )
+            if attn not in mixer.attn_implementations:
+                problems.append(
+                    f"model.attn_implementation={attn!r}: {self.name}'s {kind} layers run with "
+                    f"{', '.join(mixer.attn_implementations)}"
+                )
+        ops = cfg.model.fused_ops
+        unfit = [op for op in ops if op not in self.fused_ops] if isinstance(ops, (list, tuple)) else []
+        if unfit:
+            problems.append(
+                f"model.fused_ops: {', '.join(unfit)} do not fit {self.name} (its entry patches "
+                f"{', '.join(self.fused_ops)}); leave them out, or use auto"
+            )
+        if path is not None and sp > 1 and self.aux_loss:
+            problem = _aux_loss_sp_problem(path, sp)
+            if problem:
+                problems.append(problem)
+        if cfg.parallel.ep_size > 1:
+            problem = _expert_parallel_problem(self, path, cfg.parallel.ep_size)
+            if problem:
+                problems.append(problem)
+        return problems
 
 
 _TEXT = ("model.language_model",)
@@ -84,9 +180,19 @@ _QWEN3_DATA = dict(
     video_timestamps=True,
     chat_template="qwenkit.model.processor:QWEN3_VL_CHAT_TEMPLATE",
     default_system=None,
-    video_rule="qwen3_vl",
+    video_rule="Qwen3VLVideoProcessor",
+    box_units="per_mille",
 )
 _QWEN3_SHARD = (*_SHARD[:2], "model.visual.deepstack_merger_list.*", *_SHARD[2:])
+# Qwen3.5: Qwen3-VL's vision tower without DeepStack; three of four text layers are linear attention
+_QWEN3_5_PARTS = (
+    ("vision blocks", ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks")),
+    ("merger", ("model.visual.merger",)),
+    ("language model", _TEXT),
+    ("lm_head", ("lm_head",)),
+)
+# Qwen3.5 templates as Qwen3-VL does, plus the thinking block of the replies after the last user turn
+_QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -139,14 +245,48 @@ FAMILIES: dict[str, Family] = {
             patch_size=16,
             **_QWEN3_DATA,
             aux_loss=True,
-            notes={
-            "experts": "sharded by FSDP2 like any weight; no expert parallelism (parallel.ep_size) yet",
-            "lora": "all-linear adapts attention only: the experts are fused 3-D parameters (no linears), the router is never adapted",
-        },
+            experts=("model.language_model.layers.*.mlp.experts",),
+        ),
+        Family(
+            name="qwen3_5",
+            model_type="qwen3_5",
+            hf_class="transformers:Qwen3_5ForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_5:QwenkitQwen3_5",
+            tiny_config="qwenkit.model.tiny:qwen3_5_config",
+            parts=_QWEN3_5_PARTS,
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            # the text RMSNorms scale by (1 + weight) and the linear attention's norm is gated: no kernel
+            # here matches them, so they stay HF's
+            fused_ops=("swiglu",),
+            patch_size=16,
+            **_QWEN3_5_DATA,
+            mixers=("attention", "linear_attention"),
+        ),
+        Family(
+            name="qwen3_5_moe",
+            model_type="qwen3_5_moe",
+            hf_class="transformers:Qwen3_5MoeForConditionalGeneration",
+            subclass="qwenkit.model.qwen3_5:QwenkitQwen3_5Moe",
+            tiny_config="qwenkit.model.tiny:qwen3_5_moe_config",
+            parts=(*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_5_PARTS[2:]),
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            # all-linear adapts attention, linear attention and the shared expert: the routed experts are fused
+            # 3-D parameters (no linears); the router and the shared expert's gate are never adapted
+            lora_exclude=("model.language_model.layers.*.mlp.gate", "model.language_model.layers.*.mlp.shared_expert_gate"),
+            fused_ops=("swiglu",),  # the shared expert's MLP; the routed experts are fused 3-D parameters
+            patch_size=16,
+            **_QWEN3_5_DATA,
+            mixers=("attention", "linear_attention"),
+            aux_loss=True,
+            experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
         ),
     )
 }
-assert tuple(FAMILIES) == MODEL_NAMES, "config.MODEL_NAMES lists the families"  # noqa: S101
+TINY_DEFAULT = "qwen2_5_vl"  # model.path=tiny with model.name=auto builds this family's tiny checkpoint
 
 
 def get(name: str) -> Family:
@@ -174,7 +314,7 @@ def _model_type(path: str | Path) -> str | None:
         raise ValueError(f"model.path={str(path)!r}: config.json unreadable ({e})") from None
 
 
-def of_directory(path: str | Path, default: str = "qwen2_5_vl") -> Family:
+def of_directory(path: str | Path, default: str = TINY_DEFAULT) -> Family:
     """The family of a model directory: its ``config.json``, a peft adapter directory's base model's
     (``adapter_config.json``'s ``base_model_name_or_path``), else ``default`` (processor files alone)."""
     path = Path(path)
@@ -207,17 +347,51 @@ def resolve(name: str, path: str | Path) -> Family:
     return family
 
 
-def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
-    """Why ``parallel.sp_size`` > 1 cannot train the checkpoint at ``path`` exactly, or None.
+def entry_problems(name: str, path: str | Path) -> list[str]:
+    """What the family entry of ``model.name`` / ``model.path`` says it cannot run before anything is
+    built (the tiny checkpoint included): a transformers without the family (Qwen3.5 on 4.57).
+    ``auto`` with ``tiny`` is the tiny default, which every version has."""
+    if name != "auto":
+        family = get(name)
+    elif (Path(path).expanduser() / "config.json").is_file():
+        try:
+            family = resolve("auto", Path(path).expanduser())
+        except ValueError as e:  # a model_type of no family
+            return [str(e)]
+    else:
+        return []
+    return [p for p in (family.unavailable(),) if p]
+
+
+def units(model, key: str, value) -> list[str]:
+    """The module patterns of ``parallel.<key>`` (``shard_patterns`` or ``recompute``) for ``model``:
+    ``auto`` means its family's ``shard_units`` / ``recompute_units``."""
+    if value != "auto":
+        return list(value)
+    family = of_model(model)
+    return list(family.shard_units if key == "shard_patterns" else family.recompute_units)
+
+
+def problems(cfg, path: str | Path) -> list[str]:
+    """:meth:`Family.problems` of the family ``cfg`` trains (``model.name``, or the checkpoint's at
+    ``path``); the launcher asks it before any process starts, and every rank before it builds the
+    model. A checkpoint of no family, or of another, is :func:`resolve`'s to refuse: nothing here."""
+    try:
+        family = resolve(cfg.model.name, path)
+    except ValueError:
+        return []
+    return family.problems(cfg, path)
+
+
+def _aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
+    """Why ``parallel.sp_size`` > 1 cannot train the checkpoint at ``path`` (a family with ``aux_loss``) exactly.
 
     A router's load-balancing loss is a product of two means over the tokens of the forward
     (the fraction routed to each expert times its mean probability): under Ulysses each rank
     routes only its slice of the sequence, and no sum or mean of the slices' losses is the loss of
-    the whole sequence. So a family whose entry has ``aux_loss`` is refused with SP while its
-    config turns the loss on (``text_config.output_router_logits``, ``router_aux_loss_coef`` > 0).
+    the whole sequence. So it is refused with SP while the checkpoint's config turns the loss on
+    (``text_config.output_router_logits``, ``router_aux_loss_coef`` > 0).
     """
-    if sp_size <= 1 or not resolve("auto", path).aux_loss:
-        return None
     config = json.loads((Path(path) / "config.json").read_text())
     text = config.get("text_config", config)
     coef = text.get("router_aux_loss_coef", 0)
@@ -229,3 +403,26 @@ def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
         "slice of the sequence only, which is not the loss of the whole sequence; use parallel.sp_size=1, or set "
         "output_router_logits=false there"
     )
+
+
+def _expert_parallel_problem(family: Family, path: str | Path | None, ep_size: int) -> str | None:
+    """Why ``parallel.ep_size`` cannot split ``family``'s experts, or None: a family without routed
+    experts (its entry's ``experts``); transformers 4.x, whose experts take the router's dense weights
+    (``forward(hidden, routing_weights, router_indices)``), not the top-k ones; an expert count of the
+    checkpoint at ``path`` that ``ep_size`` does not divide (each rank holds whole experts)."""
+    if not family.experts:
+        return f"parallel.ep_size={ep_size}: {family.name} has no routed experts to split (a dense family); use parallel.ep_size=1"
+    version = importlib.metadata.version("transformers")
+    if int(version.split(".")[0]) < 5:
+        return f"parallel.ep_size={ep_size} needs transformers >= 5 (installed: {version}); use parallel.ep_size=1"
+    if path is None:
+        return None
+    text = json.loads((Path(path) / "config.json").read_text())
+    text = text.get("text_config", text)
+    experts = text.get("num_experts", text.get("num_local_experts"))  # the hub's name; what transformers 5 writes
+    if not experts or experts % ep_size:
+        return (
+            f"parallel.ep_size={ep_size} must divide the expert count ({path}/config.json: text_config."
+            f"num_experts={experts}): each rank holds whole experts"
+        )
+    return None

@@ -27,6 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from qwenkit.model.linear_attention import boundaries
 from qwenkit.model.loss import IGNORE_INDEX, TOKEN_SUM, chunked_linear_cross_entropy, shift_labels
 
 MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
@@ -131,7 +132,10 @@ def forward_slice(model, sp, input_ids, labels, use_cache, logits_to_keep, loss_
     for _ in range(max(0, model.vision_calls_per_step - calls)):
         extra.append(model.idle_vision_term())
 
-    # 3. the decoder on the slice, attention on the whole sequence
+    # 3. the decoder on the slice, attention (and Qwen3.5's linear attention) on the whole sequence
+    if packed_seq_lens is not None and "linear_attention" in getattr(cfg.get_text_config(), "layer_types", ()):
+        # the linear-attention layers restart at each sample of the whole row (the filler: one more sample)
+        kwargs.update(boundaries([*packed_seq_lens.tolist(), *([pad] if pad else [])], device))
     out = model.model.language_model(
         input_ids=None, inputs_embeds=embeds, position_ids=mrope[:, :, lo:hi], attention_mask=None,
         use_cache=False, return_dict=True, sequence_parallel=sp.attention_context(mask), **kwargs,

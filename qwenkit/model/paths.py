@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qwenkit.model.family import TINY_DEFAULT
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import ensure_checkpoint
-
-TINY_FAMILY = "qwen2_5_vl"  # model.path=tiny with model.name=auto
 
 
 def resolve_path(model_cfg) -> Path:
     """``tiny`` becomes the cached tiny checkpoint directory of the family; anything else must be a directory."""
     if model_cfg.path == "tiny":
-        name = TINY_FAMILY if model_cfg.name == "auto" else model_cfg.name
+        name = TINY_DEFAULT if model_cfg.name == "auto" else model_cfg.name
         return ensure_checkpoint(tie_word_embeddings=model_cfg.tie_word_embeddings, family=name)
     path = Path(model_cfg.path).expanduser()
     if not (path / "config.json").is_file():

@@ -83,6 +83,35 @@ QWEN3_VL_CHAT_TEMPLATE = (
 )
 
 
+# The Qwen3.5 chat template: Qwen3-VL's, plus the thinking block Qwen3.5 checkpoints write (without the
+# tool-call branches, as above). Assistant turns after the last user turn open with
+# "<think>\n{reasoning}\n</think>\n\n" (empty reasoning: "<think>\n\n</think>\n\n"); earlier ones keep
+# their answer only. A reply's own "<think>...</think>" is its reasoning. The generation prompt opens
+# the thinking block ("<think>\n"), or writes it empty with enable_thinking=false.
+QWEN3_5_CHAT_TEMPLATE = (
+    QWEN3_VL_CHAT_TEMPLATE.split("{%- set image_count")[0]
+    + "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    + QWEN3_VL_CHAT_TEMPLATE[QWEN3_VL_CHAT_TEMPLATE.index("{%- set image_count") : QWEN3_VL_CHAT_TEMPLATE.index(
+        "{%- elif message.role == 'assistant' %}")]
+    + "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- set text = namespace(value='') %}{%- if message.content is string %}{%- set text.value = message.content %}"
+    "{%- else %}{%- for content_item in message.content %}{%- if 'text' in content_item %}"
+    "{%- set text.value = text.value + content_item.text %}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- set content = text.value %}"
+    "{%- set reasoning = '' %}{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query %}{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+THINK_TOKENS = ("<think>", "</think>")  # added (not special) tokens of Qwen3.5's vocabulary
+
+
 def pixel_bounds(image_processor) -> tuple[int, int]:
     """(min_pixels, max_pixels) the image processor resizes into."""
     size = image_processor.size
@@ -97,7 +126,7 @@ class Processor:
     registry entry (:mod:`qwenkit.model.family`) says how conversations are templated and videos
     sampled, so everything the data pipeline builds from this processor follows the family."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor, family: str = "qwen2_5_vl"):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor, family: str = families.TINY_DEFAULT):
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.family = families.get(family).name

@@ -49,10 +49,12 @@ class QwenkitQwen3VL(_DeepStack, ChunkLossMixin, Qwen3VLForConditionalGeneration
     output_class = CausalLMOutput
 
 
-class QwenkitQwen3VLMoe(_DeepStack, ChunkLossMixin, Qwen3VLMoeForConditionalGeneration):
-    """Qwen3-VL-MoE: the chunked head plus the router's auxiliary loss, as HF's forward adds it."""
+class RouterAuxLoss:
+    """A MoE family's router loss, joined to the training loss exactly as HF's forward adds it
+    (``router_aux_loss_coef x balancing_loss(router_logits, ...)``, only when ``output_router_logits``).
+    ``balancing_loss``: the family's own ``load_balancing_loss_func``."""
 
-    output_class = hf_moe.Qwen3VLMoeCausalLMOutputWithPast
+    balancing_loss = staticmethod(hf_moe.load_balancing_loss_func)
 
     def _router_logits_wanted(self, kwargs: dict) -> bool:
         """HF's rule: 5.x defaults to the text config's ``output_router_logits``; 4.57 adds the aux
@@ -70,8 +72,14 @@ class QwenkitQwen3VLMoe(_DeepStack, ChunkLossMixin, Qwen3VLMoeForConditionalGene
         if not logits:  # output_router_logits off: HF adds nothing
             return None
         text = self.config.text_config
-        aux = hf_moe.load_balancing_loss_func(logits, text.num_experts, text.num_experts_per_tok, attention_mask)
+        aux = self.balancing_loss(logits, text.num_experts, text.num_experts_per_tok, attention_mask)
         return aux, text.router_aux_loss_coef
+
+
+class QwenkitQwen3VLMoe(_DeepStack, RouterAuxLoss, ChunkLossMixin, Qwen3VLMoeForConditionalGeneration):
+    """Qwen3-VL-MoE: the chunked head plus the router's auxiliary loss, as HF's forward adds it."""
+
+    output_class = hf_moe.Qwen3VLMoeCausalLMOutputWithPast
 
 
 # 5.x declares output_router_logits (default: the config's); 4.57 reads it from **kwargs only

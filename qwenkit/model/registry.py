@@ -25,7 +25,10 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
     FSDP shards later, see :func:`qwenkit.distributed.weights.load_hf_weights`); otherwise HF's ``from_pretrained`` loads them.
     """
     path = resolve_path(model_cfg)
-    cls = families.resolve(model_cfg.name, path).load("subclass")
+    family = families.resolve(model_cfg.name, path)
+    if problem := family.unavailable():
+        raise ValueError(problem)
+    cls = family.load("subclass")
     attn = model_cfg.attn_implementation
     if attn == "flash_attention_2" and not any(importlib.util.find_spec(m) for m in ("flash_attn", "torch_npu")):
         # on Ascend, transformers routes flash_attention_2 to torch_npu's kernel

@@ -31,7 +31,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
 from qwenkit.model import family as families
-from qwenkit.model.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, ImageProcessor, Processor
+from qwenkit.model.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, THINK_TOKENS, ImageProcessor, Processor
 
 # Qwen2's pre-tokenizer regex. Without it transformers 5.x re-tokenizes differently after save/load.
 QWEN_PATTERN = (
@@ -128,6 +128,44 @@ def qwen3_vl_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_e
     return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
 
 
+def _qwen3_5_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
+    """Qwen3.5's hybrid decoder at toy sizes: three Gated DeltaNet layers, then one gated full attention."""
+    text, vision, top = _toy_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        head_dim=32,
+        # partial rotary (a quarter of head_dim), interleaved mRoPE: the section sums to 32 * 0.25 / 2 = 4
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        linear_conv_kernel_dim=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # two value heads per key head, as in the real checkpoints
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )  # fmt: skip
+    vision.update(patch_size=16, num_position_embeddings=16)  # Qwen3-VL's tower without DeepStack
+    return text, vision, top
+
+
+def qwen3_5_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
+    """A Qwen3.5 (dense) config with toy sizes: layers 0-2 linear attention, layer 3 full attention."""
+    from transformers import Qwen3_5Config  # transformers 5.x only: 4.57 has no Qwen3.5
+
+    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
+    return Qwen3_5Config(text_config=text, vision_config=vision, **top)
+
+
+def qwen3_5_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
+    """A Qwen3.5-MoE config with toy sizes: 4 experts, 2 per token, a gated shared expert, the aux loss on."""
+    from transformers import Qwen3_5MoeConfig  # transformers 5.x only
+
+    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
+
+
 # ---------------------------------------------------------------------------------------------
 # Offline processor
 
@@ -145,9 +183,10 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE, added: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """Byte-level BPE with Qwen's pre-tokenizer and special tokens, trained on the synthetic corpus;
-    ``chat_template``: the family's (:attr:`qwenkit.model.family.Family.chat_template`)."""
+    ``chat_template``: the family's (:attr:`qwenkit.model.family.Family.chat_template`); ``added``:
+    its added, not special, tokens (Qwen3.5's thinking tags)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -158,12 +197,13 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFa
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB - len(SPECIAL_TOKENS),
+        vocab_size=TINY_VOCAB - len(SPECIAL_TOKENS) - len(added),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens(list(added))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -175,7 +215,7 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFa
     )
 
 
-def build_processor(family: str = "qwen2_5_vl") -> Processor:
+def build_processor(family: str = families.TINY_DEFAULT) -> Processor:
     entry = families.get(family)
     side = entry.patch_size * entry.merge_size  # pixels per merged token: 28 (Qwen2.5-VL), 32 (Qwen3-VL)
     image_processor = ImageProcessor(
@@ -185,7 +225,8 @@ def build_processor(family: str = "qwen2_5_vl") -> Processor:
         temporal_patch_size=2,
         merge_size=entry.merge_size,
     )
-    return Processor(build_tokenizer(entry.load("chat_template")), image_processor, family)
+    added = THINK_TOKENS if entry.think_tags else ()
+    return Processor(build_tokenizer(entry.load("chat_template"), added), image_processor, family)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,17 +238,18 @@ def _cache_root() -> Path:
 
 
 def ensure_checkpoint(
-    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = "qwen2_5_vl"
+    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = families.TINY_DEFAULT
 ) -> Path:
     """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``.
 
     The directory name hashes everything that determines its content, so a stale one is never
     reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
     """
-    families.get(family)  # a known family, or the error naming them
+    if problem := families.get(family).unavailable():  # a known family this transformers can build
+        raise ValueError(problem)
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
-        | ({"family": family, "template": 2} if family != "qwen2_5_vl" else {})  # 2: the family's chat template
+        | ({"family": family, "template": 2} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
     )
     root = Path(root) if root is not None else _cache_root()
     path = root / f"tiny-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
@@ -242,7 +284,7 @@ def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: i
         raise
 
 
-def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = "qwen2_5_vl") -> None:
+def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = families.TINY_DEFAULT) -> None:
     entry = families.get(family)
     processor = build_processor(family)
     vocab = len(processor.tokenizer)

@@ -1,9 +1,9 @@
 """Chunked loss vs HF's full-logits loss on one model and one batch: what notebook 03 reports.
 
-The reference is what ``tests/test_model.py`` compares against: HF's own forward for
+The reference is what ``tests/model/test_chunked.py`` compares against: HF's own forward for
 ``token_mean``, and :func:`qwenkit.model.loss.full_cross_entropy` on HF's logits for ``sample_mean``.
 The same model is switched between the two heads
-(:meth:`qwenkit.model.qwen2_5_vl.QwenkitQwen2_5_VL.configure_loss`), so the weights are
+(:meth:`qwenkit.model.chunked.ChunkLossMixin.configure_loss`), so the weights are
 identical by construction and any difference is the loss head's.
 
 1. :func:`validation_batches` takes real samples from a dataset (:func:`qwenkit.bench.step.sample_batches`);
@@ -43,7 +43,7 @@ TOLERANCES = {
 
 
 # Largest |loss difference| allowed between the two AdamW curves: the per-step differences above,
-# carried through the optimizer for a few dozen steps (fp32: what tests/test_model.py asserts).
+# carried through the optimizer for a few dozen steps (fp32: what tests/model/test_chunked.py asserts).
 CURVE_TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 

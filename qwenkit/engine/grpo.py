@@ -1,0 +1,212 @@
+"""GRPO (``train.objective: grpo``): rollouts of the current policy, scored by rewards, one objective among peers.
+
+One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective.micro_batches`):
+
+1. this rank's ``train.grad_accum`` batches of ``train.micro_batch_size`` rows from the sampler
+   (saved with checkpoints: a resumed run draws the rows the uninterrupted one would);
+2. ``grpo.num_generations`` completions of each row's prompt from the sharded policy
+   (:mod:`qwenkit.engine.rollout`, seeded by ``(train.seed, epoch, row)``);
+3. the rewards of every completion (:mod:`qwenkit.engine.rewards`), gathered from every rank, and
+   the group advantages (:func:`qwenkit.model.grpo_loss.group_advantages`);
+4. per micro-batch (one batch of rows' completions): the reference's per-token log-probs
+   (``grpo.beta > 0``: the policy with its LoRA adapters disabled, or a frozen sharded copy of the
+   starting weights as DPO's) and, with ``num_iterations > 1``, the rollout policy's (``old``).
+
+Then each micro-batch's loss (:class:`qwenkit.model.grpo_loss.GrpoLoss`) on the policy's per-token
+log-probs from the chunked head (:meth:`~qwenkit.model.chunked.ChunkLossMixin.token_logps`: no
+``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Metrics
+are TRL's names; rank 0 appends its completions of each rollout, with their rewards, to
+``metrics/completions.jsonl``.
+
+Cannot: resume bit-identically in the middle of a ``num_iterations`` cycle (the rollout is made
+again, by the policy as it is then); vLLM rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from qwenkit.engine import rewards as reward_fns
+from qwenkit.engine.evaluate import Evaluator, evaluate_replies
+from qwenkit.engine.generate import Sampling
+from qwenkit.engine.objective import Objective
+from qwenkit.engine.preference import frozen_copy
+from qwenkit.engine.rollout import Completion, HfRollouts, training_batch
+from qwenkit.model import family as families
+from qwenkit.model import lora
+from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages
+from qwenkit.model.loss import IGNORE_INDEX, shift_labels
+
+OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps")  # what the objective pops from a micro-batch
+CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+SAMPLE_FILE = "completions.jsonl"  # beside the metrics: rank 0's completions of each rollout
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Let FSDP2's root hooks gather parameters around ``model.token_logps`` too."""
+    register_fsdp_forward_method(model, "token_logps")
+    return model
+
+
+class GrpoObjective(Objective):
+    """The trainer's hooks for ``train.objective: grpo`` (see :mod:`qwenkit.engine.objective`)."""
+
+    def __init__(self, cfg, rt, bundle, box_units: str, reference: nn.Module | str | None, evaluator=None, out_dir=None):
+        grpo = cfg.grpo
+        self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
+        self.loss_fn = GrpoLoss(grpo)
+        self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags))
+        sampling = Sampling(grpo.max_new_tokens, grpo.num_generations, grpo.temperature, grpo.top_p, cfg.train.seed)
+        self.rollouts = HfRollouts(sampling, grpo.num_generations)
+        self.rows = iter(bundle.sampler)  # the sampler moves as rows are drawn: checkpoints save where
+        self.cached: list[dict] = []  # the rollout's micro-batches, for num_iterations steps
+        self.uses = 0
+        self.sample_file = Path(out_dir) / "metrics" / SAMPLE_FILE if out_dir is not None and rt.rank == 0 else None
+
+    @classmethod
+    def build(cls, cfg, rt, model: nn.Module, bundle, sp=None, out_dir=None) -> GrpoObjective:
+        """The model is sharded and holds its starting weights: a frozen copy of them is the reference."""
+        enable(model)
+        reference = None
+        if cfg.grpo.beta > 0:
+            reference = "adapters" if lora.has_adapters(model) else enable(frozen_copy(cfg, rt, model))
+        evaluator = None
+        if bundle.eval_dataset is not None:
+            evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
+        box_units = families.resolve(cfg.model.name, model.name_or_path).box_units  # the checkpoint's family
+        return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir)
+
+    # --- one rollout ------------------------------------------------------------------------
+
+    def micro_batches(self, model: nn.Module, batches, count: int) -> list[dict]:
+        """A new rollout every ``grpo.num_iterations`` steps (module docstring), else the last one again."""
+        if self.uses % self.grpo.num_iterations == 0:
+            self.cached = self._rollout(model, count)
+        self.uses += 1
+        return [dict(b) for b in self.cached]  # the trainer pops its counts from these
+
+    def _rollout(self, model: nn.Module, count: int) -> list[dict]:
+        sampler = self.bundle.sampler
+        epoch = sampler.epoch
+        groups = [next(self.rows) for _ in range(count)]  # [count][micro_batch_size] dataset rows
+        done = self.rollouts(model, self.bundle.dataset, [i for g in groups for i in g], epoch)
+        names = [f"row {c.index}" for c in done]
+        per, total = reward_fns.score(self.rewards, self.grpo.reward_weights, [c.text for c in done],
+                                      [c.reference for c in done], [c.row for c in done], names)  # fmt: skip
+        lengths = torch.tensor([len(c.tokens) for c in done], dtype=torch.float32)
+        truncated = torch.tensor([c.truncated for c in done])
+        mine_all = torch.cat([per, total[:, None], lengths[:, None], truncated[:, None].float()], dim=1)  # [n, K + 3]
+        everyone = _gather(mine_all.to(self.rt.device)).cpu()
+        rank = self.rt.rank
+        n = len(done)
+        adv, zero = group_advantages(everyone[:, -3], self.grpo.num_generations, self.grpo.scale_rewards)
+        self.rollout_metrics = self._rollout_metrics(everyone, zero)
+        mine = adv[rank * n : (rank + 1) * n]
+        self._write_sample(done, per, mine, epoch)
+        size = n // count
+        micro = []
+        for k in range(count):
+            part = slice(k * size, (k + 1) * size)
+            batch = training_batch(done[part], self.bundle.dataset.processor.pad_token_id)
+            kept = self.grpo.mask_truncated_completions
+            valid = (shift_labels(batch["labels"]) != IGNORE_INDEX) & ~(truncated[part, None] & kept)
+            batch |= {"num_items": valid.sum(), "num_samples": torch.tensor(size),
+                      "advantages": mine[part], "truncated": truncated[part]}  # fmt: skip
+            batch |= self._fixed_logps(model, batch)
+            micro.append(batch)
+        return micro
+
+    @torch.no_grad()
+    def _fixed_logps(self, model: nn.Module, batch: dict) -> dict:
+        """The rollout policy's (``num_iterations > 1``) and the reference's (``beta > 0``) per-token log-probs."""
+        inputs = {k: v.to(self.rt.device) for k, v in batch.items() if k not in (*OWN_KEYS, "num_items", "num_samples")}
+        out = {}
+        if self.grpo.num_iterations > 1:
+            out["old_logps"] = model.token_logps(**inputs)[0].cpu()
+        if self.reference == "adapters":
+            with lora.adapters_disabled(model):
+                out["ref_logps"] = model.token_logps(**inputs)[0].cpu()
+        elif self.reference is not None:
+            out["ref_logps"] = self.reference.token_logps(**inputs)[0].cpu()
+        return out
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def begin(self, micro: list[dict], counts: torch.Tensor) -> None:
+        """Pop the rollout's keys; the step's global completions, completion tokens and micro-batches."""
+        self.queue = [{k: b.pop(k) for k in OWN_KEYS if k in b} for b in micro]
+        self.totals = StepTotals(completions=counts[1], tokens=counts[0], micro_batches=len(micro) * self.rt.world_size)
+        # [kl, entropy, low, high, region] sums, then their token (or completion) counts
+        self.sums = torch.zeros(10, dtype=torch.float64, device=self.rt.device)
+        # the lowest per-completion low-clip share and the highest high-clip share (TRL's low_min, high_max)
+        self.extremes = torch.tensor([-torch.inf, -torch.inf], dtype=torch.float64, device=self.rt.device)
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        own = {k: v.to(self.rt.device) for k, v in self.queue.pop(0).items()}
+        logps, entropies = model.token_logps(**batch, entropy=True)
+        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
+        terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
+                             ref=own.get("ref_logps"), truncated=own["truncated"])  # fmt: skip
+        m = terms.mask
+        # token level: the completion's tokens; sequence level: one ratio per completion (TRL's metrics)
+        at = m if terms.ratio.shape[1] > 1 else torch.ones_like(terms.ratio)
+        low, high = terms.low_clipped.to(at.dtype) * at, terms.high_clipped.to(at.dtype) * at
+        kl = (terms.kl * m).sum() if terms.kl is not None else torch.zeros((), device=m.device)
+        sums = [kl, (entropies * m).sum(), low.sum(), high.sum(), (low + high).sum(), m.sum(), m.sum(), *[at.sum()] * 3]
+        self.sums += torch.stack(sums).to(self.sums)
+        per_seq = at.sum(-1).clamp(min=1)
+        seen = torch.stack([-(low.sum(-1) / per_seq).min(), (high.sum(-1) / per_seq).max()]).to(self.extremes)
+        self.extremes = torch.maximum(self.extremes, seen)  # the low share's minimum as the maximum of its negative
+        return terms.loss
+
+    def metrics(self) -> dict[str, float]:
+        """TRL's names: the rollout's reward and completion metrics, the step's KL, entropy and clipping."""
+        dist.all_reduce(self.sums)
+        dist.all_reduce(self.extremes, op=dist.ReduceOp.MAX)
+        means = (self.sums[:5] / self.sums[5:].clamp(min=1)).tolist()
+        out = dict(self.rollout_metrics)
+        if self.grpo.beta > 0:
+            out["kl"] = means[0]
+        out["entropy"] = means[1]
+        out.update(zip(CLIP, means[2:5]))
+        out["clip_ratio/low_min"], out["clip_ratio/high_max"] = -self.extremes[0].item(), self.extremes[1].item()
+        return out
+
+    def _rollout_metrics(self, everyone: torch.Tensor, zero: torch.Tensor) -> dict[str, float]:
+        per, total, lengths, truncated = everyone[:, :-3], everyone[:, -3], everyone[:, -2], everyone[:, -1]
+        out = {"reward": total.mean().item(), "reward_std": total.std().item() if len(total) > 1 else 0.0}
+        for k, name in enumerate(self.rewards):
+            out[f"rewards/{name}/mean"] = per[:, k].mean().item()
+            out[f"rewards/{name}/std"] = per[:, k].std().item() if len(per) > 1 else 0.0
+        out["frac_reward_zero_std"] = zero.float().mean().item()
+        out |= {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}  # fmt: skip
+        return out
+
+    def _write_sample(self, done: list[Completion], per: torch.Tensor, adv: torch.Tensor, epoch: int) -> None:
+        if self.sample_file is None:
+            return
+        self.sample_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.sample_file, "a") as f:
+            for c, values, a in zip(done, per.tolist(), adv.tolist()):
+                rewards = dict(zip(self.rewards, values))
+                f.write(json.dumps({"rollout": self.uses // self.grpo.num_iterations, "epoch": epoch, "index": c.index,
+                                    "completion": c.text, "reference": c.reference, "rewards": rewards,
+                                    "advantage": a, "truncated": c.truncated}) + "\n")  # fmt: skip
+
+    evaluate_cli = staticmethod(evaluate_replies)  # eval loss, answer metrics, the generations file
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of ``t`` (equal counts on every rank), in rank order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return torch.cat(parts)

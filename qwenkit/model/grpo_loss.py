@@ -1,0 +1,141 @@
+"""GRPO's loss (and Dr. GRPO, DAPO, BNPO, GSPO) of per-token log-probs: the math, no model.
+
+Inputs per completion ``b`` and completion token ``t`` (``mask [B, T]`` marks them): the policy's
+log-probs ``logp`` (:func:`qwenkit.model.token_logps.token_logps`), the rollout policy's ``old``
+(``None``: this is the rollout's own policy, ``old = logp.detach()``), the reference's ``ref``
+(``beta > 0``) and the advantage ``A[b]`` (:func:`group_advantages`). As TRL 1.16's
+``GRPOTrainer._compute_loss``:
+
+1. ``r = exp(logp - old)``; GSPO (``importance_sampling_level: sequence``): one ratio per
+   completion, ``exp(mean_t(logp - old))``
+2. ``l = -min(r A, clip(r, 1 - eps, 1 + eps_high) A)``
+3. ``+ beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3, Schulman's unbiased KL estimator)
+4. the reduction, a **share** of the whole optimizer step (all ranks, all micro-batches), as the
+   SFT loss is a share of the global token mean, so world size and accumulation change nothing:
+
+   =========  ========================================================  ==========================
+   loss_type  per optimizer step                                        TRL's normaliser
+   =========  ========================================================  ==========================
+   grpo       mean over completions of ``sum_t l / n_b``                 per-sequence token mean
+   bnpo       mean over micro-batches of ``sum l / tokens of it``        the micro-batch's tokens
+   dr_grpo    ``sum l / (completions x max_new_tokens)``                 a constant
+   dapo       ``sum l / tokens``                                         the step's tokens
+   =========  ========================================================  ==========================
+
+``mask_truncated_completions`` removes a completion cut at ``max_new_tokens`` from ``mask``
+(TRL's ``completion_mask``): it still counts as a completion (grpo, dr_grpo), not as tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qwenkit.config import GRPO_LOSSES, GrpoConfig
+
+STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages [N], std_zero [N] bool)`` of the weighted rewards ``[N]`` of consecutive groups.
+
+    ``advantage = reward - its group's mean``, divided by ``std + 1e-4`` where ``std`` is the
+    group's (``group``) or the whole batch's (``batch``) unbiased std; ``none`` does not divide
+    (Dr. GRPO). ``std_zero``: the group's rewards are all equal (``frac_reward_zero_std``).
+    """
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of grpo.num_generations={num_generations}")
+    grouped = rewards.view(-1, num_generations)  # [groups, G]
+    mean = grouped.mean(dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = rewards.std().expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif scale_rewards in ("group", "none"):
+        std = grouped.std(dim=1).repeat_interleave(num_generations)
+    else:
+        raise ValueError(f"grpo.scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPS)
+    return advantages, torch.isclose(std, torch.zeros_like(std))
+
+
+@dataclass
+class StepTotals:
+    """The optimizer step's counts over every rank and micro-batch: the reductions' denominators."""
+
+    completions: int | torch.Tensor
+    tokens: int | torch.Tensor  # completion tokens left in the masks
+    micro_batches: int | torch.Tensor  # over all ranks (bnpo averages their token means)
+
+
+@dataclass
+class GrpoTerms:
+    loss: torch.Tensor  # this micro-batch's share of the step's loss
+    kl: torch.Tensor | None  # [B, T] per-token k3 KL, detached (beta > 0)
+    ratio: torch.Tensor  # [B, T] or [B, 1] (sequence level), detached
+    low_clipped: torch.Tensor  # same shape, bool: the ratio fell under 1 - eps with A < 0
+    high_clipped: torch.Tensor  # the ratio rose over 1 + eps_high with A > 0
+    mask: torch.Tensor  # [B, T] the mask used (truncated completions removed when asked)
+
+
+class GrpoLoss:
+    """The loss of ``grpo.loss_type`` with the ``grpo`` section's clipping, KL and masking."""
+
+    def __init__(self, grpo: GrpoConfig):
+        if grpo.loss_type not in GRPO_LOSSES:
+            raise ValueError(f"grpo.loss_type must be one of {GRPO_LOSSES}, got {grpo.loss_type!r}")
+        self.loss_type, self.beta = grpo.loss_type, grpo.beta
+        self.eps_low = grpo.epsilon
+        self.eps_high = grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high
+        self.sequence_level = grpo.importance_sampling_level == "sequence"
+        self.max_new_tokens = grpo.max_new_tokens
+        self.mask_truncated = grpo.mask_truncated_completions
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        totals: StepTotals,
+        old: torch.Tensor | None = None,
+        ref: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+    ) -> GrpoTerms:
+        """``logps``, ``old``, ``ref``, ``mask``: ``[B, T]``; ``advantages``, ``truncated``: ``[B]``."""
+        mask = mask.to(logps.dtype)
+        if self.mask_truncated and truncated is not None:
+            mask = mask * (~truncated).to(mask.dtype)[:, None]
+        old = logps.detach() if old is None else old
+        log_ratio = logps - old  # [B, T]
+        if self.sequence_level:  # GSPO: the mean log-ratio of the completion, one ratio per sequence
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]  # [B, 1]
+        ratio = torch.exp(log_ratio)
+        a = advantages[:, None]  # [B, 1]
+        clipped = torch.clamp(ratio, 1 - self.eps_low, 1 + self.eps_high)
+        per_token = -torch.min(ratio * a, clipped * a)  # [B, T] or [B, 1]
+        kl = None
+        if self.beta != 0.0:
+            if ref is None:
+                raise ValueError("grpo.beta > 0 needs the reference's log-probs")
+            kl = torch.exp(ref - logps) - (ref - logps) - 1  # [B, T] k3
+            per_token = per_token + self.beta * kl
+        per_token = per_token * mask  # [B, T]: a sequence-level loss broadcasts over its tokens
+        loss = self._reduce(per_token, mask, totals)
+        with torch.no_grad():
+            low = (ratio < 1 - self.eps_low) & (a < 0)
+            high = (ratio > 1 + self.eps_high) & (a > 0)
+        return GrpoTerms(loss, kl.detach() if kl is not None else None, ratio.detach(), low, high, mask)
+
+    def _reduce(self, per_token: torch.Tensor, mask: torch.Tensor, totals: StepTotals) -> torch.Tensor:
+        """Step 4 of the module docstring: this micro-batch's share of the optimizer step's loss."""
+        if self.loss_type == "grpo":
+            return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / totals.completions
+        if self.loss_type == "bnpo":
+            return per_token.sum() / mask.sum().clamp(min=1.0) / totals.micro_batches
+        if self.loss_type == "dr_grpo":
+            return per_token.sum() / (totals.completions * self.max_new_tokens)
+        return per_token.sum() / torch.as_tensor(totals.tokens, dtype=per_token.dtype).clamp(min=1.0)  # dapo
+
+
+__all__ = ["STD_EPS", "GrpoLoss", "GrpoTerms", "StepTotals", "group_advantages"]

@@ -1,0 +1,54 @@
+"""qwenkit.config.grpo: GRPO's settings (train.objective=grpo), their ranges, and what GRPO cannot go with."""
+
+import re
+
+import pytest
+
+from qwenkit import config
+from qwenkit.config import ConfigError
+
+GRPO = ["train.objective=grpo"]
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (["grpo.beta=0.04"], r"^grpo\.beta set but train\.objective='sft'"),
+        (["grpo.rewards=[exact, format]"], r"^grpo\.rewards set but train\.objective='sft'"),
+        (GRPO + ["grpo.num_generations=1"], r"grpo\.num_generations must be >= 2"),
+        (GRPO + ["grpo.temperature=0"], r"grpo\.temperature must be > 0"),
+        (GRPO + ["grpo.top_p=0"], r"grpo\.top_p must be in \(0, 1\]"),
+        (GRPO + ["grpo.beta=-0.1"], r"grpo\.beta must be >= 0"),
+        (GRPO + ["grpo.epsilon=0"], r"grpo\.epsilon must be > 0"),
+        (GRPO + ["grpo.epsilon_high=-1"], r"grpo\.epsilon_high must be > 0"),
+        (GRPO + ["grpo.num_iterations=0"], r"grpo\.num_iterations must be >= 1"),
+        (GRPO + ["grpo.loss_type=cispo"], r"grpo\.loss_type"),
+        (GRPO + ["grpo.importance_sampling_level=batch"], r"grpo\.importance_sampling_level"),
+        (GRPO + ["grpo.scale_rewards=true"], r"grpo\.scale_rewards"),
+        (GRPO + ["grpo.rewards=[]"], r"grpo\.rewards must name at least one reward"),
+        (GRPO + ["grpo.rewards=[accuracy]"], r"'accuracy' is neither a built-in reward \(.*format, iou\) nor module:function"),
+        (GRPO + ["grpo.rewards=[no_such_module:f]"], r"'no_such_module:f' does not import"),
+        (GRPO + ["grpo.rewards=[exact, exact]"], r"grpo\.rewards: exact given twice"),
+        (GRPO + ["grpo.rewards=[exact, format]", "grpo.reward_weights=[1]"], r"1 weights for 2 grpo\.rewards"),
+        (GRPO + ["grpo.format_tags=[think, think]"], r"grpo\.format_tags must be two different tag names"),
+        (GRPO + ["grpo.format_tags=[<think>, answer]"], r"grpo\.format_tags must be two different tag names"),
+        (GRPO + ["loss.chunk=false"], r"grpo needs loss\.chunk=true"),
+        (GRPO + ["data.packing=true"], r"grpo does not support data\.packing=true"),
+        (GRPO + ["data.max_tokens_per_batch=2048"], r"grpo does not support data\.max_tokens_per_batch"),
+        (GRPO + ["parallel.nproc=2", "parallel.sp_size=2"], r"grpo does not support parallel\.sp_size=2"),
+    ],
+)
+def test_grpo_settings_and_what_they_cannot_go_with_are_refused(overrides, pattern):
+    with pytest.raises(ConfigError) as e:
+        config.load(overrides=overrides)
+    lines = [line.strip(" -").removeprefix("invalid configuration:").strip() for line in str(e.value).splitlines()]
+    assert any(re.search(pattern, line) for line in lines), str(e.value)
+
+
+def test_grpo_settings_in_range_are_valid():
+    cfg = config.load(overrides=["lora.r=8"])
+    cfg.train.objective = "grpo"
+    cfg.grpo = config.GrpoConfig(num_generations=4, beta=0.04, epsilon_high=0.28, loss_type="grpo",
+                                 importance_sampling_level="sequence", scale_rewards="none",
+                                 rewards=["exact", "format", "iou", "os.path:basename"], reward_weights=[1, 0.5, 1, 0])
+    assert config.validate(cfg) == []

@@ -1,0 +1,274 @@
+"""Expert parallelism (qwenkit/distributed/expert.py) against plain FSDP2 and HF's experts forward.
+
+The reference of a run with ``parallel.ep_size`` is the same ranks with ``ep_size=1`` (plain FSDP2,
+itself checked against one process in tests/distributed/test_fsdp.py): the same loss, aux loss and every
+gradient. fp32 on both sides; only the order of sums differs (the combine sums a token's top-k
+outputs at once, HF's loop adds them expert by expert), hence 1e-5, relative to each gradient's
+largest element (the expert gradients are ~1e-4: an absolute 1e-5 would hide a factor of 2).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_adamw_weights_close, build_model, make_batch, tiny_processor
+from multiproc import check_ranks
+from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
+
+from qwenkit import cli, launch, records
+from qwenkit import config as qconfig
+from qwenkit.distributed import expert, fsdp
+from qwenkit.engine import export, train
+from qwenkit.model import family as families
+from qwenkit.rundir import RunDir
+
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def _experts_module(seed=0, experts=4, hidden=16, inter=8):
+    cfg = hf_moe.Qwen3VLMoeTextConfig(num_experts=experts, hidden_size=hidden, moe_intermediate_size=inter, hidden_act="silu")
+    module = hf_moe.Qwen3VLMoeTextExperts(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return module
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
+def test_local_experts_match_hf_experts(grouped):
+    """Rows grouped by expert (one with none) through the local experts = HF's experts forward
+    (each row top-1 to its expert, weight 1), outputs and weight gradients."""
+    if grouped and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    module = _experts_module()
+    sizes = [3, 0, 5, 2]  # expert 1 gets no row
+    rows = torch.randn(sum(sizes), 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes)).unsqueeze(-1)
+    ref = module(rows, ids, torch.ones(len(rows), 1))
+    ref.square().sum().backward()
+    ref_grads = [p.grad.clone() for p in (rows, module.gate_up_proj, module.down_proj)]
+    for p in (rows, module.gate_up_proj, module.down_proj):
+        p.grad = None
+    got = expert.local_experts(rows, sizes, module.gate_up_proj, module.down_proj, module.act_fn, grouped=grouped)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, ref, **FP32)
+    for g, r in zip((rows.grad, module.gate_up_proj.grad, module.down_proj.grad), ref_grads):
+        torch.testing.assert_close(g, r, **FP32)
+    assert module.gate_up_proj.grad[1].abs().max() == 0  # the idle expert: a zero gradient, not None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_mm_on_cuda_bf16_matches_the_loop_in_fp32():
+    """The device's choice (grouped_mm_wanted): one torch._grouped_mm per projection, bf16, 128-aligned groups
+    and one empty, against the CPU loop in fp32; bf16 keeps 8 bits of mantissa, sums of 64 terms: 2e-2."""
+    module = _experts_module(experts=4, hidden=128, inter=64)
+    sizes = [128, 0, 256, 64]
+    rows = torch.randn(sum(sizes), 128, generator=torch.Generator().manual_seed(1))
+    ref = expert.local_experts(rows, sizes, module.gate_up_proj, module.down_proj, module.act_fn, grouped=False)
+    cuda = torch.device("cuda")
+    assert expert.grouped_mm_wanted(cuda, torch.bfloat16) and not expert.grouped_mm_wanted(cuda, torch.float32)
+    weights = [p.detach().to(cuda, torch.bfloat16) for p in (module.gate_up_proj, module.down_proj)]
+    got = expert.local_experts(rows.to(cuda, torch.bfloat16), sizes, *weights, module.act_fn)
+    torch.testing.assert_close(got.float().cpu(), ref.detach(), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# ep_size=2 vs ep_size=1 on the same ranks
+
+
+def _route(model, how: str) -> None:
+    """``every``: each token to all 4 experts; ``low``: only to experts 0 and 1 (rank 1's experts idle)."""
+    text = model.config.text_config
+    for layer in model.model.language_model.layers:
+        gate = layer.mlp.gate
+        if how == "every":
+            gate.top_k = text.num_experts_per_tok = text.num_experts
+        elif how == "low":
+            forward = gate.forward
+
+            def low(hidden, _forward=forward):
+                logits, weights, index = _forward(hidden)
+                return logits, weights, index % 2
+
+            gate.forward = low
+
+
+def _loss_and_grads(model, batch):
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.aux_loss.detach(), grads
+
+
+def _compare_ranks(rank, out, ep_size, routes, family="qwen3_vl_moe"):
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    cfg = qconfig.load(overrides=[f"model.name={family}", "loss.chunk=true", "loss.chunk_size=16"])
+    mesh = fsdp.build_mesh(fsdp.Runtime(rank, world, rank, torch.device("cpu"), "gloo", False))
+    batch = make_batch(tiny_processor(family), images_per_sample=(1, 0), seed=rank)
+    report = {}
+    for how in routes:
+        results = []
+        for ep in (1, ep_size):
+            model = build_model(chunk=True, seed=0, name=family)
+            _route(model, how)
+            experts = None
+            if ep > 1:
+                experts = expert.apply(model, families.get(family).experts, expert.build_expert_mesh("cpu", world, ep))
+            fsdp.shard(model, cfg.parallel, mesh, experts)
+            results.append(_loss_and_grads(model, batch))
+        (loss1, aux1, grads1), (loss2, aux2, grads2) = results
+        torch.testing.assert_close(loss2, loss1, **FP32)
+        torch.testing.assert_close(aux2, aux1, **FP32)
+        assert grads2.keys() == grads1.keys()
+        for name, ref in grads1.items():
+            scale = dict(rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+            torch.testing.assert_close(grads2[name], ref, **scale, msg=lambda m, n=name: f"{n}: {m}")
+        idle = [n for n, g in grads2.items() if "experts" in n and g[2:].abs().max() == 0]
+        report[how] = {"loss": loss1.item(), "aux": aux1.item(), "idle_expert_grads": len(idle)}
+    if rank == 0:
+        (out / "report.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_ep2_equal_ep1(tmp_path):
+    """2 ranks, ep_size=2 (each rank 2 whole experts): loss, aux loss and every gradient = ep_size=1;
+    also with every token sent to every expert, and with rank 1's experts given no token at all."""
+    tiny_processor("qwen3_vl_moe")  # written once here, read by the ranks
+    check_ranks(_compare_ranks, 2, tmp_path, 2, ("topk", "every", "low"))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["low"]["idle_expert_grads"] == 2 * 3  # both weights of every layer: zero for experts 2, 3
+    assert report["topk"]["idle_expert_grads"] == 0
+
+
+@pytest.mark.slow
+def test_two_ranks_ep2_equal_ep1_with_a_shared_expert(tmp_path):
+    """Qwen3.5-MoE: the gated shared expert stays a dense weight beside the split routed experts."""
+    tiny_processor("qwen3_5_moe")
+    check_ranks(_compare_ranks, 2, tmp_path, 2, ("topk",), "qwen3_5_moe")
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the 2-rank test above runs the same path (~80 s here)
+def test_four_ranks_ep2_by_efsdp2_equal_fsdp(tmp_path):
+    """4 ranks, mesh (efsdp 2, ep 2): each expert on 2 ranks, sharded by FSDP between them."""
+    tiny_processor("qwen3_vl_moe")
+    check_ranks(_compare_ranks, 4, tmp_path, 2, ("topk",))
+
+
+@pytest.mark.parametrize("model, refusal", [
+    ("qwen2_5_vl", "parallel.ep_size=2: qwen2_5_vl has no routed experts to split (a dense family)"),
+    ("qwen3_vl_moe", None),
+])  # fmt: skip
+def test_the_launcher_refuses_ep_on_a_dense_family_before_spawning(tmp_path, monkeypatch, capsys, model, refusal):
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)  # a run that would start reports success
+    out = tmp_path / "run"
+    code = cli.main(["train", "--nproc", "2", "parallel.allow_oversubscribe=true", "parallel.ep_size=2",
+                     f"model.name={model}", f"train.output_dir={out}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == (2 if refusal else 0), err
+    if refusal:
+        assert refusal in err and not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the trainer: losses, grad norms, checkpoints (2 ranks, one process group for every run)
+
+LR, STEPS = 2e-3, 4
+TRAIN = [
+    "model.name=qwen3_vl_moe", f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=2",
+    "train.warmup_steps=1", "data.tiny_samples=16", "loss.chunk=true", "loss.chunk_size=16",
+    "checkpoint.every=2", "checkpoint.keep_last=2", "train.max_grad_norm=1.0",
+    # eval loss and greedy replies at steps 0 and 4 (held-out rows: the training batches stay the same)
+    "data.tiny_eval_samples=4", "train.eval_samples=2", "train.eval_max_new_tokens=4",
+]  # fmt: skip
+RUNS = {
+    "ep1": [],
+    "ep2": ["parallel.ep_size=2"],
+    # each rank reads only its experts' rows from the HF files; recompute re-runs the exchanges in backward
+    # lockstep: the replies generated on the sharded model, every rank's exchanges in step
+    "ep2_meta": ["parallel.ep_size=2", "model.init_device=meta", "parallel.recompute=[model.language_model.layers.*]",
+                 "train.eval_generation=lockstep"],
+    "ep2_bf16": ["parallel.ep_size=2", "parallel.param_dtype=bfloat16", "parallel.reduce_dtype=float32"],
+    "ep1_from_ep2": ["train.resume=auto"],  # ep2's step-2 checkpoint, resumed without EP
+}
+# bf16 compute against the fp32 reference: bf16 keeps 8 bits of mantissa (relative 4e-3 per op), as tests/distributed/test_fsdp.py
+TOLERANCE = {"ep2_bf16": dict(rtol=2e-2, atol=2e-2)}
+
+
+def _train(rank, out):
+    dist.init_process_group("gloo")
+    for name, overrides in RUNS.items():
+        run_dir = out / name
+        if name == "ep1_from_ep2" and rank == 0:
+            step = "step-00000002"
+            shutil.copytree(out / "ep2" / "checkpoints" / step, run_dir / "checkpoints" / step)
+        dist.barrier()
+        resume = [] if "train.resume=auto" in overrides else ["train.resume=none"]
+        cfg = qconfig.load(overrides=[*TRAIN, *resume, *overrides, "parallel.nproc=2", f"train.output_dir={run_dir}"])
+        trainer = train.run(cfg)
+        if rank == 0:
+            (run_dir / "result.json").write_text(json.dumps({
+                "start": trainer.start_step,
+                "losses": [h["loss"] for h in trainer.history],
+                "grad_norms": [h["grad_norm"] for h in trainer.history],
+            }))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tiny_processor("qwen3_vl_moe")
+    out = tmp_path_factory.mktemp("ep")
+    check_ranks(_train, 2, out)
+    return out
+
+
+def _result(out, name):
+    return json.loads((out / name / "result.json").read_text())
+
+
+def _evaluated(out, name, metric):
+    rows = records.read_jsonl(RunDir(out / name).metrics / "rank-00000.jsonl")
+    return {r["x"]: r["value"] for r in rows if r["metric"] == metric}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2", "ep2_meta", "ep2_bf16"])
+def test_trainer_with_ep_size_2_logs_the_losses_of_ep_size_1(trained, name):
+    ref, got = _result(trained, "ep1"), _result(trained, name)
+    assert len(got["losses"]) == STEPS
+    tol = TOLERANCE.get(name, FP32)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **tol)
+    # the grad norm counts each expert once (before clipping)
+    torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), **tol)
+    want = _evaluated(trained, "ep1", "eval_loss")
+    assert sorted(want) == [0, STEPS]
+    torch.testing.assert_close(_evaluated(trained, name, "eval_loss"), want, **tol)
+    assert sorted(_evaluated(trained, name, "eval_accuracy")) == [0, STEPS]  # the replies were generated
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_ep_2_resumes_under_ep_1_with_the_uninterrupted_losses(trained):
+    ref, got = _result(trained, "ep1"), _result(trained, "ep1_from_ep2")
+    assert got["start"] == 2
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), **FP32)
+
+
+@pytest.mark.slow
+def test_an_ep_2_checkpoint_exports_the_hf_keys_of_ep_1(trained):
+    """The experts are saved under HF's keys with their global shape: the export is HF's model."""
+    cfg = qconfig.load(overrides=[*TRAIN, "parallel.nproc=2"])
+    final = "checkpoints/step-00000004"
+    got, ref = (export.load_hf(trained / run / final, cfg).state_dict() for run in ("ep2", "ep1"))
+    assert got["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert_adamw_weights_close(got, ref, FP32, lr=LR, steps=STEPS)

@@ -1,0 +1,131 @@
+"""GRPO training end to end on the tiny model: 2 gloo ranks equal 1 process on the same prompts and
+seeds, a resumed run equals the uninterrupted one bit for bit, step 1's KL is 0 (the policy is its
+reference), TRL's metric names are logged (a user's reward under its function's name), and the
+completions file holds every completion's rewards.
+
+The tiny model starts from random weights: the exact-match and format rewards are 0 for its
+completions, so :func:`vowels` (a ``module:function`` reward read from this module) gives the
+groups different rewards, hence non-zero advantages and gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch.distributed as dist
+from multiproc import check_ranks
+
+from qwenkit import config as qconfig
+from qwenkit.engine import grpo, train
+from qwenkit.engine.rollout import group_seed
+
+BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
+        "train.warmup_steps=0", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
+        "grpo.rewards=[exact, format, test_grpo_train:vowels]", "grpo.reward_weights=[1, 1, 2]",
+        "checkpoint.save_final=false", "train.resume=auto"]  # fmt: skip
+TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory")
+# fp32; 2 ranks sum the gradient over ranks and reduce the counts in another order: a few ulps
+FP32 = dict(rel=1e-5, abs=1e-7)
+
+
+def vowels(prediction: str, reference: str, **row) -> float:
+    """A reward the random tiny model's completions differ by: their share of vowels."""
+    assert "messages" in row, f"a user's reward gets the row's columns, got {sorted(row)}"
+    return sum(c in "aeiou" for c in prediction) / max(1, len(prediction))
+
+
+def _worker(rank, out, runs):
+    dist.init_process_group("gloo")
+    for name, extra in runs:
+        trainer = train.Trainer(qconfig.load(overrides=BASE + extra + [f"train.output_dir={out / name}"]))
+        trainer.run()
+        if rank == 0:
+            path = out / f"{name}.json"
+            before = json.loads(path.read_text()) if path.exists() else []
+            path.write_text(json.dumps(before + [{k: v for k, v in h.items() if k not in TIMING} for h in trainer.history]))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, tiny_path):
+    """one: 1 process, 2 prompts a micro-batch; resumed: the same, stopped after step 2 and run again;
+    lora: one with LoRA adapters; two: 2 ranks, 1 prompt each (the same 2 prompts a step)."""
+    out = tmp_path_factory.mktemp("grpo")
+    one = ["train.micro_batch_size=2"]
+    cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop
+    lora = one + ["lora.r=8", "train.steps=2"]  # the reference: the policy with its adapters disabled
+    check_ranks(_worker, 1, out, [("one", one), ("resumed", cut + ["train.stop_after=2"]), ("resumed", cut),
+                                  ("lora", lora)])  # fmt: skip
+    check_ranks(_worker, 2, out, [("two", ["train.micro_batch_size=1"])])
+    return out
+
+
+def _history(out, name):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_trl_metric_names_and_step_one_kl_is_zero(out):
+    history = _history(out, "one")
+    assert len(history) == 3
+    names = set(history[0])
+    want = {"loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std", "completions/mean_length",
+            "completions/min_length", "completions/max_length", "completions/clipped_ratio", "clip_ratio/low_mean",
+            "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+            *(f"rewards/{r}/{s}" for r in ("exact", "format", "vowels") for s in ("mean", "std"))}  # fmt: skip
+    assert want <= names, want - names
+    assert all(math.isfinite(v) for h in history for v in h.values())
+    first = history[0]
+    assert first["kl"] == 0 and first["clip_ratio/region_mean"] == 0  # policy = reference = rollout policy
+    assert first["grad_norm"] > 0 and history[-1]["kl"] > 0  # the vowel reward moved the policy off its start
+    assert first["reward"] == pytest.approx(2 * first["rewards/vowels/mean"] + first["rewards/exact/mean"]
+                                            + first["rewards/format/mean"])  # fmt: skip
+
+
+def test_lora_reference_is_the_policy_without_adapters(out):
+    first, second = _history(out, "lora")
+    assert first["kl"] == 0 and first["grad_norm"] > 0  # adapters start at B = 0: the policy is its reference
+    assert second["kl"] > 0
+
+
+def test_two_ranks_equal_one_process_on_the_same_prompts_and_seeds(out):
+    for a, b in zip(_history(out, "two"), _history(out, "one"), strict=True):
+        assert a.keys() == b.keys()
+        for k in a.keys() - {"padding_fraction"}:  # one micro-batch of 8 completions pads more than two of 4
+            assert a[k] == pytest.approx(b[k], **FP32), k
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(out):
+    assert _history(out, "resumed") == _history(out, "one")
+
+
+def test_completions_file_holds_every_completion_with_its_rewards(out):
+    rows = [json.loads(line) for line in (out / "one" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines()]
+    assert len(rows) == 3 * 2 * 4  # steps x prompts x generations
+    assert set(rows[0]["rewards"]) == {"exact", "format", "vowels"}
+    assert rows[0]["rewards"]["vowels"] == pytest.approx(vowels(rows[0]["completion"], "", messages=[]))
+    assert len({r["index"] for r in rows}) == 6  # 2 new prompts per step
+
+
+def test_group_seed_depends_on_run_draw_and_row_only():
+    assert group_seed(42, 0, 7) == group_seed(42, 0, 7)
+    assert len({group_seed(42, 0, 7), group_seed(43, 0, 7), group_seed(42, 1, 7), group_seed(42, 0, 8)}) == 4
+
+
+def test_data_check_counts_the_usable_prompts(tmp_path, tiny_path, capsys):
+    from qwenkit.data import check
+
+    rows = [
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"conversations": [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris"}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                      {"role": "user", "content": "Bye"}]},  # no reference: the scan refuses it
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = qconfig.load(overrides=["train.objective=grpo", f"data.path={path}"])
+    assert check.check(cfg) == 1
+    out = capsys.readouterr().out
+    assert "prompts: 2 usable (each good sample's last assistant reply is its reference)" in out
+    assert f"{path}: row 2 (line 3): turn_order" in out

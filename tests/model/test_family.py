@@ -1,0 +1,150 @@
+"""qwenkit.model.family: the one list of families, and every entry against the model it describes. Its import paths load HF's class
+and qwenkit's subclass of it, the class of its tiny model; its parts, shard and recompute units
+name modules of its tiny model (the paths transformers builds); a directory resolves to its entry and
+one of another family is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint
+
+from qwenkit import config as qconfig
+from qwenkit import launch
+from qwenkit.engine import prespawn
+from qwenkit.model import family as families
+from qwenkit.model import registry
+from qwenkit.model.chunked import ChunkLossMixin
+from qwenkit.model.modules import path_match
+
+
+@EVERY_FAMILY
+def test_the_entry_names_its_classes_and_its_tiny_model_is_of_them(family, make_model):
+    entry = families.get(family)
+    hf, ours = entry.load("hf_class"), entry.load("subclass")
+    assert issubclass(ours, hf) and issubclass(ours, ChunkLossMixin)
+    model = make_model()  # from the tiny checkpoint its tiny_config built
+    assert type(model) is ours and model.config.model_type == entry.model_type and families.of_model(model) is entry
+
+
+@EVERY_FAMILY
+def test_parts_and_units_name_modules_of_the_familys_model(family, make_model):
+    entry, model = families.get(family), make_model()
+    modules = [name for name, _ in model.named_modules() if name]
+    for unit in (*entry.shard_units, *entry.recompute_units):
+        assert any(path_match(name, unit) for name in modules), f"{family}: {unit} matches no module"
+    for name, _ in model.named_parameters():
+        assert entry.part_of(name) is not None, f"{family}: {name} is in no parameter-count part"
+
+
+@EVERY_FAMILY
+def test_a_directory_resolves_to_its_family_and_another_name_is_refused(family, family_path):
+    assert families.resolve("auto", family_path) is families.get(family) is families.of_directory(family_path)
+    other = next(name for name in families.FAMILIES if name != family)
+    with pytest.raises(ValueError, match=rf"model\.name='{other}' but .*config.json has model_type"):
+        families.resolve(other, family_path)
+
+
+def test_unknown_names_and_model_types_name_the_known_families(tmp_path):
+    with pytest.raises(ValueError, match=r"model\.name='qwen9' is not a known family; known: qwen2_5_vl, "):
+        families.get("qwen9")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"model_type='llama' is no qwenkit family"):
+        families.resolve("auto", tmp_path)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_registry_is_the_one_list_of_families():
+    assert qconfig.MODEL_NAMES == tuple(families.FAMILIES) == FAMILIES
+    assert families.TINY_DEFAULT in families.FAMILIES
+    for family in families.FAMILIES.values():
+        assert set(family.mixers) <= set(families.MIXERS), family.name
+
+
+def _spelled(text: str, names) -> list[str]:
+    """Each family name in ``text`` as a word of its own (not inside a longer identifier)."""
+    return [m.group(0) for n in names for m in re.finditer(rf"(?<![\w]){re.escape(n)}(?![\w])", text)]
+
+
+def test_no_family_name_is_spelled_outside_the_model_package():
+    names = {n for f in families.FAMILIES.values() for n in (f.name, f.model_type)}
+    found = {}
+    for path in sorted((ROOT / "qwenkit").rglob("*.py")):
+        if (ROOT / "qwenkit" / "model") not in path.parents and (hits := _spelled(path.read_text(), names)):
+            found[str(path.relative_to(ROOT))] = hits
+    assert not found, f"family names outside qwenkit/model/ (ask the entry instead): {found}"
+    # the finder: a name as a word, not part of a longer one (a class, an HF module's file name)
+    assert _spelled('name == "qwen3_vl" or x.qwen3_vl_moe', ["qwen3_vl"]) == ["qwen3_vl"]
+    assert _spelled("modeling_qwen3_vl Qwen3VLConfig", ["qwen3_vl"]) == []
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_unset_module_patterns_are_the_familys_units(name):
+    cfg = qconfig.load(overrides=[f"model.name={name}", "parallel.recompute=auto"])
+    assert cfg.parallel.shard_patterns == "auto"
+    model = registry.build(dataclasses.replace(cfg.model, init_device="meta"))
+    family = families.of_model(model)
+    assert families.units(model, "shard_patterns", "auto") == list(family.shard_units)
+    assert families.units(model, "recompute", "auto") == list(family.recompute_units)
+    assert families.units(model, "recompute", []) == []  # recompute stays off unless asked
+    assert prespawn.check_module_paths(cfg) == []  # every unit names modules of the family's tree
+
+
+def test_params_files_do_not_copy_the_familys_units():
+    copies = []
+    for path in sorted((ROOT / "params").rglob("*.yaml")):
+        raw = qconfig.parse_yaml(path.read_text()) or {}
+        model, parallel = raw.get("model") or {}, raw.get("parallel") or {}
+        family = families.FAMILIES.get(model.get("name"), families.FAMILIES[families.TINY_DEFAULT])
+        if parallel.get("shard_patterns") == list(family.shard_units):
+            copies.append(f"{path.relative_to(ROOT)}: parallel.shard_patterns")
+        if parallel.get("recompute") == list(family.recompute_units):
+            copies.append(f"{path.relative_to(ROOT)}: parallel.recompute (write auto)")
+    assert not copies
+
+
+def test_a_layer_kind_refuses_what_it_cannot_run(monkeypatch):
+    """A family with a non-attention sequence mixer (a linear-attention layer) refuses SP, packing
+    and an attention implementation its kind does not list; attention alone refuses none of them."""
+    monkeypatch.setitem(families.MIXERS, "linear_attention",
+                        families.Mixer(sequence_parallel=False, packing=False, attn_implementations=("sdpa",)))  # fmt: skip
+    hybrid = dataclasses.replace(families.FAMILIES["qwen3_vl"], mixers=("attention", "linear_attention"))
+    cfg = qconfig.load(overrides=["parallel.nproc=2", "parallel.sp_size=2", "model.attn_implementation=eager"])
+    cfg.data.packing = True
+    problems = hybrid.problems(cfg)
+    assert [p.split(":")[0] for p in problems] == ["parallel.sp_size=2", "data.packing=true",
+                                                   "model.attn_implementation='eager'"]  # fmt: skip
+    assert all("linear_attention layers" in p for p in problems)
+    assert families.FAMILIES["qwen3_vl"].problems(cfg) == []
+
+
+def test_fused_ops_that_do_not_fit_are_refused_before_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("spawned"))
+    code = launch.launch(None, ["model.name=qwen3_vl_moe", "model.fused_ops=[rms_norm, swiglu]",
+                                f"train.output_dir={tmp_path}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "model.fused_ops: swiglu do not fit qwen3_vl_moe" in err
+
+
+@pytest.mark.parametrize(
+    "family, ep, pattern",
+    [
+        ("qwen3_vl", 2, r"qwen3_vl has no routed experts to split \(a dense family\)"),
+        ("qwen3_vl_moe", 8, r"parallel\.ep_size=8 must divide the expert count .*num_experts=4"),
+        ("qwen3_vl_moe", 2, None),
+        ("qwen2_5_vl", 1, None),
+    ],
+)
+def test_expert_parallel_needs_a_moe_checkpoint_whose_experts_it_divides(family, ep, pattern):
+    cfg = qconfig.load(overrides=[f"model.name={family}", f"parallel.nproc={ep}", f"parallel.ep_size={ep}"])
+    problems = families.problems(cfg, tiny_checkpoint(family))
+    if pattern is None:
+        assert problems == []
+    else:
+        assert any(re.search(pattern, p) for p in problems), problems

@@ -1,0 +1,115 @@
+"""Per-token log-probs and entropies from the chunked head (GRPO) vs a full-logits computation (TRL's).
+
+The kernel against ``log_softmax`` of ``F.linear``'s logits over odd shapes, chunk sizes, a bias
+and ignored rows; the model's ``token_logps`` against HF's own forward's logits on text, images
+and video, every family; the backward never builds ``[B, S, V]``.
+"""
+
+import pytest
+import torch
+from conftest import EVERY_FAMILY
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model.test_chunked import _video_batch
+from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.token_logps import full_token_logps, token_logps
+
+# fp32 on both sides; the chunked head sums the softmax in another order: a few ulps of the sums
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def _inputs(b=3, s=29, h=24, v=97, ignore_frac=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, s, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.3).requires_grad_()
+    labels = torch.randint(0, v, (b, s), generator=g)
+    labels[torch.rand(b, s, generator=g) < ignore_frac] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def _upstream(shape, seed=3):
+    """A per-token upstream gradient, as GRPO's (each token weighted by its own ratio and advantage)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 1000, "auto"])
+@pytest.mark.parametrize("frac", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_token_logps_entropies_and_grads_equal_full_logits(chunk, frac, with_bias):
+    hidden, weight, labels = _inputs(ignore_frac=frac, seed=7)
+    bias = (torch.randn(97) * 0.1).requires_grad_() if with_bias else None
+    ref, ref_ent = full_token_logps(torch.nn.functional.linear(hidden, weight, bias), labels)
+    got, ent = token_logps(hidden, weight, labels, chunk_size=chunk, bias=bias, entropy=True)
+    torch.testing.assert_close(got, ref, **FP32)
+    torch.testing.assert_close(ent, ref_ent, **FP32)
+    assert not ent.requires_grad
+    g = _upstream(got.shape)
+    tensors = (hidden, weight) + ((bias,) if with_bias else ())
+    got_grads = torch.autograd.grad((got * g).sum(), tensors, allow_unused=True)
+    for a, b in zip(got_grads, torch.autograd.grad((ref * g).sum(), tensors, allow_unused=True)):
+        if frac == 1.0:  # no label: log-probs 0 and no gradient anywhere
+            assert a is None or a.abs().max() == 0
+            continue
+        torch.testing.assert_close(a, b, **FP32)
+
+
+def test_skip_ignored_and_dense_agree_and_without_entropy_none_is_returned():
+    hidden, weight, labels = _inputs(b=2, s=33, h=16, v=64, ignore_frac=0.5, seed=2)
+    dense, ent = token_logps(hidden, weight, labels, chunk_size=8, skip_ignored=False)
+    sparse, _ = token_logps(hidden, weight, labels, chunk_size=8)
+    assert ent is None
+    torch.testing.assert_close(sparse, dense, **FP32)  # other GEMM shapes: a few ulps
+    shifted_ignored = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:] == IGNORE_INDEX
+    assert (sparse[shifted_ignored] == 0).all() and (sparse[~shifted_ignored] < 0).all()
+
+
+def test_token_logps_build_no_full_logits():
+    hidden, weight, labels = _inputs(b=2, s=64, h=16, v=512, ignore_frac=0.0)
+    sizes = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                sizes.append(out.numel())
+            return out
+
+    with Watch():
+        got, _ = token_logps(hidden, weight, labels, chunk_size=16, entropy=True)
+        (got * _upstream(got.shape)).sum().backward()
+    assert max(sizes) < 2 * 64 * 512  # never [B, S, V]: at most a [16, V] chunk or grad W [V, H]
+
+
+def test_out_of_range_labels_name_their_position():
+    hidden, weight, labels = _inputs(v=50)
+    labels[1, 5] = 99
+    with pytest.raises(IndexError, match=r"labels\[1, 5\] = 99 .*vocabulary has 50 tokens"):
+        token_logps(hidden, weight, labels)
+
+
+@EVERY_FAMILY
+@pytest.mark.parametrize("media", ["text", "images", "video"])
+def test_model_token_logps_equal_hf_full_logits_and_their_grads(make_model, batch_factory, family_processor, family, media):
+    model = make_model(chunk=True, seed=1)
+    model.configure_loss(chunk=True, chunk_size=9)
+    if media == "video":
+        batch = _video_batch(family_processor, family)
+    else:
+        batch = batch_factory(images_per_sample=(0, 0) if media == "text" else (1, 0, 2))
+    got, ent = model.token_logps(**batch, entropy=True)
+    model.chunk_loss = False  # HF's own forward: full [B, S, V] logits
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+    ref, ref_ent = full_token_logps(logits, batch["labels"])
+    torch.testing.assert_close(got, ref, **FP32)
+    torch.testing.assert_close(ent, ref_ent, **FP32)
+    assert (got != 0).sum() > 0
+    g = _upstream(got.shape)
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = torch.autograd.grad((ref * g).sum(), params, allow_unused=True)
+    model.chunk_loss = True
+    got_grads = torch.autograd.grad((model.token_logps(**batch)[0] * g).sum(), params, allow_unused=True)
+    for a, b in zip(got_grads, want):
+        if a is not None or b is not None:
+            # fp32 summation-order noise is relative to the largest terms summed: a weight gradient of
+            # magnitude 10 (Qwen3.5's linear-attention projections) differs by a few 1e-6 in its last bits
+            torch.testing.assert_close(a, b, rtol=FP32["rtol"], atol=FP32["atol"] * max(1.0, float(b.abs().max())))
