@@ -1,4 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python 3.10+, pip, PyPI only):
+#   make lab      creates .venv, installs qwenkit, starts JupyterLab at the project root (prints its URL)
 #   make report   creates .venv, installs qwenkit, runs the main job on the embedded tiny default
 #   make test     creates .venv and .venv-tf457, installs, runs the test suite on transformers 5.x
 #                 (all but the tests marked `long`) and the model/loss/data subset on 4.57.6: what CI runs
@@ -26,7 +27,7 @@ TF457_TESTS ?= tests/config tests/model/test_tiny.py tests/model/test_processor.
 # their figures with it and import it at the top, and their torch code is what compat must cover.
 COMPAT_IGNORE ?= tests/test_notebooks.py tests/notebooks/test_runner.py tests/notebooks/test_kernel.py tests/notebooks/test_widgets.py tests/notebooks/test_progress.py
 
-.PHONY: test test-all test-long test-main test-tf457 test-compat report train bench lint clean chromium
+.PHONY: test test-all test-long test-main test-tf457 test-compat lab report train bench lint clean chromium
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,12 +48,13 @@ test: test-main test-tf457
 
 test-all: test test-long
 
-# Headless Chromium (Debian's) for the test that opens a rendered report; installed when root.
+# Headless Chromium (Debian's) for the browser tests (JupyterLab and the rendered reports, driven by
+# Playwright, which cannot download its own browser here); installed when root.
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else echo "chromium not found and not root: the report browser test will skip"; fi; }
+	  else echo "chromium not found and not root: the browser tests will skip"; fi; }
 
 test-main: $(VENV)/.installed chromium
 	$(VENV)/bin/python $(PYTEST) -m "not long"
@@ -65,6 +67,13 @@ test-tf457: $(VENV457)/.installed
 
 test-compat: $(VENVCOMPAT)/.installed
 	$(VENVCOMPAT)/bin/python -m pytest -q -rs $(addprefix --ignore=,$(COMPAT_IGNORE))
+
+# JupyterLab at the project root: notebooks/ and the reports under reports/ in one file browser.
+# LAB_ARGS for more (e.g. LAB_ARGS="--port 9999 --no-browser" on a remote machine).
+LAB_ARGS ?=
+lab: $(VENV)/.installed
+	@echo "JupyterLab at $(CURDIR): open the URL with the token printed below; notebooks/ holds the notebooks"
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 report: $(VENV)/.installed
 	$(VENV)/bin/qwenkit notebooks run --params default

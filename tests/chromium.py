@@ -1,39 +1,58 @@
-"""Open an HTML file in headless Chromium and report what drew and what went wrong.
+"""Headless Chromium for the browser tests: Debian's ``chromium`` driven by Playwright.
 
-Drives Chromium over the DevTools protocol (``websocket-client``): navigates to the file, waits
-until the number of drawn plotly charts stops changing, and returns the page's JS exceptions,
-console errors and every request that left the file (a standalone report makes none).
+``playwright install`` downloads its own browser, which these machines cannot; :func:`launch` starts
+the system's ``chromium`` instead (Playwright speaks its DevTools protocol). :func:`open_page` opens
+an HTML file and reports what drew and what went wrong; :func:`poke_chart` does to one plotly chart
+what a reader does (a legend click, a zoom, a narrower window) and measures it after each, in a
+rendered report or in JupyterLab (:mod:`jupyterlab`).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import tempfile
 import time
-import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--remote-debugging-port=0", "--remote-allow-origins=*",
-]  # fmt: skip
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
+VIEWPORT = {"width": 1400, "height": 1000}
 
 # For each plotly div: drew an SVG (.main-svg), and how many data traces it drew.
-PROBE = """(() => {
-  const divs = [...document.querySelectorAll('.plotly-graph-div')];
-  return JSON.stringify(divs.map(d => ({
+PROBE = """() => [...document.querySelectorAll('.plotly-graph-div')].map(d => ({
     svg: d.querySelectorAll('svg.main-svg').length,
     traces: d.querySelectorAll('g.trace, g.table').length,
     plotly: typeof window.Plotly !== 'undefined',
-  })));
-})()"""
+}))"""
+SIZE = "e => { const r = e.getBoundingClientRect(); return [Math.round(r.width), Math.round(r.height)]; }"
 
 
 def executable() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def available_reason() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    if executable() is None:
+        return "chromium is not installed (Debian: apt-get install -y chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install playwright)"
+    return None
+
+
+@contextmanager
+def launch():
+    """A headless Chromium (the system's) under Playwright; yields the browser."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable(), args=ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 @dataclass
@@ -44,111 +63,82 @@ class PageReport:
     external_requests: list[str] = field(default_factory=list)
 
 
-def open_page(path: str | Path, timeout_s: float = 60.0) -> PageReport:
-    import websocket
-
-    profile = tempfile.mkdtemp(prefix="qwenkit-chromium-")
-    proc = subprocess.Popen(
-        [executable(), *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        port = _devtools_port(Path(profile), proc, timeout_s)
-        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
-        page = next(t for t in targets if t["type"] == "page")
-        ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=timeout_s, suppress_origin=True)
-        try:
-            return _drive(ws, Path(path).resolve().as_uri(), timeout_s, websocket.WebSocketTimeoutException)
-        finally:
-            ws.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        shutil.rmtree(profile, ignore_errors=True)
+def watch(page, report: PageReport) -> PageReport:
+    """Record ``page``'s JS exceptions, console errors and requests that leave the file into ``report``."""
+    page.on("pageerror", lambda e: report.exceptions.append(str(e)))
+    page.on("console", lambda m: report.console_errors.append(m.text) if m.type in ("error", "assert") else None)
+    page.on("request", lambda r: None if r.url.startswith(("file:", "data:", "about:", "blob:"))
+            else report.external_requests.append(r.url))  # fmt: skip
+    return report
 
 
-def _devtools_port(profile: Path, proc: subprocess.Popen, timeout_s: float) -> int:
-    marker = profile / "DevToolsActivePort"
+def settle_charts(page, timeout_s: float = 60.0) -> list[dict]:
+    """Wait until the drawn plotly charts stop changing (plotly draws asynchronously); returns :data:`PROBE`'s."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"chromium exited with code {proc.returncode} before opening DevTools")
-        if marker.is_file() and marker.read_text().strip():
-            return int(marker.read_text().split()[0])
-        time.sleep(0.1)
-    raise TimeoutError("chromium did not open its DevTools port")
-
-
-def _drive(ws, url: str, timeout_s: float, timeout_error: type[Exception]) -> PageReport:
-    report = PageReport()
-    next_id = iter(range(1, 10**6))
-    pending: dict[int, dict] = {}
-
-    def send(method: str, **params) -> int:
-        i = next(next_id)
-        ws.send(json.dumps({"id": i, "method": method, "params": params}))
-        return i
-
-    def pump(until_id: int | None = None, until_event: str | None = None, deadline: float = 0.0):
-        while time.monotonic() < deadline:
-            ws.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                msg = json.loads(ws.recv())
-            except timeout_error:
-                return None
-            if "id" in msg:
-                pending[msg["id"]] = msg
-                if msg["id"] == until_id:
-                    return msg
-                continue
-            _record(report, msg)
-            if msg.get("method") == until_event:
-                return msg
-        return None
-
-    deadline = time.monotonic() + timeout_s
-    for method in ("Runtime.enable", "Log.enable", "Network.enable", "Page.enable"):
-        pump(until_id=send(method), deadline=deadline)
-    send("Page.navigate", url=url)
-    if pump(until_event="Page.loadEventFired", deadline=deadline) is None:
-        raise TimeoutError(f"{url} did not finish loading in {timeout_s} s")
     last, stable_since = None, time.monotonic()
-    while time.monotonic() < deadline:  # plotly draws asynchronously: wait until nothing changes
-        reply = pump(until_id=send("Runtime.evaluate", expression=PROBE, returnByValue=True), deadline=deadline)
-        charts = json.loads(reply["result"]["result"]["value"])
+    while time.monotonic() < deadline:
+        charts = page.evaluate(PROBE)
         if charts != last:
             last, stable_since = charts, time.monotonic()
         elif time.monotonic() - stable_since > 1.5:
             break
-        pump(deadline=time.monotonic() + 0.3)
-    report.charts = last or []
-    return report
+        page.wait_for_timeout(300)
+    return last or []
 
 
-def _record(report: PageReport, msg: dict) -> None:
-    method, params = msg.get("method"), msg.get("params", {})
-    if method == "Runtime.exceptionThrown":
-        d = params["exceptionDetails"]
-        report.exceptions.append(d.get("exception", {}).get("description") or d.get("text", "exception"))
-    elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-        report.console_errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params["args"]))
-    elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
-        report.console_errors.append(params["entry"]["text"])
-    elif method == "Network.requestWillBeSent":
-        url = params["request"]["url"]
-        if not url.startswith(("file:", "data:", "about:", "blob:")):
-            report.external_requests.append(url)
+def open_page(path: str | Path, timeout_s: float = 60.0, check=None) -> PageReport:
+    """Open an HTML file and report its charts, errors and outside requests; ``check(page)``, if
+    given, runs on the loaded page before the browser closes."""
+    with launch() as browser:
+        page = browser.new_page(viewport=VIEWPORT)
+        report = watch(page, PageReport())
+        page.goto(Path(path).resolve().as_uri(), timeout=timeout_s * 1000)
+        report.charts = settle_charts(page, timeout_s)
+        if check is not None:
+            check(page)
+        return report
 
 
-def available_reason() -> str | None:
-    """Why the browser test cannot run here, or None."""
-    if executable() is None:
-        return "chromium is not installed (Debian: apt-get install -y chromium)"
-    try:
-        import websocket  # noqa: F401
-    except ImportError:
-        return "websocket-client is not installed (pip install websocket-client)"
-    return None
+def chart_sizes(page) -> list[list[int]]:
+    """Width and height in px of every drawn plotly chart on ``page``."""
+    return page.eval_on_selector_all(".js-plotly-plot", f"els => els.map({SIZE})")
+
+
+def charts_with_legend(page) -> list[int]:
+    """Indices (among ``.js-plotly-plot``) of the charts that have a clickable legend entry."""
+    return page.eval_on_selector_all(".js-plotly-plot", "els => els.map((e, i) => "
+                                     "e.querySelector('g.legend rect.legendtoggle') ? i : -1).filter(i => i >= 0)")  # fmt: skip
+
+
+def poke_chart(page, index: int, pause_ms: int = 800) -> dict[str, list[int]]:
+    """Click the first legend entry of chart ``index``, drag a zoom box over its plot area, and
+    narrow the window; its ``[width, height]`` before and after each (the window is restored)."""
+    chart = page.locator(".js-plotly-plot").nth(index)
+    chart.scroll_into_view_if_needed()
+    sizes = {"before": chart.evaluate(SIZE)}
+    chart.locator("g.legend rect.legendtoggle").first.click()
+    page.wait_for_timeout(pause_ms)
+    sizes["legend click"] = chart.evaluate(SIZE)
+    box = chart.locator("rect.nsewdrag").first.bounding_box()
+    x, y, w, h = box["x"], box["y"], box["width"], box["height"]
+    page.mouse.move(x + w * 0.3, y + h * 0.3)
+    page.mouse.down()
+    page.mouse.move(x + w * 0.6, y + h * 0.6, steps=5)
+    page.mouse.up()
+    page.wait_for_timeout(pause_ms)
+    sizes["zoom"] = chart.evaluate(SIZE)
+    viewport = page.viewport_size
+    page.set_viewport_size({"width": viewport["width"] * 2 // 3, "height": viewport["height"]})
+    page.wait_for_timeout(pause_ms * 2)
+    sizes["narrower window"] = chart.evaluate(SIZE)
+    page.set_viewport_size(viewport)
+    page.wait_for_timeout(pause_ms)
+    return sizes
+
+
+def assert_keeps_size(sizes: dict[str, list[int]]) -> None:
+    """A chart keeps its height through :func:`poke_chart` (plotly's layout height) and stays drawn."""
+    width, height = sizes["before"]
+    assert width > 100 and height > 100, sizes
+    for what, (w, h) in sizes.items():
+        assert h == height and w > 100, f"after the {what} the chart is {w} x {h} px, was {width} x {height}: {sizes}"

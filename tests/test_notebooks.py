@@ -288,12 +288,21 @@ NO_BROWSER = chromium.available_reason()
 @pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))
 @pytest.mark.parametrize("name", [_tier(n) for n in ("02_sharded_training", "03_chunk_loss_validation", "05_compare_runs")])
 def test_report_charts_draw_in_chromium_without_errors(request, name):
-    page = chromium.open_page(_smoke(request, name)[0] / f"{name}.html")
+    """Every chart draws, offline, and the first with a legend keeps its size through a legend
+    click, a zoom and a narrower window (as in JupyterLab: tests/test_lab.py)."""
+    poked = []
+
+    def poke_first_legend(page):
+        poked.extend(chromium.poke_chart(page, i) for i in chromium.charts_with_legend(page)[:1])
+
+    page = chromium.open_page(_smoke(request, name)[0] / f"{name}.html", check=poke_first_legend)
     assert page.exceptions == [] and page.console_errors == [], (page.exceptions, page.console_errors)
     assert page.external_requests == [], "a standalone report must not fetch anything"
     assert len(page.charts) >= 3
     for chart in page.charts:
         assert chart["svg"] >= 1 and chart["traces"] >= 1, f"a plotly chart did not draw: {page.charts}"
+    assert len(poked) == 1, f"{name}: no chart with a legend"
+    chromium.assert_keeps_size(poked[0])
 
 
 @pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))

@@ -129,6 +129,28 @@ def left_pad(prompts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[
     return batch
 
 
+def reply_text(tokenizer, ids: list[int]) -> str:
+    """The text of token ``ids`` (special tokens left out), with bytes that are not UTF-8 as escapes.
+
+    An untrained (or sampling) model's tokens can end or break a multi-byte character; the
+    tokenizer decodes those bytes to U+FFFD each, which reads as "\ufffd" on every row alike.
+    With a byte-level vocabulary (Qwen's BPE) the token strings map back to their bytes, which are
+    decoded with ``backslashreplace`` instead: ``b"\\xe4"`` shows as ``\\xe4``. Valid text decodes
+    exactly as the tokenizer decodes it.
+    """
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if "\ufffd" not in text:
+        return text
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    # ids past the tokenizer's vocabulary (a model's embedding can be larger) have no piece; decode drops them too
+    pieces = [p for p in tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=True) if p is not None]
+    if not all(c in byte_of for piece in pieces for c in piece):
+        return text  # not a byte-level vocabulary: the tokenizer's own decoding
+    return bytes(byte_of[c] for piece in pieces for c in piece).decode("utf-8", errors="backslashreplace")
+
+
 def generation_config(sampling: Sampling, eos_token_id: int, pad_token_id: int) -> GenerationConfig:
     if sampling.temperature > 0:
         how = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
@@ -185,7 +207,7 @@ def generate_rows(
                     new = new[: new.index(im_end)] if im_end in new else new  # then pads, once a row ends
                     prompt = "\n".join(f"{role}: {text}" for role, text in conv.turns[:-1])
                     images = [str(r.path) if r.path is not None else r.label for r in dataset.image_refs(i, conv)]
-                    reply = tok.decode(new, skip_special_tokens=True)
+                    reply = reply_text(tok, new)
                     done[i] = Generation(i, prompt, images, conv.turns[-1][1], reply, new)
     finally:
         model.train(was_training)

@@ -21,7 +21,12 @@ from plotly.io import base_renderers
 from plotly.subplots import make_subplots
 
 RENDERER = "qwenkit"
-PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
+# JupyterLab's plotly renderer sizes a chart itself (to its panel, on every resize); plotly's
+# `responsive` on top of it collapsed a chart to 0 px at a legend click (issue 45). A report page
+# has no such renderer, so there `responsive` lets a chart follow the window's width (the height
+# is the layout's in both).
+LAB_CONFIG = {"displaylogo": False}
+REPORT_CONFIG = {**LAB_CONFIG, "responsive": True}
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 REFERENCE_COLOUR = "#7f7f7f"  # recorded reference points: grey, never a run's colour
 
@@ -30,9 +35,9 @@ class ReportRenderer(base_renderers.MimetypeRenderer):
     """plotly's JSON for JupyterLab plus an offline HTML div for nbconvert (no plotly.js in it)."""
 
     def to_mimebundle(self, fig_dict):
-        bundle = base_renderers.PlotlyRenderer(PLOTLY_CONFIG).to_mimebundle(dict(fig_dict))
+        bundle = base_renderers.PlotlyRenderer(LAB_CONFIG).to_mimebundle(dict(fig_dict))
         bundle["text/html"] = pio.to_html(
-            fig_dict, config=PLOTLY_CONFIG, include_plotlyjs=False, include_mathjax=False, full_html=False
+            fig_dict, config=REPORT_CONFIG, include_plotlyjs=False, include_mathjax=False, full_html=False
         )
         return bundle
 
@@ -145,6 +150,15 @@ def training_metrics(rows: Sequence[dict[str, Any]], title: str = "Training metr
         if unit:
             fig.update_yaxes(title_text=unit, row=row, col=col)
     return _finish(fig, title, height=300 * nrows)
+
+
+def live_progress(steps: Sequence[int], loss: Sequence[float], tokens_per_s: Sequence[float], title: str) -> go.Figure:
+    """A training run's loss and tokens/s by step, so far (the live view while it trains)."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["loss", "tokens/s (rank 0)"], horizontal_spacing=0.1)
+    fig.add_trace(go.Scatter(x=list(steps), y=list(loss), mode="lines", line_color=COLOURS[0], showlegend=False), 1, 1)
+    fig.add_trace(go.Scatter(x=list(steps), y=list(tokens_per_s), mode="lines", line_color=COLOURS[2], showlegend=False), 1, 2)
+    fig.update_xaxes(title_text="step")
+    return _finish(fig, title, height=320)
 
 
 def resume_overlay(

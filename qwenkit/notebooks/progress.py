@@ -3,7 +3,8 @@
 A run logs one line per step; a report that showed them all would open on screens of log
 before its first figure. :class:`RunLog` takes a run's lines and events (``runs.train``'s ``echo``)
 and, live in JupyterLab, draws a ``tqdm.notebook`` bar per run from its step events (step, loss,
-tokens/s, ETA; :mod:`qwenkit.engine.events`);
+tokens/s, ETA; :mod:`qwenkit.engine.events`) and :class:`LiveCurves`, the loss and tokens/s
+curves redrawn in place as the run's ``events.jsonl`` grows;
 in a batch report (``qwenkit notebooks run`` sets :data:`REPORT_ENV`) it shows nothing while
 the run goes, and :meth:`RunLog.show` puts the log in a ``<details>`` block holding its first
 and last lines, below the summary the notebook displays first. :class:`SweepLog` does the same
@@ -14,11 +15,14 @@ for each trial of ``qwenkit.sweep.run`` (its ``progress`` argument), with one re
 from __future__ import annotations
 
 import html
+import math
 import os
+import time
 from typing import Any
 
 from IPython.display import HTML, display
 
+from qwenkit.notebooks import plots
 from qwenkit.sweep.ledger import result_text
 
 REPORT_ENV = "QWENKIT_REPORT"  # set by the runner: the kernel renders a report, nobody watches it live
@@ -63,15 +67,51 @@ class _Bar:
             self.bar.close()
 
 
+class LiveCurves:
+    """A run's loss and tokens/s while it trains, from its step events (``runs.train`` follows the
+    run's ``events.jsonl`` with :class:`qwenkit.engine.events.Follower`): one figure, displayed at
+    the first step and updated in place, at most every ``every_s`` seconds and at :meth:`close`."""
+
+    def __init__(self, title: str, every_s: float = 1.0):
+        self.title, self.every_s = title, every_s
+        self.steps: dict[int, tuple[float, float]] = {}  # step -> (loss, tokens/s); a re-logged step: the last
+        self._handle = None
+        self._drawn_at, self._drawn = -math.inf, 0
+
+    def feed(self, event: dict[str, Any]) -> None:
+        if event.get("event") != "step":
+            return
+        self.steps[event["step"]] = (event["loss"], event["tokens_per_s"])
+        if time.monotonic() - self._drawn_at >= self.every_s:
+            self.draw()
+
+    def figure(self):
+        steps = sorted(self.steps)
+        return plots.live_progress(steps, [self.steps[s][0] for s in steps], [self.steps[s][1] for s in steps],
+                                   f"{self.title}: step {steps[-1] if steps else 0}")  # fmt: skip
+
+    def draw(self) -> None:
+        if self._handle is None:
+            self._handle = display(self.figure(), display_id=True)
+        else:
+            self._handle.update(self.figure())
+        self._drawn_at, self._drawn = time.monotonic(), len(self.steps)
+
+    def close(self) -> None:
+        if self.steps and self._drawn != len(self.steps):
+            self.draw()
+
+
 class RunLog:
-    """``echo`` for ``runs.train``: every line kept; a live bar from the run's events in JupyterLab
-    (:meth:`event`); :meth:`show` the log."""
+    """``echo`` for ``runs.train``: every line kept; a live bar and :class:`LiveCurves` from the
+    run's events in JupyterLab (:meth:`event`); :meth:`show` the log."""
 
     def __init__(self, label: str, interactive: bool | None = None):
         self.label = label
         self.interactive = live() if interactive is None else interactive
         self.lines: list[str] = []
         self._bar = _Bar(label) if self.interactive else None
+        self._curves = LiveCurves(label) if self.interactive else None
 
     def __call__(self, line: str) -> None:
         self.lines.append(line)
@@ -79,10 +119,12 @@ class RunLog:
     def event(self, event: dict[str, Any]) -> None:
         if self._bar is not None:
             self._bar.feed(event)
+            self._curves.feed(event)
 
     def show(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._curves.close()
         display(HTML(details_html(f"log of {self.label}", self.lines)))
 
 

@@ -5,8 +5,9 @@ For each selected notebook ``notebooks/NN_name.ipynb`` and parameter set ``param
 1. the YAML's keys are checked against the notebook's ``parameters`` cell (a typo fails before
    any kernel starts);
 2. papermill runs the notebook under the standard ``python3`` kernel into
-   ``reports/<run>/NN_name.ipynb``, with ``output_dir = reports/<run>/NN_name/`` injected: the
-   notebook writes its CSV/JSONL results and ``metrics.json`` there;
+   ``reports/<run>/NN_name.ipynb``, with ``output_dir = reports/<run>/NN_name/`` injected (the
+   notebook writes its CSV/JSONL results and ``metrics.json`` there) and :data:`BATCH_VALUES`
+   (``interactive = False``: the notebook's own defaults are for a person in JupyterLab);
 3. nbconvert renders ``reports/<run>/NN_name.html``: code hidden, a run-info header added,
    no CDN script (plotly.js is embedded by :func:`qwenkit.notebooks.plots.setup`), so it works offline;
 4. ``reports/<run>/index.html`` links every report with the one-line summary from its
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 KERNEL = "python3"
 OUTPUT_PARAM = "output_dir"  # every notebook has it; the runner sets it
+# A notebook's defaults are a person's in JupyterLab; a batch run (papermill, a report) overrides
+# these wherever the notebook has them: no live widgets, which a rendered page could not drive.
+BATCH_VALUES: dict[str, Any] = {"interactive": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +94,17 @@ def load_params(notebook: Path, name: str, root: Path | None = None) -> dict[str
                          f"known: {', '.join(known)}")  # fmt: skip
     if OUTPUT_PARAM in values:
         raise ValueError(f"{path}: {OUTPUT_PARAM!r} is set by the runner (reports/<run>/<notebook>/), leave it out")
+    batch = [k for k in values if k in BATCH_VALUES]
+    if batch:
+        raise ValueError(f"{path}: {', '.join(map(repr, batch))} is set by the runner for every batch run "
+                         f"({', '.join(f'{k}={v!r}' for k, v in BATCH_VALUES.items())}), leave it out")  # fmt: skip
     return values
+
+
+def batch_parameters(notebook: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with :data:`BATCH_VALUES` for the parameters ``notebook`` has."""
+    known = notebook_parameters(notebook)
+    return {**values, **{k: v for k, v in BATCH_VALUES.items() if k in known}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +145,7 @@ def execute(notebook: Path, out_dir: Path, params_name: str, values: dict[str, A
     stem = notebook.stem
     results_dir = out_dir / stem
     results_dir.mkdir(parents=True, exist_ok=True)
-    parameters = {**values, OUTPUT_PARAM: str(results_dir)}
+    parameters = {**batch_parameters(notebook, values), OUTPUT_PARAM: str(results_dir)}
     out_nb = out_dir / f"{stem}.ipynb"
     t0 = time.perf_counter()
     error = None

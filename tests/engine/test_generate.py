@@ -160,7 +160,7 @@ def test_batched_generation_equals_one_row_at_a_time(stock_and_replies, mixed_ev
     assert [r.index for r in rows] == indices
     assert [r.tokens for r in rows] == want
     tok = mixed_eval_set.processor.tokenizer
-    assert [r.generated for r in rows] == [tok.decode(t, skip_special_tokens=True) for t in want]
+    assert [r.generated for r in rows] == [qgen.reply_text(tok, t) for t in want]  # the tokens as text, broken bytes escaped
 
 
 def test_sampling_is_seeded_per_rank_and_leaves_the_training_rng_alone(stock_and_replies, mixed_eval_set):
@@ -208,3 +208,22 @@ def test_auto_gathers_only_when_the_copy_kv_cache_and_margin_fit(monkeypatch):
     model.config = None  # an explicit setting is not measured
     assert qgen.choose_generation("lockstep", model, qgen.Sampling(8), 10, "cpu")[0] == "lockstep"
     assert qgen.choose_generation("gather", model, qgen.Sampling(8), 10, "cpu")[0] == "gather"
+
+
+def test_reply_text_shows_broken_bytes_as_escapes_and_valid_text_as_the_tokenizer_does(family_processor):
+    """A reply whose tokens split a multi-byte character: its bytes as ``\\xNN``, not U+FFFD (what
+    the gallery of notebook 02 showed for an untrained model); valid text is the tokenizer's own."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from qwenkit.engine import generate
+
+    tok = family_processor.tokenizer
+    byte_token = {b: tok.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+    utf8 = "é".encode()  # two bytes; the first alone is no character
+    beyond = len(tok) + 3  # an untrained model's embedding rows past the tokenizer's vocabulary
+    ids = [byte_token[utf8[0]], beyond, *tok.encode("red", add_special_tokens=False)]
+    assert "\ufffd" in tok.decode(ids, skip_special_tokens=True)  # what the tokenizer shows
+    assert generate.reply_text(tok, ids) == (utf8[:1] + b"red").decode("utf-8", errors="backslashreplace")
+    assert generate.reply_text(tok, ids) == "\\xc3red"
+    whole = tok.encode("a red circle é", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert generate.reply_text(tok, whole) == tok.decode(whole, skip_special_tokens=True) == "a red circle é"

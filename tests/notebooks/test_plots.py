@@ -2,7 +2,9 @@
 
 import json
 
+import chromium
 import plotly.graph_objects as go
+import pytest
 
 from qwenkit.notebooks import perf, plots
 
@@ -37,10 +39,13 @@ def test_resume_overlay_draws_both_curves_and_their_difference():
     assert tuple(fig.layout.xaxis.range) == (260.5, 300.5)  # the resumed steps and as many before them
 
 
+def _curve_rows():
+    return [{"step": s, "mode": m, "loss": 5.0 - s + (1e-7 if m == "chunk" else 0)} for m in ("full", "chunk")
+            for s in (1, 2, 3)]  # fmt: skip
+
+
 def test_loss_curves_and_chunk_figures():
-    curves = [{"step": s, "mode": m, "loss": 5.0 - s + (1e-7 if m == "chunk" else 0)} for m in ("full", "chunk")
-              for s in (1, 2, 3)]
-    fig = plots.loss_curves(curves)
+    fig = plots.loss_curves(_curve_rows())
     assert len(fig.data) == 3 and max(abs(v) for v in fig.data[2].y) < 1e-6
     cases = [{"modality": mo, "loss_type": "token_mean", "chunk_size": c, "grad_max_abs_diff": 1e-8,
               "loss_abs_diff": 0.0} for mo in ("text", "image-text") for c in (7, 64)]
@@ -90,3 +95,28 @@ def test_report_renderer_bundle_has_json_for_lab_and_html_without_plotlyjs_or_cd
     assert "Plotly.newPlot" in html and "<script src=" not in html and len(html) < 100_000
     js = plots.plotlyjs_html()
     assert len(js) > 1_000_000 and "window.define = undefined" in js  # plotly.js itself, AMD hidden while it loads
+
+
+def test_lab_charts_are_not_responsive_report_charts_are():
+    """JupyterLab's renderer sizes charts itself; plotly's `responsive` there collapsed a chart to
+    0 px at a legend click (tests/test_lab.py clicks it). A report page has only plotly.js."""
+    bundle = plots.ReportRenderer().to_mimebundle(plots.loss_curves(_curve_rows()).to_dict())
+    assert "responsive" not in bundle["application/vnd.plotly.v1+json"].get("config", {})
+    assert '"responsive": true' in bundle["text/html"]
+
+
+NO_BROWSER = chromium.available_reason()
+
+
+@pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))
+def test_a_report_chart_keeps_its_size_on_legend_click_zoom_and_resize(tmp_path):
+    """The renderer's HTML as a report holds it, in Chromium: a legend click, a zoom box and a
+    narrower window leave the chart's height as it was (and it stays drawn)."""
+    bundle = plots.ReportRenderer().to_mimebundle(plots.loss_curves(_curve_rows()).to_dict())
+    page = tmp_path / "report.html"
+    page.write_text(f"<html><body>{plots.plotlyjs_html()}{bundle['text/html']}</body></html>")
+    sizes = {}
+    report = chromium.open_page(page, check=lambda p: sizes.update(chromium.poke_chart(p, 0)))
+    assert report.exceptions == [] and report.console_errors == [], (report.exceptions, report.console_errors)
+    chromium.assert_keeps_size(sizes)
+    assert sizes["narrower window"][0] < sizes["before"][0]  # responsive: it follows the window's width

@@ -28,10 +28,10 @@ def test_list_parameters():
         kernel.int_list("7,big")
 
 
-def _notebook(folder: Path, name: str, code: str) -> Path:
+def _notebook(folder: Path, name: str, code: str, params: str = "") -> Path:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell('output_dir = "x"  # where results go')
+    params = nbformat.v4.new_code_cell(params + 'output_dir = "x"  # where results go')
     params.metadata["tags"] = ["parameters"]
     nb.cells = [nbformat.v4.new_markdown_cell(f"# {name}"), params, nbformat.v4.new_code_cell(code)]
     src = folder / "notebooks" / f"{name}.ipynb"
@@ -59,6 +59,21 @@ def test_qwenkit_notebooks_run_takes_the_cell_timeout(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--cell-timeout must be a whole number of seconds > 0, got 0" in err, err
     assert not (tmp_path / "r2").exists()
+
+
+def test_a_batch_run_overrides_a_persons_defaults(tmp_path):
+    """A notebook's own ``interactive = True`` is for JupyterLab; the runner runs it with False, and
+    a parameter set may not ask for widgets in a report."""
+    src = _notebook(tmp_path, "09_widgets", "assert interactive is False, interactive",
+                    params="interactive = True  # widgets\n")  # fmt: skip
+    outcome = runner.execute(src, tmp_path / "reports", "smoke", {})
+    assert outcome.error is None and outcome.values["interactive"] is False
+    (tmp_path / "params" / "09_widgets").mkdir(parents=True)
+    (tmp_path / "params" / "09_widgets" / "live.yaml").write_text("interactive: true\n")
+    with pytest.raises(ValueError, match="'interactive' is set by the runner for every batch run"):
+        runner.load_params(src, "live", tmp_path)
+    plain = _notebook(tmp_path, "09_plain", "pass")
+    assert runner.batch_parameters(plain, {"a": 1}) == {"a": 1}  # only the parameters a notebook has
 
 
 def test_a_failed_notebook_is_rendered_and_indexed(tmp_path):
