@@ -19,12 +19,11 @@ reference answer and the row's other columns (a user's reward may read them; the
   ``rewards/<function's name>``.
 
 A reward that returns no number, or a value that is not finite, stops the run with one line naming
-the reward and the row (:func:`finite_reward`).
+the reward and the row (:func:`qwenkit.engine.answers.user_score`, the eval metrics' check).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 
@@ -37,16 +36,6 @@ Reward = Callable[..., float]  # reward(prediction, reference, **row) -> float
 _NUMBER = r"-?\d+(?:\.\d+)?"
 _BOX = re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]")
 PER_MILLE = 1000.0  # Qwen3-VL's relative coordinates span 0..1000
-
-
-def finite_reward(name: str, value, row: str) -> float:
-    """``value`` as a float, or a ``ValueError`` naming the reward and the row when it is not a finite number."""
-    if not isinstance(value, (int, float)) or not math.isfinite(value):  # bool is an int: a match counts 1
-        raise ValueError(
-            f"grpo.rewards: {name!r} returned {value!r} ({type(value).__name__}) for {row}; a reward must return a "
-            "finite float"
-        )
-    return float(value)
 
 
 def answer_text(text: str, tag: str) -> str:
@@ -148,9 +137,11 @@ def score(
     for i, (prediction, reference, row, where) in enumerate(zip(predictions, references, rows, row_names, strict=True)):
         extra = {k: v for k, v in row.items() if k not in ("prediction", "reference")}
         for k, (name, reward) in enumerate(rewards.items()):
-            values[i, k] = finite_reward(name, reward(prediction, reference, **extra), where)
+            # the eval metrics' one check of a user's scoring function: any finite number (no [0, 1] bound)
+            values[i, k] = answers.user_score(reward, f"grpo.rewards {name!r}", where, prediction, reference,
+                                              bounds=None, **extra)  # fmt: skip
     return values, values @ torch.tensor(weights, dtype=torch.float32)
 
 
-__all__ = ["Reward", "answer_text", "box_iou", "finite_reward", "first_box", "format_reward", "iou_reward", "resolve",
+__all__ = ["Reward", "answer_text", "box_iou", "first_box", "format_reward", "iou_reward", "resolve",
            "score"]  # fmt: skip

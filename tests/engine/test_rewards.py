@@ -87,5 +87,17 @@ def test_a_reward_that_is_not_a_finite_number_names_the_reward_and_the_row(value
     def broken(prediction, reference, **row):
         return value
 
-    with pytest.raises(ValueError, match=r"^grpo\.rewards: 'broken' returned .* for t\.jsonl row 7; a reward must return a finite float$"):
+    with pytest.raises(ValueError, match=r"^grpo\.rewards 'broken' returned .* on t\.jsonl row 7; it must return a float$|"
+                                         r"^grpo\.rewards 'broken' returned .* on t\.jsonl row 7; a score must be a finite number$"):
         rewards.score({"broken": broken}, [], ["x"], ["y"], [{}], ["t.jsonl row 7"])
+
+
+def test_a_reward_that_raises_names_the_reward_and_the_row_and_numpy_scalars_count():
+    def raising(prediction, reference, **row):
+        raise KeyError("box")
+
+    with pytest.raises(ValueError, match=r"^grpo\.rewards 'raising' raised KeyError: 'box' on t\.jsonl row 3$"):
+        rewards.score({"raising": raising}, [], ["x"], ["y"], [{}], ["t.jsonl row 3"])
+    numpy = pytest.importorskip("numpy")
+    _, total = rewards.score({"np": lambda p, r, **row: numpy.float32(2.5)}, [], ["x"], ["y"], [{}], ["t.jsonl row 0"])
+    assert total.tolist() == [2.5]  # any finite number: rewards are not bounded to [0, 1]
