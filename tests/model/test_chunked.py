@@ -6,7 +6,7 @@ MoE tiny configs have the router's auxiliary loss on, so the equality includes i
 
 import pytest
 import torch
-from conftest import EVERY_FAMILY
+from conftest import EVERY_FAMILY, FAMILIES, over_families
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
@@ -408,7 +408,7 @@ def test_family_comes_from_the_checkpoint_and_a_mismatch_is_refused(family_path)
         registry.build(cfg.model)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"], indirect=True)
+@over_families(*[name for name in FAMILIES if families.get(name).aux_loss])  # the MoE families
 def test_moe_aux_loss_is_in_the_training_loss_as_hf_adds_it(make_model, batch_factory):
     """The tiny MoE has output_router_logits on: HF's loss includes coef x aux, and so must ours
     (the family equality tests above would miss a dropped aux term if it were zero)."""
