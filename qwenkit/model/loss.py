@@ -331,19 +331,26 @@ class _ChunkedSequenceLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_sums):
         hidden, weight, bias, targets, seq, rows = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         # -g[b] on every labelled position of sequence b, 0 elsewhere: _chunk_pass's loss is
         # sum w * (-logp), so these weights give the gradient of sum_b g[b] * logp_b
         weights = torch.where(targets != IGNORE_INDEX, -grad_sums.float()[seq], 0.0)  # [N]
-        with _autocast_off(hidden.device.type):
-            b_c = bias.to(ctx.dtype) if bias is not None else None
-            _, gh, gw, gb = _chunk_pass(
-                hidden.to(ctx.dtype), weight.to(ctx.dtype), b_c, targets, weights, rows, ctx.chunk, need_h, need_w, need_b
-            )
-        gh = gh.to(hidden.dtype) if gh is not None else None
-        gw = gw.to(weight.dtype) if gw is not None else None
-        gb = gb.to(bias.dtype) if gb is not None else None
-        return gh, gw, gb, None, None, None, None, None, None
+        return (*logp_grads(ctx, hidden, weight, bias, targets, rows, weights), None, None, None, None, None, None)
+
+
+def logp_grads(ctx, hidden, weight, bias, targets, rows, weights):
+    """The gradients (hidden, weight, bias; None where not needed) of ``sum weights * (-logp)`` by one
+    more chunked pass: the backward of every log-prob head (per sequence here, per token in
+    :mod:`qwenkit.model.token_logps`), whose upstream gradient becomes the per-position ``weights``."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    with _autocast_off(hidden.device.type):
+        b_c = bias.to(ctx.dtype) if bias is not None else None
+        _, gh, gw, gb = _chunk_pass(
+            hidden.to(ctx.dtype), weight.to(ctx.dtype), b_c, targets, weights, rows, ctx.chunk, need_h, need_w, need_b
+        )
+    gh = gh.to(hidden.dtype) if gh is not None else None
+    gw = gw.to(weight.dtype) if gw is not None else None
+    gb = gb.to(bias.dtype) if gb is not None else None
+    return gh, gw, gb
 
 
 def sequence_logps(
@@ -426,6 +433,7 @@ __all__ = [
     "auto_chunk_size",
     "chunked_linear_cross_entropy",
     "compute_dtype",
+    "logp_grads",
     "full_cross_entropy",
     "full_sequence_logps",
     "sequence_logps",

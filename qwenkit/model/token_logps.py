@@ -27,11 +27,11 @@ from qwenkit.model.loss import (
     IGNORE_INDEX,
     _autocast_off,
     _check_inputs,
-    _chunk_pass,
     _keep_on_device,
     _raise_out_of_range,
     auto_chunk_size,
     compute_dtype,
+    logp_grads,
     shift_labels,
 )  # fmt: skip
 
@@ -85,17 +85,8 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, _grad_ents):
         hidden, weight, bias, targets, rows = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         weights = torch.where(targets != IGNORE_INDEX, -grad_logps.float().reshape(-1), 0.0)  # [N]
-        with _autocast_off(hidden.device.type):
-            b_c = bias.to(ctx.dtype) if bias is not None else None
-            _, gh, gw, gb = _chunk_pass(
-                hidden.to(ctx.dtype), weight.to(ctx.dtype), b_c, targets, weights, rows, ctx.chunk, need_h, need_w, need_b
-            )
-        gh = gh.to(hidden.dtype) if gh is not None else None
-        gw = gw.to(weight.dtype) if gw is not None else None
-        gb = gb.to(bias.dtype) if gb is not None else None
-        return gh, gw, gb, None, None, None, None, None, None
+        return (*logp_grads(ctx, hidden, weight, bias, targets, rows, weights), None, None, None, None, None, None)
 
 
 def _scatter(values: torch.Tensor, rows: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
