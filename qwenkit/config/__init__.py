@@ -33,8 +33,10 @@ from qwenkit.config.parallel import ParallelConfig
 from qwenkit.config.profile import ProfileConfig
 from qwenkit.config.schema import Config, validate
 from qwenkit.config.train import (
+    DATA_READS,
     EVAL_METRICS,
     OBJECTIVES,
+    ObjectiveEntry,
     ParamGroupConfig,
     TrainConfig,
     eval_metric_problems,
@@ -42,10 +44,10 @@ from qwenkit.config.train import (
 )  # fmt: skip
 
 __all__ = [
-    "BOOL_WORDS", "BUILTIN_REWARDS", "DATA_LAYOUTS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
+    "BOOL_WORDS", "BUILTIN_REWARDS", "DATA_LAYOUTS", "DATA_READS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
     "FUSED_OPS", "GRPO_LOSSES", "LOSS_TYPES", "MODEL_NAMES", "OBJECTIVES", "PIP_NAMES", "TRAINING_LOSS_TYPES",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DpoConfig", "Dtype", "GrpoConfig", "Loader", "LoraConfig",
-    "LossConfig", "ModelConfig", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig",
+    "LossConfig", "ModelConfig", "ObjectiveEntry", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig",
     "chunk_size_problem", "eval_metric_problems", "fused_backend_problem", "fused_ops_problems", "installed",
     "load", "load_user_metric", "parse_yaml", "reward_problems", "validate", "write_config",
 ]  # fmt: skip

@@ -14,12 +14,24 @@ if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 log = logging.getLogger(__name__)
-# train.objective: the one registry of objectives, each name's entry (a subclass of
-# qwenkit.engine.objective.Objective) by import path, so this leaf names them without importing the engine
+# what an objective's rows are to the data side (qwenkit.data.pipeline, qwenkit.data.check):
+# conversations ending with a reply; preference pairs (two replies to one prompt, qwenkit.data.preference);
+# prompts with a reference (the last reply, or a 'solution' / 'answer' column; a row may then be a prompt alone)
+DATA_READS = ("conversations", "pairs", "prompts")
+
+
+@dataclass(frozen=True)
+class ObjectiveEntry:
+    path: str  # its class (a subclass of qwenkit.engine.objective.Objective) as module:Class
+    reads: Literal[DATA_READS]  # what it trains on, one of DATA_READS
+
+
+# train.objective: the one registry of objectives, each name's entry by import path, so this leaf
+# names them without importing the engine; the data side asks an entry what its rows are
 OBJECTIVES = {
-    "sft": "qwenkit.engine.sft:Sft",
-    "dpo": "qwenkit.engine.preference:PreferenceObjective",
-    "grpo": "qwenkit.engine.grpo:GrpoObjective",
+    "sft": ObjectiveEntry("qwenkit.engine.sft:Sft", "conversations"),
+    "dpo": ObjectiveEntry("qwenkit.engine.preference:PreferenceObjective", "pairs"),
+    "grpo": ObjectiveEntry("qwenkit.engine.grpo:GrpoObjective", "prompts"),
 }
 
 EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)

@@ -89,19 +89,23 @@ def _processor_key(processor: Processor) -> dict:
     }
 
 
-def fingerprint(sources: list[Source], processor: Processor, data: DataConfig) -> tuple[str, dict]:
-    """``(hex digest, the inputs hashed)`` of a dataset under a processor and data settings."""
+def fingerprint(sources: list[Source], processor: Processor, data: DataConfig, prompts: bool = False) -> tuple[str, dict]:
+    """``(hex digest, the inputs hashed)`` of a dataset under a processor and data settings.
+
+    ``prompts``: scanned for GRPO, where a prompt with a ``solution`` / ``answer`` column is a good row."""
     inputs = {
         "format": FORMAT,
         "sources": [_source_key(s, data.fingerprint == "content") for s in sources],
         "processor": _processor_key(processor),
         "data": {k: getattr(data, k) for k in ENCODING_KEYS},
     }
+    if prompts:  # only then: the other objectives keep the keys of the indexes already cached
+        inputs["prompts"] = True
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32], inputs
 
 
-def index_path(sources: list[Source], processor: Processor, data: DataConfig) -> Path:
-    return cache_dir(data) / f"{fingerprint(sources, processor, data)[0]}.npz"
+def index_path(sources: list[Source], processor: Processor, data: DataConfig, prompts: bool = False) -> Path:
+    return cache_dir(data) / f"{fingerprint(sources, processor, data, prompts)[0]}.npz"
 
 
 @dataclass
@@ -124,13 +128,14 @@ def prepare(
     use_cache: bool = True,
     num_proc: int | None = None,
     progress: bool = False,
+    prompts: bool = False,
 ) -> Prepared:
     """The index of ``sources``: read from the cache when every rank has it, else scanned and written.
 
     From the cache, the JSON sources take their row spans from the index file: no data file is
     read until a sample is. ``progress``: bars on stderr for finding the rows and the scan."""
     began = time.perf_counter()
-    key, inputs = fingerprint(sources, processor, data) if use_cache else (None, None)
+    key, inputs = fingerprint(sources, processor, data, prompts) if use_cache else (None, None)
     path = cache_dir(data) / f"{key}.npz" if use_cache else None
     loaded = SampleIndex.load(path) if path is not None else None
     if _all_ranks(loaded is not None, world_size):
@@ -149,7 +154,7 @@ def prepare(
     find_rows(sources, num_proc, progress)  # every rank: each needs every file's row spans to read samples
     n = int(row_ranges(sources)[-1])
     lo, hi = n * rank // world_size, n * (rank + 1) // world_size
-    index = scan_parallel(sources, processor, data, lo, hi, data.verify_images == "full", num_proc, progress)
+    index = scan_parallel(sources, processor, data, lo, hi, data.verify_images == "full", num_proc, progress, prompts)
     if world_size > 1 and dist.is_initialized():
         pieces: list = [None] * world_size
         dist.all_gather_object(
@@ -181,9 +186,9 @@ def _all_ranks(found: bool, world_size: int) -> bool:
     return bool(flag.item())
 
 
-def status(sources: list[Source], processor: Processor, data: DataConfig) -> str:
+def status(sources: list[Source], processor: Processor, data: DataConfig, prompts: bool = False) -> str:
     """One line for ``qwenkit data check``: does the cache hold this dataset's index under this config?"""
-    path = index_path(sources, processor, data)
+    path = index_path(sources, processor, data, prompts)
     loaded = SampleIndex.load(path)
     if loaded is None:
         others = sorted(p.name for p in cache_dir(data).glob("*.npz")) if cache_dir(data).is_dir() else []

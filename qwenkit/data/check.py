@@ -19,6 +19,7 @@ import numpy as np
 
 from qwenkit import config as qconfig
 from qwenkit.data import cache, layout_survey, open_dataset, read_dataset
+from qwenkit.data.layouts import REFERENCE_KEYS
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
@@ -100,6 +101,19 @@ def summarize_pairs(sources) -> str:
     return "pair layouts: " + ", ".join(f"{name} {n}" for name, n in sorted(layouts_seen.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def summarize_prompts(dataset: EncodedDataset) -> str:
+    """``train.objective=grpo``: the usable prompts, by where their reference comes from."""
+    columns = {key: 0 for key in REFERENCE_KEYS}
+    for i in range(len(dataset)):
+        row = dataset.columns(i)
+        key = next((k for k in REFERENCE_KEYS if row.get(k) is not None), None)
+        if key is not None:
+            columns[key] += 1
+    from_columns = [f"{n} from '{key}'" for key, n in columns.items() if n]
+    replies = len(dataset) - sum(columns.values())
+    return f"prompts: {len(dataset)} usable; references: {', '.join([*from_columns, f'{replies} the last assistant reply'])}"
+
+
 def check(cfg: qconfig.Config) -> int:
     """``qwenkit data check``: scan ``cfg.data.path`` with ``cfg.model``'s processor and print a summary.
 
@@ -109,13 +123,13 @@ def check(cfg: qconfig.Config) -> int:
         model_dir = resolve_path(cfg.model)
         processor = load_processor(cfg, model_dir)
         full = dataclasses.replace(cfg.data, verify_images="full")
-        pairs = cfg.train.objective == "dpo"  # preference rows: each read as two SFT rows
-        dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False, pairs=pairs)
-        sources = open_dataset(cfg.data, pairs=pairs)
-        cache_line = cache.status(sources, processor, cfg.data)
-        layout_lines = summarize_pairs(sources) if pairs else layout_survey.describe(sources, cfg.data.layout)
-        if cfg.train.objective == "grpo":  # the scan refuses a row that does not end with an assistant reply
-            layout_lines += f"\nprompts: {len(dataset)} usable (each good sample's last assistant reply is its reference)"
+        reads = qconfig.OBJECTIVES[cfg.train.objective].reads  # pairs: each preference row read as two SFT rows
+        dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False, reads=reads)
+        sources = open_dataset(cfg.data, reads=reads)
+        cache_line = cache.status(sources, processor, cfg.data, prompts=reads == "prompts")
+        layout_lines = summarize_pairs(sources) if reads == "pairs" else layout_survey.describe(sources, cfg.data.layout)
+        if reads == "prompts":
+            layout_lines += "\n" + summarize_prompts(dataset)
     except (DataError, FileNotFoundError) as e:
         print(f"qwenkit data check: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,13 @@ and after, is the same for every layout.
 
 An optional ``"id"`` field is carried into error messages. Every problem raises
 :class:`~qwenkit.data.report.BadSample` naming the message index (counting from 0).
+
+**References** (what a generation is compared to: evaluation's answer metrics, GRPO's rewards):
+the last assistant reply; for rows read as prompts (``prompts=True``: GRPO, whose objective reads
+``prompts``), a ``solution`` or ``answer`` column where the row has one (TRL's and EasyR1's
+datasets; ``solution`` first), and such a row may then end with a user turn: the whole
+conversation is the prompt. The same row read for SFT or DPO is refused (``no_reply``, naming
+the column): a bare answer is a reward's reference, not a reply to learn.
 """
 
 from __future__ import annotations
@@ -35,10 +42,13 @@ class Conversation:
     images: list[Any]  # raw image entries, in placeholder order; see qwenkit.data.images
     videos: list[Any] = dataclasses.field(default_factory=list)  # raw video entries; see qwenkit.data.video
     layout: str = "messages"  # the layout the row was read as (qwenkit.data.layouts)
+    reference: str | None = None  # what a generation is compared to (module docstring); parse_row sets it
 
 
-def parse_row(row: Any, where: Location, layout: str = "auto") -> Conversation:
-    """``row`` read as ``layout`` (``data.layout``; ``auto`` detects it per row) and checked."""
+def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = False) -> Conversation:
+    """``row`` read as ``layout`` (``data.layout``; ``auto`` detects it per row) and checked.
+
+    ``prompts``: the row is a prompt whose reference may be a column (module docstring)."""
     if not isinstance(row, dict):
         raise BadSample(where, "bad_format", f"a row must be a JSON object, got {type(row).__name__}")
     if isinstance(row.get("id"), (str, int)) and not isinstance(row.get("id"), bool):
@@ -53,10 +63,29 @@ def parse_row(row: Any, where: Location, layout: str = "auto") -> Conversation:
         offset = 1
     else:
         offset = 0
-    _check_turns(messages, offset, where)
+    column = next((k for k in layouts.REFERENCE_KEYS if row.get(k) is not None), None)
+    prompt_only = bool(messages) and messages[-1][0] == "user" and column is not None
+    if prompt_only and not prompts:
+        raise BadSample(
+            where, "no_reply", f"the conversation ends with a user turn and the row's {column!r} column is its reference: "
+            "a prompt for train.objective=grpo, with no reply to learn",
+        )  # fmt: skip
+    _check_turns(messages, offset, where, prompt_only)
     for placeholder, media in ((IMAGE_PLACEHOLDER, read.images), (VIDEO_PLACEHOLDER, read.videos)):
         _check_placeholders(system, messages, offset, placeholder, len(media), where, read)
-    return Conversation(where, system or None, messages, read.images, read.videos, read.layout)
+    reference = _reference(row[column], column, where) if prompts and column else messages[-1][1]
+    return Conversation(where, system or None, messages, read.images, read.videos, read.layout, reference)
+
+
+def _reference(value: Any, column: str, where: Location) -> str:
+    """A ``solution`` / ``answer`` column as text: a string, or a number written as such."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise BadSample(where, "bad_format", f"the {column!r} column must be a string or a number, got {type(value).__name__}")
+    if not visible(value):
+        raise BadSample(where, "empty_reply", f"the {column!r} column (the reference) is empty")
+    return value
 
 
 def visible(text: str) -> str:
@@ -64,14 +93,15 @@ def visible(text: str) -> str:
     return "".join(c for c in text if unicodedata.category(c) != "Cf").strip()
 
 
-def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location) -> None:
+def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location, prompt_only: bool = False) -> None:
+    """Alternating turns, user first, ending with a non-empty reply (``prompt_only``: ending with the user's turn)."""
     roles = [role for role, _ in turns]
     if "system" in roles:
         i = roles.index("system") + offset
         raise BadSample(
             where, "turn_order", f"message {i} is a system message; only the first message may be one"
         )
-    if "assistant" not in roles:
+    if "assistant" not in roles and not prompt_only:
         raise BadSample(where, "no_reply", "the conversation has no assistant reply")
     for i, role in enumerate(roles):
         expected = "user" if i % 2 == 0 else "assistant"
@@ -81,7 +111,7 @@ def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location) -> 
                 "turn_order",
                 f"message {i + offset} is from {role}, expected {expected} (turns must alternate, user first)",
             )
-    if roles[-1] != "assistant":
+    if roles[-1] != "assistant" and not prompt_only:
         raise BadSample(
             where,
             "turn_order",

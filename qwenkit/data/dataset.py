@@ -79,8 +79,9 @@ class EncodedDataset:
         processor: Processor,
         data: DataConfig,
         origin: str = "scanned",
+        prompts: bool = False,  # rows may be prompts whose reference is a column (GRPO's, see parse_row)
     ):
-        self.sources, self.index, self.processor, self.data = sources, index, processor, data
+        self.sources, self.index, self.processor, self.data, self.prompts = sources, index, processor, data, prompts
         self.template = ChatTemplate(processor, data.system_prompt)
         self.video_processor = for_processor(processor, data)
         self.with_mm_token_type_ids = needs_mm_token_type_ids()
@@ -103,7 +104,7 @@ class EncodedDataset:
     def conversation(self, i: int) -> Conversation:
         source = self.sources[int(self.index.source[i])]
         row = int(self.index.row[i])
-        return parse_row(source.row(row), source.location(row), self.data.layout)
+        return parse_row(source.row(row), source.location(row), self.data.layout, self.prompts)
 
     def columns(self, i: int) -> dict:
         """Sample ``i``'s row as read (its columns: ``messages``, ``images``, a ``solution``...; GRPO's rewards get them)."""
@@ -118,7 +119,9 @@ class EncodedDataset:
 
     def subset(self, indices: list[int]) -> EncodedDataset:
         """The samples at ``indices`` (in that order), sharing sources and processor."""
-        return EncodedDataset(self.sources, self.index.take(indices), self.processor, self.data, self.index_origin)
+        return EncodedDataset(
+            self.sources, self.index.take(indices), self.processor, self.data, self.index_origin, self.prompts
+        )
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         n = len(self)
@@ -156,17 +159,16 @@ class EncodedDataset:
         return sample
 
     def prompt(self, i: int) -> tuple[dict[str, torch.Tensor], Conversation]:
-        """Generation inputs of sample ``i``: every turn before its last reply, then the assistant header.
+        """Generation inputs of sample ``i``: every turn before its last reply (a prompt-only row: every
+        turn), then the assistant header.
 
         Returns ``(inputs, conversation)``; ``inputs`` holds ``input_ids [1, S]``,
         ``attention_mask [1, S]``, the pixels and grids of every image and video, and
         ``mm_token_type_ids [1, S]`` where transformers needs it. The reference answer is
-        ``conversation.turns[-1][1]``.
+        ``conversation.reference`` (:mod:`qwenkit.data.conversation`).
         """
         conv = self.conversation(i)
-        if conv.turns[-1][0] != "assistant":
-            raise ValueError(f"{conv.where}: the last turn is not an assistant reply; nothing to compare a generation to")
-        asked = dataclasses.replace(conv, turns=conv.turns[:-1])
+        asked = dataclasses.replace(conv, turns=conv.turns[:-1] if conv.turns[-1][0] == "assistant" else conv.turns)
         encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv))
         inputs = self._media(i, conv)
         input_ids = torch.tensor([encoded.input_ids + self.template.headers["assistant"]], dtype=torch.long)  # [1, S]
@@ -242,9 +244,11 @@ def row_ranges(sources: list[Source]) -> np.ndarray:
 
 
 def scan_rows(
-    sources: list[Source], processor: Processor, data: DataConfig, lo: int, hi: int, full: bool
+    sources: list[Source], processor: Processor, data: DataConfig, lo: int, hi: int, full: bool, prompts: bool = False
 ) -> SampleIndex:
-    """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it)."""
+    """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it).
+
+    ``prompts``: a row may be a prompt whose reference is a column (GRPO's rows, see :func:`parse_row`)."""
     template = ChatTemplate(processor, data.system_prompt)
     probe = ImageProbe(data.min_image_side, data.max_aspect_ratio, full)
     videos = _VideoScan(VideoProbe(data.video_fps), for_processor(processor, data), data)
@@ -256,7 +260,7 @@ def scan_rows(
             total += 1
             try:
                 length, grids, learned, truncated, metas, video_grids = _scan_row(
-                    source, r, template, probe, videos, data
+                    source, r, template, probe, videos, data, prompts
                 )
             except BadSample as e:
                 bad.append(BadRecord.of(s, e))
@@ -274,9 +278,10 @@ def scan_rows(
 
 
 def _scan_row(
-    source: Source, r: int, template: ChatTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig
+    source: Source, r: int, template: ChatTemplate, probe: ImageProbe, videos: _VideoScan, data: DataConfig,
+    prompts: bool,
 ):
-    conv = parse_row(source.row(r), source.location(r), data.layout)
+    conv = parse_row(source.row(r), source.location(r), data.layout, prompts)
     grids = []
     for ref in resolve(conv.images, conv.where, source.base_dir, data.image_dir):
         size = probe.size(ref, conv.where)
@@ -313,8 +318,8 @@ _FORKED: tuple | None = None
 
 
 def _scan_forked(bounds: tuple[int, int]) -> SampleIndex:
-    sources, processor, data, full = _FORKED
-    return scan_rows(sources, processor, data, bounds[0], bounds[1], full)
+    sources, processor, data, full, prompts = _FORKED
+    return scan_rows(sources, processor, data, bounds[0], bounds[1], full, prompts)
 
 
 def scan_parallel(
@@ -326,6 +331,7 @@ def scan_parallel(
     full: bool,
     num_proc: int,
     progress: bool = False,
+    prompts: bool = False,
 ) -> SampleIndex:
     """:func:`scan_rows` over ``lo:hi`` with ``num_proc`` processes (forked: the row spans and
     the processor are shared copy-on-write, not pickled; each process reads its own rows from
@@ -337,11 +343,13 @@ def scan_parallel(
     pieces = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
     with tqdm(total=hi - lo, unit="rows", desc="scan", disable=not progress) as bar:
         if not forked:
-            return SampleIndex.concat([_done(scan_rows(sources, processor, data, a, b, full), b - a, bar) for a, b in pieces])
+            return SampleIndex.concat(
+                [_done(scan_rows(sources, processor, data, a, b, full, prompts), b - a, bar) for a, b in pieces]
+            )
         for source in sources:
             source.find_rows()  # once, before the fork, so no child does it again
         global _FORKED
-        _FORKED = (sources, processor, data, full)
+        _FORKED = (sources, processor, data, full, prompts)
         try:
             with multiprocessing.get_context("fork").Pool(num_proc) as pool:
                 done = pool.imap(_scan_forked, pieces, chunksize=1)

@@ -23,7 +23,14 @@ layout             rows as written by
 ``alpaca``         LLaMA-Factory alpaca: ``instruction`` / ``input`` / ``output`` (+ ``system``, ``history``)
 ``cauldron``       HuggingFaceM4 the_cauldron: ``images`` + ``texts: [{"user", "assistant"}]``;
                    the images go before the first user turn
+``problem``        EasyR1 / TRL's RL sets (GRPO prompts): ``problem`` (one user turn) + ``answer`` or
+                   ``solution``, ``images`` / ``image`` / ``videos``; without placeholders the
+                   media go before the text (as TRL's processor puts them)
 =================  ==========================================================================
+
+Every layout also reads a ``solution`` / ``answer`` column (:data:`REFERENCE_KEYS`): GRPO's
+reference where a row has one, and a prompt alone is then a row
+(:func:`qwenkit.data.conversation.parse_row`).
 
 Refused, naming the row, because reading them as text would train wrongly: ms-swift grounding
 rows (``objects``, ``<ref-object>``/``<bbox>``), ``<img>`` tags in any other layout, tool
@@ -47,6 +54,7 @@ ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": 
 MEDIA_KEYS = ("images", "videos", "image", "video")
 QWEN_VL_TAG = re.compile(r"<img>(.*?)</img>", re.S)
 GROUNDING = ("<ref-object>", "<bbox>")
+REFERENCE_KEYS = ("solution", "answer")  # a prompt's reference column (TRL's, EasyR1's), the first present
 
 
 @dataclass
@@ -303,8 +311,20 @@ def read_cauldron(row: dict, where: Location) -> Read:
     return Read("cauldron", None, turns, images, [], "'images' (before the first user turn)")
 
 
+def read_problem(row: dict, where: Location) -> Read:
+    """A prompt alone (its reference is the ``answer`` / ``solution`` column); media without
+    placeholders go before the text."""
+    text = _string(row.get("problem"), "'problem'", where)
+    images = _entries(row, "images", where) + _entries(row, "image", where)
+    videos = _entries(row, "videos", where)
+    if IMAGE_PLACEHOLDER not in text and VIDEO_PLACEHOLDER not in text:
+        text = IMAGE_PLACEHOLDER * len(images) + VIDEO_PLACEHOLDER * len(videos) + text
+    return Read("problem", row.get("system"), [("user", text)], images, videos, "'images'/'image'/'videos'")
+
+
 def _layout(name, describe, turns, media, keys, message_keys, read) -> Layout:
-    return Layout(name, describe, turns, media, frozenset(keys) | {"id"}, frozenset(message_keys), read)
+    keys = frozenset(keys) | {"id", *REFERENCE_KEYS}
+    return Layout(name, describe, turns, media, keys, frozenset(message_keys), read)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -328,6 +348,8 @@ LAYOUTS: dict[str, Layout] = {
                 ("instruction", "input", "output", "history", "images", "videos", "system"), (), read_alpaca),
         _layout("cauldron", "images/texts", ("texts",), ("images",), ("images", "texts"),
                 ("user", "assistant"), read_cauldron),
+        _layout("problem", "problem/answer prompts", ("problem",), ("images", "image", "videos"),
+                ("problem", "images", "image", "videos", "system"), (), read_problem),
     )
 }  # fmt: skip
 NAMES = ("auto", *LAYOUTS)

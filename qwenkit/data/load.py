@@ -22,13 +22,14 @@ from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import ensure_dataset
 
 
-def open_dataset(data: DataConfig, source=None, pairs: bool = False) -> list:
+def open_dataset(data: DataConfig, source=None, reads: str = "conversations") -> list:
     """The sources of ``source`` (default ``data.path``; ``"tiny"`` is the embedded synthetic set).
 
-    ``source`` may be a path or a ``datasets.Dataset``; ``pairs``: read as preference pairs
+    ``source`` may be a path or a ``datasets.Dataset``; ``reads`` is what the objective's rows are
+    (:data:`qwenkit.config.DATA_READS`): ``pairs`` reads preference pairs
     (:mod:`qwenkit.data.preference`), two rows per row.
     """
-    source = data.path if source is None else source
+    source, pairs = data.path if source is None else source, reads == "pairs"
     if isinstance(source, str) and source == "tiny":
         source = ensure_dataset(data.tiny_samples, seed=0, preference=pairs)
     return preference_sources(open_sources(source)) if pairs else open_sources(source)
@@ -42,26 +43,29 @@ def read_dataset(
     rank: int = 0,
     world_size: int = 1,
     use_cache: bool = True,
-    pairs: bool = False,
+    reads: str = "conversations",
 ):
     """A dataset's index, from the cache or scanned: ``(EncodedDataset, BadSampleReport)``.
 
     ``source`` overrides ``data.path`` (see :func:`open_dataset`); ``stop_at_first`` raises the
     first bad row (in file and row order) as a :class:`qwenkit.data.report.BadSample`. ``dataset.index_origin``
-    says whether the index came from the cache.
+    says whether the index came from the cache. ``reads``: what the objective's rows are
+    (:data:`qwenkit.config.DATA_READS`); ``prompts`` also takes a prompt without a reply when a
+    ``solution`` / ``answer`` column is its reference (:func:`qwenkit.data.conversation.parse_row`).
     """
-    sources = open_dataset(data, source, pairs)
+    sources, pairs, prompts = open_dataset(data, source, reads), reads == "pairs", reads == "prompts"
     if pairs:
         data = preference_data(data)
-    prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache)
+    prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache, prompts=prompts)
     index = prepared.index
     if stop_at_first and index.bad:
         raise index.bad[0].error()
-    dataset = EncodedDataset(sources, index, processor, data, prepared.origin)
+    dataset = EncodedDataset(sources, index, processor, data, prepared.origin, prompts)
     return dataset, pair_report(index) if pairs else index.report()
 
 
-def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1, pairs=False):
+def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1,
+                 reads: str = "conversations"):  # fmt: skip
     """``read_dataset`` under the bad-sample policy: ``(EncodedDataset, BadSampleReport)``.
 
     ``on_bad_sample=error`` raises the first bad row; an unreadable file is never skipped; the
@@ -70,7 +74,7 @@ def read_checked(data: DataConfig, processor: Processor, source=None, rank: int 
     """
     dataset, report = read_dataset(
         data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size,
-        pairs=pairs,
+        reads=reads,
     )
     unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
     if unreadable:

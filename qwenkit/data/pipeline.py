@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenkit.config import Config
+from qwenkit.config import OBJECTIVES, Config
 from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.load import read_checked, read_dataset
@@ -62,12 +62,12 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     Raises :class:`qwenkit.data.report.BadSample` (``on_bad_sample=error``) or ``ValueError`` (too many skipped,
     an unparseable file, fewer samples than one global batch).
     """
-    data, pairs = cfg.data, cfg.train.objective == "dpo"
-    dataset, report = read_checked(data, processor, source, rank, world_size, pairs)
+    data, reads = cfg.data, OBJECTIVES[cfg.train.objective].reads
+    dataset, report = read_checked(data, processor, source, rank, world_size, reads)
     origin = dataset.index_origin
     dataset, eval_dataset = _eval_set(cfg, processor, dataset, rank, world_size, source)
     collator = Collator(processor, data.packing)
-    if pairs:  # one sampler index per pair: a pair is never split across micro-batches or ranks
+    if reads == "pairs":  # one sampler index per pair: a pair is never split across micro-batches or ranks
         dataset, collator = PairDataset(dataset), PairCollator(processor)
         eval_dataset = PairDataset(eval_dataset) if eval_dataset is not None else None
     if rank == 0:
@@ -92,16 +92,16 @@ def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: in
 
 def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: int, world_size: int, source):
     """``(train rows, eval rows or None)`` from data.eval_path, data.eval_fraction or data.tiny_eval_samples."""
-    data, pairs = cfg.data, cfg.train.objective == "dpo"
+    data, reads = cfg.data, OBJECTIVES[cfg.train.objective].reads
     if data.eval_fraction > 0:
         dataset, held_out = split_eval(dataset, data.eval_fraction, cfg.train.seed)
         where = f"{data.eval_fraction:g} of data.path held out (train.seed={cfg.train.seed})"
     elif data.eval_path is not None:
-        held_out, _ = read_checked(data, processor, data.eval_path, rank, world_size, pairs)
+        held_out, _ = read_checked(data, processor, data.eval_path, rank, world_size, reads)
         where = data.eval_path
     elif data.tiny_eval_samples > 0 and source is None and data.path == "tiny":
-        eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED, preference=pairs)
-        held_out, _ = read_dataset(data, processor, eval_rows, rank=rank, world_size=world_size, pairs=pairs)
+        eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED, preference=reads == "pairs")
+        held_out, _ = read_dataset(data, processor, eval_rows, rank=rank, world_size=world_size, reads=reads)
         where = f"synthetic, seed {EVAL_SEED}"
     else:
         return dataset, None

@@ -208,7 +208,7 @@ def generate_rows(
                     prompt = "\n".join(f"{role}: {text}" for role, text in conv.turns[:-1])
                     images = [str(r.path) if r.path is not None else r.label for r in dataset.image_refs(i, conv)]
                     reply = reply_text(tok, new)
-                    done[i] = Generation(i, prompt, images, conv.turns[-1][1], reply, new)
+                    done[i] = Generation(i, prompt, images, conv.reference, reply, new)
     finally:
         model.train(was_training)
     return [done[i] for i in indices]

@@ -1,8 +1,8 @@
 """What a training objective is to the trainer, and the one registry that picks it (``train.objective``).
 
 The loop (:class:`qwenkit.engine.train.Trainer`) knows no objective by name: it builds the one
-``train.objective`` names in :data:`qwenkit.config.OBJECTIVES` (name -> ``module:class``) and
-calls it the same way every step. SFT (:class:`qwenkit.engine.sft.Sft`) and DPO
+``train.objective`` names in :data:`qwenkit.config.OBJECTIVES` (name -> its class as
+``module:Class``, and what its rows are to the data side: ``reads``) and calls it the same way every step. SFT (:class:`qwenkit.engine.sft.Sft`) and DPO
 (:class:`qwenkit.engine.preference.PreferenceObjective`) are peers; a new objective is one class
 and one line in that table.
 
@@ -69,7 +69,7 @@ def entry(name: str) -> type[Objective]:
     """The class :data:`qwenkit.config.OBJECTIVES` registers for ``name``."""
     if name not in OBJECTIVES:
         raise ValueError(f"train.objective={name!r} is not an objective; known: {', '.join(OBJECTIVES)}")
-    module, _, attr = OBJECTIVES[name].partition(":")
+    module, _, attr = OBJECTIVES[name].path.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 

@@ -268,7 +268,7 @@ class PreferenceObjective(Objective):
         if rank != 0:
             return 0
         if args.data is not None:
-            dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, pairs=True)[0])
+            dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, reads="pairs")[0])
         else:
             dataset = qdata.build(cfg, processor).eval_dataset
         if dataset is None or len(dataset) == 0:

@@ -9,7 +9,9 @@ the **sharded training model itself**, every rank stepping together (HF's ``sync
 vision tower inside the prefill, idle calls on a rank without images), so the policy that samples
 is exactly the one being trained, no copy of the weights. Prompts come from
 :meth:`qwenkit.data.dataset.EncodedDataset.prompt` (every turn before the row's last reply, with its
-images and videos; that reply is the reference).
+images and videos, or the whole conversation of a prompt-only row); the reference is the row's
+``solution`` / ``answer`` column where it has one, else that reply
+(:mod:`qwenkit.data.conversation`).
 
 **Reproducible.** Each prompt's group is one ``generate`` call (the prompt repeated
 ``num_generations`` times, left-padding nothing; image and video tokens never drawn,
@@ -40,7 +42,7 @@ class Completion:
     tokens: list[int]  # the completion's ids, its end token included when it ended
     text: str  # decoded without the end token
     truncated: bool  # cut at max_new_tokens (no end token)
-    reference: str  # the row's last reply
+    reference: str  # the row's solution / answer column, or its last reply
     row: dict = field(default_factory=dict)  # the row's columns as read, a user's reward's keywords
 
 
@@ -95,7 +97,7 @@ class HfRollouts:
                         ended = end in new
                         new = new[: new.index(end) + 1] if ended else new  # the end token is trained on, as TRL's EOS
                         text = tok.decode(new[:-1] if ended else new, skip_special_tokens=True)
-                        out.append(Completion(i, prompt, new, text, not ended, conv.turns[-1][1], columns))
+                        out.append(Completion(i, prompt, new, text, not ended, conv.reference, columns))
         finally:
             model.train(was_training)
         return out

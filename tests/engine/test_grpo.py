@@ -121,11 +121,13 @@ def test_data_check_counts_the_usable_prompts(tmp_path, tiny_path, capsys):
         {"conversations": [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris"}]},
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                       {"role": "user", "content": "Bye"}]},  # no reference: the scan refuses it
+        {"problem": "3+3?", "answer": "6"},  # EasyR1: a prompt alone, its answer column the reference
+        {"messages": [{"role": "user", "content": "1+1?"}], "solution": "2"},  # TRL's column
     ]  # fmt: skip
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = qconfig.load(overrides=["train.objective=grpo", f"data.path={path}"])
     assert check.check(cfg) == 1
     out = capsys.readouterr().out
-    assert "prompts: 2 usable (each good sample's last assistant reply is its reference)" in out
+    assert "prompts: 4 usable; references: 1 from 'solution', 1 from 'answer', 2 the last assistant reply" in out
     assert f"{path}: row 2 (line 3): turn_order" in out

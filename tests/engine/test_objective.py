@@ -19,7 +19,7 @@ from multiproc import check_ranks
 from qwenkit import config as qconfig
 from qwenkit.engine import metrics, objective, sft, train
 
-ENGINE = Path(__file__).resolve().parents[2] / "qwenkit" / "engine"
+PACKAGE = Path(__file__).resolve().parents[2] / "qwenkit"
 BASE = ["data.tiny_samples=8", "train.steps=1", "train.resume=none", "checkpoint.save_final=false",
         "train.micro_batch_size=2", "train.warmup_steps=0"]  # fmt: skip
 
@@ -55,8 +55,10 @@ def _objective_branches(source: str) -> list[str]:
     return found
 
 
-def test_the_engine_has_no_objective_branch():
-    branches = {p.name: _objective_branches(p.read_text()) for p in sorted(ENGINE.glob("*.py"))}
+def test_the_engine_and_the_data_have_no_objective_branch():
+    """The data side asks the entry what its rows are (``reads``), as the trainer asks it everything else."""
+    files = sorted([*PACKAGE.glob("engine/*.py"), *PACKAGE.glob("data/*.py")])
+    branches = {f"{p.parent.name}/{p.name}": _objective_branches(p.read_text()) for p in files}
     assert not {k: v for k, v in branches.items() if v}
     # the finder finds the branches this registry replaced
     assert _objective_branches('if t.objective == "dpo": pass\nif objective is not None: pass') == [
@@ -78,7 +80,7 @@ class Replay(sft.Sft):
 
 def _worker(rank, out):
     dist.init_process_group("gloo")
-    qconfig.OBJECTIVES["replay"] = f"{__name__}:Replay"
+    qconfig.OBJECTIVES["replay"] = qconfig.ObjectiveEntry(f"{__name__}:Replay", "conversations")
     reference = train.run(qconfig.load(overrides=[*BASE, "train.grad_accum=1", f"train.output_dir={out / 'sft'}"]))
     cfg = qconfig.load(overrides=[*BASE, "train.grad_accum=2", f"train.output_dir={out / 'replay'}"])
     cfg.train.objective = "replay"  # registered above; the config's Literal lists the shipped ones
