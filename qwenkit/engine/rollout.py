@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from qwenkit.engine.generate import Sampling, generation_config, left_pad, lockstep
+from qwenkit.engine.generate import Sampling, generation_config, left_pad, lockstep, reply_text
 from qwenkit.model.loss import IGNORE_INDEX
 
 
@@ -94,13 +94,20 @@ class HfRollouts:
                     torch.manual_seed(group_seed(self.sampling.seed, draw, i))
                     tokens = step(inputs, config)[:, inputs["input_ids"].shape[1] :].tolist()  # [G, new]
                     for new in tokens:
-                        ended = end in new
-                        new = new[: new.index(end) + 1] if ended else new  # the end token is trained on, as TRL's EOS
-                        text = tok.decode(new[:-1] if ended else new, skip_special_tokens=True)
-                        out.append(Completion(i, prompt, new, text, not ended, conv.reference, columns))
+                        new, text, truncated = completion(tok, new, end)
+                        out.append(Completion(i, prompt, new, text, truncated, conv.reference, columns))
         finally:
             model.train(was_training)
         return out
+
+
+def completion(tokenizer, new: list[int], end: int) -> tuple[list[int], str, bool]:
+    """``(tokens, text, truncated)`` of one generated row: cut after its first end token (which is
+    trained on, as TRL's EOS), decoded without it as evaluation decodes replies
+    (:func:`qwenkit.engine.generate.reply_text`: broken bytes as ``\\xNN``, valid text as the tokenizer's)."""
+    ended = end in new
+    new = new[: new.index(end) + 1] if ended else new
+    return new, reply_text(tokenizer, new[:-1] if ended else new), not ended
 
 
 def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -140,4 +147,4 @@ def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str
     return batch
 
 
-__all__ = ["Completion", "HfRollouts", "Rollouts", "group_seed", "media_tokens", "training_batch"]
+__all__ = ["Completion", "HfRollouts", "Rollouts", "completion", "group_seed", "media_tokens", "training_batch"]
