@@ -19,8 +19,8 @@ import numpy as np
 
 from qwenkit import config as qconfig
 from qwenkit.data import cache, layout_survey, open_dataset, read_dataset
-from qwenkit.data.layouts import REFERENCE_KEYS
 from qwenkit.data.dataset import EncodedDataset
+from qwenkit.data.layouts import REFERENCE_KEYS
 from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport

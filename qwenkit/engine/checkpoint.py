@@ -5,8 +5,9 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step-00000012/`` holding
 - the DCP files of ``{"model": ..., "optimizer": ...}`` from ``get_state_dict`` (each rank writes
   its own shards; a load reshards them to whatever the loading job's sharding is);
 - ``train_state.pt``: the step (the same on every rank, written by rank 0);
-- ``rank-00000.pt`` ...: per rank, the data position (``sampler.state_dict()``) and the RNG
-  states of python, numpy, torch CPU and the accelerator;
+- ``rank-00000.pt`` ...: per rank, the data position (``sampler.state_dict()``), the RNG
+  states of python, numpy, torch CPU and the accelerator, and the objective's state
+  (:meth:`qwenkit.engine.objective.Objective.state_dict`: GRPO's cached rollout);
 - ``manifest-rank-00000.json`` ...: per rank, the size and CRC-32 of every file that rank wrote;
 - ``COMPLETE.json``, written last: step, world size, the run's shape and data-order settings
   (``run``), and every file's size and CRC-32.
@@ -96,9 +97,11 @@ from qwenkit.engine.checkpoint_files import (
     write_manifest,
     write_text,
 )
+from qwenkit.engine.objective import Objective
 from qwenkit.model.lora import has_adapters
 
 log = logging.getLogger(__name__)
+STATELESS = Objective()  # a caller's default: an objective with no state of its own (SFT's, DPO's)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +165,7 @@ class Save:
 
 
 def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.device, keep_last: int,
-         run: dict | None = None) -> Path:  # fmt: skip
+         run: dict | None = None, objective: Objective = STATELESS) -> Path:  # fmt: skip
     """Collective: every rank calls it; the synchronous save. Returns the final directory.
 
     ``run`` (:func:`qwenkit.engine.resume.run_record`) goes into ``COMPLETE.json``: what the
@@ -173,19 +176,20 @@ def save(root: str | Path, step: int, model, optimizer, sampler, device: torch.d
     after writing, when a rank failed to write (the partial directory is removed) or when a rank
     does not see every rank's files (no shared output_dir).
     """
-    return finish(start_save(root, step, model, optimizer, sampler, device, keep_last, run))
+    return finish(start_save(root, step, model, optimizer, sampler, device, keep_last, run, objective=objective))
 
 
 def start_save(root: str | Path, step: int, model, optimizer, sampler, device: torch.device, keep_last: int,
-               run: dict | None = None, saves: AsyncSaves | None = None) -> Save:  # fmt: skip
+               run: dict | None = None, saves: AsyncSaves | None = None, objective: Objective = STATELESS) -> Save:  # fmt: skip
     """Collective: write step ``step`` under ``.tmp-step-*``; :func:`finish` makes it a checkpoint.
 
     Without ``saves`` everything is written here. With ``saves`` (:class:`AsyncSaves`) DCP's
     ``async_save`` copies the model and optimizer state to CPU memory in a thread and writes it
     from another, coordinating on its own gloo group (never on training's); this returns at once,
     and the caller must :meth:`Save.wait_staged` before it changes the state (the next optimizer
-    step; torchtitan's ``maybe_wait_for_staging``). The data position and RNG (a few KB) are
-    written here either way, as they are at this step.
+    step; torchtitan's ``maybe_wait_for_staging``). The data position, RNG and ``objective``'s
+    state (:meth:`~qwenkit.engine.objective.Objective.state_dict`) are written here either way, as
+    they are at this step.
     """
     root, rank = Path(root), dist.get_rank()
     pending = Save(root, step, keep_last, run, {"rank": rank, "error": None, "enospc": False, "nbytes": 0, "ranks": []})
@@ -207,7 +211,8 @@ def start_save(root: str | Path, step: int, model, optimizer, sampler, device: t
         else:
             written = dcp.async_save(state, checkpoint_id=str(pending.tmp), process_group=saves.group,
                                      async_stager=saves.stager)  # fmt: skip
-        _write(pending.tmp / f"rank-{rank:05d}.pt", {"rng": rng_state(device), "sampler": sampler.state_dict()})
+        own = {"rng": rng_state(device), "sampler": sampler.state_dict(), "objective": objective.state_dict()}
+        _write(pending.tmp / f"rank-{rank:05d}.pt", own)
         if rank == 0:
             _write(pending.tmp / "train_state.pt", {"step": step})
         if saves is not None:  # the manifest lists the rank files: its thread starts after they are written
@@ -363,14 +368,15 @@ def _write(path: Path, obj) -> None:
 
 
 def load(path: str | Path, model, optimizer, sampler, device: torch.device,
-         load_optimizer: bool = True, load_rng: bool = True) -> int:
+         load_optimizer: bool = True, load_rng: bool = True, objective: Objective = STATELESS) -> int:
     """Collective: restore a checkpoint into the (sharded) model and the rest; returns its step.
 
     The LR schedule is not restored: it is a function of the step and the run's config, which
     the trainer applies after the load (see ``qwenkit.engine.optim.build_scheduler``). A
     checkpoint saved by another number of ranks (the resume rule allowed it,
     :func:`qwenkit.engine.resume.fit`) is resharded by DCP, the global data position read from
-    rank 0's file, and the RNG not restored: the trainer re-seeds each rank.
+    rank 0's file, and the RNG not restored: the trainer re-seeds each rank; ``objective`` gets its
+    state back (rank 0's, with ``same_ranks=False``, when the ranks differ).
 
     Any failure on any rank is raised on every rank (no rank is left waiting in a collective),
     as a :class:`CheckpointError` naming the directory.
@@ -397,6 +403,8 @@ def load(path: str | Path, model, optimizer, sampler, device: torch.device,
             dcp.load(state, checkpoint_id=str(path))
             set_model_state_dict(model, state["model"], options=_options(model, loading=True))
         sampler.load_state_dict(rank_state["sampler"])
+        if rank_state.get("objective"):  # none in a checkpoint from before objectives had state
+            objective.load_state_dict(rank_state["objective"], same_ranks)
         if load_rng and same_ranks:
             set_rng_state(rank_state["rng"], device)
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException

@@ -126,6 +126,8 @@ class Evaluator:
         self.sp = sp  # qwenkit.distributed.sequence.SequenceParallel, or None
         self.output_dir = Path(output_dir)
         self.samples = list(range(min(cfg.train.eval_samples, len(dataset))))
+        # GRPO's eval rows may all be prompts alone (their reference a column): no reply, no eval loss
+        self.replies = bool(dataset.index.label_tokens.sum())
 
     def due(self, step: int) -> bool:
         t = self.cfg.train
@@ -137,14 +139,16 @@ class Evaluator:
 
     def run(self, step: int, model: nn.Module) -> dict[str, float]:
         """``eval_loss`` (and ``eval_accuracy`` at step 0, the last step and every
-        ``train.eval_accuracy_every``); collective."""
+        ``train.eval_accuracy_every``); collective. No ``eval_loss`` where no row has a reply."""
         t = self.cfg.train
         if self.sp is not None and self.sp.size > 1:
             where = (self.sp.dp_rank, self.sp.dp_size, self.sp.rank)
         else:
             where = (self.rank, self.world_size, 0)
-        values = {"eval_loss": eval_loss(model, self.dataset, self.collator, t.micro_batch_size,
-                                         where[0], where[1], self.device, sp_rank=where[2])}  # fmt: skip
+        values = {}
+        if self.replies:
+            values["eval_loss"] = eval_loss(model, self.dataset, self.collator, t.micro_batch_size,
+                                            where[0], where[1], self.device, sp_rank=where[2])  # fmt: skip
         if self.generates(step):
             values.update(self.accuracy(step, model))
         return values

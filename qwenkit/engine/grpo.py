@@ -15,16 +15,30 @@ One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective
 Then each micro-batch's loss (:class:`qwenkit.model.grpo_loss.GrpoLoss`) on the policy's per-token
 log-probs from the chunked head (:meth:`~qwenkit.model.chunked.ChunkLossMixin.token_logps`: no
 ``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Metrics
-are TRL's names; rank 0 appends its completions of each rollout, with their rewards, to
-``metrics/completions.jsonl``.
+are TRL's names.
 
-Cannot: resume bit-identically in the middle of a ``num_iterations`` cycle (the rollout is made
-again, by the policy as it is then); vLLM rollouts.
+**The completions file**, ``metrics/completions.jsonl`` beside the metrics: at each step the trainer
+logs (``train.log_every``, and an invocation's last step; :meth:`GrpoObjective.log`), rank 0 appends a
+sample of the completions of that step's rollout: its first :data:`SAMPLE_GROUPS` groups (prompts)
+with all their completions, each a line ``{"step", "k", "rollout", "epoch", "index", "completion",
+"reference", "rewards": {name: value}, "reward", "advantage", "truncated"}`` (``k``: the line's
+place in its step's write, 0 first; ``index``: the prompt's dataset row). A resumed run appends
+too, as the metrics files do: a step run again after a crash is written again, and
+:func:`read_completions` keeps the last write of each step.
+
+**Resume in the middle of a cycle** (``num_iterations > 1``): the cached rollout (this rank's
+micro-batches with their old and reference log-probs and advantages, the rollout's metrics, rank
+0's sample) is saved with each checkpoint (:meth:`GrpoObjective.state_dict`), so a resumed run
+trains on exactly the rollout the uninterrupted one did. A checkpoint of another number of ranks
+holds other ranks' caches: the resumed run rolls out again at its first step, and says so.
+
+Cannot: vLLM rollouts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -42,10 +56,14 @@ from qwenkit.model import family as families
 from qwenkit.model import lora
 from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages
 from qwenkit.model.loss import IGNORE_INDEX, shift_labels
+from qwenkit.records import read_jsonl
+
+log = logging.getLogger(__name__)
 
 OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps")  # what the objective pops from a micro-batch
 CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-SAMPLE_FILE = "completions.jsonl"  # beside the metrics: rank 0's completions of each rollout
+SAMPLE_FILE = "completions.jsonl"  # beside the metrics: a sample of each logged step's completions (rank 0's)
+SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each with all its completions
 
 
 def enable(model: nn.Module) -> nn.Module:
@@ -66,7 +84,9 @@ class GrpoObjective(Objective):
         self.rollouts = HfRollouts(sampling, grpo.num_generations)
         self.rows = iter(bundle.sampler)  # the sampler moves as rows are drawn: checkpoints save where
         self.cached: list[dict] = []  # the rollout's micro-batches, for num_iterations steps
-        self.uses = 0
+        self.uses = 0  # steps trained so far on rollouts (a rollout every num_iterations of them)
+        self.rollout_metrics: dict[str, float] = {}  # the last rollout's rewards and lengths (every rank)
+        self.sample: list[dict] = []  # rank 0: the completions file's lines of the last rollout, without their step
         self.sample_file = Path(out_dir) / "metrics" / SAMPLE_FILE if out_dir is not None and rt.rank == 0 else None
 
     @classmethod
@@ -108,7 +128,8 @@ class GrpoObjective(Objective):
         adv, zero = group_advantages(everyone[:, -3], self.grpo.num_generations, self.grpo.scale_rewards)
         self.rollout_metrics = self._rollout_metrics(everyone, zero)
         mine = adv[rank * n : (rank + 1) * n]
-        self._write_sample(done, per, mine, epoch)
+        if self.sample_file is not None:
+            self.sample = self._sample(done, per, total, mine, epoch)
         size = n // count
         micro = []
         for k in range(count):
@@ -189,18 +210,54 @@ class GrpoObjective(Objective):
                 "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}  # fmt: skip
         return out
 
-    def _write_sample(self, done: list[Completion], per: torch.Tensor, adv: torch.Tensor, epoch: int) -> None:
-        if self.sample_file is None:
+    def _sample(self, done: list[Completion], per: torch.Tensor, total: torch.Tensor, adv: torch.Tensor,
+                epoch: int) -> list[dict]:  # fmt: skip
+        """The completions file's lines of this rollout's first :data:`SAMPLE_GROUPS` groups (module docstring)."""
+        kept = SAMPLE_GROUPS * self.grpo.num_generations
+        rollout = self.uses // self.grpo.num_iterations
+        return [{"rollout": rollout, "epoch": epoch, "index": c.index, "completion": c.text, "reference": c.reference,
+                 "rewards": dict(zip(self.rewards, values)), "reward": r, "advantage": a, "truncated": c.truncated}
+                for c, values, r, a in zip(done[:kept], per.tolist(), total.tolist(), adv.tolist())]  # fmt: skip
+
+    def log(self, step: int) -> None:
+        """A logged step: rank 0 appends the sample of this step's rollout to the completions file."""
+        if self.sample_file is None or not self.sample:
             return
         self.sample_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.sample_file, "a") as f:
-            for c, values, a in zip(done, per.tolist(), adv.tolist()):
-                rewards = dict(zip(self.rewards, values))
-                f.write(json.dumps({"rollout": self.uses // self.grpo.num_iterations, "epoch": epoch, "index": c.index,
-                                    "completion": c.text, "reference": c.reference, "rewards": rewards,
-                                    "advantage": a, "truncated": c.truncated}) + "\n")  # fmt: skip
+            f.writelines(json.dumps({"step": step, "k": k, **line}) + "\n" for k, line in enumerate(self.sample))
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's cached rollout, for a resume in the middle of a ``num_iterations`` cycle."""
+        return {"uses": self.uses, "cached": self.cached, "rollout_metrics": self.rollout_metrics, "sample": self.sample}
+
+    def load_state_dict(self, state: dict, same_ranks: bool = True) -> None:
+        """The cached rollout back; of another rank count (``state`` is its rank 0's): roll out again."""
+        if not same_ranks:
+            if state["uses"] % self.grpo.num_iterations and self.rt.rank == 0:
+                log.warning(
+                    "resumed in the middle of a grpo.num_iterations=%d cycle from a checkpoint of another number of "
+                    "ranks: its cached rollouts are those ranks' own, so this run rolls out again at its first step",
+                    self.grpo.num_iterations,
+                )  # fmt: skip
+            return
+        self.uses, self.cached = state["uses"], state["cached"]
+        self.rollout_metrics, self.sample = state["rollout_metrics"], state["sample"]
 
     evaluate_cli = staticmethod(evaluate_replies)  # eval loss, answer metrics, the generations file
+
+
+def read_completions(output_dir: str | Path) -> dict[int, list[dict]]:
+    """A run's completions file as ``{step: lines}``; a step written twice (a resumed run ran it again)
+    keeps its last write, as :func:`qwenkit.engine.metrics.series` keeps a metric's last row."""
+    out: dict[int, list[dict]] = {}
+    for line in read_jsonl(Path(output_dir) / "metrics" / SAMPLE_FILE):
+        if line["k"] == 0:  # a write of this step begins
+            out[line["step"]] = []
+        out[line["step"]].append(line)
+    return out
 
 
 def _gather(t: torch.Tensor) -> torch.Tensor:

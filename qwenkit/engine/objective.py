@@ -17,7 +17,14 @@ One optimizer step, as the trainer calls an objective:
    by; ``counts`` is the trainer's global ``[label tokens, samples, ...]`` of the step;
 3. ``loss(model, batch)`` per micro-batch: this rank's *share* of the step's global mean loss
    (the trainer backpropagates ``share * world_size``, see :mod:`qwenkit.engine.train`);
-4. ``metrics()``: the step's extra metrics (collective: every rank calls it).
+4. ``metrics()``: the step's extra metrics (collective: every rank calls it);
+5. ``log(step)``, at the steps the trainer logs (``train.log_every`` and an invocation's last):
+   what the objective writes beside the metrics (GRPO: a sample of its completions).
+
+``state_dict()`` / ``load_state_dict(state, same_ranks)``: this rank's state that a resumed run
+needs besides the model, optimizer, sampler and RNG (GRPO: the rollout cached for
+``num_iterations`` steps), saved in each checkpoint's per-rank file and given back after the
+load; from a checkpoint of another number of ranks, rank 0's, with ``same_ranks=False``.
 
 ``evaluator`` is the held-out evaluation during training (``due(step)``, ``run(step, model)``), or
 None; ``evaluate_cli`` is ``qwenkit eval`` of a run trained with this objective.
@@ -58,6 +65,16 @@ class Objective:
     def metrics(self) -> dict[str, float]:
         """The step's metrics besides the trainer's (collective)."""
         return {}
+
+    def log(self, step: int) -> None:
+        """A step the trainer logs (``train.log_every``, an invocation's last): files beside the metrics."""
+
+    def state_dict(self) -> dict:
+        """This rank's state a resumed run needs besides the model, optimizer, sampler and RNG."""
+        return {}
+
+    def load_state_dict(self, state: dict, same_ranks: bool = True) -> None:
+        """:meth:`state_dict` back, after a resume's load; ``same_ranks`` False: another rank count's rank 0's."""
 
     @staticmethod
     def evaluate_cli(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:

@@ -239,7 +239,7 @@ class Trainer:
         else:
             self.start_step = ckpt.load(
                 resume, model, self.optimizer, self.bundle.sampler, rt.device,
-                cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng,
+                cfg.checkpoint.load_optimizer, cfg.checkpoint.load_rng, self.objective,
             )
             if not decision.same_ranks:  # the saved per-rank RNG states do not map onto these ranks
                 set_seed(resume_rule.rank_seed(t.seed, self.start_step, rt.rank))
@@ -282,7 +282,10 @@ class Trainer:
                 window.step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['lr']:.2e}")
-                if main_rank and (step % t.log_every == 0 or step == self.last_step):
+                logged = step % t.log_every == 0 or step == self.last_step
+                if logged:
+                    self.objective.log(step)
+                if main_rank and logged:
                     self.events.write("step", step=step, steps=t.steps, **{k: values[k] for k in STEP_EVENT})
                     tqdm.write(
                         f"step {step}/{t.steps}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.3f}  "
@@ -302,6 +305,7 @@ class Trainer:
                     pending = ckpt.start_save(
                         ckpt.checkpoint_root(self.out_dir), step, self.model, self.optimizer,
                         self.bundle.sampler, rt.device, ck.keep_last, resume_rule.run_record(cfg, rt.world_size), saves,
+                        self.objective,
                     )
                     if saves is None or stop or step == self.last_step:  # a stop or the end waits for the write
                         pending = self._saved(pending)

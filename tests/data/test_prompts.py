@@ -12,6 +12,8 @@ import torch
 from conftest import make_cfg, write_png
 
 from qwenkit.data import read_dataset
+from qwenkit.data.collator import Collator
+from qwenkit.engine.evaluate import Evaluator
 
 QUESTION = "<image>What colour is this box?"
 USER = [{"role": "user", "content": QUESTION}]
@@ -89,3 +91,15 @@ def test_easyr1_parquet_with_an_image_sequence(box, processor):
     assert report.skipped == 0 and got.conversation(0).reference == "Red"
     a, b = got.prompt(0)[0], want.prompt(0)[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_eval_set_of_prompts_alone_has_no_eval_loss(box, processor):
+    """GRPO's held-out rows may have no reply: evaluation scores generations against their column,
+    and leaves out the eval loss (no label token to average), instead of failing the run."""
+    path = box / "rl.jsonl"
+    path.write_text(json.dumps(rows()[0][0]) + "\n")
+    dataset, _ = read(path, processor, reads="prompts")
+    cfg = make_cfg()
+    cfg.train.eval_samples = 0  # no generation: run() would compute only the eval loss
+    evaluator = Evaluator(cfg, dataset, Collator(processor), 0, 1, torch.device("cpu"), box)
+    assert evaluator.due(0) and evaluator.run(0, model=None) == {}  # no forward: nothing to compute

@@ -1,7 +1,8 @@
 """GRPO training end to end on the tiny model: 2 gloo ranks equal 1 process on the same prompts and
-seeds, a resumed run equals the uninterrupted one bit for bit, step 1's KL is 0 (the policy is its
-reference), TRL's metric names are logged (a user's reward under its function's name), and the
-completions file holds every completion's rewards.
+seeds, a resumed run equals the uninterrupted one bit for bit (also in the middle of a
+``num_iterations`` cycle, and after a crash that lost the later checkpoints), step 1's KL is 0 (the
+policy is its reference), TRL's metric names are logged (a user's reward under its function's name),
+and the completions file holds a sample of each logged step's completions with their rewards.
 
 The tiny model starts from random weights: the exact-match and format rewards are 0 for its
 completions, so :func:`vowels` (a ``module:function`` reward read from this module) gives the
@@ -11,20 +12,23 @@ groups different rewards, hence non-zero advantages and gradients.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 
 import pytest
+import torch
 import torch.distributed as dist
 from multiproc import check_ranks
 
 from qwenkit import config as qconfig
-from qwenkit.engine import grpo, train
+from qwenkit.engine import checkpoint, grpo, train
 from qwenkit.engine.rollout import group_seed
 
 BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
         "train.warmup_steps=0", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
         "grpo.rewards=[exact, format, engine.test_grpo:vowels]", "grpo.reward_weights=[1, 1, 2]",
-        "checkpoint.save_final=false", "train.resume=auto"]  # fmt: skip
+        "checkpoint.save_final=false", "train.resume=auto", "train.log_every=2"]  # fmt: skip
 TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory")
 # fp32; 2 ranks sum the gradient over ranks and reduce the counts in another order: a few ulps
 FP32 = dict(rel=1e-5, abs=1e-7)
@@ -38,32 +42,47 @@ def vowels(prediction: str, reference: str, **row) -> float:
 
 def _worker(rank, out, runs):
     dist.init_process_group("gloo")
-    for name, extra in runs:
+    logging.getLogger("qwenkit").addHandler(logging.FileHandler(out / f"warnings-{rank}.log"))  # warnings and up
+    for name, extra, lose_after in runs:
         trainer = train.Trainer(qconfig.load(overrides=BASE + extra + [f"train.output_dir={out / name}"]))
         trainer.run()
-        if rank == 0:
+        weights = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in trainer.model.named_parameters()}
+        if rank == 0:  # (full_tensor is collective: every rank gathers)
             path = out / f"{name}.json"
             before = json.loads(path.read_text()) if path.exists() else []
             path.write_text(json.dumps(before + [{k: v for k, v in h.items() if k not in TIMING} for h in trainer.history]))
+            torch.save({n: w.detach().clone() for n, w in weights.items()}, out / f"{name}.pt")
+            for step in range(lose_after + 1, trainer.step + 1) if lose_after else ():  # a crash lost them
+                shutil.rmtree(checkpoint.step_dir(checkpoint.checkpoint_root(out / name), step))
+        dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory, tiny_path):
     """one: 1 process, 2 prompts a micro-batch; resumed: the same, stopped after step 2 and run again;
-    lora: one with LoRA adapters; two: 2 ranks, 1 prompt each (the same 2 prompts a step)."""
+    lora: one with LoRA adapters; two: 2 ranks, 1 prompt each (the same 2 prompts a step).
+    iter: two updates per rollout (rollouts at steps 1 and 3); iter_lost: the same, checkpointed every
+    step, its checkpoints after step 1 lost and run again from there (in the middle of a cycle);
+    iter_ranks: on 2 ranks, stopped after step 1, resumed on 1 process."""
     out = tmp_path_factory.mktemp("grpo")
     one = ["train.micro_batch_size=2"]
     cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop
     lora = one + ["lora.r=8", "train.steps=2"]  # the reference: the policy with its adapters disabled
-    check_ranks(_worker, 1, out, [("one", one), ("resumed", cut + ["train.stop_after=2"]), ("resumed", cut),
-                                  ("lora", lora)])  # fmt: skip
-    check_ranks(_worker, 2, out, [("two", ["train.micro_batch_size=1"])])
+    cycle = one + ["grpo.num_iterations=2"]
+    lost = cycle + ["checkpoint.every=1", "checkpoint.keep_last=3"]
+    ranks = ["grpo.num_iterations=2", "checkpoint.save_final=true"]
+    check_ranks(_worker, 2, out, [("two", ["train.micro_batch_size=1"], 0),
+                                  ("iter_ranks", [*ranks, "train.micro_batch_size=1", "train.stop_after=1"], 0)])  # fmt: skip
+    check_ranks(_worker, 1, out, [("one", one, 0), ("resumed", cut + ["train.stop_after=2"], 0), ("resumed", cut, 0),
+                                  ("lora", lora, 0), ("iter", cycle, 0), ("iter_lost", lost, 1), ("iter_lost", lost, 0),
+                                  ("iter_ranks", [*ranks, "train.micro_batch_size=2"], 0)])  # fmt: skip
     return out
 
 
 def _history(out, name):
-    return json.loads((out / f"{name}.json").read_text())
+    """The run's metrics by step; a step run twice (resumed after a crash) keeps its last run."""
+    return list({h["step"]: h for h in json.loads((out / f"{name}.json").read_text())}.values())
 
 
 def test_trl_metric_names_and_step_one_kl_is_zero(out):
@@ -98,14 +117,43 @@ def test_two_ranks_equal_one_process_on_the_same_prompts_and_seeds(out):
 
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(out):
     assert _history(out, "resumed") == _history(out, "one")
+    assert grpo.read_completions(out / "resumed") == grpo.read_completions(out / "one")
 
 
-def test_completions_file_holds_every_completion_with_its_rewards(out):
-    rows = [json.loads(line) for line in (out / "one" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines()]
-    assert len(rows) == 3 * 2 * 4  # steps x prompts x generations
-    assert set(rows[0]["rewards"]) == {"exact", "format", "vowels"}
-    assert rows[0]["rewards"]["vowels"] == pytest.approx(vowels(rows[0]["completion"], "", messages=[]))
-    assert len({r["index"] for r in rows}) == 6  # 2 new prompts per step
+def _weights(out, name):
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def test_a_resume_in_the_middle_of_a_cycle_is_bit_identical(out):
+    """Checkpoint 1 holds the rollout that step 2 trains on again: resumed from it, steps 2 and 3
+    (written twice to the files) equal the uninterrupted run's, and so do the final weights."""
+    history = _history(out, "iter_lost")
+    assert [h["step"] for h in history] == [1, 2, 3] and history == _history(out, "iter")
+    assert history[0]["reward"] == history[1]["reward"] != history[2]["reward"]  # rollouts at steps 1 and 3
+    want, got = _weights(out, "iter"), _weights(out, "iter_lost")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    lines = (out / "iter_lost" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines()
+    assert len(lines) == 2 * len((out / "iter" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines())
+    assert grpo.read_completions(out / "iter_lost") == grpo.read_completions(out / "iter")  # the last write of each
+
+
+def test_a_resume_on_another_rank_count_in_the_middle_of_a_cycle_rolls_out_again(out):
+    saved_step, resumed_step, _ = _history(out, "iter_ranks")
+    assert resumed_step["step"] == 2 and resumed_step["reward"] != saved_step["reward"]  # a new rollout, not step 1's
+    assert "this run rolls out again at its first step" in (out / "warnings-0.log").read_text()
+
+
+def test_completions_file_holds_a_sample_of_each_logged_step(out):
+    by_step = grpo.read_completions(out / "one")
+    assert sorted(by_step) == [2, 3]  # train.log_every=2, and the last step
+    for step, lines in by_step.items():
+        assert [line["k"] for line in lines] == list(range(2 * 4))  # 2 prompts x 4 generations
+        assert {line["rollout"] for line in lines} == {step - 1}  # one rollout a step
+    first = by_step[2][0]
+    assert set(first["rewards"]) == {"exact", "format", "vowels"}
+    assert first["rewards"]["vowels"] == pytest.approx(vowels(first["completion"], "", messages=[]))
+    assert first["reward"] == pytest.approx(sum(w * first["rewards"][n] for n, w in (("exact", 1), ("format", 1), ("vowels", 2))))
+    assert len({line["index"] for lines in by_step.values() for line in lines}) == 4  # 2 new prompts per step
 
 
 def test_group_seed_depends_on_run_draw_and_row_only():
