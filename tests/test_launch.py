@@ -165,19 +165,22 @@ def test_a_missing_extra_is_refused_before_spawning_naming_it(tmp_path, monkeypa
     row = {"messages": [{"role": "user", "content": "<video>What moves?"}, {"role": "assistant", "content": "A square."}],
            "videos": ["clip.avi"]}  # fmt: skip
     videos.write_text(json.dumps(row) + "\n")
+    prompts = tmp_path / "prompts.jsonl"  # GRPO's: a prompt alone, its answer column the reference
+    prompts.write_text(json.dumps({"problem": "<video>What moves?", "answer": "a square", "videos": ["clip.avi"]}) + "\n")
     hf = tmp_path / "hf"  # what datasets' save_to_disk writes
     hf.mkdir()
     (hf / "state.json").write_text("{}")
     (hf / "dataset_info.json").write_text("{}")
     out = tmp_path / "run"
-    cases = {
-        "lora": ["lora.r=8"],
-        "tensorboard": ["train.report_to=[tensorboard]"],
-        "video": [f"data.path={videos}"],
-        "datasets": [f"data.path={hf}"],
-        "cuda": ["model.fused_backend=cuda"],
-    }
-    for extra, overrides in cases.items():
+    cases = [
+        ("lora", ["lora.r=8"]),
+        ("tensorboard", ["train.report_to=[tensorboard]"]),
+        ("video", [f"data.path={videos}"]),
+        ("video", [f"data.path={prompts}", "train.objective=grpo"]),
+        ("datasets", [f"data.path={hf}"]),
+        ("cuda", ["model.fused_backend=cuda"]),
+    ]
+    for extra, overrides in cases:
         assert cli.main(["train", *overrides, f"train.output_dir={out}"]) == 2, extra
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if f"pip install 'qwenkit[{extra}]'" in line]

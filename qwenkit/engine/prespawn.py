@@ -76,6 +76,7 @@ def check_extras(cfg) -> list[str]:
     if cfg.data.path == "tiny" or (qconfig.installed("datasets") and qconfig.installed("av")):
         return problems
     paths = [cfg.data.path] + ([cfg.data.eval_path] if cfg.data.eval_path else [])
+    prompts = qconfig.OBJECTIVES[cfg.train.objective].reads == "prompts"  # a GRPO prompt alone may hold a video
     for path in paths:
         try:
             sources = open_sources(path)
@@ -90,16 +91,16 @@ def check_extras(cfg) -> list[str]:
                 rows = len(source)
             except ValueError:  # a malformed file: the ranks report it
                 continue
-            if any(_has_videos(source, i, cfg.data.layout) for i in range(rows)):
+            if any(_has_videos(source, i, cfg.data.layout, prompts) for i in range(rows)):
                 problems.append(f"data: {source.name} has video rows; reading them needs PyAV (FFmpeg bindings), "
                                 "which is not installed: pip install 'qwenkit[video]'")  # fmt: skip
                 break
     return problems
 
 
-def _has_videos(source, i: int, layout: str) -> bool:
+def _has_videos(source, i: int, layout: str, prompts: bool) -> bool:
     try:
-        return bool(parse_row(source.row(i), source.location(i), layout).videos)
+        return bool(parse_row(source.row(i), source.location(i), layout, prompts).videos)
     except ValueError:  # a bad row: data.on_bad_sample decides in the ranks
         return False
 
