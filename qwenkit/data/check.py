@@ -21,6 +21,7 @@ from qwenkit import config as qconfig
 from qwenkit.data import cache, layout_survey, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.layouts import REFERENCE_KEYS
+from qwenkit.data.load import index_data
 from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
@@ -126,7 +127,7 @@ def check(cfg: qconfig.Config) -> int:
         reads = qconfig.OBJECTIVES[cfg.train.objective].reads  # pairs: each preference row read as two SFT rows
         dataset, report = read_dataset(full, processor, stop_at_first=False, use_cache=False, reads=reads)
         sources = open_dataset(cfg.data, reads=reads)
-        cache_line = cache.status(sources, processor, cfg.data, prompts=reads == "prompts")
+        cache_line = cache.status(sources, processor, index_data(cfg.data, reads), prompts=reads == "prompts")
         layout_lines = summarize_pairs(sources) if reads == "pairs" else layout_survey.describe(sources, cfg.data.layout)
         if reads == "prompts":
             layout_lines += "\n" + summarize_prompts(dataset)

@@ -35,6 +35,12 @@ def open_dataset(data: DataConfig, source=None, reads: str = "conversations") ->
     return preference_sources(open_sources(source)) if pairs else open_sources(source)
 
 
+def index_data(data: DataConfig, reads: str) -> DataConfig:
+    """The data settings the index of an objective's rows is cached under: preference pairs' in a
+    ``preference/`` sub-folder (a file read as pairs holds twice its rows)."""
+    return preference_data(data) if reads == "pairs" else data
+
+
 def read_dataset(
     data: DataConfig,
     processor: Processor,
@@ -44,6 +50,7 @@ def read_dataset(
     world_size: int = 1,
     use_cache: bool = True,
     reads: str = "conversations",
+    progress: bool = False,
 ):
     """A dataset's index, from the cache or scanned: ``(EncodedDataset, BadSampleReport)``.
 
@@ -52,16 +59,16 @@ def read_dataset(
     says whether the index came from the cache. ``reads``: what the objective's rows are
     (:data:`qwenkit.config.DATA_READS`); ``prompts`` also takes a prompt without a reply when a
     ``solution`` / ``answer`` column is its reference (:func:`qwenkit.data.conversation.parse_row`).
+    ``progress``: bars on stderr while the rows are found and scanned.
     """
-    sources, pairs, prompts = open_dataset(data, source, reads), reads == "pairs", reads == "prompts"
-    if pairs:
-        data = preference_data(data)
-    prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache, prompts=prompts)
+    sources, data = open_dataset(data, source, reads), index_data(data, reads)
+    prompts = reads == "prompts"
+    prepared = cache.prepare(sources, processor, data, rank, world_size, use_cache, progress=progress, prompts=prompts)
     index = prepared.index
     if stop_at_first and index.bad:
         raise index.bad[0].error()
     dataset = EncodedDataset(sources, index, processor, data, prepared.origin, prompts)
-    return dataset, pair_report(index) if pairs else index.report()
+    return dataset, pair_report(index) if reads == "pairs" else index.report()
 
 
 def read_checked(data: DataConfig, processor: Processor, source=None, rank: int = 0, world_size: int = 1,

@@ -26,3 +26,16 @@ def test_prepare_then_check_reports_the_cache(tmp_path, capsys):
         rf"cache: {tmp_path / 'cache'}/\w+\.npz matches \(built .*, 11 good of 12 rows",
         capsys.readouterr().out,
     )
+
+
+def test_prepare_reads_the_rows_as_the_objective_does(tmp_path, capsys):
+    """GRPO's index (prompts with references) and DPO's (pairs) are cached under keys of their own:
+    prepare writes the one training under that objective, and data check, look for."""
+    path = write_set(tmp_path / "d")
+    args = [str(path), f"data.cache_dir={tmp_path / 'cache'}", "train.objective=grpo"]
+    assert cli_main(["data", "prepare", *args]) == 0
+    capsys.readouterr()
+    assert cli_main(["data", "check", *args]) == 1  # (the damaged image)
+    assert re.search(rf"cache: {tmp_path / 'cache'}/\w+\.npz matches", capsys.readouterr().out)
+    assert cli_main(["data", "check", *args[:-1]]) == 1  # SFT's rows: another index
+    assert "cache: none for this data and config" in capsys.readouterr().out
