@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 # qwenkit.data.layouts.NAMES (the data floor sits above this module; a test keeps the two equal)
 DATA_LAYOUTS = (
     "auto", "messages", "sharegpt", "llava", "typed", "qwen_vl", "swift_conversation", "swift_query", "alpaca",
-    "cauldron", "problem",
+    "cauldron", "prompt",
 )  # fmt: skip
 
 

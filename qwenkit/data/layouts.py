@@ -23,9 +23,9 @@ layout             rows as written by
 ``alpaca``         LLaMA-Factory alpaca: ``instruction`` / ``input`` / ``output`` (+ ``system``, ``history``)
 ``cauldron``       HuggingFaceM4 the_cauldron: ``images`` + ``texts: [{"user", "assistant"}]``;
                    the images go before the first user turn
-``problem``        EasyR1 / TRL's RL sets (GRPO prompts): ``problem`` (one user turn) + ``answer`` or
-                   ``solution``, ``images`` / ``image`` / ``videos``; without placeholders the
-                   media go before the text (as TRL's processor puts them)
+``prompt``         GRPO's prompts alone: EasyR1's ``problem`` / TRL's ``prompt`` (text, or messages)
+                   + ``answer`` / ``solution``, ``images`` / ``image`` / ``videos``; media
+                   without placeholders go before the text (as TRL's processor puts them)
 =================  ==========================================================================
 
 Every layout also reads a ``solution`` / ``answer`` column (:data:`REFERENCE_KEYS`): GRPO's
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from qwenkit.data.report import BadSample, Location
@@ -311,15 +311,19 @@ def read_cauldron(row: dict, where: Location) -> Read:
     return Read("cauldron", None, turns, images, [], "'images' (before the first user turn)")
 
 
-def read_problem(row: dict, where: Location) -> Read:
-    """A prompt alone (its reference is the ``answer`` / ``solution`` column); media without
-    placeholders go before the text."""
-    text = _string(row.get("problem"), "'problem'", where)
-    images = _entries(row, "images", where) + _entries(row, "image", where)
-    videos = _entries(row, "videos", where)
+def read_prompt(row: dict, where: Location) -> Read:
+    """A prompt alone (its reference: the ``solution`` / ``answer`` column): EasyR1's ``problem`` or TRL's
+    ``prompt`` text, media without placeholders before it; or TRL's conversational ``prompt`` (messages)."""
+    if "chosen" in row or "rejected" in row:
+        raise _bad(where, "a preference row (prompt/chosen/rejected): train.objective=dpo reads it")
+    key, images = "problem" if "problem" in row else "prompt", _entries(row, "images", where) + _entries(row, "image", where)
+    if isinstance(row[key], list):  # conversational: messages as the typed layout reads them
+        typed = read_typed({"messages": row[key], "images": images, "videos": row.get("videos")}, where)
+        return replace(typed, layout="prompt", system=row.get("system"))
+    text, videos = _string(row[key], repr(key), where), _entries(row, "videos", where)
     if IMAGE_PLACEHOLDER not in text and VIDEO_PLACEHOLDER not in text:
         text = IMAGE_PLACEHOLDER * len(images) + VIDEO_PLACEHOLDER * len(videos) + text
-    return Read("problem", row.get("system"), [("user", text)], images, videos, "'images'/'image'/'videos'")
+    return Read("prompt", row.get("system"), [("user", text)], images, videos, "'images'/'image'/'videos'")
 
 
 def _layout(name, describe, turns, media, keys, message_keys, read) -> Layout:
@@ -348,8 +352,8 @@ LAYOUTS: dict[str, Layout] = {
                 ("instruction", "input", "output", "history", "images", "videos", "system"), (), read_alpaca),
         _layout("cauldron", "images/texts", ("texts",), ("images",), ("images", "texts"),
                 ("user", "assistant"), read_cauldron),
-        _layout("problem", "problem/answer prompts", ("problem",), ("images", "image", "videos"),
-                ("problem", "images", "image", "videos", "system"), (), read_problem),
+        _layout("prompt", "prompts alone (GRPO)", ("problem", "prompt"), ("images", "image", "videos"),
+                ("problem", "prompt", "images", "image", "videos", "system"), (), read_prompt),
     )
 }  # fmt: skip
 NAMES = ("auto", *LAYOUTS)

@@ -1,6 +1,7 @@
 """GRPO's rows (the objective reads ``prompts``): the reference is a ``solution`` / ``answer`` column
 where the row has one (TRL's and EasyR1's sets), else the last reply; a prompt alone is a row then
-(EasyR1's ``problem`` layout, or a conversation ending with the user's turn). The reference rows are
+(EasyR1's ``problem`` and TRL's ``prompt``: layout ``prompt``, or a conversation ending with the
+user's turn). The reference rows are
 the same prompt written as an SFT conversation, read through the same template."""
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def rows():
     return [
         ({"problem": QUESTION, "answer": "Red", "images": ["img/a.png"]}, "Red"),  # EasyR1
         ({"problem": "What colour is this box?", "solution": "Red", "image": "img/a.png"}, "Red"),  # TRL's hub sets: no placeholder
+        ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this box?"}]}],
+          "image": "img/a.png", "solution": "Red"}, "Red"),  # TRL's conversational prompt
         ({"messages": USER, "images": ["img/a.png"], "solution": 7}, "7"),  # a prompt-only conversation, a number
         ({"messages": [*USER, {"role": "assistant", "content": "It is red."}], "images": ["img/a.png"],
           "answer": "Red", "solution": "red"}, "red"),  # a reply and both columns: solution first
@@ -47,7 +50,7 @@ def test_a_reference_column_is_the_reference_and_a_prompt_alone_a_row(box, proce
     dataset, report = read(path, processor, reads="prompts")
     assert report.skipped == 0, report.messages
     assert [dataset.conversation(i).reference for i in range(len(dataset))] == [ref for _, ref in rows()]
-    assert dataset.conversation(0).layout == "problem"
+    assert dataset.conversation(0).layout == dataset.conversation(2).layout == "prompt"
     first, _ = dataset.prompt(0)
     for i in range(1, len(dataset)):  # one prompt, however it is written
         inputs, _ = dataset.prompt(i)
@@ -60,12 +63,20 @@ def test_sft_refuses_a_prompt_alone_naming_its_column(box, processor):
     path = box / "rl.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row, _ in rows()))
     dataset, report = read(path, processor)
-    assert len(dataset) == 2 and report.by_reason == {"no_reply": 3}, report.messages
+    assert len(dataset) == 2 and report.by_reason == {"no_reply": 4}, report.messages
     assert report.messages[0] == (
         f"{path}: row 0 (line 1): no_reply: the conversation ends with a user turn and the row's 'answer' column is "
         "its reference: a prompt for train.objective=grpo, with no reply to learn"
     )
     assert [dataset.conversation(i).reference for i in range(2)] == ["It is red.", "It is red."]  # SFT: the reply
+
+
+def test_a_preference_row_read_as_prompts_is_named(box, processor):
+    path = box / "dpo.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."}) + "\n")
+    for reads in ("conversations", "prompts"):
+        _, report = read(path, processor, reads)
+        assert report.messages[0].endswith("a preference row (prompt/chosen/rejected): train.objective=dpo reads it")
 
 
 @pytest.mark.parametrize("value, reason, detail", [
