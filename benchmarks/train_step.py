@@ -52,7 +52,9 @@ With ``--objective grpo`` the batch is the same two rows, two completions of one
 of 2, advantages +1 and -1), and the step is GRPO's learner step (dapo, beta 0.04, the reference a
 frozen copy): ``grpo-hf`` takes per-token log-probs from full ``[2, S, V]`` logits (TRL's
 ``selective_log_softmax``), ``grpo`` from the chunked head (``token_logps``, no logits). Target:
-``grpo`` peak <= 0.5x ``grpo-hf``. The rollout (generation) is not timed here.
+``grpo`` peak <= 0.5x ``grpo-hf``. The ``grpo`` worker then times one rollout of the group (two
+completions of the batch's length, sampled through the kit's generation path) and prints the
+split of a step's time between rollout and learner.
 
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
@@ -344,11 +346,39 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     step_s, losses = timed_steps(lambda: step(policy_logps, reference_logps, batch), opt, device,
                                  args.warmup, args.steps)  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
+    peak = memory_bytes(device, peak=True)  # the learner step's, before a rollout is timed
     return {
-        "variant": args.variant, "step_s": step_s, "peak_bytes": memory_bytes(device, peak=True),
+        "variant": args.variant, "step_s": step_s, "peak_bytes": peak,
         "params": n_params, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "losses": losses, "tokens": 2 * shapes["seq"], "optimizer": "AdamW fused" if fused else "AdamW foreach",
+        "rollout_s": rollout_seconds(model, batch, device) if args.variant == "grpo" else None,
     }  # fmt: skip
+
+
+def rollout_seconds(model, batch: dict, device) -> float:
+    """Seconds to sample the group's two completions (as long as the batch's: ``min_new_tokens``) from
+    the prompt through the kit's generation path (:func:`qwenkit.engine.generate.lockstep`, HF ``generate``
+    with a KV cache), as a GRPO rollout makes them."""
+    import torch
+
+    from qwenkit.engine.generate import Sampling, generation_config, lockstep
+
+    prompt = int((batch["labels"][0] == -100).sum())
+    new = batch["input_ids"].shape[1] - prompt
+    inputs = {k: batch[k][:, :prompt] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in batch}
+    inputs |= {k: v for k, v in batch.items() if k in ("pixel_values", "image_grid_thw")}
+    config = generation_config(Sampling(new, temperature=1.0), eos_token_id=0, pad_token_id=0)
+    config.min_new_tokens = new  # the completion's full length: the end token (0) is never drawn before it
+    torch.manual_seed(0)
+    model.eval()
+    with torch.no_grad(), lockstep(model) as step:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(inputs, config)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
 
 def dpo_main(args) -> int:
@@ -369,6 +399,11 @@ def dpo_main(args) -> int:
         print(f"{r['variant']:<10}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['peak_bytes'] / GiB:>10.2f}"
               f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['trainable']:>13,}{r['losses'][0]:>12.5f}"
               f"{'   target ' + targets[r['variant']] if r['variant'] in targets else ''}")  # fmt: skip
+    for r in rows:
+        if r.get("rollout_s"):  # one rollout of the group and one learner step: where a GRPO step's time goes
+            total = r["rollout_s"] + r["step_s"]
+            print(f"\n{r['variant']}: rollout {r['rollout_s']:.2f} s (sampling the 2 completions) + learner "
+                  f"{r['step_s']:.2f} s: rollout {r['rollout_s'] / total:.0%}, learner {r['step_s'] / total:.0%}")  # fmt: skip
     if args.out:
         from qwenkit.notebooks.results import write_jsonl
 
