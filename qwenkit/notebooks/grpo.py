@@ -28,6 +28,7 @@ import plotly.graph_objects as go
 import yaml
 from plotly.subplots import make_subplots
 
+from qwenkit import config as qconfig
 from qwenkit import records
 from qwenkit.engine import metrics
 from qwenkit.engine.grpo import SAMPLE_FILE
@@ -40,6 +41,14 @@ CHANGED = "grpo_completions.jsonl"  # the prompts rolled out early and late: com
 DIAGNOSTICS = {"kl": "KL to the reference (nats)", "entropy": "entropy (nats per token)",
                "completions/mean_length": "mean completion length (tokens)",
                "frac_reward_zero_std": "groups with equal rewards (share)"}  # fmt: skip
+
+
+def check_config(path, overrides: list[str]) -> None:
+    """Refuse, before any run starts, a ``grpo_config`` that is no valid config or whose
+    ``train.objective`` (with ``overrides``) is not ``grpo``: one line naming the file."""
+    cfg = qconfig.load(path, overrides)
+    if cfg.train.objective != "grpo":
+        raise ValueError(f"grpo_config={path}: train.objective is {cfg.train.objective!r}, not grpo")
 
 
 def completions(run_dir) -> tuple[str, list[dict[str, Any]]]:

@@ -94,3 +94,11 @@ def test_save_fails_when_the_first_step_did_not_start_at_the_reference(tmp_path)
     results.write_metrics(tmp_path, "02_sharded_training", "run", True)
     grpo.save_changed(tmp_path, run)
     assert grpo.save(tmp_path, run)["grpo_first_kl"] == 0.2 and not results.read_metrics(tmp_path)["passed"]
+
+
+def test_a_grpo_config_that_is_not_grpo_is_refused_before_any_run(tmp_path):
+    sft = tmp_path / "sft.yaml"
+    sft.write_text("train: {objective: sft}\n")
+    with pytest.raises(ValueError, match=f"grpo_config={sft}: train.objective is 'sft', not grpo"):
+        grpo.check_config(sft, [])
+    grpo.check_config(sft, ["train.objective=grpo"])
