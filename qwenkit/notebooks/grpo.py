@@ -12,7 +12,10 @@ TRL's metrics per step (:mod:`qwenkit.engine.metrics`: ``reward``, ``reward_std`
 - :func:`save_changed` pairs, for each prompt (dataset row ``index``) rank 0 rolled out at two
   different steps, its completions and rewards at the first and the last of them into
   ``grpo_completions.jsonl`` here; :func:`changed_table` shows them, largest reward change first;
-- :func:`save` adds the run's headline numbers to the notebook's ``metrics.json``.
+- :func:`save` adds the run's headline numbers to the notebook's ``metrics.json``;
+  :func:`check_config` refuses a ``grpo_config`` that is not ``train.objective: grpo`` before any run.
+
+:func:`completions` is the one reader of the completion records (a record's step or rollout).
 
 Cannot: show the other ranks' completions (rank 0 writes its share only).
 """
