@@ -220,7 +220,7 @@ def test_smoke_02_grpo_from_the_sft_run(smoke_run):
     table = table[: table.index("</table>")]
     first = changed[0]
     assert html.escape(first["reference"]) in table and f"{first['x_name']} {first['late']['x']}" in table
-    assert f"GRPO 3 steps: reward {v['grpo_first_reward']:.2f}" in (smoke_run[0] / "index.html").read_text()
+    assert f"GRPO 3 steps: mean reward {v['grpo_first_reward']:.2f} (first 1 steps)" in (smoke_run[0] / "index.html").read_text()
 
 
 @pytest.mark.slow

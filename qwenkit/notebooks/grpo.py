@@ -41,6 +41,7 @@ from qwenkit.rundir import RunDir
 
 GRPO = "grpo"  # the GRPO run's folder in output_dir, started from the uninterrupted run (grpo_config)
 CHANGED = "grpo_completions.jsonl"  # the prompts rolled out early and late: completions and rewards then and now
+NONE_AGAIN = ": none yet (a prompt comes back once the run passes an epoch of its data; more train.steps)"
 DIAGNOSTICS = {"kl": "KL to the reference (nats)", "entropy": "entropy (nats per token)",
                "completions/mean_length": "mean completion length (tokens)",
                "frac_reward_zero_std": "groups with equal rewards (share)"}  # fmt: skip
@@ -141,7 +142,7 @@ def changed_table(out_dir, limit: int = 8):
             f"<th>completions now</th></tr>")  # fmt: skip
     return HTML(f'<table class="grpo-completions">{head}{cells}</table>'
                 f"<p>{min(limit, len(rows))} of {len(rows)} prompts rank 0 rolled out at two {x}s or more, "
-                f"largest change of the mean reward first</p>")  # fmt: skip
+                f"largest change of the mean reward first{'' if rows else NONE_AGAIN}</p>")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,20 +205,27 @@ def figures(out_dir) -> list:
 # The notebook's headline
 
 
+def _window_means(values: dict[int, float]) -> tuple[float, float, int]:
+    """The mean of the first and of the last fifth of the steps (at least one step each), and its length."""
+    steps = sorted(values)
+    if not steps:
+        return float("nan"), float("nan"), 0
+    n = max(1, len(steps) // 5)
+    return (statistics.fmean(values[s] for s in steps[:n]), statistics.fmean(values[s] for s in steps[-n:]), n)
+
+
 def values(run_dir, changed: list[dict[str, Any]]) -> dict[str, Any]:
-    """The GRPO run's numbers for ``metrics.json``: steps, first and last mean reward (each
-    reward's too), the KL at its first step (0: the policy starts as its reference), and how many
-    prompts :func:`changed_rows` paired."""
+    """The GRPO run's numbers for ``metrics.json``: steps; the mean reward (each reward's too) over
+    the first and the last fifth of the steps (one step's reward is the mean of a few groups: too
+    noisy to compare two single steps); the KL at its first step (0: the policy starts as its
+    reference); how many prompts :func:`changed_rows` paired."""
     rows = metrics.read(run_dir)
-    reward = series(rows, "reward")
-    steps = sorted(reward)
-    out: dict[str, Any] = {"grpo_steps": len(steps), "grpo_rewards": reward_names(rows),
-                           "grpo_first_reward": reward[steps[0]] if steps else float("nan"),
-                           "grpo_last_reward": reward[steps[-1]] if steps else float("nan"),
+    first, last, window = _window_means(series(rows, "reward"))
+    out: dict[str, Any] = {"grpo_steps": len(series(rows, "reward")), "grpo_rewards": reward_names(rows),
+                           "grpo_reward_window": window, "grpo_first_reward": first, "grpo_last_reward": last,
                            "grpo_changed_prompts": len(changed)}  # fmt: skip
     for name in out["grpo_rewards"]:
-        mean = series(rows, f"rewards/{name}/mean")
-        out[f"grpo_first_{name}"], out[f"grpo_last_{name}"] = mean[min(mean)], mean[max(mean)]
+        out[f"grpo_first_{name}"], out[f"grpo_last_{name}"], _ = _window_means(series(rows, f"rewards/{name}/mean"))
     kl = series(rows, "kl")
     out["grpo_first_kl"] = kl[min(kl)] if kl else None  # None: grpo.beta = 0, no reference
     return out
@@ -226,15 +234,18 @@ def values(run_dir, changed: list[dict[str, Any]]) -> dict[str, Any]:
 def save(out_dir, run_dir) -> dict[str, Any]:
     """Add the GRPO run's :func:`values` to ``<out_dir>/metrics.json`` (written by
     :func:`qwenkit.notebooks.runs.save`) and a clause to its summary. It passes when each of the
-    run's ``train.steps`` logged its reward, some prompt was paired early and late, and the first step's KL is
-    0 where it was logged; whether the reward rose is recorded (``grpo_reward_rose``), not required:
-    a few steps (the smoke set) need not move it."""
+    run's ``train.steps`` logged its reward and the first step's KL is 0 where it was logged. Whether
+    the reward rose (``grpo_reward_rose``) and how many prompts came back (``grpo_changed_prompts``:
+    none before the run passes an epoch of its data) are recorded, not required: a few steps (the
+    smoke set) need not move the reward."""
     doc = results.read_metrics(out_dir)
     v = values(run_dir, records.read_jsonl(Path(out_dir) / CHANGED))
     v["grpo_reward_rose"] = v["grpo_last_reward"] > v["grpo_first_reward"]
-    ok = v["grpo_steps"] == _config(run_dir)["train"]["steps"] and v["grpo_changed_prompts"] > 0 and v["grpo_first_kl"] in (None, 0.0)
-    summary = (f"{doc['summary']}; GRPO {v['grpo_steps']} steps: reward {v['grpo_first_reward']:.2f} -> "
-               f"{v['grpo_last_reward']:.2f}, {v['grpo_changed_prompts']} prompts seen early and late")  # fmt: skip
+    ok = v["grpo_steps"] == _config(run_dir)["train"]["steps"] and v["grpo_first_kl"] in (None, 0.0)
+    n = v["grpo_reward_window"]
+    summary = (f"{doc['summary']}; GRPO {v['grpo_steps']} steps: mean reward {v['grpo_first_reward']:.2f} "
+               f"(first {n} steps) -> {v['grpo_last_reward']:.2f} (last {n}), "
+               f"{v['grpo_changed_prompts']} prompts seen early and late")  # fmt: skip
     values_all = {**doc["values"], **v}
     results.write_metrics(out_dir, doc["notebook"], summary, doc["passed"] and ok, **values_all)
     return values_all

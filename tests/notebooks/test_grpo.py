@@ -85,8 +85,27 @@ def test_save_adds_the_run_to_the_notebooks_metrics(tmp_path):
     assert (v["grpo_steps"], v["grpo_first_reward"], v["grpo_last_reward"], v["grpo_changed_prompts"]) == (3, 0.25, 0.75, 1)
     assert v["grpo_rewards"] == ["exact", "format"] and v["grpo_last_exact"] == 0.75 and v["grpo_first_kl"] == 0.0
     assert v["grpo_reward_rose"]
-    assert doc["summary"] == "2-rank FSDP2 run; GRPO 3 steps: reward 0.25 -> 0.75, 1 prompts seen early and late"
+    assert doc["summary"] == ("2-rank FSDP2 run; GRPO 3 steps: mean reward 0.25 (first 1 steps) -> 0.75 (last 1), "
+                              "1 prompts seen early and late")  # fmt: skip
     assert "grpo-completions" in grpo.changed_table(tmp_path).data
+
+
+def test_first_and_last_rewards_are_means_over_a_fifth_of_the_steps(tmp_path):
+    run = _run(tmp_path / grpo.GRPO)
+    rows = [{"metric": name, "x": step, "value": float(step), "rank": 0} for step in range(1, 11)
+            for name in ("reward", "rewards/exact/mean")]  # fmt: skip
+    (run / "metrics" / "rank-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    v = grpo.values(run, [])
+    assert (v["grpo_reward_window"], v["grpo_first_reward"], v["grpo_last_reward"]) == (2, 1.5, 9.5)
+    assert (v["grpo_first_exact"], v["grpo_last_exact"], v["grpo_first_kl"]) == (1.5, 9.5, None)  # no kl: beta 0
+
+
+def test_a_run_whose_prompts_never_came_back_passes_and_says_why_none_changed(tmp_path):
+    run = _run(tmp_path / grpo.GRPO)
+    results.write_metrics(tmp_path, "02_sharded_training", "run", True)
+    results.write_jsonl([], tmp_path / grpo.CHANGED)  # a run shorter than an epoch of its data
+    assert grpo.save(tmp_path, run)["grpo_changed_prompts"] == 0 and results.read_metrics(tmp_path)["passed"]
+    assert grpo.NONE_AGAIN in grpo.changed_table(tmp_path).data
 
 
 def test_save_fails_when_the_first_step_did_not_start_at_the_reference(tmp_path):
