@@ -209,7 +209,7 @@ def test_smoke_02_grpo_from_the_sft_run(smoke_run):
     v = _metrics(smoke_run, "02_sharded_training")["values"]
     folder = smoke_run[0] / "02_sharded_training"
     rows = metrics.read(folder / grpo.GRPO)
-    assert v["grpo_steps"] == 3 and v["grpo_rewards"] == ["exact", "format"]
+    assert v["grpo_steps"] == 3 and v["grpo_rewards"] == list(grpo.reward_weights(folder / grpo.GRPO))  # the config's
     assert v["grpo_first_reward"] == metrics.series(rows, "reward")[1] and v["grpo_first_kl"] == 0  # policy = reference
     changed = [json.loads(line) for line in (folder / grpo.CHANGED).read_text().splitlines()]
     assert len(changed) == v["grpo_changed_prompts"] >= 1  # 2 prompts a step, rank 0 draws one: 3 steps repeat one
