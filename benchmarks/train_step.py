@@ -51,8 +51,11 @@ Targets: ``dpo`` peak <= 0.5x and time <= 0.8x ``dpo-hf``; ``dpo-lora`` peak <= 
 With ``--objective grpo`` the batch is the same two rows, two completions of one prompt (a group
 of 2, advantages +1 and -1), and the step is GRPO's learner step (dapo, beta 0.04, the reference a
 frozen copy): ``grpo-hf`` takes per-token log-probs from full ``[2, S, V]`` logits (TRL's
-``selective_log_softmax``), ``grpo`` from the chunked head (``token_logps``, no logits). Target:
-``grpo`` peak <= 0.5x ``grpo-hf``. The rollout (generation) is not timed here.
+``selective_log_softmax``), ``grpo`` from the chunked head (``token_logps``, no logits), ``grpo-lora``
+the same with LoRA (r = 16, all-linear), the reference being the policy with its adapters disabled. Target:
+``grpo`` peak <= 0.5x ``grpo-hf``. The ``grpo`` worker then times one rollout of the group (two
+completions of the batch's length, sampled through the kit's generation path) and prints the
+split of a step's time between rollout and learner.
 
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
@@ -65,6 +68,7 @@ frozen copy): ``grpo-hf`` takes per-token log-probs from full ``[2, S, V]`` logi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -101,7 +105,7 @@ SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants who
 
 DPO_VARIANTS = ("dpo-hf", "dpo", "dpo-precompute", "dpo-lora")
 DPO_BETA = 0.1
-GRPO_VARIANTS = ("grpo-hf", "grpo")
+GRPO_VARIANTS = ("grpo-hf", "grpo", "grpo-lora")
 
 
 def pair_batch(config, seq: int, image_side: int, device="cpu") -> dict:
@@ -129,8 +133,9 @@ def dpo_step(policy_logps, reference_logps, batch):
     return loss
 
 
-def grpo_step(policy_logps, reference_logps, batch):
-    """GRPO's learner step on a group of 2 (advantages +1, -1): dapo, beta 0.04, the rollout's own policy."""
+def grpo_step(policy_logps, reference_logps, batch, beta: float):
+    """GRPO's learner step on a group of 2 (advantages +1, -1): dapo, the rollout's own policy; with
+    ``beta > 0`` the KL to the reference's log-probs (``reference_logps``; None: no reference at all)."""
     import torch
 
     from qwenkit.config import GrpoConfig
@@ -138,11 +143,13 @@ def grpo_step(policy_logps, reference_logps, batch):
     from qwenkit.model.loss import IGNORE_INDEX, shift_labels
 
     logps = policy_logps(batch)  # [2, S]
-    with torch.no_grad():
-        ref = reference_logps(batch)
+    ref = None
+    if beta > 0:
+        with torch.no_grad():
+            ref = reference_logps(batch)
     mask = shift_labels(batch["labels"]) != IGNORE_INDEX
     advantages = torch.tensor([1.0, -1.0], device=logps.device)
-    loss = GrpoLoss(GrpoConfig(beta=0.04))(logps, advantages, mask, StepTotals(2, mask.sum(), 1), ref=ref).loss
+    loss = GrpoLoss(GrpoConfig(beta=beta))(logps, advantages, mask, StepTotals(2, mask.sum(), 1), ref=ref).loss
     loss.backward()
     return loss
 
@@ -302,7 +309,7 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     full_logps = full_token_logps if grpo else full_sequence_logps
     if args.variant in ("dpo-hf", "grpo-hf"):
         model = Qwen2_5_VLForConditionalGeneration(config).to(device=device, dtype=dtype).train()
-        reference = copy.deepcopy(model).requires_grad_(False).eval()
+        reference = copy.deepcopy(model).requires_grad_(False).eval() if not grpo or args.beta > 0 else None
 
         def logps(m):
             return lambda b: full_logps(m(**inputs).logits, b["labels"])[0]  # TRL: log_softmax, gather
@@ -316,7 +323,7 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
         def policy_logps(b):
             return model.token_logps(**b)[0] if grpo else model.sequence_logps(**b)[0]
 
-        if args.variant == "dpo-lora":
+        if args.variant in ("dpo-lora", "grpo-lora"):
             from qwenkit import config as qconfig
             from qwenkit.model import lora
 
@@ -324,13 +331,15 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
 
             def reference_logps(b):
                 with lora.adapters_disabled(model):
-                    return model.sequence_logps(**b)[0]
+                    return model.token_logps(**b)[0] if grpo else model.sequence_logps(**b)[0]
         elif args.variant == "dpo-precompute":  # dpo.precompute_ref: the start's log-probs, once, before training
             with torch.no_grad():
                 fixed = model.sequence_logps(**batch)[0]
 
             def reference_logps(b):
                 return fixed
+        elif grpo and args.beta == 0:  # no reference is built (grpo.beta: 0)
+            reference_logps = None
         else:
             reference = copy.deepcopy(model).requires_grad_(False).eval()
 
@@ -338,24 +347,52 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
                 return reference.token_logps(**b)[0] if grpo else reference.sequence_logps(**b)[0]
 
     fused = args.variant not in ("dpo-hf", "grpo-hf")
-    step = grpo_step if grpo else dpo_step
+    step = functools.partial(grpo_step, beta=args.beta) if grpo else dpo_step
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=fused or None)
     reset_peak_memory(device)
     step_s, losses = timed_steps(lambda: step(policy_logps, reference_logps, batch), opt, device,
                                  args.warmup, args.steps)  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
+    peak = memory_bytes(device, peak=True)  # the learner step's, before a rollout is timed
     return {
-        "variant": args.variant, "step_s": step_s, "peak_bytes": memory_bytes(device, peak=True),
+        "variant": args.variant, "step_s": step_s, "peak_bytes": peak,
         "params": n_params, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "losses": losses, "tokens": 2 * shapes["seq"], "optimizer": "AdamW fused" if fused else "AdamW foreach",
+        "rollout_s": rollout_seconds(model, batch, device) if args.variant == "grpo" else None,
     }  # fmt: skip
+
+
+def rollout_seconds(model, batch: dict, device) -> float:
+    """Seconds to sample the group's two completions (as long as the batch's: ``min_new_tokens``) from
+    the prompt through the kit's generation path (:func:`qwenkit.engine.generate.lockstep`, HF ``generate``
+    with a KV cache), as a GRPO rollout makes them."""
+    import torch
+
+    from qwenkit.engine.generate import Sampling, generation_config, lockstep
+
+    prompt = int((batch["labels"][0] == -100).sum())
+    new = batch["input_ids"].shape[1] - prompt
+    inputs = {k: batch[k][:, :prompt] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in batch}
+    inputs |= {k: v for k, v in batch.items() if k in ("pixel_values", "image_grid_thw")}
+    config = generation_config(Sampling(new, temperature=1.0), eos_token_id=0, pad_token_id=0)
+    config.min_new_tokens = new  # the completion's full length: the end token (0) is never drawn before it
+    torch.manual_seed(0)
+    model.eval()
+    with torch.no_grad(), lockstep(model) as step:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(inputs, config)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
 
 def dpo_main(args) -> int:
     """``--objective dpo`` or ``grpo``: the two-row steps of the module docstring, each against its full-logits step."""
     grpo = args.objective == "grpo"
     variants = args.variants or list(GRPO_VARIANTS if grpo else DPO_VARIANTS)
-    what = "GRPO learner step, two completions" if grpo else "DPO step, one pair"
+    what = f"GRPO learner step (grpo.beta {args.beta}), two completions" if grpo else "DPO step, one pair"
     print(f"{what} of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
           f"shapes={args.shapes} vocab={VOCAB:,} device={args.device}")  # fmt: skip
     rows = [_spawn(args, v) for v in variants]
@@ -363,12 +400,17 @@ def dpo_main(args) -> int:
     print(f"\n{'variant':<10}{'optimizer':>15}{'step s':>8}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}{'trainable':>13}"
           f"{'first loss':>12}")  # fmt: skip
     targets = {"dpo": "peak <= 0.50x, time <= 0.80x", "dpo-precompute": "peak <= 0.50x, time <= 0.80x",
-               "dpo-lora": "peak <= 0.35x", "grpo": "peak <= 0.50x"}
+               "dpo-lora": "peak <= 0.35x", "grpo": "peak <= 0.50x", "grpo-lora": "peak <= 0.50x"}
     for r in rows:
         r["time_ratio"], r["mem_ratio"] = r["step_s"] / base["step_s"], r["peak_bytes"] / base["peak_bytes"]
         print(f"{r['variant']:<10}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['peak_bytes'] / GiB:>10.2f}"
               f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['trainable']:>13,}{r['losses'][0]:>12.5f}"
               f"{'   target ' + targets[r['variant']] if r['variant'] in targets else ''}")  # fmt: skip
+    for r in rows:
+        if r.get("rollout_s"):  # one rollout of the group and one learner step: where a GRPO step's time goes
+            total = r["rollout_s"] + r["step_s"]
+            print(f"\n{r['variant']}: rollout {r['rollout_s']:.2f} s (sampling the 2 completions) + learner "
+                  f"{r['step_s']:.2f} s: rollout {r['rollout_s'] / total:.0%}, learner {r['step_s'] / total:.0%}")  # fmt: skip
     if args.out:
         from qwenkit.notebooks.results import write_jsonl
 
@@ -383,7 +425,7 @@ def _mfu_cell(value: float | None, width: int) -> str:
 def _spawn(args, variant: str) -> dict:
     cmd = [__file__, "--worker", "--variant", variant, "--device", args.device,
            "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--gemm-size", str(args.gemm_size), "--objective", args.objective, "--family", args.family]  # fmt: skip
+           "--gemm-size", str(args.gemm_size), "--objective", args.objective, "--family", args.family, "--beta", str(args.beta)]  # fmt: skip
     return fresh_process(cmd, f"variant {variant}")  # the same allocator for every variant
 
 
@@ -397,6 +439,8 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-size", type=int, default=4096, help="side of the square GEMM the MFU peak is measured with")
     p.add_argument("--objective", default="sft", choices=["sft", "dpo", "grpo"],
                    help="dpo: one preference pair, DPO's step; grpo: two completions, GRPO's learner step")
+    p.add_argument("--beta", type=float, default=None,
+                   help="grpo: the KL weight of every variant (default: grpo.beta's default; 0 builds no reference)")
     p.add_argument("--variants", nargs="+", default=None)
     p.add_argument("--family", default="qwen2_5_vl", choices=list(CONFIGS), help="the model family (model.name)")
     p.add_argument("--out", default=None, help="also write the results as JSON lines here")
@@ -404,6 +448,10 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="hf", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.shapes = args.shapes or ("3b" if args.device == "cuda" else "cpu")
+    if args.beta is None:
+        from qwenkit.config import GrpoConfig
+
+        args.beta = GrpoConfig().beta
     if args.worker:
         print(json.dumps(worker(args)))
         return 0

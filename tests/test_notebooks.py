@@ -18,7 +18,7 @@ import yaml
 from multiproc import scaled
 
 from qwenkit.engine import metrics
-from qwenkit.notebooks import compare, perf, runner, runs, samples, validation
+from qwenkit.notebooks import compare, grpo, perf, runner, runs, samples, validation
 from qwenkit.sweep import ledger
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -199,7 +199,28 @@ def test_smoke_02_dpo_from_the_sft_run(smoke_run):
     index = (smoke_run[0] / "index.html").read_text()
     assert html.escape(f"held-out preference accuracy {v['dpo_first_logps_accuracies']:.2f} -> ") in index
     page = (smoke_run[0] / "02_sharded_training.html").read_text()
-    assert "held-out preference accuracy" in page and page.count('class="run-log"') == 3
+    assert "held-out preference accuracy" in page and page.count('class="run-log"') == 4
+
+
+@pytest.mark.slow
+def test_smoke_02_grpo_from_the_sft_run(smoke_run):
+    """The smoke set's GRPO branch: 3 steps from the uninterrupted run's last checkpoint; its reward
+    curve and the completions of a prompt rank 0 rolled out at two steps, in the report."""
+    v = _metrics(smoke_run, "02_sharded_training")["values"]
+    folder = smoke_run[0] / "02_sharded_training"
+    rows = metrics.read(folder / grpo.GRPO)
+    assert v["grpo_steps"] == 3 and v["grpo_rewards"] == list(grpo.reward_weights(folder / grpo.GRPO))  # the config's
+    assert v["grpo_first_reward"] == metrics.series(rows, "reward")[1] and v["grpo_first_kl"] == 0  # policy = reference
+    changed = [json.loads(line) for line in (folder / grpo.CHANGED).read_text().splitlines()]
+    assert len(changed) == v["grpo_changed_prompts"] >= 1  # 2 prompts a step, rank 0 draws one: 3 steps repeat one
+    assert all(r["early"]["x"] < r["late"]["x"] and len(r["late"]["completions"]) == 2 for r in changed)
+    page = (smoke_run[0] / "02_sharded_training.html").read_text()
+    assert "GRPO: the rollouts' reward over the steps" in page and "frac_reward_zero_std" in page
+    table = page[page.index('class="grpo-completions"'):]
+    table = table[: table.index("</table>")]
+    first = changed[0]
+    assert html.escape(first["reference"]) in table and f"{first['x_name']} {first['late']['x']}" in table
+    assert f"GRPO 3 steps: mean reward {v['grpo_first_reward']:.2f} (first 1 steps)" in (smoke_run[0] / "index.html").read_text()
 
 
 @pytest.mark.slow
@@ -224,6 +245,7 @@ def test_smoke_04_performance_profiling(smoke_run_long):
     assert v["recommended_chunk"] in (32, 128, 512)
     assert 0 < v["mfu"] < 1 and v["flops_per_step"] > 0
     assert v["fused_available"] is False  # CPU: nothing to fuse
+    assert v["fused_ops"]["swiglu"].startswith("patched") and v["fused_ops"]["text_mrope"].startswith("original")
     assert m["passed"]
 
 
@@ -250,7 +272,7 @@ def test_smoke_05_compare_runs(smoke_run_long):
 @pytest.mark.slow
 def test_report_02_collapses_the_run_logs_below_the_summary(smoke_run):
     page = (smoke_run[0] / "02_sharded_training.html").read_text()
-    assert page.count('class="run-log"') == 3  # the uninterrupted, the resumed and the DPO run
+    assert page.count('class="run-log"') == 4  # the uninterrupted, the resumed, the DPO and the GRPO run
     first_log = page.index('class="run-log"')
     assert page.index('class="plotly-graph-div"') < first_log  # the summary table comes before the log
     assert page.count("step 1/8") == 1 and "more lines" in page  # inside the block: first and last lines

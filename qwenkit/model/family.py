@@ -93,6 +93,9 @@ class Family:
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
+    # multi-token-prediction layers the family's checkpoints ship as mtp.* (Qwen3.5): HF's class does not
+    # load them, export keeps them (qwenkit.engine.export.keep_mtp), the tiny checkpoint writes them
+    mtp_layers: int = 0
 
     def load(self, what: str):
         """The class (or function) an import path of this entry names."""
@@ -263,6 +266,7 @@ FAMILIES: dict[str, Family] = {
             patch_size=16,
             **_QWEN3_5_DATA,
             mixers=("attention", "linear_attention"),
+            mtp_layers=1,
         ),
         Family(
             name="qwen3_5_moe",
@@ -281,6 +285,7 @@ FAMILIES: dict[str, Family] = {
             patch_size=16,
             **_QWEN3_5_DATA,
             mixers=("attention", "linear_attention"),
+            mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
         ),

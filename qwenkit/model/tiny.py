@@ -249,7 +249,7 @@ def ensure_checkpoint(
         raise ValueError(problem)
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
-        | ({"family": family, "template": 2} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
+        | ({"family": family, "template": 2, "mtp": 1} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
     )
     root = Path(root) if root is not None else _cache_root()
     path = root / f"tiny-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
@@ -290,10 +290,34 @@ def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: i
     vocab = len(processor.tokenizer)
     ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = entry.load("tiny_config")(-(-vocab // 64) * 64, ids, tie_word_embeddings)
+    if entry.mtp_layers:  # as the family's checkpoints say it (vLLM and SGLang read it)
+        config.text_config.mtp_num_hidden_layers = entry.mtp_layers
     torch.manual_seed(seed)
     model = entry.load("hf_class")(config)
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    if entry.mtp_layers:
+        _add_mtp(Path(path), model, entry.mtp_layers)
+
+
+def _add_mtp(path: Path, model, layers: int) -> None:
+    """Add Qwen3.5's multi-token-prediction layer to the checkpoint at ``path``, as real ones hold it (vLLM's
+    key names: ``mtp.fc`` [H, 2H], two input norms, full-attention decoder layers, ``mtp.norm``), so that
+    every tiny run's export must keep it."""
+    from safetensors.torch import load_file, save_file
+
+    text = model.config.text_config
+    hidden = text.hidden_size
+    decoder = model.model.language_model.layers
+    full = next(i for i, kind in enumerate(text.layer_types) if kind == "full_attention")
+    g = torch.Generator().manual_seed(1)
+    mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g) * text.initializer_range,
+           "mtp.pre_fc_norm_embedding.weight": torch.ones(hidden), "mtp.pre_fc_norm_hidden.weight": torch.ones(hidden),
+           "mtp.norm.weight": torch.ones(hidden)}  # fmt: skip
+    for n in range(layers):
+        mtp |= {f"mtp.layers.{n}.{k}": v.detach().clone() for k, v in decoder[full].state_dict().items()}
+    weights = load_file(path / "model.safetensors")  # the tiny model: one file
+    save_file(weights | mtp, path / "model.safetensors", metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------------------------------------

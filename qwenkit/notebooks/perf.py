@@ -40,6 +40,7 @@ from qwenkit.bench.measure import (  # noqa: F401 (notebook 04 calls perf.matmul
     use_cpu_threads,
 )
 from qwenkit.bench.step import mfu
+from qwenkit.model import family
 from qwenkit.notebooks import plots, results
 from qwenkit.patches import dispatch
 
@@ -186,12 +187,41 @@ def fused_vs_unfused(model, batches: list[dict[str, torch.Tensor]], steps: int, 
     if not ok:
         return {"available": False, "route": route}
     unfused = time_steps(model, batches, steps, warmup)
-    report = patches.apply(model)
+    report = patches.apply(model, applicable=family.of_model(model).fused_ops)  # the ops the trainer patches
     try:
         fused = time_steps(model, batches, steps, warmup)
     finally:
         patches.revert(model)
     return {"available": True, "route": route, "active": report.active, "unfused_ms": unfused, "fused_ms": fused}
+
+
+# What stays HF's: never fused, whatever the family
+ORIGINAL = {"text_mrope": "original: HF's implementation, never fused"}
+# the linear-attention layers' own ops (families with linear_attention in their mixers: Qwen3.5)
+LINEAR_ATTENTION = {
+    "linear attention: conv1d, gated delta rule": "original: HF's functions (causal-conv1d / flash-linear-attention "
+    "where installed on CUDA, else HF's PyTorch fallback); packed rows per sample (qwenkit.model.linear_attention)",
+    "linear attention: gated RMSNorm": "original: HF's Qwen3_5RMSNormGated",
+}  # fmt: skip
+
+
+def fused_ops_rows(model) -> list[dict[str, Any]]:
+    """What the trainer's fused ops patch in ``model`` and what stays HF's, one row per op: the
+    patch report the run log shows (its family's entry says which ops fit; patched and reverted
+    here at once: a patched module picks its kernel per call, so the plan is the same on every
+    device), then the ops that are never fused."""
+    report = patches.apply(model, applicable=(entry := family.of_model(model)).fused_ops)
+    patches.revert(model)
+    rows = [{"op": o.op, "modules": o.matched,
+             "status": o.status + "".join(f"; {k} {v}" for k, v in sorted(o.where.items()))} for o in report.ops]  # fmt: skip
+    never = {**ORIGINAL, **(LINEAR_ATTENTION if "linear_attention" in entry.mixers else {})}
+    return rows + [{"op": op, "modules": 0, "status": status} for op, status in never.items()]
+
+
+def write_fused_ops(out_dir, rows: list[dict[str, Any]], device: str) -> None:
+    """``fused_ops.csv``: :func:`fused_ops_rows`, the status as ``x``."""
+    results.write_csv([results.record("modules", r["modules"], unit="1", series=r["op"], x_name="status", x=r["status"],
+                                      device=device) for r in rows], f"{out_dir}/fused_ops.csv")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +348,12 @@ def fused_figure(out_dir, title: str = "Step time, unfused vs fused"):
     return plots.step_times({s: [r["value"] for r in rows if r["series"] == s] for s in ("unfused", "fused")}, title)
 
 
+def fused_ops_table(out_dir, title: str = "Fused ops: what is patched, what stays HF's"):
+    rows = [{"op": r["series"], "modules": int(r["value"]), "status": r["x"]}
+            for r in results.read_csv(f"{out_dir}/fused_ops.csv")]  # fmt: skip
+    return plots.table(rows, ["op", "modules", "status"], title=title)
+
+
 def reference_figure(out_dir):
     ref = json.loads(Path(f"{out_dir}/npu_reference.json").read_text())
     return plots.npu_reference({**ref, "loss_range": tuple(ref["loss_range"])})
@@ -346,7 +382,7 @@ def packing_figure(out_dir):
 def figures(out_dir) -> list:
     """Every figure of notebook 04, in the order it shows them."""
     figs = [head_sweep_figure(out_dir), chunk_sweep_figure(out_dir), model_step_table(out_dir), top_ops_table(out_dir),
-            fused_figure(out_dir), reference_figure(out_dir), packing_figure(out_dir)]  # fmt: skip
+            fused_ops_table(out_dir), fused_figure(out_dir), reference_figure(out_dir), packing_figure(out_dir)]  # fmt: skip
     return [f for f in figs if f is not None]
 
 
@@ -359,6 +395,8 @@ def save(out_dir, sweep, recommended: int, util: dict[str, Any], fused: dict[str
     ratios = head_ratios(sweep)
     values = {"head": ratios, "recommended_chunk": recommended, **util, "fused_available": fused["available"],
               "fused_route": fused["route"], "device": device}  # fmt: skip
+    if Path(f"{out_dir}/fused_ops.csv").is_file():  # notebook 04's fused_ops_rows: op -> patched, or why not
+        values["fused_ops"] = {r["series"]: r["x"] for r in results.read_csv(f"{out_dir}/fused_ops.csv")}
     if fused["available"]:
         values["fused_speedup"] = statistics.median(fused["unfused_ms"]) / statistics.median(fused["fused_ms"])
         fused_text = f"fused ops {values['fused_speedup']:.2f}x"

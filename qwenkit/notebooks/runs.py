@@ -35,7 +35,7 @@ from qwenkit.engine import checkpoint as ckpt
 from qwenkit.engine import events, metrics
 from qwenkit.engine.child import TrainProcess
 from qwenkit.engine.metrics import series
-from qwenkit.notebooks import plots, results
+from qwenkit.notebooks import grpo, plots, results
 from qwenkit.notebooks.samples import thumbnail
 from qwenkit.rundir import RunDir
 
@@ -260,8 +260,8 @@ DPO_ACCURACY = {"policy prefers the chosen reply (eval_logps/accuracies)": "eval
 DPO_MARGINS = {"held-out (eval_rewards/margins)": "eval_rewards/margins", "training (rewards/margins)": "rewards/margins"}
 
 
-def dpo_overrides(sft_run: str | Path, recipe: str | Path, steps: int, extra: list[str]) -> list[str]:
-    """A DPO run's overrides: start from ``sft_run``'s newest checkpoint (``model.init_from``; its
+def from_sft_overrides(sft_run: str | Path, recipe: str | Path, steps: int, extra: list[str]) -> list[str]:
+    """A DPO or GRPO run's overrides: start from ``sft_run``'s newest checkpoint (``model.init_from``; its
     ``recipe`` is the params file that trained it), ``steps`` optimizer steps (0: the config's own)."""
     return [f"model.init_from={sft_run}", f"model.init_recipe={recipe}", *([f"train.steps={steps}"] if steps else []),
             *extra]  # fmt: skip
@@ -445,6 +445,6 @@ def figures(out_dir, resume_step: int) -> list:
     run = Path(out_dir) / UNINTERRUPTED
     shown = [summary_table(run), metrics_figure(run), resume_figure(out_dir, resume_step), *eval_figures(run),
              score_table(out_dir)]  # fmt: skip
-    if "dpo_steps" in results.read_metrics(out_dir)["values"]:  # the run had a dpo_config
-        shown += [dpo_table(out_dir), dpo_figure(out_dir)]
-    return shown
+    done = results.read_metrics(out_dir)["values"]
+    shown += [dpo_table(out_dir), dpo_figure(out_dir)] if "dpo_steps" in done else []  # the run had a dpo_config
+    return shown + (grpo.figures(out_dir) if "grpo_steps" in done else [])  # a grpo_config

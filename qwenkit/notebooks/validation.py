@@ -26,7 +26,7 @@ import torch
 from qwenkit import config as qconfig
 from qwenkit.bench.step import loss_and_grads, sample_batches, to_device
 from qwenkit.config import DTYPES
-from qwenkit.model import registry
+from qwenkit.model import family, registry
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor
@@ -47,8 +47,15 @@ TOLERANCES = {
 CURVE_TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    return TOLERANCES[dtype]
+# fp32 through Qwen3.5's Gated DeltaNet layers (a triangular solve per 64-token chunk, HF's fallback):
+# the heads' few-ulp differences in d(hidden) come out of them up to ~3e-7 absolute in the embedding
+# gradient (measured: 2.6e-7, text, sample_mean, chunk 7), as tests/model/test_chunked.py's HYBRID_FP32
+HYBRID_FP32 = (1e-5, 1e-6)
+
+
+def tolerance(dtype: torch.dtype, mixers: Sequence[str] = ("attention",)) -> tuple[float, float]:
+    """(rtol, atol) for ``dtype`` on a model whose decoder layers are of the kinds ``mixers``."""
+    return HYBRID_FP32 if dtype == torch.float32 and "linear_attention" in mixers else TOLERANCES[dtype]
 
 
 def validation_batches(
@@ -97,7 +104,7 @@ def compare(
     processor = load_processor(cfg)
     model = registry.build(cfg.model, cfg.loss, device=dev)
     dtype = DTYPES[cfg.model.dtype]
-    rtol, atol = tolerance(dtype)
+    rtol, atol = tolerance(dtype, family.of_model(model).mixers)
     cases, per_param = [], []
     for modality in modalities:
         batch = to_device(validation_batches(cfg, processor, modality, 1, batch_size)[0], dev, dtype)
@@ -271,7 +278,7 @@ def save(out_dir, cases, per_param, curves, dtype: str = "float32", device: str 
     """``metrics.json`` with the worst differences (the CSVs are written as each part is computed:
     :func:`write_cases`, :func:`write_curves`); returns the metrics' values."""
     torch_dtype = DTYPES[dtype]
-    rtol, atol = tolerance(torch_dtype)
+    rtol, atol = cases[0]["rtol"], cases[0]["atol"]  # what compare checked against (the family's)
     diff = [abs(d["diff"]) for d in curve_difference(curves)]
     chunk_losses = [r["loss"] for r in curves if r["mode"] == "chunk"]
     values = {

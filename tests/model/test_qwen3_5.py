@@ -216,11 +216,11 @@ def test_a_transformers_without_qwen3_5_is_refused_in_one_line(tmp_path, monkeyp
 # Export keeps the multi-token-prediction layer
 
 
-@NEEDS_QWEN3_5
-def test_export_carries_the_base_checkpoints_mtp_tensors_unchanged(tmp_path, caplog):
-    """A base with ``mtp.*`` tensors in its safetensors (as Qwen3.5 checkpoints ship): one training step,
-    then the export holds them bit for bit, indexed, and HF's class loads the export; a base without
-    them exports without them."""
+@over_families("qwen3_5", "qwen3_5_moe")
+def test_export_carries_the_base_checkpoints_mtp_tensors_unchanged(family, tmp_path, caplog):
+    """The tiny checkpoint ships an MTP layer (``mtp.*``, as Qwen3.5 checkpoints do, in a dtype of its own
+    here): one training step, then the export holds those tensors bit for bit, indexed, and HF's class
+    loads the export; a base without them exports without them."""
     import logging
     import shutil
 
@@ -232,29 +232,30 @@ def test_export_carries_the_base_checkpoints_mtp_tensors_unchanged(tmp_path, cap
     from qwenkit.engine import train
 
     base = tmp_path / "base"
-    shutil.copytree(tiny_checkpoint("qwen3_5"), base)
+    shutil.copytree(tiny_checkpoint(family), base)
     weights = load_file(base / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    mtp = {"mtp.fc.weight": torch.randn(64, 128, generator=g), "mtp.norm.weight": torch.randn(64, generator=g),
-           "mtp.layers.0.mlp.up_proj.weight": torch.randn(128, 64, generator=g).to(torch.bfloat16)}  # fmt: skip
+    mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+    assert families.get(family).mtp_layers == 1 and "mtp.fc.weight" in mtp and any(".self_attn." in k for k in mtp)
+    mtp["mtp.norm.weight"] = mtp["mtp.norm.weight"].to(torch.bfloat16)  # kept as it is, not cast to the model's
     save_file(weights | mtp, base / "model.safetensors", metadata={"format": "pt"})
     run = tmp_path / "run"
-    cfg = qconfig.load(overrides=[f"model.path={base}", "model.name=qwen3_5", "train.steps=1", "data.tiny_samples=4",
+    cfg = qconfig.load(overrides=[f"model.path={base}", f"model.name={family}", "train.steps=1", "data.tiny_samples=4",
                                   "train.micro_batch_size=2", "train.resume=none", "train.warmup_steps=1",
                                   "train.eval_samples=0", f"train.output_dir={run}"])  # fmt: skip
     train.run(cfg)
     with caplog.at_level(logging.INFO, logger="qwenkit.engine.export"):
         exported = hf_export.export(run, tmp_path / "hf", cfg)
-    assert "keeps the base model's multi-token-prediction layer: 3 mtp.* tensors" in caplog.text
+    assert f"keeps the base model's multi-token-prediction layer: {len(mtp)} mtp.* tensors" in caplog.text
     index = json.loads((exported / hf_export.INDEX).read_text())["weight_map"]
     assert {k for k in index if k.startswith("mtp.")} == set(mtp)
     for key, value in mtp.items():
         with safe_open(exported / index[key], framework="pt") as f:
             assert torch.equal(f.get_tensor(key), value) and f.get_tensor(key).dtype == value.dtype
     assert all((exported / f).is_file() for f in set(index.values()))
-    model = families.get("qwen3_5").load("hf_class").from_pretrained(exported)
+    model = families.get(family).load("hf_class").from_pretrained(exported)
     trained = {k: v for k, v in load_file(exported / "model.safetensors").items()}
     for key, value in model.state_dict().items():
         if key in trained:
             torch.testing.assert_close(value, trained[key], rtol=0, atol=0)
-    assert hf_export.keep_mtp(tiny_checkpoint("qwen3_5"), tmp_path) == 0 and not (tmp_path / hf_export.MTP_FILE).exists()
+    save_file({k: v for k, v in weights.items() if k not in mtp}, base / "model.safetensors", metadata={"format": "pt"})
+    assert hf_export.keep_mtp(base, tmp_path) == 0 and not (tmp_path / hf_export.MTP_FILE).exists()

@@ -18,6 +18,8 @@ import pytest
 from qwenkit import config as qconfig
 from qwenkit import sweep
 from qwenkit.engine import events, metrics
+from qwenkit.model import family as families
+from qwenkit.notebooks import compare
 from qwenkit.sweep import ledger
 from sweep.sweeps import ROOT, SMALL, run_qwenkit, write_sweep
 
@@ -201,3 +203,23 @@ def test_mlflow_runs_hold_the_same_metrics_as_the_jsonl(tmp_path):
             want = metrics.series(rows, metric)
             got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, metric)}
             assert got == pytest.approx(want, rel=0, abs=0), metric
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(why := families.get("qwen3_5").unavailable()), reason=why or "")
+def test_a_sweep_over_the_family_trains_each_and_notebook_05_compares_them(tmp_path):
+    """``model.name`` as a sweep key (issue 42: sweeps and notebooks with the Qwen3.5 family): each
+    trial trains its family's tiny model (its own checkpoint and data index), and notebook 05's
+    computations rank them with the family as the varied key."""
+    path = write_sweep(tmp_path, grid={"model.name": ["qwen2_5_vl", "qwen3_5"]}, overrides=[*SMALL, "train.steps=2"])
+    out = tmp_path / "out"
+    rows = sweep.run(sweep.load(path, out))
+    assert [r["status"] for r in rows] == ["done", "done"], rows
+    folders = compare.run_folders(out)
+    runs = compare.collect(folders, out)
+    assert [r["varied"] for r in runs] == [{"model.name": "qwen2_5_vl"}, {"model.name": "qwen3_5"}]
+    params = {r["varied"]["model.name"]: r["final"]["trainable_params"] for r in runs}
+    assert params["qwen2_5_vl"] != params["qwen3_5"] > 0  # two different models trained
+    values = compare.save(tmp_path / "report", runs, "loss")
+    assert values["varied"] == ["model.name"] and values["done"] == 2 and all(r["final"]["steps"] == 2 for r in runs)
+    assert len(compare.figures(tmp_path / "report")) >= 3
