@@ -2,7 +2,6 @@
 comparison and notebook 04's fused-op report on each family's tiny model, through the notebooks'
 own functions (the notebooks themselves run on Qwen2.5-VL in tests/test_notebooks.py)."""
 
-import pytest
 from conftest import EVERY_FAMILY, over_families
 
 from qwenkit import config as qconfig
