@@ -14,7 +14,7 @@ and one module per section holding its fields, its allowed names and its rules: 
 from qwenkit.config.checkpoint import CheckpointConfig
 from qwenkit.config.data import DATA_LAYOUTS, DataConfig
 from qwenkit.config.dpo import DPO_LOSSES, DpoConfig
-from qwenkit.config.grpo import BUILTIN_REWARDS, GRPO_LOSSES, GrpoConfig, reward_problems
+from qwenkit.config.grpo import BUILTIN_REWARDS, GRPO_LOSSES, GrpoConfig
 from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
 from qwenkit.config.loader import BOOL_WORDS, ConfigError, Loader, load, parse_yaml, write_config
 from qwenkit.config.lora import LoraConfig
@@ -39,8 +39,8 @@ from qwenkit.config.train import (
     ObjectiveEntry,
     ParamGroupConfig,
     TrainConfig,
-    eval_metric_problems,
     load_user_metric,
+    scorer_problems,
 )  # fmt: skip
 
 __all__ = [
@@ -48,6 +48,6 @@ __all__ = [
     "FUSED_OPS", "GRPO_LOSSES", "LOSS_TYPES", "MODEL_NAMES", "OBJECTIVES", "PIP_NAMES", "TRAINING_LOSS_TYPES",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DpoConfig", "Dtype", "GrpoConfig", "Loader", "LoraConfig",
     "LossConfig", "ModelConfig", "ObjectiveEntry", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig",
-    "chunk_size_problem", "eval_metric_problems", "fused_backend_problem", "fused_ops_problems", "installed",
-    "load", "load_user_metric", "parse_yaml", "reward_problems", "validate", "write_config",
+    "chunk_size_problem", "fused_backend_problem", "fused_ops_problems", "installed",
+    "load", "load_user_metric", "parse_yaml", "scorer_problems", "validate", "write_config",
 ]  # fmt: skip

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from qwenkit.config.train import EVAL_METRICS, load_user_metric
+from qwenkit.config.train import EVAL_METRICS, scorer_problems
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
@@ -62,7 +62,7 @@ def check(cfg: Config, need: Need) -> None:
     if grpo.epsilon_high is not None:
         need(grpo.epsilon_high > 0, f"grpo.epsilon_high must be > 0 (or unset: grpo.epsilon), got {grpo.epsilon_high}")
     need(grpo.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {grpo.num_iterations}")
-    for problem in reward_problems(grpo.rewards):
+    for problem in scorer_problems(grpo.rewards, "grpo.rewards", BUILTIN_REWARDS, "reward"):
         need(False, problem)
     need(
         not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
@@ -92,23 +92,3 @@ def check(cfg: Config, need: Need) -> None:
     )
 
 
-def reward_problems(names: list[str], key: str = "grpo.rewards") -> list[str]:
-    """Why ``names`` cannot score completions: none given, unknown, not importable, or logged twice."""
-    if not names:
-        return [f"{key} must name at least one reward ({', '.join(BUILTIN_REWARDS)} or module:function)"]
-    problems, logged = [], []
-    for spec in names:
-        if spec in BUILTIN_REWARDS:
-            logged.append(spec)
-            continue
-        if not all(spec.partition(":")[::2]):
-            problems.append(f"{key}: {spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor module:function")
-            continue
-        try:
-            logged.append(load_user_metric(spec, key).__name__)
-        except ValueError as e:
-            problems.append(str(e))
-    twice = sorted({name for name in logged if logged.count(name) > 1})
-    if twice:
-        problems.append(f"{key}: {', '.join(twice)} given twice (a user reward is logged as rewards/<its function's name>)")
-    return problems

@@ -121,7 +121,7 @@ def check(cfg: Config, need: Need) -> None:
     need(train.eval_batch_size >= 1, f"train.eval_batch_size must be >= 1, got {train.eval_batch_size}")
     need(train.eval_temperature >= 0, f"train.eval_temperature must be >= 0 (0: greedy), got {train.eval_temperature}")
     need(0 < train.eval_top_p <= 1, f"train.eval_top_p must be in (0, 1], got {train.eval_top_p}")
-    for problem in eval_metric_problems(train.eval_metrics, "train.eval_metrics"):
+    for problem in scorer_problems(train.eval_metrics, "train.eval_metrics"):
         need(False, problem)
     need(
         "mlflow" not in train.report_to or installed("mlflow"),
@@ -130,12 +130,13 @@ def check(cfg: Config, need: Need) -> None:
     _check_param_groups(cfg, need)
 
 
-def load_user_metric(spec: str, key: str = "train.eval_metrics"):
+def load_user_metric(spec: str, key: str = "train.eval_metrics", builtins: tuple[str, ...] = EVAL_METRICS,
+                     what: str = "metric"):  # fmt: skip
     """The function ``module:function`` names (importable from ``PYTHONPATH``); a ``ValueError``
-    naming ``key`` when it does not import or is not callable."""
+    naming ``key`` when it is not of that form, does not import or is not callable."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"{key}: {spec!r} is neither a built-in metric ({', '.join(EVAL_METRICS)}) nor module:function")
+        raise ValueError(f"{key}: {spec!r} is neither a built-in {what} ({', '.join(builtins)}) nor module:function")
     try:
         fn = getattr(importlib.import_module(module), name)
     except Exception as e:  # noqa: BLE001 - a user's module may fail in any way (1/0, a syntax error): say which
@@ -146,22 +147,24 @@ def load_user_metric(spec: str, key: str = "train.eval_metrics"):
     return fn
 
 
-def eval_metric_problems(names: list[str], key: str) -> list[str]:
-    """Why ``names`` cannot score replies: none given, unknown, not importable, or two reported alike."""
+def scorer_problems(names: list[str], key: str, builtins: tuple[str, ...] = EVAL_METRICS, what: str = "metric") -> list[str]:
+    """Why ``names`` cannot score replies (``train.eval_metrics``, ``--metric``) or completions
+    (``grpo.rewards``, ``what="reward"``): none given, unknown, not importable, or two under one name
+    (a user's function is reported, and logged, under its own name)."""
     if not names:
-        return [f"{key} must name at least one metric ({', '.join(EVAL_METRICS)} or module:function)"]
-    problems, reported = [], []
+        return [f"{key} must name at least one {what} ({', '.join(builtins)} or module:function)"]
+    problems, named = [], []
     for spec in names:
-        if spec in EVAL_METRICS:
-            reported.append(spec)
+        if spec in builtins:
+            named.append(spec)
             continue
         try:
-            reported.append(load_user_metric(spec, key).__name__)
+            named.append(load_user_metric(spec, key, builtins, what).__name__)
         except ValueError as e:
             problems.append(str(e))
-    twice = sorted({r for r in reported if reported.count(r) > 1})
+    twice = sorted({n for n in named if named.count(n) > 1})
     if twice:
-        problems.append(f"{key}: {', '.join(twice)} reported twice (a user metric is reported under its function's name)")
+        problems.append(f"{key}: {', '.join(twice)} given twice (a user {what} is reported under its function's name)")
     return problems
 
 

@@ -274,7 +274,7 @@ def eval_main(args) -> int:
     if args.data is not None and not Path(args.data).expanduser().exists():
         raise FileNotFoundError(f"--data {args.data!r}: no such file or directory")
     if args.metric is not None:
-        problems = qconfig.eval_metric_problems(args.metric, "--metric")
+        problems = qconfig.scorer_problems(args.metric, "--metric")
         if problems:
             raise ValueError("; ".join(problems))
     if args.nproc > 1 and "RANK" not in os.environ:

@@ -130,7 +130,7 @@ def test_user_metric_is_imported_and_reported_under_its_name(tmp_path, monkeypat
     for part in ("'nope_module:f' does not import", "'my_scores:missing' does not import", "is a int, not a function",
                  "'vqa' is neither a built-in metric"):  # fmt: skip
         assert part in str(e.value)
-    with pytest.raises(qconfig.ConfigError, match="exact reported twice"):
+    with pytest.raises(qconfig.ConfigError, match="exact given twice"):
         qconfig.load(overrides=["train.eval_metrics=[exact, exact]"])
     with pytest.raises(qconfig.ConfigError, match="at least one metric"):
         qconfig.load(overrides=["train.eval_metrics=[]"])
