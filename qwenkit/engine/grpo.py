@@ -28,9 +28,11 @@ too, as the metrics files do: a step run again after a crash is written again, a
 
 **Resume in the middle of a cycle** (``num_iterations > 1``): the cached rollout (this rank's
 micro-batches with their old and reference log-probs and advantages, the rollout's metrics, rank
-0's sample) is saved with each checkpoint (:meth:`GrpoObjective.state_dict`), so a resumed run
-trains on exactly the rollout the uninterrupted one did. A checkpoint of another number of ranks
-holds other ranks' caches: the resumed run rolls out again at its first step, and says so.
+0's sample) is saved with a checkpoint taken in the middle of a cycle (:meth:`GrpoObjective.state_dict`;
+at a cycle's end, always with ``num_iterations: 1``, the next step rolls out anew and only the count
+is saved), so a resumed run trains on exactly the rollout the uninterrupted one did. A checkpoint of
+another number of ranks holds other ranks' caches: the resumed run rolls out again at its first step,
+as the next cycle, and says so.
 
 Cannot: vLLM rollouts.
 """
@@ -230,21 +232,27 @@ class GrpoObjective(Objective):
     # --- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """This rank's cached rollout, for a resume in the middle of a ``num_iterations`` cycle."""
+        """This rank's cached rollout when a resume needs it: in the middle of a ``num_iterations`` cycle.
+        At a cycle's end (always, with ``num_iterations: 1``) the next step rolls out anew: only the count."""
+        if self.uses % self.grpo.num_iterations == 0:
+            return {"uses": self.uses}
         return {"uses": self.uses, "cached": self.cached, "rollout_metrics": self.rollout_metrics, "sample": self.sample}
 
     def load_state_dict(self, state: dict, same_ranks: bool = True) -> None:
-        """The cached rollout back; of another rank count (``state`` is its rank 0's): roll out again."""
-        if not same_ranks:
-            if state["uses"] % self.grpo.num_iterations and self.rt.rank == 0:
+        """The cached rollout back; of another rank count (``state`` is its rank 0's): roll out again,
+        as the next cycle (the rollout count goes on)."""
+        n = self.grpo.num_iterations
+        if "cached" in state and not same_ranks:
+            if self.rt.rank == 0:
                 log.warning(
                     "resumed in the middle of a grpo.num_iterations=%d cycle from a checkpoint of another number of "
-                    "ranks: its cached rollouts are those ranks' own, so this run rolls out again at its first step",
-                    self.grpo.num_iterations,
+                    "ranks: its cached rollouts are those ranks' own, so this run rolls out again at its first step", n,
                 )  # fmt: skip
+            self.uses = -(-state["uses"] // n) * n  # the next cycle's start
             return
-        self.uses, self.cached = state["uses"], state["cached"]
-        self.rollout_metrics, self.sample = state["rollout_metrics"], state["sample"]
+        self.uses = state["uses"]
+        if "cached" in state:
+            self.cached, self.rollout_metrics, self.sample = state["cached"], state["rollout_metrics"], state["sample"]
 
     evaluate_cli = staticmethod(evaluate_replies)  # eval loss, answer metrics, the generations file
 

@@ -141,6 +141,19 @@ def test_a_resume_on_another_rank_count_in_the_middle_of_a_cycle_rolls_out_again
     saved_step, resumed_step, _ = _history(out, "iter_ranks")
     assert resumed_step["step"] == 2 and resumed_step["reward"] != saved_step["reward"]  # a new rollout, not step 1's
     assert "this run rolls out again at its first step" in (out / "warnings-0.log").read_text()
+    assert {line["rollout"] for line in grpo.read_completions(out / "iter_ranks")[2]} == {1}  # the next one, not 0 again
+
+
+def test_checkpoints_hold_the_rollout_only_in_the_middle_of_a_cycle(out):
+    """A checkpoint at a cycle's end (every one with num_iterations 1) is followed by a new rollout:
+    it keeps the count alone, not the micro-batches (pixels and log-probs) of the last rollout."""
+
+    def state(run, step):
+        root = checkpoint.checkpoint_root(out / run)
+        return torch.load(checkpoint.step_dir(root, step) / "rank-00000.pt", weights_only=False)["objective"]
+
+    assert state("iter_lost", 1)["uses"] == 1 and len(state("iter_lost", 1)["cached"]) == 1
+    assert state("iter_lost", 2) == {"uses": 2} and state("resumed", 3) == {"uses": 3}
 
 
 def test_completions_file_holds_a_sample_of_each_logged_step(out):
