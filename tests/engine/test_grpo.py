@@ -192,3 +192,28 @@ def test_data_check_counts_the_usable_prompts(tmp_path, tiny_path, capsys):
     out = capsys.readouterr().out
     assert "prompts: 4 usable; references: 1 from 'solution', 1 from 'answer', 2 the last assistant reply" in out
     assert f"{path}: row 2 (line 3): turn_order" in out
+
+
+def test_prompts_alone_train_with_their_answer_column_as_reference(tmp_path, tiny_path):
+    """EasyR1's rows (``problem`` / ``answer`` / ``images``: no reply to learn) through the trainer: the
+    completions' references are the ``answer`` column, and the held-out prompts are scored by their
+    generations alone (no ``eval_loss``: no row has a reply)."""
+    from pathlib import Path
+
+    from qwenkit.model.tiny import ensure_dataset
+
+    src = ensure_dataset(8, seed=0)
+    rows = [{"problem": r["messages"][0]["content"], "answer": r["messages"][1]["content"],
+             "images": [str(Path(src).parent / p) for p in r["images"]]} for r in json.loads(Path(src).read_text())]  # fmt: skip
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = [f"data.path={path}", "data.eval_fraction=0.25", "train.steps=1", "train.micro_batch_size=2", "train.log_every=1",
+             "grpo.rewards=[exact]", "grpo.reward_weights=[1]", "train.eval_samples=2"]  # fmt: skip
+    check_ranks(_worker, 1, tmp_path, [("prompts", extra, 0)])
+    (step,) = _history(tmp_path, "prompts")
+    assert step["step"] == 1 and math.isfinite(step["loss"]) and step["completions/mean_length"] > 0
+    lines = grpo.read_completions(tmp_path / "prompts")[1]
+    assert len(lines) == 2 * 4 and {line["reference"] for line in lines} <= {r["answer"] for r in rows}
+    evals = [json.loads(line) for line in (tmp_path / "prompts" / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
+    names = {e["metric"] for e in evals}
+    assert "eval_accuracy" in names and "eval_loss" not in names
