@@ -1,7 +1,7 @@
 """How long a checkpoint save blocks training: synchronous vs ``checkpoint.async``, state >= 2 GB.
 
-One gloo process, the save qwenkit's trainer does (:func:`qwenkit.engine.checkpoint.start_save`
-and :func:`~qwenkit.engine.checkpoint.finish`, the same files, manifests and ``COMPLETE.json``)
+One gloo process, the save qwenkit's trainer does (:func:`qwenkit.engine.checkpoints.dcp.start_save`
+and :func:`~qwenkit.engine.checkpoints.dcp.finish`, the same files, manifests and ``COMPLETE.json``)
 on a stack of ``Linear(4096, 4096)`` layers with AdamW state (fp32 weights + 2 moments: 3 x 4
 bytes per parameter; 11 layers: 2.2 GB). Between saves the benchmark trains real steps
 (forward, backward, AdamW) on the same model, so an async save's background write competes with
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qwenkit.engine import checkpoint as ckpt
+from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.launch import free_port
 
 

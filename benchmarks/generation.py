@@ -11,7 +11,7 @@ output_dir or checkpoint, where replies end at ``<|im_end|>``):
 - ``batched, 1 rank``: the same process, ``--batch-size`` prompts per call, left-padded;
 - ``sharded batched, 2 ranks``: two gloo ranks, each its half of the rows in batches from its
   own full copy (``train.eval_generation=gather``), the rows gathered to rank 0 in row order
-  (:func:`qwenkit.engine.evaluate.generate_and_score`);
+  (:func:`qwenkit.engine.generation.evaluate.generate_and_score`);
 - ``lockstep batched, 2 ranks``: the same two ranks stepping the FSDP2-sharded training model
   together (``train.eval_generation=lockstep``): every forward all-gathers the weights.
 
@@ -49,8 +49,9 @@ from qwenkit import config as qconfig
 from qwenkit import data as qdata
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.meta import build_on_meta
-from qwenkit.engine import evaluate, metrics
-from qwenkit.engine import generate as qgen
+from qwenkit.engine.generation import evaluate
+from qwenkit.engine.generation import generate as qgen
+from qwenkit.engine.run import metrics
 from qwenkit.launch import free_port
 from qwenkit.model import family as families
 from qwenkit.model.paths import load_processor
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def against_the_run(run: Path, args) -> int:
     """The run's logged generation time per accuracy evaluation vs today's path on its checkpoint."""
-    from qwenkit.engine import checkpoint_dir
+    from qwenkit.engine.checkpoints import folder as checkpoint_dir
 
     rows = metrics.read(run)
     ranks = sorted({r["rank"] for r in rows})

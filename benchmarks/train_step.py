@@ -364,11 +364,11 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
 
 def rollout_seconds(model, batch: dict, device) -> float:
     """Seconds to sample the group's two completions (as long as the batch's: ``min_new_tokens``) from
-    the prompt through the kit's generation path (:func:`qwenkit.engine.generate.lockstep`, HF ``generate``
+    the prompt through the kit's generation path (:func:`qwenkit.engine.generation.generate.lockstep`, HF ``generate``
     with a KV cache), as a GRPO rollout makes them."""
     import torch
 
-    from qwenkit.engine.generate import Sampling, generation_config, lockstep
+    from qwenkit.engine.generation.generate import Sampling, generation_config, lockstep
 
     prompt = int((batch["labels"][0] == -100).sum())
     new = batch["input_ids"].shape[1] - prompt

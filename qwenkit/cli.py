@@ -61,7 +61,8 @@ def _data_prepare(args) -> int:
 
 
 def _export(args) -> int:
-    from qwenkit.engine import checkpoint, export  # torch.distributed.checkpoint: export only
+    from qwenkit.engine.checkpoints import dcp as checkpoint  # torch.distributed.checkpoint: export only
+    from qwenkit.engine.checkpoints import export
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -74,11 +75,13 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from qwenkit.engine import checkpoint, evaluate  # the model, data and generation stack: eval only
+    from qwenkit.engine.generation import (
+        evaluate,  # the model, data, checkpoint and generation stack: eval only
+    )
 
     try:
         return evaluate.eval_main(args)
-    except checkpoint.CheckpointError as e:
+    except evaluate.ckpt.CheckpointError as e:
         raise UserError(e) from e
 
 

@@ -2,7 +2,7 @@
 
 One path for every size: even ``--nproc 1`` runs under torchrun, so a rank always sees the same
 environment. The config is loaded and checked (keys, types, ranges, and
-:func:`qwenkit.engine.prespawn.check_before_spawn`: the model directory, the dataset path, the
+:func:`qwenkit.engine.run.prespawn.check_before_spawn`: the model directory, the dataset path, the
 resume point) *before* any process starts; the ranks read the resolved YAML this launcher
 writes, and rank 0 writes it to ``<output_dir>/config.yaml`` (what ``qwenkit export`` finds
 later) once the start is accepted, so a start that fails never rewrites a run's record.
@@ -48,8 +48,9 @@ from pathlib import Path
 from qwenkit import config as qconfig
 from qwenkit.cluster import MULTINODE_PORT, ClusterError, Rendezvous, free_port, settle
 from qwenkit.device import CPU_MALLOC_ENV, resolve_device
-from qwenkit.engine import events, init_from, stopping
-from qwenkit.engine.prespawn import check_before_spawn
+from qwenkit.engine.checkpoints import init_from
+from qwenkit.engine.run import events, stopping
+from qwenkit.engine.run.prespawn import check_before_spawn
 from qwenkit.errors import print_user_error
 from qwenkit.rundir import RunDir
 from qwenkit.torchrun import EVENTS_DIR
@@ -112,7 +113,7 @@ def torchrun_command(config_path: Path, nproc: int, rdzv: Rendezvous, events_dir
         f"--nproc-per-node={nproc}",
         *where,
         f"--max-restarts={rdzv.max_restarts}",
-        "-m", "qwenkit.engine.rank", "--config", str(config_path),
+        "-m", "qwenkit.engine.run.rank", "--config", str(config_path),
     ]  # fmt: skip
 
 

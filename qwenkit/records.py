@@ -6,7 +6,7 @@
 
 ``series`` names the variant a number belongs to (``"rank 0"``, ``"chunk 64"``,
 ``"image-text/token_mean"``), ``x_name``/``x`` the swept quantity (``"step"``, ``12``;
-``"seq_len"``, ``2048``). Training metrics (:class:`qwenkit.engine.metrics.MetricsWriter`, one
+``"seq_len"``, ``2048``). Training metrics (:class:`qwenkit.engine.run.metrics.MetricsWriter`, one
 JSONL file per rank, plus a ``rank`` field) and the notebooks' result files
 (:mod:`qwenkit.notebooks.results`, CSV) are both written from :func:`record`, so one reader and
 one set of figures serve both. Timestamps are UTC ISO 8601 with milliseconds (:func:`now`, every

@@ -4,12 +4,12 @@
 
     <output_dir>/
       config.yaml        the resolved config (the launcher; ``qwenkit export`` and the sweep read it)
-      events.jsonl       what other programs need to know: started, resumed, step, ... (qwenkit.engine.events)
+      events.jsonl       what other programs need to know: started, resumed, step, ... (qwenkit.engine.run.events)
       parameters.json    total and trainable parameters per part (rank 0, before sharding)
       train.log          the launcher's console output, kept by whoever started it (sweep, notebooks)
       logs/rank-NNNNN.log  every rank's own log
-      metrics/rank-NNNNN.jsonl  every rank's metrics (qwenkit.engine.metrics)
-      checkpoints/       DCP checkpoints (qwenkit.engine.checkpoint)
+      metrics/rank-NNNNN.jsonl  every rank's metrics (qwenkit.engine.run.metrics)
+      checkpoints/       DCP checkpoints (qwenkit.engine.checkpoints.dcp)
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ Besides torch's own behaviour it
   error exit seen in the same poll: the survivors of a killed rank fail with connection errors
   after it), with its signal, and returns that rank's code (``128 + N`` for signal N);
 - with ``--events-dir=DIR`` (its first argument; the launcher gives the run's folder): writes the
-  run's ``failed`` event (:func:`qwenkit.engine.events.launcher_failed`) when the rank that failed
+  run's ``failed`` event (:func:`qwenkit.engine.run.events.launcher_failed`) when the rank that failed
   first did not write its own (killed by a signal, exited non-zero without a Python exception),
   when a stop signal ended ranks that had not saved, and when torchrun itself raised;
 - with ``--max-restarts`` (c10d): restarts the group after a failure, not after ranks that
   saved and stopped (exit ``EXIT_RESUMABLE``: a stop was asked for, by a signal or
   ``train.stop_after``), and says in the final headline how many restarts were used. The
-  restarted ranks resume from the newest complete checkpoint (:func:`qwenkit.engine.rank.main` sets ``train.resume: auto``).
+  restarted ranks resume from the newest complete checkpoint (:func:`qwenkit.engine.run.rank.main` sets ``train.resume: auto``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException, Subpr
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from qwenkit.engine import events
-from qwenkit.engine.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, LAUNCHER_DIED, shell_code
+from qwenkit.engine.run import events
+from qwenkit.engine.run.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, LAUNCHER_DIED, shell_code
 
 _first_seen: dict[int, tuple[int, float]] = {}  # pid -> (poll number, time) its failure was first seen
 _final_codes: dict[int, int] = {}  # local rank -> exit code, after torchrun stopped the ranks
@@ -179,7 +179,7 @@ def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
     """torchrun, without its summary of a failed rank (a second and third copy of its traceback).
 
     A qwenkit rank reports its own failure, one line then the traceback (see
-    :func:`qwenkit.engine.rank.report_failure`), and exits with status 1; torchrun then stops the other
+    :func:`qwenkit.engine.run.rank.report_failure`), and exits with status 1; torchrun then stops the other
     ranks and raises ``ChildFailedError``, whose printout is replaced here by one line naming the
     rank that failed first. torchrun's own errors (bad arguments, rendezvous) still surface.
     ``events_dir``: the run folder whose ``events.jsonl`` gets the ``failed`` event no rank wrote.

@@ -2,7 +2,7 @@
 through its run folder, find its torchrun and rank processes (through ``/proc``).
 
 What a test learns about a job's progress (its steps, what it resumed from, why it stopped) it
-reads from the run's event stream through :mod:`qwenkit.engine.events`, as the sweep and the
+reads from the run's event stream through :mod:`qwenkit.engine.run.events`, as the sweep and the
 notebooks do; the console is read only for the launcher's messages to people, which are what
 such a test checks. Timeouts catch hangs, not slowness.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from multiproc import free_port, scaled
 
-from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import events
+from qwenkit.engine.checkpoints import dcp as ckpt
+from qwenkit.engine.run import events
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["data.tiny_samples=16", "data.tiny_eval_samples=0", "train.eval_samples=0", "train.warmup_steps=2"]
@@ -161,7 +161,7 @@ def rank_pids(launcher: int, timeout=HANG) -> dict[int, int]:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"qwenkit.engine.rank" in cmdline:
+            if b"qwenkit.engine.run.rank" in cmdline:
                 rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
                 if rank is not None:
                     ranks[rank] = pid

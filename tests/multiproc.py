@@ -41,7 +41,7 @@ def _entry(fn, rank: int, world_size: int, port: int, args: tuple) -> None:
     except Exception:  # noqa: BLE001 - reported here, as multiprocessing would
         traceback.print_exc()
         exit_process(1)
-    exit_process(0)  # as a trainer's rank ends (python -m qwenkit.engine.rank): no interpreter teardown
+    exit_process(0)  # as a trainer's rank ends (python -m qwenkit.engine.run.rank): no interpreter teardown
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, context: str = "spawn") -> list[int]:

@@ -3,7 +3,7 @@
 - no import cycles among qwenkit modules (function-level imports count: a cycle hidden in a
   function still couples the two modules);
 - at most 9 imports of qwenkit modules inside functions, each with a reason on its line;
-- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.rank``);
+- argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.run.rank``);
 - the training kit never imports the notebook layer.
 """
 
@@ -17,7 +17,7 @@ from conftest import package_modules
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
 MAX_FUNCTION_IMPORTS = 9  # the CLI's, one per subcommand (sweep the ninth)
-ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.rank"}
+ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.run.rank"}
 
 
 MODULES = package_modules()
@@ -192,6 +192,6 @@ def test_the_family_table_is_light():
 
 def test_floor_check_catches_an_upward_import():
     assert "engine" not in FLOORS["model"] and "model" in FLOORS["data"]
-    assert floor_of("qwenkit.engine.train") == "engine" and floor_of("qwenkit.config.train") == "leaf"
+    assert floor_of("qwenkit.engine.run.train") == "engine" and floor_of("qwenkit.config.train") == "leaf"
     assert floor_of("qwenkit.launch") == "entry" and floor_of("qwenkit.data.check") == "data"
     assert floor_of("qwenkit.sweep.scheduler") == "sweep" and "entry" not in FLOORS["sweep"]

@@ -19,7 +19,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import cli, launch
 from qwenkit import config as qconfig
-from qwenkit.engine import events, generate, metrics, prespawn
+from qwenkit.engine.generation import generate
+from qwenkit.engine.run import events, metrics, prespawn
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["train.steps=3", "data.tiny_samples=16", "checkpoint.every=0", "data.tiny_eval_samples=4", "train.eval_samples=2",
@@ -256,7 +257,7 @@ def test_torchrun_command_for_multi_node():
     assert cmd[1:3] == ["-m", "qwenkit.torchrun"]  # torchrun, through quiet_torchrun
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=6000"):
         assert flag in cmd
-    assert cmd[-4:] == ["-m", "qwenkit.engine.rank", "--config", "runs/x/config.yaml"]
+    assert cmd[-4:] == ["-m", "qwenkit.engine.run.rank", "--config", "runs/x/config.yaml"]
     assert "--rdzv-backend=static" in cmd and "--max-restarts=0" in cmd  # given: torchrun's PET_* defaults never apply
 
 
@@ -375,13 +376,13 @@ def test_the_launcher_start_does_not_load_the_dcp_checkpoint_code():
     launch -> init_from -> export -> checkpoint is cut). transformers 5 itself imports
     torch.distributed.checkpoint with its modeling code (``transformers.distributed.checkpoint``);
     4.57 does not, so there the torch module must stay out too."""
-    probe = ("import sys, json, qwenkit.launch, qwenkit.engine.prespawn, qwenkit.sweep.file; "
+    probe = ("import sys, json, qwenkit.launch, qwenkit.engine.run.prespawn, qwenkit.sweep.file; "
              "print(json.dumps([m for m in sys.modules if m.startswith(('qwenkit.', 'torch.distributed.checkpoint', "
              "'transformers.distributed.checkpoint'))]))")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
     loaded = set(json.loads(proc.stdout.splitlines()[-1]))
-    assert not loaded & {"qwenkit.engine.checkpoint", "qwenkit.engine.export"}, sorted(loaded)
+    assert not loaded & {"qwenkit.engine.checkpoints.dcp", "qwenkit.engine.checkpoints.export"}, sorted(loaded)
     assert "torch.distributed.checkpoint" not in loaded or "transformers.distributed.checkpoint" in loaded
 
 

@@ -26,7 +26,7 @@ from multiproc import free_port, scaled
 
 from qwenkit import cluster
 from qwenkit import config as qconfig
-from qwenkit.engine import events, metrics
+from qwenkit.engine.run import events, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "examples" / "kubernetes" / "pytorchjob.yaml"
@@ -46,7 +46,7 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"qwenkit.engine.rank" in cmdline and f"RANK={rank}".encode() in env:
+        if b"qwenkit.engine.run.rank" in cmdline and f"RANK={rank}".encode() in env:
             return pid
     return None
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from multiproc import scaled
 
-from qwenkit.engine import metrics
+from qwenkit.engine.run import metrics
 from qwenkit.notebooks import compare, grpo, perf, runner, runs, samples, validation
 from qwenkit.sweep import ledger
 

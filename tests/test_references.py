@@ -92,11 +92,11 @@ def test_every_reference_in_the_package_exists():
 
 def test_the_resolver_tells_a_stale_name_from_a_live_one():
     assert references()  # the scan finds references at all
-    assert resolves("qwenkit.engine.optim.build_scheduler", "qwenkit.config")
-    assert not resolves("qwenkit.engine.train.seek_schedule", "qwenkit.config")  # the stale name of issue #21
+    assert resolves("qwenkit.engine.run.optim.build_scheduler", "qwenkit.config")
+    assert not resolves("qwenkit.engine.run.train.seek_schedule", "qwenkit.config")  # the stale name of issue #21
     assert resolves(":func:`load`".split("`")[1], "qwenkit.config") and not resolves("lode", "qwenkit.config")
     assert resolves(".reader", "qwenkit.data") and not resolves(".readers", "qwenkit.data")
-    assert resolves("Evaluator.due", "qwenkit.engine.evaluate") and resolves("due", "qwenkit.engine.evaluate")
+    assert resolves("Evaluator.due", "qwenkit.engine.generation.evaluate") and resolves("due", "qwenkit.engine.generation.evaluate")
     with pytest.raises(AssertionError):
         assert resolves("qwenkit.patches.OPZ", "qwenkit.config")
 
@@ -117,7 +117,7 @@ def doc_references(paths: list[Path]) -> list[tuple[Path, int, str, str]]:
 
 
 def _file_exists(target: str) -> bool:
-    """``a/b.py`` from the repository root, the package or tests/ (``engine/test_optim.py``); a bare
+    """``a/b.py`` from the repository root, the package or tests/ (``engine/run/test_optim.py``); a bare
     ``b.py`` anywhere in the repository."""
     if "/" in target:
         return any((base / target).is_file() for base in (ROOT, PACKAGE, ROOT / "tests"))
@@ -144,5 +144,5 @@ def test_every_reference_in_the_docs_exists():
 
 def test_the_docs_check_finds_a_stale_name_and_a_missing_file(tmp_path):
     doc = tmp_path / "X.md"
-    doc.write_text("See `qwenkit.engine.ledger.final_metrics` in `engine/ledger.py`; `engine/events.py` stays.\n")
+    doc.write_text("See `qwenkit.engine.ledger.final_metrics` in `engine/ledger.py`; `engine/run/events.py` stays.\n")
     assert _doc_missing([doc]) == ["X.md:1: qwenkit.engine.ledger.final_metrics", "X.md:1: engine/ledger.py"]

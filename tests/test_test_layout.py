@@ -45,7 +45,7 @@ def test_named_test_files_hold_tests():
 
 def test_test_folders_mirror_the_package():
     """A folder of tests is a qwenkit package's, and a package (so two modules of one name, e.g.
-    config/checkpoint.py and engine/checkpoint.py, each have their test_checkpoint.py)."""
+    config/checkpoint.py and engine/checkpoints/dcp.py, each have their test_checkpoint.py)."""
     packages = {path.parent.relative_to(PACKAGE) for path in PACKAGE.rglob("__init__.py")}
     for folder in sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS}):
         relative = folder.relative_to(TESTS)

@@ -16,7 +16,7 @@ import pytest
 from jobs import ROOT, STEPS, Job, checkpoints, gone
 
 from qwenkit import torchrun
-from qwenkit.engine import stopping
+from qwenkit.engine.run import stopping
 
 
 def test_rank_env_is_what_torchrun_gives_a_rank():
@@ -116,7 +116,7 @@ def test_a_hung_rank_times_out_and_is_named(tmp_path):
 def test_torchrun_process_does_not_import_the_training_kit():
     # The launcher process only supervises the ranks; importing transformers and distributed
     # checkpointing there cost every `qwenkit train` ~2 s before any rank started.
-    code = "import sys, qwenkit.torchrun; print(sorted(m for m in ('transformers', 'qwenkit.model', 'qwenkit.engine.checkpoint') if m in sys.modules))"
+    code = "import sys, qwenkit.torchrun; print(sorted(m for m in ('transformers', 'qwenkit.model', 'qwenkit.engine.checkpoints.dcp') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 

@@ -2,7 +2,7 @@
 
 The names and defaults are TRL 1.16's ``GRPOConfig`` (``max_completion_length`` is
 ``max_new_tokens`` here, as in ``train.eval_max_new_tokens``); the loss is
-:mod:`qwenkit.model.grpo_loss`, the rewards :mod:`qwenkit.engine.rewards`.
+:mod:`qwenkit.model.grpo_loss`, the rewards :mod:`qwenkit.engine.objectives.rewards`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class LoraConfig:
 
 def check(cfg: Config, need: Need) -> None:
     """Ranges and combinations; target and module paths are checked against the model tree
-    (:func:`qwenkit.engine.prespawn.check_module_paths`)."""
+    (:func:`qwenkit.engine.run.prespawn.check_module_paths`)."""
     lora = cfg.lora
     need(lora.r >= 0, f"lora.r must be >= 0 (0: off), got {lora.r}")
     if lora.r == 0:

@@ -38,7 +38,7 @@ class ModelConfig:
     init_device: Literal["cpu", "meta"] = "cpu"  # meta: build empty, shard, then load weights into shards
     tie_word_embeddings: bool = False  # only for path=tiny (HF checkpoints carry their own)
     # start from another run: its output_dir (newest checkpoint) or a step-N dir; the launcher
-    # exports it as <run>/hf-step-N and sets model.path there (qwenkit/engine/init_from.py)
+    # exports it as <run>/hf-step-N and sets model.path there (qwenkit/engine/checkpoints/init_from.py)
     init_from: str | None = None
     init_recipe: str | None = None  # the params file that trains model.init_from when it has no checkpoint yet
 

@@ -29,12 +29,12 @@ class ObjectiveEntry:
 # train.objective: the one registry of objectives, each name's entry by import path, so this leaf
 # names them without importing the engine; the data side asks an entry what its rows are
 OBJECTIVES = {
-    "sft": ObjectiveEntry("qwenkit.engine.sft:Sft", "conversations"),
-    "dpo": ObjectiveEntry("qwenkit.engine.preference:PreferenceObjective", "pairs"),
-    "grpo": ObjectiveEntry("qwenkit.engine.grpo:GrpoObjective", "prompts"),
+    "sft": ObjectiveEntry("qwenkit.engine.objectives.sft:Sft", "conversations"),
+    "dpo": ObjectiveEntry("qwenkit.engine.objectives.dpo:PreferenceObjective", "pairs"),
+    "grpo": ObjectiveEntry("qwenkit.engine.objectives.grpo:GrpoObjective", "prompts"),
 }
 
-EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.answers)
+EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.generation.answers)
 
 
 @dataclass
@@ -77,7 +77,7 @@ class TrainConfig:
     eval_temperature: float = 0.0  # 0: greedy; > 0 samples (seeded by train.seed and the rank)
     eval_top_p: float = 1.0  # nucleus sampling's mass when eval_temperature > 0
     # where replies come from: gather (a full copy of the weights on every rank), lockstep (the
-    # sharded model, every rank stepping together), auto (gather when the copy fits, see engine/generate.py)
+    # sharded model, every rank stepping together), auto (gather when the copy fits, see engine/generation/generate.py)
     eval_generation: Literal["auto", "gather", "lockstep"] = "auto"
     # scores of each reply: exact, normalized (VQA), relaxed (ChartQA), anls (DocVQA) or a user's
     # module:function(prediction, reference) -> float; eval_accuracy is the first one's mean

@@ -1,9 +1,9 @@
 """What a training objective is to the trainer, and the one registry that picks it (``train.objective``).
 
-The loop (:class:`qwenkit.engine.train.Trainer`) knows no objective by name: it builds the one
+The loop (:class:`qwenkit.engine.run.train.Trainer`) knows no objective by name: it builds the one
 ``train.objective`` names in :data:`qwenkit.config.OBJECTIVES` (name -> its class as
-``module:Class``, and what its rows are to the data side: ``reads``) and calls it the same way every step. SFT (:class:`qwenkit.engine.sft.Sft`) and DPO
-(:class:`qwenkit.engine.preference.PreferenceObjective`) are peers; a new objective is one class
+``module:Class``, and what its rows are to the data side: ``reads``) and calls it the same way every step. SFT (:class:`qwenkit.engine.objectives.sft.Sft`) and DPO
+(:class:`qwenkit.engine.objectives.dpo.PreferenceObjective`) are peers; a new objective is one class
 and one line in that table.
 
 One optimizer step, as the trainer calls an objective:
@@ -16,7 +16,7 @@ One optimizer step, as the trainer calls an objective:
 2. ``begin(micro, counts)``: pop the objective's own keys and reduce what its loss is normalised
    by; ``counts`` is the trainer's global ``[label tokens, samples, ...]`` of the step;
 3. ``loss(model, batch)`` per micro-batch: this rank's *share* of the step's global mean loss
-   (the trainer backpropagates ``share * world_size``, see :mod:`qwenkit.engine.train`);
+   (the trainer backpropagates ``share * world_size``, see :mod:`qwenkit.engine.run.train`);
 4. ``metrics()``: the step's extra metrics (collective: every rank calls it);
 5. ``log(step)``, at the steps the trainer logs (``train.log_every`` and an invocation's last):
    what the objective writes beside the metrics (GRPO: a sample of its completions).

@@ -85,7 +85,7 @@ class Family:
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
     # the boxes the family writes (grounding): pixels of the resized image (Qwen2.5-VL) or per_mille,
-    # 0-1000 of the width and height (Qwen3-VL); the iou reward (qwenkit.engine.rewards) reads it
+    # 0-1000 of the width and height (Qwen3-VL); the iou reward (qwenkit.engine.objectives.rewards) reads it
     box_units: str = "pixels"
     # the routed-experts modules (fused 3-D gate_up_proj / down_proj, HF's forward(hidden, top_k_index,
     # top_k_weights)) that parallel.ep_size splits across ranks (qwenkit.distributed.expert); () = a dense family
@@ -94,7 +94,7 @@ class Family:
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
     # multi-token-prediction layers the family's checkpoints ship as mtp.* (Qwen3.5): HF's class does not
-    # load them, export keeps them (qwenkit.engine.export.keep_mtp), the tiny checkpoint writes them
+    # load them, export keeps them (qwenkit.engine.checkpoints.export.keep_mtp), the tiny checkpoint writes them
     mtp_layers: int = 0
 
     def load(self, what: str):

@@ -5,7 +5,7 @@ row; the keys whose values differ between the runs are the *varied* keys (``trai
 aside). :func:`save` writes what every figure is drawn from:
 
 - ``curves.csv``: loss, eval loss and eval accuracy per step (rank 0), one series per run;
-- ``final_metrics.csv``: the final metrics of each run (:data:`qwenkit.engine.metrics.FINAL`);
+- ``final_metrics.csv``: the final metrics of each run (:data:`qwenkit.engine.run.metrics.FINAL`);
 - ``runs.json``: each run's varied values, status and full config, and the ranking;
 - ``metrics.json``: the summary line (best run by ``rank_by``) and the ranking.
 
@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 import yaml
 
 from qwenkit import config as qconfig
-from qwenkit.engine import metrics
+from qwenkit.engine.run import metrics
 from qwenkit.notebooks import plots, results
 from qwenkit.rundir import RunDir
 from qwenkit.sweep import ledger

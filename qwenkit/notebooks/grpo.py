@@ -1,10 +1,10 @@
 """Notebook 02's GRPO branch: a ``train.objective: grpo`` run's rewards over its steps and the completions that changed.
 
 The run (``<output_dir>/grpo``, started from the uninterrupted SFT run like the DPO run) writes
-TRL's metrics per step (:mod:`qwenkit.engine.metrics`: ``reward``, ``reward_std``,
+TRL's metrics per step (:mod:`qwenkit.engine.run.metrics`: ``reward``, ``reward_std``,
 ``rewards/<name>/mean``, ``kl``, ``entropy``, ``completions/mean_length``,
 ``frac_reward_zero_std``) and, at each logged step, a sample of rank 0's completions with their
-rewards (``metrics/completions.jsonl``, :mod:`qwenkit.engine.grpo`). From those files alone:
+rewards (``metrics/completions.jsonl``, :mod:`qwenkit.engine.objectives.grpo`). From those files alone:
 
 - :func:`reward_figure`: the mean reward with its within-group spread (``reward_std``) as a band,
   and each reward's mean; :func:`diagnostics_figure`: KL to the reference, entropy, mean completion
@@ -34,9 +34,9 @@ from plotly.subplots import make_subplots
 
 from qwenkit import config as qconfig
 from qwenkit import records
-from qwenkit.engine import metrics
-from qwenkit.engine.grpo import SAMPLE_FILE, read_completions
-from qwenkit.engine.metrics import series
+from qwenkit.engine.objectives.grpo import SAMPLE_FILE, read_completions
+from qwenkit.engine.run import metrics
+from qwenkit.engine.run.metrics import series
 from qwenkit.notebooks import plots, results
 from qwenkit.rundir import RunDir
 
@@ -58,7 +58,7 @@ def check_config(path, overrides: list[str]) -> None:
 
 def completions(run_dir) -> tuple[str, list[dict[str, Any]]]:
     """The run's completion records, each with ``x``: its optimizer ``step`` where the record has
-    one (read by :func:`qwenkit.engine.grpo.read_completions`: a step written twice keeps its last
+    one (read by :func:`qwenkit.engine.objectives.grpo.read_completions`: a step written twice keeps its last
     write), else its ``rollout`` number (files written before records had steps; a rollout written
     again after others keeps its last writing); returns the x axis's name and the records."""
     rows = records.read_jsonl(Path(run_dir) / "metrics" / SAMPLE_FILE)

@@ -3,7 +3,7 @@
 A run logs one line per step; a report that showed them all would open on screens of log
 before its first figure. :class:`RunLog` takes a run's lines and events (``runs.train``'s ``echo``)
 and, live in JupyterLab, draws a ``tqdm.notebook`` bar per run from its step events (step, loss,
-tokens/s, ETA; :mod:`qwenkit.engine.events`) and :class:`LiveCurves`, the loss and tokens/s
+tokens/s, ETA; :mod:`qwenkit.engine.run.events`) and :class:`LiveCurves`, the loss and tokens/s
 curves redrawn in place as the run's ``events.jsonl`` grows;
 in a batch report (``qwenkit notebooks run`` sets :data:`REPORT_ENV`) it shows nothing while
 the run goes, and :meth:`RunLog.show` puts the log in a ``<details>`` block holding its first
@@ -69,7 +69,7 @@ class _Bar:
 
 class LiveCurves:
     """A run's loss and tokens/s while it trains, from its step events (``runs.train`` follows the
-    run's ``events.jsonl`` with :class:`qwenkit.engine.events.Follower`): one figure, displayed at
+    run's ``events.jsonl`` with :class:`qwenkit.engine.run.events.Follower`): one figure, displayed at
     the first step and updated in place, at most every ``every_s`` seconds and at :meth:`close`."""
 
     def __init__(self, title: str, every_s: float = 1.0):

@@ -2,12 +2,12 @@
 
 The kernel never trains: FSDP2 needs one process per rank, and a kernel that joined a process
 group could not be re-run. :func:`train` starts ``qwenkit train`` (the launcher, then torchrun,
-then the ranks) in its own process group (:class:`qwenkit.engine.child.TrainProcess`), shows its
+then the ranks) in its own process group (:class:`qwenkit.engine.run.child.TrainProcess`), shows its
 events in the cell, keeps the whole log in ``<output_dir>/train.log``, and can start a run from
 another run's checkpoint (``resume_from``: ``train.resume=<checkpoint>``, checked in the run's
 events to have resumed there).
 
-:func:`qwenkit.engine.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
+:func:`qwenkit.engine.run.metrics.read` reads the per-rank JSONL files the trainer writes; :func:`summary_rows`
 and :func:`save` turn them into the notebook's table and result files. :func:`save_eval_samples`
 pairs the held-out rows' untrained (step 0) and trained (last evaluation) answers into
 ``eval_samples.jsonl`` with every metric's score, which :func:`score_table` (means, rows that
@@ -31,10 +31,10 @@ from typing import Any
 from PIL import Image
 
 from qwenkit import records
-from qwenkit.engine import checkpoint as ckpt
-from qwenkit.engine import events, metrics
-from qwenkit.engine.child import TrainProcess
-from qwenkit.engine.metrics import series
+from qwenkit.engine.checkpoints import dcp as ckpt
+from qwenkit.engine.run import events, metrics
+from qwenkit.engine.run.child import TrainProcess
+from qwenkit.engine.run.metrics import series
 from qwenkit.notebooks import grpo, plots, results
 from qwenkit.notebooks.samples import thumbnail
 from qwenkit.rundir import RunDir
@@ -90,7 +90,7 @@ def train(
 ) -> TrainRun:
     """Run ``qwenkit train`` to the end; ``resume_from``: start from that checkpoint (another
     run's; this run's own are found by ``train.resume=auto``). ``echo`` gets the command and one
-    line per event of the run (:func:`qwenkit.engine.events.describe`); with an ``event`` method
+    line per event of the run (:func:`qwenkit.engine.run.events.describe`); with an ``event`` method
     (:class:`qwenkit.notebooks.progress.RunLog`), that gets the events themselves too."""
     output_dir = Path(output_dir)
     overrides = list(overrides or []) + ([f"train.resume={resume_from}"] if resume_from is not None else [])
@@ -123,7 +123,7 @@ COMPARISON = "lora_comparison.csv"
 
 def comparison_rows(run_dirs: dict[str, str | Path]) -> list[dict[str, Any]]:
     """One row per run: total and trainable parameters, newest checkpoint's size, the peak memory
-    and median step time of :func:`qwenkit.engine.metrics.final_metrics` (the largest peak of any
+    and median step time of :func:`qwenkit.engine.run.metrics.final_metrics` (the largest peak of any
     rank, rank 0's median), held-out accuracy at the first and last evaluation."""
     out = []
     for name, run_dir in run_dirs.items():

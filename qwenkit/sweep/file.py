@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from qwenkit import config as qconfig
-from qwenkit.engine.prespawn import check_before_spawn
+from qwenkit.engine.run.prespawn import check_before_spawn
 from qwenkit.rundir import RunDir
 
 KEYS = ("base", "overrides", "grid", "trials", "seeds", "name")

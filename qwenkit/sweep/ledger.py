@@ -10,7 +10,7 @@ An ended attempt's row also has ``wall_s`` (its seconds) and ``resumed_from`` (t
 resumed from, or null); ``metrics.wall_time`` sums the ended attempts (a killed one's time is not known).
 ``status`` is ``running`` (started; a row left so after the sweep process died means the trial
 was interrupted), ``done``, ``failed`` or ``interrupted``; the last row of a trial is its state.
-``metrics`` of a finished trial are :func:`qwenkit.engine.metrics.final_metrics` of its folder. The run's own
+``metrics`` of a finished trial are :func:`qwenkit.engine.run.metrics.final_metrics` of its folder. The run's own
 ``metrics/rank-*.jsonl`` stay the source of truth: the ledger only says which trial is where.
 """
 

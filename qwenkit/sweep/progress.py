@@ -1,7 +1,7 @@
 """The terminal's view of a sweep: one line per trial, redrawn in place while it runs.
 
 The scheduler (:func:`qwenkit.sweep.scheduler.run`) calls a progress object's ``start(trial, note)``,
-``event(trial, event)`` (each event of the trial's run, :mod:`qwenkit.engine.events`),
+``event(trial, event)`` (each event of the trial's run, :mod:`qwenkit.engine.run.events`),
 ``line(trial, text)`` (each console line) and ``end(trial, row)`` (its ledger row) from one thread;
 :class:`qwenkit.notebooks.progress.SweepLog` is the notebooks' view.
 """
@@ -31,7 +31,7 @@ class TerminalProgress:
             self._draw(f"[{trial.index}/{self.total}] {trial.name}: {note}")
 
     def event(self, trial: Trial, event: dict[str, Any]) -> None:
-        """A step event of the trial's run (:mod:`qwenkit.engine.events`) redraws its line."""
+        """A step event of the trial's run (:mod:`qwenkit.engine.run.events`) redraws its line."""
         if not self.live or event["event"] != "step":
             return
         step, steps = event["step"], event["steps"]

@@ -1,4 +1,4 @@
-"""Running a sweep: each trial a ``qwenkit train`` child process (:class:`qwenkit.engine.child.TrainProcess`)
+"""Running a sweep: each trial a ``qwenkit train`` child process (:class:`qwenkit.engine.run.child.TrainProcess`)
 on a device slot of its own, its state appended to the ledger, and the ``qwenkit sweep`` commands.
 
 Trials run in ``<sweep dir>/<trial>/`` with ``train.resume=auto``. Running the same command again
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from qwenkit.device import device_count, resolve_device
-from qwenkit.engine import events, metrics
-from qwenkit.engine.child import TrainProcess
+from qwenkit.engine.run import events, metrics
+from qwenkit.engine.run.child import TrainProcess
 from qwenkit.sweep import ledger
 from qwenkit.sweep.file import Sweep, SweepError, Trial, load
 from qwenkit.sweep.progress import TerminalProgress

@@ -21,7 +21,7 @@ from qwenkit import config as qconfig
 from qwenkit.config import DataConfig
 from qwenkit.data import BadSample, Collator, build, cache, read_dataset
 from qwenkit.data.index import SampleIndex
-from qwenkit.engine import metrics, train
+from qwenkit.engine.run import metrics, train
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor
 

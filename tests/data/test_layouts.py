@@ -27,7 +27,7 @@ from qwenkit.cli import main as cli_main
 from qwenkit.data import BadSample, layouts, read_dataset
 from qwenkit.data.images import MediaRef, load
 from qwenkit.data.video import VideoMeta, probe
-from qwenkit.engine import events
+from qwenkit.engine.run import events
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -191,7 +191,7 @@ def _train_worker(rank, out):
     import torch.distributed as dist
 
     from qwenkit import config as qconfig
-    from qwenkit.engine import train
+    from qwenkit.engine.run import train
 
     dist.init_process_group("gloo")
     for name, extra in TRAIN_RUNS.items():
@@ -221,7 +221,7 @@ def trained(tmp_path_factory, tiny_path):  # tiny_path: written before the ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["", "qwen3_5-"])
 def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained, family):
-    from qwenkit.engine import metrics
+    from qwenkit.engine.run import metrics
 
     if f"{family}packed" not in TRAIN_RUNS:
         pytest.skip("transformers 4.57 has no Qwen3.5")
@@ -238,7 +238,7 @@ def test_two_ranks_packed_log_the_padded_loss_at_every_step(trained, family):
 
 @pytest.mark.slow
 def test_token_budget_with_packing_resumes_bit_identical(trained):
-    from qwenkit.engine import metrics
+    from qwenkit.engine.run import metrics
 
     for rank in (0, 1):
         straight = metrics.series(metrics.read(trained / "budget" / "metrics" / f"rank-{rank:05d}.jsonl"), "loss", rank)

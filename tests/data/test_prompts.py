@@ -14,7 +14,7 @@ from conftest import make_cfg, write_png
 
 from qwenkit.data import read_dataset
 from qwenkit.data.collator import Collator
-from qwenkit.engine.evaluate import Evaluator
+from qwenkit.engine.generation.evaluate import Evaluator
 
 QUESTION = "<image>What colour is this box?"
 USER = [{"role": "user", "content": QUESTION}]

@@ -27,7 +27,7 @@ from qwenkit.data import DataError, build, read_dataset
 from qwenkit.data.images import MediaRef
 from qwenkit.data.report import Location
 from qwenkit.data.video import VideoMeta, VideoProcessor, probe
-from qwenkit.engine import train
+from qwenkit.engine.run import train
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 

@@ -22,7 +22,8 @@ from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
 from qwenkit import cli, launch, records
 from qwenkit import config as qconfig
 from qwenkit.distributed import expert, fsdp
-from qwenkit.engine import export, train
+from qwenkit.engine.checkpoints import export
+from qwenkit.engine.run import train
 from qwenkit.model import family as families
 from qwenkit.rundir import RunDir
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from qwenkit import config as qconfig
 from qwenkit.distributed import fsdp
-from qwenkit.engine import train
+from qwenkit.engine.run import train
 from qwenkit.model import family as families
 from qwenkit.model.modules import module_path
 from qwenkit.model.tiny import ensure_checkpoint
@@ -186,7 +186,7 @@ def _mixed_modalities(rank, out):
     loss = model(**batches[rank], num_items_in_batch=total).loss
     (loss * 2).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    model.eval()  # eval loss (qwenkit.engine.evaluate): in eval mode too, every rank runs the vision tower
+    model.eval()  # eval loss (qwenkit.engine.generation.evaluate): in eval mode too, every rank runs the vision tower
     with torch.no_grad():
         evaluated = model(**batches[rank], num_items_in_batch=total).loss
     dist.all_reduce(evaluated)

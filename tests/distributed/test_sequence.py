@@ -25,7 +25,7 @@ from multiproc import check_ranks, free_port
 from qwenkit import config as qconfig
 from qwenkit.data.collator import Collator
 from qwenkit.distributed import fsdp, sequence
-from qwenkit.engine import events, metrics
+from qwenkit.engine.run import events, metrics
 from qwenkit.model import family as families
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the bound; fp32, sums over ranks in another order
@@ -362,7 +362,7 @@ def _metrics(out):
 def cli_runs(tmp_path_factory, tiny_path):
     tmp = tmp_path_factory.mktemp("sp_cli")
     # DP 2 x SP 2 on 4 ranks, on an HSDP mesh (2 replicas x 2 shards) across the two SP groups where
-    # this torch's gloo has one; FSDP sharding over 4 ranks alone is tests/engine/test_checkpoint.py's W4
+    # this torch's gloo has one; FSDP sharding over 4 ranks alone is tests/engine/checkpoints/test_dcp.py's W4
     gloo_hsdp = qconfig.load(overrides=["parallel.hsdp_replicas=2", "parallel.backend=gloo"]).parallel
     hsdp = [] if fsdp.hsdp_problem(gloo_hsdp) else ["parallel.hsdp_replicas=2"]
     runs = {
@@ -372,7 +372,7 @@ def cli_runs(tmp_path_factory, tiny_path):
         "dp2_sp2": _train(tmp / "dp2_sp2", 4, "parallel.sp_size=2", "train.micro_batch_size=4", *hsdp),
     }
     # sp2 stopped after step 2 and resumed, in one start of the 2 ranks: the trainer's SP checkpoint and
-    # data position (the command line's stop, exit 75 and resume=auto: tests/engine/test_resume.py's stop_after loop)
+    # data position (the command line's stop, exit 75 and resume=auto: tests/engine/checkpoints/test_resume.py's stop_after loop)
     check_ranks(_stop_and_resume, 2, tmp / "resumed", timeout=600)
     runs["resumed"] = _metrics(tmp / "resumed")
     runs["resumed"]["resumed_from"] = events.resumed_step(events.read(tmp / "resumed"))
@@ -380,7 +380,7 @@ def cli_runs(tmp_path_factory, tiny_path):
 
 
 def _stop_and_resume(rank, out):
-    from qwenkit.engine import train
+    from qwenkit.engine.run import train
 
     dist.init_process_group("gloo")
     sp2 = [*RUN, "parallel.nproc=2", "parallel.sp_size=2", f"train.output_dir={out}"]

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from multiproc import check_ranks
 
 from qwenkit import config as qconfig
-from qwenkit.engine import metrics, objective, sft, train
+from qwenkit.engine import objective
+from qwenkit.engine.objectives import sft
+from qwenkit.engine.run import metrics, train
 
 PACKAGE = Path(__file__).resolve().parents[2] / "qwenkit"
 BASE = ["data.tiny_samples=8", "train.steps=1", "train.resume=none", "checkpoint.save_final=false",
@@ -57,8 +59,8 @@ def _objective_branches(source: str) -> list[str]:
 
 def test_the_engine_and_the_data_have_no_objective_branch():
     """The data side asks the entry what its rows are (``reads``), as the trainer asks it everything else."""
-    files = sorted([*PACKAGE.glob("engine/*.py"), *PACKAGE.glob("data/*.py")])
-    branches = {f"{p.parent.name}/{p.name}": _objective_branches(p.read_text()) for p in files}
+    files = sorted([*PACKAGE.glob("engine/**/*.py"), *PACKAGE.glob("data/*.py")])
+    branches = {str(p.relative_to(PACKAGE)): _objective_branches(p.read_text()) for p in files}
     assert not {k: v for k, v in branches.items() if v}
     # the finder finds the branches this registry replaced
     assert _objective_branches('if t.objective == "dpo": pass\nif objective is not None: pass') == [

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from qwenkit import config as qconfig
-from qwenkit.engine import metrics, train
+from qwenkit.engine.run import metrics, train
 
 # the README's per-module LRs, with train.no_decay: group names with '*', spaces and parentheses
 GROUPS = "train.param_groups=[{pattern: model.visual.blocks.*, lr: 2.0e-6}, {pattern: model.visual.merger, lr: 1.0e-5}]"

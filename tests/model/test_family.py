@@ -15,7 +15,7 @@ from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint
 
 from qwenkit import config as qconfig
 from qwenkit import launch
-from qwenkit.engine import prespawn
+from qwenkit.engine.run import prespawn
 from qwenkit.model import family as families
 from qwenkit.model import registry
 from qwenkit.model.chunked import ChunkLossMixin

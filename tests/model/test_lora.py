@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from qwenkit import config as qconfig
 from qwenkit import launch
 from qwenkit.distributed import fsdp
-from qwenkit.engine import export as hf_export
-from qwenkit.engine import metrics, optim, train
+from qwenkit.engine.checkpoints import export as hf_export
+from qwenkit.engine.run import metrics, optim, train
 from qwenkit.model import family as families
 from qwenkit.model import lora, registry
 from qwenkit.model import loss as qloss
@@ -357,7 +357,7 @@ def _qwenkit(*args, timeout=300):
 @pytest.mark.slow
 def test_qwenkit_train_lora_export_and_eval(tmp_path, capsys):
     """``qwenkit train`` in a process of its own (2 ranks); ``export`` and ``eval`` through the same
-    entry point in this one (their own process boundary: tests/engine/test_evaluate.py, tests/test_launch.py)."""
+    entry point in this one (their own process boundary: tests/engine/generation/test_evaluate.py, tests/test_launch.py)."""
     from qwenkit import cli
 
     out = tmp_path / "run"
@@ -394,7 +394,7 @@ def _copy_for_generation(model, rank):
     which of the model's full tensors it changed (on one rank they are the parameters themselves)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from qwenkit.engine import generate as qgen
+    from qwenkit.engine.generation import generate as qgen
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     before = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}

@@ -24,7 +24,7 @@ import json
 import pytest
 import torch
 from conftest import hf_reference_ids, make_cfg, over_families, runs, tiny_checkpoint, tiny_processor
-from engine.test_generate import _generate, _prompt
+from engine.generation.test_generate import _generate, _prompt
 
 from qwenkit import cli, launch
 from qwenkit.data import read_dataset
@@ -228,8 +228,8 @@ def test_export_carries_the_base_checkpoints_mtp_tensors_unchanged(family, tmp_p
     from safetensors.torch import load_file, save_file
 
     from qwenkit import config as qconfig
-    from qwenkit.engine import export as hf_export
-    from qwenkit.engine import train
+    from qwenkit.engine.checkpoints import export as hf_export
+    from qwenkit.engine.run import train
 
     base = tmp_path / "base"
     shutil.copytree(tiny_checkpoint(family), base)
@@ -243,7 +243,7 @@ def test_export_carries_the_base_checkpoints_mtp_tensors_unchanged(family, tmp_p
                                   "train.micro_batch_size=2", "train.resume=none", "train.warmup_steps=1",
                                   "train.eval_samples=0", f"train.output_dir={run}"])  # fmt: skip
     train.run(cfg)
-    with caplog.at_level(logging.INFO, logger="qwenkit.engine.export"):
+    with caplog.at_level(logging.INFO, logger="qwenkit.engine.checkpoints.export"):
         exported = hf_export.export(run, tmp_path / "hf", cfg)
     assert f"keeps the base model's multi-token-prediction layer: {len(mtp)} mtp.* tensors" in caplog.text
     index = json.loads((exported / hf_export.INDEX).read_text())["weight_map"]

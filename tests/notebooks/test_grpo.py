@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from qwenkit.engine.grpo import SAMPLE_FILE
+from qwenkit.engine.objectives.grpo import SAMPLE_FILE
 from qwenkit.notebooks import grpo, results
 
 REWARDS = {1: 0.25, 2: 0.5, 3: 0.75}  # reward per step; reward_std 0.1 every step

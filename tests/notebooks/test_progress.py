@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from qwenkit.engine import events
+from qwenkit.engine.run import events
 from qwenkit.notebooks import progress
 from qwenkit.rundir import RunDir
 

@@ -41,7 +41,7 @@ def test_training_metrics_and_notebook_results_write_the_same_row(tmp_path):
 
     import torch
 
-    from qwenkit.engine.metrics import MetricsWriter, read
+    from qwenkit.engine.run.metrics import MetricsWriter, read
 
     writer = MetricsWriter(tmp_path, rank=1, device=torch.device("cpu"))
     writer.write(3, {"loss": 2.5})

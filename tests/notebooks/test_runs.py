@@ -6,14 +6,14 @@ import textwrap
 
 import pytest
 
-from qwenkit.engine import metrics
+from qwenkit.engine.run import metrics
 from qwenkit.notebooks import results, runs
 
 # Writes the trainer's events (and a console line per step) and honours train.resume=<a step-N
 # checkpoint> from its arguments: a resumed event, then steps from N + 1 (unless "ignore-resume").
 FAKE_TRAINER = textwrap.dedent("""
     import pathlib, sys
-    from qwenkit.engine import events
+    from qwenkit.engine.run import events
     log = events.EventLog(sys.argv[1], 0)
     log.write("started", world_size=1, steps=5)
     resume = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("train.resume=")]

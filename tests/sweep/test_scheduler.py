@@ -1,7 +1,7 @@
 """qwenkit.sweep.scheduler (``qwenkit sweep run``): device slots, and real sweeps of the tiny model on
 one rank: a trial the launcher refuses, a trial whose rank is killed and then the sweep killed in the
 middle, both resumed (the trial's losses against an uninterrupted trial of the same training), and
-MLflow beside the JSONL. A rank's own failure report: tests/engine/test_events.py."""
+MLflow beside the JSONL. A rank's own failure report: tests/engine/run/test_events.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from qwenkit import config as qconfig
 from qwenkit import sweep
-from qwenkit.engine import events, metrics
+from qwenkit.engine.run import events, metrics
 from qwenkit.model import family as families
 from qwenkit.notebooks import compare
 from qwenkit.sweep import ledger
@@ -104,7 +104,7 @@ def _kill(proc: subprocess.Popen, rank_only: bool = False) -> None:
     for pid in [proc.pid, *_descendants(proc.pid)]:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
-            if not rank_only or ("qwenkit.engine.rank" in argv and "qwenkit.torchrun" not in argv):
+            if not rank_only or ("qwenkit.engine.run.rank" in argv and "qwenkit.torchrun" not in argv):
                 os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, FileNotFoundError):
             pass

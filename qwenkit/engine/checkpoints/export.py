@@ -1,0 +1,279 @@
+"""A checkpoint as a Hugging Face model: gathered in one process, written as an HF directory.
+
+:func:`load_hf` reads every DCP shard into HF's own class of the family (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``, the
+class users deploy), without a process group; :func:`export` saves it with ``save_pretrained``,
+copies the base model's tokenizer and processor files beside it, and writes the run's image
+bounds and video sampling (``data.*``) into the processor files (:func:`write_run_processing`),
+so HF's processor loaded from the export resizes exactly as training did. A base checkpoint's
+multi-token-prediction tensors (Qwen3.5's ``mtp.*``, which HF's class does not load) go into the
+export unchanged (:func:`keep_mtp`).
+
+The export is written under a temporary name beside the target and renamed into place: a
+failed export leaves no half directory. The target must be new or empty; ``overwrite``
+replaces a previous export (a directory with ``config.json``), never any other folder, and never
+the run's own output_dir or its checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from qwenkit.config import DTYPES
+from qwenkit.data import video
+from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
+from qwenkit.engine.checkpoints.dcp import CheckpointError, resolve
+from qwenkit.model import family as families
+from qwenkit.model import lora
+from qwenkit.model.paths import resolve_path
+
+log = logging.getLogger(__name__)
+
+
+# Non-weight files of an HF checkpoint directory that the export copies from the base model.
+PROCESSOR_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
+    "video_preprocessor_config.json", "processor_config.json", "generation_config.json",
+)
+
+
+# what a video processor config takes from the image processor's (one vision tower reads both)
+VIDEO_SHARED_KEYS = (
+    "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
+    "do_rescale", "do_normalize", "do_convert_rgb", "resample",
+)
+
+
+class ExportError(ValueError):
+    """An export target that would mix or lose files; the message names it and the way out."""
+
+
+def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, overwrite: bool = False) -> Path:
+    """Write a checkpoint's model as an HF directory (safetensors, config, processor files).
+
+    Runs in one process without a process group (see :func:`load_hf`); ``save_pretrained``
+    writes HF's own key layout, so ``from_pretrained`` loads it back. A LoRA run (``lora.r >
+    0``) writes peft's adapter directory (``adapter_config.json`` naming the base model,
+    ``adapter_model.safetensors`` in peft's key names), which ``PeftModel.from_pretrained`` on
+    the base model loads; ``merge``: a full HF directory with the adapters merged instead.
+    """
+    ckpt = resolve(checkpoint)
+    out = Path(out)
+    check_target(out, ckpt, overwrite)
+    base = resolve_path(cfg.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cfg.lora.r > 0 and not merge:
+        load_peft(ckpt, cfg).save_pretrained(tmp)
+    else:
+        load_hf(ckpt, cfg).save_pretrained(tmp)
+        if kept := keep_mtp(base, tmp):
+            log.info("export keeps the base model's multi-token-prediction layer: %d mtp.* tensors of %s, "
+                     "unchanged (not trained; vLLM and SGLang use them for speculative decoding)", kept, base)  # fmt: skip
+    for name in PROCESSOR_FILES:
+        if (base / name).is_file():
+            shutil.copy2(base / name, tmp / name)
+    write_run_processing(tmp, cfg.data, families.resolve(cfg.model.name, base))
+    if out.exists():  # a previous export, and overwrite was asked for (check_target)
+        old = out.parent / f".old-export-{out.name}-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    log.debug("exported %s to %s", ckpt, out)
+    return out
+
+
+MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction layer: in the checkpoints, not in HF's class
+MTP_FILE = "model-mtp.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def keep_mtp(base: Path, out: Path) -> int:
+    """Copy the base checkpoint's ``mtp.*`` tensors, unchanged, into the export at ``out``; returns how many.
+
+    HF's class does not load them (``_keys_to_ignore_on_load_unexpected``), so ``save_pretrained``
+    drops them; they go to their own file, listed in the export's ``model.safetensors.index.json``
+    (written when ``save_pretrained`` wrote a single file), which vLLM and SGLang read. Tensors are
+    read one at a time (``safe_open``), never the whole base.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index = base / INDEX
+    if index.is_file():
+        files = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if k.startswith(MTP_PREFIX)})
+    else:
+        files = [p.name for p in sorted(base.glob("*.safetensors"))]
+    tensors = {}
+    for name in files:
+        with safe_open(base / name, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(MTP_PREFIX)})
+    if not tensors:
+        return 0
+    save_file(tensors, out / MTP_FILE, metadata={"format": "pt"})
+    if (out / INDEX).is_file():
+        written = json.loads((out / INDEX).read_text())
+    else:  # one file: index it, so that readers of the index find both
+        with safe_open(out / "model.safetensors", framework="pt") as f:
+            keys = list(f.keys())
+        size = (out / "model.safetensors").stat().st_size
+        written = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(keys, "model.safetensors")}
+    written["weight_map"].update(dict.fromkeys(tensors, MTP_FILE))
+    written["metadata"]["total_size"] = written["metadata"].get("total_size", 0) + sum(
+        t.numel() * t.element_size() for t in tensors.values()
+    )
+    (out / INDEX).write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return len(tensors)
+
+
+def load_peft(checkpoint: str | Path, cfg):
+    """A LoRA run's checkpoint as peft's ``PeftModel`` on HF's class (base weights from ``model.path``).
+
+    peft builds its own adapters (same targets, rank, saved modules) on the base model; the
+    checkpoint's trained tensors are then read into them by name: qwenkit's keys are the
+    PeftModel's without ``base_model.model.`` and with a saved module's ``modules_to_save.default``
+    segment dropped (qwenkit trains the module itself, peft a copy of it).
+    """
+    from peft import get_peft_model
+
+    ckpt = resolve(checkpoint)
+    base = resolve_path(cfg.model)
+    hf_class = families.resolve(cfg.model.name, base).load("hf_class")
+    hf = hf_class.from_pretrained(base, dtype=DTYPES[cfg.model.dtype], local_files_only=True)
+    targets, _ = lora.target_problems(hf, cfg.lora)
+    config = lora.peft_config(cfg.lora, targets, modules_to_save=True)
+    config.base_model_name_or_path = str(base)
+    peft_model = get_peft_model(hf, config)
+    saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    wanted, missing = {}, []
+    for name, param in peft_model.named_parameters():
+        if not param.requires_grad:
+            continue
+        key = name.removeprefix("base_model.model.").replace(f".modules_to_save.{lora.ADAPTER}.", ".")
+        if f"model.{key}" in saved:
+            wanted[key] = param.data
+        else:
+            missing.append(key)
+    if missing:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks trained tensors: {', '.join(missing[:5])}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load({"model": wanted}, checkpoint_id=str(ckpt), no_dist=True)
+    return peft_model
+def check_target(out: Path, ckpt: Path, overwrite: bool) -> None:
+    """Raise :class:`ExportError` unless ``out`` may receive the export of checkpoint ``ckpt``."""
+    target = out.resolve()
+    root = ckpt.resolve().parent  # <output_dir>/checkpoints
+    if target == root.parent and root.name == "checkpoints":
+        raise ExportError(
+            f"export target {str(out)!r} is the run's own output_dir: `qwenkit eval` would then take the run "
+            "for an export; export to a directory of its own (e.g. RUN/hf)"
+        )
+    if target == root or root in target.parents:
+        raise ExportError(f"export target {str(out)!r} is inside the run's checkpoints ({root}); choose another directory")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export target {str(out)!r} is a file, not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ExportError(
+            f"export target {str(out)!r} is not empty; pass --overwrite to replace a previous export there, "
+            "or give a new directory"
+        )
+    if not any((out / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise ExportError(
+            f"export target {str(out)!r} holds files but no export (no config.json or adapter_config.json); --overwrite replaces "
+            "only a previous export: give a new or empty directory"
+        )
+
+
+def _set_bounds(processor_cfg: dict, min_pixels: int, max_pixels: int) -> None:
+    # `size` is what transformers 5.x reads, min_/max_pixels what 4.57 reads (it overrides `size`
+    # with its class defaults when they are absent); both versions take both spellings
+    processor_cfg["size"] = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    processor_cfg["min_pixels"], processor_cfg["max_pixels"] = min_pixels, max_pixels
+
+
+def write_run_processing(out: Path, data, family) -> None:
+    """The run's ``data`` resize bounds and video sampling into ``out``'s processor files.
+
+    The base model's ``preprocessor_config.json`` has the base's bounds (``longest_edge`` 12544
+    for the tiny model); training resized into ``[data.min_pixels, data.max_pixels]``: a
+    300x168 image is 10 image tokens under the first and 66 under the defaults of the second.
+    Videos: ``family``'s video rule (:data:`qwenkit.data.video.RULES`) spells its sampling and
+    bounds in the keys of the transformers video processor that follows it (``hf_settings``:
+    per-frame bounds for Qwen2-VL's, a volume bound for Qwen3-VL's); a base without a
+    ``video_preprocessor_config.json`` (the embedded tiny models) gets one, with the image
+    processor's patching and normalisation, since the vision tower reads both the same way.
+    """
+    rule = video.RULES[family.video_rule]
+    image_path, video_path = out / "preprocessor_config.json", out / "video_preprocessor_config.json"
+    patching = json.loads(image_path.read_text()) if image_path.is_file() else {}
+    patching = {k: v for k, v in patching.items() if k in VIDEO_SHARED_KEYS}
+    if patching and not video_path.is_file():
+        video_path.write_text(json.dumps({"video_processor_type": rule.hf_class, **patching}) + "\n")
+
+    def image(d: dict) -> None:
+        _set_bounds(d, data.min_pixels, data.max_pixels)
+
+    def video_settings(d: dict) -> None:
+        known = {**patching, **d}
+        d.update(rule.hf_settings(data, known["patch_size"] * known["merge_size"]))
+
+    for path, update in ((image_path, image), (video_path, video_settings)):
+        if path.is_file():
+            d = json.loads(path.read_text())
+            update(d)
+            path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    path = out / "processor_config.json"  # a processor saved whole nests its parts here
+    if path.is_file():
+        d = json.loads(path.read_text())
+        for key, update in (("image_processor", image), ("video_processor", video_settings)):
+            if isinstance(d.get(key), dict):
+                update(d[key])
+        path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
+def load_hf(checkpoint: str | Path, cfg):
+    """A checkpoint's model as a plain HF model of its family (e.g. ``Qwen3VLForConditionalGeneration``) on the CPU.
+
+    A LoRA run's is its :func:`load_peft` model with the adapters merged (peft's ``merge_and_unload``).
+
+    Runs in one process without a process group: DCP gathers every shard into full tensors of
+    the HF model built with parameters on meta, then given CPU storage. Non-persistent buffers
+    (rotary ``inv_freq``) are in no checkpoint: they keep the values computed at construction.
+    """
+    from transformers import AutoConfig  # modeling: export and eval only
+
+    if cfg.lora.r > 0:
+        return load_peft(checkpoint, cfg).merge_and_unload()
+    ckpt = resolve(checkpoint)
+    base = resolve_path(cfg.model)
+    config = AutoConfig.from_pretrained(base, local_files_only=True)
+    hf = build_on_meta(families.resolve(cfg.model.name, base).load("hf_class"), config)
+    buffers = {name: buf.clone() for name, buf in hf.named_buffers()}
+    hf.to_empty(device="cpu")
+    hf.to(DTYPES[cfg.model.dtype])
+    for name, buf in buffers.items():
+        set_buffer(hf, name, buf)
+    state = hf.state_dict()
+    saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    wanted = {k: v for k, v in state.items() if f"model.{k}" in saved}
+    tied = {n for group in tied_groups(hf) if any(n in wanted for n in group) for n in group}  # one name saved
+    missing = sorted(set(state) - set(wanted) - tied)
+    if missing:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks model tensors: {', '.join(missing[:5])}")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load({"model": wanted}, checkpoint_id=str(ckpt), no_dist=True)
+    return hf

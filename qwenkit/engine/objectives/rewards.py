@@ -1,0 +1,147 @@
+"""GRPO's rewards: each completion scored by every name in ``grpo.rewards``, weighted by ``grpo.reward_weights``.
+
+A reward is ``reward(prediction, reference, **row) -> float``: the completion's text, the row's
+reference answer and the row's other columns (a user's reward may read them; the built-ins do not).
+
+- the answer metrics (``exact``, ``normalized``, ``relaxed``, ``anls``; :mod:`qwenkit.engine.generation.answers`,
+  multiple-choice rows by the letter) score the **answer**: the text inside the answer tag
+  (``<answer>…</answer>``, ``grpo.format_tags``) when the completion (or the reference) has one,
+  else the whole text, so a model that reasons first is scored on what it answers.
+- ``format``: 1 when the completion is ``<think>…</think>`` then ``<answer>…</answer>`` and nothing
+  else (whitespace between), each tag once; else 0 (TRL's ``think_format_reward`` with the answer tag).
+- ``iou``: the intersection over union of the first box in the completion and the reference's box
+  (four numbers ``x1, y1, x2, y2``, as ``[x1, y1, x2, y2]`` or Qwen's ``"bbox_2d": [...]``), both in
+  the family's convention (``Family.box_units``: pixels of the resized image for Qwen2.5-VL, 0-1000
+  of the width and height for Qwen3-VL, whose boxes are clamped to that range); 0 when the
+  completion has no box. The reference must be written in the family's convention, as the SFT data
+  that taught the model to ground was; a reference in other units is not converted.
+- ``module:function``: a user's function, importable from ``PYTHONPATH``, logged as
+  ``rewards/<function's name>``.
+
+A reward that returns no number, or a value that is not finite, stops the run with one line naming
+the reward and the row (:func:`qwenkit.engine.generation.answers.user_score`, the eval metrics' check).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from qwenkit.config import EVAL_METRICS, load_user_metric
+from qwenkit.engine.generation import answers
+
+Reward = Callable[..., float]  # reward(prediction, reference, **row) -> float
+_NUMBER = r"-?\d+(?:\.\d+)?"
+_BOX = re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]")
+PER_MILLE = 1000.0  # Qwen3-VL's relative coordinates span 0..1000
+
+
+def answer_text(text: str, tag: str) -> str:
+    """The text inside the last ``<tag>…</tag>`` of ``text``, else ``text`` itself."""
+    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
+    return found[-1].strip() if found else text
+
+
+def format_reward(think: str, answer: str) -> Reward:
+    """1.0 for ``<think>…</think><answer>…</answer>`` alone (whitespace between), else 0.0."""
+    pattern = re.compile(
+        rf"^\s*<{think}>(?:(?!<{think}>|</{think}>).)*</{think}>\s*<{answer}>(?:(?!<{answer}>|</{answer}>).)*</{answer}>\s*$",
+        re.DOTALL,
+    )
+
+    def reward(prediction: str, reference: str, **row) -> float:
+        return float(pattern.match(prediction) is not None)
+
+    return reward
+
+
+def first_box(text: str) -> tuple[float, float, float, float] | None:
+    """The first ``[x1, y1, x2, y2]`` in ``text`` with its corners ordered, or None."""
+    m = _BOX.search(text)
+    if m is None:
+        return None
+    x1, y1, x2, y2 = (float(v) for v in m.groups())
+    return min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
+
+
+def box_iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """Intersection over union of two ``(x1, y1, x2, y2)`` boxes; 0 when both are empty."""
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = w * h
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def iou_reward(box_units: str) -> Reward:
+    """The ``iou`` reward in the family's box convention (module docstring)."""
+    if box_units not in ("pixels", "per_mille"):
+        raise ValueError(f"box_units must be pixels or per_mille, got {box_units!r}")
+
+    def clamp(box):
+        if box_units == "pixels":
+            return tuple(max(0.0, v) for v in box)
+        return tuple(min(max(0.0, v), PER_MILLE) for v in box)
+
+    def iou(prediction: str, reference: str, **row) -> float:
+        ref = first_box(reference)
+        if ref is None:
+            raise ValueError(f"the iou reward needs a box [x1, y1, x2, y2] in the reference, got {reference!r}")
+        pred = first_box(prediction)
+        return box_iou(clamp(pred), clamp(ref)) if pred is not None else 0.0
+
+    return iou
+
+
+def resolve(names: list[str], box_units: str, format_tags: tuple[str, str] = ("think", "answer")) -> dict[str, Reward]:
+    """``{logged name: reward}`` for ``grpo.rewards`` (the config check has vetted the names)."""
+    think, answer = format_tags
+    out: dict[str, Reward] = {}
+    for name in names:
+        if name in EVAL_METRICS:
+            out[name] = _on_answers(answers.resolve([name])[name], answer)
+        elif name == "format":
+            out[name] = format_reward(think, answer)
+        elif name == "iou":
+            out[name] = iou_reward(box_units)
+        else:
+            fn = load_user_metric(name, "grpo.rewards")
+            out[fn.__name__] = fn
+    return out
+
+
+def _on_answers(metric: answers.Metric, tag: str) -> Reward:
+    def reward(prediction: str, reference: str, **row) -> float:
+        return metric(answer_text(prediction, tag), answer_text(reference, tag))
+
+    return reward
+
+
+def score(
+    rewards: dict[str, Reward],
+    weights: list[float],
+    predictions: list[str],
+    references: list[str],
+    rows: list[dict],
+    row_names: list[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(per reward [N, K], weighted sum [N])`` float32 of ``N`` completions; ``weights`` empty: all 1.
+
+    ``rows[i]``: the columns passed to the rewards as keywords; ``row_names[i]``: how an error names
+    that row (``train.jsonl row 12``).
+    """
+    weights = weights or [1.0] * len(rewards)
+    values = torch.zeros(len(predictions), len(rewards), dtype=torch.float32)
+    for i, (prediction, reference, row, where) in enumerate(zip(predictions, references, rows, row_names, strict=True)):
+        extra = {k: v for k, v in row.items() if k not in ("prediction", "reference")}
+        for k, (name, reward) in enumerate(rewards.items()):
+            # the eval metrics' one check of a user's scoring function: any finite number (no [0, 1] bound)
+            values[i, k] = answers.user_score(reward, f"grpo.rewards {name!r}", where, prediction, reference,
+                                              bounds=None, **extra)  # fmt: skip
+    return values, values @ torch.tensor(weights, dtype=torch.float32)
+
+
+__all__ = ["Reward", "answer_text", "box_iou", "first_box", "format_reward", "iou_reward", "resolve",
+           "score"]  # fmt: skip

@@ -1,0 +1,40 @@
+"""Supervised fine-tuning (``train.objective: sft``): the replies' cross-entropy, one objective among peers.
+
+The loss is the model's own (:class:`qwenkit.model.chunked.ChunkLossMixin`: chunked or HF's
+forward, ``loss.loss_type``), normalised by the step's **global** label tokens and samples that
+the trainer counted (``counts``, all ranks and accumulation steps): a rank's loss is its share of
+the global mean. Held-out rows give ``eval_loss`` and the answer metrics
+(:class:`qwenkit.engine.generation.evaluate.Evaluator`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qwenkit.engine.generation.evaluate import Evaluator, evaluate_replies
+from qwenkit.engine.objective import Objective
+
+
+class Sft(Objective):
+    """The trainer's hooks for ``train.objective: sft`` (see :mod:`qwenkit.engine.objective`)."""
+
+    def __init__(self, evaluator: Evaluator | None = None):
+        self.evaluator = evaluator
+        self.num_items = self.num_samples = None  # the step's global label tokens and samples
+
+    @classmethod
+    def build(cls, cfg, rt, model: nn.Module, bundle, sp=None, out_dir=None) -> Sft:
+        if bundle.eval_dataset is None:
+            return cls()
+        return cls(Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir, sp=sp))
+
+    def begin(self, micro: list[dict], counts: torch.Tensor) -> None:
+        self.num_items, self.num_samples = counts[0], counts[1]
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        # use_cache=False: HF's config defaults to a KV cache, which training never needs and
+        # which a recomputed decoder layer would extend a second time in its backward
+        return model(**batch, use_cache=False, num_items_in_batch=self.num_items, num_samples=self.num_samples).loss
+
+    evaluate_cli = staticmethod(evaluate_replies)  # eval loss, answer metrics, the generations file

@@ -1,0 +1,163 @@
+"""The checks of a run before any process starts: what would otherwise fail inside every rank.
+
+``qwenkit train`` (:mod:`qwenkit.launch`) and every sweep trial (:mod:`qwenkit.sweep.file`) pass
+:func:`check_before_spawn` first: the model directory and its module tree (built on meta: no
+weights read), the dataset path and the optional extras the run needs, the resume rule
+(:func:`qwenkit.engine.checkpoints.resume.decide`: which checkpoint, whole, fitting this run's model,
+objective, data and ranks), the number of ranks this node can run, the HSDP shape.
+
+Light on purpose: neither this module nor its imports load the DCP checkpoint code
+(:mod:`qwenkit.engine.checkpoints.dcp`); ``tests/test_launch.py`` checks it in a fresh process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from qwenkit import config as qconfig
+from qwenkit.data.conversation import parse_row
+from qwenkit.data.reader import DataError, open_sources
+from qwenkit.device import device_count, resolve_device
+from qwenkit.distributed import fsdp, sequence
+from qwenkit.engine.checkpoints import resume as resume_rule
+from qwenkit.engine.run import optim
+from qwenkit.model import family as families
+from qwenkit.model import lora, registry
+from qwenkit.model.paths import resolve_path
+
+
+def check_before_spawn(cfg, nodes: int = 1) -> list[str]:
+    """Problems that would otherwise surface only inside every rank; empty when all is well.
+    ``nodes``: how many nodes the job may have (the world the resume rule checks; under c10d the
+    most, the ranks check the world they get)."""
+    if problems := families.entry_problems(cfg.model.name, cfg.model.path):  # before any tiny checkpoint is written
+        return problems
+    try:
+        path = resolve_path(cfg.model)  # writes the tiny checkpoint once, before ranks race for it
+    except FileNotFoundError as e:
+        problems.append(str(e))
+    else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
+        problems.extend(check_module_paths(cfg))
+        problems.extend(families.problems(cfg, path))  # what the family cannot run: SP, packing, fused ops...
+        heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
+        if heads:
+            problems.append(heads)
+    if cfg.data.path != "tiny" and not Path(cfg.data.path).expanduser().exists():
+        problems.append(f"data.path={cfg.data.path!r} does not exist")
+    else:
+        problems.extend(check_extras(cfg))
+    problems.extend(check_resume(cfg, cfg.parallel.nproc * nodes))
+    ranks = rank_count_problem(cfg.parallel)
+    if ranks:
+        problems.append(ranks)
+    hsdp = fsdp.hsdp_problem(cfg.parallel)
+    if hsdp:
+        problems.append(hsdp)
+    return problems
+
+
+def check_extras(cfg) -> list[str]:
+    """Optional extras this run needs that are not installed, one line each naming the pip extra
+    (the ranks would fail only after the model is built, with a ``ModuleNotFoundError``).
+
+    ``train.report_to: [mlflow]`` and ``model.fused_backend`` are refused by the config check
+    already. The dataset is looked at only when ``datasets`` or PyAV is missing: its sources are
+    opened (a Hugging Face dataset then fails, naming its extra), and without PyAV its rows are
+    parsed for videos.
+    """
+    problems = []
+    if cfg.lora.r > 0 and not qconfig.installed("peft"):
+        problems.append(f"lora.r={cfg.lora.r} needs peft, which is not installed: pip install 'qwenkit[lora]'")
+    if "tensorboard" in cfg.train.report_to and not qconfig.installed("tensorboard"):
+        problems.append("train.report_to: tensorboard needs the tensorboard package, which is not installed: "
+                        "pip install 'qwenkit[tensorboard]'")  # fmt: skip
+    if cfg.data.path == "tiny" or (qconfig.installed("datasets") and qconfig.installed("av")):
+        return problems
+    paths = [cfg.data.path] + ([cfg.data.eval_path] if cfg.data.eval_path else [])
+    prompts = qconfig.OBJECTIVES[cfg.train.objective].reads == "prompts"  # a GRPO prompt alone may hold a video
+    for path in paths:
+        try:
+            sources = open_sources(path)
+        except DataError as e:
+            if "qwenkit[" in str(e):
+                problems.append(str(e))
+            continue  # any other problem of the data is the ranks' to report, row by row
+        if qconfig.installed("av"):
+            continue
+        for source in sources:
+            try:
+                rows = len(source)
+            except ValueError:  # a malformed file: the ranks report it
+                continue
+            if any(_has_videos(source, i, cfg.data.layout, prompts) for i in range(rows)):
+                problems.append(f"data: {source.name} has video rows; reading them needs PyAV (FFmpeg bindings), "
+                                "which is not installed: pip install 'qwenkit[video]'")  # fmt: skip
+                break
+    return problems
+
+
+def _has_videos(source, i: int, layout: str, prompts: bool) -> bool:
+    try:
+        return bool(parse_row(source.row(i), source.location(i), layout, prompts).videos)
+    except ValueError:  # a bad row: data.on_bad_sample decides in the ranks
+        return False
+
+
+def check_module_paths(cfg) -> list[str]:
+    """``parallel.shard_patterns``, ``parallel.recompute``, ``model.freeze``, the LoRA targets and
+    saved modules and the ``train.param_groups`` patterns against the model's module tree, built
+    on the meta device from the checkpoint's ``config.json``: no weights are read and no memory
+    is taken (about a second for a 7B model), where the ranks would find the same mistake only
+    after loading the weights, with ``config.yaml`` and ``logs/`` already written."""
+    try:
+        model = registry.build(dataclasses.replace(cfg.model, init_device="meta", freeze=[]))
+    except (ValueError, OSError) as e:
+        return [str(e)]
+    problems = []
+    for key in ("shard_patterns", "recompute"):  # auto: the family's units
+        for pattern in families.units(model, key, getattr(cfg.parallel, key)):
+            try:
+                fsdp.match_modules(model, [pattern], f"parallel.{key}")  # the rule fully_shard and the recompute wrappers use
+            except ValueError as e:
+                problems.append(str(e))
+    for path in cfg.model.freeze:
+        try:
+            registry.freeze(model, [path])  # the meta copy is thrown away: freezing it changes nothing
+        except ValueError as e:
+            problems.append(str(e))
+    return problems + lora.problems(model, cfg.lora) + optim.group_problems(model, cfg.train)
+
+
+def rank_count_problem(parallel) -> str | None:
+    """More ranks than this node's accelerators fail in the ranks; more CPU ranks than cores swap
+    the machine to a halt (each rank holds a model copy and its threads): refused before spawning."""
+    try:
+        device = resolve_device(parallel.device)
+    except ValueError as e:
+        return str(e)
+    n, have = parallel.nproc, device_count(device)
+    if device != "cpu" and n > have:
+        return f"parallel.nproc={n} ranks on {device}, but this node sees {have} {device} device(s); use --nproc {have} or fewer"
+    if device == "cpu" and n > have and not parallel.allow_oversubscribe:
+        return (
+            f"parallel.nproc={n} CPU ranks, but this process may use {have} core(s); use --nproc {have} or fewer, "
+            "or set parallel.allow_oversubscribe=true to run them anyway"
+        )
+    return None
+
+
+def check_resume(cfg, world_size: int | None = None) -> list[str]:
+    """The resume rule (:func:`qwenkit.engine.checkpoints.resume.decide`) before any process starts: the
+    checkpoint ``train.resume`` names exists, is whole (files and sizes as recorded; the ranks
+    verify the checksums), fits this run of ``world_size`` ranks, and newer ones would not be
+    written over. With ``resume: auto`` a damaged newest checkpoint is skipped, saying so."""
+    try:
+        decision = resume_rule.decide(cfg, world_size)
+    except resume_rule.CheckpointError as e:
+        return [str(e)]
+    for _, problem in decision.skipped:
+        print(f"qwenkit train: train.resume=auto: {problem}; resuming from {decision.path or 'scratch'} instead",
+              file=sys.stderr)  # fmt: skip
+    return []

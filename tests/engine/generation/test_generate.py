@@ -1,0 +1,229 @@
+"""HF's ``generate`` on the qwenkit subclass (chunk loss off) gives HF's class's tokens.
+
+``generate`` validates its model kwargs against ``forward``'s signature, so the subclass must
+expose the parent's parameters (images, video, ``inputs_embeds``), on transformers 5.x and 4.57.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from model.test_chunked import _video_batch
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from qwenkit.model import processor, qwen2_5_vl
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture
+def pair(make_model, tiny_path):
+    """The subclass with random weights, and HF's own class holding the very same weights."""
+    ours = make_model(chunk=False, seed=7).eval()
+    stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path).eval()
+    stock.load_state_dict(ours.state_dict())
+    return ours, stock
+
+
+def _prompt(batch: dict) -> dict:
+    """A generation prompt: no labels; ``mm_token_type_ids`` only where transformers takes it."""
+    keep = {k: v for k, v in batch.items() if k != "labels"}
+    if not processor.needs_mm_token_type_ids():
+        keep.pop("mm_token_type_ids", None)
+    return keep
+
+
+def _generate(model, **kwargs):
+    with torch.no_grad():
+        return model.generate(**kwargs, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+
+
+def test_forward_exposes_the_parents_parameters():
+    ours = inspect.signature(qwen2_5_vl.QwenkitQwen2_5_VL.forward).parameters
+    parent = inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters
+    assert list(ours)[: len(parent) - 1] == list(parent)[:-1]  # same names, same positional order
+    assert {"num_items_in_batch", "num_samples", "return_dict", "kwargs"} <= set(ours)
+
+
+def test_generate_with_images_equals_hf(pair, batch_factory):
+    ours, stock = pair
+    prompt = _prompt(batch_factory(images_per_sample=(2,), seed=3))
+    got, want = _generate(ours, **prompt), _generate(stock, **prompt)
+    assert got.shape[1] == prompt["input_ids"].shape[1] + NEW_TOKENS
+    assert torch.equal(got, want)
+
+
+def test_generate_with_video_equals_hf(pair, processor):
+    ours, stock = pair
+    prompt = _prompt(_video_batch(processor, seed=2))
+    got, want = _generate(ours, **prompt), _generate(stock, **prompt)
+    assert got.shape[1] == prompt["input_ids"].shape[1] + NEW_TOKENS
+    assert torch.equal(got, want)
+
+
+def test_generate_from_inputs_embeds_equals_hf(pair, batch_factory):
+    ours, stock = pair
+    prompt = _prompt(batch_factory(images_per_sample=(0,), seed=4))
+    embeds = ours.get_input_embeddings()(prompt.pop("input_ids")).detach()
+    prompt.pop("mm_token_type_ids", None)  # text only
+    got, want = _generate(ours, inputs_embeds=embeds, **prompt), _generate(stock, inputs_embeds=embeds, **prompt)
+    assert got.shape[1] == NEW_TOKENS  # from embeddings, generate returns the new tokens only
+    assert torch.equal(got, want)
+
+
+def test_positional_arguments_follow_the_parents_order(pair, batch_factory):
+    ours, stock = pair
+    batch = batch_factory(images_per_sample=(0, 0), seed=5)
+    with torch.no_grad():
+        got = ours(batch["input_ids"], batch["attention_mask"]).logits
+        want = stock(batch["input_ids"], batch["attention_mask"]).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched, left-padded generation equals one row at a time
+
+
+def write_mixed_eval_set(root) -> str:
+    """Held-out rows of every kind in one file: the tiny set's (one image, one or two turns),
+    a text-only row, a two-image row and a video row; prompts of different lengths."""
+    import json
+
+    from PIL import Image
+    from videos import write_video
+
+    from qwenkit.model.tiny import write_dataset
+
+    path = write_dataset(root, n=3, seed=11)
+    rows = json.loads(path.read_text())
+    Image.new("RGB", (80, 56), (30, 90, 200)).save(root / "blue.png")
+    write_video(root / "clip.avi", 64, 48, 8, 4)
+    rows += [
+        {"messages": [{"role": "user", "content": "Name a colour, in one short word please."},
+                      {"role": "assistant", "content": "Blue."}]},
+        {"messages": [{"role": "user", "content": "<image>and<image>: same colour?"}, {"role": "assistant", "content": "No."}],
+         "images": ["blue.png", rows[0]["images"][0]]},
+        {"messages": [{"role": "user", "content": "<video>What moves?"}, {"role": "assistant", "content": "A square."}],
+         "videos": ["clip.avi"]},
+    ]  # fmt: skip
+    (root / "eval.json").write_text(json.dumps(rows))
+    return str(root / "eval.json")
+
+
+@pytest.fixture(scope="module")
+def mixed_eval_set(tmp_path_factory, processor):
+    from qwenkit import config as qconfig
+    from qwenkit import data
+
+    path = write_mixed_eval_set(tmp_path_factory.mktemp("mixed"))
+    cfg = qconfig.load(overrides=["data.tiny_samples=16", "data.max_length=2048"])
+    dataset, _ = data.read_checked(cfg.data, processor, path)
+    return dataset
+
+
+def todays_replies(model, dataset, indices, max_new_tokens):
+    """The reference: one ``generate`` call per row, no padding, greedy, decoded at <|im_end|>."""
+    tok = dataset.processor.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    with torch.no_grad():
+        for i in indices:
+            inputs, _ = dataset.prompt(i)
+            tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=im_end,
+                                    pad_token_id=dataset.processor.pad_token_id)  # fmt: skip
+            new = tokens[0, inputs["input_ids"].shape[1] :].tolist()
+            out.append(new[: new.index(im_end)] if im_end in new else new)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock_and_replies(tiny_path, mixed_eval_set):
+    """HF's class with random weights (fp32), and its one-row replies to every row, last row first."""
+    from conftest import build_model
+
+    stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path).eval()
+    stock.load_state_dict(build_model(seed=7).state_dict())
+    indices = list(range(len(mixed_eval_set)))[::-1]  # any order in, the same order out
+    return stock, indices, todays_replies(stock, mixed_eval_set, indices, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])  # 4: batches of 4 and 2 (lengths 37..63, a video among them)
+def test_batched_generation_equals_one_row_at_a_time(stock_and_replies, mixed_eval_set, batch_size):
+    from qwenkit.engine.generation import generate as qgen
+
+    stock, indices, want = stock_and_replies
+    lengths = {int(mixed_eval_set.prompt(i)[0]["input_ids"].shape[1]) for i in indices}
+    assert len(lengths) > 3  # prompts of different lengths share batches
+    rows = qgen.generate_rows(stock, mixed_eval_set, indices, qgen.Sampling(NEW_TOKENS, batch_size=batch_size))
+    assert [r.index for r in rows] == indices
+    assert [r.tokens for r in rows] == want
+    tok = mixed_eval_set.processor.tokenizer
+    assert [r.generated for r in rows] == [qgen.reply_text(tok, t) for t in want]  # the tokens as text, broken bytes escaped
+
+
+def test_sampling_is_seeded_per_rank_and_leaves_the_training_rng_alone(stock_and_replies, mixed_eval_set):
+    from qwenkit import config as qconfig
+    from qwenkit.engine.generation import generate as qgen
+
+    stock, indices, greedy = stock_and_replies
+    indices, greedy = indices[:4], greedy[:4]  # one batch
+    cfg = qconfig.load(overrides=["train.eval_temperature=1.5", "train.eval_top_p=0.9", "train.eval_batch_size=4",
+                                  f"train.eval_max_new_tokens={NEW_TOKENS}", "train.seed=3"])  # fmt: skip
+    sampling = qgen.Sampling.of(cfg.train)
+    assert sampling == qgen.Sampling(NEW_TOKENS, batch_size=4, temperature=1.5, top_p=0.9, seed=3)
+    state = torch.random.get_rng_state()
+    first = [r.tokens for r in qgen.generate_rows(stock, mixed_eval_set, indices, sampling)]
+    assert torch.equal(torch.random.get_rng_state(), state)  # the training RNG did not move
+    assert [r.tokens for r in qgen.generate_rows(stock, mixed_eval_set, indices, sampling)] == first
+    assert first != greedy  # it samples
+    assert [r.tokens for r in qgen.generate_rows(stock, mixed_eval_set, indices, sampling, rank=1)] != first
+
+
+# ---------------------------------------------------------------------------------------------
+# gather or lockstep: train.eval_generation=auto's rule
+
+
+def test_the_copy_and_kv_cache_sizes_by_hand():
+    from types import SimpleNamespace
+
+    from qwenkit.engine.generation import generate as qgen
+
+    text = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, hidden_size=64, num_attention_heads=4)
+    config = SimpleNamespace(get_text_config=lambda: text)
+    # keys and values x 2 layers x 2 KV heads x 16 dims x 3 rows x 10 positions x 4 bytes
+    assert qgen.kv_cache_bytes(config, batch_size=3, tokens=10, element_size=4) == 2 * 2 * 2 * 16 * 3 * 10 * 4
+    text.head_dim = None  # older configs: hidden size / attention heads
+    assert qgen.kv_cache_bytes(config, batch_size=1, tokens=1, element_size=2) == 2 * 2 * 2 * 16 * 1 * 1 * 2
+    layer = torch.nn.BatchNorm1d(3)  # weight, bias (3 fp32 each); running mean, var (3 fp32), batches seen (1 int64)
+    assert qgen.copy_bytes(layer) == 4 * 4 * 3 + 8
+
+
+def test_auto_gathers_only_when_the_copy_kv_cache_and_margin_fit(monkeypatch):
+    from qwenkit.engine.generation import generate as qgen
+
+    assert qgen.copy_fits(copy=100, kv_cache=10, free=135) and not qgen.copy_fits(copy=100, kv_cache=10, free=134)
+    model = torch.nn.Linear(4, 4)
+    model.config = None  # an explicit setting is not measured
+    assert qgen.choose_generation("lockstep", model, qgen.Sampling(8), 10, "cpu")[0] == "lockstep"
+    assert qgen.choose_generation("gather", model, qgen.Sampling(8), 10, "cpu")[0] == "gather"
+
+
+def test_reply_text_shows_broken_bytes_as_escapes_and_valid_text_as_the_tokenizer_does(family_processor):
+    """A reply whose tokens split a multi-byte character: its bytes as ``\\xNN``, not U+FFFD (what
+    the gallery of notebook 02 showed for an untrained model); valid text is the tokenizer's own."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from qwenkit.engine.generation import generate
+
+    tok = family_processor.tokenizer
+    byte_token = {b: tok.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+    utf8 = "é".encode()  # two bytes; the first alone is no character
+    beyond = len(tok) + 3  # an untrained model's embedding rows past the tokenizer's vocabulary
+    ids = [byte_token[utf8[0]], beyond, *tok.encode("red", add_special_tokens=False)]
+    assert "\ufffd" in tok.decode(ids, skip_special_tokens=True)  # what the tokenizer shows
+    assert generate.reply_text(tok, ids) == (utf8[:1] + b"red").decode("utf-8", errors="backslashreplace")
+    assert generate.reply_text(tok, ids) == "\\xc3red"
+    whole = tok.encode("a red circle é", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert generate.reply_text(tok, whole) == tok.decode(whole, skip_special_tokens=True) == "a red circle é"

@@ -1,0 +1,221 @@
+"""GRPO training end to end on the tiny model: 2 gloo ranks equal 1 process on the same prompts and
+seeds, a resumed run equals the uninterrupted one bit for bit (also in the middle of a
+``num_iterations`` cycle, and after a crash that lost the later checkpoints), step 1's KL is 0 (the
+policy is its reference), TRL's metric names are logged (a user's reward under its function's name),
+and the completions file holds a sample of each logged step's completions with their rewards.
+
+The tiny model starts from random weights: the exact-match and format rewards are 0 for its
+completions, so :func:`vowels` (a ``module:function`` reward read from this module) gives the
+groups different rewards, hence non-zero advantages and gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import check_ranks
+
+from qwenkit import config as qconfig
+from qwenkit.engine.checkpoints import dcp as checkpoint
+from qwenkit.engine.objectives import grpo
+from qwenkit.engine.objectives.rollout import group_seed
+from qwenkit.engine.run import train
+
+BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
+        "train.warmup_steps=0", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
+        "grpo.rewards=[exact, format, engine.objectives.test_grpo:vowels]", "grpo.reward_weights=[1, 1, 2]",
+        "checkpoint.save_final=false", "train.resume=auto", "train.log_every=2"]  # fmt: skip
+TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory")
+# fp32; 2 ranks sum the gradient over ranks and reduce the counts in another order: a few ulps
+FP32 = dict(rel=1e-5, abs=1e-7)
+
+
+def vowels(prediction: str, reference: str, **row) -> float:
+    """A reward the random tiny model's completions differ by: their share of vowels."""
+    assert "messages" in row, f"a user's reward gets the row's columns, got {sorted(row)}"
+    return sum(c in "aeiou" for c in prediction) / max(1, len(prediction))
+
+
+def _worker(rank, out, runs):
+    dist.init_process_group("gloo")
+    logging.getLogger("qwenkit").addHandler(logging.FileHandler(out / f"warnings-{rank}.log"))  # warnings and up
+    for name, extra, lose_after in runs:
+        trainer = train.Trainer(qconfig.load(overrides=BASE + extra + [f"train.output_dir={out / name}"]))
+        trainer.run()
+        weights = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in trainer.model.named_parameters()}
+        if rank == 0:  # (full_tensor is collective: every rank gathers)
+            path = out / f"{name}.json"
+            before = json.loads(path.read_text()) if path.exists() else []
+            path.write_text(json.dumps(before + [{k: v for k, v in h.items() if k not in TIMING} for h in trainer.history]))
+            torch.save({n: w.detach().clone() for n, w in weights.items()}, out / f"{name}.pt")
+            for step in range(lose_after + 1, trainer.step + 1) if lose_after else ():  # a crash lost them
+                shutil.rmtree(checkpoint.step_dir(checkpoint.checkpoint_root(out / name), step))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory, tiny_path):
+    """one: 1 process, 2 prompts a micro-batch; resumed: the same, stopped after step 2 and run again;
+    lora: one with LoRA adapters; two: 2 ranks, 1 prompt each (the same 2 prompts a step).
+    iter: two updates per rollout (rollouts at steps 1 and 3); iter_lost: the same, checkpointed every
+    step, its checkpoints after step 1 lost and run again from there (in the middle of a cycle);
+    iter_ranks: on 2 ranks, stopped after step 1, resumed on 1 process."""
+    out = tmp_path_factory.mktemp("grpo")
+    one = ["train.micro_batch_size=2"]
+    cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop
+    lora = one + ["lora.r=8", "train.steps=2"]  # the reference: the policy with its adapters disabled
+    cycle = one + ["grpo.num_iterations=2"]
+    lost = cycle + ["checkpoint.every=1", "checkpoint.keep_last=3"]
+    ranks = ["grpo.num_iterations=2", "checkpoint.save_final=true"]
+    check_ranks(_worker, 2, out, [("two", ["train.micro_batch_size=1"], 0),
+                                  ("iter_ranks", [*ranks, "train.micro_batch_size=1", "train.stop_after=1"], 0)])  # fmt: skip
+    check_ranks(_worker, 1, out, [("one", one, 0), ("resumed", cut + ["train.stop_after=2"], 0), ("resumed", cut, 0),
+                                  ("lora", lora, 0), ("iter", cycle, 0), ("iter_lost", lost, 1), ("iter_lost", lost, 0),
+                                  ("iter_ranks", [*ranks, "train.micro_batch_size=2"], 0)])  # fmt: skip
+    return out
+
+
+def _history(out, name):
+    """The run's metrics by step; a step run twice (resumed after a crash) keeps its last run."""
+    return list({h["step"]: h for h in json.loads((out / f"{name}.json").read_text())}.values())
+
+
+def test_trl_metric_names_and_step_one_kl_is_zero(out):
+    history = _history(out, "one")
+    assert len(history) == 3
+    names = set(history[0])
+    want = {"loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std", "completions/mean_length",
+            "completions/min_length", "completions/max_length", "completions/clipped_ratio", "clip_ratio/low_mean",
+            "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+            *(f"rewards/{r}/{s}" for r in ("exact", "format", "vowels") for s in ("mean", "std"))}  # fmt: skip
+    assert want <= names, want - names
+    assert all(math.isfinite(v) for h in history for v in h.values())
+    first = history[0]
+    assert first["kl"] == 0 and first["clip_ratio/region_mean"] == 0  # policy = reference = rollout policy
+    assert first["grad_norm"] > 0 and history[-1]["kl"] > 0  # the vowel reward moved the policy off its start
+    assert first["reward"] == pytest.approx(2 * first["rewards/vowels/mean"] + first["rewards/exact/mean"]
+                                            + first["rewards/format/mean"])  # fmt: skip
+
+
+def test_lora_reference_is_the_policy_without_adapters(out):
+    first, second = _history(out, "lora")
+    assert first["kl"] == 0 and first["grad_norm"] > 0  # adapters start at B = 0: the policy is its reference
+    assert second["kl"] > 0
+
+
+def test_two_ranks_equal_one_process_on_the_same_prompts_and_seeds(out):
+    for a, b in zip(_history(out, "two"), _history(out, "one"), strict=True):
+        assert a.keys() == b.keys()
+        for k in a.keys() - {"padding_fraction"}:  # one micro-batch of 8 completions pads more than two of 4
+            assert a[k] == pytest.approx(b[k], **FP32), k
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(out):
+    assert _history(out, "resumed") == _history(out, "one")
+    assert grpo.read_completions(out / "resumed") == grpo.read_completions(out / "one")
+
+
+def _weights(out, name):
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def test_a_resume_in_the_middle_of_a_cycle_is_bit_identical(out):
+    """Checkpoint 1 holds the rollout that step 2 trains on again: resumed from it, steps 2 and 3
+    (written twice to the files) equal the uninterrupted run's, and so do the final weights."""
+    history = _history(out, "iter_lost")
+    assert [h["step"] for h in history] == [1, 2, 3] and history == _history(out, "iter")
+    assert history[0]["reward"] == history[1]["reward"] != history[2]["reward"]  # rollouts at steps 1 and 3
+    want, got = _weights(out, "iter"), _weights(out, "iter_lost")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    lines = (out / "iter_lost" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines()
+    assert len(lines) == 2 * len((out / "iter" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines())
+    assert grpo.read_completions(out / "iter_lost") == grpo.read_completions(out / "iter")  # the last write of each
+
+
+def test_a_resume_on_another_rank_count_in_the_middle_of_a_cycle_rolls_out_again(out):
+    saved_step, resumed_step, _ = _history(out, "iter_ranks")
+    assert resumed_step["step"] == 2 and resumed_step["reward"] != saved_step["reward"]  # a new rollout, not step 1's
+    assert "this run rolls out again at its first step" in (out / "warnings-0.log").read_text()
+    assert {line["rollout"] for line in grpo.read_completions(out / "iter_ranks")[2]} == {1}  # the next one, not 0 again
+
+
+def test_checkpoints_hold_the_rollout_only_in_the_middle_of_a_cycle(out):
+    """A checkpoint at a cycle's end (every one with num_iterations 1) is followed by a new rollout:
+    it keeps the count alone, not the micro-batches (pixels and log-probs) of the last rollout."""
+
+    def state(run, step):
+        root = checkpoint.checkpoint_root(out / run)
+        return torch.load(checkpoint.step_dir(root, step) / "rank-00000.pt", weights_only=False)["objective"]
+
+    assert state("iter_lost", 1)["uses"] == 1 and len(state("iter_lost", 1)["cached"]) == 1
+    assert state("iter_lost", 2) == {"uses": 2} and state("resumed", 3) == {"uses": 3}
+
+
+def test_completions_file_holds_a_sample_of_each_logged_step(out):
+    by_step = grpo.read_completions(out / "one")
+    assert sorted(by_step) == [2, 3]  # train.log_every=2, and the last step
+    for step, lines in by_step.items():
+        assert [line["k"] for line in lines] == list(range(2 * 4))  # 2 prompts x 4 generations
+        assert {line["rollout"] for line in lines} == {step - 1}  # one rollout a step
+    first = by_step[2][0]
+    assert set(first["rewards"]) == {"exact", "format", "vowels"}
+    assert first["rewards"]["vowels"] == pytest.approx(vowels(first["completion"], "", messages=[]))
+    assert first["reward"] == pytest.approx(sum(w * first["rewards"][n] for n, w in (("exact", 1), ("format", 1), ("vowels", 2))))
+    assert len({line["index"] for lines in by_step.values() for line in lines}) == 4  # 2 new prompts per step
+
+
+def test_group_seed_depends_on_run_draw_and_row_only():
+    assert group_seed(42, 0, 7) == group_seed(42, 0, 7)
+    assert len({group_seed(42, 0, 7), group_seed(43, 0, 7), group_seed(42, 1, 7), group_seed(42, 0, 8)}) == 4
+
+
+def test_data_check_counts_the_usable_prompts(tmp_path, tiny_path, capsys):
+    from qwenkit.data import check
+
+    rows = [
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"conversations": [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris"}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                      {"role": "user", "content": "Bye"}]},  # no reference: the scan refuses it
+        {"problem": "3+3?", "answer": "6"},  # EasyR1: a prompt alone, its answer column the reference
+        {"messages": [{"role": "user", "content": "1+1?"}], "solution": "2"},  # TRL's column
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = qconfig.load(overrides=["train.objective=grpo", f"data.path={path}"])
+    assert check.check(cfg) == 1
+    out = capsys.readouterr().out
+    assert "prompts: 4 usable; references: 1 from 'solution', 1 from 'answer', 2 the last assistant reply" in out
+    assert f"{path}: row 2 (line 3): turn_order" in out
+
+
+def test_prompts_alone_train_with_their_answer_column_as_reference(tmp_path, tiny_path):
+    """EasyR1's rows (``problem`` / ``answer`` / ``images``: no reply to learn) through the trainer: the
+    completions' references are the ``answer`` column, and the held-out prompts are scored by their
+    generations alone (no ``eval_loss``: no row has a reply)."""
+    from pathlib import Path
+
+    from qwenkit.model.tiny import ensure_dataset
+
+    src = ensure_dataset(8, seed=0)
+    rows = [{"problem": r["messages"][0]["content"], "answer": r["messages"][1]["content"],
+             "images": [str(Path(src).parent / p) for p in r["images"]]} for r in json.loads(Path(src).read_text())]  # fmt: skip
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = [f"data.path={path}", "data.eval_fraction=0.25", "train.steps=1", "train.micro_batch_size=2", "train.log_every=1",
+             "grpo.rewards=[exact]", "grpo.reward_weights=[1]", "train.eval_samples=2"]  # fmt: skip
+    check_ranks(_worker, 1, tmp_path, [("prompts", extra, 0)])
+    (step,) = _history(tmp_path, "prompts")
+    assert step["step"] == 1 and math.isfinite(step["loss"]) and step["completions/mean_length"] > 0
+    lines = grpo.read_completions(tmp_path / "prompts")[1]
+    assert len(lines) == 2 * 4 and {line["reference"] for line in lines} <= {r["answer"] for r in rows}
+    evals = [json.loads(line) for line in (tmp_path / "prompts" / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
+    names = {e["metric"] for e in evals}
+    assert "eval_accuracy" in names and "eval_loss" not in names

@@ -1,0 +1,103 @@
+"""GRPO's rewards: the format and IoU rewards by hand, the answer metrics on the answer tag, a user's
+``module:function`` reward with its row's columns, the weighted sum, and the one-line refusal of a
+value that is not a finite number."""
+
+import math
+import textwrap
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+from qwenkit.engine.objectives import rewards
+from qwenkit.model import family as families
+
+
+def _one(name, prediction, reference, box_units="pixels", tags=("think", "answer"), **row):
+    (reward,) = rewards.resolve([name], box_units, tags).values()
+    return reward(prediction, reference, **row)
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("<think>red, round</think><answer>red</answer>", 1.0),
+        ("  <think>\nmulti\nline\n</think>\n<answer>red</answer>\n", 1.0),
+        ("<answer>red</answer>", 0.0),  # no reasoning
+        ("<think>a</think><answer>red</answer> trailing words", 0.0),
+        ("<think>a<think>b</think><answer>red</answer>", 0.0),  # a tag twice
+        ("<answer>red</answer><think>a</think>", 0.0),  # out of order
+        ("red", 0.0),
+    ],
+)
+def test_format_reward_by_hand(text, want):
+    assert _one("format", text, "red") == want
+
+
+def test_format_tags_are_settable():
+    assert _one("format", "<reason>x</reason><final>y</final>", "y", tags=("reason", "final")) == 1.0
+    assert _one("format", "<think>x</think><answer>y</answer>", "y", tags=("reason", "final")) == 0.0
+
+
+def test_answer_metrics_score_the_answer_tag_when_there_is_one():
+    assert _one("exact", "<think>it looks red</think><answer> Red </answer>", "red") == 1.0
+    assert _one("exact", "<think>blue?</think><answer>blue</answer>", "<answer>red</answer>") == 0.0
+    assert _one("exact", "red", "red") == 1.0  # no tag: the whole text
+    assert _one("normalized", "<answer>two</answer>", "2") == 1.0
+    assert _one("exact", "<answer>(B) a cat</answer>", "B") == 1.0  # multiple choice by the letter, as eval
+
+
+def test_iou_by_hand_in_each_convention():
+    # [0,0,10,10] vs [5,5,15,15]: intersection 25, union 175
+    assert _one("iou", "the box is [0, 0, 10, 10]", "[5, 5, 15, 15]") == pytest.approx(25 / 175)
+    assert _one("iou", '{"bbox_2d": [15, 15, 5, 5], "label": "cat"}', "[5,5,15,15]") == 1.0  # corners reordered
+    assert _one("iou", "no box here", "[5, 5, 15, 15]") == 0.0
+    # per-mille boxes are clamped to 0..1000: [900, 900, 1100, 1000] is [900, 900, 1000, 1000]
+    assert _one("iou", "[900, 900, 1100, 1000]", "[900, 900, 1000, 1000]", box_units="per_mille") == 1.0
+    assert _one("iou", "[900, 900, 1100, 1000]", "[900, 900, 1000, 1000]") == pytest.approx(0.5)  # pixels: not clamped
+    with pytest.raises(ValueError, match=r"iou reward needs a box .* in the reference, got 'red'"):
+        _one("iou", "[0, 0, 1, 1]", "red")
+
+
+def test_every_family_names_its_box_convention():
+    units = {name: families.get(name).box_units for name in FAMILIES}
+    # Qwen2.5-VL grounds in absolute pixels of the resized image; Qwen3-VL and Qwen3.5 in 0-1000 of each side
+    assert units == {"qwen2_5_vl": "pixels", "qwen3_vl": "per_mille", "qwen3_vl_moe": "per_mille",
+                     "qwen3_5": "per_mille", "qwen3_5_moe": "per_mille"}
+
+
+def test_a_user_reward_gets_its_rows_columns_and_is_logged_under_its_name(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def length_bonus(prediction, reference, **row):
+            return len(prediction) / row["scale"]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = rewards.resolve(["exact", "my_rewards:length_bonus"], "pixels")
+    assert list(found) == ["exact", "length_bonus"]
+    per, total = rewards.score(found, [1.0, 0.5], ["red", "blue"], ["red", "red"],
+                               [{"scale": 2}, {"scale": 4}], ["t.jsonl row 0", "t.jsonl row 1"])  # fmt: skip
+    torch.testing.assert_close(per, torch.tensor([[1.0, 1.5], [0.0, 1.0]]))
+    torch.testing.assert_close(total, torch.tensor([1.75, 0.5]))
+    _, unweighted = rewards.score(found, [], ["red"], ["red"], [{"scale": 1}], ["t.jsonl row 0"])
+    assert unweighted.tolist() == [4.0]
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf, None, "1"])
+def test_a_reward_that_is_not_a_finite_number_names_the_reward_and_the_row(value):
+    def broken(prediction, reference, **row):
+        return value
+
+    with pytest.raises(ValueError, match=r"^grpo\.rewards 'broken' returned .* on t\.jsonl row 7; it must return a float$|"
+                                         r"^grpo\.rewards 'broken' returned .* on t\.jsonl row 7; a score must be a finite number$"):
+        rewards.score({"broken": broken}, [], ["x"], ["y"], [{}], ["t.jsonl row 7"])
+
+
+def test_a_reward_that_raises_names_the_reward_and_the_row_and_numpy_scalars_count():
+    def raising(prediction, reference, **row):
+        raise KeyError("box")
+
+    with pytest.raises(ValueError, match=r"^grpo\.rewards 'raising' raised KeyError: 'box' on t\.jsonl row 3$"):
+        rewards.score({"raising": raising}, [], ["x"], ["y"], [{}], ["t.jsonl row 3"])
+    numpy = pytest.importorskip("numpy")
+    _, total = rewards.score({"np": lambda p, r, **row: numpy.float32(2.5)}, [], ["x"], ["y"], [{}], ["t.jsonl row 0"])
+    assert total.tolist() == [2.5]  # any finite number: rewards are not bounded to [0, 1]
