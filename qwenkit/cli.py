@@ -61,23 +61,20 @@ def _data_prepare(args) -> int:
 
 
 def _export(args) -> int:
-    from qwenkit.engine.checkpoints import dcp as checkpoint  # torch.distributed.checkpoint: export only
-    from qwenkit.engine.checkpoints import export
+    from qwenkit.engine.checkpoints import dcp, export  # torch.distributed.checkpoint: export only
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
+        cfg = qconfig.load(args.config or dcp.run_config_path(args.checkpoint))
         out = export.export(args.checkpoint, args.out, cfg, merge=args.merge, overwrite=args.overwrite)
-    except checkpoint.CheckpointError as e:
+    except dcp.CheckpointError as e:
         raise UserError(e) from e
-    print(f"exported {checkpoint.resolve(args.checkpoint)} to {out}")
+    print(f"exported {dcp.resolve(args.checkpoint)} to {out}")
     return 0
 
 
 def _eval(args) -> int:
-    from qwenkit.engine.generation import (
-        evaluate,  # the model, data, checkpoint and generation stack: eval only
-    )
+    from qwenkit.engine.generation import evaluate  # the model and generation stack: eval only
 
     try:
         return evaluate.eval_main(args)
