@@ -66,7 +66,7 @@ def _export(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint))
+        cfg = qconfig.load(args.config or checkpoint.run_config_path(args.checkpoint), rewards=False)  # never called here
         out = export.export(args.checkpoint, args.out, cfg, merge=args.merge, overwrite=args.overwrite)
     except checkpoint.CheckpointError as e:
         raise UserError(e) from e
@@ -79,8 +79,12 @@ def _eval(args) -> int:
         evaluate,  # the model, data, checkpoint and generation stack: eval only
     )
 
+    request = evaluate.EvalRequest(
+        args.target, data=args.data, samples=args.samples, config=args.config, out=args.out,
+        metric=tuple(args.metric) if args.metric is not None else None, nproc=args.nproc, batch_size=args.batch_size,
+    )  # fmt: skip
     try:
-        return evaluate.eval_main(args)
+        return evaluate.eval_main(request)
     except evaluate.ckpt.CheckpointError as e:
         raise UserError(e) from e
 

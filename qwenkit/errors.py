@@ -8,6 +8,7 @@ import sys
 import traceback
 
 TRACEBACK_ENV = "QWENKIT_TRACEBACK"  # "1": set by --traceback, for this process and the ones it starts
+COMMAND_ENV = "QWENKIT_COMMAND"  # the subcommand that started torchrun (default train): its wrapper's lines name it
 
 
 def print_user_error(command: str, error: BaseException) -> None:

@@ -62,8 +62,6 @@ def check(cfg: Config, need: Need) -> None:
     if grpo.epsilon_high is not None:
         need(grpo.epsilon_high > 0, f"grpo.epsilon_high must be > 0 (or unset: grpo.epsilon), got {grpo.epsilon_high}")
     need(grpo.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {grpo.num_iterations}")
-    for problem in scorer_problems(grpo.rewards, "grpo.rewards", BUILTIN_REWARDS, "reward"):
-        need(False, problem)
     need(
         not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
         f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "
@@ -92,3 +90,12 @@ def check(cfg: Config, need: Need) -> None:
     )
 
 
+
+
+def check_rewards(cfg: Config, need: Need) -> None:
+    """``grpo.rewards``: built-in names, or functions that import and take ``(prediction, reference, **row)``.
+    Apart from :func:`check`: a command that never calls the rewards (``qwenkit eval``, ``export``)
+    loads a run's config without importing them (``config.load(..., rewards=False)``)."""
+    if cfg.train.objective == "grpo":
+        for problem in scorer_problems(cfg.grpo.rewards, "grpo.rewards", BUILTIN_REWARDS, "reward"):
+            need(False, problem)

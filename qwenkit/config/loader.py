@@ -98,8 +98,10 @@ def parse_yaml(text: str, name: str = "<override>") -> Any:
 # Files and overrides into a Config
 
 
-def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Read a YAML file (or start from defaults), apply overrides, validate, return a Config."""
+def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
+         rewards: bool = True) -> Config:  # fmt: skip
+    """Read a YAML file (or start from defaults), apply overrides, validate, return a Config.
+    ``rewards=False``: ``grpo.rewards``' functions are not imported (a command that never calls them)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -121,7 +123,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
     cfg = _build(Config, raw, "", problems, unset)
     # every rule runs on the rest, so a bad type does not hide the range errors beside it; a rule
     # that names an unset key would judge the default it fell back to, not what was written
-    problems.extend(p for p in validate(cfg) if not any(_names(p, key) for key in unset))
+    problems.extend(p for p in validate(cfg, rewards) if not any(_names(p, key) for key in unset))
     if problems:
         raise ConfigError(problems)
     return cfg
