@@ -112,12 +112,15 @@ def _count_restarts(restart):
 
 
 class _QuietStop(logging.Filter):
-    """Drop torch's 'failed (exitcode: 75)' (a rank that saved and stopped did not fail) and its
-    lines about forwarding a stop signal (the launcher said it in one line)."""
+    """Drop torch's 'failed (exitcode: 75)' (a rank that saved and stopped did not fail), its 'failed'
+    line of a rank's input error (the rank said it in one line) and its lines about forwarding a stop
+    signal (the launcher said it in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         if msg.startswith("failed (exitcode") and record.args and record.args[0] == EXIT_RESUMABLE:
+            return False
+        if msg.startswith("failed (exitcode") and _input_failure():  # a rank said it in one line
             return False
         return not msg.startswith(("Received %s death signal", "Sending process %s closing signal"))
 
@@ -169,6 +172,15 @@ def _record(summary: str, *, error: str, message: str, exit_code: int, rank: int
                                signal=signal_name)  # fmt: skip
 
 
+def _input_failure() -> dict | None:
+    """The ``failed`` event of an input error a rank of this attempt recorded (:func:`qwenkit.engine.run.events.input_failure`)."""
+    follower = _run[1]
+    if follower is None:
+        return None
+    follower.poll()
+    return events.input_failure(follower.seen)
+
+
 def first_failure(failures: dict) -> tuple[int, object]:
     """The (global rank, ProcessFailure) that failed first: earliest poll, then a signal death."""
 
@@ -210,6 +222,10 @@ def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
         rank, failure = first_failure(e.failures)
         if failure.exitcode == EXIT_RESUMABLE:
             return EXIT_RESUMABLE
+        if said := _input_failure():  # a bad row or reward: its one line is all people need
+            if said.get("rank") != 0:  # rank 0 printed its own; another rank's is printed here
+                print(said["summary"], file=sys.stderr, flush=True)
+            return shell_code(failure.exitcode) or 1
         others = sorted(r for r in e.failures if r != rank)
         after = f"; then torchrun stopped rank(s) {', '.join(map(str, others))}" if others else ""
         if _restarts[0]:
