@@ -8,6 +8,7 @@ The names and defaults are TRL 1.16's ``GRPOConfig`` (``max_completion_length`` 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -15,6 +16,8 @@ from qwenkit.config.train import EVAL_METRICS, scorer_problems
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
+
+log = logging.getLogger(__name__)
 
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # grpo.loss_type; qwenkit.model.grpo_loss implements them
 IMPORTANCE_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (sequence: GSPO)
@@ -67,6 +70,9 @@ def check(cfg: Config, need: Need) -> None:
         f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "
         "give one per reward or none (all 1)",
     )
+    if grpo.reward_weights and not any(grpo.reward_weights):
+        log.warning("grpo.reward_weights=%s are all 0: every completion's reward is 0, so no advantage and nothing "
+                    "is learnt; give a reward a weight > 0", grpo.reward_weights)  # fmt: skip
     tags = grpo.format_tags
     need(
         len(tags) == 2 and all(t.strip() and "<" not in t and ">" not in t for t in tags) and tags[0] != tags[1],

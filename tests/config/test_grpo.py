@@ -77,3 +77,15 @@ def test_grpo_settings_in_range_are_valid():
 def test_a_metric_need_not_take_the_row():
     """An eval metric is called ``f(prediction, reference)``: a function of those two alone is one."""
     assert config.load(overrides=["train.eval_metrics=[config.test_grpo:two]"]).train.eval_metrics == ["config.test_grpo:two"]
+
+
+def test_all_zero_reward_weights_are_warned_about(caplog):
+    """Every completion's reward 0: no advantage, nothing learnt. Valid (a user may switch rewards off
+    one by one), so a warning, not a refusal."""
+    with caplog.at_level("WARNING"):
+        config.load(overrides=GRPO + ["grpo.rewards=[exact, format]", "grpo.reward_weights=[0, 0.0]"])
+    assert "grpo.reward_weights=[0.0, 0.0] are all 0: every completion's reward is 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        config.load(overrides=GRPO + ["grpo.rewards=[exact, format]", "grpo.reward_weights=[0, 1]"])
+    assert "reward_weights" not in caplog.text
