@@ -21,6 +21,7 @@ REASONS = {
     "turn_order": "turns do not run [system] user assistant user assistant ...",
     "no_reply": "the conversation has no assistant reply",
     "empty_reply": "an assistant reply is empty",
+    "empty_prompt": "a prompt (train.objective=grpo) has no text and no image or video",
     "image_count": "the number of <image> placeholders differs from the number of images",
     "missing_image": "an image file does not exist",
     "corrupt_image": "an image cannot be decoded (corrupt or truncated)",
