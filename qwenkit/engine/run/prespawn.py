@@ -107,9 +107,12 @@ def check_prepared_rows(cfg) -> str | None:
     """The bad-sample policy (``data.on_bad_sample``, ``data.max_bad_fraction``) on the training set
     when its index is cached already (:func:`qwenkit.data.load.cached_problem`): a file of the wrong
     layout (a DPO file given to GRPO, prompts alone given to SFT) is refused here, in one line, not
-    in every rank. Nothing is read when the cache holds no index (the ranks scan, and say it)."""
+    in every rank. Nothing is read when the cache holds no index (the ranks scan, and say it), nor
+    with ``data.fingerprint: content`` (its key hashes every data file)."""
     folder = cache.cache_dir(cfg.data)
     if cfg.data.path == "tiny" or not folder.is_dir() or not any(folder.glob("*.npz")):
+        return None
+    if cfg.data.fingerprint == "content":  # finding the index hashes every data file: the ranks' cost, not twice
         return None
     try:
         processor = load_processor(cfg)
