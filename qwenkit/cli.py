@@ -12,7 +12,7 @@ import re
 import sys
 
 from qwenkit import config as qconfig
-from qwenkit.errors import TRACEBACK_ENV, print_user_error
+from qwenkit.errors import TRACEBACK_ENV, print_user_error, said_by_another_rank
 
 # a dotted override (train.steps=30), wherever it stands among the options
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
-        print_user_error(command, e)
+        if not said_by_another_rank(e):  # under eval --nproc, rank 0 says what every rank met
+            print_user_error(command, e)
         return 2
 
 

@@ -113,7 +113,8 @@ def _count_restarts(restart):
 
 class _QuietStop(logging.Filter):
     """Drop torch's 'failed (exitcode: 75)' (a rank that saved and stopped did not fail), its 'failed'
-    line of a rank's input error (the rank said it in one line) and its lines about forwarding a stop
+    line of a rank's input error and of a subcommand's rank that exited 2 (each said it in one line)
+    and its lines about forwarding a stop
     signal (the launcher said it in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -122,7 +123,12 @@ class _QuietStop(logging.Filter):
             return False
         if msg.startswith("failed (exitcode") and _input_failure():  # a rank said it in one line
             return False
+        if msg.startswith("failed (exitcode") and record.args and record.args[0] == USER_ERROR and _command() != "train":
+            return False
         return not msg.startswith(("Received %s death signal", "Sending process %s closing signal"))
+
+
+USER_ERROR = 2  # a subcommand's rank (qwenkit eval --nproc) that printed its input error in one line (cli.main)
 
 
 def _command() -> str:
@@ -222,6 +228,8 @@ def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
         rank, failure = first_failure(e.failures)
         if failure.exitcode == EXIT_RESUMABLE:
             return EXIT_RESUMABLE
+        if failure.exitcode == USER_ERROR and _command() != "train":  # the rank said it in one line (cli.main)
+            return USER_ERROR
         if said := _input_failure():  # a bad row or reward: its one line is all people need
             if said.get("rank") != 0:  # rank 0 printed its own; another rank's is printed here
                 print(said["summary"], file=sys.stderr, flush=True)
