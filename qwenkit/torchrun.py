@@ -113,9 +113,8 @@ def _count_restarts(restart):
 
 class _QuietStop(logging.Filter):
     """Drop torch's 'failed (exitcode: 75)' (a rank that saved and stopped did not fail), its 'failed'
-    line of a rank's input error and of a subcommand's rank that exited 2 (each said it in one line)
-    and its lines about forwarding a stop
-    signal (the launcher said it in one line)."""
+    line of a rank's input error and of a subcommand's rank that exited 2 (each said it in one line),
+    and its lines about forwarding a stop signal (the launcher said it in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
