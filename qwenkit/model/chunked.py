@@ -54,28 +54,6 @@ class ChunkedLMHead(nn.Linear):
         return loss_fn(hidden, self.weight, labels, bias=self.bias, skip_ignored=self.skip_ignored)
 
 
-# The media encoders' outputs HF's forward returns beside the loss (transformers 5.x): the vision
-# tower's per-image features, views of one tensor split per image. FSDP2 registers the root's
-# pre-backward hook on every tensor the root returns and warns about each view ("an in-place op on
-# this view will silently drop the pre-backward hook"); the chunked forward returns them detached
-# (nothing of qwenkit reads them; why the warning was harmless anyway: docs/TESTING.md)
-MEDIA_OUTPUTS = ("image_outputs", "video_outputs", "audio_outputs")
-
-
-def _detached(value):
-    """``value`` with every tensor in it detached: an HF output (its fields replaced in place: it is
-    the backbone's, made for this call), a tuple or list of them, a tensor."""
-    if torch.is_tensor(value):
-        return value.detach()
-    if isinstance(value, dict):
-        for key in list(value.keys()):
-            value[key] = _detached(value[key])
-        return value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached(v) for v in value)
-    return value
-
-
 class ChunkLossMixin:
     """A family's HF class whose training loss can be computed without full logits (``chunk_loss``)."""
 
@@ -228,9 +206,6 @@ class ChunkLossMixin:
         # HF's output class with HF's fields (hidden states, attentions, rope deltas / media
         # outputs, router logits, by version) taken from the backbone as its forward does; logits never exist
         rest = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(self.output_class)}
-        for name in MEDIA_OUTPUTS:  # values to read, not a second way into the graph (the loss holds it)
-            if rest.get(name) is not None:
-                rest[name] = _detached(rest[name])
         return self.output_class(**{**rest, "loss": loss, "logits": None, **({"aux_loss": aux} if aux is not None else {})})
 
     def sequence_logps(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

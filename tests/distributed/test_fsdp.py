@@ -343,8 +343,8 @@ def test_ranks_with_different_media_agree(two_rank_checks):
 def _no_view_outputs(rank, out):
     """Qwen3.5's backbone returns the vision tower's per-image outputs, views of one tensor split per
     image; FSDP2 registered its pre-backward hook on each of the root's outputs and warned that an
-    in-place op on such a view "will silently drop the pre-backward hook". qwenkit's forward leaves
-    them out (nothing reads them, docs/TESTING.md): no warning, and every gradient of a sharded
+    in-place op on such a view "will silently drop the pre-backward hook". The sharded root returns
+    them detached (nothing reads them, docs/TESTING.md): no warning, and every gradient of a sharded
     Qwen3.5 with images on both ranks equals one process's (a dropped hook would show here)."""
     import warnings
 
