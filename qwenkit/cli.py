@@ -12,7 +12,7 @@ import re
 import sys
 
 from qwenkit import config as qconfig
-from qwenkit.errors import TRACEBACK_ENV, print_user_error
+from qwenkit.errors import TRACEBACK_ENV, print_user_error, said_by_another_rank
 
 # a dotted override (train.steps=30), wherever it stands among the options
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
@@ -65,7 +65,7 @@ def _export(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        cfg = qconfig.load(args.config or dcp.run_config_path(args.checkpoint))
+        cfg = qconfig.load(args.config or dcp.run_config_path(args.checkpoint), rewards=False)  # never called here
         out = export.export(args.checkpoint, args.out, cfg, merge=args.merge, overwrite=args.overwrite)
     except dcp.CheckpointError as e:
         raise UserError(e) from e
@@ -76,8 +76,12 @@ def _export(args) -> int:
 def _eval(args) -> int:
     from qwenkit.engine.generation import evaluate  # the model and generation stack: eval only
 
+    request = evaluate.EvalRequest(
+        args.target, data=args.data, samples=args.samples, config=args.config, out=args.out,
+        metric=tuple(args.metric) if args.metric is not None else None, nproc=args.nproc, batch_size=args.batch_size,
+    )  # fmt: skip
     try:
-        return evaluate.eval_main(args)
+        return evaluate.eval_main(request)
     except evaluate.ckpt.CheckpointError as e:
         raise UserError(e) from e
 
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as e:
-        print_user_error(command, e)
+        if not said_by_another_rank(e):  # under eval --nproc, rank 0 says what every rank met
+            print_user_error(command, e)
         return 2
 
 

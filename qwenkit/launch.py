@@ -256,7 +256,8 @@ def launch(
             lock = acquire_lock(out, node)
         problems = check_before_spawn(cfg, rdzv.most_nodes)
         if problems:
-            print("qwenkit train: invalid run:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+            listed = problems[0] if len(problems) == 1 else "\n  - " + "\n  - ".join(problems)  # one: one line
+            print(f"qwenkit train: invalid run: {listed}", file=sys.stderr)
             return record_refusal(cfg, "qwenkit train: invalid run: " + "; ".join(problems), message=problems[0])
         if lock is None:
             lock = _write_or_say(str(lock_path(out, node)), acquire_lock, out, node)
@@ -309,7 +310,7 @@ def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
     if code == stopping.EXIT_RESUMABLE:
         print(f"qwenkit train: stopped with a checkpoint saved before train.steps={cfg.train.steps} "
               f"(exit {code}, see {run.rank_log(0)}): run the same command again to continue", file=sys.stderr)  # fmt: skip
-    elif code != 0:
+    elif code != 0 and not events.input_failure(since.seen):  # an input error: its rank's one line said it
         print(
             f"qwenkit train: failed with exit code {code}; the rank that failed first is named above "
             f"(its own error in its 'qwenkit train: rank N failed' line), every rank's log is in {logs}/",

@@ -44,6 +44,7 @@ from torch.distributed.run import main as torchrun_main
 
 from qwenkit.engine.run import events
 from qwenkit.engine.run.stopping import AGENT_PID_ENV, EXIT_RESUMABLE, LAUNCHER_DIED, shell_code
+from qwenkit.errors import COMMAND_ENV
 
 _first_seen: dict[int, tuple[int, float]] = {}  # pid -> (poll number, time) its failure was first seen
 _final_codes: dict[int, int] = {}  # local rank -> exit code, after torchrun stopped the ranks
@@ -100,7 +101,7 @@ def _count_restarts(restart):
     def wrapped(self, worker_group):
         if worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):  # not a membership change
             _restarts[0] += 1
-            print(f"qwenkit train: the group failed; restart {_restarts[0]} of {worker_group.spec.max_restarts}: "
+            print(f"qwenkit {_command()}: the group failed; restart {_restarts[0]} of {worker_group.spec.max_restarts}: "
                   "the ranks resume from the newest complete checkpoint", file=sys.stderr, flush=True)  # fmt: skip
             if _run[1] is not None:
                 _run[1] = events.Follower(_run[0])  # a rank's report of the failed attempt is not the next one's
@@ -111,14 +112,27 @@ def _count_restarts(restart):
 
 
 class _QuietStop(logging.Filter):
-    """Drop torch's 'failed (exitcode: 75)' (a rank that saved and stopped did not fail) and its
-    lines about forwarding a stop signal (the launcher said it in one line)."""
+    """Drop torch's 'failed (exitcode: 75)' (a rank that saved and stopped did not fail), its 'failed'
+    line of a rank's input error and of a subcommand's rank that exited 2 (each said it in one line),
+    and its lines about forwarding a stop signal (the launcher said it in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         if msg.startswith("failed (exitcode") and record.args and record.args[0] == EXIT_RESUMABLE:
             return False
+        if msg.startswith("failed (exitcode") and _input_failure():  # a rank said it in one line
+            return False
+        if msg.startswith("failed (exitcode") and record.args and record.args[0] == USER_ERROR and _command() != "train":
+            return False
         return not msg.startswith(("Received %s death signal", "Sending process %s closing signal"))
+
+
+USER_ERROR = 2  # a subcommand's rank (qwenkit eval --nproc) that printed its input error in one line (cli.main)
+
+
+def _command() -> str:
+    """The subcommand whose ranks these are, in this wrapper's lines: ``train``, or the one that set :data:`COMMAND_ENV`."""
+    return os.environ.get(COMMAND_ENV, "train")
 
 
 def rank_env(rank: int, world_size: int, port: int, host: str = "127.0.0.1") -> dict[str, str]:
@@ -163,6 +177,15 @@ def _record(summary: str, *, error: str, message: str, exit_code: int, rank: int
                                signal=signal_name)  # fmt: skip
 
 
+def _input_failure() -> dict | None:
+    """The ``failed`` event of an input error a rank of this attempt recorded (:func:`qwenkit.engine.run.events.input_failure`)."""
+    follower = _run[1]
+    if follower is None:
+        return None
+    follower.poll()
+    return events.input_failure(follower.seen)
+
+
 def first_failure(failures: dict) -> tuple[int, object]:
     """The (global rank, ProcessFailure) that failed first: earliest poll, then a signal death."""
 
@@ -204,11 +227,17 @@ def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
         rank, failure = first_failure(e.failures)
         if failure.exitcode == EXIT_RESUMABLE:
             return EXIT_RESUMABLE
+        if failure.exitcode == USER_ERROR and _command() != "train":  # the rank said it in one line (cli.main)
+            return USER_ERROR
+        if said := _input_failure():  # a bad row or reward: its one line is all people need
+            if said.get("rank") != 0:  # rank 0 printed its own; another rank's is printed here
+                print(said["summary"], file=sys.stderr, flush=True)
+            return shell_code(failure.exitcode) or 1
         others = sorted(r for r in e.failures if r != rank)
         after = f"; then torchrun stopped rank(s) {', '.join(map(str, others))}" if others else ""
         if _restarts[0]:
             after += f" (after {_restarts[0]} restart(s) of the group, every one used)"
-        line = f"qwenkit train: rank {rank} (pid {failure.pid}) failed first: {describe(failure.exitcode)}{after}"
+        line = f"qwenkit {_command()}: rank {rank} (pid {failure.pid}) failed first: {describe(failure.exitcode)}{after}"
         print(line, file=sys.stderr, flush=True)
         code = shell_code(failure.exitcode) or 1
         killed = failure.exitcode < 0
@@ -219,14 +248,14 @@ def quiet_torchrun(argv: list[str], events_dir: str | None = None) -> int:
         codes = set(_final_codes.values())
         if codes == {EXIT_RESUMABLE}:
             return EXIT_RESUMABLE
-        line = f"qwenkit train: stopped by {e.sigval.name}; rank exit codes {dict(sorted(_final_codes.items()))}"
+        line = f"qwenkit {_command()}: stopped by {e.sigval.name}; rank exit codes {dict(sorted(_final_codes.items()))}"
         print(line, file=sys.stderr, flush=True)
         code = shell_code(-int(e.sigval))
         _record(line, error="stopped", message=f"{e.sigval.name} stopped ranks that had not saved a checkpoint",
                 exit_code=code, signal_name=e.sigval.name)  # fmt: skip
         return code
     except Exception as e:  # torchrun's own failure (a rendezvous): recorded, then its traceback as ever
-        _record(f"qwenkit train: torchrun failed: {type(e).__name__}: {events.first_line(e)}", error=type(e).__name__,
+        _record(f"qwenkit {_command()}: torchrun failed: {type(e).__name__}: {events.first_line(e)}", error=type(e).__name__,
                 message=events.first_line(e), exit_code=1)  # fmt: skip
         raise
     return 0

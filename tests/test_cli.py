@@ -45,3 +45,26 @@ def test_timeout_key_is_validated_before_spawning(tmp_path, monkeypatch, capsys)
     assert cli.main(["train", "parallel.timeout_s=0", f"train.output_dir={tmp_path / 'run'}"]) == 2
     assert "parallel.timeout_s must be >= 1" in capsys.readouterr().err
     assert qconfig.load().parallel.timeout_s == 600
+
+
+def test_an_eval_rank_leaves_a_shared_input_error_to_rank_0(tmp_path, monkeypatch, capsys):
+    """Under ``qwenkit eval --nproc N`` every rank reads the same arguments, config and data: rank 0
+    says their error, once (it was printed by every rank). An error in a rank's own share of the
+    rows (a user's metric on them) is said by the rank that meets it."""
+    from qwenkit.engine.generation import answers, evaluate
+
+    monkeypatch.setenv(errors.COMMAND_ENV, "eval")
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["eval", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(["eval", str(tmp_path / "nowhere")]) == 2
+    assert "qwenkit eval: " in capsys.readouterr().err
+
+    def metric_fails(request):
+        raise answers.UserFunctionError("eval metric 'f' returned nan on eval row 3; a score must be a finite number")
+
+    monkeypatch.setattr(evaluate, "eval_main", metric_fails)
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "qwenkit eval: eval metric 'f' returned nan on eval row 3; a score must be a finite number\n"

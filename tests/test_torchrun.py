@@ -168,3 +168,17 @@ def test_the_launchers_death_is_one_stop_however_often_it_is_signalled(tmp_path,
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == stopping.EXIT_RESUMABLE, out[-3000:]
     assert [(tmp_path / f"signals-{r}").read_text() for r in (0, 1)] == [str(each_rank_gets)] * 2, out[-3000:]
+
+
+def test_an_eval_rank_that_said_its_input_error_is_not_announced_again(tmp_path):
+    """``qwenkit eval --nproc N``'s ranks print a user error in one line and exit 2 (cli.main): the wrapper
+    adds no 'qwenkit train: rank 0 ... failed first' line (nor torch's own) to it, and keeps the status."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '0':\n    print('qwenkit eval: --data x.json: row 3 is bad', "
+                      "file=sys.stderr)\nsys.exit(2)\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "qwenkit.torchrun", "--standalone", "--nproc-per-node=2", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), torchrun.COMMAND_ENV: "eval"})  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "qwenkit" in line or "exitcode" in line] == [
+        "qwenkit eval: --data x.json: row 3 is bad"], proc.stderr  # fmt: skip

@@ -8,6 +8,7 @@ The names and defaults are TRL 1.16's ``GRPOConfig`` (``max_completion_length`` 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -15,6 +16,8 @@ from qwenkit.config.train import EVAL_METRICS, scorer_problems
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
+
+log = logging.getLogger(__name__)
 
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # grpo.loss_type; qwenkit.model.grpo_loss implements them
 IMPORTANCE_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (sequence: GSPO)
@@ -62,13 +65,14 @@ def check(cfg: Config, need: Need) -> None:
     if grpo.epsilon_high is not None:
         need(grpo.epsilon_high > 0, f"grpo.epsilon_high must be > 0 (or unset: grpo.epsilon), got {grpo.epsilon_high}")
     need(grpo.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {grpo.num_iterations}")
-    for problem in scorer_problems(grpo.rewards, "grpo.rewards", BUILTIN_REWARDS, "reward"):
-        need(False, problem)
     need(
         not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
         f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "
         "give one per reward or none (all 1)",
     )
+    if grpo.reward_weights and not any(grpo.reward_weights):
+        log.warning("grpo.reward_weights=%s are all 0: every completion's reward is 0, so no advantage and nothing "
+                    "is learnt; give a reward a weight > 0", grpo.reward_weights)  # fmt: skip
     tags = grpo.format_tags
     need(
         len(tags) == 2 and all(t.strip() and "<" not in t and ">" not in t for t in tags) and tags[0] != tags[1],
@@ -92,3 +96,12 @@ def check(cfg: Config, need: Need) -> None:
     )
 
 
+
+
+def check_rewards(cfg: Config, need: Need) -> None:
+    """``grpo.rewards``: built-in names, or functions that import and take ``(prediction, reference, **row)``.
+    Apart from :func:`check`: a command that never calls the rewards (``qwenkit eval``, ``export``)
+    loads a run's config without importing them (``config.load(..., rewards=False)``)."""
+    if cfg.train.objective == "grpo":
+        for problem in scorer_problems(cfg.grpo.rewards, "grpo.rewards", BUILTIN_REWARDS, "reward"):
+            need(False, problem)

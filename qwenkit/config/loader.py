@@ -98,8 +98,10 @@ def parse_yaml(text: str, name: str = "<override>") -> Any:
 # Files and overrides into a Config
 
 
-def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Read a YAML file (or start from defaults), apply overrides, validate, return a Config."""
+def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
+         rewards: bool = True) -> Config:  # fmt: skip
+    """Read a YAML file (or start from defaults), apply overrides, validate, return a Config.
+    ``rewards=False``: ``grpo.rewards``' functions are not imported (a command that never calls them)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -117,9 +119,11 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
     problems: list[str] = []
     for key, value in _parse_overrides(overrides, problems):
         _set_dotted(raw, key, value, problems)
-    cfg = _build(Config, raw, "", problems)
-    if not problems:
-        problems.extend(validate(cfg))
+    unset: list[str] = []  # keys that did not type: the config holds their defaults
+    cfg = _build(Config, raw, "", problems, unset)
+    # every rule runs on the rest, so a bad type does not hide the range errors beside it; a rule
+    # that names an unset key would judge the default it fell back to, not what was written
+    problems.extend(p for p in validate(cfg, rewards) if not any(_names(p, key) for key in unset))
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -176,10 +180,17 @@ def _set_dotted(raw: dict, key: str, value: Any, problems: list[str]) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls, raw: Any, prefix: str, problems: list[str]):
+def _names(problem: str, key: str) -> bool:
+    """Whether ``problem`` names the dotted ``key`` (or a key under it)."""
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", problem) is not None
+
+
+def _build(cls, raw: Any, prefix: str, problems: list[str], unset: list[str]):
+    """``cls`` from the mapping ``raw``; what cannot be used is a problem, its key in ``unset``."""
     where = prefix.rstrip(".") or "<top level>"
     if not isinstance(raw, dict):
         problems.append(f"{where} must be a mapping, got {raw!r}")
+        unset.append(where)
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -203,20 +214,22 @@ def _build(cls, raw: Any, prefix: str, problems: list[str]):
             continue
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, raw[name], f"{prefix}{name}.", problems)
+            kwargs[name] = _build(hint, raw[name], f"{prefix}{name}.", problems, unset)
             continue
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
         if dataclasses.is_dataclass(item):  # a list of sections, e.g. train.param_groups
             if isinstance(raw[name], list):
-                kwargs[name] = [_build(item, r, f"{prefix}{name}[{i}].", problems) for i, r in enumerate(raw[name])]
+                kwargs[name] = [_build(item, r, f"{prefix}{name}[{i}].", problems, unset) for i, r in enumerate(raw[name])]
             else:
                 problems.append(f"{prefix}{name}: got {raw[name]!r}, expected a list of mappings")
+                unset.extend({f"{prefix}{name}", f"{prefix}{typed[name]}"})
             continue
         ok, value = _coerce(raw[name], hint)
         if ok:
             kwargs[name] = value
         else:
             problems.append(f"{prefix}{typed[name]}: got {raw[name]!r}, expected {_describe(hint)}{_bool_hint(raw[name], hint)}")
+            unset.extend({f"{prefix}{name}", f"{prefix}{typed[name]}"})
     return cls(**kwargs)
 
 

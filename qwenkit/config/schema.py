@@ -48,8 +48,10 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def validate(cfg: Config) -> list[str]:
-    """Every range and cross-field rule, section by section; returns the problems (empty when valid)."""
+def validate(cfg: Config, rewards: bool = True) -> list[str]:
+    """Every range and cross-field rule, section by section; returns the problems (empty when valid).
+    ``rewards``: import and check ``grpo.rewards`` (:func:`qwenkit.config.grpo.check_rewards`), which
+    only a command that calls them needs."""
     problems: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
@@ -58,6 +60,8 @@ def validate(cfg: Config) -> list[str]:
 
     for check in (_check_finite, *CHECKS):
         check(cfg, need)
+    if rewards:
+        grpo.check_rewards(cfg, need)
     return problems
 
 

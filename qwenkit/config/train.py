@@ -4,6 +4,7 @@ and its answer metrics, the trackers."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -147,6 +148,30 @@ def load_user_metric(spec: str, key: str = "train.eval_metrics", builtins: tuple
     return fn
 
 
+def call_problem(fn, spec: str, key: str, what: str = "metric") -> str | None:
+    """Why ``fn`` cannot be called as the run calls it: a metric ``f(prediction, reference)``, a reward
+    ``f(prediction, reference, **row)`` (the row's other columns as keywords,
+    :func:`qwenkit.engine.objectives.rewards.score`); None when it can, or when Python cannot say
+    (a builtin without a signature)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = signature.parameters.values()
+    takes_row = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    try:
+        signature.bind("prediction", "reference")
+    except TypeError:
+        fits = False
+    else:
+        fits = takes_row or what != "reward"
+    if fits:
+        return None
+    call = "prediction, reference, **row" if what == "reward" else "prediction, reference"
+    return (f"{key}: {spec!r} takes ({', '.join(str(p) for p in params)}), but a {what} is called as "
+            f"{fn.__name__}({call}); give it that signature")
+
+
 def scorer_problems(names: list[str], key: str, builtins: tuple[str, ...] = EVAL_METRICS, what: str = "metric") -> list[str]:
     """Why ``names`` cannot score replies (``train.eval_metrics``, ``--metric``) or completions
     (``grpo.rewards``, ``what="reward"``): none given, unknown, not importable, or two under one name
@@ -159,9 +184,13 @@ def scorer_problems(names: list[str], key: str, builtins: tuple[str, ...] = EVAL
             named.append(spec)
             continue
         try:
-            named.append(load_user_metric(spec, key, builtins, what).__name__)
+            fn = load_user_metric(spec, key, builtins, what)
         except ValueError as e:
             problems.append(str(e))
+            continue
+        named.append(fn.__name__)
+        if problem := call_problem(fn, spec, key, what):
+            problems.append(problem)
     twice = sorted({n for n in named if named.count(n) > 1})
     if twice:
         problems.append(f"{key}: {', '.join(twice)} given twice (a user {what} is reported under its function's name)")

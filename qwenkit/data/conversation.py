@@ -71,6 +71,9 @@ def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = F
             "a prompt for train.objective=grpo, with no reply to learn",
         )  # fmt: skip
     _check_turns(messages, offset, where, prompt_only)
+    asked = messages if prompt_only else messages[:-1]  # GRPO's prompt: every turn before the reference
+    if prompts and not (read.images or read.videos) and not any(visible(t) for role, t in asked if role == "user"):
+        raise BadSample(where, "empty_prompt", "the prompt has no text and no image or video: nothing to answer")
     for placeholder, media in ((IMAGE_PLACEHOLDER, read.images), (VIDEO_PLACEHOLDER, read.videos)):
         _check_placeholders(system, messages, offset, placeholder, len(media), where, read)
     reference = _reference(row[column], column, where) if prompts and column else messages[-1][1]

@@ -48,8 +48,9 @@ ROW_COLUMNS = {
 MEDIA_COLUMNS = {"media_kind": np.uint8, "media_grid": np.int32, "media_meta": np.float64}
 VIDEO_META = ("frames", "fps", "width", "height")  # the media_meta columns, VideoMeta's fields
 # bump when the columns or their meaning change: older cache files are then ignored (3: row spans added;
-# 4: a preference pair whose two sides are the same is a bad pair, same_replies)
-FORMAT = 4
+# 4: a preference pair whose two sides are the same is a bad pair, same_replies; 5: a GRPO prompt with
+# nothing in it is a bad row, empty_prompt)
+FORMAT = 5
 
 
 @dataclass(frozen=True)

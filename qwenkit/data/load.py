@@ -16,6 +16,7 @@ from pathlib import Path
 from qwenkit.config import DataConfig
 from qwenkit.data import cache
 from qwenkit.data.dataset import EncodedDataset
+from qwenkit.data.index import SampleIndex
 from qwenkit.data.preference import pair_report, preference_data, preference_sources
 from qwenkit.data.reader import DataError, json_files, open_sources
 from qwenkit.model.processor import Processor
@@ -83,16 +84,40 @@ def read_checked(data: DataConfig, processor: Processor, source=None, rank: int 
         data, processor, source, stop_at_first=data.on_bad_sample == "error", rank=rank, world_size=world_size,
         reads=reads,
     )
-    unreadable = [str(b.error()) for b in dataset.index.bad if b.row is None]
+    _unreadable(dataset.index)
+    if rank == 0:
+        report.log()
+    report.check_fraction(data.max_bad_fraction)
+    return dataset, report
+
+
+def _unreadable(index) -> None:
+    unreadable = [str(b.error()) for b in index.bad if b.row is None]
     if unreadable:
         raise DataError(
             "unreadable dataset files cannot be skipped (the number of rows lost is unknown):\n  "
             + "\n  ".join(unreadable)
         )
-    if rank == 0:
-        report.log()
-    report.check_fraction(data.max_bad_fraction)
-    return dataset, report
+
+
+def cached_problem(data: DataConfig, processor: Processor, reads: str = "conversations") -> str | None:
+    """What :func:`read_checked` would raise in every rank, found before any rank starts, when the
+    dataset's index is in the cache already (an earlier start, ``qwenkit data prepare``): the first
+    bad row (``on_bad_sample: error``), an unreadable file, more than ``data.max_bad_fraction`` bad
+    rows. None when all is well or nothing is cached (the ranks scan and check)."""
+    sources, indexed = open_dataset(data, None, reads), index_data(data, reads)
+    loaded = SampleIndex.load(cache.index_path(sources, processor, indexed, reads == "prompts"))
+    if loaded is None:
+        return None
+    index = loaded[0]
+    try:
+        if data.on_bad_sample == "error" and index.bad:
+            raise index.bad[0].error()
+        _unreadable(index)
+        (pair_report(index) if reads == "pairs" else index.report()).check_fraction(data.max_bad_fraction)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def file_sizes(data: DataConfig) -> dict[str, int] | None:

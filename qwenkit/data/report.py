@@ -21,6 +21,7 @@ REASONS = {
     "turn_order": "turns do not run [system] user assistant user assistant ...",
     "no_reply": "the conversation has no assistant reply",
     "empty_reply": "an assistant reply is empty",
+    "empty_prompt": "a prompt (train.objective=grpo) has no text and no image or video",
     "image_count": "the number of <image> placeholders differs from the number of images",
     "missing_image": "an image file does not exist",
     "corrupt_image": "an image cannot be decoded (corrupt or truncated)",
@@ -76,6 +77,10 @@ class BadSample(ValueError):
         return BadSample, (self.where, self.reason, self.detail)
 
 
+class BadRows(ValueError):
+    """More than ``data.max_bad_fraction`` of a dataset's rows are bad: the counts by reason and the first."""
+
+
 @dataclass
 class BadSampleReport:
     """Tally of a dataset scan: rows seen, rows skipped, and why.
@@ -110,7 +115,7 @@ class BadSampleReport:
     def check_fraction(self, max_bad_fraction: float) -> None:
         """Raise if more than ``max_bad_fraction`` of the rows were skipped."""
         if self.skipped and self.fraction > max_bad_fraction:
-            raise ValueError(
+            raise BadRows(
                 f"{self.skipped} of {self.total} {self.unit} ({self.fraction:.1%}) are bad, more than "
                 f"data.max_bad_fraction={max_bad_fraction:g}: {self.reasons_line()}; first: {self.messages[0]}"
             )

@@ -269,12 +269,40 @@ def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroup
         sharded.append(module)
     # The root's parameters are needed again at the start of backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    model.register_forward_hook(_detach_media_outputs, prepend=True)  # before FSDP2's own post-forward hook
     sharded.append(model)
     plan.gradient_divisor = gradient_excess(mesh, kwargs["mp_policy"], dtype)
     if plan.gradient_divisor > 1:
         for module in sharded:
             module.set_all_reduce_hook(functools.partial(_divide_, by=plan.gradient_divisor))
     return plan
+
+
+# The media encoders' outputs a family's forward returns beside the loss (transformers 5.x): the vision
+# tower's features split per image, views of one tensor. FSDP2 puts the root's pre-backward hook on
+# every tensor the root returns and warns about each view ("an in-place op on this view will silently
+# drop the pre-backward hook"); nothing reads them, so they are detached before it sees them (values
+# to read, not a second way into the graph: the loss holds it; why no gradient was dropped: docs/TESTING.md)
+MEDIA_OUTPUTS = ("image_outputs", "video_outputs", "audio_outputs")
+
+
+def _detach_media_outputs(module: nn.Module, args, output):
+    if isinstance(output, dict):  # HF's output classes (a tuple output is left as it is)
+        for name in MEDIA_OUTPUTS:
+            if output.get(name) is not None:
+                output[name] = _detached(output[name])
+    return output
+
+
+def _detached(value):
+    """``value`` with its tensors detached; an HF output's fields replaced in place (it is this call's own)."""
+    if isinstance(value, dict):
+        for key in list(value.keys()):
+            value[key] = _detached(value[key])
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value.detach() if torch.is_tensor(value) else value
 
 
 def _experts_dim_1(param: nn.Parameter) -> Shard:

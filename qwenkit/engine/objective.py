@@ -77,8 +77,9 @@ class Objective:
         """:meth:`state_dict` back, after a resume's load; ``same_ranks`` False: another rank count's rank 0's."""
 
     @staticmethod
-    def evaluate_cli(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
-        """``qwenkit eval`` of a run of this objective: prints its metrics, returns the exit status."""
+    def evaluate_cli(request, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
+        """``qwenkit eval`` of a run of this objective (``request``: its
+        :class:`~qwenkit.engine.generation.evaluate.EvalRequest`): prints its metrics, returns the exit status."""
         raise NotImplementedError
 
 

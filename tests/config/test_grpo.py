@@ -10,6 +10,19 @@ from qwenkit.config import ConfigError
 GRPO = ["train.objective=grpo"]
 
 
+def two(prediction, reference):
+    """A scorer that takes no row: fine as an eval metric, not as a reward (called with the row's columns)."""
+    return 0.0
+
+
+def nothing():
+    return 0.0
+
+
+def good(prediction, reference, **row):
+    return 1.0
+
+
 @pytest.mark.parametrize(
     "overrides, pattern",
     [
@@ -29,6 +42,13 @@ GRPO = ["train.objective=grpo"]
         (GRPO + ["grpo.rewards=[accuracy]"], r"'accuracy' is neither a built-in reward \(.*format, iou\) nor module:function"),
         (GRPO + ["grpo.rewards=[no_such_module:f]"], r"'no_such_module:f' does not import"),
         (GRPO + ["grpo.rewards=[exact, exact]"], r"grpo\.rewards: exact given twice"),
+        (GRPO + ["grpo.rewards=[config.test_grpo:two]"],
+         r"^grpo\.rewards: 'config\.test_grpo:two' takes \(prediction, reference\), but a reward is called as "
+         r"two\(prediction, reference, \*\*row\)"),
+        (GRPO + ["grpo.rewards=[config.test_grpo:nothing]"],
+         r"^grpo\.rewards: 'config\.test_grpo:nothing' takes \(\), but a reward is called as nothing\(prediction, reference, \*\*row\)"),
+        (["train.eval_metrics=[config.test_grpo:nothing]"],
+         r"^train\.eval_metrics: 'config\.test_grpo:nothing' takes \(\), but a metric is called as nothing\(prediction, reference\)"),
         (GRPO + ["grpo.rewards=[exact, format]", "grpo.reward_weights=[1]"], r"1 weights for 2 grpo\.rewards"),
         (GRPO + ["grpo.format_tags=[think, think]"], r"grpo\.format_tags must be two different tag names"),
         (GRPO + ["grpo.format_tags=[<think>, answer]"], r"grpo\.format_tags must be two different tag names"),
@@ -50,5 +70,22 @@ def test_grpo_settings_in_range_are_valid():
     cfg.train.objective = "grpo"
     cfg.grpo = config.GrpoConfig(num_generations=4, beta=0.04, epsilon_high=0.28, loss_type="grpo",
                                  importance_sampling_level="sequence", scale_rewards="none",
-                                 rewards=["exact", "format", "iou", "os.path:basename"], reward_weights=[1, 0.5, 1, 0])
+                                 rewards=["exact", "format", "iou", "config.test_grpo:good"], reward_weights=[1, 0.5, 1, 0])
     assert config.validate(cfg) == []
+
+
+def test_a_metric_need_not_take_the_row():
+    """An eval metric is called ``f(prediction, reference)``: a function of those two alone is one."""
+    assert config.load(overrides=["train.eval_metrics=[config.test_grpo:two]"]).train.eval_metrics == ["config.test_grpo:two"]
+
+
+def test_all_zero_reward_weights_are_warned_about(caplog):
+    """Every completion's reward 0: no advantage, nothing learnt. Valid (a user may switch rewards off
+    one by one), so a warning, not a refusal."""
+    with caplog.at_level("WARNING"):
+        config.load(overrides=GRPO + ["grpo.rewards=[exact, format]", "grpo.reward_weights=[0, 0.0]"])
+    assert "grpo.reward_weights=[0.0, 0.0] are all 0: every completion's reward is 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        config.load(overrides=GRPO + ["grpo.rewards=[exact, format]", "grpo.reward_weights=[0, 1]"])
+    assert "reward_weights" not in caplog.text

@@ -148,3 +148,15 @@ def test_typed_values_reach_qwenkit_train(tmp_path, monkeypatch, capsys):
     assert cli.main(["train", "train.output_dir="]) == 2
     assert "train.output_dir must name a directory" in capsys.readouterr().err
     assert len(started) == 1
+
+
+def test_a_bad_type_does_not_hide_the_range_errors_beside_it():
+    """All problems in one error: the range checks run on the keys that typed, while the one that did
+    not is reported once (its range rule, run on the default it fell back to, says nothing of it)."""
+    with pytest.raises(ConfigError) as e:
+        config.load(overrides=["train.steps=many", "train.lr=-1", "grpo.beta=0.1"])
+    problems = e.value.problems
+    assert any(p.startswith("train.steps: got 'many'") for p in problems), problems
+    assert any(p.startswith("train.lr must be > 0") for p in problems), problems
+    assert any(p.startswith("grpo.beta set but train.objective='sft'") for p in problems), problems
+    assert not any("train.steps" in p for p in problems if not p.startswith("train.steps: got")), problems

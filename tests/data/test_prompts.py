@@ -114,3 +114,18 @@ def test_an_eval_set_of_prompts_alone_has_no_eval_loss(box, processor):
     cfg.train.eval_samples = 0  # no generation: run() would compute only the eval loss
     evaluator = Evaluator(cfg, dataset, Collator(processor), 0, 1, torch.device("cpu"), box)
     assert evaluator.due(0) and evaluator.run(0, model=None) == {}  # no forward: nothing to compute
+
+
+@pytest.mark.parametrize("row", [
+    {"problem": "", "answer": "6"},  # EasyR1, nothing asked
+    {"messages": [{"role": "user", "content": " \u200b"}], "solution": "2"},  # invisible characters only
+    {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "It is red."}]},  # the reply as reference
+])  # fmt: skip
+def test_an_empty_prompt_is_a_bad_row_named_not_a_rollout_from_nothing(box, processor, row):
+    """A prompt with no text and no image or video was accepted without a word: every completion of it
+    sampled from nothing. It is a bad row now (skipped, named in the log, counted by data.max_bad_fraction)."""
+    path = box / "rl.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"problem": QUESTION, "answer": "Red", "images": ["img/a.png"]}) + "\n")
+    dataset, report = read(path, processor, reads="prompts")
+    assert report.by_reason == {"empty_prompt": 1} and len(dataset) == 1, report.messages
+    assert report.messages[0].startswith(f"{path}: row 0 (line 1): empty_prompt: the prompt has no text"), report.messages

@@ -340,12 +340,49 @@ def test_ranks_with_different_media_agree(two_rank_checks):
     assert sorted(p.name for p in out.glob("*-*")) == sorted(n.replace("|", "-") for n in MEDIA_CASES)
 
 
+def _no_view_outputs(rank, out):
+    """Qwen3.5's backbone returns the vision tower's per-image outputs, views of one tensor split per
+    image; FSDP2 registered its pre-backward hook on each of the root's outputs and warned that an
+    in-place op on such a view "will silently drop the pre-backward hook". The sharded root returns
+    them detached (nothing reads them, docs/TESTING.md): no warning, and every gradient of a sharded
+    Qwen3.5 with images on both ranks equals one process's (a dropped hook would show here)."""
+    import warnings
+
+    from conftest import build_model, make_batch, tiny_processor  # tests/ is on the spawned ranks' sys.path
+
+    proc = tiny_processor("qwen3_5")
+    batches = [make_batch(proc, images_per_sample=(1, 2), seed=1), make_batch(proc, images_per_sample=(2, 1), seed=2)]
+    total = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
+    model = build_model(chunk=True, seed=4, name="qwen3_5")
+    model.train()
+    fsdp.shard(model, qconfig.load(overrides=["model.name=qwen3_5"]).parallel,
+               fsdp.build_mesh(fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)))  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(**batches[rank], num_items_in_batch=total).loss
+    views = [str(w.message) for w in caught if "view tensor" in str(w.message)]
+    assert not views, views
+    (loss * 2).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        ref = build_model(chunk=True, seed=4, name="qwen3_5")
+        for b in batches:
+            ref(**b, num_items_in_batch=total).loss.backward()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, **FP32, msg=lambda m, n=n: f"{n}: {m}")
+        (out / "ok").write_text("ok")
+
+
+def test_qwen3_5_root_returns_no_views_and_every_gradient_arrives(two_rank_checks):
+    _passed(two_rank_checks, _no_view_outputs)
+
+
 # ---------------------------------------------------------------------------------------------
 # The checks above in one start of 2 ranks (a start costs seconds of imports per rank): in this
 # order, the summing backend last; each writes <out>/<check>/ok on rank 0 when it passed, and a
 # check that raises ends the ranks (its traceback printed; the later checks do not run).
 
-TWO_RANK_CHECKS = (_tiny_under_group, _mixed_modalities, _different_media, _gradients_averaged)
+TWO_RANK_CHECKS = (_tiny_under_group, _mixed_modalities, _different_media, _no_view_outputs, _gradients_averaged)
 
 
 def _two_rank_checks(rank, out, names):

@@ -4,7 +4,8 @@
 class users deploy), without a process group; :func:`export` saves it with ``save_pretrained``,
 copies the base model's tokenizer and processor files beside it, and writes the run's image
 bounds and video sampling (``data.*``) into the processor files (:func:`write_run_processing`),
-so HF's processor loaded from the export resizes exactly as training did. A base checkpoint's
+so HF's processor loaded from the export resizes exactly as training did; the run's resolved config
+goes beside them (:data:`RUN_CONFIG`: ``qwenkit eval`` of the export evaluates as the run did). A base checkpoint's
 multi-token-prediction tensors (Qwen3.5's ``mtp.*``, which HF's class does not load) go into the
 export unchanged (:func:`keep_mtp`).
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from qwenkit.config import DTYPES
+from qwenkit.config import DTYPES, write_config
 from qwenkit.data import video
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 from qwenkit.engine.checkpoints.dcp import CheckpointError, resolve
@@ -82,6 +83,7 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
         if (base / name).is_file():
             shutil.copy2(base / name, tmp / name)
     write_run_processing(tmp, cfg.data, families.resolve(cfg.model.name, base))
+    write_config(cfg, tmp, RUN_CONFIG)
     if out.exists():  # a previous export, and overwrite was asked for (check_target)
         old = out.parent / f".old-export-{out.name}-{os.getpid()}"
         os.replace(out, old)
@@ -93,6 +95,7 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
     return out
 
 
+RUN_CONFIG = "qwenkit_config.yaml"  # in an export: the run's resolved config (its eval set, metrics, sampling)
 MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction layer: in the checkpoints, not in HF's class
 MTP_FILE = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"

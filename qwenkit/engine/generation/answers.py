@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qwenkit.config import load_user_metric
+from qwenkit.errors import OwnShareError
 
 Metric = Callable[[str, str], float]
 
@@ -209,7 +210,7 @@ def score(metrics: dict[str, Metric], prediction: str, reference: str, where: st
     return {name: user_score(metric, f"eval metric {name!r}", where, prediction, reference) for name, metric in metrics.items()}
 
 
-class UserFunctionError(ValueError):
+class UserFunctionError(OwnShareError):
     """A user's scoring function raised, or returned what is not a score; names the function and the row."""
 
 

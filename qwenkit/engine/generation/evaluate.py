@@ -26,12 +26,14 @@ to the means (generation, scores, the rows' gather; the copy's gather before it 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,13 +48,14 @@ from qwenkit.device import resolve_device
 from qwenkit.distributed import fsdp
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import dcp as ckpt
-from qwenkit.engine.checkpoints.export import load_hf
+from qwenkit.engine.checkpoints.export import RUN_CONFIG, load_hf
 from qwenkit.engine.generation import answers
 from qwenkit.engine.generation import generate as qgen
+from qwenkit.errors import COMMAND_ENV
 from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
-from qwenkit.model.paths import load_processor
+from qwenkit.model.paths import load_processor, resolve_path
 from qwenkit.model.processor import Processor, pixel_bounds
 
 log = logging.getLogger(__name__)
@@ -215,90 +218,138 @@ def _every(step: int, n: int) -> bool:
 # qwenkit eval RUN_OR_CHECKPOINT
 
 
-def load_for_eval(target: str | Path, config_path: str | Path | None = None):
-    """``(model, processor, cfg, name)`` for a run's output_dir, a checkpoint, or an HF export directory.
+@dataclass(frozen=True)
+class EvalRequest:
+    """What ``qwenkit eval`` is asked, typed (``cli.py`` builds it from the command line): ``target`` a
+    run's output_dir, a checkpoint or an export; the rest as the options say, None where not given."""
 
-    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.engine.checkpoints.export.load_hf`),
-    with the config the run saved; an export (a directory with ``config.json``) is loaded with
-    ``from_pretrained`` and the config given by ``config_path`` (else the defaults).
-    """
+    target: str
+    data: str | None = None  # eval dataset; None: the run's eval set
+    samples: int | None = None  # rows to generate; None: train.eval_samples
+    config: str | None = None  # params YAML; None: the run's (an export's own)
+    out: str | None = None  # generations JSONL; None: <target>/eval/cli-<name>.jsonl
+    metric: tuple[str, ...] | None = None  # None: train.eval_metrics
+    nproc: int = 1  # ranks on this node
+    batch_size: int | None = None  # prompts per generate call; None: train.eval_batch_size
+
+    def problems(self) -> list[str]:
+        """What is wrong with the arguments themselves, one line each."""
+        problems = []
+        if not Path(self.target).exists():
+            problems.append(f"{self.target!r}: no such run, checkpoint or export")
+        if self.samples is not None and self.samples < 0:
+            problems.append(f"--samples must be >= 0 (rows to generate), got {self.samples}")
+        if self.nproc < 1:
+            problems.append(f"--nproc must be >= 1, got {self.nproc}")
+        if self.batch_size is not None and self.batch_size < 1:
+            problems.append(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.data not in (None, "tiny") and not Path(self.data).expanduser().exists():  # tiny: as data.path takes it
+            problems.append(f"--data {self.data!r}: no such file or directory")
+        if self.metric is not None:
+            problems.extend(qconfig.scorer_problems(list(self.metric), "--metric"))
+        return problems
+
+
+@dataclass
+class EvalSource:
+    """Where ``qwenkit eval``'s model comes from, known without loading a weight: the config it is
+    evaluated with, the checkpoint or export, and the model directory whose ``config.json`` names its family."""
+
+    cfg: qconfig.Config
+    path: Path  # the step-N checkpoint, or the export
+    model_dir: Path  # the export, a LoRA export's base, or a checkpoint's model.path
+    kind: str  # checkpoint | export | adapter (a LoRA export: peft on the base it names, merged)
+
+
+def eval_source(target: str | Path, config_path: str | Path | None = None) -> EvalSource:
+    """The config (``config_path``, else the run's: a checkpoint's run folder, an export's
+    :data:`~qwenkit.engine.checkpoints.export.RUN_CONFIG`, else the defaults) and the model's
+    family, checked (``model.name`` against the model's ``config.json``). ``grpo.rewards`` are not
+    imported: eval never calls them."""
     target = Path(target)
     if not target.exists():
         raise FileNotFoundError(f"{str(target)!r}: no such run, checkpoint or export")
-    adapter = (target / "adapter_config.json").is_file()  # a LoRA export: peft on the base it names, merged
-    if adapter or (target / "config.json").is_file():
-        cfg = qconfig.load(config_path)
-        # the export's processor resizes as its run did (qwenkit export writes the run's data
-        # bounds there); a --config with other bounds would evaluate other image tokens
-        processor = Processor.from_pretrained(target)
-        lo, hi = pixel_bounds(processor.image_processor)
-        if config_path is not None and (cfg.data.min_pixels, cfg.data.max_pixels) != (lo, hi):
-            log.warning(
-                "%s resizes images into %d..%d pixels (its preprocessor_config.json); %s's data.min_pixels/"
-                "max_pixels (%d..%d) are not used", target, lo, hi, config_path, cfg.data.min_pixels, cfg.data.max_pixels,
-            )  # fmt: skip
-        cfg.data.min_pixels, cfg.data.max_pixels = lo, hi
-        if adapter:
-            from peft import PeftConfig, PeftModel  # the lora extra: LoRA exports only
-
-            base = PeftConfig.from_pretrained(target).base_model_name_or_path
-            model = families.resolve(cfg.model.name, base).load("hf_class").from_pretrained(
-                base, dtype=DTYPES[cfg.model.dtype], local_files_only=True
-            )
-            model = PeftModel.from_pretrained(model, target).merge_and_unload()
-        else:
-            model = families.resolve(cfg.model.name, target).load("hf_class").from_pretrained(
-                target, dtype=DTYPES[cfg.model.dtype], local_files_only=True
-            )
-        return model, processor, cfg, target.name
-    step = ckpt.resolve(target)
-    cfg = qconfig.load(config_path or ckpt.run_config_path(step))
-    return load_hf(step, cfg), load_processor(cfg), cfg, step.name
+    adapter = target / "adapter_config.json"
+    if adapter.is_file() or (target / "config.json").is_file():
+        saved = target / RUN_CONFIG
+        cfg = qconfig.load(config_path or (saved if saved.is_file() else None), rewards=False)
+        base = Path(json.loads(adapter.read_text())["base_model_name_or_path"]) if adapter.is_file() else target
+        source = EvalSource(cfg, target, base, "adapter" if adapter.is_file() else "export")
+    else:
+        step = ckpt.resolve(target)
+        cfg = qconfig.load(config_path or ckpt.run_config_path(step), rewards=False)
+        source = EvalSource(cfg, step, resolve_path(cfg.model), "checkpoint")
+    families.resolve(cfg.model.name, source.model_dir)  # a ValueError naming both: before any weight is read
+    return source
 
 
-def eval_main(args) -> int:
+def load_for_eval(target: str | Path, config_path: str | Path | None = None):
+    """``(model, processor, cfg, name)`` for a run's output_dir, a checkpoint, or an HF export directory.
+
+    Checkpoints are gathered into HF's own class in this process (:func:`qwenkit.engine.checkpoints.export.load_hf`);
+    an export (a directory with ``config.json``) is loaded with ``from_pretrained``; the config is
+    :func:`eval_source`'s.
+    """
+    source = eval_source(target, config_path)
+    cfg, target = source.cfg, source.path
+    if source.kind == "checkpoint":
+        return load_hf(target, cfg), load_processor(cfg), cfg, target.name
+    # the export's processor resizes as its run did (qwenkit export writes the run's data
+    # bounds there); a --config with other bounds would evaluate other image tokens
+    processor = Processor.from_pretrained(target)
+    lo, hi = pixel_bounds(processor.image_processor)
+    if config_path is not None and (cfg.data.min_pixels, cfg.data.max_pixels) != (lo, hi):
+        log.warning(
+            "%s resizes images into %d..%d pixels (its preprocessor_config.json); %s's data.min_pixels/"
+            "max_pixels (%d..%d) are not used", target, lo, hi, config_path, cfg.data.min_pixels, cfg.data.max_pixels,
+        )  # fmt: skip
+    cfg.data.min_pixels, cfg.data.max_pixels = lo, hi
+    model = families.resolve(cfg.model.name, source.model_dir).load("hf_class").from_pretrained(
+        source.model_dir, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+    )
+    if source.kind == "adapter":
+        from peft import PeftModel  # the lora extra: LoRA exports only
+
+        model = PeftModel.from_pretrained(model, target).merge_and_unload()
+    return model, processor, cfg, target.name
+
+
+def eval_main(request: EvalRequest) -> int:
     """``qwenkit eval RUN_OR_CHECKPOINT [--data PATH] [--samples N] [--metric ...] [--nproc N]``:
     eval loss, each metric's mean, the generations JSONL.
 
     ``--nproc N`` (N > 1) starts N ranks through torchrun, each running this function on its
-    share of the rows (``RANK`` set); arguments are checked here first, so a bad one fails once.
+    share of the rows (``RANK`` set); the arguments, the config and the model's family are checked
+    here first, so a bad one fails once, in one line, before any rank starts.
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not Path(args.target).exists():
-        raise FileNotFoundError(f"{str(args.target)!r}: no such run, checkpoint or export")
-    if args.samples is not None and args.samples < 0:
-        raise ValueError(f"--samples must be >= 0 (rows to generate), got {args.samples}")
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.data is not None and not Path(args.data).expanduser().exists():
-        raise FileNotFoundError(f"--data {args.data!r}: no such file or directory")
-    if args.metric is not None:
-        problems = qconfig.scorer_problems(args.metric, "--metric")
-        if problems:
-            raise ValueError("; ".join(problems))
-    if args.nproc > 1 and "RANK" not in os.environ:
-        return _spawn_ranks(args)
+    if problems := request.problems():
+        raise ValueError("; ".join(problems))
+    if request.nproc > 1 and "RANK" not in os.environ:
+        eval_source(request.target, request.config)  # what every rank would find first
+        return _spawn_ranks(request)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model, processor, cfg, name = load_for_eval(args.target, args.config)
+    model, processor, cfg, name = load_for_eval(request.target, request.config)
     runtime = fsdp.init_distributed(cfg.parallel) if world_size > 1 else None
     device = runtime.device if runtime is not None else torch.device(resolve_device(cfg.parallel.device))
     model = model.to(device)
     try:
-        return objective.entry(cfg.train.objective).evaluate_cli(args, model, processor, cfg, name, rank, world_size, device)
+        return objective.entry(cfg.train.objective).evaluate_cli(request, model, processor, cfg, name, rank, world_size, device)
     finally:
         if runtime is not None:
             fsdp.shutdown(runtime)
 
 
-def evaluate_replies(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
-    """``qwenkit eval`` of a run that trains on replies (``train.objective: sft``): eval loss, answer metrics."""
-    if args.data is not None:
+def evaluate_generations(request: EvalRequest, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
+    """``qwenkit eval`` of a run that generates (``train.objective``: sft, grpo): the answer metrics
+    of the replies, and the eval loss where rows have replies (prompts alone, a GRPO run's, are
+    scored by their generations only, as the trainer's :class:`Evaluator` does)."""
+    reads = qconfig.OBJECTIVES[cfg.train.objective].reads  # a GRPO run's --data is prompts, as its training set
+    if request.data is not None:
         # training's checks and messages: unreadable files, data.on_bad_sample, data.max_bad_fraction
-        dataset, _ = qdata.read_checked(cfg.data, processor, args.data, rank, world_size)
+        dataset, _ = qdata.read_checked(cfg.data, processor, request.data, rank, world_size, reads)
         if len(dataset) == 0:
-            raise qdata.DataError(f"--data {args.data!r}: no usable rows")
+            raise qdata.DataError(f"--data {request.data!r}: no usable rows")
     else:
         dataset = qdata.build(cfg, processor, rank, world_size).eval_dataset
         if dataset is None:
@@ -306,18 +357,19 @@ def evaluate_replies(args, model, processor, cfg, name: str, rank: int, world_si
                 "the run's config gives no eval set (data.eval_path, data.eval_fraction or "
                 "data.tiny_eval_samples); pass --data PATH"
             )
-    samples = cfg.train.eval_samples if args.samples is None else args.samples
-    names = cfg.train.eval_metrics if args.metric is None else args.metric
-    sampling = qgen.Sampling.of(cfg.train, **({} if args.batch_size is None else {"batch_size": args.batch_size}))
+    samples = cfg.train.eval_samples if request.samples is None else request.samples
+    names = cfg.train.eval_metrics if request.metric is None else list(request.metric)
+    sampling = qgen.Sampling.of(cfg.train, **({} if request.batch_size is None else {"batch_size": request.batch_size}))
     collator = qdata.Collator(processor)
-    loss = eval_loss(model, dataset, collator, cfg.train.micro_batch_size, rank, world_size, device)
-    out = Path(args.out) if args.out else Path(args.target) / "eval" / f"cli-{name}.jsonl"
+    replies = bool(dataset.index.label_tokens.sum())  # the trainer's rule (Evaluator.replies)
+    loss = eval_loss(model, dataset, collator, cfg.train.micro_batch_size, rank, world_size, device) if replies else None
+    out = Path(request.out) if request.out else Path(request.target) / "eval" / f"cli-{name}.jsonl"
     indices = list(range(min(samples, len(dataset))))
     t0 = time.perf_counter()
     means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out)
     seconds = time.perf_counter() - t0
     if rank == 0:
-        print(f"eval_loss {loss:.4f}")
+        print(f"eval_loss {loss:.4f}" if loss is not None else "eval_loss - (no row has a reply: prompts are scored by their generations)")
         first, value = next(iter(means.items()))
         what = f"{round(value * len(indices))}/{len(indices)} exact matches" if first == "exact" else f"mean {first}"
         print(f"eval_accuracy {value:.4f} ({what})")
@@ -329,17 +381,17 @@ def evaluate_replies(args, model, processor, cfg, name: str, rank: int, world_si
     return 0
 
 
-def _spawn_ranks(args) -> int:
-    """``qwenkit eval`` again under torchrun on ``args.nproc`` local ranks; returns its exit status."""
+def _spawn_ranks(request: EvalRequest) -> int:
+    """``qwenkit eval`` again under torchrun on ``request.nproc`` local ranks; returns its exit status."""
     # --standalone: a rendezvous on a free local port, so evaluations never collide with other jobs.
     # The ranks learn their number from torchrun (WORLD_SIZE); an --nproc here would be torchrun's
     # (argparse reads it as an abbreviation of --nproc-per-node, wherever it stands)
-    cmd = [sys.executable, "-m", "qwenkit.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "qwenkit.cli", "eval", str(args.target)]  # fmt: skip
-    for flag, value in (("--data", args.data), ("--samples", args.samples), ("--config", args.config),
-                        ("--out", args.out), ("--batch-size", args.batch_size)):  # fmt: skip
+    cmd = [sys.executable, "-m", "qwenkit.torchrun", "--standalone", f"--nproc-per-node={request.nproc}",
+           "-m", "qwenkit.cli", "eval", str(request.target)]  # fmt: skip
+    for flag, value in (("--data", request.data), ("--samples", request.samples), ("--config", request.config),
+                        ("--out", request.out), ("--batch-size", request.batch_size)):  # fmt: skip
         if value is not None:
             cmd.append(f"{flag}={value}")
-    if args.metric is not None:
-        cmd += ["--metric", *args.metric]
-    return subprocess.call(cmd)
+    if request.metric is not None:
+        cmd += ["--metric", *request.metric]
+    return subprocess.call(cmd, env={**os.environ, COMMAND_ENV: "eval"})  # torchrun's lines say qwenkit eval

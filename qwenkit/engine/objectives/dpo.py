@@ -258,24 +258,24 @@ class PreferenceObjective(Objective):
         return dict(zip(METRICS, (self.sums / self.norms[0].clamp(min=1)).tolist()))
 
     @staticmethod
-    def evaluate_cli(args, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
+    def evaluate_cli(request, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
         """``qwenkit eval`` of a dpo run: held-out pairs, the metrics the trainer logs (:func:`evaluate_pairs`);
         ``--samples``: the first that many pairs. Nothing is generated, so ``--metric`` is refused; rank 0
         scores every pair."""
-        if args.metric is not None:
-            raise ValueError(f"--metric {' '.join(args.metric)}: a dpo run is evaluated on its held-out pairs (the "
+        if request.metric is not None:
+            raise ValueError(f"--metric {' '.join(request.metric)}: a dpo run is evaluated on its held-out pairs (the "
                              "trainer's preference metrics), nothing is generated to score; leave --metric out")  # fmt: skip
         if rank != 0:
             return 0
-        if args.data is not None:
-            dataset = PairDataset(qdata.read_checked(cfg.data, processor, args.data, reads="pairs")[0])
+        if request.data is not None:
+            dataset = PairDataset(qdata.read_checked(cfg.data, processor, request.data, reads="pairs")[0])
         else:
             dataset = qdata.build(cfg, processor).eval_dataset
         if dataset is None or len(dataset) == 0:
-            where = f"--data {args.data!r}" if args.data else "the run"
+            where = f"--data {request.data!r}" if request.data else "the run"
             raise ValueError(f"{where}: no held-out pairs to evaluate; pass --data PATH")
-        if args.samples is not None:
-            dataset = PairDataset(dataset.samples, dataset.pairs[: args.samples])
+        if request.samples is not None:
+            dataset = PairDataset(dataset.samples, dataset.pairs[: request.samples])
         reference = None
         if cfg.dpo.loss != "simpo":  # the run's starting weights (model.path; a LoRA run's base)
             start = paths.resolve_path(cfg.model)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from qwenkit.engine.generation.evaluate import Evaluator, evaluate_replies
+from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
 from qwenkit.engine.generation.generate import Sampling
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
@@ -254,7 +254,7 @@ class GrpoObjective(Objective):
         if "cached" in state:
             self.cached, self.rollout_metrics, self.sample = state["cached"], state["rollout_metrics"], state["sample"]
 
-    evaluate_cli = staticmethod(evaluate_replies)  # eval loss, answer metrics, the generations file
+    evaluate_cli = staticmethod(evaluate_generations)  # answer metrics of the prompts' generations (eval loss where rows have replies)
 
 
 def read_completions(output_dir: str | Path) -> dict[int, list[dict]]:

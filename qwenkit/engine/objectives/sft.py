@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwenkit.engine.generation.evaluate import Evaluator, evaluate_replies
+from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
 from qwenkit.engine.objective import Objective
 
 
@@ -37,4 +37,4 @@ class Sft(Objective):
         # which a recomputed decoder layer would extend a second time in its backward
         return model(**batch, use_cache=False, num_items_in_batch=self.num_items, num_samples=self.num_samples).loss
 
-    evaluate_cli = staticmethod(evaluate_replies)  # eval loss, answer metrics, the generations file
+    evaluate_cli = staticmethod(evaluate_generations)  # eval loss, answer metrics, the generations file

@@ -13,6 +13,8 @@ JSON object per line, appended by every invocation of the run (a resumed run con
     {"event": "stopped", ..., "step": 30, "reason": "completed", "exit_code": 0}
     {"event": "failed", ..., "rank": 1, "by": "rank", "error": "ValueError", "message": "...",
      "summary": "qwenkit train: rank 1 failed: ..."}
+    {"event": "failed", ..., "rank": 0, "by": "rank", "error": "BadRows", "input": true, "message": "...",
+     "summary": "qwenkit train: 6 of 6 samples ... (rank 0; its traceback: ...)"}
     {"event": "failed", ..., "rank": 0, "by": "launcher", "error": "killed", "signal": "SIGKILL",
      "exit_code": 137, "message": "killed by SIGKILL ...", "summary": "qwenkit train: rank 0 (pid 7) failed first: ..."}
 
@@ -65,9 +67,11 @@ class EventLog:
         if self.enabled:
             records.append_jsonl(self.path, {"event": kind, "time": records.now(), "rank": self.rank, **fields})
 
-    def failed(self, error: BaseException, summary: str) -> None:
-        """This rank's own failure: the exception it raised."""
-        self.write("failed", by="rank", error=type(error).__name__, message=first_line(error), summary=summary)
+    def failed(self, error: BaseException, summary: str, user_input: bool = False) -> None:
+        """This rank's own failure: the exception it raised; ``user_input``: an input error (a bad row,
+        a reward's value: the summary is the one line people read, :func:`input_failure`)."""
+        extra = {"input": True} if user_input else {}
+        self.write("failed", by="rank", error=type(error).__name__, message=first_line(error), summary=summary, **extra)
 
 
 def first_line(error: BaseException | str) -> str:
@@ -94,6 +98,12 @@ def failed(events: list[dict[str, Any]], rank: int | None = None) -> bool:
     """Whether ``events`` hold a ``failed`` event (of ``rank``'s own, when given)."""
     return any(e.get("event") == "failed" and (rank is None or (e.get("rank") == rank and e.get("by") != "launcher"))
                for e in events)  # fmt: skip
+
+
+def input_failure(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``failed`` event of an input error a rank recorded (rank 0's first, which its console said), or None."""
+    found = [e for e in events if e.get("event") == "failed" and e.get("input")]
+    return min(found, key=lambda e: e.get("rank") != 0) if found else None
 
 
 def read(output_dir: str | Path) -> list[dict[str, Any]]:

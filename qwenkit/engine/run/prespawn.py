@@ -2,7 +2,8 @@
 
 ``qwenkit train`` (:mod:`qwenkit.launch`) and every sweep trial (:mod:`qwenkit.sweep.file`) pass
 :func:`check_before_spawn` first: the model directory and its module tree (built on meta: no
-weights read), the dataset path and the optional extras the run needs, the resume rule
+weights read), the dataset path and the optional extras the run needs, its bad rows when their index
+is cached (:func:`check_prepared_rows`), the resume rule
 (:func:`qwenkit.engine.checkpoints.resume.decide`: which checkpoint, whole, fitting this run's model,
 objective, data and ranks), the number of ranks this node can run, the HSDP shape.
 
@@ -17,7 +18,9 @@ import sys
 from pathlib import Path
 
 from qwenkit import config as qconfig
+from qwenkit.data import cache
 from qwenkit.data.conversation import parse_row
+from qwenkit.data.load import cached_problem
 from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
@@ -25,7 +28,7 @@ from qwenkit.engine.checkpoints import resume as resume_rule
 from qwenkit.engine.run import optim
 from qwenkit.model import family as families
 from qwenkit.model import lora, registry
-from qwenkit.model.paths import resolve_path
+from qwenkit.model.paths import load_processor, resolve_path
 
 
 def check_before_spawn(cfg, nodes: int = 1) -> list[str]:
@@ -48,6 +51,8 @@ def check_before_spawn(cfg, nodes: int = 1) -> list[str]:
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     else:
         problems.extend(check_extras(cfg))
+        if not problems and (bad := check_prepared_rows(cfg)):
+            problems.append(bad)
     problems.extend(check_resume(cfg, cfg.parallel.nproc * nodes))
     ranks = rank_count_problem(cfg.parallel)
     if ranks:
@@ -96,6 +101,24 @@ def check_extras(cfg) -> list[str]:
                                 "which is not installed: pip install 'qwenkit[video]'")  # fmt: skip
                 break
     return problems
+
+
+def check_prepared_rows(cfg) -> str | None:
+    """The bad-sample policy (``data.on_bad_sample``, ``data.max_bad_fraction``) on the training set
+    when its index is cached already (:func:`qwenkit.data.load.cached_problem`): a file of the wrong
+    layout (a DPO file given to GRPO, prompts alone given to SFT) is refused here, in one line, not
+    in every rank. Nothing is read when the cache holds no index (the ranks scan, and say it), nor
+    with ``data.fingerprint: content`` (its key hashes every data file)."""
+    folder = cache.cache_dir(cfg.data)
+    if cfg.data.path == "tiny" or not folder.is_dir() or not any(folder.glob("*.npz")):
+        return None
+    if cfg.data.fingerprint == "content":  # finding the index hashes every data file: the ranks' cost, not twice
+        return None
+    try:
+        processor = load_processor(cfg)
+        return cached_problem(cfg.data, processor, qconfig.OBJECTIVES[cfg.train.objective].reads)
+    except (DataError, OSError):  # a dataset that does not open: the ranks report it, file by file
+        return None
 
 
 def _has_videos(source, i: int, layout: str, prompts: bool) -> bool:

@@ -18,9 +18,13 @@ import traceback
 from pathlib import Path
 
 from qwenkit import config as qconfig
+from qwenkit.data.reader import DataError
+from qwenkit.data.report import BadRows, BadSample
 from qwenkit.distributed import fsdp
+from qwenkit.engine.generation.answers import UserFunctionError
 from qwenkit.engine.run import events, stopping
 from qwenkit.engine.run.train import Trainer
+from qwenkit.errors import TRACEBACK_ENV
 from qwenkit.rundir import RunDir
 
 
@@ -46,6 +50,9 @@ def _setup_logging(rank: int, output_dir: Path) -> Path:
     return path
 
 
+INPUT_ERRORS = (DataError, BadSample, BadRows, UserFunctionError)  # what the user fixes in their files: rows, rewards
+
+
 def report_failure(rank: int, error: BaseException, log_path: Path | None, note: str = "") -> str:
     """One line first (rank, exception, log), the traceback below it, once; returns the line.
 
@@ -53,14 +60,26 @@ def report_failure(rank: int, error: BaseException, log_path: Path | None, note:
     the agent's summary): the rank reports here and exits with status 1 instead of raising, and
     the torchrun wrapper the launcher runs (:func:`qwenkit.torchrun.quiet_torchrun`) keeps the
     agent's summary quiet.
+
+    An input error (:data:`INPUT_ERRORS`: a bad row, too many bad rows, a reward that returns no
+    number; each names its file and row, or reward and row) is the one line ``qwenkit train:
+    <error> (rank N; its traceback: LOG)``, on rank 0's console only (every rank reads the same rows;
+    another rank's own is said by the torchrun wrapper, from its ``failed`` event); the traceback
+    goes to the log, and to the console only with ``--traceback``.
     """
     message = events.first_line(error)
     where = f"log: {log_path}" if log_path is not None else "no log file: failed before logging started"
-    line = f"qwenkit train: rank {rank} failed: {type(error).__name__}: {message} ({where})"
-    if note:
-        line += f"; {note}"
     details = "".join(traceback.format_exception(error))
-    print(f"{line}\n{details}", file=sys.stderr, flush=True)
+    if isinstance(error, INPUT_ERRORS):
+        line = f"qwenkit train: {message} (rank {rank}; its traceback: {log_path or 'no log file'})"
+        shown = details if os.environ.get(TRACEBACK_ENV) == "1" else ""
+        if rank == 0:
+            print(f"{shown}{line}", file=sys.stderr, flush=True)
+    else:
+        line = f"qwenkit train: rank {rank} failed: {type(error).__name__}: {message} ({where})"
+        if note:
+            line += f"; {note}"
+        print(f"{line}\n{details}", file=sys.stderr, flush=True)
     if log_path is not None:
         logging.shutdown()  # flush the file handler before appending to its file
         with open(log_path, "a") as f:
@@ -90,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         note = beat.describe() if beat is not None and _looks_like_a_peer(e) else ""
         summary = report_failure(rank, e, log_path, note)
         if cfg is not None:
-            events.EventLog(cfg.train.output_dir, rank).failed(e, summary)
+            events.EventLog(cfg.train.output_dir, rank).failed(e, summary, user_input=isinstance(e, INPUT_ERRORS))
         return 1
     return trainer.exit_code
 

@@ -108,6 +108,8 @@ def test_exported_processor_resizes_as_training_did(run, tmp_path):
     # qwenkit eval of the export, with no --config: the export's bounds, not the config defaults
     model, processor, eval_cfg, _ = evaluate.load_for_eval(exported)
     assert (eval_cfg.data.min_pixels, eval_cfg.data.max_pixels) == (6272, 50176)
+    assert qconfig.load(exported / hf_export.RUN_CONFIG) == cfg  # the run's config travels with its export:
+    assert eval_cfg.data.tiny_eval_samples == 2  # its eval set too (the defaults have none)
     eval_grid, eval_pixels = _grid_and_pixels(processor.image_processor, image)
     torch.testing.assert_close(eval_grid, grid, rtol=0, atol=0)
     torch.testing.assert_close(eval_pixels, pixels, rtol=0, atol=0)

@@ -4,7 +4,6 @@ generation against one row at a time on one process."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import io
@@ -28,6 +27,7 @@ from qwenkit.engine.checkpoints import export as hf_export
 from qwenkit.engine.generation import answers, evaluate
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.engine.run import metrics, train
+from qwenkit.errors import COMMAND_ENV
 from qwenkit.model.processor import Processor
 
 BASE = ["train.resume=none", "data.tiny_samples=16", "data.tiny_eval_samples=5", "train.micro_batch_size=2"]
@@ -138,11 +138,11 @@ def _eval_worker(rank, out):
                                     ["exact"], rank, 2, out / f"lockstep-{batch_size}.jsonl", lockstep=True)  # fmt: skip
     assert (sharded.chunk_loss, sharded.vision_calls_per_step) == (True, 1)  # the training settings are back
     # and qwenkit eval --nproc 2's ranks on the run's last checkpoint, in this process group
-    args = argparse.Namespace(target=str(out / "two"), data=None, samples=3, config=None, out=str(out / "cli.jsonl"),
-                              metric=["exact", "normalized", "anls"], nproc=2, batch_size=None)  # fmt: skip
+    request = evaluate.EvalRequest(str(out / "two"), samples=3, out=str(out / "cli.jsonl"),
+                                   metric=("exact", "normalized", "anls"), nproc=2)  # fmt: skip
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        evaluate.eval_main(args)
+        evaluate.eval_main(request)
     if rank == 0:
         (out / "cli.txt").write_text(printed.getvalue())
     dist.barrier()
@@ -273,12 +273,12 @@ def test_qwenkit_eval_on_two_ranks_equals_the_trainers_evaluation(two_ranks):
 def test_qwenkit_eval_nproc_starts_itself_under_torchrun(monkeypatch, tmp_path):
     started = []
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(evaluate.subprocess, "call", lambda cmd: started.append(cmd) or 0)
-    args = argparse.Namespace(target=str(tmp_path), data=None, samples=3, config=None, out=None, nproc=3,
-                              batch_size=4, metric=["exact", "anls"])  # fmt: skip
-    assert evaluate.eval_main(args) == 0
-    assert started == [[sys.executable, "-m", "qwenkit.torchrun", "--standalone", "--nproc-per-node=3", "-m", "qwenkit.cli",
-                        "eval", str(tmp_path), "--samples=3", "--batch-size=4", "--metric", "exact", "anls"]]  # fmt: skip
+    monkeypatch.setattr(evaluate, "eval_source", lambda target, config: None)  # the checks before spawn: tested below
+    monkeypatch.setattr(evaluate.subprocess, "call", lambda cmd, env: started.append((cmd, env[COMMAND_ENV])) or 0)
+    request = evaluate.EvalRequest(str(tmp_path), samples=3, nproc=3, batch_size=4, metric=("exact", "anls"))
+    assert evaluate.eval_main(request) == 0
+    assert started == [([sys.executable, "-m", "qwenkit.torchrun", "--standalone", "--nproc-per-node=3", "-m", "qwenkit.cli",
+                         "eval", str(tmp_path), "--samples=3", "--batch-size=4", "--metric", "exact", "anls"], "eval")]  # fmt: skip
 
 
 def test_eval_arguments_are_checked_before_any_rank_starts(capsys, tmp_path):
@@ -296,9 +296,9 @@ def test_qwenkit_eval_of_a_dpo_run_refuses_metric_it_cannot_score():
     """A dpo run is evaluated on pairs, nothing generated: ``--metric`` is refused in one line (it was ignored);
     ``--samples`` takes the first pairs (tests/test_preference_train.py, on a trained run)."""
     cfg = qconfig.load(overrides=["train.objective=dpo"])
-    args = argparse.Namespace(metric=["exact"], data=None, samples=None)
+    request = evaluate.EvalRequest("run", metric=("exact",))
     with pytest.raises(ValueError, match=r"--metric exact: a dpo run is evaluated on its held-out pairs .* leave --metric out"):
-        objective.entry("dpo").evaluate_cli(args, None, None, cfg, "run", 0, 1, "cpu")
+        objective.entry("dpo").evaluate_cli(request, None, None, cfg, "run", 0, 1, "cpu")
 
 
 def test_resume_keeps_the_eval_schedule(tmp_path):
@@ -354,3 +354,84 @@ def test_report_to_tensorboard_writes_every_metric_next_to_the_jsonl(tmp_path):
         (point,) = [e for e in events.Scalars(row["metric"]) if e.step == row["x"]]
         assert point.value == pytest.approx(row["value"], rel=1e-6)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# qwenkit eval of what users type (issue 55: GRPO runs, tiny, exports, refusals before any rank)
+
+
+def _write_yaml(path, overrides):
+    """A params file of dotted overrides (nested YAML), as a user writes one."""
+    nested: dict = {}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        *sections, leaf = key.split(".")
+        node = nested
+        for s in sections:
+            node = node.setdefault(s, {})
+        node[leaf] = qconfig.parse_yaml(value)
+    path.write_text(json.dumps(nested))  # JSON is YAML
+    return path
+
+
+def _prompts_file(path, n=4):
+    """EasyR1's rows: a prompt and its answer column, no reply (GRPO's data)."""
+    path.write_text("".join(json.dumps({"problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(n)))
+    return path
+
+
+GRPO_EVAL = ["train.objective=grpo", "train.eval_max_new_tokens=3", "train.eval_samples=2", "grpo.max_new_tokens=3"]
+
+
+def test_qwenkit_eval_of_a_grpo_run_scores_its_prompts_by_generation_without_an_eval_loss(tmp_path, tiny_path, capsys):
+    """A GRPO run's prompt-only eval set (and another prompt-only file): generations and metrics, no
+    eval loss, as the trainer evaluates them (it said "no label tokens", or that the rows are "a
+    prompt for train.objective=grpo" of a grpo run)."""
+    from qwenkit import cli
+
+    prompts = _prompts_file(tmp_path / "prompts.jsonl")
+    run = _write_yaml(tmp_path / "grpo.yaml", GRPO_EVAL + [f"data.path={prompts}", "data.eval_fraction=0.5"])
+    for extra in ([], ["--data", str(_prompts_file(tmp_path / "other.jsonl", 3))]):
+        code = cli.main(["eval", str(tiny_path), "--config", str(run), "--out", str(tmp_path / "g.jsonl"), *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "eval_loss - (no row has a reply" in out and "eval_accuracy 0.0000 (0/2 exact matches)" in out, out
+
+
+def test_qwenkit_eval_takes_data_tiny_an_exports_own_config_and_a_grpo_run_whose_rewards_do_not_import(
+    tmp_path, tiny_path, capsys
+):  # fmt: skip
+    """``--data tiny`` as ``data.path: tiny`` trains; an export carries its run's config (its eval set:
+    a tiny run's data.tiny_eval_samples); a GRPO run's reward module is not imported (eval never calls it)."""
+    import shutil
+
+    from qwenkit import cli
+
+    def evaluates(*argv):
+        code = cli.main(["eval", *argv, "--samples", "1", "--out", str(tmp_path / "g.jsonl")])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "eval_accuracy" in out and "generation: 1 rows" in out, out
+
+    grpo = _write_yaml(tmp_path / "grpo.yaml", GRPO_EVAL + ["grpo.rewards=[no_such_module:reward]"])
+    evaluates(str(tiny_path), "--data", "tiny", "--config", str(grpo))
+    exported = tmp_path / "export"
+    shutil.copytree(tiny_path, exported)
+    qconfig.write_config(qconfig.load(overrides=["data.tiny_eval_samples=2", "train.eval_max_new_tokens=3"]), exported,
+                         hf_export.RUN_CONFIG)  # fmt: skip
+    evaluates(str(exported))
+
+
+def test_eval_nproc_refuses_a_family_mismatch_before_any_rank_starts(tmp_path, tiny_path, capsys, monkeypatch):
+    """The family check the ranks would each fail (twice, under a 'qwenkit train' heading) is made
+    once before torchrun starts: one line, exit 2."""
+    from qwenkit import cli
+
+    started = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(evaluate.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
+    other = _write_yaml(tmp_path / "other.yaml", ["model.name=qwen3_vl"])
+    assert cli.main(["eval", str(tiny_path), "--nproc", "2", "--config", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qwenkit eval: model.name='qwen3_vl' but ") and len(err.strip().splitlines()) == 1, err
+    assert started == []
