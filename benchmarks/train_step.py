@@ -37,7 +37,7 @@ the prompt and its image, with different replies, and the step is DPO's (sigmoid
 
 - ``dpo-hf``: DPO as TRL computes it: the policy's forward on both rows (full ``[2, S, V]``
   logits), the reference's (a frozen copy of the starting model) under ``no_grad``, each
-  reduced by a ``log_softmax`` gather (:func:`qwenkit.model.loss.full_sequence_logps`), plain AdamW;
+  reduced by a ``log_softmax`` gather (:func:`qwenkit.model.logps.full_sequence_logps`), plain AdamW;
 - ``dpo``: qwenkit's step: ``sequence_logps`` (per-sequence sums from the chunked head, no
   logits in forward or backward) of the policy and of the frozen reference copy, fused AdamW;
 - ``dpo-precompute``: qwenkit's step with ``dpo.precompute_ref: true``: the reference log-probs
@@ -299,9 +299,8 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from qwenkit.device import memory_bytes, reset_peak_memory
-    from qwenkit.model.loss import full_sequence_logps
+    from qwenkit.model.logps import full_sequence_logps, full_token_logps
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
-    from qwenkit.model.token_logps import full_token_logps
 
     batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
     inputs = {k: v for k, v in batch.items() if k != "labels"}

@@ -8,14 +8,13 @@ from conftest import EVERY_FAMILY
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from qwenkit.model.logps import full_sequence_logps, sequence_logps
 from qwenkit.model.loss import (
     CHUNK_MULTIPLE,
     IGNORE_INDEX,
     auto_chunk_size,
     chunked_linear_cross_entropy,
     full_cross_entropy,
-    full_sequence_logps,
-    sequence_logps,
 )
 
 # fp32: both sides do the same math in a different summation order; errors stay ~1e-7 relative.

@@ -11,8 +11,8 @@ from conftest import EVERY_FAMILY
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.test_chunked import _video_batch
+from qwenkit.model.logps import full_token_logps, token_logps
 from qwenkit.model.loss import IGNORE_INDEX
-from qwenkit.model.token_logps import full_token_logps, token_logps
 
 # fp32 on both sides; the chunked head sums the softmax in another order: a few ulps of the sums
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -51,6 +51,34 @@ def test_token_logps_entropies_and_grads_equal_full_logits(chunk, frac, with_bia
             assert a is None or a.abs().max() == 0
             continue
         torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tempered_logps_entropies_and_grads_equal_trls(temperature, with_bias):
+    """GRPO's log-probs and entropy belong to the distribution the rollout sampled: TRL divides the
+    logits by the temperature before both (``selective_log_softmax_and_entropy``, what its
+    ``_get_per_token_logps_and_entropies`` computes)."""
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+
+    hidden, weight, labels = _inputs(ignore_frac=0.3, seed=5)
+    bias = (torch.randn(97) * 0.1).requires_grad_() if with_bias else None
+    logits = torch.nn.functional.linear(hidden, weight, bias)[:, :-1]  # position t predicts labels[t + 1]
+    target = labels[:, 1:]
+    valid = target != IGNORE_INDEX
+    ref, ref_ent = selective_log_softmax_and_entropy(logits, target.clamp(min=0), entropy_requires_grad=False,
+                                                     temperature=temperature)  # fmt: skip
+    got, ent = token_logps(hidden, weight, labels, chunk_size=7, bias=bias, entropy=True, temperature=temperature)
+    torch.testing.assert_close(got[:, :-1], ref * valid, **FP32)
+    torch.testing.assert_close(ent[:, :-1], ref_ent * valid, **FP32)
+    g = _upstream(ref.shape)
+    tensors = (hidden, weight) + ((bias,) if with_bias else ())
+    want = torch.autograd.grad((ref * valid * g).sum(), tensors)
+    for a, b in zip(torch.autograd.grad((got[:, :-1] * g).sum(), tensors), want):
+        # summation-order noise is relative to the largest terms summed (1 / T scales them)
+        torch.testing.assert_close(a, b, rtol=FP32["rtol"], atol=FP32["atol"] * max(1.0, float(b.abs().max())))
+    untempered, _ = token_logps(hidden, weight, labels, chunk_size=7, bias=bias)
+    assert not torch.allclose(got, untempered)  # the temperature is not a no-op here
 
 
 def test_skip_ignored_and_dense_agree_and_without_entropy_none_is_returned():
