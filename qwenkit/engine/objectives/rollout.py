@@ -111,27 +111,40 @@ class HfRollouts:
         self.where = "lockstep" if collective else where
         self.chosen: tuple[str, str] | None = None  # (gather | lockstep, why) of the last rollout
 
-    @torch.no_grad()
     def __call__(self, model: nn.Module, dataset, indices: list[int], draw: int) -> list[Completion]:
         tok = dataset.processor.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
-        pad = dataset.processor.pad_token_id
-        config = generation_config(Sampling(self.sampling.max_new_tokens), end, pad)  # greedy: RowSampler draws
-        config.suppress_tokens = media_tokens(dataset.processor)
-        device = next(model.parameters()).device
         asked = [dataset.prompt(i) for i in indices]
-        rows = [(k, g) for k in range(len(indices)) for g in range(self.num_generations)]  # [position in indices, g]
-        rows.sort(key=lambda r: -asked[r[0]][0]["input_ids"].shape[1])  # longest first: stable, little padding
+        keys = [(k, g) for k in range(len(indices)) for g in range(self.num_generations)]  # [position in indices, g]
+        seeds = [completion_seed(self.sampling.seed, draw, indices[k], g) for k, g in keys]
+        tokens = self.sample_rows(model, [asked[k][0] for k, _ in keys], seeds, end, dataset.processor.pad_token_id,
+                                  media_tokens(dataset.processor))  # fmt: skip
+        done = []
+        for (k, _), new in zip(keys, tokens):
+            new, text, truncated = completion(tok, new, end)
+            done.append(Completion(indices[k], asked[k][0], new, text, truncated, asked[k][1].reference,
+                                   dataset.columns(indices[k])))  # fmt: skip
+        return done
+
+    @torch.no_grad()
+    def sample_rows(self, model: nn.Module, prompts: list[dict], seeds: list[int], end: int, pad: int,
+                    suppress: list[int]) -> list[list[int]]:  # fmt: skip
+        """The new tokens of each ``[1, S]`` prompt of ``prompts``, sampled from ``seeds``' generators (one a
+        row), ended by ``end`` (then ``pad``) or ``max_new_tokens``; ``suppress``: tokens never drawn."""
+        config = generation_config(Sampling(self.sampling.max_new_tokens), end, pad)  # greedy: RowSampler draws
+        config.suppress_tokens = suppress
+        device = next(model.parameters()).device
+        rows = sorted(range(len(prompts)), key=lambda r: -prompts[r]["input_ids"].shape[1])  # longest first, stable
         size = self.batch_size or len(rows)
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
-        longest = max((a[0]["input_ids"].shape[1] for a in asked), default=1)
+        longest = max((p["input_ids"].shape[1] for p in prompts), default=1)
         self.chosen = choose_generation(self.where, model, Sampling(self.sampling.max_new_tokens, size), longest, device)
         gathered = self.chosen[0] == "gather"
-        if gathered is False and dist.is_initialized() and dist.get_world_size() > 1:
+        if not gathered and dist.is_initialized() and dist.get_world_size() > 1:
             calls = torch.tensor([len(batches)], device=device)
             dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank makes as many lockstep calls
             batches += [[] for _ in range(int(calls.item()) - len(batches))]  # a dummy call each, dropped
-        tokens: dict[tuple[int, int], list[int]] = {}
+        tokens: dict[int, list[int]] = {}
         was_training = model.training
         model.eval()
         try:
@@ -139,26 +152,18 @@ class HfRollouts:
                 stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
                 if gathered:
                     stack.enter_context(unsharded(model))
-                step = stack.enter_context(lockstep(model, synced=None if not gathered else False))
+                step = stack.enter_context(lockstep(model, synced=False if gathered else None))
                 for chunk in batches:
-                    prompts = [asked[k][0] for k, _ in chunk] or [dummy_prompt(pad)]
-                    inputs = {key: v.to(device) for key, v in left_pad(prompts, pad).items()}
+                    inputs = {k: v.to(device) for k, v in left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad).items()}
                     if not chunk:
                         step(inputs, one_token(config))
                         continue
-                    seeds = [completion_seed(self.sampling.seed, draw, indices[k], g) for k, g in chunk]
-                    sampler = RowSampler(seeds, self.sampling.temperature, self.sampling.top_p)
-                    out = step(inputs, config, logits_processor=[sampler])[:, inputs["input_ids"].shape[1] :]
+                    sampler = RowSampler([seeds[r] for r in chunk], self.sampling.temperature, self.sampling.top_p)
+                    out = step(inputs, config, logits_processor=[sampler])[:, inputs["input_ids"].shape[1] :]  # [B, new]
                     tokens.update(zip(chunk, out.tolist()))
         finally:
             model.train(was_training)
-        done = []
-        for k, i in enumerate(indices):
-            columns = dataset.columns(i)
-            for g in range(self.num_generations):
-                new, text, truncated = completion(tok, tokens[k, g], end)
-                done.append(Completion(i, asked[k][0], new, text, truncated, asked[k][1].reference, columns))
-        return done
+        return [tokens[r] for r in range(len(prompts))]
 
 
 def completion(tokenizer, new: list[int], end: int) -> tuple[list[int], str, bool]:
