@@ -67,7 +67,8 @@ def out(tmp_path_factory, tiny_path):
     iter: two updates per rollout (rollouts at steps 1 and 3); iter_lost: the same, checkpointed every
     step, its checkpoints after step 1 lost and run again from there (in the middle of a cycle);
     iter_ranks: on 2 ranks, stopped after step 1, resumed on 1 process; iter_changed: stopped after
-    step 1 (in the middle of a cycle), resumed with a longer grpo.max_new_tokens."""
+    step 1 (in the middle of a cycle), resumed with a longer grpo.max_new_tokens; cold: sampled at
+    grpo.temperature=1e-6 (every completion of a group its greedy one)."""
     out = tmp_path_factory.mktemp("grpo")
     one = ["train.micro_batch_size=2"]
     cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop
@@ -81,7 +82,8 @@ def out(tmp_path_factory, tiny_path):
                                   ("lora", lora, 0), ("iter", cycle, 0), ("iter_lost", lost, 1), ("iter_lost", lost, 0),
                                   ("iter_ranks", [*ranks, "train.micro_batch_size=2"], 0),
                                   ("iter_changed", [*cycle, "checkpoint.save_final=true", "train.stop_after=1"], 0),
-                                  ("iter_changed", [*cycle, "grpo.max_new_tokens=7"], 0)])  # fmt: skip
+                                  ("iter_changed", [*cycle, "grpo.max_new_tokens=7"], 0),
+                                  ("cold", [*one, "grpo.temperature=1e-6", "train.steps=1"], 0)])  # fmt: skip
     return out
 
 
@@ -111,6 +113,15 @@ def test_trl_metric_names_and_step_one_kl_is_zero(out):
     assert {r["unit"] for r in rows if r["metric"] == "rollout_time"} == {"s"}
     cycle = metrics.series(metrics.read(out / "iter" / "metrics" / "rank-00000.jsonl"), "rollout_time")
     assert cycle[1] > 0 and cycle[2] == 0 and cycle[3] > 0  # num_iterations=2: step 2 reuses step 1's rollout
+
+
+def test_entropy_and_log_probs_belong_to_the_tempered_distribution_the_rollout_sampled(out):
+    """At T = 1e-6 a group's completions are one (greedy) completion: the distribution sampled has no
+    entropy, and so must the one the loss reads (untempered, the tiny model's reads ~log V = 6)."""
+    (first,) = _history(out, "cold")
+    assert first["frac_reward_zero_std"] == 1  # every group's completions alike
+    assert first["entropy"] < 1e-3
+    assert first["kl"] == 0 and first["loss"] == 0  # the policy is its reference; equal rewards: no advantage
 
 
 def test_lora_reference_is_the_policy_without_adapters(out):
