@@ -37,7 +37,7 @@ the prompt and its image, with different replies, and the step is DPO's (sigmoid
 
 - ``dpo-hf``: DPO as TRL computes it: the policy's forward on both rows (full ``[2, S, V]``
   logits), the reference's (a frozen copy of the starting model) under ``no_grad``, each
-  reduced by a ``log_softmax`` gather (:func:`qwenkit.model.loss.full_sequence_logps`), plain AdamW;
+  reduced by a ``log_softmax`` gather (:func:`qwenkit.model.logps.full_sequence_logps`), plain AdamW;
 - ``dpo``: qwenkit's step: ``sequence_logps`` (per-sequence sums from the chunked head, no
   logits in forward or backward) of the policy and of the frozen reference copy, fused AdamW;
 - ``dpo-precompute``: qwenkit's step with ``dpo.precompute_ref: true``: the reference log-probs
@@ -53,9 +53,23 @@ of 2, advantages +1 and -1), and the step is GRPO's learner step (dapo, beta 0.0
 frozen copy): ``grpo-hf`` takes per-token log-probs from full ``[2, S, V]`` logits (TRL's
 ``selective_log_softmax``), ``grpo`` from the chunked head (``token_logps``, no logits), ``grpo-lora``
 the same with LoRA (r = 16, all-linear), the reference being the policy with its adapters disabled. Target:
-``grpo`` peak <= 0.5x ``grpo-hf``. The ``grpo`` worker then times one rollout of the group (two
-completions of the batch's length, sampled through the kit's generation path) and prints the
-split of a step's time between rollout and learner.
+``grpo`` peak <= 0.5x ``grpo-hf``. Then the rollouts, on the same model FSDP2-sharded in a one-rank
+process group, each variant ``--rollout-prompts`` prompts (the batch's prompt and image) x 2
+completions of the batch's completion length (the end token suppressed: full length):
+
+- ``rollout-lockstep``: the rollout as it was before issue 51: one ``generate`` call per prompt's
+  group, on the sharded model in lockstep (every unit all-gathered at every forward), HF's sampling;
+- ``rollout``: :class:`qwenkit.engine.objectives.rollout.HfRollouts` with ``where=gather``: every unit
+  gathered once for the rollout (:func:`qwenkit.distributed.fsdp.unsharded`), every completion of
+  every prompt in one batched ``generate`` call, each drawn from its own seeded generator.
+
+Each prints its seconds, completion tokens per second, the FSDP2 all-gathers of the rollout
+(:func:`qwenkit.bench.collectives.count_all_gathers`: unit gathers, counted the same on one rank as
+on many) and its peak, and the step's split: a step of ``P`` prompts is their rollout and ``P``
+learner micro-batches of one group (the ``grpo`` variant's step time x ``P``). Targets: ``rollout``
+share of the step <= 35%, tokens/s >= 4x ``rollout-lockstep``'s, all-gathers independent of the
+completion length. ``rollout-lockstep`` makes one call per prompt, so its tokens/s do not depend
+on ``P``: ``--lockstep-prompts`` (default 1) keeps it short.
 
     python benchmarks/train_step.py                       # CPU config: text 1024 x 4 layers, V=151,936, S=2048
     python benchmarks/train_step.py --device cuda         # Qwen2.5-VL-3B shapes in bf16 (+ Liger FLCE if installed)
@@ -106,6 +120,7 @@ SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants who
 DPO_VARIANTS = ("dpo-hf", "dpo", "dpo-precompute", "dpo-lora")
 DPO_BETA = 0.1
 GRPO_VARIANTS = ("grpo-hf", "grpo", "grpo-lora")
+ROLLOUT_VARIANTS = ("rollout-lockstep", "rollout")
 
 
 def pair_batch(config, seq: int, image_side: int, device="cpu") -> dict:
@@ -246,6 +261,8 @@ def worker(args) -> dict:
     torch.manual_seed(0)
     if args.variant in DPO_VARIANTS + GRPO_VARIANTS:
         return dpo_worker(args, config, shapes, device, dtype)
+    if args.variant in ROLLOUT_VARIANTS:
+        return rollout_worker(args, config, shapes, device, dtype)
     if args.variant == "hf" or args.variant == "liger":
         model = families.get(args.family).load("hf_class")(config)
     else:
@@ -299,9 +316,8 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from qwenkit.device import memory_bytes, reset_peak_memory
-    from qwenkit.model.loss import full_sequence_logps
+    from qwenkit.model.logps import full_sequence_logps, full_token_logps
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
-    from qwenkit.model.token_logps import full_token_logps
 
     batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -358,45 +374,100 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
         "variant": args.variant, "step_s": step_s, "peak_bytes": peak,
         "params": n_params, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "losses": losses, "tokens": 2 * shapes["seq"], "optimizer": "AdamW fused" if fused else "AdamW foreach",
-        "rollout_s": rollout_seconds(model, batch, device) if args.variant == "grpo" else None,
     }  # fmt: skip
 
 
-def rollout_seconds(model, batch: dict, device) -> float:
-    """Seconds to sample the group's two completions (as long as the batch's: ``min_new_tokens``) from
-    the prompt through the kit's generation path (:func:`qwenkit.engine.generation.generate.lockstep`, HF ``generate``
-    with a KV cache), as a GRPO rollout makes them."""
+def rollout_worker(args, config, shapes, device, dtype) -> dict:
+    """One rollout variant (see the module docstring) on the model FSDP2-sharded in a one-rank group."""
     import torch
+    import torch.distributed as dist
 
-    from qwenkit.engine.generation.generate import Sampling, generation_config, lockstep
+    from qwenkit import config as qconfig
+    from qwenkit.bench.collectives import count_all_gathers
+    from qwenkit.device import memory_bytes, reset_peak_memory
+    from qwenkit.distributed import fsdp
+    from qwenkit.engine.generation.generate import Sampling, generation_config, left_pad, lockstep
+    from qwenkit.engine.objectives.rollout import HfRollouts
+    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 
-    prompt = int((batch["labels"][0] == -100).sum())
-    new = batch["input_ids"].shape[1] - prompt
-    inputs = {k: batch[k][:, :prompt] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in batch}
-    inputs |= {k: v for k, v in batch.items() if k in ("pixel_values", "image_grid_thw")}
-    config = generation_config(Sampling(new, temperature=1.0), eos_token_id=0, pad_token_id=0)
-    config.min_new_tokens = new  # the completion's full length: the end token (0) is never drawn before it
-    torch.manual_seed(0)
-    model.eval()
-    with torch.no_grad(), lockstep(model) as step:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto").to(device=device, dtype=dtype)
+    runtime = fsdp.Runtime(0, 1, 0, device, "gloo", False)
+    fsdp.shard(model, qconfig.load().parallel, fsdp.build_mesh(runtime))
+    batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
+    prompt_len = int((batch["labels"][0] == -100).sum())
+    new = batch["input_ids"].shape[1] - prompt_len
+    prompt = {k: batch[k][:1, :prompt_len] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in batch}
+    grid = batch["image_grid_thw"][:1]
+    prompt |= {"pixel_values": batch["pixel_values"][: int(grid.prod())], "image_grid_thw": grid}
+    prompts = args.lockstep_prompts if args.variant == "rollout-lockstep" else args.rollout_prompts
+    end = 0  # suppressed: every completion runs to its full length
+    reset_peak_memory(device)
+    with count_all_gathers() as gathers:
         t0 = time.perf_counter()
-        step(inputs, config)
+        if args.variant == "rollout-lockstep":  # one generate call per prompt's group, HF sampling
+            generation = generation_config(Sampling(new, temperature=1.0), eos_token_id=end, pad_token_id=end)
+            generation.suppress_tokens = [end]
+            model.eval()
+            with torch.no_grad(), lockstep(model) as step:
+                for p in range(prompts):
+                    torch.manual_seed(p)
+                    step(left_pad([prompt] * 2, end), generation)
+        else:
+            rollouts = HfRollouts(Sampling(new, temperature=1.0), 2, where="gather")
+            rollouts.sample_rows(model, [prompt] * (2 * prompts), list(range(2 * prompts)), end, end, [end])
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+    element = next(model.parameters()).element_size()
+    return {"variant": args.variant, "rollout_s": seconds, "prompts": prompts, "completions": 2 * prompts, "new": new,
+            "all_gathers": len(gathers), "gathered_bytes": sum(gathers) * element,
+            "peak_bytes": memory_bytes(device, peak=True)}  # fmt: skip
 
 
 def dpo_main(args) -> int:
     """``--objective dpo`` or ``grpo``: the two-row steps of the module docstring, each against its full-logits step."""
     grpo = args.objective == "grpo"
-    variants = args.variants or list(GRPO_VARIANTS if grpo else DPO_VARIANTS)
+    variants = args.variants or list(GRPO_VARIANTS + ROLLOUT_VARIANTS if grpo else DPO_VARIANTS)
+    rollout_rows = [_spawn(args, v) for v in variants if v in ROLLOUT_VARIANTS]
+    variants = [v for v in variants if v not in ROLLOUT_VARIANTS]
     what = f"GRPO learner step (grpo.beta {args.beta}), two completions" if grpo else "DPO step, one pair"
     print(f"{what} of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
           f"shapes={args.shapes} vocab={VOCAB:,} device={args.device}")  # fmt: skip
     rows = [_spawn(args, v) for v in variants]
-    base = next((r for r in rows if r["variant"] in ("dpo-hf", "grpo-hf")), rows[0])
+    base = next((r for r in rows if r["variant"] in ("dpo-hf", "grpo-hf")), rows[0]) if rows else None
+    if rows:
+        _learner_table(rows, base)
+    learner = next((r for r in rows if r["variant"] == "grpo"), None)
+    if rollout_rows:
+        _rollout_table(rollout_rows, learner)
+    if args.out:
+        from qwenkit.notebooks.results import write_jsonl
+
+        write_jsonl(rows + rollout_rows, args.out)
+    return 0
+
+
+def _rollout_table(rows: list[dict], learner: dict | None) -> None:
+    """The rollout variants against ``rollout-lockstep``, and each one's share of a step of its prompts."""
+    base = next((r for r in rows if r["variant"] == "rollout-lockstep"), rows[0])
+    print(f"\n{'rollout':<18}{'prompts':>8}{'tokens':>8}{'s':>9}{'tok/s':>8}{'x lockstep':>11}{'all-gathers':>12}"
+          f"{'GiB gathered':>13}{'peak GiB':>9}{'share':>7}")  # fmt: skip
+    for r in rows:
+        tokens = r["completions"] * r["new"]
+        r["tokens_per_s"] = tokens / r["rollout_s"]
+        r["speedup"] = r["tokens_per_s"] / (base["completions"] * base["new"] / base["rollout_s"])
+        # a step of P prompts: their rollout, then P learner micro-batches of one group (the grpo variant's step)
+        r["share"] = r["rollout_s"] / (r["rollout_s"] + r["prompts"] * learner["step_s"]) if learner else None
+        share = f"{r['share']:>7.0%}" if learner else f"{'':>7}"
+        print(f"{r['variant']:<18}{r['prompts']:>8}{tokens:>8}{r['rollout_s']:>9.2f}{r['tokens_per_s']:>8.1f}"
+              f"{r['speedup']:>11.2f}{r['all_gathers']:>12}{r['gathered_bytes'] / GiB:>13.2f}{r['peak_bytes'] / GiB:>9.2f}{share}")  # fmt: skip
+    if learner:
+        print(f"share: the rollout over the rollout plus `prompts` learner micro-batches of {learner['step_s']:.2f} s "
+              "(the grpo variant's step); targets: rollout share <= 35%, tok/s >= 4x lockstep")  # fmt: skip
+
+
+def _learner_table(rows: list[dict], base: dict) -> None:
     print(f"\n{'variant':<10}{'optimizer':>15}{'step s':>8}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}{'trainable':>13}"
           f"{'first loss':>12}")  # fmt: skip
     targets = {"dpo": "peak <= 0.50x, time <= 0.80x", "dpo-precompute": "peak <= 0.50x, time <= 0.80x",
@@ -406,16 +477,7 @@ def dpo_main(args) -> int:
         print(f"{r['variant']:<10}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['peak_bytes'] / GiB:>10.2f}"
               f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['trainable']:>13,}{r['losses'][0]:>12.5f}"
               f"{'   target ' + targets[r['variant']] if r['variant'] in targets else ''}")  # fmt: skip
-    for r in rows:
-        if r.get("rollout_s"):  # one rollout of the group and one learner step: where a GRPO step's time goes
-            total = r["rollout_s"] + r["step_s"]
-            print(f"\n{r['variant']}: rollout {r['rollout_s']:.2f} s (sampling the 2 completions) + learner "
-                  f"{r['step_s']:.2f} s: rollout {r['rollout_s'] / total:.0%}, learner {r['step_s'] / total:.0%}")  # fmt: skip
-    if args.out:
-        from qwenkit.notebooks.results import write_jsonl
 
-        write_jsonl(rows, args.out)
-    return 0
 
 
 def _mfu_cell(value: float | None, width: int) -> str:
@@ -425,7 +487,8 @@ def _mfu_cell(value: float | None, width: int) -> str:
 def _spawn(args, variant: str) -> dict:
     cmd = [__file__, "--worker", "--variant", variant, "--device", args.device,
            "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--gemm-size", str(args.gemm_size), "--objective", args.objective, "--family", args.family, "--beta", str(args.beta)]  # fmt: skip
+           "--gemm-size", str(args.gemm_size), "--objective", args.objective, "--family", args.family, "--beta", str(args.beta),
+           "--rollout-prompts", str(args.rollout_prompts), "--lockstep-prompts", str(args.lockstep_prompts)]  # fmt: skip
     return fresh_process(cmd, f"variant {variant}")  # the same allocator for every variant
 
 
@@ -442,6 +505,9 @@ def main(argv=None) -> int:
     p.add_argument("--beta", type=float, default=None,
                    help="grpo: the KL weight of every variant (default: grpo.beta's default; 0 builds no reference)")
     p.add_argument("--variants", nargs="+", default=None)
+    p.add_argument("--rollout-prompts", type=int, default=4, help="grpo: prompts (x 2 completions) of the rollout variant")
+    p.add_argument("--lockstep-prompts", type=int, default=1,
+                   help="grpo: prompts of rollout-lockstep (one generate call each: its tokens/s do not depend on it)")
     p.add_argument("--family", default="qwen2_5_vl", choices=list(CONFIGS), help="the model family (model.name)")
     p.add_argument("--out", default=None, help="also write the results as JSON lines here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -33,6 +33,7 @@ class GrpoConfig:
     max_new_tokens: int = 512  # a completion's length limit (TRL's max_completion_length; dr_grpo divides by it)
     temperature: float = 1.0  # sampling temperature of the rollouts (> 0: a group of greedy copies learns nothing)
     top_p: float = 1.0  # nucleus sampling's mass
+    rollout_batch_size: int = 0  # completions sampled together in one generate call (0: all of a rank's rollout)
     beta: float = 0.0  # weight of the k3 KL to the reference; 0: no reference is built or run
     epsilon: float = 0.2  # clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher recommends 0.28)
@@ -60,6 +61,7 @@ def check(cfg: Config, need: Need) -> None:
     need(grpo.max_new_tokens >= 1, f"grpo.max_new_tokens must be >= 1, got {grpo.max_new_tokens}")
     need(grpo.temperature > 0, f"grpo.temperature must be > 0 (greedy rollouts of a group are all alike), got {grpo.temperature}")
     need(0 < grpo.top_p <= 1, f"grpo.top_p must be in (0, 1], got {grpo.top_p}")
+    need(grpo.rollout_batch_size >= 0, f"grpo.rollout_batch_size must be >= 0 (0: all), got {grpo.rollout_batch_size}")
     need(grpo.beta >= 0, f"grpo.beta must be >= 0 (0: no reference), got {grpo.beta}")
     need(grpo.epsilon > 0, f"grpo.epsilon must be > 0, got {grpo.epsilon}")
     if grpo.epsilon_high is not None:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
-from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy, sequence_logps
-from qwenkit.model.token_logps import token_logps
+from qwenkit.model.logps import sequence_logps, token_logps
+from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +210,14 @@ class ChunkLossMixin:
 
     def sequence_logps(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence ``(sums [B], counts [B])`` of the label log-probs, without logits (preference
-        objectives): :func:`qwenkit.model.loss.sequence_logps` as the head's loss function."""
+        objectives): :func:`qwenkit.model.logps.sequence_logps` as the head's loss function."""
         return self._labelled_head(sequence_logps, input_ids, labels, kwargs)
 
-    def token_logps(self, input_ids=None, labels=None, entropy: bool = False, **kwargs):
-        """Per-token ``(logps [B, S], entropies [B, S] or None)`` of the labels, without logits (GRPO):
-        :func:`qwenkit.model.token_logps.token_logps` as the head's loss function."""
-        return self._labelled_head(functools.partial(token_logps, entropy=entropy), input_ids, labels, kwargs)
+    def token_logps(self, input_ids=None, labels=None, entropy: bool = False, temperature: float = 1.0, **kwargs):
+        """Per-token ``(logps [B, S], entropies [B, S] or None)`` of the labels under the logits divided by
+        ``temperature``, without logits (GRPO): :func:`qwenkit.model.logps.token_logps` as the head's loss function."""
+        head = functools.partial(token_logps, entropy=entropy, temperature=temperature)
+        return self._labelled_head(head, input_ids, labels, kwargs)
 
     def _labelled_head(self, head_fn, input_ids, labels, kwargs) -> tuple:
         """HF's backbone as in the chunk-loss forward, then the lm_head module with ``head_fn`` as

@@ -1,7 +1,7 @@
 """GRPO's loss (and Dr. GRPO, DAPO, BNPO, GSPO) of per-token log-probs: the math, no model.
 
 Inputs per completion ``b`` and completion token ``t`` (``mask [B, T]`` marks them): the policy's
-log-probs ``logp`` (:func:`qwenkit.model.token_logps.token_logps`), the rollout policy's ``old``
+log-probs ``logp`` (:func:`qwenkit.model.logps.token_logps`), the rollout policy's ``old``
 (``None``: this is the rollout's own policy, ``old = logp.detach()``), the reference's ``ref``
 (``beta > 0``) and the advantage ``A[b]`` (:func:`group_advantages`). As TRL 1.16's
 ``GRPOTrainer._compute_loss``:

@@ -107,7 +107,7 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _chunk_pass(hidden, weight, bias, targets, weights, rows, chunk, need_h, need_w, need_b):
+def chunk_pass(hidden, weight, bias, targets, weights, rows, chunk, need_h, need_w, need_b):
     """Loss, and the gradients asked for, of the rows ``rows`` (all rows when None).
 
     hidden [N, H], weight [V, H], bias [V] or None, all in the compute dtype; targets [N];
@@ -177,10 +177,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, weights, rows, chunk, dtype):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        with _autocast_off(hidden.device.type):  # operands are cast to `dtype` here, as autocast would
+        with autocast_off(hidden.device.type):  # operands are cast to `dtype` here, as autocast would
             w_c = weight.to(dtype)  # no copy when the dtypes agree
             b_c = bias.to(dtype) if bias is not None else None
-            loss, grad_h, grad_w, grad_b = _chunk_pass(
+            loss, grad_h, grad_w, grad_b = chunk_pass(
                 hidden.to(dtype), w_c, b_c, targets, weights, rows, chunk, need_h, need_w, need_b
             )
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -199,17 +199,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, gb, None, None, None, None, None
 
 
-def _autocast_off(device_type: str):
+def autocast_off(device_type: str):
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
 
-def _keep_on_device(t: torch.Tensor) -> torch.Tensor:
+def keep_on_device(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, shifted: torch.Tensor, chunk_size) -> torch.Tensor:
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, shifted: torch.Tensor, chunk_size) -> torch.Tensor:
     """The shape and chunk-size checks every chunked head makes; the labels outside the vocabulary [B, S]."""
     if hidden.shape[:-1] != shifted.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and labels {tuple(shifted.shape)} disagree")
@@ -218,7 +218,7 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, shifted: torch.Ten
     return (shifted != IGNORE_INDEX) & ((shifted < 0) | (shifted >= weight.shape[0]))
 
 
-def _raise_out_of_range(bad: torch.Tensor, shifted: torch.Tensor, vocab: int, given_shifted: bool) -> None:
+def raise_out_of_range(bad: torch.Tensor, shifted: torch.Tensor, vocab: int, given_shifted: bool) -> None:
     """The error F.cross_entropy (HF's loss) raises, with where the bad label sits."""
     where = tuple(bad.nonzero()[0].tolist())  # the first bad position, [b, s]
     value = int(shifted[where])
@@ -257,7 +257,7 @@ def chunked_linear_cross_entropy(
     given_shifted = shifted is not None
     if shifted is None:
         shifted = shift_labels(labels)  # [B, S]
-    out_of_range = _check_inputs(hidden, weight, shifted, chunk_size)  # [B, S]
+    out_of_range = check_inputs(hidden, weight, shifted, chunk_size)  # [B, S]
     dtype = compute_dtype(hidden, weight)
     weights = token_weights(shifted, loss_type, num_items_in_batch, num_samples).reshape(-1).float()  # [N]
     shifted = shifted.reshape(-1)  # [N]
@@ -271,135 +271,19 @@ def chunked_linear_cross_entropy(
     # second sync waits for nothing else. A bad id would otherwise fail inside a chunk's gather
     # with a bare "index 99 is out of bounds" (CPU) or a device-side assert (CUDA).
     if out_of_range.any():
-        _raise_out_of_range(out_of_range, shifted.view(out_of_range.shape), weight.shape[0], given_shifted)
+        raise_out_of_range(out_of_range, shifted.view(out_of_range.shape), weight.shape[0], given_shifted)
     n_rows = h.shape[0] if rows is None else rows.numel()
     chunk = auto_chunk_size(n_rows, weight.shape[0], chunk_budget_bytes) if chunk_size == "auto" else chunk_size
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                          (bias is not None and bias.requires_grad))):  # fmt: skip
         # evaluation: the loss alone, no gradient matmuls and no [V, H] gradient buffer
-        with torch.no_grad(), _autocast_off(h.device.type):
+        with torch.no_grad(), autocast_off(h.device.type):
             b_c = bias.to(dtype) if bias is not None else None
-            return _chunk_pass(h.to(dtype), weight.to(dtype), b_c, shifted, weights, rows, chunk, False, False, False)[0]
+            return chunk_pass(h.to(dtype), weight.to(dtype), b_c, shifted, weights, rows, chunk, False, False, False)[0]
     # The head's saved tensors are its finished gradients (grad W alone is 1.16 GiB in fp32 at 3B),
     # not activations: identity hooks keep them on the device under activation offload (save_on_cpu).
-    with torch.autograd.graph.saved_tensors_hooks(_keep_on_device, _keep_on_device):
+    with torch.autograd.graph.saved_tensors_hooks(keep_on_device, keep_on_device):
         return _ChunkedLinearCrossEntropy.apply(h, weight, bias, shifted, weights, rows, chunk, dtype)
-
-
-def _row_logps(hidden, weight, bias, targets, rows, chunk) -> torch.Tensor:
-    """``log softmax(h W^T + b)[y]`` of the rows ``rows`` (all rows when None), chunk by chunk: ``[M]`` float32.
-
-    The forward of :func:`sequence_logps`: one ``[C, V]`` float32 buffer at a time, nothing kept.
-    """
-    n_rows = hidden.shape[0] if rows is None else rows.numel()
-    out = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    for start in range(0, n_rows, chunk):
-        end = min(start + chunk, n_rows)
-        h = hidden[start:end] if rows is None else hidden.index_select(0, rows[start:end])  # [C, H]
-        y = targets[start:end] if rows is None else targets[rows[start:end]]  # [C]
-        logits = (h @ weight.T).float()  # [C, V]
-        if bias is not None:
-            logits += bias
-        y_safe = torch.where(y != IGNORE_INDEX, y, 0)
-        target_logit = logits.gather(1, y_safe[:, None]).squeeze(1)  # [C]
-        out[start:end] = torch.where(y != IGNORE_INDEX, target_logit - torch.logsumexp(logits, dim=1), 0.0)
-        del logits  # one chunk buffer at a time (see _chunk_pass)
-    return out
-
-
-class _ChunkedSequenceLogps(torch.autograd.Function):
-    """Per-sequence sums of label log-probs; backward recomputes each chunk's softmax.
-
-    DPO's weight on each sequence (``dL/dlogp_b``) is known only after chosen and rejected are
-    both computed, so the gradients cannot be finished in the forward as the SFT head does.
-    Backward instead runs :func:`_chunk_pass` with per-token weights ``-g[b]``: the gradient of
-    ``sum_t -g[b_t] * (-logp_t)`` is exactly that of ``sum_b g[b] * logp_b``. Saved: the
-    inputs alone (the hidden states are an activation the graph holds anyway), no logits.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, seq, rows, chunk, dtype, num_seqs):
-        with _autocast_off(hidden.device.type):
-            b_c = bias.to(dtype) if bias is not None else None
-            row_logps = _row_logps(hidden.to(dtype), weight.to(dtype), b_c, targets, rows, chunk)  # [M]
-        seq_rows = seq if rows is None else seq[rows]  # [M] the sequence of each projected row
-        sums = torch.zeros(num_seqs, dtype=torch.float32, device=hidden.device).index_add_(0, seq_rows, row_logps)
-        ctx.save_for_backward(hidden, weight, bias, targets, seq, rows)
-        ctx.chunk, ctx.dtype = chunk, dtype
-        return sums
-
-    @staticmethod
-    def backward(ctx, grad_sums):
-        hidden, weight, bias, targets, seq, rows = ctx.saved_tensors
-        # -g[b] on every labelled position of sequence b, 0 elsewhere: _chunk_pass's loss is
-        # sum w * (-logp), so these weights give the gradient of sum_b g[b] * logp_b
-        weights = torch.where(targets != IGNORE_INDEX, -grad_sums.float()[seq], 0.0)  # [N]
-        return (*logp_grads(ctx, hidden, weight, bias, targets, rows, weights), None, None, None, None, None, None)
-
-
-def logp_grads(ctx, hidden, weight, bias, targets, rows, weights):
-    """The gradients (hidden, weight, bias; None where not needed) of ``sum weights * (-logp)`` by one
-    more chunked pass: the backward of every log-prob head (per sequence here, per token in
-    :mod:`qwenkit.model.token_logps`), whose upstream gradient becomes the per-position ``weights``."""
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    with _autocast_off(hidden.device.type):
-        b_c = bias.to(ctx.dtype) if bias is not None else None
-        _, gh, gw, gb = _chunk_pass(
-            hidden.to(ctx.dtype), weight.to(ctx.dtype), b_c, targets, weights, rows, ctx.chunk, need_h, need_w, need_b
-        )
-    gh = gh.to(hidden.dtype) if gh is not None else None
-    gw = gw.to(weight.dtype) if gw is not None else None
-    gb = gb.to(bias.dtype) if gb is not None else None
-    return gh, gw, gb
-
-
-def sequence_logps(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    chunk_size: int | str = "auto",
-    chunk_budget_bytes: int = 512 * 2**20,
-    bias: torch.Tensor | None = None,
-    skip_ignored: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sums [B] float32, counts [B] int64)``: per sequence, the sum and number of label log-probs.
-
-    What preference objectives (DPO and kin) need: ``sums[b] = sum_t log p(labels[b, t+1] | ..t)``
-    over the labelled (reply) positions of sequence ``b``, equal to
-    ``log_softmax(hidden @ weight.T + bias).gather(labels shifted)`` summed (TRL's
-    ``get_batch_logps``) without ``[B, S, V]`` logits: the forward keeps one ``[C, V]`` float32
-    chunk at a time and the backward recomputes each chunk against the per-sequence upstream
-    gradient (see :class:`_ChunkedSequenceLogps`). Peak extra memory is that of
-    :func:`chunked_linear_cross_entropy`: one chunk plus the gradients of hidden and weight.
-    """
-    shifted = shift_labels(labels)  # [B, S]
-    out_of_range = _check_inputs(hidden, weight, shifted, chunk_size)  # [B, S]
-    if out_of_range.any():
-        _raise_out_of_range(out_of_range, shifted, weight.shape[0], False)
-    dtype = compute_dtype(hidden, weight)
-    b, s = shifted.shape
-    counts = (shifted != IGNORE_INDEX).sum(-1)  # [B]
-    seq = torch.arange(b, device=hidden.device).repeat_interleave(s)  # [N] the sequence of each position
-    targets = shifted.reshape(-1)  # [N]
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    rows = None
-    if skip_ignored:
-        rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
-        if rows.numel() == h.shape[0]:
-            rows = None
-    n_rows = h.shape[0] if rows is None else rows.numel()
-    chunk = auto_chunk_size(n_rows, weight.shape[0], chunk_budget_bytes) if chunk_size == "auto" else chunk_size
-    with torch.autograd.graph.saved_tensors_hooks(_keep_on_device, _keep_on_device):
-        sums = _ChunkedSequenceLogps.apply(h, weight, bias, targets, seq, rows, chunk, dtype, b)
-    return sums, counts
-
-
-def full_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference (full logits, TRL's ``log_softmax`` gather): ``(sums [B], counts [B])`` of label log-probs."""
-    shifted = shift_labels(labels)
-    valid = shifted != IGNORE_INDEX
-    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.where(valid, shifted, 0)[..., None]).squeeze(-1)
-    return (logps * valid).sum(-1), valid.sum(-1)
 
 
 def full_cross_entropy(
@@ -433,10 +317,12 @@ __all__ = [
     "auto_chunk_size",
     "chunked_linear_cross_entropy",
     "compute_dtype",
-    "logp_grads",
+    "autocast_off",
+    "check_inputs",
+    "chunk_pass",
     "full_cross_entropy",
-    "full_sequence_logps",
-    "sequence_logps",
+    "keep_on_device",
+    "raise_out_of_range",
     "shift_labels",
     "token_weights",
 ]

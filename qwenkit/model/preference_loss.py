@@ -1,7 +1,7 @@
 """Preference losses (DPO and its kin) of per-sequence log-probs: the math, no model.
 
 Inputs are per pair ``p``: the policy's summed reply log-probs ``chosen[p]``, ``rejected[p]``
-(:func:`qwenkit.model.loss.sequence_logps`), the reference's ``ref_chosen[p]``,
+(:func:`qwenkit.model.logps.sequence_logps`), the reference's ``ref_chosen[p]``,
 ``ref_rejected[p]`` (None for the reference-free SimPO), and the reply token counts. With the
 log-ratios ``c = chosen - ref_chosen``, ``r = rejected - ref_rejected`` and ``beta``:
 

@@ -9,6 +9,8 @@ rewards (``metrics/completions.jsonl``, :mod:`qwenkit.engine.objectives.grpo`). 
 - :func:`reward_figure`: the mean reward with its within-group spread (``reward_std``) as a band,
   and each reward's mean; :func:`diagnostics_figure`: KL to the reference, entropy, mean completion
   length and the share of groups whose rewards were all equal (no advantage, no gradient);
+  :func:`time_figure`: each step's time split into its rollout (``rollout_time``: sampling the
+  completions, 0 on a step that reuses its cycle's rollout) and the rest (rewards, log-probs, learner);
 - :func:`save_changed` pairs, for each prompt (dataset row ``index``) rank 0 rolled out at two
   different steps, its completions and rewards at the first and the last of them into
   ``grpo_completions.jsonl`` here; :func:`changed_table` shows them, largest reward change first;
@@ -198,10 +200,33 @@ def diagnostics_figure(run_dir) -> go.Figure:
     return fig
 
 
+def time_figure(run_dir) -> go.Figure:
+    """Rank 0's step time per GRPO step, stacked: the rollout (``rollout_time``) and the rest of the step."""
+    rows = metrics.read(run_dir)
+    rollout, step = series(rows, "rollout_time"), series(rows, "step_time")
+    steps = sorted(set(rollout) & set(step))
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=steps, y=[rollout[s] for s in steps], name="rollout (sampling the completions)",
+                         marker_color=plots.COLOURS[0]))  # fmt: skip
+    fig.add_trace(go.Bar(x=steps, y=[step[s] - rollout[s] for s in steps], name="rewards, log-probs, learner",
+                         marker_color=plots.COLOURS[1]))  # fmt: skip
+    share = rollout_share(rows)
+    fig.update_layout(barmode="stack", title=f"GRPO: time per step (rollout {share:.0%} of it)", height=380,
+                      xaxis_title="GRPO step", yaxis_title="seconds (rank 0)", margin=dict(l=60, r=20, t=60, b=50))  # fmt: skip
+    return fig
+
+
+def rollout_share(rows: list[dict]) -> float:
+    """Rank 0's rollout time over its step time, summed over the steps (nan without steps)."""
+    rollout, step = series(rows, "rollout_time"), series(rows, "step_time")
+    total = sum(step[s] for s in rollout if s in step)
+    return sum(rollout[s] for s in rollout if s in step) / total if total else float("nan")
+
+
 def figures(out_dir) -> list:
     """The GRPO branch's figures, in the order notebook 02 shows them."""
     run = Path(out_dir) / GRPO
-    return [reward_figure(run), diagnostics_figure(run)]
+    return [reward_figure(run), diagnostics_figure(run), time_figure(run)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +256,7 @@ def values(run_dir, changed: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"grpo_first_{name}"], out[f"grpo_last_{name}"], _ = _window_means(series(rows, f"rewards/{name}/mean"))
     kl = series(rows, "kl")
     out["grpo_first_kl"] = kl[min(kl)] if kl else None  # None: grpo.beta = 0, no reference
+    out["grpo_rollout_share"] = rollout_share(rows)
     return out
 
 

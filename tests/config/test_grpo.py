@@ -31,6 +31,7 @@ def good(prediction, reference, **row):
         (GRPO + ["grpo.num_generations=1"], r"grpo\.num_generations must be >= 2"),
         (GRPO + ["grpo.temperature=0"], r"grpo\.temperature must be > 0"),
         (GRPO + ["grpo.top_p=0"], r"grpo\.top_p must be in \(0, 1\]"),
+        (GRPO + ["grpo.rollout_batch_size=-1"], r"grpo\.rollout_batch_size must be >= 0"),
         (GRPO + ["grpo.beta=-0.1"], r"grpo\.beta must be >= 0"),
         (GRPO + ["grpo.epsilon=0"], r"grpo\.epsilon must be > 0"),
         (GRPO + ["grpo.epsilon_high=-1"], r"grpo\.epsilon_high must be > 0"),

@@ -63,19 +63,19 @@ WEIGHT_TOLERANCE = {"bf16": dict(rtol=2e-2, atol=2 * LR * STEPS)}
 def _grads_of_one_step(trainer):
     """Names of the parameters that get a gradient, and whether the chunked head asked for grad W."""
     asked = []
-    real = qloss._chunk_pass
+    real = qloss.chunk_pass
 
     def spy(*args):
         asked.append(args[8])  # need_w
         return real(*args)
 
-    qloss._chunk_pass = spy
+    qloss.chunk_pass = spy
     try:
         batch = next(trainer.bundle.batches())
         train._counts(batch)  # pops num_items / num_samples
         trainer.model(**batch, use_cache=False).loss.backward()
     finally:
-        qloss._chunk_pass = real
+        qloss.chunk_pass = real
     names = [n.replace("._checkpoint_wrapped_module", "") for n, p in trainer.model.named_parameters() if p.grad is not None]
     trainer.optimizer.zero_grad(set_to_none=True)
     return names, asked

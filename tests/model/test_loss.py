@@ -8,14 +8,13 @@ from conftest import EVERY_FAMILY
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from qwenkit.model.logps import full_sequence_logps, sequence_logps
 from qwenkit.model.loss import (
     CHUNK_MULTIPLE,
     IGNORE_INDEX,
     auto_chunk_size,
     chunked_linear_cross_entropy,
     full_cross_entropy,
-    full_sequence_logps,
-    sequence_logps,
 )
 
 # fp32: both sides do the same math in a different summation order; errors stay ~1e-7 relative.
@@ -403,61 +402,6 @@ def test_out_of_range_label_says_which_target_as_hf_does(skip_ignored, pre_shift
         chunked_linear_cross_entropy(hidden, weight, labels, skip_ignored=skip_ignored)
     labels[1, 5] = 63  # the last id is in range
     chunked_linear_cross_entropy(hidden, weight, labels, skip_ignored=skip_ignored)
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-sequence log-probs (preference objectives) vs TRL's full-logits log_softmax gather
-
-
-def _trl_logps(hidden, weight, labels, bias=None):
-    """TRL's computation: full logits, log_softmax, gather the shifted labels, sum per sequence."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)  # [B, S, V]
-    return full_sequence_logps(logits, labels)
-
-
-@pytest.mark.parametrize("chunk", [1, 7, 16, 1000, "auto"])
-@pytest.mark.parametrize("frac", [0.0, 0.4, 1.0])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_sequence_logps_and_their_grads_equal_full_logits(chunk, frac, with_bias):
-    hidden, weight, labels = _inputs(b=4, s=29, h=24, v=97, ignore_frac=frac, seed=7)
-    bias = (torch.randn(97) * 0.1).requires_grad_() if with_bias else None
-    ref, ref_n = _trl_logps(hidden, weight, labels, bias)
-    got, n = sequence_logps(hidden, weight, labels, chunk_size=chunk, bias=bias)
-    torch.testing.assert_close(got, ref, **FP32)
-    assert n.tolist() == ref_n.tolist()
-    # a per-sequence upstream gradient, as DPO's is (each sequence weighted differently)
-    g = torch.tensor([0.3, -1.7, 2.0, 0.0])
-    tensors = (hidden, weight) + ((bias,) if with_bias else ())
-    for a, b in zip(torch.autograd.grad((got * g).sum(), tensors), torch.autograd.grad((ref * g).sum(), tensors)):
-        torch.testing.assert_close(a, b, **FP32)
-
-
-def test_sequence_logps_skip_ignored_and_dense_agree_and_ignored_rows_get_no_gradient():
-    hidden, weight, labels = _inputs(b=2, s=33, h=16, v=64, ignore_frac=0.5, seed=2)
-    labels[1] = IGNORE_INDEX  # a sequence without labels: logp 0, count 0, no gradient
-    dense, _ = sequence_logps(hidden, weight, labels, chunk_size=8, skip_ignored=False)
-    sparse, n = sequence_logps(hidden, weight, labels, chunk_size=8)
-    torch.testing.assert_close(sparse, dense, **FP32)
-    assert sparse[1] == 0 and n[1] == 0
-    (gh,) = torch.autograd.grad(sparse.sum(), hidden)
-    assert gh[1].abs().max() == 0
-
-
-def test_sequence_logps_build_no_full_logits():
-    hidden, weight, labels = _inputs(b=2, s=64, h=16, v=512, ignore_frac=0.0)
-    sizes = []
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor):
-                sizes.append(out.numel())
-            return out
-
-    with Watch():
-        got, _ = sequence_logps(hidden, weight, labels, chunk_size=16)
-        got.sum().backward()
-    assert max(sizes) < 2 * 64 * 512  # never [B, S, V]: at most one [16, V] chunk or grad W [V, H]
 
 
 # ---------------------------------------------------------------------------------------------

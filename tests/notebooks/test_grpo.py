@@ -39,7 +39,8 @@ def _run(path, key="rollout", kl0=0.0):
     for step, reward in REWARDS.items():
         for name, value in {"reward": reward, "reward_std": 0.1, "rewards/exact/mean": reward, "rewards/format/mean": 0.0,
                             "kl": kl0 if step == 1 else 0.01 * step, "entropy": 1.0 / step,
-                            "completions/mean_length": 4.0, "frac_reward_zero_std": 0.5}.items():  # fmt: skip
+                            "completions/mean_length": 4.0, "frac_reward_zero_std": 0.5,
+                            "step_time": 2.0, "rollout_time": 1.5 if step != 2 else 0.0}.items():  # fmt: skip
             metric_rows.append({"metric": name, "x": step, "value": value, "rank": 0})
     (path / "metrics" / "rank-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metric_rows))
     return path
@@ -75,7 +76,10 @@ def test_figures_draw_the_logged_series(tmp_path):
     panels = grpo.diagnostics_figure(run).data
     assert [p.name for p in panels] == list(grpo.DIAGNOSTICS)
     assert list(panels[1].y) == pytest.approx([1.0, 0.5, 1 / 3])  # entropy
-    assert len(grpo.figures(tmp_path)) == 2
+    rollout, rest = grpo.time_figure(run).data
+    assert list(rollout.y) == [1.5, 0.0, 1.5] and list(rest.y) == [0.5, 2.0, 0.5]  # step 2 reused its rollout
+    assert "rollout 50% of it" in grpo.time_figure(run).layout.title.text  # 3.0 s of 6.0 s
+    assert len(grpo.figures(tmp_path)) == 3
 
 
 def test_save_adds_the_run_to_the_notebooks_metrics(tmp_path):
@@ -87,7 +91,7 @@ def test_save_adds_the_run_to_the_notebooks_metrics(tmp_path):
     assert doc["passed"] and doc["values"] == v and v["steps"] == 8
     assert (v["grpo_steps"], v["grpo_first_reward"], v["grpo_last_reward"], v["grpo_changed_prompts"]) == (3, 0.25, 0.75, 1)
     assert v["grpo_rewards"] == ["exact", "format"] and v["grpo_last_exact"] == 0.75 and v["grpo_first_kl"] == 0.0
-    assert v["grpo_reward_rose"]
+    assert v["grpo_reward_rose"] and v["grpo_rollout_share"] == pytest.approx(0.5)
     assert doc["summary"] == ("2-rank FSDP2 run; GRPO 3 steps: mean reward 0.25 (first 1 steps) -> 0.75 (last 1), "
                               "1 prompts seen early and late")  # fmt: skip
     assert "grpo-completions" in grpo.changed_table(tmp_path).data

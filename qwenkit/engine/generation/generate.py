@@ -196,12 +196,12 @@ def generate_rows(
             torch.manual_seed(sampling.seed + rank)
             for chunk in batches:
                 asked = [dataset.prompt(i) for i in chunk]
-                prompts = [a[0] for a in asked] or [_dummy_prompt(pad)]
+                prompts = [a[0] for a in asked] or [dummy_prompt(pad)]
                 inputs = {k: v.to(device) for k, v in left_pad(prompts, pad).items()}
                 if step is None:
                     tokens = model.generate(**inputs, generation_config=config)  # [B, S + new]
                 else:
-                    tokens = step(inputs, config if chunk else _one_token(config))
+                    tokens = step(inputs, config if chunk else one_token(config))
                 for b, (i, (_, conv)) in enumerate(zip(chunk, asked)):
                     new = tokens[b, inputs["input_ids"].shape[1] :].tolist()
                     new = new[: new.index(im_end)] if im_end in new else new  # then pads, once a row ends
@@ -214,12 +214,12 @@ def generate_rows(
     return [done[i] for i in indices]
 
 
-def _dummy_prompt(pad_token_id: int) -> dict[str, torch.Tensor]:
+def dummy_prompt(pad_token_id: int) -> dict[str, torch.Tensor]:
     """The prompt of a lockstep call a rank makes without rows: one text token (its vision calls are idle ones)."""
     return {"input_ids": torch.tensor([[pad_token_id]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
 
 
-def _one_token(config: GenerationConfig) -> GenerationConfig:
+def one_token(config: GenerationConfig) -> GenerationConfig:
     """A dummy call's settings: one new token, greedy; ``synced_gpus`` keeps it stepping with the others."""
     one = GenerationConfig.from_dict(config.to_dict())
     one.max_new_tokens, one.do_sample = 1, False
@@ -231,9 +231,10 @@ _LOCKSTEP_STATE = ("chunk_loss", "sequence_parallel", "vision_calls_per_step")
 
 
 @contextlib.contextmanager
-def lockstep(model: nn.Module):
+def lockstep(model: nn.Module, synced: bool | None = None):
     """The sharded training ``model`` (a :class:`~qwenkit.model.chunked.ChunkLossMixin`) set up to
-    generate in lockstep; yields ``step(inputs, config) -> tokens``, one collective ``generate`` call.
+    generate in lockstep; yields ``step(inputs, config, **generate_kwargs) -> tokens``, one collective
+    ``generate`` call.
 
     While it is open the model returns logits (chunk loss off) for the whole sequence on every
     rank (sequence parallelism off: each rank generates its own rows), and its vision tower runs
@@ -243,20 +244,25 @@ def lockstep(model: nn.Module):
     skip the collectives the others make. Each call agrees the prefill's vision calls with the
     other ranks (one all-reduce); a forward hook ends them after the prefill, since the decoding
     steps carry no pixels on any rank.
+
+    ``synced=False``: the weights are whole for the block (:func:`qwenkit.distributed.fsdp.unsharded`)
+    and a forward is no collective, so each rank generates alone (no agreement, no ``synced_gpus``);
+    None: synced whenever a process group of more than one rank is up.
     """
-    synced = dist.is_initialized() and dist.get_world_size() > 1
+    if synced is None:
+        synced = dist.is_initialized() and dist.get_world_size() > 1
     device = next(model.parameters()).device
     saved = {name: getattr(model, name) for name in _LOCKSTEP_STATE}
     model.chunk_loss, model.sequence_parallel, model.vision_calls_per_step = False, None, 0
     hook = model.register_forward_hook(lambda module, args, out: setattr(module, "vision_calls_per_step", 0))
     model._supports_mm_encoder_outputs = lambda: False  # the instance's answer, removed below
 
-    def step(inputs: dict[str, torch.Tensor], config: GenerationConfig) -> torch.Tensor:
+    def step(inputs: dict[str, torch.Tensor], config: GenerationConfig, **generate_kwargs) -> torch.Tensor:
         if synced:
             made = torch.tensor([("pixel_values" in inputs) + ("pixel_values_videos" in inputs)], device=device)
             dist.all_reduce(made, op=dist.ReduceOp.MAX)  # the prefill's tower calls of the rank that makes most
             model.vision_calls_per_step = int(made.item())
-        return model.generate(**inputs, generation_config=config, synced_gpus=synced)  # [B, S + new]
+        return model.generate(**inputs, generation_config=config, synced_gpus=synced, **generate_kwargs)  # [B, S + new]
 
     try:
         yield step

@@ -44,7 +44,7 @@ from qwenkit.engine.objective import Objective
 from qwenkit.engine.run.build import fused_model
 from qwenkit.model import family as families
 from qwenkit.model import lora, paths
-from qwenkit.model.loss import full_sequence_logps
+from qwenkit.model.logps import full_sequence_logps
 from qwenkit.model.preference_loss import pair_losses, preference_loss_share
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ def evaluate_pairs(cfg, policy: nn.Module, reference: nn.Module | None, dataset,
     """``qwenkit eval`` of a dpo run (one process, HF's own classes): the metrics the trainer logs.
 
     ``reference``: the run's starting model (``model.path``), None for SimPO. Log-probs come from
-    HF's full logits (:func:`qwenkit.model.loss.full_sequence_logps`): no process group here, and
+    HF's full logits (:func:`qwenkit.model.logps.full_sequence_logps`): no process group here, and
     evaluation keeps no graph.
     """
     def logps(model, batch):

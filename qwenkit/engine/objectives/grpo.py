@@ -4,8 +4,9 @@ One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective
 
 1. this rank's ``train.grad_accum`` batches of ``train.micro_batch_size`` rows from the sampler
    (saved with checkpoints: a resumed run draws the rows the uninterrupted one would);
-2. ``grpo.num_generations`` completions of each row's prompt from the sharded policy
-   (:mod:`qwenkit.engine.objectives.rollout`, seeded by ``(train.seed, epoch, row)``);
+2. ``grpo.num_generations`` completions of each row's prompt from the policy, its weights gathered
+   once for the rollout and every completion of the rank batched (:mod:`qwenkit.engine.objectives.rollout`,
+   each completion seeded by ``(train.seed, epoch, row, g)``); ``rollout_time`` is its seconds;
 3. the rewards of every completion (:mod:`qwenkit.engine.objectives.rewards`), gathered from every rank, and
    the group advantages (:func:`qwenkit.model.grpo_loss.group_advantages`);
 4. per micro-batch (one batch of rows' completions): the reference's per-token log-probs
@@ -14,8 +15,10 @@ One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective
 
 Then each micro-batch's loss (:class:`qwenkit.model.grpo_loss.GrpoLoss`) on the policy's per-token
 log-probs from the chunked head (:meth:`~qwenkit.model.chunked.ChunkLossMixin.token_logps`: no
-``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Metrics
-are TRL's names.
+``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Every
+log-prob (old, reference, current) and the entropy are those of the logits divided by
+``grpo.temperature``, the distribution the rollout sampled (as TRL). Metrics are TRL's names,
+summed by name over the ranks (:func:`_all_reduce`).
 
 **The completions file**, ``metrics/completions.jsonl`` beside the metrics: at each step the trainer
 logs (``train.log_every``, and an invocation's last step; :meth:`GrpoObjective.log`), rank 0 appends a
@@ -31,8 +34,11 @@ micro-batches with their old and reference log-probs and advantages, the rollout
 0's sample) is saved with a checkpoint taken in the middle of a cycle (:meth:`GrpoObjective.state_dict`;
 at a cycle's end, always with ``num_iterations: 1``, the next step rolls out anew and only the count
 is saved), so a resumed run trains on exactly the rollout the uninterrupted one did. A checkpoint of
-another number of ranks holds other ranks' caches: the resumed run rolls out again at its first step,
-as the next cycle, and says so.
+another number of ranks holds other ranks' caches, and one whose rollout-shaping settings
+(:data:`ROLLOUT_SETTINGS`: group size, cycle length, completion length, sampling, rewards, the
+reference, the micro-batches) differ from this run's was rolled out for another run: in both cases
+the resumed run rolls out again at its first step, as the next cycle, and says so; it never trains
+on a rollout of other settings.
 
 Cannot: vLLM rollouts.
 """
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -53,7 +60,7 @@ from qwenkit.engine.generation.generate import Sampling
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
 from qwenkit.engine.objectives.dpo import frozen_copy
-from qwenkit.engine.objectives.rollout import Completion, HfRollouts, training_batch
+from qwenkit.engine.objectives.rollout import Completion, HfRollouts, Rollouts, training_batch
 from qwenkit.model import family as families
 from qwenkit.model import lora
 from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages
@@ -66,6 +73,21 @@ OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps")  # what the obj
 CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 SAMPLE_FILE = "completions.jsonl"  # beside the metrics: a sample of each logged step's completions (rank 0's)
 SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each with all its completions
+# what a cached rollout was made under: a mid-cycle resume under other values rolls out again
+ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
+                    "grpo.top_p", "grpo.rewards", "grpo.reward_weights", "grpo.format_tags", "grpo.scale_rewards",
+                    "grpo.mask_truncated_completions", "grpo.beta", "train.micro_batch_size", "train.grad_accum",
+                    "train.seed")  # fmt: skip
+
+
+def rollout_settings(cfg) -> dict:
+    """The values of :data:`ROLLOUT_SETTINGS` in ``cfg``, by dotted key."""
+    out = {}
+    for key in ROLLOUT_SETTINGS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        out[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return out
 
 
 def enable(model: nn.Module) -> nn.Module:
@@ -82,8 +104,12 @@ class GrpoObjective(Objective):
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags))
-        sampling = Sampling(grpo.max_new_tokens, grpo.num_generations, grpo.temperature, grpo.top_p, cfg.train.seed)
-        self.rollouts = HfRollouts(sampling, grpo.num_generations)
+        self.settings = rollout_settings(cfg)
+        sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
+        # expert parallelism's all-to-all makes every forward collective: lockstep even with whole weights
+        self.rollouts: Rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
+                                             collective=cfg.parallel.ep_size > 1)  # fmt: skip
+        self.rollout_time = 0.0  # seconds this step spent rolling out (0 on a step that reuses the rollout)
         self.rows = iter(bundle.sampler)  # the sampler moves as rows are drawn: checkpoints save where
         self.cached: list[dict] = []  # the rollout's micro-batches, for num_iterations steps
         self.uses = 0  # steps trained so far on rollouts (a rollout every num_iterations of them)
@@ -108,6 +134,7 @@ class GrpoObjective(Objective):
 
     def micro_batches(self, model: nn.Module, batches, count: int) -> list[dict]:
         """A new rollout every ``grpo.num_iterations`` steps (module docstring), else the last one again."""
+        self.rollout_time = 0.0
         if self.uses % self.grpo.num_iterations == 0:
             self.cached = self._rollout(model, count)
         self.uses += 1
@@ -117,17 +144,22 @@ class GrpoObjective(Objective):
         sampler = self.bundle.sampler
         epoch = sampler.epoch
         groups = [next(self.rows) for _ in range(count)]  # [count][micro_batch_size] dataset rows
+        start = time.perf_counter()
         done = self.rollouts(model, self.bundle.dataset, [i for g in groups for i in g], epoch)
+        self.rollout_time = time.perf_counter() - start
+        if self.uses == 0 and self.rt.rank == 0 and getattr(self.rollouts, "chosen", None):
+            log.info("grpo rollouts: %s (%s)", *self.rollouts.chosen)
         names = [f"row {c.index}" for c in done]
         per, total = reward_fns.score(self.rewards, self.grpo.reward_weights, [c.text for c in done],
                                       [c.reference for c in done], [c.row for c in done], names)  # fmt: skip
-        lengths = torch.tensor([len(c.tokens) for c in done], dtype=torch.float32)
         truncated = torch.tensor([c.truncated for c in done])
-        mine_all = torch.cat([per, total[:, None], lengths[:, None], truncated[:, None].float()], dim=1)  # [n, K + 3]
-        everyone = _gather(mine_all.to(self.rt.device)).cpu()
+        columns = {f"rewards/{name}": per[:, k] for k, name in enumerate(self.rewards)}
+        columns |= {"reward": total, "length": torch.tensor([float(len(c.tokens)) for c in done]),
+                    "truncated": truncated.float()}  # fmt: skip
+        everyone = _gather_named(columns, self.rt.device)  # name -> [every rank's completions]
         rank = self.rt.rank
         n = len(done)
-        adv, zero = group_advantages(everyone[:, -3], self.grpo.num_generations, self.grpo.scale_rewards)
+        adv, zero = group_advantages(everyone["reward"], self.grpo.num_generations, self.grpo.scale_rewards)
         self.rollout_metrics = self._rollout_metrics(everyone, zero)
         mine = adv[rank * n : (rank + 1) * n]
         if self.sample_file is not None:
@@ -149,6 +181,7 @@ class GrpoObjective(Objective):
     def _fixed_logps(self, model: nn.Module, batch: dict) -> dict:
         """The rollout policy's (``num_iterations > 1``) and the reference's (``beta > 0``) per-token log-probs."""
         inputs = {k: v.to(self.rt.device) for k, v in batch.items() if k not in (*OWN_KEYS, "num_items", "num_samples")}
+        inputs["temperature"] = self.grpo.temperature  # the sampled distribution's log-probs (module docstring)
         out = {}
         if self.grpo.num_iterations > 1:
             out["old_logps"] = model.token_logps(**inputs)[0].cpu()
@@ -165,14 +198,16 @@ class GrpoObjective(Objective):
         """Pop the rollout's keys; the step's global completions, completion tokens and micro-batches."""
         self.queue = [{k: b.pop(k) for k in OWN_KEYS if k in b} for b in micro]
         self.totals = StepTotals(completions=counts[1], tokens=counts[0], micro_batches=len(micro) * self.rt.world_size)
-        # [kl, entropy, low, high, region] sums, then their token (or completion) counts
-        self.sums = torch.zeros(10, dtype=torch.float64, device=self.rt.device)
-        # the lowest per-completion low-clip share and the highest high-clip share (TRL's low_min, high_max)
-        self.extremes = torch.tensor([-torch.inf, -torch.inf], dtype=torch.float64, device=self.rt.device)
+        # each metric's sum over the step's completion tokens (or completions, sequence level) and its count
+        self.sums = {f"{name}/{part}": torch.zeros((), dtype=torch.float64, device=self.rt.device)
+                     for name in ("kl", "entropy", *CLIP) for part in ("sum", "count")}  # fmt: skip
+        # the lowest per-completion low-clip share (as the highest of its negative) and the highest high-clip share
+        self.extremes = {name: torch.tensor(-torch.inf, dtype=torch.float64, device=self.rt.device)
+                         for name in ("-clip_ratio/low_min", "clip_ratio/high_max")}  # fmt: skip
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         own = {k: v.to(self.rt.device) for k, v in self.queue.pop(0).items()}
-        logps, entropies = model.token_logps(**batch, entropy=True)
+        logps, entropies = model.token_logps(**batch, entropy=True, temperature=self.grpo.temperature)
         mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
                              ref=own.get("ref_logps"), truncated=own["truncated"])  # fmt: skip
@@ -181,32 +216,36 @@ class GrpoObjective(Objective):
         at = m if terms.ratio.shape[1] > 1 else torch.ones_like(terms.ratio)
         low, high = terms.low_clipped.to(at.dtype) * at, terms.high_clipped.to(at.dtype) * at
         kl = (terms.kl * m).sum() if terms.kl is not None else torch.zeros((), device=m.device)
-        sums = [kl, (entropies * m).sum(), low.sum(), high.sum(), (low + high).sum(), m.sum(), m.sum(), *[at.sum()] * 3]
-        self.sums += torch.stack(sums).to(self.sums)
+        seen = {"kl": (kl, m.sum()), "entropy": ((entropies * m).sum(), m.sum()), CLIP[0]: (low.sum(), at.sum()),
+                CLIP[1]: (high.sum(), at.sum()), CLIP[2]: ((low + high).sum(), at.sum())}  # fmt: skip
+        for name, (total, count) in seen.items():
+            self.sums[f"{name}/sum"] += total.detach().to(torch.float64)
+            self.sums[f"{name}/count"] += count.to(torch.float64)
         per_seq = at.sum(-1).clamp(min=1)
-        seen = torch.stack([-(low.sum(-1) / per_seq).min(), (high.sum(-1) / per_seq).max()]).to(self.extremes)
-        self.extremes = torch.maximum(self.extremes, seen)  # the low share's minimum as the maximum of its negative
+        for name, value in (("-clip_ratio/low_min", -(low.sum(-1) / per_seq).min()),
+                            ("clip_ratio/high_max", (high.sum(-1) / per_seq).max())):  # fmt: skip
+            self.extremes[name] = torch.maximum(self.extremes[name], value.to(torch.float64))
         return terms.loss
 
     def metrics(self) -> dict[str, float]:
         """TRL's names: the rollout's reward and completion metrics, the step's KL, entropy and clipping."""
-        dist.all_reduce(self.sums)
-        dist.all_reduce(self.extremes, op=dist.ReduceOp.MAX)
-        means = (self.sums[:5] / self.sums[5:].clamp(min=1)).tolist()
+        sums = _all_reduce(self.sums)
+        extremes = _all_reduce(self.extremes, dist.ReduceOp.MAX)
         out = dict(self.rollout_metrics)
-        if self.grpo.beta > 0:
-            out["kl"] = means[0]
-        out["entropy"] = means[1]
-        out.update(zip(CLIP, means[2:5]))
-        out["clip_ratio/low_min"], out["clip_ratio/high_max"] = -self.extremes[0].item(), self.extremes[1].item()
+        for name in ("kl", "entropy", *CLIP):
+            if name != "kl" or self.grpo.beta > 0:
+                out[name] = sums[f"{name}/sum"] / max(sums[f"{name}/count"], 1.0)
+        out["clip_ratio/low_min"], out["clip_ratio/high_max"] = -extremes["-clip_ratio/low_min"], extremes["clip_ratio/high_max"]
+        out["rollout_time"] = self.rollout_time
         return out
 
-    def _rollout_metrics(self, everyone: torch.Tensor, zero: torch.Tensor) -> dict[str, float]:
-        per, total, lengths, truncated = everyone[:, :-3], everyone[:, -3], everyone[:, -2], everyone[:, -1]
+    def _rollout_metrics(self, everyone: dict[str, torch.Tensor], zero: torch.Tensor) -> dict[str, float]:
+        total, lengths, truncated = everyone["reward"], everyone["length"], everyone["truncated"]
         out = {"reward": total.mean().item(), "reward_std": total.std().item() if len(total) > 1 else 0.0}
-        for k, name in enumerate(self.rewards):
-            out[f"rewards/{name}/mean"] = per[:, k].mean().item()
-            out[f"rewards/{name}/std"] = per[:, k].std().item() if len(per) > 1 else 0.0
+        for name in self.rewards:
+            values = everyone[f"rewards/{name}"]
+            out[f"rewards/{name}/mean"] = values.mean().item()
+            out[f"rewards/{name}/std"] = values.std().item() if len(values) > 1 else 0.0
         out["frac_reward_zero_std"] = zero.float().mean().item()
         out |= {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
                 "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}  # fmt: skip
@@ -236,18 +275,21 @@ class GrpoObjective(Objective):
         At a cycle's end (always, with ``num_iterations: 1``) the next step rolls out anew: only the count."""
         if self.uses % self.grpo.num_iterations == 0:
             return {"uses": self.uses}
-        return {"uses": self.uses, "cached": self.cached, "rollout_metrics": self.rollout_metrics, "sample": self.sample}
+        return {"uses": self.uses, "cached": self.cached, "rollout_metrics": self.rollout_metrics, "sample": self.sample,
+                "settings": self.settings}  # fmt: skip
 
     def load_state_dict(self, state: dict, same_ranks: bool = True) -> None:
-        """The cached rollout back; of another rank count (``state`` is its rank 0's): roll out again,
-        as the next cycle (the rollout count goes on)."""
+        """The cached rollout back; of another rank count (``state`` is its rank 0's) or of other
+        rollout settings: roll out again, as the next cycle (the rollout count goes on)."""
         n = self.grpo.num_iterations
-        if "cached" in state and not same_ranks:
+        changed = [k for k, v in state.get("settings", self.settings).items() if self.settings.get(k) != v]
+        if "cached" in state and (not same_ranks or changed):
+            why = ("a checkpoint of another number of ranks: its cached rollouts are those ranks' own" if not same_ranks
+                   else "a rollout made under other settings (" + ", ".join(
+                       f"{k}={state['settings'][k]!r}, now {self.settings.get(k)!r}" for k in changed) + ")")  # fmt: skip
             if self.rt.rank == 0:
-                log.warning(
-                    "resumed in the middle of a grpo.num_iterations=%d cycle from a checkpoint of another number of "
-                    "ranks: its cached rollouts are those ranks' own, so this run rolls out again at its first step", n,
-                )  # fmt: skip
+                log.warning("resumed in the middle of a grpo.num_iterations cycle from %s, so this run rolls out "
+                            "again at its first step", why)  # fmt: skip
             self.uses = -(-state["uses"] // n) * n  # the next cycle's start
             return
         self.uses = state["uses"]
@@ -268,10 +310,22 @@ def read_completions(output_dir: str | Path) -> dict[int, list[dict]]:
     return out
 
 
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    """Every rank's rows of ``t`` (equal counts on every rank), in rank order."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t)
-    return torch.cat(parts)
+def _gather_named(columns: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """Every rank's values of each named column ``[n]`` (equal ``n`` on every rank), in rank order, on the CPU:
+    one all-gather of the columns stacked in name order."""
+    names = sorted(columns)
+    mine = torch.stack([columns[k].to(torch.float32) for k in names], dim=1).to(device)  # [n, columns]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        mine = torch.cat(parts)
+    return dict(zip(names, mine.cpu().unbind(1)))
+
+
+def _all_reduce(values: dict[str, torch.Tensor], op=dist.ReduceOp.SUM) -> dict[str, float]:
+    """Each named scalar reduced over the ranks by ``op``: one all-reduce of the values stacked in name order."""
+    names = sorted(values)
+    stacked = torch.stack([values[k] for k in names])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stacked, op=op)
+    return dict(zip(names, stacked.tolist()))

@@ -1,38 +1,65 @@
 """GRPO's rollouts: ``grpo.num_generations`` completions of each prompt, sampled from the current policy.
 
-One interface, :class:`Rollouts`: ``rollouts(model, dataset, indices, draw) -> [Completion]``, so a
-faster engine (vLLM on CUDA) can stand in for :class:`HfRollouts` later; everything after it
-(rewards, log-probs, the loss) reads :class:`Completion` alone.
+One interface, :class:`Rollouts`: ``rollouts(model, dataset, indices, draw) -> [Completion]``, called
+by every rank with the prompts of its share, so another engine can stand in for :class:`HfRollouts`;
+everything after it (rewards, log-probs, the loss) reads :class:`Completion` alone.
 
-:class:`HfRollouts` generates through the kit's generation path (:func:`qwenkit.engine.generation.generate.lockstep`):
-the **sharded training model itself**, every rank stepping together (HF's ``synced_gpus``; the
-vision tower inside the prefill, idle calls on a rank without images), so the policy that samples
-is exactly the one being trained, no copy of the weights. Prompts come from
+:class:`HfRollouts` generates through HF ``generate`` with a KV cache, from the policy's own weights:
+
+- **gathered once** (``gather``): every FSDP2 unit all-gathered once for the whole rollout
+  (:func:`qwenkit.distributed.fsdp.unsharded`) and kept whole; each rank then generates alone, with
+  no collective per token: the all-gathers of a rollout are one per unit, whatever the completions'
+  length (TRL, verl and EasyR1 likewise gather the weights once per rollout into their engine);
+- **in lockstep** (``lockstep``): the sharded model itself, every rank stepping together (HF's
+  ``synced_gpus``, :func:`qwenkit.engine.generation.generate.lockstep`), every forward all-gathering
+  every unit: for a policy whose whole weights do not fit a rank beside its training state, and
+  under expert parallelism (the experts' all-to-all makes every forward collective anyway);
+- ``auto``: ``gather`` when the whole weights, one call's KV cache and a margin fit every rank,
+  else ``lockstep``: evaluation's rule (:func:`qwenkit.engine.generation.generate.choose_generation`).
+
+**Batched across prompts.** Every completion of the rank's prompts (``len(indices) x
+num_generations`` rows) goes through ``generate`` calls of ``grpo.rollout_batch_size`` rows (0: all
+in one call), longest prompts first, left-padded as evaluation batches its rows (a row's tokens do
+not depend on its batch: :mod:`qwenkit.engine.generation.generate`). Prompts come from
 :meth:`qwenkit.data.dataset.EncodedDataset.prompt` (every turn before the row's last reply, with its
 images and videos, or the whole conversation of a prompt-only row); the reference is the row's
-``solution`` / ``answer`` column where it has one, else that reply
-(:mod:`qwenkit.data.conversation`).
+``solution`` / ``answer`` column where it has one, else that reply (:mod:`qwenkit.data.conversation`).
 
-**Reproducible.** Each prompt's group is one ``generate`` call (the prompt repeated
-``num_generations`` times, left-padding nothing; image and video tokens never drawn,
-:func:`media_tokens`), sampled from a generator seeded by
-``(train.seed, draw, row)`` (:func:`group_seed`): the completions of a row depend neither on the
-rank that draws it nor on the other rows, so 2 ranks sample what 1 process samples, and a resumed
-run what the uninterrupted one did. The training RNG is left where it was.
+**Reproducible.** Completion ``g`` of row ``i`` draws from its own generator, seeded by
+``(train.seed, draw, i, g)`` (:func:`completion_seed`; :class:`qwenkit.engine.generation.sampling.RowSampler`):
+it depends neither on the rank that draws it nor on the rows that share its batch, so 2 ranks sample
+what 1 process samples, a resumed run what the uninterrupted one did, at any batch size. Image and
+video tokens are never drawn (:func:`media_tokens`). The training RNG is left where it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from qwenkit.engine.generation.generate import Sampling, generation_config, left_pad, lockstep, reply_text
+from qwenkit.distributed.fsdp import unsharded
+from qwenkit.engine.generation.generate import (
+    Sampling,
+    choose_generation,
+    dummy_prompt,
+    generation_config,
+    left_pad,
+    lockstep,
+    one_token,
+    reply_text,
+)  # fmt: skip
+from qwenkit.engine.generation.sampling import RowSampler
 from qwenkit.model.loss import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+WHERE = ("auto", "gather", "lockstep")  # where a rollout's weights come from (module docstring)
 
 
 @dataclass
@@ -48,7 +75,8 @@ class Completion:
 
 class Rollouts(Protocol):
     def __call__(self, model: nn.Module, dataset, indices: list[int], draw: int) -> list[Completion]:
-        """``num_generations`` completions of each row of ``indices`` (grouped, in order), for rollout ``draw``."""
+        """``num_generations`` completions of each row of ``indices`` (this rank's share; grouped, in
+        order), for rollout ``draw``. Every rank calls it together (it may be collective)."""
 
 
 def media_tokens(processor) -> list[int]:
@@ -59,46 +87,83 @@ def media_tokens(processor) -> list[int]:
     return sorted({getattr(processor, n) for n in names if getattr(processor, n, None) is not None})
 
 
-def group_seed(seed: int, draw: int, row: int) -> int:
-    """The sampling seed of row ``row``'s group in rollout ``draw`` of a run seeded ``seed``."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{draw}/{row}".encode()).digest()[:8], "little") % 2**63
+def completion_seed(seed: int, draw: int, row: int, generation: int) -> int:
+    """The sampling seed of completion ``generation`` of row ``row`` in rollout ``draw`` of a run seeded ``seed``."""
+    key = f"{seed}/{draw}/{row}/{generation}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2**63
 
 
 class HfRollouts:
-    """Rollouts through HF ``generate`` on the sharded policy (module docstring)."""
+    """Rollouts through HF ``generate`` on the policy's weights, gathered once or in lockstep (module docstring).
 
-    def __init__(self, sampling: Sampling, num_generations: int):
+    ``batch_size``: completions per ``generate`` call (0: all of the rank's); ``where``: one of
+    :data:`WHERE`; ``collective``: the model's forward is a collective even with whole weights
+    (expert parallelism), so the rollout runs in lockstep.
+    """
+
+    def __init__(self, sampling: Sampling, num_generations: int, batch_size: int = 0, where: str = "auto",
+                 collective: bool = False):  # fmt: skip
         if sampling.temperature <= 0:
             raise ValueError("rollouts sample: temperature must be > 0")
-        self.sampling, self.num_generations = sampling, num_generations
+        if where not in WHERE:
+            raise ValueError(f"rollouts come from one of {WHERE}, got {where!r}")
+        self.sampling, self.num_generations, self.batch_size = sampling, num_generations, batch_size
+        self.where = "lockstep" if collective else where
+        self.chosen: tuple[str, str] | None = None  # (gather | lockstep, why) of the last rollout
 
-    @torch.no_grad()
     def __call__(self, model: nn.Module, dataset, indices: list[int], draw: int) -> list[Completion]:
         tok = dataset.processor.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
-        pad = dataset.processor.pad_token_id
-        config = generation_config(self.sampling, end, pad)
-        config.suppress_tokens = media_tokens(dataset.processor)
+        asked = [dataset.prompt(i) for i in indices]
+        keys = [(k, g) for k in range(len(indices)) for g in range(self.num_generations)]  # [position in indices, g]
+        seeds = [completion_seed(self.sampling.seed, draw, indices[k], g) for k, g in keys]
+        tokens = self.sample_rows(model, [asked[k][0] for k, _ in keys], seeds, end, dataset.processor.pad_token_id,
+                                  media_tokens(dataset.processor))  # fmt: skip
+        done = []
+        for (k, _), new in zip(keys, tokens):
+            new, text, truncated = completion(tok, new, end)
+            done.append(Completion(indices[k], asked[k][0], new, text, truncated, asked[k][1].reference,
+                                   dataset.columns(indices[k])))  # fmt: skip
+        return done
+
+    @torch.no_grad()
+    def sample_rows(self, model: nn.Module, prompts: list[dict], seeds: list[int], end: int, pad: int,
+                    suppress: list[int]) -> list[list[int]]:  # fmt: skip
+        """The new tokens of each ``[1, S]`` prompt of ``prompts``, sampled from ``seeds``' generators (one a
+        row), ended by ``end`` (then ``pad``) or ``max_new_tokens``; ``suppress``: tokens never drawn."""
+        config = generation_config(Sampling(self.sampling.max_new_tokens), end, pad)  # greedy: RowSampler draws
+        config.suppress_tokens = suppress
         device = next(model.parameters()).device
+        rows = sorted(range(len(prompts)), key=lambda r: -prompts[r]["input_ids"].shape[1])  # longest first, stable
+        size = self.batch_size or len(rows)
+        batches = [rows[start : start + size] for start in range(0, len(rows), size)]
+        longest = max((p["input_ids"].shape[1] for p in prompts), default=1)
+        self.chosen = choose_generation(self.where, model, Sampling(self.sampling.max_new_tokens, size), longest, device)
+        gathered = self.chosen[0] == "gather"
+        if not gathered and dist.is_initialized() and dist.get_world_size() > 1:
+            calls = torch.tensor([len(batches)], device=device)
+            dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank makes as many lockstep calls
+            batches += [[] for _ in range(int(calls.item()) - len(batches))]  # a dummy call each, dropped
+        tokens: dict[int, list[int]] = {}
         was_training = model.training
         model.eval()
-        out = []
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
-                step = stack.enter_context(lockstep(model))
-                for i in indices:
-                    prompt, conv = dataset.prompt(i)
-                    columns = dataset.columns(i)
-                    inputs = {k: v.to(device) for k, v in left_pad([prompt] * self.num_generations, pad).items()}
-                    torch.manual_seed(group_seed(self.sampling.seed, draw, i))
-                    tokens = step(inputs, config)[:, inputs["input_ids"].shape[1] :].tolist()  # [G, new]
-                    for new in tokens:
-                        new, text, truncated = completion(tok, new, end)
-                        out.append(Completion(i, prompt, new, text, truncated, conv.reference, columns))
+                if gathered:
+                    stack.enter_context(unsharded(model))
+                step = stack.enter_context(lockstep(model, synced=False if gathered else None))
+                for chunk in batches:
+                    inputs = {k: v.to(device) for k, v in left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad).items()}
+                    if not chunk:
+                        step(inputs, one_token(config))
+                        continue
+                    sampler = RowSampler([seeds[r] for r in chunk], self.sampling.temperature, self.sampling.top_p)
+                    out = step(inputs, config, logits_processor=[sampler])[:, inputs["input_ids"].shape[1] :]  # [B, new]
+                    tokens.update(zip(chunk, out.tolist()))
         finally:
             model.train(was_training)
-        return out
+        return [tokens[r] for r in range(len(prompts))]
 
 
 def completion(tokenizer, new: list[int], end: int) -> tuple[list[int], str, bool]:
@@ -147,4 +212,4 @@ def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str
     return batch
 
 
-__all__ = ["Completion", "HfRollouts", "Rollouts", "completion", "group_seed", "media_tokens", "training_batch"]
+__all__ = ["WHERE", "Completion", "HfRollouts", "Rollouts", "completion", "completion_seed", "media_tokens", "training_batch"]

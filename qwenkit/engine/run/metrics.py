@@ -78,7 +78,7 @@ PREFERENCE_UNITS = {
 # train.objective=grpo's (TRL's names, qwenkit.engine.objectives.grpo); rewards/<name>/mean|std: see unit_of
 GRPO_UNITS = {
     "reward": "1", "reward_std": "1", "frac_reward_zero_std": "1", "kl": "nat", "entropy": "nat", "clip_ratio": "1",
-    "completions": "token", "completions/clipped_ratio": "1",
+    "completions": "token", "completions/clipped_ratio": "1", "rollout_time": "s",
 }  # fmt: skip
 UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS}
 _GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)

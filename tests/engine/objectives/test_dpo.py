@@ -29,7 +29,7 @@ from qwenkit.engine.checkpoints import init_from
 from qwenkit.engine.objectives import dpo as preference
 from qwenkit.engine.run import metrics, train
 from qwenkit.model import lora, registry
-from qwenkit.model.loss import full_sequence_logps
+from qwenkit.model.logps import full_sequence_logps
 from qwenkit.sweep import file as sweep_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,14 +24,14 @@ from multiproc import check_ranks
 from qwenkit import config as qconfig
 from qwenkit.engine.checkpoints import dcp as checkpoint
 from qwenkit.engine.objectives import grpo
-from qwenkit.engine.objectives.rollout import group_seed
-from qwenkit.engine.run import train
+from qwenkit.engine.objectives.rollout import completion_seed
+from qwenkit.engine.run import metrics, train
 
 BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
         "train.warmup_steps=0", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
         "grpo.rewards=[exact, format, engine.objectives.test_grpo:vowels]", "grpo.reward_weights=[1, 1, 2]",
         "checkpoint.save_final=false", "train.resume=auto", "train.log_every=2"]  # fmt: skip
-TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory")
+TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory", "rollout_time")
 # fp32; 2 ranks sum the gradient over ranks and reduce the counts in another order: a few ulps
 FP32 = dict(rel=1e-5, abs=1e-7)
 
@@ -66,7 +66,9 @@ def out(tmp_path_factory, tiny_path):
     lora: one with LoRA adapters; two: 2 ranks, 1 prompt each (the same 2 prompts a step).
     iter: two updates per rollout (rollouts at steps 1 and 3); iter_lost: the same, checkpointed every
     step, its checkpoints after step 1 lost and run again from there (in the middle of a cycle);
-    iter_ranks: on 2 ranks, stopped after step 1, resumed on 1 process."""
+    iter_ranks: on 2 ranks, stopped after step 1, resumed on 1 process; iter_changed: stopped after
+    step 1 (in the middle of a cycle), resumed with a longer grpo.max_new_tokens; cold: sampled at
+    grpo.temperature=1e-6 (every completion of a group its greedy one)."""
     out = tmp_path_factory.mktemp("grpo")
     one = ["train.micro_batch_size=2"]
     cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop
@@ -78,7 +80,10 @@ def out(tmp_path_factory, tiny_path):
                                   ("iter_ranks", [*ranks, "train.micro_batch_size=1", "train.stop_after=1"], 0)])  # fmt: skip
     check_ranks(_worker, 1, out, [("one", one, 0), ("resumed", cut + ["train.stop_after=2"], 0), ("resumed", cut, 0),
                                   ("lora", lora, 0), ("iter", cycle, 0), ("iter_lost", lost, 1), ("iter_lost", lost, 0),
-                                  ("iter_ranks", [*ranks, "train.micro_batch_size=2"], 0)])  # fmt: skip
+                                  ("iter_ranks", [*ranks, "train.micro_batch_size=2"], 0),
+                                  ("iter_changed", [*cycle, "checkpoint.save_final=true", "train.stop_after=1"], 0),
+                                  ("iter_changed", [*cycle, "grpo.max_new_tokens=7"], 0),
+                                  ("cold", [*one, "grpo.temperature=1e-6", "train.steps=1"], 0)])  # fmt: skip
     return out
 
 
@@ -102,6 +107,21 @@ def test_trl_metric_names_and_step_one_kl_is_zero(out):
     assert first["grad_norm"] > 0 and history[-1]["kl"] > 0  # the vowel reward moved the policy off its start
     assert first["reward"] == pytest.approx(2 * first["rewards/vowels/mean"] + first["rewards/exact/mean"]
                                             + first["rewards/format/mean"])  # fmt: skip
+    rows = metrics.read(out / "one" / "metrics" / "rank-00000.jsonl")
+    rollout, step = metrics.series(rows, "rollout_time"), metrics.series(rows, "step_time")
+    assert sorted(rollout) == [1, 2, 3] and all(0 < rollout[k] < step[k] for k in rollout)  # a rollout every step
+    assert {r["unit"] for r in rows if r["metric"] == "rollout_time"} == {"s"}
+    cycle = metrics.series(metrics.read(out / "iter" / "metrics" / "rank-00000.jsonl"), "rollout_time")
+    assert cycle[1] > 0 and cycle[2] == 0 and cycle[3] > 0  # num_iterations=2: step 2 reuses step 1's rollout
+
+
+def test_entropy_and_log_probs_belong_to_the_tempered_distribution_the_rollout_sampled(out):
+    """At T = 1e-6 a group's completions are one (greedy) completion: the distribution sampled has no
+    entropy, and so must the one the loss reads (untempered, the tiny model's reads ~log V = 6)."""
+    (first,) = _history(out, "cold")
+    assert first["frac_reward_zero_std"] == 1  # every group's completions alike
+    assert first["entropy"] < 1e-3
+    assert first["kl"] == 0 and first["loss"] == 0  # the policy is its reference; equal rewards: no advantage
 
 
 def test_lora_reference_is_the_policy_without_adapters(out):
@@ -146,6 +166,17 @@ def test_a_resume_on_another_rank_count_in_the_middle_of_a_cycle_rolls_out_again
     assert {line["rollout"] for line in grpo.read_completions(out / "iter_ranks")[2]} == {1}  # the next one, not 0 again
 
 
+def test_a_resume_with_other_rollout_settings_in_the_middle_of_a_cycle_rolls_out_again(out):
+    """The cached rollout was sampled with grpo.max_new_tokens=6: the resumed run (7) never trains on it."""
+    saved_step, resumed_step, last = _history(out, "iter_changed")
+    assert saved_step == _history(out, "iter")[0]
+    assert resumed_step["step"] == 2 and resumed_step["reward"] != saved_step["reward"]  # a new rollout
+    assert resumed_step["reward"] == last["reward"]  # its own cycle: steps 2 and 3 train on it
+    warned = (out / "warnings-0.log").read_text()
+    assert "rollout made under other settings (grpo.max_new_tokens=6, now 7)" in warned
+    assert {line["rollout"] for line in grpo.read_completions(out / "iter_changed")[3]} == {1}
+
+
 def test_checkpoints_hold_the_rollout_only_in_the_middle_of_a_cycle(out):
     """A checkpoint at a cycle's end (every one with num_iterations 1) is followed by a new rollout:
     it keeps the count alone, not the micro-batches (pixels and log-probs) of the last rollout."""
@@ -155,6 +186,7 @@ def test_checkpoints_hold_the_rollout_only_in_the_middle_of_a_cycle(out):
         return torch.load(checkpoint.step_dir(root, step) / "rank-00000.pt", weights_only=False)["objective"]
 
     assert state("iter_lost", 1)["uses"] == 1 and len(state("iter_lost", 1)["cached"]) == 1
+    assert state("iter_lost", 1)["settings"]["grpo.max_new_tokens"] == 6  # what the rollout was made under
     assert state("iter_lost", 2) == {"uses": 2} and state("resumed", 3) == {"uses": 3}
 
 
@@ -171,9 +203,11 @@ def test_completions_file_holds_a_sample_of_each_logged_step(out):
     assert len({line["index"] for lines in by_step.values() for line in lines}) == 4  # 2 new prompts per step
 
 
-def test_group_seed_depends_on_run_draw_and_row_only():
-    assert group_seed(42, 0, 7) == group_seed(42, 0, 7)
-    assert len({group_seed(42, 0, 7), group_seed(43, 0, 7), group_seed(42, 1, 7), group_seed(42, 0, 8)}) == 4
+def test_completion_seed_depends_on_run_draw_row_and_generation_only():
+    assert completion_seed(42, 0, 7, 1) == completion_seed(42, 0, 7, 1)
+    seeds = {completion_seed(42, 0, 7, 1), completion_seed(43, 0, 7, 1), completion_seed(42, 1, 7, 1),
+             completion_seed(42, 0, 8, 1), completion_seed(42, 0, 7, 0)}  # fmt: skip
+    assert len(seeds) == 5
 
 
 def test_data_check_counts_the_usable_prompts(tmp_path, tiny_path, capsys):

@@ -1,12 +1,93 @@
 """qwenkit.engine.objectives.rollout: a completion is cut at its end token and decoded as evaluation decodes
-replies (broken bytes as ``\\xNN``), so the rewards of valid text are the tokenizer's text's."""
+replies (broken bytes as ``\\xNN``), so the rewards of valid text are the tokenizer's text's; rollouts
+batched across prompts equal one completion at a time; on 2 FSDP2 ranks, gathered once or in
+lockstep, they equal 1 process's, and the gathered rollout's all-gathers do not grow with the
+completions' length."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import build_model
+from multiproc import check_ranks
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from qwenkit import config as qconfig
+from qwenkit import data
+from qwenkit.bench.collectives import count_all_gathers
+from qwenkit.distributed import fsdp
+from qwenkit.engine.generation.generate import Sampling
 from qwenkit.engine.objectives import rewards
-from qwenkit.engine.objectives.rollout import completion
+from qwenkit.engine.objectives.rollout import HfRollouts, completion
+from qwenkit.model.processor import Processor
+
+MIXED = qconfig.load(overrides=["data.max_length=2048"])  # the mixed set's rows fit
+ROWS = [5, 0, 3, 4]  # a video, one image, text only, two images: prompts of different lengths
+GROUP = 3
+
+
+def _rollouts(max_new_tokens=6, **kwargs) -> HfRollouts:
+    return HfRollouts(Sampling(max_new_tokens, temperature=1.3, top_p=0.95, seed=3), GROUP, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, processor):
+    from engine.generation.test_generate import write_mixed_eval_set
+
+    root = tmp_path_factory.mktemp("mixed")
+    path = write_mixed_eval_set(root)
+    processor.save_pretrained(root / "tiny")
+    return root, data.read_checked(MIXED.data, processor, path)[0]
+
+
+def test_batched_rollouts_equal_one_completion_at_a_time_and_leave_the_rng_alone(mixed):
+    _, dataset = mixed
+    model = build_model(chunk=True, seed=7).train()
+    state = torch.random.get_rng_state()
+    alone = [c.tokens for i in ROWS for c in _rollouts(batch_size=1)(model, dataset, [i], draw=2)]
+    for batch_size in (0, 5):  # all 12 completions in one call; calls of 5, 5 and 2
+        done = _rollouts(batch_size=batch_size)(model, dataset, ROWS, draw=2)
+        assert [c.index for c in done] == [i for i in ROWS for _ in range(GROUP)]
+        assert [c.tokens for c in done] == alone, batch_size
+    assert torch.equal(torch.random.get_rng_state(), state)  # the training RNG did not move
+    assert all(len({tuple(t) for t in alone[k : k + GROUP]}) > 1 for k in range(0, len(alone), GROUP))  # sampled
+    assert [c.tokens for c in _rollouts()(model, dataset, ROWS, draw=3)] != alone  # another draw, other samples
+    assert model.training and model.chunk_loss  # the training settings are back
+
+
+def _worker(rank, out):
+    dist.init_process_group("gloo")
+    dataset, _ = data.read_checked(MIXED.data, Processor.from_pretrained(out / "tiny"), str(out / "eval.json"), rank, 2)
+    model = build_model(chunk=True, seed=7)
+    fsdp.shard(model, MIXED.parallel, fsdp.build_mesh(fsdp.Runtime(rank, 2, rank, torch.device("cpu"), "gloo", False)))
+    share = ROWS[rank::2]
+    result = {}
+    for where, new in (("gather", 3), ("gather", 6), ("lockstep", 6)):
+        with count_all_gathers() as gathers:
+            done = _rollouts(new, batch_size=2, where=where)(model, dataset, share, draw=2)
+        result[f"{where}-{new}"] = {"tokens": [c.tokens for c in done], "gathers": len(gathers)}
+    result["units"] = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+    (out / f"rank-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_gathered_once_or_in_lockstep_equal_one_process(mixed):
+    root, dataset = mixed
+    check_ranks(_worker, 2, root, timeout=300)  # a lockstep hang fails here
+    ranks = [json.loads((root / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    model = build_model(chunk=True, seed=7)
+    for where, new in (("gather", 3), ("gather", 6), ("lockstep", 6)):
+        want = [c.tokens for c in _rollouts(new)(model, dataset, ROWS, draw=2)]
+        got = {i: ranks[r][f"{where}-{new}"]["tokens"][k * GROUP : (k + 1) * GROUP]
+               for r in (0, 1) for k, i in enumerate(ROWS[r::2])}  # fmt: skip
+        assert [t for i in ROWS for t in got[i]] == want, (where, new)
+    for r in ranks:  # once per unit, whatever the length; lockstep: every unit at every forward
+        assert r["gather-3"]["gathers"] == r["gather-6"]["gathers"] == r["units"]
+        assert r["lockstep-6"]["gathers"] > 6 * r["units"]
 
 
 def test_a_completion_is_decoded_as_evaluation_decodes_replies(family_processor):

@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropies from the chunked head (GRPO) vs a full-logits computation (TRL's).
+"""Per-token log-probs and entropies (GRPO) and per-sequence sums (DPO) from the chunked head vs full-logits computations (TRL's).
 
 The kernel against ``log_softmax`` of ``F.linear``'s logits over odd shapes, chunk sizes, a bias
 and ignored rows; the model's ``token_logps`` against HF's own forward's logits on text, images
@@ -11,8 +11,8 @@ from conftest import EVERY_FAMILY
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.test_chunked import _video_batch
+from qwenkit.model.logps import full_sequence_logps, full_token_logps, sequence_logps, token_logps
 from qwenkit.model.loss import IGNORE_INDEX
-from qwenkit.model.token_logps import full_token_logps, token_logps
 
 # fp32 on both sides; the chunked head sums the softmax in another order: a few ulps of the sums
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -53,6 +53,34 @@ def test_token_logps_entropies_and_grads_equal_full_logits(chunk, frac, with_bia
         torch.testing.assert_close(a, b, **FP32)
 
 
+@pytest.mark.parametrize("temperature", [0.3, 1.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tempered_logps_entropies_and_grads_equal_trls(temperature, with_bias):
+    """GRPO's log-probs and entropy belong to the distribution the rollout sampled: TRL divides the
+    logits by the temperature before both (``selective_log_softmax_and_entropy``, what its
+    ``_get_per_token_logps_and_entropies`` computes)."""
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+
+    hidden, weight, labels = _inputs(ignore_frac=0.3, seed=5)
+    bias = (torch.randn(97) * 0.1).requires_grad_() if with_bias else None
+    logits = torch.nn.functional.linear(hidden, weight, bias)[:, :-1]  # position t predicts labels[t + 1]
+    target = labels[:, 1:]
+    valid = target != IGNORE_INDEX
+    ref, ref_ent = selective_log_softmax_and_entropy(logits, target.clamp(min=0), entropy_requires_grad=False,
+                                                     temperature=temperature)  # fmt: skip
+    got, ent = token_logps(hidden, weight, labels, chunk_size=7, bias=bias, entropy=True, temperature=temperature)
+    torch.testing.assert_close(got[:, :-1], ref * valid, **FP32)
+    torch.testing.assert_close(ent[:, :-1], ref_ent * valid, **FP32)
+    g = _upstream(ref.shape)
+    tensors = (hidden, weight) + ((bias,) if with_bias else ())
+    want = torch.autograd.grad((ref * valid * g).sum(), tensors)
+    for a, b in zip(torch.autograd.grad((got[:, :-1] * g).sum(), tensors), want):
+        # summation-order noise is relative to the largest terms summed (1 / T scales them)
+        torch.testing.assert_close(a, b, rtol=FP32["rtol"], atol=FP32["atol"] * max(1.0, float(b.abs().max())))
+    untempered, _ = token_logps(hidden, weight, labels, chunk_size=7, bias=bias)
+    assert not torch.allclose(got, untempered)  # the temperature is not a no-op here
+
+
 def test_skip_ignored_and_dense_agree_and_without_entropy_none_is_returned():
     hidden, weight, labels = _inputs(b=2, s=33, h=16, v=64, ignore_frac=0.5, seed=2)
     dense, ent = token_logps(hidden, weight, labels, chunk_size=8, skip_ignored=False)
@@ -85,6 +113,61 @@ def test_out_of_range_labels_name_their_position():
     labels[1, 5] = 99
     with pytest.raises(IndexError, match=r"labels\[1, 5\] = 99 .*vocabulary has 50 tokens"):
         token_logps(hidden, weight, labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sequence log-probs (preference objectives) vs TRL's full-logits log_softmax gather
+
+
+def _trl_logps(hidden, weight, labels, bias=None):
+    """TRL's computation: full logits, log_softmax, gather the shifted labels, sum per sequence."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)  # [B, S, V]
+    return full_sequence_logps(logits, labels)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 1000, "auto"])
+@pytest.mark.parametrize("frac", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sequence_logps_and_their_grads_equal_full_logits(chunk, frac, with_bias):
+    hidden, weight, labels = _inputs(b=4, s=29, h=24, v=97, ignore_frac=frac, seed=7)
+    bias = (torch.randn(97) * 0.1).requires_grad_() if with_bias else None
+    ref, ref_n = _trl_logps(hidden, weight, labels, bias)
+    got, n = sequence_logps(hidden, weight, labels, chunk_size=chunk, bias=bias)
+    torch.testing.assert_close(got, ref, **FP32)
+    assert n.tolist() == ref_n.tolist()
+    # a per-sequence upstream gradient, as DPO's is (each sequence weighted differently)
+    g = torch.tensor([0.3, -1.7, 2.0, 0.0])
+    tensors = (hidden, weight) + ((bias,) if with_bias else ())
+    for a, b in zip(torch.autograd.grad((got * g).sum(), tensors), torch.autograd.grad((ref * g).sum(), tensors)):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+def test_sequence_logps_skip_ignored_and_dense_agree_and_ignored_rows_get_no_gradient():
+    hidden, weight, labels = _inputs(b=2, s=33, h=16, v=64, ignore_frac=0.5, seed=2)
+    labels[1] = IGNORE_INDEX  # a sequence without labels: logp 0, count 0, no gradient
+    dense, _ = sequence_logps(hidden, weight, labels, chunk_size=8, skip_ignored=False)
+    sparse, n = sequence_logps(hidden, weight, labels, chunk_size=8)
+    torch.testing.assert_close(sparse, dense, **FP32)
+    assert sparse[1] == 0 and n[1] == 0
+    (gh,) = torch.autograd.grad(sparse.sum(), hidden)
+    assert gh[1].abs().max() == 0
+
+
+def test_sequence_logps_build_no_full_logits():
+    hidden, weight, labels = _inputs(b=2, s=64, h=16, v=512, ignore_frac=0.0)
+    sizes = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                sizes.append(out.numel())
+            return out
+
+    with Watch():
+        got, _ = sequence_logps(hidden, weight, labels, chunk_size=16)
+        got.sum().backward()
+    assert max(sizes) < 2 * 64 * 512  # never [B, S, V]: at most one [16, V] chunk or grad W [V, H]
 
 
 @EVERY_FAMILY
