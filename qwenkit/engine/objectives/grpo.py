@@ -34,7 +34,14 @@ is saved), so a resumed run trains on exactly the rollout the uninterrupted one 
 another number of ranks holds other ranks' caches: the resumed run rolls out again at its first step,
 as the next cycle, and says so.
 
-Cannot: vLLM rollouts.
+**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.objectives.vllm_rollouts`): the
+completions come from this rank's colocated vLLM engine, the policy's weights pushed to it first. vLLM's
+sampling log-probs differ from the trainer's (other kernels, other sums), so with
+``grpo.vllm_importance_sampling_correction`` each micro-batch also gets the trainer's log-probs of the
+rollout (``old``, computed whatever ``num_iterations``) and the truncated importance-sampling weights
+``exp(old - vLLM's)`` (:func:`qwenkit.model.grpo_loss.vllm_importance_weights`) that scale its
+per-token loss, logged as TRL names them: ``sampling/sampling_logp_difference/{mean,max}`` and
+``sampling/importance_sampling_ratio/{min,mean,max}`` (means over every rank's completion tokens).
 """
 
 from __future__ import annotations
@@ -50,19 +57,21 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 
 from qwenkit.engine.generation.evaluate import Evaluator, evaluate_replies
 from qwenkit.engine.generation.generate import Sampling
+from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
 from qwenkit.engine.objectives.dpo import frozen_copy
 from qwenkit.engine.objectives.rollout import Completion, HfRollouts, training_batch
+from qwenkit.engine.objectives.vllm_rollouts import VllmRollouts
 from qwenkit.model import family as families
 from qwenkit.model import lora
-from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages
+from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
 from qwenkit.model.loss import IGNORE_INDEX, shift_labels
 from qwenkit.records import read_jsonl
 
 log = logging.getLogger(__name__)
 
-OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps")  # what the objective pops from a micro-batch
+OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps", "is_ratio")  # what the objective pops from a micro-batch
 CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 SAMPLE_FILE = "completions.jsonl"  # beside the metrics: a sample of each logged step's completions (rank 0's)
 SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each with all its completions
@@ -77,13 +86,19 @@ def enable(model: nn.Module) -> nn.Module:
 class GrpoObjective(Objective):
     """The trainer's hooks for ``train.objective: grpo`` (see :mod:`qwenkit.engine.objective`)."""
 
-    def __init__(self, cfg, rt, bundle, box_units: str, reference: nn.Module | str | None, evaluator=None, out_dir=None):
+    def __init__(self, cfg, rt, bundle, box_units: str, reference: nn.Module | str | None, evaluator=None, out_dir=None,
+                 model_dir: str | None = None):  # fmt: skip
         grpo = cfg.grpo
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags))
         sampling = Sampling(grpo.max_new_tokens, grpo.num_generations, grpo.temperature, grpo.top_p, cfg.train.seed)
-        self.rollouts = HfRollouts(sampling, grpo.num_generations)
+        if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
+            self.rollouts = VllmRollouts(spec_of(cfg, bundle.dataset.processor, model_dir), sampling, grpo.num_generations)
+        else:
+            self.rollouts = HfRollouts(sampling, grpo.num_generations)
+        # vLLM's sampling log-probs are corrected for (module docstring)
+        self.corrects = grpo.rollout_engine == "vllm" and grpo.vllm_importance_sampling_correction
         self.rows = iter(bundle.sampler)  # the sampler moves as rows are drawn: checkpoints save where
         self.cached: list[dict] = []  # the rollout's micro-batches, for num_iterations steps
         self.uses = 0  # steps trained so far on rollouts (a rollout every num_iterations of them)
@@ -102,7 +117,7 @@ class GrpoObjective(Objective):
         if bundle.eval_dataset is not None:
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
         box_units = families.resolve(cfg.model.name, model.name_or_path).box_units  # the checkpoint's family
-        return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir)
+        return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir, model.name_or_path)
 
     # --- one rollout ------------------------------------------------------------------------
 
@@ -134,6 +149,8 @@ class GrpoObjective(Objective):
             self.sample = self._sample(done, per, total, mine, epoch)
         size = n // count
         micro = []
+        # importance sampling: |diff| sum and count, ratio sum and count, then |diff| max, ratio max, -(ratio min)
+        stats = torch.tensor([0, 0, 0, 0, -torch.inf, -torch.inf, -torch.inf], dtype=torch.float64)
         for k in range(count):
             part = slice(k * size, (k + 1) * size)
             batch = training_batch(done[part], self.bundle.dataset.processor.pad_token_id)
@@ -142,7 +159,11 @@ class GrpoObjective(Objective):
             batch |= {"num_items": valid.sum(), "num_samples": torch.tensor(size),
                       "advantages": mine[part], "truncated": truncated[part]}  # fmt: skip
             batch |= self._fixed_logps(model, batch)
+            if self.corrects:
+                batch |= self._importance(batch, done[part], stats)
             micro.append(batch)
+        if self.corrects:
+            self.rollout_metrics |= self._importance_metrics(stats)
         return micro
 
     @torch.no_grad()
@@ -150,7 +171,7 @@ class GrpoObjective(Objective):
         """The rollout policy's (``num_iterations > 1``) and the reference's (``beta > 0``) per-token log-probs."""
         inputs = {k: v.to(self.rt.device) for k, v in batch.items() if k not in (*OWN_KEYS, "num_items", "num_samples")}
         out = {}
-        if self.grpo.num_iterations > 1:
+        if self.grpo.num_iterations > 1 or self.corrects:
             out["old_logps"] = model.token_logps(**inputs)[0].cpu()
         if self.reference == "adapters":
             with lora.adapters_disabled(model):
@@ -158,6 +179,38 @@ class GrpoObjective(Objective):
         elif self.reference is not None:
             out["ref_logps"] = self.reference.token_logps(**inputs)[0].cpu()
         return out
+
+    def _importance(self, batch: dict, done: list[Completion], stats: torch.Tensor) -> dict:
+        """The micro-batch's vLLM importance-sampling weights (module docstring), its statistics added to
+        ``stats``; ``old`` stays only for ``num_iterations > 1`` (else the policy's own log-probs are the
+        ratio's denominator, as without vLLM)."""
+        g = self.grpo
+        old = batch["old_logps"] if g.num_iterations > 1 else batch.pop("old_logps")  # [B, S]
+        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens, in order
+        sampling = torch.zeros_like(old)
+        for b, c in enumerate(done):
+            sampling[b, mask[b]] = torch.tensor(c.sampling_logps, dtype=old.dtype)
+        ratio = vllm_importance_weights(old, sampling, mask.to(old.dtype), g.vllm_importance_sampling_mode,
+                                        g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max)  # fmt: skip
+        diff = (old - sampling).abs()[mask].double()  # [tokens]
+        kept = (ratio[mask] if ratio.shape[1] > 1 else ratio.flatten()).double()  # per token, or per completion
+        if diff.numel():
+            stats[:4] += torch.tensor([diff.sum().item(), diff.numel(), kept.sum().item(), kept.numel()], dtype=torch.float64)
+            stats[4:] = torch.maximum(stats[4:], torch.stack([diff.max(), kept.max(), -kept.min()]))
+        return {"is_ratio": ratio}
+
+    def _importance_metrics(self, stats: torch.Tensor) -> dict[str, float]:
+        """TRL's names, over every rank's completion tokens (collective)."""
+        sums, extremes = stats[:4].to(self.rt.device), stats[4:].to(self.rt.device)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        sums, extremes = sums.tolist(), extremes.tolist()
+        return {"sampling/sampling_logp_difference/mean": sums[0] / max(sums[1], 1),
+                "sampling/sampling_logp_difference/max": extremes[0],
+                "sampling/importance_sampling_ratio/min": -extremes[2],
+                "sampling/importance_sampling_ratio/mean": sums[2] / max(sums[3], 1),
+                "sampling/importance_sampling_ratio/max": extremes[1]}  # fmt: skip
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -175,7 +228,7 @@ class GrpoObjective(Objective):
         logps, entropies = model.token_logps(**batch, entropy=True)
         mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
-                             ref=own.get("ref_logps"), truncated=own["truncated"])  # fmt: skip
+                             ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"))  # fmt: skip
         m = terms.mask
         # token level: the completion's tokens; sequence level: one ratio per completion (TRL's metrics)
         at = m if terms.ratio.shape[1] > 1 else torch.ones_like(terms.ratio)
