@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from qwenkit.model import family as families
+
 try:  # transformers 5.x: the PIL backend needs no torchvision
     from transformers import Qwen2VLImageProcessorPil as ImageProcessor
 except ImportError:  # transformers 4.57: the "slow" processor is PIL/numpy based

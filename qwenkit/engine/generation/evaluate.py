@@ -50,9 +50,8 @@ from qwenkit.distributed import fsdp
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints.export import load_hf
-from qwenkit.engine.generation import answers
+from qwenkit.engine.generation import answers, vllm_engine
 from qwenkit.engine.generation import generate as qgen
-from qwenkit.engine.generation import vllm_engine
 from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy

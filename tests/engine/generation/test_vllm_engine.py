@@ -17,7 +17,6 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed: make test-vllm runs these tests in .venv-vllm")
 
 from engine.generation.test_generate import write_mixed_eval_set  # noqa: E402
-
 from qwenkit import config as qconfig  # noqa: E402
 from qwenkit import data  # noqa: E402
 from qwenkit.engine.generation import generate as qgen  # noqa: E402
