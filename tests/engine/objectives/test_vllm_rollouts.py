@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 pytest.importorskip("vllm", reason="vLLM is not installed: make test-vllm runs these tests in .venv-vllm")
 
 import torch.distributed as dist  # noqa: E402
