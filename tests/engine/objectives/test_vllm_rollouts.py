@@ -1,8 +1,9 @@
 """GRPO with vLLM rollouts through the trainer, and evaluation by vLLM (needs vLLM: make test-vllm).
 
-One run on the tiny Qwen2.5-VL at vLLM's CPU shapes (:mod:`qwenkit.model.tiny_vllm`), float32, 1 rank:
-rollouts and evaluation from one colocated engine, the policy's weights pushed before each rollout.
-Checked: the reward the run optimises rises; at step 1 the trainer's log-probs of the sampled tokens
+A run on the tiny Qwen2.5-VL at vLLM's CPU shapes (:mod:`qwenkit.model.tiny_vllm`), float32, 1 rank:
+rollouts and evaluation from one colocated engine, the policy's weights pushed before each rollout; the
+same run on 2 ranks (an engine each, in the gloo group's processes) equals it step for step.
+Checked: the reward the run optimises rises; at every step the trainer's log-probs of the sampled tokens
 equal vLLM's (the push carried the weights; the importance-sampling weights are 1), and TRL's
 ``sampling/*`` metrics are logged; the run's final eval replies (vLLM, after 6 pushes) equal the kit's
 HF replies from the exported final weights, and ``qwenkit eval --engine vllm`` gives the same replies.
@@ -49,9 +50,13 @@ def _worker(rank, out, overrides):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """The run on 1 process, 4 prompts a step (``run/``), and on 2 ranks, 2 prompts each (``two/``)."""
     out = tmp_path_factory.mktemp("vllm-grpo")
     path = tiny_vllm.ensure_checkpoint("qwen2_5_vl")
     check_ranks(_worker, 1, out, [*RUN, f"model.path={path}", f"train.output_dir={out / 'run'}"])
+    two = out / "two"
+    two.mkdir()
+    check_ranks(_worker, 2, two, [*RUN, f"model.path={path}", f"train.output_dir={two / 'run'}", "train.micro_batch_size=2"])
     return out
 
 
@@ -65,15 +70,26 @@ def test_the_reward_rises_with_vllm_rollouts(run):
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2, rewards
 
 
-def test_the_trainers_log_probs_equal_vllms_after_the_push(run):
-    first = _history(run)[0]
+def test_two_ranks_equal_one_process(run):
+    """Each rank pushes its shards' gathered weights into its own engine, and a row's completions depend on its
+    seed alone: 2 ranks sample, score and train what 1 process does."""
+    timing = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory", "padding_fraction", "eval_generation_time")
+    for a, b in zip(_history(run / "two"), _history(run), strict=True):
+        assert a.keys() == b.keys()
+        for k in a.keys() - set(timing):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k  # fp32: the gradients summed in another order
+
+
+def test_the_trainers_log_probs_equal_vllms_after_each_push(run):
+    history = _history(run)
     names = {f"sampling/sampling_logp_difference/{s}" for s in ("mean", "max")}
     names |= {f"sampling/importance_sampling_ratio/{s}" for s in ("min", "mean", "max")}
-    assert names <= set(first)
-    # fp32, the same weights: the two engines' sums differ by rounding only
-    assert first["sampling/sampling_logp_difference/max"] < 1e-3
-    assert first["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-3)
-    assert first["sampling/importance_sampling_ratio/max"] == pytest.approx(1, abs=1e-3)
+    assert names <= set(history[0])
+    assert history[-1]["grad_norm"] > 0 and history[-1]["reward"] != history[0]["reward"]  # the policy moved
+    for step in history:  # fp32, the same weights at every rollout: the two engines' sums differ by rounding only
+        assert step["sampling/sampling_logp_difference/max"] < 1e-3, step["step"]
+        assert step["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-3)
+        assert step["sampling/importance_sampling_ratio/max"] == pytest.approx(1, abs=1e-3)
     lines = grpo.read_completions(run / "run")[1]
     assert len(lines) == 4 * 4 and all(line["completion"] is not None for line in lines)
 
