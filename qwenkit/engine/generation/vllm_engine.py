@@ -9,7 +9,9 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   ``reload_weights`` as a checkpoint tensor, so vLLM's own name mapping and its CPU backend's repacking
   apply (TRL's ``_sync_fsdp2_params_to_vllm``, verl's ``get_per_tensor_param``). Its prefix, encoder
   and multimodal caches are cleared after (the encoder cache holds features of the old weights:
-  EasyR1 clears it too). A model with LoRA adapters is refused before start (:mod:`qwenkit.config.vllm`).
+  EasyR1 clears it too). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
+  (:func:`hf_tensors`: the adapters stay unmerged in the trained model); DoRA and ``lora.modules_to_save``
+  are refused before start (:mod:`qwenkit.config.vllm`).
 - **Prompts** (:func:`request`): the kit's own prompt token ids (the dataset's template), with each
   run of image placeholders collapsed to one ``<|image_pad|>``, and the row's images as
   ``multi_modal_data``: vLLM expands the placeholder itself, with its processor resizing into the
@@ -33,6 +35,7 @@ import ctypes
 import os
 import platform
 import random
+import re
 import sys
 from dataclasses import dataclass
 
@@ -42,9 +45,13 @@ from torch import nn
 
 from qwenkit.data.images import load
 from qwenkit.engine.generation.generate import Generation, reply_text
+from qwenkit.model import lora
+from qwenkit.model.modules import module_path
 from qwenkit.model.processor import pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops
 
+# a LoRA layer's parameters: its base weight and its adapter's two factors (peft's names)
+LORA_PART = re.compile(rf"^(.*)\.(base_layer\.weight|lora_A\.{lora.ADAPTER}\.weight|lora_B\.{lora.ADAPTER}\.weight)$")
 SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}  # the set_mempolicy syscall's number per architecture
 _ENGINES: dict[tuple, VllmEngine] = {}  # this process's engines, by what they were built from (:func:`shared`)
 
@@ -113,10 +120,9 @@ class VllmEngine:
 
         def tensors():
             nonlocal count
-            for name, p in model.named_parameters():
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            for name, full in hf_tensors(model):
                 count += 1
-                yield name, full.detach().to(dtype)
+                yield name, full.to(dtype)
 
         with protected():
             self._wake("weights")
@@ -148,6 +154,28 @@ class VllmEngine:
         if tag in self.asleep:
             self.llm.wake_up(tags=[tag])
             self.asleep.discard(tag)
+
+
+def hf_tensors(model: nn.Module):
+    """``(HF name, full tensor)`` of each parameter of ``model``, gathered one at a time (collective for a
+    sharded model: every rank iterates alike); a LoRA layer's base weight merged with its adapter, its
+    adapter weights not sent."""
+    held: dict[str, dict[str, torch.Tensor]] = {}  # a LoRA layer's path -> its base weight, lora_A, lora_B so far
+    for name, p in model.named_parameters():
+        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        found = LORA_PART.match(name)
+        if found is None:
+            yield lora.base_key(module_path(name)), full  # a LoRA layer's bias too: its base layer's
+            continue
+        layer, part = found.groups()
+        parts = held.setdefault(layer, {})
+        parts[part] = full
+        if len(parts) == 3:  # peft's merge: W + scaling * B @ A
+            scaling = model.get_submodule(layer).scaling[lora.ADAPTER]
+            delta = parts[f"lora_B.{lora.ADAPTER}.weight"].float() @ parts[f"lora_A.{lora.ADAPTER}.weight"].float()
+            weight = parts["base_layer.weight"]
+            yield module_path(layer) + ".weight", weight + (scaling * delta).to(weight.dtype)
+            del held[layer]
 
 
 def start_engine(spec: EngineSpec) -> VllmEngine:

@@ -112,3 +112,29 @@ def test_the_engine_leaves_threads_environment_and_rng_as_they_were(setup):
     _vllm_replies(engine, dataset)
     _same(now, _state())  # a push and a generation
     torch.set_num_threads(now["threads"])  # the real setter: vLLM's no-op is gone
+
+
+def test_a_lora_model_is_pushed_merged(setup):
+    """The push of a model with LoRA adapters (B random: a real delta) gives vLLM the merged weights; the
+    adapters stay unmerged in the pushed model."""
+    import copy
+
+    from qwenkit.model import lora
+
+    cfg, dataset, hf, engine, _ = setup
+    adapted = copy.deepcopy(hf)
+    lora.apply(adapted, qconfig.load(overrides=["lora.r=4", "lora.alpha=8"]).lora, seed=0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)
+    merged = lora.merge_in_place(copy.deepcopy(adapted))
+    try:
+        engine.push(adapted)
+        got = _vllm_replies(engine, dataset)
+        assert got == _kit_replies(merged, dataset)
+        assert got != _kit_replies(hf, dataset)  # the adapters changed the replies
+        assert lora.has_adapters(adapted) and any(".lora_A." in n for n, _ in adapted.named_parameters())
+    finally:
+        engine.push(hf)

@@ -2,7 +2,8 @@
 
 A run on the tiny Qwen2.5-VL at vLLM's CPU shapes (:mod:`qwenkit.model.tiny_vllm`), float32, 1 rank:
 rollouts and evaluation from one colocated engine, the policy's weights pushed before each rollout; the
-same run on 2 ranks (an engine each, in the gloo group's processes) equals it step for step.
+same run on 2 ranks (an engine each, in the gloo group's processes) equals it step for step; a LoRA run's
+pushes carry the merged adapters.
 Checked: the reward the run optimises rises; at every step the trainer's log-probs of the sampled tokens
 equal vLLM's (the push carried the weights; the importance-sampling weights are 1), and TRL's
 ``sampling/*`` metrics are logged; the run's final eval replies (vLLM, after 6 pushes) equal the kit's
@@ -50,13 +51,18 @@ def _worker(rank, out, overrides):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The run on 1 process, 4 prompts a step (``run/``), and on 2 ranks, 2 prompts each (``two/``)."""
+    """The run on 1 process, 4 prompts a step (``run/``), on 2 ranks, 2 prompts each (``two/``), and with LoRA
+    adapters, 3 steps (``lora/``)."""
     out = tmp_path_factory.mktemp("vllm-grpo")
     path = tiny_vllm.ensure_checkpoint("qwen2_5_vl")
     check_ranks(_worker, 1, out, [*RUN, f"model.path={path}", f"train.output_dir={out / 'run'}"])
     two = out / "two"
     two.mkdir()
     check_ranks(_worker, 2, two, [*RUN, f"model.path={path}", f"train.output_dir={two / 'run'}", "train.micro_batch_size=2"])
+    adapters = out / "lora"
+    adapters.mkdir()
+    check_ranks(_worker, 1, adapters, [*RUN, f"model.path={path}", f"train.output_dir={adapters / 'run'}", "lora.r=8",
+                                       "train.steps=3", "train.eval_samples=0", "train.lr=0.05"])  # fmt: skip
     return out
 
 
@@ -80,8 +86,10 @@ def test_two_ranks_equal_one_process(run):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k  # fp32: the gradients summed in another order
 
 
-def test_the_trainers_log_probs_equal_vllms_after_each_push(run):
-    history = _history(run)
+@pytest.mark.parametrize("name", ["", "lora"])
+def test_the_trainers_log_probs_equal_vllms_after_each_push(run, name):
+    """With LoRA the push merges each adapter into its base weight; the policy trains them unmerged."""
+    history = _history(run / name)
     names = {f"sampling/sampling_logp_difference/{s}" for s in ("mean", "max")}
     names |= {f"sampling/importance_sampling_ratio/{s}" for s in ("min", "mean", "max")}
     assert names <= set(history[0])
