@@ -32,7 +32,7 @@ VLLM_TESTS ?= tests/engine/generation/test_vllm_engine.py tests/engine/objective
 # their figures with it and import it at the top, and their torch code is what compat must cover.
 COMPAT_IGNORE ?= tests/test_notebooks.py tests/notebooks/test_runner.py tests/notebooks/test_kernel.py tests/notebooks/test_widgets.py tests/notebooks/test_progress.py
 
-.PHONY: test test-all test-long test-main test-tf457 test-vllm test-compat lab report train bench lint clean chromium
+.PHONY: test test-all test-long test-main test-tf457 test-vllm test-compat gpu-check lab report train bench lint clean chromium
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,13 @@ report: $(VENV)/.installed
 
 train: $(VENV)/.installed
 	$(VENV)/bin/qwenkit train --config params/tiny_cpu.yaml
+
+# The day a GPU is lent: the CUDA-marked tests, chunk loss vs HF in bf16, a 3B-shaped step's MFU, the vLLM tests,
+# in <= 10 min, a JSON summary (GPU_CHECK_OUT); run it with the environment of that machine's torch (PYTHON_GPU)
+PYTHON_GPU ?= python3
+GPU_CHECK_OUT ?= gpu-check/gpu-check.json
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON_GPU) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/chunk_loss.py
