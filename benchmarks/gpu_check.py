@@ -28,7 +28,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = {"cuda_tests": 240, "chunk_vs_hf_bf16": 60, "mfu_3b": 180, "vllm": 240}  # seconds: 12 min at most in all
+LIMITS = {"cuda_tests": 210, "chunk_vs_hf_bf16": 45, "mfu_3b": 150, "vllm": 180}  # seconds: under 10 min in all
 
 CHUNK_VS_HF = """
 import json, torch
