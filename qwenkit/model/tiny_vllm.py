@@ -40,6 +40,8 @@ def widen(config):
     rope["mrope_section"] = list(MROPE)
     for k, v in VISION.items():
         setattr(config.vision_config, k, v)
+    if getattr(text, "num_experts", None):  # HF's Qwen3-VL-MoE router always renormalises its top-k; vLLM reads it here
+        text.norm_topk_prob = True
     return config
 
 
@@ -47,7 +49,7 @@ def ensure_checkpoint(family: str = families.TINY_DEFAULT, seed: int = 0, root: 
     """Write (once) and return the widened tiny checkpoint of ``family`` (one of :data:`FAMILIES`)."""
     if family not in FAMILIES:
         raise ValueError(f"no vLLM-shaped tiny model of {family!r}; these have one: {', '.join(FAMILIES)}")
-    key = json.dumps({"v": 1, "family": family, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__})
+    key = json.dumps({"v": 2, "family": family, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__})
     root = Path(root) if root is not None else tiny._cache_root()
     path = root / f"tiny-vllm-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():

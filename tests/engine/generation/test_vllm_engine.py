@@ -1,6 +1,6 @@
 """vLLM as the kit's generation engine, against the kit's own HF generation (needs vLLM: make test-vllm).
 
-On the tiny families at vLLM's CPU shapes (:mod:`qwenkit.model.tiny_vllm`), float32: vLLM's greedy replies
+On the tiny dense families at vLLM's CPU shapes (:mod:`qwenkit.model.tiny_vllm`), float32: vLLM's greedy replies
 equal the kit's HF greedy replies token for token, on text-only, one-image and two-image rows; after a
 push of other weights, vLLM's replies equal HF's with those weights (and differ from before the push);
 the engine leaves the process's threads, environment and RNG as they were.
@@ -38,7 +38,12 @@ def _eval_set(root, cfg, processor):
     return dataset
 
 
-@pytest.fixture(scope="module", params=tiny_vllm.FAMILIES[:2])
+# the dense families: vLLM 0.32 fails to load the tiny Qwen3-VL-MoE's fused experts as transformers 5.19 saves them
+# (a shape mismatch in its routed-experts loader), so MoE is not run here
+ENGINE_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+@pytest.fixture(scope="module", params=ENGINE_FAMILIES)
 def setup(request, tmp_path_factory):
     """``(cfg, dataset, hf_model, engine, before)`` of one family; ``before``: process state before the engine."""
     path = tiny_vllm.ensure_checkpoint(request.param)
