@@ -53,7 +53,7 @@ from qwenkit.model.torchvision_ops import declare_missing_ops
 # a LoRA layer's parameters: its base weight and its adapter's two factors (peft's names)
 LORA_PART = re.compile(rf"^(.*)\.(base_layer\.weight|lora_A\.{lora.ADAPTER}\.weight|lora_B\.{lora.ADAPTER}\.weight)$")
 SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}  # the set_mempolicy syscall's number per architecture
-_ENGINES: dict[tuple, VllmEngine] = {}  # this process's engines, by what they were built from (:func:`shared`)
+ENGINES: dict[EngineSpec, VllmEngine] = {}  # this process's engines, by what they were built from (:func:`shared`)
 
 
 @contextlib.contextmanager
@@ -207,9 +207,9 @@ _INSPECT = ("from qwenkit.model.torchvision_ops import declare_missing_ops; decl
 
 def shared(spec: EngineSpec) -> VllmEngine:
     """This process's engine for ``spec``, started on first use (rollouts and evaluation share it)."""
-    if spec not in _ENGINES:
-        _ENGINES[spec] = start_engine(spec)
-    return _ENGINES[spec]
+    if spec not in ENGINES:
+        ENGINES[spec] = start_engine(spec)
+    return ENGINES[spec]
 
 
 def spec_of(cfg, processor, model_dir: str) -> EngineSpec:

@@ -23,6 +23,7 @@ from multiproc import check_ranks  # noqa: E402
 
 from qwenkit import cli  # noqa: E402
 from qwenkit import config as qconfig  # noqa: E402
+from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import grpo  # noqa: E402
 from qwenkit.engine.run import train  # noqa: E402
 from qwenkit.model import tiny_vllm  # noqa: E402
@@ -46,6 +47,7 @@ def _worker(rank, out, overrides):
     trainer.run()
     if rank == 0:
         (out / "history.json").write_text(json.dumps(trainer.history))
+        (out / "engines.json").write_text(json.dumps(len(vllm_engine.ENGINES)))
     dist.destroy_process_group()
 
 
@@ -103,6 +105,7 @@ def test_the_trainers_log_probs_equal_vllms_after_each_push(run, name):
 
 
 def test_final_eval_replies_equal_the_kits_hf_replies_and_qwenkit_eval_vllm(run, capsys):
+    assert json.loads((run / "engines.json").read_text()) == 1  # rollouts and evaluation share the rank's engine
     final = [json.loads(line) for line in (run / "run" / "eval" / f"step-{STEPS:06d}.jsonl").read_text().splitlines()]
     assert len(final) == 4
     replies = {}
