@@ -79,6 +79,7 @@ def _eval(args) -> int:
     request = evaluate.EvalRequest(
         args.target, data=args.data, samples=args.samples, config=args.config, out=args.out,
         metric=tuple(args.metric) if args.metric is not None else None, nproc=args.nproc, batch_size=args.batch_size,
+        engine=args.engine,
     )  # fmt: skip
     try:
         return evaluate.eval_main(request)
@@ -160,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact normalized relaxed anls or module:function, several at once (default: train.eval_metrics)")
     v.add_argument("--nproc", type=int, default=1, help="ranks on this node, each generating its share of the rows")
     v.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: train.eval_batch_size)")
+    v.add_argument("--engine", choices=("hf", "vllm"), default=None,
+                   help="what generates: HF generate or a vLLM engine given the weights (default: train.eval_engine)")
     v.set_defaults(func=_eval)
 
     w = sub.add_parser("sweep", help="run many training runs from a sweep file, and show their ledger")

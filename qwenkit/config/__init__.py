@@ -8,7 +8,7 @@ together in one :class:`ConfigError`, each naming the key path, the bad value an
 Inside: ``loader`` (YAML 1.2, overrides, typing the values, :func:`load`, :func:`write_config`),
 ``schema`` (:class:`Config` and :func:`validate`), ``libraries`` (which library an option needs),
 and one module per section holding its fields, its allowed names and its rules: ``model``,
-``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``grpo``, ``checkpoint``, ``profile``.
+``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``grpo``, ``checkpoint``, ``profile``, ``vllm``.
 """
 
 from qwenkit.config.checkpoint import CheckpointConfig
@@ -42,12 +42,13 @@ from qwenkit.config.train import (
     load_user_metric,
     scorer_problems,
 )  # fmt: skip
+from qwenkit.config.vllm import ENGINES, VllmConfig
 
 __all__ = [
-    "BOOL_WORDS", "BUILTIN_REWARDS", "DATA_LAYOUTS", "DATA_READS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
+    "BOOL_WORDS", "BUILTIN_REWARDS", "ENGINES", "DATA_LAYOUTS", "DATA_READS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
     "FUSED_OPS", "GRPO_LOSSES", "LOSS_TYPES", "MODEL_NAMES", "OBJECTIVES", "PIP_NAMES", "TRAINING_LOSS_TYPES",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DpoConfig", "Dtype", "GrpoConfig", "Loader", "LoraConfig",
-    "LossConfig", "ModelConfig", "ObjectiveEntry", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig",
+    "LossConfig", "ModelConfig", "ObjectiveEntry", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig", "VllmConfig",
     "chunk_size_problem", "fused_backend_problem", "fused_ops_problems", "installed",
     "load", "load_user_metric", "parse_yaml", "scorer_problems", "validate", "write_config",
 ]  # fmt: skip

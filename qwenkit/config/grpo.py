@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from qwenkit.config.train import EVAL_METRICS, scorer_problems
+from qwenkit.config.vllm import Engine
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # grpo.loss_type; qwenkit.model.grpo_loss implements them
 IMPORTANCE_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (sequence: GSPO)
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
 SCALE_REWARDS = ("group", "batch", "none")  # grpo.scale_rewards: the std that divides the advantages
 BUILTIN_REWARDS = (*EVAL_METRICS, "format", "iou")  # grpo.rewards besides module:function
 
@@ -47,6 +49,15 @@ class GrpoConfig:
     rewards: list[str] = field(default_factory=lambda: ["exact"])
     reward_weights: list[float] = field(default_factory=list)  # one per reward; empty: all 1
     format_tags: list[str] = field(default_factory=lambda: ["think", "answer"])  # format: <think>..</think><answer>..</answer>
+    # what samples the completions: hf (generate on the sharded policy) or vllm (a colocated engine per
+    # rank, the policy's weights pushed before each rollout; the vllm section)
+    rollout_engine: Engine = "hf"
+    # vLLM's sampling log-probs differ from the trainer's: weigh each token's loss by
+    # exp(trainer's - vLLM's log-prob), truncated (or masked) at the clip bounds; TRL's names
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: Literal[IS_MODES] = "token_truncate"  # TRL 1.16's default is sequence_mask
+    vllm_importance_sampling_clip_max: float = 3.0  # truncate: ratios capped here; mask: above it, 0
+    vllm_importance_sampling_clip_min: float | None = None  # truncate: ratios raised to it; mask: below it, 0
 
 
 def check(cfg: Config, need: Need) -> None:
@@ -80,6 +91,11 @@ def check(cfg: Config, need: Need) -> None:
         len(tags) == 2 and all(t.strip() and "<" not in t and ">" not in t for t in tags) and tags[0] != tags[1],
         f"grpo.format_tags must be two different tag names without brackets (e.g. [think, answer]), got {tags}",
     )
+    need(grpo.vllm_importance_sampling_clip_max > 0,
+         f"grpo.vllm_importance_sampling_clip_max must be > 0, got {grpo.vllm_importance_sampling_clip_max}")  # fmt: skip
+    low = grpo.vllm_importance_sampling_clip_min
+    need(low is None or 0 <= low < grpo.vllm_importance_sampling_clip_max,
+         f"grpo.vllm_importance_sampling_clip_min must be in [0, vllm_importance_sampling_clip_max) or unset, got {low}")  # fmt: skip
     need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
     need(
         not cfg.data.packing,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qwenkit.config import checkpoint, data, dpo, grpo, lora, loss, model, parallel, profile, train
+from qwenkit.config import checkpoint, data, dpo, grpo, lora, loss, model, parallel, profile, train, vllm
 from qwenkit.config.checkpoint import CheckpointConfig
 from qwenkit.config.data import DataConfig
 from qwenkit.config.dpo import DpoConfig
@@ -24,11 +24,12 @@ from qwenkit.config.model import ModelConfig
 from qwenkit.config.parallel import ParallelConfig
 from qwenkit.config.profile import ProfileConfig
 from qwenkit.config.train import TrainConfig
+from qwenkit.config.vllm import VllmConfig
 
 Need = Callable[[bool, str], None]  # validate's collector: need(condition, problem)
 # each section's rules, in the order their problems are listed
 CHECKS = (model.check, data.check, loss.check, parallel.check, train.check, lora.check, dpo.check, grpo.check,
-          checkpoint.check, profile.check)  # fmt: skip
+          checkpoint.check, profile.check, vllm.check)  # fmt: skip
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Config:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

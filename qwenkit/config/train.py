@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from qwenkit.config.libraries import installed
+from qwenkit.config.vllm import Engine
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
@@ -80,6 +81,9 @@ class TrainConfig:
     # where replies come from: gather (a full copy of the weights on every rank), lockstep (the
     # sharded model, every rank stepping together), auto (gather when the copy fits, see engine/generation/generate.py)
     eval_generation: Literal["auto", "gather", "lockstep"] = "auto"
+    # what generates the eval replies: hf (train.eval_generation's copy or lockstep) or a colocated vLLM
+    # engine per rank, the weights pushed to it (the vllm section; qwenkit.engine.generation.vllm_engine)
+    eval_engine: Engine = "hf"
     # scores of each reply: exact, normalized (VQA), relaxed (ChartQA), anls (DocVQA) or a user's
     # module:function(prediction, reference) -> float; eval_accuracy is the first one's mean
     eval_metrics: list[str] = field(default_factory=lambda: ["exact"])

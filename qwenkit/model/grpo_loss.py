@@ -22,12 +22,17 @@ log-probs ``logp`` (:func:`qwenkit.model.logps.token_logps`), the rollout policy
    dapo       ``sum l / tokens``                                         the step's tokens
    =========  ========================================================  ==========================
 
+With vLLM rollouts (``grpo.rollout_engine: vllm``), step 2's per-token loss is weighed by the
+truncated importance-sampling ratio of the trainer's and vLLM's log-probs of the sampled tokens
+(:func:`vllm_importance_weights`, TRL's ``vllm_importance_sampling_correction``), before the KL term.
+
 ``mask_truncated_completions`` removes a completion cut at ``max_new_tokens`` from ``mask``
 (TRL's ``completion_mask``): it still counts as a completion (grpo, dr_grpo), not as tokens.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +63,29 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     if scale_rewards != "none":
         advantages = advantages / (std + STD_EPS)
     return advantages, torch.isclose(std, torch.zeros_like(std))
+
+
+def vllm_importance_weights(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str,
+                            clip_min: float | None, clip_max: float | None) -> torch.Tensor:  # fmt: skip
+    """TRL 1.16's vLLM importance-sampling ratios: ``[B, T]`` (``token_*``) or ``[B, 1]`` (``sequence_*``).
+
+    ``old``: the trainer's log-probs of the sampled tokens at the rollout, ``sampling``: vLLM's, both
+    ``[B, T]`` on the completion positions of ``mask``. ``r = exp(old - sampling)`` per token, or of the
+    sum over the completion (``sequence_*``); ``*_truncate`` clamps ``r`` into ``[clip_min, clip_max]``,
+    ``*_mask`` sets ratios outside them to 0 (the token, or the sequence, adds no loss).
+    """
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)  # a token vLLM could not score: no correction
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)  # [B, 1]
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if not mode.endswith("mask"):
+        raise ValueError(f"grpo.vllm_importance_sampling_mode must be one of token_truncate, token_mask, "
+                         f"sequence_truncate, sequence_mask; got {mode!r}")  # fmt: skip
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @dataclass
@@ -101,8 +129,10 @@ class GrpoLoss:
         old: torch.Tensor | None = None,
         ref: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
+        is_ratio: torch.Tensor | None = None,
     ) -> GrpoTerms:
-        """``logps``, ``old``, ``ref``, ``mask``: ``[B, T]``; ``advantages``, ``truncated``: ``[B]``."""
+        """``logps``, ``old``, ``ref``, ``mask``: ``[B, T]``; ``advantages``, ``truncated``: ``[B]``;
+        ``is_ratio``: vLLM's importance-sampling weights (:func:`vllm_importance_weights`), or None."""
         mask = mask.to(logps.dtype)
         if self.mask_truncated and truncated is not None:
             mask = mask * (~truncated).to(mask.dtype)[:, None]
@@ -114,6 +144,8 @@ class GrpoLoss:
         a = advantages[:, None]  # [B, 1]
         clipped = torch.clamp(ratio, 1 - self.eps_low, 1 + self.eps_high)
         per_token = -torch.min(ratio * a, clipped * a)  # [B, T] or [B, 1]
+        if is_ratio is not None:
+            per_token = per_token * is_ratio  # [B, T] or [B, 1], as TRL: before the KL term
         kl = None
         if self.beta != 0.0:
             if ref is None:
@@ -138,4 +170,4 @@ class GrpoLoss:
         return per_token.sum() / torch.as_tensor(totals.tokens, dtype=per_token.dtype).clamp(min=1.0)  # dapo
 
 
-__all__ = ["STD_EPS", "GrpoLoss", "GrpoTerms", "StepTotals", "group_advantages"]
+__all__ = ["STD_EPS", "GrpoLoss", "GrpoTerms", "StepTotals", "group_advantages", "vllm_importance_weights"]

@@ -16,7 +16,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import nanstd
 
 from qwenkit.config import GrpoConfig
-from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages
+from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
 
 FP32 = dict(rtol=1e-6, atol=1e-7)  # same float32 formulas, summed in the same order but for the normaliser
 MAX_NEW = 12
@@ -157,3 +157,32 @@ def test_group_advantages_by_hand_and_as_trl():
         assert zero.tolist() == want_zero.tolist()
     with pytest.raises(ValueError, match=r"7 rewards do not form groups of grpo.num_generations=4"):
         group_advantages(torch.zeros(7), 4, "group")
+
+
+def test_truncated_and_masked_importance_weights_follow_trls_formulas():
+    old = torch.tensor([[-1.0, -2.0, -3.0, 0.0]])
+    sampling = torch.tensor([[-1.5, -0.5, -3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    ratio = torch.exp((old - sampling) * mask)  # TRL: exp(old - sampling) on the completion tokens
+    got = vllm_importance_weights(old, sampling, mask, "token_truncate", None, 1.5)
+    torch.testing.assert_close(got, ratio.clamp(max=1.5))
+    got = vllm_importance_weights(old, sampling, mask, "token_mask", 0.5, 1.5)
+    torch.testing.assert_close(got, torch.where((ratio < 0.5) | (ratio > 1.5), 0.0, ratio))
+    seq = torch.exp(((old - sampling) * mask).sum(-1, keepdim=True))
+    torch.testing.assert_close(vllm_importance_weights(old, sampling, mask, "sequence_truncate", None, 3.0), seq.clamp(max=3.0))
+    torch.testing.assert_close(vllm_importance_weights(old, sampling, mask, "sequence_mask", 0.5, None), torch.zeros(1, 1))
+
+
+def test_the_importance_weights_scale_each_tokens_loss_before_the_kl():
+    """TRL: ``per_token_loss * importance_sampling_ratio``, then ``+ beta * kl``."""
+    torch.manual_seed(0)
+    logps, ref = torch.randn(2, 3) - 2, torch.randn(2, 3) - 2
+    adv, mask = torch.tensor([1.0, -0.5]), torch.ones(2, 3)
+    weights = torch.rand(2, 3) + 0.5
+    loss = GrpoLoss(GrpoConfig(loss_type="dapo", beta=0.1))
+    totals = StepTotals(completions=2, tokens=6, micro_batches=1)
+    plain = loss(logps, adv, mask, totals, ref=ref)
+    weighted = loss(logps, adv, mask, totals, ref=ref, is_ratio=weights)
+    policy = -adv[:, None] * torch.ones(2, 3)  # ratio 1 (old = logps): -A per token
+    torch.testing.assert_close(weighted.loss, ((policy * weights + 0.1 * plain.kl) * mask).sum() / 6)
+    torch.testing.assert_close(plain.loss, ((policy + 0.1 * plain.kl) * mask).sum() / 6)

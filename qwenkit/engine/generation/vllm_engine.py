@@ -1,0 +1,262 @@
+"""vLLM as a generation engine: one colocated instance per rank, its weights pushed from the training model.
+
+TRL's colocate mode: every rank runs its own ``vllm.LLM`` in its own process (no server), built once
+from the run's checkpoint directory (:func:`shared`: GRPO's rollouts and evaluation use the same one)
+and updated **in place** from the FSDP2-sharded policy before it samples (:meth:`VllmEngine.push`):
+
+- **Weights.** Each parameter is gathered alone (``full_tensor()``, collective: every rank in the same
+  order), under its HF name (the kit's subclasses keep HF's state-dict keys), and handed to vLLM's
+  ``reload_weights`` as a checkpoint tensor, so vLLM's own name mapping and its CPU backend's repacking
+  apply (TRL's ``_sync_fsdp2_params_to_vllm``, verl's ``get_per_tensor_param``). Its prefix, encoder
+  and multimodal caches are cleared after (the encoder cache holds features of the old weights:
+  EasyR1 clears it too). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
+  (:func:`hf_tensors`: the adapters stay unmerged in the trained model); DoRA and ``lora.modules_to_save``
+  are refused before start (:mod:`qwenkit.config.vllm`).
+- **Prompts** (:func:`request`): the kit's own prompt token ids (the dataset's template), with each
+  run of image placeholders collapsed to one ``<|image_pad|>``, and the row's images as
+  ``multi_modal_data``: vLLM expands the placeholder itself, with its processor resizing into the
+  run's pixel bounds (``mm_processor_kwargs``). Token ids already expanded would be expanded again.
+- **The process stays the kit's** (:func:`protected`): vLLM's CPU worker replaces
+  ``torch.set_num_threads`` with a no-op, binds memory to a NUMA node, changes environment variables
+  (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...) and reseeds the global RNGs; every call into vLLM runs inside
+  :func:`protected`, which puts threads, affinity, memory policy, environment and RNG states back.
+- **Memory.** CPU: ``VLLM_CPU_KVCACHE_SPACE`` (``vllm.cpu_kv_cache_gib``; without it vLLM reserves 0.92
+  of the host). CUDA: ``vllm.gpu_memory_utilization`` of the device, and with ``vllm.sleep`` the engine
+  sleeps (weights and KV cache released) between generations and wakes its weights before a push.
+  ``sleep()`` does nothing on CPU.
+
+vLLM is imported here only, inside :func:`start_engine` (the ``vllm`` extra, or ``vllm-cpu``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import platform
+import random
+import re
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from qwenkit.data.images import load
+from qwenkit.engine.generation.generate import Generation, reply_text
+from qwenkit.model import lora
+from qwenkit.model.modules import module_path
+from qwenkit.model.processor import pixel_bounds
+from qwenkit.model.torchvision_ops import declare_missing_ops
+
+# a LoRA layer's parameters: its base weight and its adapter's two factors (peft's names)
+LORA_PART = re.compile(rf"^(.*)\.(base_layer\.weight|lora_A\.{lora.ADAPTER}\.weight|lora_B\.{lora.ADAPTER}\.weight)$")
+SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}  # the set_mempolicy syscall's number per architecture
+ENGINES: dict[EngineSpec, VllmEngine] = {}  # this process's engines, by what they were built from (:func:`shared`)
+
+
+@contextlib.contextmanager
+def protected():
+    """Run vLLM code with the process's threads, CPU affinity, memory policy, environment and RNGs
+    put back afterwards (vLLM's CPU worker changes each of them, module docstring)."""
+    env = dict(os.environ)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        os.environ.clear()
+        os.environ.update(env)
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        _default_memory_policy()
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _default_memory_policy() -> None:
+    """This thread's NUMA memory policy back to the default (vLLM's CPU worker binds it to one node)."""
+    number = SET_MEMPOLICY.get(platform.machine())
+    if sys.platform.startswith("linux") and number is not None:
+        ctypes.CDLL(None, use_errno=True).syscall(number, 0, None, 0)  # MPOL_DEFAULT
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine is built from: the checkpoint directory, its dtype and the run's settings."""
+
+    model_dir: str
+    dtype: str  # model.dtype
+    max_model_len: int  # prompt + completion tokens a sequence may hold
+    seed: int
+    min_pixels: int  # the processor's resize bounds, the run's data.min_pixels / max_pixels
+    max_pixels: int
+    gpu_memory_utilization: float
+    cpu_kv_cache_gib: float
+    sleep: bool  # CUDA: release weights and KV cache between generations
+
+
+class VllmEngine:
+    """One ``vllm.LLM`` in this process (module docstring)."""
+
+    def __init__(self, llm, spec: EngineSpec):
+        self.llm, self.spec = llm, spec
+        self.sleeps = spec.sleep and torch.cuda.is_available()  # sleep() does nothing on CPU
+        self.asleep: set[str] = set()  # what sleep released: "weights", "kv_cache"
+
+    def push(self, model: nn.Module) -> int:
+        """The weights of ``model`` (FSDP2-sharded or plain) into the engine; collective over the ranks
+        that shard it. Returns the number of tensors pushed."""
+        dtype = getattr(torch, self.spec.dtype)
+        count = 0
+
+        def tensors():
+            nonlocal count
+            for name, full in hf_tensors(model):
+                count += 1
+                yield name, full.to(dtype)
+
+        with protected():
+            self._wake("weights")
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_mm_cache()
+        return count
+
+    def generate(self, requests: list[dict], params: list) -> list:
+        """vLLM's ``RequestOutput`` of each request (:func:`request`), with its ``SamplingParams``."""
+        with protected():
+            self._wake("weights")
+            self._wake("kv_cache")
+            out = self.llm.generate(requests, params, use_tqdm=False)
+            if self.sleeps:  # level 1: weights offloaded to host memory, KV cache dropped (TRL's colocate mode)
+                self.llm.sleep(level=1)
+                self.asleep = {"weights", "kv_cache"}
+        return out
+
+    @staticmethod
+    def params(**settings):
+        """vLLM's ``SamplingParams(**settings)``."""
+        from vllm import SamplingParams  # loaded already: an engine exists
+
+        return SamplingParams(**settings)
+
+    def _wake(self, tag: str) -> None:
+        if tag in self.asleep:
+            self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
+
+
+def hf_tensors(model: nn.Module):
+    """``(HF name, full tensor)`` of each parameter of ``model``, gathered one at a time (collective for a
+    sharded model: every rank iterates alike); a LoRA layer's base weight merged with its adapter, its
+    adapter weights not sent."""
+    held: dict[str, dict[str, torch.Tensor]] = {}  # a LoRA layer's path -> its base weight, lora_A, lora_B so far
+    for name, p in model.named_parameters():
+        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        found = LORA_PART.match(name)
+        if found is None:
+            yield lora.base_key(module_path(name)), full  # a LoRA layer's bias too: its base layer's
+            continue
+        layer, part = found.groups()
+        parts = held.setdefault(layer, {})
+        parts[part] = full
+        if len(parts) == 3:  # peft's merge: W + scaling * B @ A
+            scaling = model.get_submodule(layer).scaling[lora.ADAPTER]
+            delta = parts[f"lora_B.{lora.ADAPTER}.weight"].float() @ parts[f"lora_A.{lora.ADAPTER}.weight"].float()
+            weight = parts["base_layer.weight"]
+            yield module_path(layer) + ".weight", weight + (scaling * delta).to(weight.dtype)
+            del held[layer]
+
+
+def start_engine(spec: EngineSpec) -> VllmEngine:
+    """A new engine in this process (vLLM is imported here, the only place)."""
+    with protected():
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights are pushed by a method call
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{spec.cpu_kv_cache_gib:g}")
+        declared = declare_missing_ops()
+        from vllm import LLM  # the vllm extra (CUDA) or vllm-cpu: imported only when an engine is asked for
+
+        if declared:  # vLLM inspects model classes in a fresh interpreter: it needs the same declaration
+            from vllm.model_executor.models import registry
+
+            registry._SUBPROCESS_COMMAND = [sys.executable, "-c", _INSPECT]
+        cuda = torch.cuda.is_available()
+        llm = LLM(
+            model=spec.model_dir, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
+            enforce_eager=not cuda, enable_sleep_mode=spec.sleep and cuda, logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
+            gpu_memory_utilization=spec.gpu_memory_utilization, limit_mm_per_prompt={"video": 0},
+            mm_processor_kwargs={"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}},
+        )  # fmt: skip
+    return VllmEngine(llm, spec)
+
+
+# the registry's inspection command (vllm.model_executor.models.registry), torchvision's operators declared first
+_INSPECT = ("from qwenkit.model.torchvision_ops import declare_missing_ops; declare_missing_ops(); import runpy; "
+            "runpy.run_module('vllm.model_executor.models.registry', run_name='__main__')")  # fmt: skip
+
+
+def shared(spec: EngineSpec) -> VllmEngine:
+    """This process's engine for ``spec``, started on first use (rollouts and evaluation share it)."""
+    if spec not in ENGINES:
+        ENGINES[spec] = start_engine(spec)
+    return ENGINES[spec]
+
+
+def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
+    """The engine a run's config asks for (``vllm`` section, ``model.dtype``, the processor's pixel bounds):
+    the same for GRPO's rollouts and evaluation, so they share it. A sequence holds ``data.max_length``
+    tokens and the longer of the two generation limits."""
+    lo, hi = pixel_bounds(processor.image_processor)
+    v = cfg.vllm
+    longest = cfg.data.max_length + max(cfg.grpo.max_new_tokens, cfg.train.eval_max_new_tokens)
+    return EngineSpec(str(model_dir), cfg.model.dtype, longest, cfg.train.seed, lo, hi,
+                      v.gpu_memory_utilization, v.cpu_kv_cache_gib, v.sleep)  # fmt: skip
+
+
+def request(dataset, i: int) -> tuple[dict, dict[str, torch.Tensor], object]:
+    """Row ``i``'s prompt as a vLLM request (module docstring), the kit's prompt inputs and its conversation."""
+    inputs, conv = dataset.prompt(i)
+    if "pixel_values_videos" in inputs:
+        raise ValueError(f"{conv.where}: vLLM rollouts and evaluation take images, not videos yet; "
+                         "use grpo.rollout_engine=hf / train.eval_engine=hf for video rows")  # fmt: skip
+    pads = {dataset.processor.image_token_id}
+    ids = inputs["input_ids"][0].tolist()
+    collapsed = [t for k, t in enumerate(ids) if not (t in pads and k > 0 and ids[k - 1] == t)]
+    out = {"prompt_token_ids": collapsed}
+    refs = dataset.image_refs(i, conv)
+    if refs:
+        out["multi_modal_data"] = {"image": [load(ref, conv.where) for ref in refs]}
+    return out, inputs, conv
+
+
+def generate_rows(engine: VllmEngine, dataset, indices: list[int], sampling, rank: int = 0) -> list:
+    """:func:`qwenkit.engine.generation.generate.generate_rows` from ``engine``: replies to the prompts of
+    ``dataset[indices]`` (greedy unless ``sampling.temperature`` > 0, then seeded by ``seed + rank`` and
+    the row), ending at ``<|im_end|>`` or after ``max_new_tokens``, decoded as HF's are."""
+    tok = dataset.processor.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    asked = [request(dataset, i) for i in indices]
+    how = {"temperature": sampling.temperature, "top_p": sampling.top_p} if sampling.temperature > 0 else {"temperature": 0.0}
+    params = [engine.params(max_tokens=sampling.max_new_tokens, stop_token_ids=[end], seed=sampling.seed + rank + i, **how)
+              for i in indices]  # fmt: skip
+    rows = []
+    for i, (_, _, conv), out in zip(indices, asked, engine.generate([a[0] for a in asked], params)):
+        new = list(out.outputs[0].token_ids)
+        new = new[: new.index(end)] if end in new else new
+        prompt = "\n".join(f"{role}: {text}" for role, text in conv.turns[:-1])
+        images = [str(r.path) if r.path is not None else r.label for r in dataset.image_refs(i, conv)]
+        rows.append(Generation(i, prompt, images, conv.reference, reply_text(tok, new), new))
+    return rows
+
+
+__all__ = ["EngineSpec", "generate_rows", "VllmEngine", "protected", "request", "shared", "spec_of", "start_engine"]
