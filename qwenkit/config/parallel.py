@@ -97,7 +97,6 @@ _EP_NOT_WITH = (
     (lambda c: c.parallel.hsdp_replicas > 1, "parallel.hsdp_replicas > 1"),
     (lambda c: c.parallel.cpu_offload, "parallel.cpu_offload=true"),
     (lambda c: c.lora.r > 0, "LoRA (lora.r > 0)"),
-    (lambda c: c.train.objective != "sft", "train.objective other than sft"),
 )
 
 

@@ -41,7 +41,6 @@ def test_sequence_parallel_within_its_rules_is_valid():
         (["parallel.nproc=4", "parallel.ep_size=2", "parallel.hsdp_replicas=2"], r"not built with parallel\.hsdp_replicas"),
         (["parallel.nproc=2", "parallel.ep_size=2", "parallel.cpu_offload=true"], r"not built with parallel\.cpu_offload"),
         (["parallel.nproc=2", "parallel.ep_size=2", "lora.r=8"], r"not built with LoRA"),
-        (["parallel.nproc=2", "parallel.ep_size=2", "train.objective=dpo"], r"not built with train\.objective other than sft"),
     ],
 )
 def test_expert_parallel_settings_it_cannot_run_are_refused(overrides, pattern):

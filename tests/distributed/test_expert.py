@@ -273,3 +273,90 @@ def test_an_ep_2_checkpoint_exports_the_hf_keys_of_ep_1(trained):
     got, ref = (export.load_hf(trained / run / final, cfg).state_dict() for run in ("ep2", "ep1"))
     assert got["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
     assert_adamw_weights_close(got, ref, FP32, lr=LR, steps=STEPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every objective under EP (2 ranks, one process group): DPO's and GRPO's references are the trainer's
+# own build, their experts split as the policy's; GRPO's rollouts and the held-out replies are generated
+# on the sharded policy (lockstep) and from a gathered copy with the router's aux loss on
+
+MOE = tuple(name for name in families.FAMILIES if families.get(name).experts)
+OBJECTIVE_STEPS = 2
+OBJECTIVES = {
+    "dpo": ["train.objective=dpo", "dpo.sft_weight=0"],
+    "grpo": ["train.objective=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
+             "grpo.rewards=[format, engine.objectives.test_grpo:vowels]", "grpo.reward_weights=[1, 2]",
+             "train.eval_generation=lockstep"],
+}  # fmt: skip
+# max_grad_norm=0: the updates themselves are compared; a held-out evaluation (loss, or replies in batches
+# of 2 prompts of different lengths) at step 0 and at the end
+OBJECTIVE_BASE = [
+    f"train.steps={OBJECTIVE_STEPS}", f"train.lr={LR}", "train.warmup_steps=0", "train.max_grad_norm=0",
+    "train.micro_batch_size=1", "data.tiny_samples=8", "data.tiny_eval_samples=4", "train.eval_samples=4",
+    "train.eval_batch_size=2", "train.eval_max_new_tokens=4", "train.resume=none", "checkpoint.save_final=true",
+    "parallel.nproc=2",
+]  # fmt: skip
+
+
+def _train_objectives(rank, out):
+    dist.init_process_group("gloo")
+    for family in MOE:
+        for objective, overrides in OBJECTIVES.items():
+            for ep in (1, 2):
+                run_dir = out / f"{family}-{objective}-ep{ep}"
+                cfg = qconfig.load(overrides=[*OBJECTIVE_BASE, *overrides, f"model.name={family}",
+                                              f"parallel.ep_size={ep}", f"train.output_dir={run_dir}"])  # fmt: skip
+                trainer = train.run(cfg)
+                reference = trainer.objective.reference  # GRPO's frozen model; DPO's Reference holds it
+                reference = reference.model if objective == "dpo" else reference
+                if rank == 0:
+                    layouts = [_experts_layout(m) for m in (trainer.model, reference)]
+                    (run_dir / "result.json").write_text(json.dumps({"history": trainer.history, "evals": trainer.evals,
+                                                                     "layouts": layouts}))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _experts_layout(model) -> list[list[str]]:
+    """How each expert weight is split: its name, mesh dimensions and placements."""
+    return [[n, str(p.device_mesh.mesh_dim_names), str(p.placements)] for n, p in model.named_parameters() if ".experts." in n]
+
+
+@pytest.fixture(scope="module")
+def objectives(tmp_path_factory):
+    for family in MOE:
+        tiny_processor(family)
+    out = tmp_path_factory.mktemp("ep-objectives")
+    check_ranks(_train_objectives, 2, out)
+    return out
+
+
+TIMING = {"step_time", "tokens_per_s", "samples_per_s", "peak_memory", "eval_generation_time"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("family", MOE)
+def test_every_objective_with_ep_size_2_logs_and_trains_as_ep_size_1(objectives, family, objective):
+    """Every logged value (loss, grad norm, the objective's metrics: DPO's rewards, GRPO's rewards, KL
+    and lengths; eval loss or accuracy) and the final weights of ep_size=2 equal ep_size=1's (fp32)."""
+    runs = {ep: objectives / f"{family}-{objective}-ep{ep}" for ep in (1, 2)}
+    ref, got = (json.loads((runs[ep] / "result.json").read_text()) for ep in (1, 2))
+    policy, reference = got["layouts"]
+    assert reference == policy and all("'ep'" in mesh for _, mesh, _ in policy)  # the reference's experts: the policy's split
+    assert all(h["grad_norm"] > 0 for h in ref["history"])  # something trains
+    assert len(got["history"]) == OBJECTIVE_STEPS and [e["step"] for e in got["evals"]] == [0, OBJECTIVE_STEPS]
+    for a, b in zip(got["history"] + got["evals"], ref["history"] + ref["evals"], strict=True):
+        assert a.keys() == b.keys()
+        for key in a.keys() - TIMING:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    if objective == "grpo":  # the rollouts sampled the same completions; the held-out replies are the same
+        from qwenkit.engine.objectives import grpo
+
+        assert grpo.read_completions(runs[2]) == grpo.read_completions(runs[1])
+        replies = [records.read_jsonl(runs[ep] / "eval" / f"step-{OBJECTIVE_STEPS:06d}.jsonl") for ep in (1, 2)]
+        assert replies[0] == replies[1] and len(replies[0]) == 4
+    cfg = qconfig.load(overrides=[*OBJECTIVE_BASE, *OBJECTIVES[objective], f"model.name={family}"])
+    final = f"checkpoints/step-{OBJECTIVE_STEPS:08d}"
+    got_w, ref_w = (export.load_hf(runs[ep] / final, cfg).state_dict() for ep in (2, 1))
+    assert_adamw_weights_close(got_w, ref_w, FP32, lr=LR, steps=OBJECTIVE_STEPS)

@@ -52,8 +52,8 @@ from qwenkit.engine.generation.evaluate import Evaluator, evaluate_replies
 from qwenkit.engine.generation.generate import Sampling
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
-from qwenkit.engine.objectives.dpo import frozen_copy
 from qwenkit.engine.objectives.rollout import Completion, HfRollouts, training_batch
+from qwenkit.engine.run.build import reference_model
 from qwenkit.model import family as families
 from qwenkit.model import lora
 from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages
@@ -97,7 +97,7 @@ class GrpoObjective(Objective):
         enable(model)
         reference = None
         if cfg.grpo.beta > 0:
-            reference = "adapters" if lora.has_adapters(model) else enable(frozen_copy(cfg, rt, model))
+            reference = "adapters" if lora.has_adapters(model) else enable(reference_model(cfg, rt, model))
         evaluator = None
         if bundle.eval_dataset is not None:
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
