@@ -33,8 +33,9 @@ that factor with ``set_gradient_divide_factor``; that is a ``PREMUL_SUM``, which
 qwenkit lets FSDP average over ``efsdp`` and a hook divides by ``ep``). The grad norm (:func:`total_norm`) sums each
 mesh's squared norm once: every expert element lives on exactly one rank of the 2-D mesh.
 
-Not built this round (refused before start by the config check): ``ep_size`` with sequence
-parallelism, HSDP, CPU offload, LoRA and DPO; transformers 4.57 (its experts take other arguments).
+Every model a run holds is split this way by one build (:func:`qwenkit.engine.run.build.sharded_model`):
+the policy and DPO's or GRPO's frozen reference. Not built (refused before start by the config check):
+``ep_size`` with CPU offload; transformers 4.57 (its experts take other arguments).
 """
 
 from __future__ import annotations
