@@ -294,6 +294,8 @@ NO_AUX = "no-aux"  # the tiny qwen3_vl_moe with output_router_logits off (SP ref
 VARIANTS = {
     **{(family, name): overrides for family in MOE for name, overrides in OBJECTIVES.items()},
     ("qwen3_vl_moe", "lora"): ["lora.r=4", "lora.alpha=8"],
+    # the experts' fused weights adapted too: peft's wrappers under FSDP2 (ep 1), each rank's experts' deltas (ep 2)
+    **{(family, "lora_experts"): ["lora.r=4", "lora.alpha=8", "lora.target_experts=true"] for family in MOE},
     # 2 replicas of 1 shard each: the dense weights replicated, the experts split over ep as without HSDP
     ("qwen3_vl_moe", "hsdp"): ["parallel.hsdp_replicas=2"],
     ("qwen3_vl_moe", "sp"): ["parallel.sp_size=2", "loss.chunk=true", "train.micro_batch_size=2"],
@@ -330,8 +332,9 @@ def _train_variants(rank, out):
 
 
 def _experts_layout(model) -> list[list[str]]:
-    """How each expert weight is split: its name, mesh dimensions and placements."""
-    return [[n, str(p.device_mesh.mesh_dim_names), str(p.placements)] for n, p in model.named_parameters() if ".experts." in n]
+    """How each fused expert weight is split (not its LoRA adapters): its name, mesh dimensions and placements."""
+    return [[n, str(p.device_mesh.mesh_dim_names), str(p.placements)] for n, p in model.named_parameters()
+            if ".experts." in n and n.rpartition(".")[2] in ("gate_up_proj", "down_proj")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

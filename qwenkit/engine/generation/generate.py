@@ -379,8 +379,7 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     if adapters:  # the same adapters, then merged as the export's --merge does
         from peft import inject_adapter_in_model
 
-        targets, _ = lora.target_problems(copy, model.qwenkit_lora)
-        inject_adapter_in_model(lora.peft_config(model.qwenkit_lora, targets), copy, low_cpu_mem_usage=True)
+        inject_adapter_in_model(lora.peft_config(model.qwenkit_lora, copy), copy, low_cpu_mem_usage=True)
     copy.load_state_dict(state, strict=True, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         copy.lm_head.weight = copy.model.language_model.embed_tokens.weight

@@ -226,7 +226,7 @@ class Trainer:
         if cfg.lora.r > 0:  # adapters are sharded with their base layers
             targets = lora.apply(model, cfg.lora, t.seed)
             if main_rank:
-                log.info("LoRA r=%d on %d linears (%s ...)", cfg.lora.r, len(targets), targets[0])
+                log.info("LoRA r=%d on %d targets (%s ...)", cfg.lora.r, len(targets), targets[0])
         model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
         if sp_size > 1:
             problem = sequence.heads_problem(model.config.get_text_config(), sp_size)
