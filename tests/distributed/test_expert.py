@@ -23,7 +23,7 @@ from qwenkit import cli, launch, records
 from qwenkit import config as qconfig
 from qwenkit.distributed import expert, fsdp
 from qwenkit.engine.checkpoints import export
-from qwenkit.engine.run import train
+from qwenkit.engine.run import expert_load, train
 from qwenkit.model import family as families
 from qwenkit.rundir import RunDir
 
@@ -369,6 +369,13 @@ def test_every_objective_and_setting_with_ep_size_2_trains_as_ep_size_1(variants
         assert a.keys() == b.keys()
         for key in a.keys() - TIMING:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    # the expert load (qwenkit/engine/run/expert_load.py): logged every step, its file at the logged steps, the
+    # global step's counts under either split
+    assert all(h["expert_load/max_over_mean"] >= 1.0 for h in got["history"])
+    loads = [expert_load.read(runs[ep]) for ep in (1, 2)]
+    assert [r["step"] for r in loads[1]] == list(range(1, VARIANT_STEPS + 1))  # train.log_every=1
+    for a, b in zip(*loads):
+        torch.testing.assert_close(torch.tensor(b["fractions"]), torch.tensor(a["fractions"]), **FP32)
     if name == "grpo":  # the rollouts sampled the same completions; the held-out replies are the same
         from qwenkit.engine.objectives import grpo
 

@@ -80,7 +80,9 @@ GRPO_UNITS = {
     "reward": "1", "reward_std": "1", "frac_reward_zero_std": "1", "kl": "nat", "entropy": "nat", "clip_ratio": "1",
     "completions": "token", "completions/clipped_ratio": "1",
 }  # fmt: skip
-UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS}
+# a MoE run's (qwenkit.engine.run.expert_load): expert_load/layer_NN, expert_load/max_over_mean
+MOE_UNITS = {"expert_load": "1"}
+UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **MOE_UNITS}
 _GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)
 
 

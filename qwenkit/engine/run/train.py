@@ -52,6 +52,7 @@ from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints import resume as resume_rule
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.run import build, events, optim, stopping
+from qwenkit.engine.run.expert_load import ExpertLoad
 from qwenkit.engine.run.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.run.profiling import ProfileWindow
 from qwenkit.model import family as families
@@ -133,6 +134,7 @@ class Trainer:
         self.events: events.EventLog | None = None  # <output_dir>/events.jsonl, rank 0's
         self.objective: Objective | None = None  # train.objective's entry (qwenkit.config.OBJECTIVES)
         self.params: list[nn.Parameter] = []  # the trainable parameters (the clipped gradients')
+        self.expert_load: ExpertLoad | None = None  # a MoE model's routed tokens per layer and expert
 
     def run(self) -> None:
         # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
@@ -194,6 +196,7 @@ class Trainer:
             log.info("%s", plan.describe())
         model.train()
         self.model = model
+        self.expert_load = ExpertLoad.of(model, rt.device, self.out_dir if main_rank else None)
         # before the resume: an objective may keep the starting weights (DPO's reference)
         self.objective = objective.build(cfg, rt, model, self.bundle, self.sp, self.out_dir)
         self.evaluator = self.objective.evaluator
@@ -277,6 +280,8 @@ class Trainer:
                 logged = step % t.log_every == 0 or step == self.last_step
                 if logged:
                     self.objective.log(step)
+                    if self.expert_load is not None:
+                        self.expert_load.log(step)
                 if main_rank and logged:
                     self.events.write("step", step=step, steps=t.steps, **{k: values[k] for k in STEP_EVENT})
                     tqdm.write(
@@ -360,9 +365,10 @@ class Trainer:
         optimizer.step()
         self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        load = self.expert_load.values() if self.expert_load is not None else {}  # collective
         return {
             "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
-            "padding_fraction": 1.0 - tokens / positions, "bad_samples": int(bad), **group_lrs, **obj.metrics(),
+            "padding_fraction": 1.0 - tokens / positions, "bad_samples": int(bad), **group_lrs, **obj.metrics(), **load,
         }  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, float]:
