@@ -296,6 +296,8 @@ VARIANTS = {
     ("qwen3_vl_moe", "lora"): ["lora.r=4", "lora.alpha=8"],
     # the experts' fused weights adapted too: peft's wrappers under FSDP2 (ep 1), each rank's experts' deltas (ep 2)
     **{(family, "lora_experts"): ["lora.r=4", "lora.alpha=8", "lora.target_experts=true"] for family in MOE},
+    # DPO's reference: the policy with every adapter off, the experts' too (on each rank's own experts under EP)
+    ("qwen3_vl_moe", "dpo_lora_experts"): [*OBJECTIVES["dpo"], "lora.r=4", "lora.alpha=8", "lora.target_experts=true"],
     # 2 replicas of 1 shard each: the dense weights replicated, the experts split over ep as without HSDP
     ("qwen3_vl_moe", "hsdp"): ["parallel.hsdp_replicas=2"],
     ("qwen3_vl_moe", "sp"): ["parallel.sp_size=2", "loss.chunk=true", "train.micro_batch_size=2"],
