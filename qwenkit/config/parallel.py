@@ -93,11 +93,7 @@ def _check_sequence_parallel(cfg: Config, need: Need) -> None:
 
 # what parallel.ep_size > 1 is not built with yet: (is it on?, the setting named in the refusal)
 _EP_NOT_WITH = (
-    (lambda c: c.parallel.sp_size > 1, "parallel.sp_size > 1"),
-    (lambda c: c.parallel.hsdp_replicas > 1, "parallel.hsdp_replicas > 1"),
     (lambda c: c.parallel.cpu_offload, "parallel.cpu_offload=true"),
-    (lambda c: c.lora.r > 0, "LoRA (lora.r > 0)"),
-    (lambda c: c.train.objective != "sft", "train.objective other than sft"),
 )
 
 

@@ -33,8 +33,9 @@ that factor with ``set_gradient_divide_factor``; that is a ``PREMUL_SUM``, which
 qwenkit lets FSDP average over ``efsdp`` and a hook divides by ``ep``). The grad norm (:func:`total_norm`) sums each
 mesh's squared norm once: every expert element lives on exactly one rank of the 2-D mesh.
 
-Not built this round (refused before start by the config check): ``ep_size`` with sequence
-parallelism, HSDP, CPU offload, LoRA and DPO; transformers 4.57 (its experts take other arguments).
+Every model a run holds is split this way by one build (:func:`qwenkit.engine.run.build.sharded_model`):
+the policy and DPO's or GRPO's frozen reference. Not built (refused before start by the config check):
+``ep_size`` with CPU offload; transformers 4.57 (its experts take other arguments).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from qwenkit.model.lora import ADAPTER, parameter_adapters
 from qwenkit.model.modules import module_path, path_match
 
 
@@ -69,10 +71,12 @@ class ExpertGroups:
 def apply(model: nn.Module, patterns: tuple[str, ...], mesh: DeviceMesh) -> ExpertGroups:
     """Expert parallelism on every module matching ``patterns``: whole experts per rank, tokens dispatched.
     Call before recompute wrapping and :func:`qwenkit.distributed.fsdp.shard` (which then shards them over ``efsdp``)."""
-    modules = experts_modules(model, patterns)
-    for _, module in modules:
-        shard_experts(module, mesh["ep"])
+    modules = []
+    for name, module in experts_modules(model, patterns):
+        base, adapters = parameter_adapters(module)  # lora.target_experts: peft's wrappers around the experts
+        shard_experts(base, mesh["ep"])
         install(module, mesh["ep"])
+        modules.append((name, base))
     return ExpertGroups(mesh, modules)
 
 
@@ -107,13 +111,20 @@ def shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
 
 
 def install(module: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Replace the experts module's forward (HF's signature) with :func:`dispatch` over ``ep_mesh``."""
+    """Replace the experts module's forward (HF's signature) with :func:`dispatch` over ``ep_mesh``.
+
+    With LoRA on the experts (``lora.target_experts``) ``module`` is peft's wrapper: its forward would add
+    each adapter's delta to the whole weight, of which this rank holds a slice; it calls the experts
+    module instead (FSDP's hooks gather it), whose dispatch adds the deltas of the local experts."""
     group = ep_mesh.get_group()
+    base, adapters = parameter_adapters(module)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return dispatch(module, group, hidden_states, top_k_index, top_k_weights)
+        return dispatch(base, group, hidden_states, top_k_index, top_k_weights, adapters)
 
-    module.forward = forward
+    base.forward = forward
+    if module is not base:
+        module.forward = base.__call__
 
 
 class _AllToAll(torch.autograd.Function):
@@ -134,17 +145,19 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def dispatch(module: nn.Module, group, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """HF's experts forward over an expert group: ``hidden`` ``[T, H]``, ``top_k_*`` ``[T, k]`` (global ids).
+def dispatch(module: nn.Module, group, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             adapters: dict[str, nn.Module] | None = None):  # fmt: skip
+    """HF's experts forward over an expert group: ``hidden`` ``[T, H]``, ``top_k_*`` ``[T, k]`` (global ids);
+    ``adapters``: peft's adapter of each adapted weight (:func:`expert_weight`).
 
     1. sort the ``T k`` (token, expert) pairs by expert: they fall into one block per owning rank;
     2. exchange the per-expert counts, then the rows (all-to-all);
     3. regroup the rows received by local expert, run the local experts;
     4. send the outputs back (all-to-all), undo the sort, weight by the router's top-k and sum per token.
     """
-    ep = dist.get_world_size(group)
-    gate_up = local_weight(module.gate_up_proj)  # [L, 2I, H]
-    down = local_weight(module.down_proj)  # [L, H, I]
+    ep, adapters = dist.get_world_size(group), adapters or {}
+    gate_up = expert_weight(module, "gate_up_proj", adapters.get("gate_up_proj"), dist.get_rank(group))  # [L, 2I, H]
+    down = expert_weight(module, "down_proj", adapters.get("down_proj"), dist.get_rank(group))  # [L, H, I]
     local = gate_up.shape[0]
     tokens, k = top_k_index.shape
     ids = top_k_index.reshape(-1)
@@ -163,6 +176,20 @@ def dispatch(module: nn.Module, group, hidden: torch.Tensor, top_k_index: torch.
     back = _AllToAll.apply(out, send_sizes, recv_sizes, group)  # [T k, H], in the sorted pair order
     pairs = back[torch.argsort(order)].view(tokens, k, -1)  # [T, k, H], HF's (token, slot) order
     return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype)
+
+
+def expert_weight(module: nn.Module, name: str, adapter: nn.Module | None, ep_rank: int) -> torch.Tensor:
+    """This rank's experts of the weight ``name`` ``[L, ...]``, plus their LoRA deltas when ``adapter``
+    (peft's, ``lora.target_experts``) is on: ``W_e + scaling B_e A_e`` for the local experts
+    ``e = ep_rank L ...``, from peft's own factors (``get_delta_factors``: every expert's, ``[E, ...]``),
+    folded in as peft folds them (one ``baddbmm``). The adapters are dense weights gathered whole,
+    so an adapter's gradient sums, over the ranks, each expert's from the one rank that ran it."""
+    weight = local_weight(getattr(module, name))
+    if adapter is None or adapter.disable_adapters or ADAPTER not in adapter.lora_A:
+        return weight
+    lhs, rhs, scaling = adapter.get_delta_factors(ADAPTER)
+    rows = slice(ep_rank * weight.shape[0], (ep_rank + 1) * weight.shape[0])
+    return torch.baddbmm(weight, lhs[rows], rhs[rows], alpha=scaling)
 
 
 def local_weight(param: torch.Tensor) -> torch.Tensor:

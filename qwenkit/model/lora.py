@@ -76,12 +76,29 @@ def target_problems(model: nn.Module, lora_cfg) -> tuple[list[str], list[str]]:
     return [n for n in linears if n in found], problems
 
 
+def expert_parameters(model: nn.Module, lora_cfg) -> list[str]:
+    """With ``lora.target_experts``: the paths of the routed experts' fused weights (each experts
+    module of the family entry's ``experts``, its 3-D parameters: ``gate_up_proj`` ``[E, 2I, H]``,
+    ``down_proj`` ``[E, H, I]``), which peft adapts as ``target_parameters``: per expert a rank-``r``
+    pair, all experts' pairs stacked in one ``lora_A`` ``[r E, in]`` and one ``lora_B`` ``[out, r E]``."""
+    if not lora_cfg.target_experts:
+        return []
+    patterns = families.of_model(model).experts
+    return [
+        f"{base_key(n)}.{p}" for n, m in model.named_modules() if any(path_match(base_key(n), pat) for pat in patterns)
+        for p, param in m.named_parameters(recurse=False) if param.dim() == 3
+    ]  # fmt: skip
+
+
 def problems(model: nn.Module, lora_cfg) -> list[str]:
     """``lora.target_modules`` entries and ``lora.modules_to_save`` paths that name nothing in
-    ``model`` (the launcher runs this on the module tree built on meta, before any rank starts)."""
+    ``model``, ``lora.target_experts`` on a model without routed experts (the launcher runs this on
+    the module tree built on meta, before any rank starts)."""
     if lora_cfg.r == 0:
         return []
     found = target_problems(model, lora_cfg)[1]
+    if lora_cfg.target_experts and not expert_parameters(model, lora_cfg):
+        found.append(f"lora.target_experts=true: {families.of_model(model).name} has no routed experts to adapt")
     names = {n for n, _ in model.named_modules() if n}
     return found + [
         f"lora.modules_to_save: no module {path!r} in {type(model).__name__}"
@@ -94,12 +111,17 @@ def problems(model: nn.Module, lora_cfg) -> list[str]:
 # Adding the adapters
 
 
-def peft_config(lora_cfg, targets: list[str], modules_to_save: bool = False):
-    """peft's ``LoraConfig`` for these exact module paths (``modules_to_save`` only for a PeftModel)."""
+def peft_config(lora_cfg, model: nn.Module, modules_to_save: bool = False):
+    """peft's ``LoraConfig`` for ``model``: the exact module paths of :func:`target_problems` and the
+    expert weights of :func:`expert_parameters` (``modules_to_save`` only for a PeftModel)."""
     from peft import LoraConfig
 
+    targets, problems = target_problems(model, lora_cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
     return LoraConfig(
         r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, target_modules=targets,
+        target_parameters=expert_parameters(model, lora_cfg) or None,
         use_dora=lora_cfg.use_dora, use_rslora=lora_cfg.use_rslora, bias="none",
         modules_to_save=(list(lora_cfg.modules_to_save) or None) if modules_to_save else None,
     )  # fmt: skip
@@ -113,11 +135,10 @@ def apply(model: nn.Module, lora_cfg, seed: int) -> list[str]:
     """
     from peft import inject_adapter_in_model
 
-    targets, problems = target_problems(model, lora_cfg)
-    if problems:
-        raise ValueError("; ".join(problems))
+    config = peft_config(lora_cfg, model)
+    targets = [*config.target_modules, *(config.target_parameters or ())]
     meta = any(p.is_meta for p in model.parameters())
-    inject_adapter_in_model(peft_config(lora_cfg, targets), model, low_cpu_mem_usage=meta)
+    inject_adapter_in_model(config, model, low_cpu_mem_usage=meta)
     for path in lora_cfg.modules_to_save:
         model.get_submodule(path).requires_grad_(True)
     model.qwenkit_lora = lora_cfg  # export, generation and checkpoints ask has_adapters()
@@ -149,6 +170,17 @@ def adapters_disabled(model: nn.Module):
     finally:
         for m, flag in zip(layers, before):
             m._disable_adapters = flag
+
+
+def parameter_adapters(module: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """``(the module peft wrapped, {parameter name: its adapter})`` of a module whose parameters peft
+    adapts (``target_parameters``: one ``ParamWrapper`` per parameter, each wrapping the next);
+    ``(module, {})`` for any other module."""
+    adapters = {}
+    while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):  # peft's ParamWrapper
+        adapters[module.parameter_name] = module
+        module = module.base_layer
+    return module, adapters
 
 
 def has_adapters(model: nn.Module) -> bool:
@@ -188,12 +220,19 @@ def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
 
 
 def merge_in_place(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight and put the base linear back (peft's merge)."""
+    """Fold every adapter into its base weight and put the base module back (peft's merge).
+
+    Every adapter merges before any wrapper is taken out: an experts module adapted in both fused
+    weights is two wrappers, one inside the other, and the outer one's base is the inner wrapper.
+    """
     from peft.tuners.lora import LoraLayer
 
-    for name, module in list(model.named_modules()):
-        if isinstance(module, LoraLayer):
-            module.merge(adapter_names=[ADAPTER])
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    for _, module in layers:
+        module.merge(adapter_names=[ADAPTER])
+    for name, module in layers:
+        if ".base_layer" in f".{name}":  # inside another wrapper: goes with it
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
     return model

@@ -431,3 +431,11 @@ def metric_effect(groups: dict[str, dict[str, list[float]]], y_title: str, title
         fig.update_xaxes(type="category", title_text=key, row=1, col=i)
     fig.update_yaxes(title_text=y_title, row=1, col=1)
     return _finish(fig, title, height=400)
+
+
+def heatmap(z: Sequence[Sequence[float]], x_title: str, y_title: str, scale_title: str, title: str) -> go.Figure:
+    """``z[row][column]`` as colours (rows bottom-up), e.g. a MoE run's share of tokens per layer and expert."""
+    fig = go.Figure(go.Heatmap(z=z, colorscale="Viridis", colorbar=dict(title=scale_title)))
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text=y_title)
+    return _finish(fig, title)

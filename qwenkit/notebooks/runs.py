@@ -35,7 +35,7 @@ from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.run import events, metrics
 from qwenkit.engine.run.child import TrainProcess
 from qwenkit.engine.run.metrics import series
-from qwenkit.notebooks import grpo, plots, results
+from qwenkit.notebooks import experts, grpo, plots, results
 from qwenkit.notebooks.samples import thumbnail
 from qwenkit.rundir import RunDir
 
@@ -447,4 +447,4 @@ def figures(out_dir, resume_step: int) -> list:
              score_table(out_dir)]  # fmt: skip
     done = results.read_metrics(out_dir)["values"]
     shown += [dpo_table(out_dir), dpo_figure(out_dir)] if "dpo_steps" in done else []  # the run had a dpo_config
-    return shown + (grpo.figures(out_dir) if "grpo_steps" in done else [])  # a grpo_config
+    return shown + (grpo.figures(out_dir) if "grpo_steps" in done else []) + experts.figures(run)  # a grpo_config; a MoE

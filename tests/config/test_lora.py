@@ -16,6 +16,9 @@ from qwenkit.config import ConfigError
         (["lora.r=8", "lora.dropout=1.0"], r"lora\.dropout must be in \[0, 1\), got 1\.0"),
         (["lora.r=8", "lora.target_modules=[]"], r"lora\.target_modules must not be empty"),
         (["lora.r=8", "lora.target_modules=[q_proj, lm_head]"], r"lm_head computes the chunked loss and takes no adapter"),
+        (["lora.target_experts=true"], r"lora\.target_experts set but lora\.r=0"),
+        (["lora.r=8", "lora.target_experts=true", "lora.dropout=0.1"], r"lora\.target_experts=true needs lora\.dropout=0"),
+        (["lora.r=8", "lora.target_experts=true", "lora.use_dora=true"], r"lora\.target_experts=true does not work with lora\.use_dora"),
     ],
 )
 def test_refused_by_name(overrides, pattern):

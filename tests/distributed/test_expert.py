@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_adamw_weights_close, build_model, make_batch, tiny_processor
+from conftest import assert_adamw_weights_close, build_model, make_batch, tiny_checkpoint, tiny_processor
 from multiproc import check_ranks
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
 
@@ -23,7 +23,7 @@ from qwenkit import cli, launch, records
 from qwenkit import config as qconfig
 from qwenkit.distributed import expert, fsdp
 from qwenkit.engine.checkpoints import export
-from qwenkit.engine.run import train
+from qwenkit.engine.run import expert_load, train
 from qwenkit.model import family as families
 from qwenkit.rundir import RunDir
 
@@ -273,3 +273,118 @@ def test_an_ep_2_checkpoint_exports_the_hf_keys_of_ep_1(trained):
     got, ref = (export.load_hf(trained / run / final, cfg).state_dict() for run in ("ep2", "ep1"))
     assert got["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
     assert_adamw_weights_close(got, ref, FP32, lr=LR, steps=STEPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every objective and parallel setting under EP (2 ranks, one process group), each against the same run
+# with ep_size=1: DPO's and GRPO's references are the trainer's own build, their experts split as the
+# policy's; GRPO's rollouts and the held-out replies are generated on the sharded policy (lockstep) and
+# from a gathered copy with the router's aux loss on; LoRA (attention), HSDP and Ulysses SP
+
+MOE = tuple(name for name in families.FAMILIES if families.get(name).experts)
+VARIANT_STEPS = 2
+OBJECTIVES = {
+    "dpo": ["train.objective=dpo", "dpo.sft_weight=0"],
+    "grpo": ["train.objective=grpo", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
+             "grpo.rewards=[format, engine.objectives.test_grpo:vowels]", "grpo.reward_weights=[1, 2]",
+             "train.eval_generation=lockstep"],
+}  # fmt: skip
+NO_AUX = "no-aux"  # the tiny qwen3_vl_moe with output_router_logits off (SP refuses the router's aux loss)
+# (family, objective or setting) -> overrides
+VARIANTS = {
+    **{(family, name): overrides for family in MOE for name, overrides in OBJECTIVES.items()},
+    ("qwen3_vl_moe", "lora"): ["lora.r=4", "lora.alpha=8"],
+    # the experts' fused weights adapted too: peft's wrappers under FSDP2 (ep 1), each rank's experts' deltas (ep 2)
+    **{(family, "lora_experts"): ["lora.r=4", "lora.alpha=8", "lora.target_experts=true"] for family in MOE},
+    # DPO's reference: the policy with every adapter off, the experts' too (on each rank's own experts under EP)
+    ("qwen3_vl_moe", "dpo_lora_experts"): [*OBJECTIVES["dpo"], "lora.r=4", "lora.alpha=8", "lora.target_experts=true"],
+    # 2 replicas of 1 shard each: the dense weights replicated, the experts split over ep as without HSDP
+    ("qwen3_vl_moe", "hsdp"): ["parallel.hsdp_replicas=2"],
+    ("qwen3_vl_moe", "sp"): ["parallel.sp_size=2", "loss.chunk=true", "train.micro_batch_size=2"],
+}
+# max_grad_norm=0: the updates themselves are compared; a held-out evaluation (loss, or replies in batches
+# of 2 prompts of different lengths) at step 0 and at the end
+VARIANT_BASE = [
+    f"train.steps={VARIANT_STEPS}", f"train.lr={LR}", "train.warmup_steps=0", "train.max_grad_norm=0",
+    "train.micro_batch_size=1", "data.tiny_samples=8", "data.tiny_eval_samples=4", "train.eval_samples=4",
+    "train.eval_batch_size=2", "train.eval_max_new_tokens=4", "train.resume=none", "checkpoint.save_final=true",
+    "parallel.nproc=2",
+]  # fmt: skip
+
+
+def _variant_cfg(out, family, name, *overrides):
+    path = [f"model.path={out / NO_AUX}"] if name == "sp" else []
+    return qconfig.load(overrides=[*VARIANT_BASE, *VARIANTS[family, name], f"model.name={family}", *path, *overrides])
+
+
+def _train_variants(rank, out):
+    dist.init_process_group("gloo")
+    for family, name in VARIANTS:
+        for ep in (1, 2):
+            run_dir = out / f"{family}-{name}-ep{ep}"
+            trainer = train.run(_variant_cfg(out, family, name, f"parallel.ep_size={ep}", f"train.output_dir={run_dir}"))
+            reference = getattr(trainer.objective, "reference", None)  # GRPO's frozen model; DPO's Reference holds it
+            reference = reference.model if name == "dpo" else reference
+            if rank == 0:
+                layouts = [_experts_layout(m) for m in (trainer.model, reference) if isinstance(m, torch.nn.Module)]
+                (run_dir / "result.json").write_text(json.dumps({"history": trainer.history, "evals": trainer.evals,
+                                                                 "layouts": layouts}))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _experts_layout(model) -> list[list[str]]:
+    """How each fused expert weight is split (not its LoRA adapters): its name, mesh dimensions and placements."""
+    return [[n, str(p.device_mesh.mesh_dim_names), str(p.placements)] for n, p in model.named_parameters()
+            if ".experts." in n and n.rpartition(".")[2] in ("gate_up_proj", "down_proj")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    for family in MOE:
+        tiny_processor(family)
+    out = tmp_path_factory.mktemp("ep-variants")
+    shutil.copytree(tiny_checkpoint("qwen3_vl_moe"), out / NO_AUX)
+    config = json.loads((out / NO_AUX / "config.json").read_text())
+    config["text_config"]["output_router_logits"] = False
+    (out / NO_AUX / "config.json").write_text(json.dumps(config))
+    check_ranks(_train_variants, 2, out)
+    return out
+
+
+TIMING = {"step_time", "tokens_per_s", "samples_per_s", "peak_memory", "eval_generation_time"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, name", list(VARIANTS), ids=[f"{f}-{n}" for f, n in VARIANTS])
+def test_every_objective_and_setting_with_ep_size_2_trains_as_ep_size_1(variants, family, name):
+    """Every logged value (loss, grad norm, the objective's metrics: DPO's rewards, GRPO's rewards, KL
+    and lengths; eval loss or accuracy) and the final weights of ep_size=2 equal ep_size=1's (fp32)."""
+    runs = {ep: variants / f"{family}-{name}-ep{ep}" for ep in (1, 2)}
+    ref, got = (json.loads((runs[ep] / "result.json").read_text()) for ep in (1, 2))
+    policy, *reference = got["layouts"]
+    assert all("'ep'" in mesh for _, mesh, _ in policy)
+    assert reference == ([policy] if name in OBJECTIVES else [])  # a frozen reference's experts: the policy's split
+    assert all(h["grad_norm"] > 0 for h in ref["history"])  # something trains
+    assert len(got["history"]) == VARIANT_STEPS and [e["step"] for e in got["evals"]] == [0, VARIANT_STEPS]
+    for a, b in zip(got["history"] + got["evals"], ref["history"] + ref["evals"], strict=True):
+        assert a.keys() == b.keys()
+        for key in a.keys() - TIMING:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    # the expert load (qwenkit/engine/run/expert_load.py): logged every step, its file at the logged steps, the
+    # global step's counts under either split
+    assert all(h["expert_load/max_over_mean"] >= 1.0 for h in got["history"])
+    loads = [expert_load.read(runs[ep]) for ep in (1, 2)]
+    assert [r["step"] for r in loads[1]] == list(range(1, VARIANT_STEPS + 1))  # train.log_every=1
+    for a, b in zip(*loads):
+        torch.testing.assert_close(torch.tensor(b["fractions"]), torch.tensor(a["fractions"]), **FP32)
+    if name == "grpo":  # the rollouts sampled the same completions; the held-out replies are the same
+        from qwenkit.engine.objectives import grpo
+
+        assert grpo.read_completions(runs[2]) == grpo.read_completions(runs[1])
+        replies = [records.read_jsonl(runs[ep] / "eval" / f"step-{VARIANT_STEPS:06d}.jsonl") for ep in (1, 2)]
+        assert replies[0] == replies[1] and len(replies[0]) == 4
+    cfg = _variant_cfg(variants, family, name)
+    final = f"checkpoints/step-{VARIANT_STEPS:08d}"
+    got_w, ref_w = (export.load_hf(runs[ep] / final, cfg).state_dict() for ep in (2, 1))
+    assert_adamw_weights_close(got_w, ref_w, FP32, lr=LR, steps=VARIANT_STEPS)

@@ -213,7 +213,7 @@ def _resume_runs(rank, out, processor_path, family):
     seen = {}
     for name, extra in (("A", []), ("B", ["train.stop_after=3"]), ("B", [])):
         cfg = qconfig.load(overrides=[*BASE, *LORA, *GROUPS, *extra, f"train.output_dir={out / name}", "train.resume=auto",
-                                      f"model.name={family}"])  # fmt: skip
+                                      f"model.name={family}", *RESUME_FAMILIES[family]])  # fmt: skip
         trainer = train.Trainer(cfg)
         recorded = {}
         trainer_setup = trainer.setup
@@ -239,11 +239,12 @@ def _resume_runs(rank, out, processor_path, family):
 
 
 # the resume and export proofs for Qwen2.5-VL and for Qwen3-VL-MoE (DeepStack, the router's aux loss;
-# LoRA on attention only, the experts being fused parameters); the dense Qwen3-VL export is the acceptance's
-RESUME_FAMILIES = ("qwen2_5_vl", "qwen3_vl_moe")
+# LoRA on attention and, lora.target_experts, on the experts' fused weights: peft's target_parameters);
+# the dense Qwen3-VL export is the acceptance's. family -> its LoRA overrides
+RESUME_FAMILIES = {"qwen2_5_vl": [], "qwen3_vl_moe": ["lora.target_experts=true"]}
 
 
-@pytest.fixture(scope="module", params=RESUME_FAMILIES)
+@pytest.fixture(scope="module", params=list(RESUME_FAMILIES))
 def resumed(request, tmp_path_factory, _cache):
     family = request.param
     out = tmp_path_factory.mktemp(f"resume-{family}")
@@ -300,6 +301,10 @@ def test_export_loads_in_peft_and_merged_with_qwenkits_logits(resumed, tmp_path)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_path)
     for name in ("adapter_model.safetensors", "tokenizer.json", "preprocessor_config.json"):
         assert (adapter / name).is_file(), name
+    from safetensors import safe_open
+
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:  # lora.target_experts: the experts' adapters too
+        assert any(".mlp.experts." in k for k in f.keys()) == ("lora.target_experts=true" in RESUME_FAMILIES[family])
     base = hf_class.from_pretrained(tiny_path)
     model = PeftModel.from_pretrained(base, adapter).eval()
     with torch.no_grad():
@@ -323,6 +328,7 @@ def test_export_loads_in_peft_and_merged_with_qwenkits_logits(resumed, tmp_path)
     [
         (["lora.r=4", "lora.target_modules=[q_proj, qkv]"], "'qkv' matches no linear layer of the language model"),
         (["lora.r=4", "lora.modules_to_save=[model.visual.mergr]"], "no module 'model.visual.mergr'"),
+        (["lora.r=4", "lora.target_experts=true"], "lora.target_experts=true: qwen2_5_vl has no routed experts to adapt"),
         (["train.param_groups=[{pattern: model.visual.block.*, lr: 1.0}]"], "'model.visual.block.*' matches no module"),
     ],
 )

@@ -61,6 +61,7 @@ from transformers import GenerationConfig
 
 from qwenkit.device import free_memory_bytes
 from qwenkit.distributed.meta import build_on_meta
+from qwenkit.model import family as families
 from qwenkit.model import lora
 from qwenkit.records import read_jsonl as read_jsonl  # the one JSONL reader; eval/step-*.jsonl are read by it
 
@@ -199,7 +200,7 @@ def generate_rows(
                 prompts = [a[0] for a in asked] or [dummy_prompt(pad)]
                 inputs = {k: v.to(device) for k, v in left_pad(prompts, pad).items()}
                 if step is None:
-                    tokens = model.generate(**inputs, generation_config=config)  # [B, S + new]
+                    tokens = model.generate(**inputs, **model_kwargs(model), generation_config=config)  # [B, S + new]
                 else:
                     tokens = step(inputs, config if chunk else one_token(config))
                 for b, (i, (_, conv)) in enumerate(zip(chunk, asked)):
@@ -212,6 +213,19 @@ def generate_rows(
     finally:
         model.train(was_training)
     return [done[i] for i in indices]
+
+
+def model_kwargs(model: nn.Module) -> dict:
+    """Keywords every ``generate`` call passes to the model's forward: a router's auxiliary loss off.
+
+    transformers 5.x computes a MoE's load-balancing loss in every forward whose config says
+    ``output_router_logits``, labels or not, and with the KV cache a decoding step's router logits
+    cover its new token only while the attention mask covers the whole row: with left padding the
+    shapes disagree and ``load_balancing_loss_func`` raises. Generation has no loss to add it to;
+    the routing, hence every token, is the same without it. One rule for HF's class (a gathered
+    copy, ``qwenkit eval``) and the sharded training model (lockstep evaluation, GRPO's rollouts).
+    """
+    return {"output_router_logits": False} if families.of_model(model).aux_loss else {}
 
 
 def dummy_prompt(pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -262,7 +276,8 @@ def lockstep(model: nn.Module, synced: bool | None = None):
             made = torch.tensor([("pixel_values" in inputs) + ("pixel_values_videos" in inputs)], device=device)
             dist.all_reduce(made, op=dist.ReduceOp.MAX)  # the prefill's tower calls of the rank that makes most
             model.vision_calls_per_step = int(made.item())
-        return model.generate(**inputs, generation_config=config, synced_gpus=synced, **generate_kwargs)  # [B, S + new]
+        return model.generate(**inputs, **model_kwargs(model), generation_config=config, synced_gpus=synced,
+                              **generate_kwargs)  # [B, S + new]
 
     try:
         yield step
@@ -371,8 +386,7 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     if adapters:  # the same adapters, then merged as the export's --merge does
         from peft import inject_adapter_in_model
 
-        targets, _ = lora.target_problems(copy, model.qwenkit_lora)
-        inject_adapter_in_model(lora.peft_config(model.qwenkit_lora, targets), copy, low_cpu_mem_usage=True)
+        inject_adapter_in_model(lora.peft_config(model.qwenkit_lora, copy), copy, low_cpu_mem_usage=True)
     copy.load_state_dict(state, strict=True, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         copy.lm_head.weight = copy.model.language_model.embed_tokens.weight

@@ -38,10 +38,8 @@ from qwenkit import data as qdata
 from qwenkit.config import DTYPES
 from qwenkit.data import cache
 from qwenkit.data.preference import PairCollator, PairDataset
-from qwenkit.distributed import fsdp
-from qwenkit.distributed.weights import load_hf_weights
 from qwenkit.engine.objective import Objective
-from qwenkit.engine.run.build import fused_model
+from qwenkit.engine.run.build import reference_model
 from qwenkit.model import family as families
 from qwenkit.model import lora, paths
 from qwenkit.model.logps import full_sequence_logps
@@ -94,33 +92,6 @@ class Reference:
         return sums[:n], sums[n:]
 
 
-def frozen_copy(cfg, rt, like: nn.Module) -> nn.Module:
-    """The starting weights again, frozen and sharded like the policy (full fine-tuning's reference).
-
-    Under mixed precision (``parallel.param_dtype``) its shards are stored in that dtype: FSDP2
-    casts every shard to ``param_dtype`` before each all-gather anyway, and the copy has no
-    gradients or optimizer state that would want fp32 masters, so fp32 shards only double its
-    memory (4 bytes a parameter instead of 2, summed over the ranks) and add a cast per all-gather. The gathered weights are the same bits (one round-to-nearest fp32 -> bf16 either
-    way); buffers (rotary ``inv_freq``) are not FSDP's to cast and keep their dtype.
-    """
-    ref = fused_model(cfg)  # as the policy's (engine/run/train.py)
-    ref.requires_grad_(False)
-    if cfg.parallel.param_dtype:
-        compute = DTYPES[cfg.parallel.param_dtype]
-        for p in ref.parameters():
-            if p.is_floating_point() and p.element_size() > compute.itemsize:
-                p.data = p.data.to(compute)
-    fsdp.shard(ref, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas))
-    # fsdp.shard keeps the root gathered after forward, for the backward that follows it; the copy
-    # has no backward, so its root (embeddings, tied lm_head) would stay whole on every rank for good
-    ref.set_reshard_after_forward(True, recurse=False)
-    if cfg.model.init_device == "meta":
-        fsdp.materialize(ref, rt.device, cfg.parallel.cpu_offload)
-        load_hf_weights(ref, ref.name_or_path)
-    ref.vision_calls_per_step = like.vision_calls_per_step
-    return enable(ref).eval()
-
-
 def build_reference(cfg, rt, model: nn.Module, bundle, main_rank: bool) -> Reference:
     """The run's reference. Called before a checkpoint is loaded: the policy still holds the starting weights."""
     if cfg.dpo.loss == "simpo":
@@ -135,7 +106,7 @@ def build_reference(cfg, rt, model: nn.Module, bundle, main_rank: bool) -> Refer
         return Reference("adapters")
     if main_rank:
         log.info("dpo reference: a frozen copy of %s, sharded like the policy", cfg.model.path)
-    return Reference("copy", frozen_copy(cfg, rt, model))
+    return Reference("copy", enable(reference_model(cfg, rt, model)))
 
 
 # ---------------------------------------------------------------------------------------------

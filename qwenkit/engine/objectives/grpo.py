@@ -68,9 +68,9 @@ from qwenkit.engine.generation.generate import Sampling
 from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
-from qwenkit.engine.objectives.dpo import frozen_copy
 from qwenkit.engine.objectives.rollout import Completion, HfRollouts, Rollouts, training_batch
 from qwenkit.engine.objectives.vllm_rollouts import VllmRollouts
+from qwenkit.engine.run.build import reference_model
 from qwenkit.model import family as families
 from qwenkit.model import lora
 from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
@@ -138,7 +138,7 @@ class GrpoObjective(Objective):
         enable(model)
         reference = None
         if cfg.grpo.beta > 0:
-            reference = "adapters" if lora.has_adapters(model) else enable(frozen_copy(cfg, rt, model))
+            reference = "adapters" if lora.has_adapters(model) else enable(reference_model(cfg, rt, model))
         evaluator = None
         if bundle.eval_dataset is not None:
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)

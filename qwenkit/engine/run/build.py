@@ -1,13 +1,39 @@
-"""The model a run trains: the family's chunk-loss subclass (:func:`qwenkit.model.registry.build`)
-with the run's fused ops where the family's entry says they fit (:func:`qwenkit.patches.apply`).
-The policy (:mod:`qwenkit.engine.run.train`) and DPO's frozen copy of it
-(:func:`qwenkit.engine.objectives.dpo.frozen_copy`) are built by this one call, so the two compute alike."""
+"""Every model a run holds, built by one path: the policy the trainer trains and the frozen reference of
+DPO and GRPO (full fine-tuning) are the same build on the same meshes, so they compute alike and are
+split alike (fused ops, expert parallelism, FSDP2 units, meta init).
+
+1. :func:`fused_model`: the family's chunk-loss subclass (:func:`qwenkit.model.registry.build`) with the
+   run's fused ops where the family's entry says they fit (:func:`qwenkit.patches.apply`);
+2. a frozen model: no gradients, its floating weights stored in ``parallel.param_dtype``
+   (:func:`reference_model`); the policy: the caller's ``adapt`` (LoRA adapters, sequence parallelism,
+   the parameter counts), all before anything is split;
+3. ``parallel.ep_size > 1``: each rank keeps its whole experts and dispatches tokens to them
+   (:func:`qwenkit.distributed.expert.apply`, on the run's expert mesh);
+4. recompute wrappers (the policy: a frozen model has no backward), ``fully_shard``
+   (:func:`qwenkit.distributed.fsdp.shard`, the experts on their ``efsdp`` dimension);
+5. ``model.init_device: meta``: storage, then the HF weights read into the shards (each rank its
+   experts' rows), then the adapters' starting values.
+
+The meshes (:class:`Meshes`) are made once per run (:func:`meshes`) and kept on the model
+(``qwenkit_meshes``): a reference built later for the policy lands on the policy's meshes.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
 from qwenkit import patches
-from qwenkit.model import family, registry
+from qwenkit.config import DTYPES
+from qwenkit.distributed import expert, fsdp
+from qwenkit.distributed.weights import load_adapters, load_hf_weights
+from qwenkit.model import family, lora, registry
 from qwenkit.model.chunked import ChunkLossMixin
+
+log = logging.getLogger(__name__)
 
 
 def fused_model(cfg) -> ChunkLossMixin:
@@ -17,3 +43,76 @@ def fused_model(cfg) -> ChunkLossMixin:
     patches.apply(model, backend=cfg.model.fused_backend, ops=cfg.model.fused_ops,
                   applicable=family.of_model(model).fused_ops)  # fmt: skip
     return model
+
+
+@dataclass
+class Meshes:
+    """The run's device meshes: FSDP's (1-D, or HSDP's ``(replicate, shard)``) and, with
+    ``parallel.ep_size > 1``, the experts' ``(efsdp, ep)`` (:func:`qwenkit.distributed.expert.build_expert_mesh`)."""
+
+    fsdp: DeviceMesh
+    experts: DeviceMesh | None = None
+
+
+def meshes(cfg, rt) -> Meshes:
+    """The run's meshes (collective: every rank makes the same process groups)."""
+    ep = cfg.parallel.ep_size
+    experts = expert.build_expert_mesh(rt.device.type, rt.world_size, ep) if ep > 1 else None
+    return Meshes(fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas), experts)
+
+
+def sharded_model(
+    cfg, rt, on: Meshes, frozen: bool = False, adapt: Callable[[ChunkLossMixin], None] | None = None
+) -> tuple[ChunkLossMixin, fsdp.ShardPlan]:
+    """The module docstring's steps on the meshes ``on``; ``adapt(model)`` runs on the whole model
+    before it is split (the policy's adapters and sequence parallelism). Returns the model and its plan."""
+    model = fused_model(cfg)
+    if frozen:
+        _freeze(model, cfg.parallel.param_dtype)
+    if adapt is not None:
+        adapt(model)
+    experts = None
+    if on.experts is not None:  # before recompute and fully_shard: each rank keeps its whole experts
+        experts = expert.apply(model, family.of_model(model).experts, on.experts)
+    recomputed = [] if frozen else fsdp.apply_recompute(model, cfg.parallel.recompute)
+    plan = fsdp.shard(model, cfg.parallel, on.fsdp, experts)
+    plan.recompute = recomputed
+    if frozen:
+        # fsdp.shard keeps the root gathered after forward, for the backward that follows it; a frozen
+        # model has none, so its root (embeddings, tied lm_head) would stay whole on every rank for good
+        model.set_reshard_after_forward(True, recurse=False)
+    if cfg.model.init_device == "meta":
+        fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)
+        n = load_hf_weights(model, model.name_or_path)
+        if lora.has_adapters(model):
+            load_adapters(model, lora.initial_adapters(model, cfg.train.seed))
+        if rt.rank == 0:
+            log.info("meta init: %d tensors read into the shards from %s", n, model.name_or_path)
+    model.qwenkit_meshes = on
+    return model, plan
+
+
+def _freeze(model: ChunkLossMixin, param_dtype: str | None) -> None:
+    """No gradients; under mixed precision the floating weights stored in ``param_dtype``.
+
+    FSDP2 casts every shard to ``param_dtype`` before each all-gather anyway, and a frozen model has
+    no gradients or optimizer state that would want fp32 masters, so fp32 shards only double its
+    memory (4 bytes a parameter instead of 2, summed over the ranks) and add a cast per all-gather.
+    The gathered weights are the same bits (one round-to-nearest fp32 -> bf16 either way); buffers
+    (rotary ``inv_freq``) are not FSDP's to cast and keep their dtype.
+    """
+    model.requires_grad_(False)
+    if param_dtype:
+        compute = DTYPES[param_dtype]
+        for p in model.parameters():
+            if p.is_floating_point() and p.element_size() > compute.itemsize:
+                p.data = p.data.to(compute)
+
+
+def reference_model(cfg, rt, policy: ChunkLossMixin) -> ChunkLossMixin:
+    """The starting weights again, frozen, built and split as ``policy`` was (its meshes, its experts'
+    ranks): the reference of full fine-tuning (DPO, GRPO with ``grpo.beta > 0``). Call it before a
+    checkpoint is loaded into the policy. In eval mode; its vision calls per step are the policy's."""
+    ref, _ = sharded_model(cfg, rt, policy.qwenkit_meshes, frozen=True)
+    ref.vision_calls_per_step = policy.vision_calls_per_step
+    return ref.eval()

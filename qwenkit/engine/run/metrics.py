@@ -83,7 +83,9 @@ GRPO_UNITS = {
     **{f"sampling/sampling_logp_difference/{s}": "nat" for s in ("mean", "max")},
     **{f"sampling/importance_sampling_ratio/{s}": "1" for s in ("min", "mean", "max")},
 }  # fmt: skip
-UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS}
+# a MoE run's (qwenkit.engine.run.expert_load): expert_load/layer_NN, expert_load/max_over_mean
+MOE_UNITS = {"expert_load": "1"}
+UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **MOE_UNITS}
 _GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)
 
 

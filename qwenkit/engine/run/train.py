@@ -47,13 +47,12 @@ from tqdm import tqdm
 from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit.distributed import expert, fsdp, sequence
-from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints import resume as resume_rule
 from qwenkit.engine.objective import Objective
-from qwenkit.engine.run import events, optim, stopping
-from qwenkit.engine.run.build import fused_model
+from qwenkit.engine.run import build, events, optim, stopping
+from qwenkit.engine.run.expert_load import ExpertLoad
 from qwenkit.engine.run.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.run.profiling import ProfileWindow
 from qwenkit.model import family as families
@@ -135,6 +134,7 @@ class Trainer:
         self.events: events.EventLog | None = None  # <output_dir>/events.jsonl, rank 0's
         self.objective: Objective | None = None  # train.objective's entry (qwenkit.config.OBJECTIVES)
         self.params: list[nn.Parameter] = []  # the trainable parameters (the clipped gradients')
+        self.expert_load: ExpertLoad | None = None  # a MoE model's routed tokens per layer and expert
 
     def run(self) -> None:
         # model.path=tiny: the launcher already wrote the checkpoint; ensure_checkpoint is safe
@@ -188,47 +188,15 @@ class Trainer:
         if sp_size > 1:  # one micro-batch per SP group: the sampler deals over the groups
             self.bundle.sampler = data.make_sampler(cfg, self.bundle.dataset, self.sp.dp_rank, self.sp.dp_size)
 
-        model = fused_model(cfg)
-        if cfg.lora.r > 0:  # before recompute and fully_shard: adapters are sharded with their base layers
-            targets = lora.apply(model, cfg.lora, t.seed)
-            if main_rank:
-                log.info("LoRA r=%d on %d linears (%s ...)", cfg.lora.r, len(targets), targets[0])
-        model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
-        if sp_size > 1:
-            problem = sequence.heads_problem(model.config.get_text_config(), sp_size)
-            if problem:
-                raise ValueError(problem)
-            sequence.enable(model, self.sp)
-            if main_rank:
-                log.info(
-                    "sequence parallel: %d groups of %d ranks (Ulysses attention, vision split over each group)",
-                    self.sp.dp_size, sp_size,
-                )
-        if main_rank:
-            counts = registry.parameter_counts(model)
-            log.info("parameters:\n%s", registry.format_parameter_counts(counts))
-            # read by sweeps and notebooks 02 and 05 (trainable parameters per run), see qwenkit.engine.run.metrics.final_metrics
-            RunDir(self.out_dir).parameters.write_text(json.dumps(counts, indent=1) + "\n")
-        experts = None
-        if cfg.parallel.ep_size > 1:  # before recompute and fully_shard: each rank keeps its whole experts
-            mesh = expert.build_expert_mesh(rt.device.type, rt.world_size, cfg.parallel.ep_size)
-            experts = expert.apply(model, families.of_model(model).experts, mesh)
-            if main_rank:
-                log.info("expert parallel: experts split over %d ranks, FSDP-sharded over %d", *mesh.shape[::-1])
-        recomputed = fsdp.apply_recompute(model, cfg.parallel.recompute)
-        plan = fsdp.shard(model, cfg.parallel, fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas), experts)
-        plan.recompute = recomputed
-        if cfg.model.init_device == "meta":
-            fsdp.materialize(model, rt.device, cfg.parallel.cpu_offload)
-            n = load_hf_weights(model, model_path)
-            if lora.has_adapters(model):
-                load_adapters(model, lora.initial_adapters(model, t.seed))
-            if main_rank:
-                log.info("meta init: %d tensors read into the shards from %s", n, model_path)
+        meshes = build.meshes(cfg, rt)
+        if main_rank and meshes.experts is not None:
+            log.info("expert parallel: experts split over %d ranks, FSDP-sharded over %d", *meshes.experts.shape[::-1])
+        model, plan = build.sharded_model(cfg, rt, meshes, adapt=self._adapt)
         if main_rank:
             log.info("%s", plan.describe())
         model.train()
         self.model = model
+        self.expert_load = ExpertLoad.of(model, rt.device, self.out_dir if main_rank else None)
         # before the resume: an objective may keep the starting weights (DPO's reference)
         self.objective = objective.build(cfg, rt, model, self.bundle, self.sp, self.out_dir)
         self.evaluator = self.objective.evaluator
@@ -252,6 +220,32 @@ class Trainer:
         if main_rank:  # the run's record, once the start is accepted (a refused resume leaves it as it was)
             qconfig.write_config(cfg, self.out_dir)
         self.scheduler = optim.build_scheduler(self.optimizer, t, self.start_step)
+
+    def _adapt(self, model) -> None:
+        """The policy's own steps, on the whole model before it is split (:func:`qwenkit.engine.run.build.sharded_model`):
+        LoRA adapters (sharded with their base layers), the idle vision calls, sequence parallelism, the parameter counts."""
+        cfg, rt, t, sp_size = self.cfg, self.rt, self.cfg.train, self.cfg.parallel.sp_size
+        main_rank = rt.rank == 0
+        if cfg.lora.r > 0:  # adapters are sharded with their base layers
+            targets = lora.apply(model, cfg.lora, t.seed)
+            if main_rank:
+                log.info("LoRA r=%d on %d targets (%s ...)", cfg.lora.r, len(targets), targets[0])
+        model.vision_calls_per_step = (1 + self.bundle.dataset.has_videos) if rt.world_size > 1 else 0
+        if sp_size > 1:
+            problem = sequence.heads_problem(model.config.get_text_config(), sp_size)
+            if problem:
+                raise ValueError(problem)
+            sequence.enable(model, self.sp)
+            if main_rank:
+                log.info(
+                    "sequence parallel: %d groups of %d ranks (Ulysses attention, vision split over each group)",
+                    self.sp.dp_size, sp_size,
+                )
+        if main_rank:
+            counts = registry.parameter_counts(model)
+            log.info("parameters:\n%s", registry.format_parameter_counts(counts))
+            # read by sweeps and notebooks 02 and 05 (trainable parameters per run), see qwenkit.engine.run.metrics.final_metrics
+            RunDir(self.out_dir).parameters.write_text(json.dumps(counts, indent=1) + "\n")
 
     def train(self) -> None:
         cfg, rt = self.cfg, self.rt
@@ -286,6 +280,8 @@ class Trainer:
                 logged = step % t.log_every == 0 or step == self.last_step
                 if logged:
                     self.objective.log(step)
+                    if self.expert_load is not None:
+                        self.expert_load.log(step)
                 if main_rank and logged:
                     self.events.write("step", step=step, steps=t.steps, **{k: values[k] for k in STEP_EVENT})
                     tqdm.write(
@@ -369,9 +365,10 @@ class Trainer:
         optimizer.step()
         self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        load = self.expert_load.values() if self.expert_load is not None else {}  # collective
         return {
             "loss": loss, "grad_norm": norm_value, "lr": lr, "valid_tokens": items, "samples": samples, "tokens": tokens,
-            "padding_fraction": 1.0 - tokens / positions, "bad_samples": int(bad), **group_lrs, **obj.metrics(),
+            "padding_fraction": 1.0 - tokens / positions, "bad_samples": int(bad), **group_lrs, **obj.metrics(), **load,
         }  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -10,9 +10,11 @@ import inspect
 
 import pytest
 import torch
+from conftest import FAMILIES, over_families
 from model.test_chunked import _video_batch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
+from qwenkit.model import family as families
 from qwenkit.model import processor, qwen2_5_vl
 
 NEW_TOKENS = 6
@@ -227,3 +229,34 @@ def test_reply_text_shows_broken_bytes_as_escapes_and_valid_text_as_the_tokenize
     assert generate.reply_text(tok, ids) == "\\xc3red"
     whole = tok.encode("a red circle é", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
     assert generate.reply_text(tok, whole) == tok.decode(whole, skip_special_tokens=True) == "a red circle é"
+
+
+MOE = tuple(name for name in FAMILIES if families.get(name).experts)  # the families with routed experts
+
+
+@over_families(*MOE)
+def test_a_moe_run_evaluates_batched_prompts_with_the_router_aux_loss_on(tmp_path, family):
+    """The probe's crash (issue 54): HF 5.x computes the router's aux loss in every forward of
+    ``generate``, and a decoding step's router logits do not match a left-padded batch's mask.
+    Through the trainer (the tiny MoE's config has the aux loss on): the replies of batches of 4
+    (prompts of different lengths) equal HF's class generating the exported weights one row at a time."""
+    from qwenkit import config as qconfig
+    from qwenkit.engine.checkpoints import export
+    from qwenkit.engine.generation import evaluate
+    from qwenkit.engine.generation import generate as qgen
+    from qwenkit.engine.run import train
+
+    cfg = qconfig.load(overrides=[
+        f"model.name={family}", "train.resume=none", "train.steps=1", "train.warmup_steps=0", "data.tiny_samples=4",
+        "data.tiny_eval_samples=4", "train.eval_samples=4", "train.eval_batch_size=4", "train.eval_max_new_tokens=4",
+        f"train.output_dir={tmp_path}",
+    ])  # fmt: skip
+    trainer = train.Trainer(cfg)
+    trainer.run()
+    assert trainer.model.config.get_text_config().output_router_logits
+    dataset = trainer.evaluator.dataset
+    indices = trainer.evaluator.samples
+    assert len({int(dataset.prompt(i)[0]["input_ids"].shape[1]) for i in indices}) > 1  # left padding in the batch
+    rows = qgen.read_jsonl(evaluate.generations_path(tmp_path, 1))
+    stock = export.load_hf(tmp_path / "checkpoints" / "step-00000001", cfg).eval()
+    assert [r["tokens"] for r in rows] == todays_replies(stock, dataset, sorted(indices), 4)
