@@ -54,6 +54,7 @@ from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor, pixel_bounds
+from qwenkit.model.spec import of_export, of_run
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +229,10 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
     adapter = (target / "adapter_config.json").is_file()  # a LoRA export: peft on the base it names, merged
     if adapter or (target / "config.json").is_file():
         cfg = qconfig.load(config_path)
+        spec = of_export(target, cfg.model.name)  # the family, once: the processor's and the model's class
         # the export's processor resizes as its run did (qwenkit export writes the run's data
         # bounds there); a --config with other bounds would evaluate other image tokens
-        processor = Processor.from_pretrained(target)
+        processor = Processor.from_pretrained(target, family=spec.family)
         lo, hi = pixel_bounds(processor.image_processor)
         if config_path is not None and (cfg.data.min_pixels, cfg.data.max_pixels) != (lo, hi):
             log.warning(
@@ -242,18 +244,19 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
             from peft import PeftConfig, PeftModel  # the lora extra: LoRA exports only
 
             base = PeftConfig.from_pretrained(target).base_model_name_or_path
-            model = families.resolve(cfg.model.name, base).load("hf_class").from_pretrained(
+            model = spec.family.load("hf_class").from_pretrained(
                 base, dtype=DTYPES[cfg.model.dtype], local_files_only=True
             )
             model = PeftModel.from_pretrained(model, target).merge_and_unload()
         else:
-            model = families.resolve(cfg.model.name, target).load("hf_class").from_pretrained(
+            model = spec.family.load("hf_class").from_pretrained(
                 target, dtype=DTYPES[cfg.model.dtype], local_files_only=True
             )
         return model, processor, cfg, target.name
     step = ckpt.resolve(target)
     cfg = qconfig.load(config_path or ckpt.run_config_path(step))
-    return load_hf(step, cfg), load_processor(cfg), cfg, step.name
+    spec = of_run(cfg.model)
+    return load_hf(step, cfg, spec), load_processor(cfg, spec.path, spec.family), cfg, step.name
 
 
 def eval_main(args) -> int:
