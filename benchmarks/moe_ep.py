@@ -20,6 +20,8 @@ NVLink). The model's expectations are printed beside (``expected``).
 
     python benchmarks/moe_ep.py --shape tiny        # seconds
     python benchmarks/moe_ep.py --shape a30b        # one Qwen3-VL-30B-A3B layer (128 experts): ~10 GB, minutes on CPU
+
+The rows go to ``benchmarks/results/moe_ep_<shape>.jsonl`` (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -153,20 +155,21 @@ def main() -> int:
     ap.add_argument("--shape", choices=list(SHAPES), default="tiny")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--ep", type=int, default=0, help="ep_size of the EP variant (0: --ranks)")
-    ap.add_argument("--out", default="moe_ep.jsonl")
+    ap.add_argument("--out", default=None, help="the rows' JSON-lines file (default: benchmarks/results/moe_ep_<shape>.jsonl)")
     ap.add_argument("--expected-only", action="store_true", help="print the cost model, run nothing")
     args = ap.parse_args()
     ep = args.ep or args.ranks
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"moe_ep_{args.shape}.jsonl")
     if args.expected_only:
         for size in (1, ep):
             print(f"{args.shape} ranks={args.ranks} ep_size={size}:", json.dumps({k: round(v, 2) for k, v in expected(args.shape, args.ranks, size).items()}))
         return 0
-    if os.path.exists(args.out):
-        os.remove(args.out)
+    if os.path.exists(out):
+        os.remove(out)
     for size in (1, ep):
-        mp.start_processes(_rank, args=(args.ranks, free_port(), args.shape, size, args.out), nprocs=args.ranks,
+        mp.start_processes(_rank, args=(args.ranks, free_port(), args.shape, size, out), nprocs=args.ranks,
                            start_method="spawn")  # fmt: skip
-    rows = [json.loads(line) for line in open(args.out)]
+    rows = [json.loads(line) for line in open(out)]
     print(f"{args.shape}: one MoE layer on {args.ranks} gloo ranks, per rank ({torch.__version__}, {sys.platform})")
     print(f"{'variant':10} {'kept MiB':>9} {'gathered':>9} {'all-gather':>11} {'red-scat':>9} {'all-to-all':>11} {'step s':>7}")
     for row in rows:

@@ -1,4 +1,8 @@
-"""qwenkit: fine-tune Qwen2.5-VL with PyTorch FSDP2 (chunked loss head, fused ops, notebooks)."""
+"""qwenkit: fine-tune Qwen's multimodal models with PyTorch FSDP2 (chunked loss head, fused ops, notebooks).
+
+Five families, one entry each in :data:`qwenkit.model.family.FAMILIES` (whose names only ``qwenkit/model/``
+spells): Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5 dense and MoE.
+"""
 
 from qwenkit.model.torchvision_ops import declare_missing_ops
 

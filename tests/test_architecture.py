@@ -198,3 +198,48 @@ def test_floor_check_catches_an_upward_import():
     assert floor_of("qwenkit.engine.run.train") == "engine" and floor_of("qwenkit.config.train") == "leaf"
     assert floor_of("qwenkit.launch") == "entry" and floor_of("qwenkit.data.check") == "data"
     assert floor_of("qwenkit.sweep.scheduler") == "sweep" and "entry" not in FLOORS["sweep"]
+
+
+# A checkpoint's family is resolved in qwenkit/model/ only (qwenkit.model.spec: once, then passed down):
+# qwenkit.model.family's lookups that read a checkpoint's config.json, and reads of that file
+FAMILY_LOOKUPS = ("resolve", "of_directory", "_model_type")
+
+
+def _family_lookups(source: str) -> list[str]:
+    """Where ``source`` finds a family from disk: a call of :data:`FAMILY_LOOKUPS` on the family module
+    (however imported), or ``config.json`` read (``.read_text()`` / ``.open()`` / ``open(...)``)."""
+    tree = ast.parse(source)
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "qwenkit.model":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "family"}
+        if isinstance(node, ast.ImportFrom) and node.module == "qwenkit.model.family":
+            found += [f"line {node.lineno}: imports {a.name}" for a in node.names if a.name in FAMILY_LOOKUPS]
+
+    def names_config(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Constant) and n.value == "config.json" for n in ast.walk(node))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if node.attr in FAMILY_LOOKUPS:
+                found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+        if isinstance(node, ast.Attribute) and node.attr in ("read_text", "read_bytes", "open") and names_config(node.value):
+            found.append(f"line {node.lineno}: reads config.json")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "open" and any(map(names_config, node.args)):
+            found.append(f"line {node.lineno}: opens config.json")
+    return found
+
+
+def test_only_the_model_floor_finds_a_checkpoints_family():
+    """STYLE 16, resolve once and pass down: outside ``qwenkit/model/`` a module receives the family
+    (:class:`qwenkit.model.spec.ModelSpec`, the processor's entry, a built model's own config), it
+    does not look it up from a checkpoint's ``config.json`` again."""
+    found = {m: hits for m, path in MODULES.items() if not m.startswith("qwenkit.model.")
+             and (hits := _family_lookups(path.read_text()))}  # fmt: skip
+    assert not found, f"family looked up from disk outside qwenkit/model/ (take a qwenkit.model.spec.ModelSpec): {found}"
+    # the finder: each way of looking it up, and existence checks and other files left alone
+    assert _family_lookups("from qwenkit.model import family as f\nf.resolve(name, path)") == ["line 2: f.resolve"]
+    assert _family_lookups("from qwenkit.model.family import of_directory") == ["line 1: imports of_directory"]
+    assert _family_lookups("json.loads((path / 'config.json').read_text())") == ["line 1: reads config.json"]
+    assert _family_lookups("open(os.path.join(d, 'config.json'))") == ["line 1: opens config.json"]
+    assert _family_lookups("(p / 'config.json').is_file(); (p / 'adapter_config.json').read_text()") == []

@@ -18,7 +18,7 @@ import yaml
 from multiproc import scaled
 
 from qwenkit.engine.run import metrics
-from qwenkit.notebooks import compare, grpo, perf, runner, runs, samples, validation
+from qwenkit.notebooks import compare, gallery, grpo, perf, runner, runs, samples, validation
 from qwenkit.sweep import ledger
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -172,7 +172,7 @@ def test_smoke_02_sharded_training(smoke_run):
     assert 0 <= v["first_eval_accuracy"] <= 1 and 0 <= v["last_eval_accuracy"] <= 1
     assert f"held-out accuracy {v['first_eval_accuracy']:.2f} -> {v['last_eval_accuracy']:.2f}" in m["summary"]
     folder = smoke_run[0] / "02_sharded_training"
-    pairs = [json.loads(line) for line in (folder / runs.EVAL_SAMPLES).read_text().splitlines()]
+    pairs = [json.loads(line) for line in (folder / gallery.EVAL_SAMPLES).read_text().splitlines()]
     assert len(pairs) == 2 and {(p["untrained_step"], p["trained_step"]) for p in pairs} == {(0, 8)}
     page = (smoke_run[0] / "02_sharded_training.html").read_text()
     assert 'class="eval-gallery"' in page and page.count("data:image/png;base64,") >= 2  # one thumbnail per row

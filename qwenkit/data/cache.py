@@ -81,7 +81,7 @@ def _processor_key(processor: Processor) -> dict:
     backend = getattr(tok, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
     return {
-        "family": processor.family,  # the template and the video rule: another family's token counts differ
+        "family": processor.family.name,  # the template and the video rule: another family's token counts differ
         "tokenizer": hashlib.sha256(text.encode()).hexdigest(),
         "image_processor": json.loads(
             json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)

@@ -45,7 +45,7 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
     good, rows = (len(PairDataset(dataset)), "preference rows") if report.unit == "pairs" else (len(dataset), "rows")
     lines = [
         f"{report.unit}: {good} good, {report.skipped} bad, {report.total} {rows} read",
-        f"model family: {dataset.processor.family} (its chat template and video sampling)",
+        f"model family: {dataset.processor.family.name} (its chat template and video sampling)",
     ]
     index = dataset.index
     images, videos = index.kind_mask("image"), index.kind_mask("video")

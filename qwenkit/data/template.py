@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 from qwenkit.data.conversation import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
-from qwenkit.model import family as families
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.processor import Processor
 
@@ -53,7 +52,7 @@ class ChatTemplate:
 
     def __init__(self, processor: Processor, system_prompt: str | None):
         self.processor = processor
-        family = families.get(processor.family)
+        family = processor.family
         self.system_prompt = system_prompt if system_prompt is not None else family.default_system
         self.video_timestamps = family.video_timestamps
         self.think_tags = family.think_tags

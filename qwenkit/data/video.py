@@ -42,7 +42,6 @@ from PIL import Image
 from qwenkit.data.images import CachedProbe, MediaRef, Unreadable, decode_rgb, smart_resize
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REBUILD, BadSample, Location
-from qwenkit.model import family as families
 
 
 @dataclass(frozen=True)
@@ -371,4 +370,4 @@ RULES: dict[str, type[VideoProcessor]] = {rule.hf_class: rule for rule in (Video
 
 def for_processor(processor, data) -> VideoProcessor:
     """The video processor of ``processor``'s family, with ``data``'s sampling and pixel bounds."""
-    return RULES[families.get(processor.family).video_rule].from_config(processor.image_processor, data)
+    return RULES[processor.family.video_rule].from_config(processor.image_processor, data)

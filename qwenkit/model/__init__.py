@@ -1,4 +1,5 @@
-"""The model floor: the Qwen2.5-VL subclass and its chunked loss, the processor, the tiny default.
+"""The model floor: the family entries (``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``,
+``qwen3_5_moe``), each family's subclass and their chunked loss, the processor, the tiny default.
 
 Light modules (``paths``, ``processor``, ``tiny``, ``loss``) never import transformers' modeling
 code, so the launcher and the data checks can use them; ``qwen2_5_vl`` and ``registry`` do.

@@ -1,7 +1,7 @@
 """The chunk-loss machinery every family's subclass shares: the head, the forward's steps, the guards.
 
 A family's subclass is ``class QwenkitX(ChunkLossMixin, XForConditionalGeneration)`` plus
-:func:`finish_subclass`. It keeps HF's state-dict keys. With ``chunk_loss`` off its forward *is*
+:func:`qwenkit.model.subclass.finish_subclass`. It keeps HF's state-dict keys. With ``chunk_loss`` off its forward *is*
 HF's. With it on:
 
 1. the HF multimodal backbone ``self.model(...)`` runs as HF runs it (vision tower, placeholder
@@ -30,11 +30,9 @@ from torch import nn
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
 from qwenkit.model.logps import sequence_logps, token_logps
 from qwenkit.model.loss import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.model.positions import Positions
 
 log = logging.getLogger(__name__)
-
-OWN_KEYWORDS = ("return_dict", "num_items_in_batch", "num_samples", "packed_seq_lens", "loss_type")
-
 
 class ChunkedLMHead(nn.Linear):
     """``nn.Linear`` that, given labels and a loss function, returns the loss instead of logits.
@@ -54,11 +52,11 @@ class ChunkedLMHead(nn.Linear):
         return loss_fn(hidden, self.weight, labels, bias=self.bias, skip_ignored=self.skip_ignored)
 
 
-class ChunkLossMixin:
+class ChunkLossMixin(Positions):
     """A family's HF class whose training loss can be computed without full logits (``chunk_loss``)."""
 
     output_class: type  # HF's output class of the parent's forward (set by the family module)
-    _parent_params: list[inspect.Parameter]  # the parent's forward parameters (finish_subclass)
+    _parent_params: list[inspect.Parameter]  # the parent's forward parameters (qwenkit.model.subclass.finish_subclass)
 
     def __init__(self, config):
         super().__init__(config)
@@ -125,12 +123,12 @@ class ChunkLossMixin:
         """HF's forward, or (``chunk_loss``) backbone + chunked loss head.
 
         Takes the parent's parameters, by name or in the parent's positional order (its
-        signature is the parent's, see :func:`finish_subclass`), plus these keywords:
+        signature is the parent's, see :func:`qwenkit.model.subclass.finish_subclass`), plus these keywords:
         ``num_items_in_batch``: valid label tokens of the global batch (all ranks and
         accumulation steps) for ``token_mean``; ``num_samples``: samples of the global batch
         for ``sample_mean``. Both default to this batch's own counts. ``packed_seq_lens``: the
         sample lengths of a packed row (see :mod:`qwenkit.data.collator`); the positions are
-        then computed per sample (:meth:`packed_position_ids`). ``loss_type``: this call's loss
+        then computed per sample (:meth:`~qwenkit.model.positions.Positions.packed_position_ids`). ``loss_type``: this call's loss
         type instead of the configured one (evaluation asks for ``token_sum``).
         """
         if loss_type is None:
@@ -307,77 +305,6 @@ class ChunkLossMixin:
         """
         return sum(t.sum() for t in self.vision_tower(*self.blank_vision_input())) * 0.0
 
-    def token_types(self, ids: torch.Tensor) -> torch.Tensor:
-        """transformers 5.x token types (0 text, 1 image, 2 video) when the batch has none."""
-        return (ids == self.config.image_token_id).long() + 2 * (ids == self.config.video_token_id).long()
-
-    def takes_token_types(self) -> bool:
-        """Whether this transformers version's backbone reads ``mm_token_type_ids`` (5.x; 4.57 does not)."""
-        return "mm_token_type_ids" in inspect.signature(type(self.model).forward).parameters
-
-    def rope_index(self, input_ids, attention_mask=None, media: dict | None = None) -> torch.Tensor:
-        """mRoPE positions ``[3, B, S]`` from the model's own ``get_rope_index``."""
-        media = media or {}
-        kwargs = {k: media.get(k) for k in ("image_grid_thw", "video_grid_thw")}
-        if media.get("second_per_grid_ts") is not None:  # Qwen2.5-VL's video time; Qwen3-VL writes timestamps
-            kwargs["second_per_grid_ts"] = media["second_per_grid_ts"]
-        if self.takes_token_types():
-            types = media.get("mm_token_type_ids")
-            kwargs["mm_token_type_ids"] = types if types is not None else self.token_types(input_ids)
-        pos, _ = self.model.get_rope_index(input_ids, attention_mask=attention_mask, **kwargs)
-        return pos
-
-    def packed_position_ids(self, input_ids: torch.Tensor, seq_lens: torch.Tensor, media: dict) -> torch.Tensor:
-        """Positions ``[4, 1, ΣL]`` of a packed row: ``[text; t; h; w]``, each sample starting at 0.
-
-        The t/h/w rows of each sample come from the model's own ``get_rope_index`` run on that
-        sample alone (its images and videos at whatever offset they sit), so they equal the
-        unpacked sample's. The text row is ``0 .. L-1`` per sample: transformers (4.57 and 5.x)
-        reads a 4-row ``position_ids`` as packed, finds the sample boundaries where the text
-        row does not step by 1 (``masking_utils.find_packed_sequence_indices``) and builds a
-        block-causal mask (sdpa, eager) or varlen boundaries (flash attention) from it; the
-        packed row must therefore come without an ``attention_mask``.
-        """
-        if input_ids is None or input_ids.shape[0] != 1:
-            raise ValueError("packed_seq_lens needs input_ids of one packed row [1, sum(lengths)]")
-        if media.get("attention_mask") is not None:
-            raise ValueError("a packed row takes no attention_mask: the block mask comes from the positions")
-        lengths = seq_lens.tolist()
-        if sum(lengths) != input_ids.shape[1]:
-            raise ValueError(f"packed_seq_lens sum to {sum(lengths)}, but the row has {input_ids.shape[1]} tokens")
-        cfg, merge = self.config, self.config.vision_config.spatial_merge_size
-        grids = {
-            cfg.image_token_id: list(media.get("image_grid_thw") if media.get("image_grid_thw") is not None else []),
-            cfg.video_token_id: list(media.get("video_grid_thw") if media.get("video_grid_thw") is not None else []),
-        }
-        seconds = media.get("second_per_grid_ts")
-        seconds = list(seconds) if seconds is not None else None
-        types = media.get("mm_token_type_ids")
-        rows, start = [], 0
-        for length in lengths:
-            ids = input_ids[:, start : start + length]  # [1, L]
-            mine = {}  # this sample's grids: as many as cover its placeholder tokens
-            for token, queue in grids.items():
-                need, taken = int((ids == token).sum()), []
-                while need > 0:
-                    if not queue:
-                        raise ValueError("packed row: fewer image/video grids than placeholder tokens")
-                    taken.append(queue.pop(0))
-                    need -= int(taken[-1].prod()) // merge**2
-                mine[token] = torch.stack(taken) if taken else None
-            sample = {"image_grid_thw": mine[cfg.image_token_id], "video_grid_thw": mine[cfg.video_token_id]}
-            if mine[cfg.video_token_id] is not None and seconds is not None:
-                n = len(mine[cfg.video_token_id])
-                sample["second_per_grid_ts"] = torch.stack(seconds[:n])
-                seconds = seconds[n:]
-            if types is not None:
-                sample["mm_token_type_ids"] = types[:, start : start + length]
-            mrope = self.rope_index(ids, media=sample)  # [3, 1, L]
-            text = torch.arange(length, device=ids.device, dtype=mrope.dtype).view(1, 1, -1)
-            rows.append(torch.cat([text, mrope]))  # [4, 1, L]
-            start += length
-        return torch.cat(rows, dim=2)  # [4, 1, ΣL]
-
     def _bind_positional(self, args: tuple, kwargs: dict) -> dict:
         """Positional arguments by the parent's order (``model(input_ids, attention_mask)`` as in HF)."""
         params = self._parent_params
@@ -395,56 +322,3 @@ class ChunkLossMixin:
         if "mm_token_type_ids" in kwargs and not self.takes_token_types():
             kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
         return kwargs
-
-
-def finish_subclass(cls: type, parent: type) -> type:
-    """Declare the parent's forward signature on ``cls`` and give it the parent's checkpoint format.
-
-    HF's ``generate`` checks its model kwargs (``pixel_values``, ``video_grid_thw``, ...) against
-    ``inspect.signature(model.forward)`` and refuses any it does not find there; HF's test suite
-    reads it to pick tests (``inputs_embeds``). Declaring the parent's signature (self, the
-    parent's parameters, qwenkit's keywords, the parent's annotated ``**kwargs``) keeps both
-    working on every transformers version without copying its parameter list.
-    """
-    parent_sig = inspect.signature(parent.forward).parameters
-    cls._parent_params = [
-        p for name, p in parent_sig.items() if name != "self" and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    ]
-
-    def forward(self, *args, **kwargs):
-        return ChunkLossMixin.forward(self, *args, **kwargs)
-
-    own = inspect.signature(ChunkLossMixin.forward).parameters
-    extra = [own[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in OWN_KEYWORDS]
-    # the parent's **kwargs keeps its annotation (Unpack[TransformersKwargs]): HF's suite reads
-    # output_attentions / output_hidden_states support from it
-    parent_kwargs = next(p for p in parent_sig.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
-    forward.__signature__ = inspect.Signature([own["self"], *cls._parent_params, *extra, parent_kwargs])
-    forward.__doc__ = ChunkLossMixin.forward.__doc__
-    forward.__qualname__ = f"{cls.__qualname__}.forward"
-    cls.forward = forward
-    _register_checkpoint_format(cls, parent)
-    return cls
-
-
-def _register_checkpoint_format(cls: type, parent: type) -> None:
-    """Give the subclass HF's key conversions, so old-layout checkpoints (``visual.*``, ``model.*``
-    keys) load and export like the parent's, wherever the class is imported from.
-
-    transformers 5.x treats classes outside its package as custom code and skips the
-    parent's legacy-key mapping unless the class is registered; 4.57 inherits the class
-    attribute ``_checkpoint_conversion_mapping`` and needs nothing.
-    """
-    try:
-        from transformers.conversion_mapping import (
-            get_checkpoint_conversion_mapping,
-            register_checkpoint_conversion_mapping,
-        )
-    except ImportError:
-        return
-    # keyed by the class (Qwen2.5-VL's legacy keys) or by its model_type (Qwen3-VL-MoE's expert transpose)
-    mapping = get_checkpoint_conversion_mapping(parent.__name__) or get_checkpoint_conversion_mapping(
-        parent.config_class.model_type
-    )
-    if mapping is not None:
-        register_checkpoint_conversion_mapping(cls.__name__, mapping, overwrite=True)

@@ -7,7 +7,7 @@ vision units and all-gathers their features, ``sp.attention_context`` and ``sp.f
 the attention on the whole sequence); the steps are the model's:
 
 1. **positions on the whole sequence**: mRoPE ``[3, B, S]`` from the model's ``get_rope_index``
-   (packed rows: per sample, :meth:`~qwenkit.model.chunked.ChunkLossMixin.packed_position_ids`),
+   (packed rows: per sample, :meth:`~qwenkit.model.positions.Positions.packed_position_ids`),
    and the labels shifted on the whole sequence (``shift_labels``); then the sequence is padded
    to a multiple of N (padding labelled ``-100``: never learned) and rank ``r`` keeps the
    contiguous slice ``[r*S/N, (r+1)*S/N)`` of ids, positions and shifted labels;

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qwenkit.model.family import TINY_DEFAULT
+from qwenkit.model.family import TINY_DEFAULT, Family
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import ensure_checkpoint
 
@@ -29,8 +29,10 @@ def resolve_path(model_cfg) -> Path:
     return path
 
 
-def load_processor(cfg, model_dir: str | Path | None = None) -> Processor:
-    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds."""
+def load_processor(cfg, model_dir: str | Path | None = None, family: Family | None = None) -> Processor:
+    """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds;
+    ``family``: the entry already resolved (:mod:`qwenkit.model.spec`), else ``model_dir``'s."""
     if model_dir is None:
         model_dir = resolve_path(cfg.model)
-    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,
+                                     family=family)  # fmt: skip

@@ -122,14 +122,16 @@ def pixel_bounds(image_processor) -> tuple[int, int]:
 class Processor:
     """Tokenizer + Qwen2-VL image processor, saved and loaded like an HF processor.
 
-    ``family`` is the model family whose checkpoint the files come from (``model.name``): its
-    registry entry (:mod:`qwenkit.model.family`) says how conversations are templated and videos
-    sampled, so everything the data pipeline builds from this processor follows the family."""
+    ``family`` is the registry entry (:mod:`qwenkit.model.family`) of the model family whose
+    checkpoint the files come from, resolved once (:mod:`qwenkit.model.spec`): it says how
+    conversations are templated and videos sampled, so everything the data pipeline builds from
+    this processor follows the family."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor, family: str = families.TINY_DEFAULT):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor,
+                 family: families.Family = families.FAMILIES[families.TINY_DEFAULT]):  # fmt: skip
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.family = families.get(family).name
+        self.family = family
         missing = [t for t in SPECIAL_TOKENS[1:6] if t not in tokenizer.get_vocab()]
         if missing:
             raise ValueError(f"tokenizer lacks Qwen2-VL special tokens {missing}")
@@ -156,12 +158,13 @@ class Processor:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None, family: str | None = None
+        cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None,
+        family: families.Family | None = None,
     ) -> Processor:
-        """``family``: the model family (default: ``path``'s, :func:`qwenkit.model.family.of_directory`)."""
+        """``family``: the model family's entry (default: ``path``'s, :func:`qwenkit.model.family.of_directory`)."""
         path = Path(path)
         if family is None:
-            family = families.of_directory(path).name
+            family = families.of_directory(path)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         kwargs = {}
         if min_pixels is not None or max_pixels is not None:

@@ -15,7 +15,8 @@ except ImportError:  # 4.57
         Qwen2_5_VLCausalLMOutputWithPast as CausalLMOutput,
     )
 
-from qwenkit.model.chunked import ChunkedLMHead, ChunkLossMixin, finish_subclass
+from qwenkit.model.chunked import ChunkedLMHead, ChunkLossMixin
+from qwenkit.model.subclass import finish_subclass
 
 __all__ = ["ChunkedLMHead", "QwenkitQwen2_5_VL"]
 

@@ -22,8 +22,9 @@ from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
 
 from qwenkit.model import linear_attention
-from qwenkit.model.chunked import ChunkLossMixin, finish_subclass
+from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.qwen3_vl import RouterAuxLoss
+from qwenkit.model.subclass import finish_subclass
 
 
 class _Packed:

@@ -25,7 +25,8 @@ try:  # the class HF's forward returns: transformers 5.x
 except ImportError:  # 4.57
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLCausalLMOutputWithPast as CausalLMOutput
 
-from qwenkit.model.chunked import ChunkLossMixin, finish_subclass
+from qwenkit.model.chunked import ChunkLossMixin
+from qwenkit.model.subclass import finish_subclass
 
 
 class _DeepStack:

@@ -14,7 +14,7 @@ from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.lora import is_adapter_key
 from qwenkit.model.modules import module_path
-from qwenkit.model.paths import resolve_path
+from qwenkit.model.spec import of_run
 
 
 def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> ChunkLossMixin:
@@ -24,8 +24,8 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
     ``init_device=meta`` builds the module tree without storage (weights are loaded into the
     FSDP shards later, see :func:`qwenkit.distributed.weights.load_hf_weights`); otherwise HF's ``from_pretrained`` loads them.
     """
-    path = resolve_path(model_cfg)
-    family = families.resolve(model_cfg.name, path)
+    spec = of_run(model_cfg)
+    path, family = spec.path, spec.family
     if problem := family.unavailable():
         raise ValueError(problem)
     cls = family.load("subclass")

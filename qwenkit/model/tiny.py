@@ -226,7 +226,7 @@ def build_processor(family: str = families.TINY_DEFAULT) -> Processor:
         merge_size=entry.merge_size,
     )
     added = THINK_TOKENS if entry.think_tags else ()
-    return Processor(build_tokenizer(entry.load("chat_template"), added), image_processor, family)
+    return Processor(build_tokenizer(entry.load("chat_template"), added), image_processor, entry)
 
 
 # ---------------------------------------------------------------------------------------------

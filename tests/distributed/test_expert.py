@@ -25,6 +25,7 @@ from qwenkit.distributed import expert, fsdp
 from qwenkit.engine.checkpoints import export
 from qwenkit.engine.run import expert_load, train
 from qwenkit.model import family as families
+from qwenkit.model import spec as model_spec
 from qwenkit.rundir import RunDir
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -270,7 +271,8 @@ def test_an_ep_2_checkpoint_exports_the_hf_keys_of_ep_1(trained):
     """The experts are saved under HF's keys with their global shape: the export is HF's model."""
     cfg = qconfig.load(overrides=[*TRAIN, "parallel.nproc=2"])
     final = "checkpoints/step-00000004"
-    got, ref = (export.load_hf(trained / run / final, cfg).state_dict() for run in ("ep2", "ep1"))
+    spec = model_spec.of_run(cfg.model)
+    got, ref = (export.load_hf(trained / run / final, cfg, spec).state_dict() for run in ("ep2", "ep1"))
     assert got["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
     assert_adamw_weights_close(got, ref, FP32, lr=LR, steps=STEPS)
 

@@ -7,11 +7,10 @@ MoE tiny configs have the router's auxiliary loss on, so the equality includes i
 import pytest
 import torch
 from conftest import EVERY_FAMILY, FAMILIES, over_families
-from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
 from qwenkit.bench.step import loss_and_grads
-from qwenkit.model import chunked, qwen2_5_vl, registry
+from qwenkit.model import chunked, registry
 from qwenkit.model import family as families
 from qwenkit.model.loss import shift_labels
 
@@ -368,16 +367,6 @@ def test_loss_under_no_grad_equals_the_training_loss(make_model, batch_factory):
         evaluated = ours(**batch).loss
     assert evaluated.grad_fn is None
     torch.testing.assert_close(evaluated, ours(**batch).loss.detach(), rtol=0, atol=0)
-
-
-def test_declared_forward_keeps_the_parents_kwargs_annotation():
-    """HF's suite reads output_attentions support from ``**kwargs: Unpack[TransformersKwargs]``."""
-    import inspect
-
-    ours = inspect.signature(qwen2_5_vl.QwenkitQwen2_5_VL.forward).parameters["kwargs"]
-    parent = inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters["kwargs"]
-    assert ours.kind is inspect.Parameter.VAR_KEYWORD and ours.annotation == parent.annotation
-    assert ours.annotation is not inspect.Parameter.empty
 
 
 @EVERY_FAMILY

@@ -30,9 +30,8 @@ from qwenkit.config import DTYPES, write_config
 from qwenkit.data import video
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 from qwenkit.engine.checkpoints.dcp import CheckpointError, resolve
-from qwenkit.model import family as families
 from qwenkit.model import lora
-from qwenkit.model.paths import resolve_path
+from qwenkit.model.spec import ModelSpec, of_run
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +67,22 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
     ckpt = resolve(checkpoint)
     out = Path(out)
     check_target(out, ckpt, overwrite)
-    base = resolve_path(cfg.model)
+    spec = of_run(cfg.model)  # the family, once: the export's class and its processing files
+    base = spec.path
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     if cfg.lora.r > 0 and not merge:
-        load_peft(ckpt, cfg).save_pretrained(tmp)
+        load_peft(ckpt, cfg, spec).save_pretrained(tmp)
     else:
-        load_hf(ckpt, cfg).save_pretrained(tmp)
+        load_hf(ckpt, cfg, spec).save_pretrained(tmp)
         if kept := keep_mtp(base, tmp):
             log.info("export keeps the base model's multi-token-prediction layer: %d mtp.* tensors of %s, "
                      "unchanged (not trained; vLLM and SGLang use them for speculative decoding)", kept, base)  # fmt: skip
     for name in PROCESSOR_FILES:
         if (base / name).is_file():
             shutil.copy2(base / name, tmp / name)
-    write_run_processing(tmp, cfg.data, families.resolve(cfg.model.name, base))
+    write_run_processing(tmp, cfg.data, spec.family)
     write_config(cfg, tmp, RUN_CONFIG)
     if out.exists():  # a previous export, and overwrite was asked for (check_target)
         old = out.parent / f".old-export-{out.name}-{os.getpid()}"
@@ -139,8 +139,9 @@ def keep_mtp(base: Path, out: Path) -> int:
     return len(tensors)
 
 
-def load_peft(checkpoint: str | Path, cfg):
-    """A LoRA run's checkpoint as peft's ``PeftModel`` on HF's class (base weights from ``model.path``).
+def load_peft(checkpoint: str | Path, cfg, spec: ModelSpec):
+    """A LoRA run's checkpoint as peft's ``PeftModel`` on HF's class (base weights from ``model.path``,
+    ``spec``: :func:`qwenkit.model.spec.of_run` of ``cfg.model``).
 
     peft builds its own adapters (same targets, rank, saved modules) on the base model; the
     checkpoint's trained tensors are then read into them by name: qwenkit's keys are the
@@ -150,8 +151,8 @@ def load_peft(checkpoint: str | Path, cfg):
     from peft import get_peft_model
 
     ckpt = resolve(checkpoint)
-    base = resolve_path(cfg.model)
-    hf_class = families.resolve(cfg.model.name, base).load("hf_class")
+    base = spec.path
+    hf_class = spec.family.load("hf_class")
     hf = hf_class.from_pretrained(base, dtype=DTYPES[cfg.model.dtype], local_files_only=True)
     config = lora.peft_config(cfg.lora, hf, modules_to_save=True)
     config.base_model_name_or_path = str(base)
@@ -246,8 +247,9 @@ def write_run_processing(out: Path, data, family) -> None:
         path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
-def load_hf(checkpoint: str | Path, cfg):
-    """A checkpoint's model as a plain HF model of its family (e.g. ``Qwen3VLForConditionalGeneration``) on the CPU.
+def load_hf(checkpoint: str | Path, cfg, spec: ModelSpec):
+    """A checkpoint's model as a plain HF model of its family (e.g. ``Qwen3VLForConditionalGeneration``) on the CPU;
+    ``spec``: the run's model (:func:`qwenkit.model.spec.of_run` of ``cfg.model``).
 
     A LoRA run's is its :func:`load_peft` model with the adapters merged (peft's ``merge_and_unload``).
 
@@ -258,11 +260,10 @@ def load_hf(checkpoint: str | Path, cfg):
     from transformers import AutoConfig  # modeling: export and eval only
 
     if cfg.lora.r > 0:
-        return load_peft(checkpoint, cfg).merge_and_unload()
+        return load_peft(checkpoint, cfg, spec).merge_and_unload()
     ckpt = resolve(checkpoint)
-    base = resolve_path(cfg.model)
-    config = AutoConfig.from_pretrained(base, local_files_only=True)
-    hf = build_on_meta(families.resolve(cfg.model.name, base).load("hf_class"), config)
+    config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+    hf = build_on_meta(spec.family.load("hf_class"), config)
     buffers = {name: buf.clone() for name, buf in hf.named_buffers()}
     hf.to_empty(device="cpu")
     hf.to(DTYPES[cfg.model.dtype])

@@ -32,7 +32,6 @@ uses no torch (the data files it compares are listed by :func:`qwenkit.data.load
 
 from __future__ import annotations
 
-import json
 import logging
 import zlib
 from collections.abc import Callable
@@ -55,8 +54,7 @@ from qwenkit.engine.checkpoints.folder import (
     set_aside_damaged,
     step_of,
 )
-from qwenkit.model import family as families
-from qwenkit.model.paths import resolve_path
+from qwenkit.model.spec import of_run
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +105,10 @@ def model_record(model_cfg) -> dict:
     model directory's ``config.json``, ``text.*`` / ``vision.*``, and tied embeddings); empty when
     the directory cannot be read (the launcher reports that itself)."""
     try:
-        path = resolve_path(model_cfg)
-        config = json.loads((path / "config.json").read_text())
-        name = families.resolve(model_cfg.name, path).name
+        spec = of_run(model_cfg)
     except (OSError, ValueError):
         return {}
+    config, name = spec.config, spec.family.name
     shape = {"tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
     for part, section in (("text", config.get("text_config") or config), ("vision", config.get("vision_config") or {})):
         shape |= {f"{part}.{k}": section[k] for k in SHAPE_KEYS if k in section}

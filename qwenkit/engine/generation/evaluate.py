@@ -29,7 +29,6 @@ one GRPO's vLLM rollouts use), the weights pushed to it first
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -58,8 +57,9 @@ from qwenkit.errors import COMMAND_ENV
 from qwenkit.model import family as families
 from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.loss import TOKEN_SUM, full_cross_entropy
-from qwenkit.model.paths import load_processor, resolve_path
+from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor, pixel_bounds
+from qwenkit.model.spec import ModelSpec, of_export, of_run
 
 log = logging.getLogger(__name__)
 
@@ -275,11 +275,11 @@ class EvalRequest:
 @dataclass
 class EvalSource:
     """Where ``qwenkit eval``'s model comes from, known without loading a weight: the config it is
-    evaluated with, the checkpoint or export, and the model directory whose ``config.json`` names its family."""
+    evaluated with, the checkpoint or export, and the model's spec (its family and directory)."""
 
     cfg: qconfig.Config
     path: Path  # the step-N checkpoint, or the export
-    model_dir: Path  # the export, a LoRA export's base, or a checkpoint's model.path
+    spec: ModelSpec  # the family, resolved once, and the model directory (the export, a LoRA export's base, a checkpoint's model.path)
     kind: str  # checkpoint | export | adapter (a LoRA export: peft on the base it names, merged)
 
 
@@ -295,14 +295,11 @@ def eval_source(target: str | Path, config_path: str | Path | None = None) -> Ev
     if adapter.is_file() or (target / "config.json").is_file():
         saved = target / RUN_CONFIG
         cfg = qconfig.load(config_path or (saved if saved.is_file() else None), rewards=False)
-        base = Path(json.loads(adapter.read_text())["base_model_name_or_path"]) if adapter.is_file() else target
-        source = EvalSource(cfg, target, base, "adapter" if adapter.is_file() else "export")
-    else:
-        step = ckpt.resolve(target)
-        cfg = qconfig.load(config_path or ckpt.run_config_path(step), rewards=False)
-        source = EvalSource(cfg, step, resolve_path(cfg.model), "checkpoint")
-    families.resolve(cfg.model.name, source.model_dir)  # a ValueError naming both: before any weight is read
-    return source
+        kind = "adapter" if adapter.is_file() else "export"
+        return EvalSource(cfg, target, of_export(target, cfg.model.name), kind)  # a family mismatch: a ValueError naming both
+    step = ckpt.resolve(target)
+    cfg = qconfig.load(config_path or ckpt.run_config_path(step), rewards=False)
+    return EvalSource(cfg, step, of_run(cfg.model), "checkpoint")  # before any weight is read
 
 
 def load_for_eval(target: str | Path, config_path: str | Path | None = None):
@@ -313,12 +310,12 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
     :func:`eval_source`'s.
     """
     source = eval_source(target, config_path)
-    cfg, target = source.cfg, source.path
+    cfg, target, spec = source.cfg, source.path, source.spec
     if source.kind == "checkpoint":
-        return load_hf(target, cfg), load_processor(cfg), cfg, target.name
+        return load_hf(target, cfg, spec), load_processor(cfg, spec.path, spec.family), cfg, target.name
     # the export's processor resizes as its run did (qwenkit export writes the run's data
     # bounds there); a --config with other bounds would evaluate other image tokens
-    processor = Processor.from_pretrained(target)
+    processor = Processor.from_pretrained(target, family=spec.family)
     lo, hi = pixel_bounds(processor.image_processor)
     if config_path is not None and (cfg.data.min_pixels, cfg.data.max_pixels) != (lo, hi):
         log.warning(
@@ -326,8 +323,8 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
             "max_pixels (%d..%d) are not used", target, lo, hi, config_path, cfg.data.min_pixels, cfg.data.max_pixels,
         )  # fmt: skip
     cfg.data.min_pixels, cfg.data.max_pixels = lo, hi
-    model = families.resolve(cfg.model.name, source.model_dir).load("hf_class").from_pretrained(
-        source.model_dir, dtype=DTYPES[cfg.model.dtype], local_files_only=True
+    model = spec.family.load("hf_class").from_pretrained(
+        spec.path, dtype=DTYPES[cfg.model.dtype], local_files_only=True
     )
     if source.kind == "adapter":
         from peft import PeftModel  # the lora extra: LoRA exports only

@@ -250,7 +250,7 @@ class PreferenceObjective(Objective):
         reference = None
         if cfg.dpo.loss != "simpo":  # the run's starting weights (model.path; a LoRA run's base)
             start = paths.resolve_path(cfg.model)
-            reference = families.resolve(cfg.model.name, start).load("hf_class").from_pretrained(
+            reference = families.of_model(model).load("hf_class").from_pretrained(  # the evaluated model's family
                 start, dtype=DTYPES[cfg.model.dtype], local_files_only=True
             ).to(device).eval()  # fmt: skip
         values = evaluate_pairs(cfg, model.eval(), reference, dataset, PairCollator(processor), device)

@@ -142,7 +142,7 @@ class GrpoObjective(Objective):
         evaluator = None
         if bundle.eval_dataset is not None:
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
-        box_units = families.resolve(cfg.model.name, model.name_or_path).box_units  # the checkpoint's family
+        box_units = families.of_model(model).box_units  # the family the model was built as (registry.build)
         return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir, model.name_or_path)
 
     # --- one rollout ------------------------------------------------------------------------
