@@ -109,7 +109,7 @@ def build_processor(family: str = families.TINY_DEFAULT) -> Processor:
         temporal_patch_size=2,
         merge_size=entry.merge_size,
     )
-    added = THINK_TOKENS if entry.think_tags else ()
+    added = (THINK_TOKENS if entry.think_tags else ()) + entry.audio_tokens
     return Processor(build_tokenizer(entry.load("chat_template"), added), image_processor, family)
 
 
@@ -172,7 +172,7 @@ def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: i
     entry = families.get(family)
     processor = build_processor(family)
     vocab = len(processor.tokenizer)
-    ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *entry.audio_tokens)}
     config = entry.load("tiny_config")(-(-vocab // 64) * 64, ids, tie_word_embeddings)
     if entry.mtp_layers:  # as the family's checkpoints say it (vLLM and SGLang read it)
         config.text_config.mtp_num_hidden_layers = entry.mtp_layers

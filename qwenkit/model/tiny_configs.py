@@ -123,3 +123,30 @@ def qwen3_5_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_em
     text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                 output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
     return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
+
+
+def qwen2_5_omni_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
+    """A Qwen2.5-Omni thinker config with toy sizes: Qwen2.5-VL's tower and decoder plus a two-layer
+    Whisper-style audio encoder (two convolutions, the second halving the 128 mel frames' rate, windowed
+    attention over ``n_window * 2`` frames, then a stride-2 pooling: one token per 4 frames, 40 ms)."""
+    from transformers import Qwen2_5OmniThinkerConfig  # absent from transformers 4.x before 4.52
+
+    text, vision, top = _toy_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                                                      "mrope_section": [2, 3, 3]})  # fmt: skip
+    vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1], in_channels=3)
+    audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                 output_dim=text["hidden_size"], n_window=50, max_source_positions=1500)  # fmt: skip
+    top = dict(
+        image_token_index=top["image_token_id"],
+        video_token_index=top["video_token_id"],
+        audio_token_index=special_ids["<|AUDIO|>"],
+        audio_start_token_id=special_ids["<|audio_bos|>"],
+        audio_end_token_id=special_ids["<|audio_eos|>"],
+        vision_start_token_id=top["vision_start_token_id"],
+        vision_end_token_id=top["vision_end_token_id"],
+        position_id_per_seconds=25,
+        seconds_per_chunk=2,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return Qwen2_5OmniThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **top)

@@ -148,3 +148,23 @@ def test_expert_parallel_needs_a_moe_checkpoint_whose_experts_it_divides(family,
         assert problems == []
     else:
         assert any(re.search(pattern, p) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.packing=true"], "data.packing=true"),
+        (["parallel.nproc=2", "parallel.sp_size=2"], "parallel.sp_size=2"),
+        (["lora.r=4"], "lora.r=4"),
+        (["train.objective=dpo"], "train.objective=dpo"),
+        (["train.objective=grpo"], "train.objective=grpo"),
+    ],
+)
+def test_what_an_entry_has_not_made_exact_is_refused_before_start(tmp_path, monkeypatch, capsys, overrides, key):
+    """Every feature in an entry's ``not_exact`` (the Omni thinkers') is one line before any process starts."""
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("spawned"))
+    code = launch.launch(None, ["model.name=qwen2_5_omni", *overrides, f"train.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{key}: qwen2_5_omni's" in err and "is not made exact yet" in err, err
+    cfg = qconfig.load(overrides=["model.name=qwen2_5_omni"])
+    assert families.get("qwen2_5_omni").problems(cfg) == []  # plain SFT runs

@@ -1,0 +1,27 @@
+"""qwenkit.model.qwen2_5_omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py)."""
+
+import torch
+from conftest import build_model, make_batch, tiny_processor
+
+from qwenkit.bench.step import loss_and_grads
+
+
+def test_a_rank_without_audio_runs_the_audio_tower_idle_under_data_parallel(_cache):
+    """With the trainer's vision padding on (data parallel), a batch without audio adds 0 x the audio
+    tower: the loss is unchanged and every audio parameter the tower uses gets a (zero) gradient, as the
+    root's reduce-scatter on a rank with audio expects; without padding (one process) nothing is added."""
+    model = build_model(chunk=True, seed=1, name="qwen2_5_omni")
+    batch = make_batch(tiny_processor("qwen2_5_omni"), images_per_sample=(1, 0))
+    alone, alone_grads = loss_and_grads(model, batch)
+    assert not any(n.startswith("model.audio_tower") for n in alone_grads)
+    model.vision_calls_per_step = 1
+    padded, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(padded, alone, rtol=0, atol=0)
+    audio = [n for n, _ in model.named_parameters() if n.startswith("model.audio_tower.") and "bos_eos" not in n]
+    assert len(audio) > 10 and all(n in grads and not grads[n].any() for n in audio)
+
+
+def test_video_seconds_reach_the_thinker_under_its_name(_cache):
+    model = build_model(chunk=False, name="qwen2_5_omni")
+    kwargs = model._drop_unsupported({"second_per_grid_ts": torch.tensor([1.0]), "mm_token_type_ids": None})
+    assert set(kwargs) == {"video_second_per_grid"}
