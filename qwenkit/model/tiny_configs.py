@@ -150,3 +150,30 @@ def qwen2_5_omni_config(vocab_size: int, special_ids: dict[str, int], tie_word_e
         tie_word_embeddings=tie_word_embeddings,
     )
     return Qwen2_5OmniThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **top)
+
+
+def qwen3_omni_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
+    """A Qwen3-Omni (MoE) thinker config with toy sizes: Qwen3-VL-MoE's tower (DeepStack) and decoder (4
+    experts, 2 per token, the router's aux loss on) plus Qwen3-Omni's audio encoder (three stride-2
+    convolutions over windows of ``2 * n_window`` mel frames: 13 tokens per full window of 100)."""
+    from transformers import Qwen3OmniMoeThinkerConfig  # transformers 5.x only
+
+    text, vision, top = _qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3],
+                               "mrope_interleaved": True}  # fmt: skip
+    del text["rope_theta"], text["rope_scaling"]
+    audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                 output_dim=text["hidden_size"], n_window=50, n_window_infer=100, conv_chunksize=500,
+                 downsample_hidden_size=16, max_source_positions=1500)  # fmt: skip
+    top = dict(
+        image_token_id=top["image_token_id"],
+        video_token_id=top["video_token_id"],
+        audio_token_id=special_ids["<|audio_pad|>"],
+        audio_start_token_id=special_ids["<|audio_start|>"],
+        vision_start_token_id=top["vision_start_token_id"],
+        position_id_per_seconds=25,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **top)

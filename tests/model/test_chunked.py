@@ -104,17 +104,17 @@ def test_chunk_size_that_divides_the_sequence(make_model, batch_factory):
 AUDIO_FAMILY = over_families(*(n for n in FAMILIES if families.get(n).audio_tokens))
 
 
-def _audio_batch(processor, family, frames=(300, 173), images=(0, 0), seed=0):
+def _audio_batch(processor, family, model, frames=(300, 173), images=(0, 0), seed=0):
     """``make_batch``'s rows, each after one ``<audio_start> pads <audio_end>`` span of ``frames[b]``
     random 128-bin mel frames (0: no audio in that row), right-padded again. A span holds the audio
-    tower's output length: the stride-2 convolution, then the stride-2 pooling (HF's
-    ``_get_feat_extract_output_lengths``): 300 frames -> 75 tokens, 173 -> 44."""
+    tower's output length (``model.audio_tokens``; a wrong count is refused by HF's placeholder check):
+    300 frames -> 75 tokens, 173 -> 44 (Qwen2.5-Omni); 39 and 23 (Qwen3-Omni)."""
     base = make_batch(processor, images_per_sample=images, seed=seed)
     start, pad, end = processor.tokenizer.convert_tokens_to_ids(list(families.get(family).audio_tokens))
     rows = []
     for b, n in enumerate(frames):
         keep = base["attention_mask"][b].bool()
-        tokens = (((n - 1) // 2 + 1) - 2) // 2 + 1 if n else 0
+        tokens = int(model.audio_tokens(torch.tensor([n]))) if n else 0
         span = [start] + [pad] * tokens + [end] if n else []
         rows.append((span + base["input_ids"][b][keep].tolist(), [-100] * len(span) + base["labels"][b][keep].tolist()))
     width = max(len(ids) for ids, _ in rows)
@@ -145,7 +145,7 @@ def _audio_batch(processor, family, frames=(300, 173), images=(0, 0), seed=0):
 def test_audio_chunk_equals_hf_loss_and_every_grad(make_model, family_processor, family, frames, images, chunk_size):
     hf, ours = _pair(make_model)
     ours.configure_loss(chunk=True, chunk_size=chunk_size)
-    batch = _audio_batch(family_processor, family, frames, images)
+    batch = _audio_batch(family_processor, family, ours, frames, images)
     reference, (loss, grads) = loss_and_grads(hf, batch), loss_and_grads(ours, batch)
     _assert_same(reference, (loss, grads))
     audio = [n for n, _ in ours.named_parameters() if n.startswith("model.audio_tower")]

@@ -1,4 +1,4 @@
-"""qwenkit.model.qwen2_5_omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py)."""
+"""qwenkit.model.omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py)."""
 
 import torch
 from conftest import build_model, make_batch, tiny_processor
