@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import EVERY_FAMILY, FAMILIES, make_batch, over_families
+from conftest import AUDIO_FAMILY, EVERY_FAMILY, FAMILIES, make_batch, over_families
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit import config as qconfig
@@ -98,10 +98,6 @@ def test_chunk_size_that_divides_the_sequence(make_model, batch_factory):
     hf, ours = _pair(make_model)
     ours.configure_loss(chunk=True, chunk_size=32)
     _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
-
-
-# the families that hear (an audio tower and <audio> placeholders): the Omni thinkers
-AUDIO_FAMILY = over_families(*(n for n in FAMILIES if families.get(n).audio_tokens))
 
 
 def _audio_batch(processor, family, model, frames=(300, 173), images=(0, 0), seed=0):

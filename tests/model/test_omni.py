@@ -1,17 +1,18 @@
 """qwenkit.model.omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py)."""
 
 import torch
-from conftest import build_model, make_batch, tiny_processor
+from conftest import AUDIO_FAMILY, build_model, make_batch, tiny_processor
 
 from qwenkit.bench.step import loss_and_grads
 
 
-def test_a_rank_without_audio_runs_the_audio_tower_idle_under_data_parallel(_cache):
+@AUDIO_FAMILY
+def test_a_rank_without_audio_runs_the_audio_tower_idle_under_data_parallel(_cache, family):
     """With the trainer's vision padding on (data parallel), a batch without audio adds 0 x the audio
     tower: the loss is unchanged and every audio parameter the tower uses gets a (zero) gradient, as the
     root's reduce-scatter on a rank with audio expects; without padding (one process) nothing is added."""
-    model = build_model(chunk=True, seed=1, name="qwen2_5_omni")
-    batch = make_batch(tiny_processor("qwen2_5_omni"), images_per_sample=(1, 0))
+    model = build_model(chunk=True, seed=1, name=family)
+    batch = make_batch(tiny_processor(family), images_per_sample=(1, 0))
     alone, alone_grads = loss_and_grads(model, batch)
     assert not any(n.startswith("model.audio_tower") for n in alone_grads)
     model.vision_calls_per_step = 1
@@ -21,7 +22,8 @@ def test_a_rank_without_audio_runs_the_audio_tower_idle_under_data_parallel(_cac
     assert len(audio) > 10 and all(n in grads and not grads[n].any() for n in audio)
 
 
-def test_video_seconds_reach_the_thinker_under_its_name(_cache):
-    model = build_model(chunk=False, name="qwen2_5_omni")
+@AUDIO_FAMILY
+def test_video_seconds_reach_the_thinker_under_its_name(_cache, family):
+    model = build_model(chunk=False, name=family)
     kwargs = model._drop_unsupported({"second_per_grid_ts": torch.tensor([1.0]), "mm_token_type_ids": None})
     assert set(kwargs) == {"video_second_per_grid"}
