@@ -81,6 +81,9 @@ class Family:
     # features (keys of NOT_EXACT) this family's chunk loss and data path are not yet tested against:
     # refused before start, one line each, until they are made exact
     not_exact: tuple[str, ...] = ()
+    # modules HF's forward never reads (no gradient ever reaches them, so AdamW would keep no state for
+    # them and a resumed run would miss it): frozen at build, still saved and exported as loaded
+    never_trained: tuple[str, ...] = ()
 
     def load(self, what: str):
         """The class (or function) an import path of this entry names."""
@@ -307,6 +310,7 @@ FAMILIES: dict[str, Family] = {
             patch_size=14,
             audio_tokens=("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"),
             hf_module="qwen2_5_omni",
+            never_trained=("model.audio_tower.audio_bos_eos_token",),
             min_transformers=5,
             not_exact=_OMNI_NOT_EXACT,
         ),

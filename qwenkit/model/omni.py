@@ -68,13 +68,6 @@ class QwenkitQwen2_5OmniThinker(_Hearing, ChunkLossMixin, Qwen2_5OmniThinkerForC
 
     output_class = MultimodalCausalLMOutputWithPast
 
-    def __init__(self, config):
-        super().__init__(config)
-        # HF's audio tower holds an embedding its forward never reads: no gradient ever reaches it, so AdamW
-        # keeps no state for it and a resumed run would miss that state in the checkpoint. Frozen, it is
-        # still saved and exported as loaded.
-        self.model.audio_tower.audio_bos_eos_token.requires_grad_(False)
-
     def audio_tokens(self, frames: torch.Tensor) -> torch.Tensor:
         """Placeholder tokens of audios of ``frames`` mel frames: the stride-2 convolution, then the stride-2 pooling."""
         return self.model.audio_tower._get_feat_extract_output_lengths(frames)[1]

@@ -4,6 +4,7 @@ import torch
 from conftest import AUDIO_FAMILY, build_model, make_batch, tiny_processor
 
 from qwenkit.bench.step import loss_and_grads
+from qwenkit.model import family as families
 
 
 @AUDIO_FAMILY
@@ -27,3 +28,13 @@ def test_video_seconds_reach_the_thinker_under_its_name(_cache, family):
     model = build_model(chunk=False, name=family)
     kwargs = model._drop_unsupported({"second_per_grid_ts": torch.tensor([1.0]), "mm_token_type_ids": None})
     assert set(kwargs) == {"video_second_per_grid"}
+
+
+@AUDIO_FAMILY
+def test_what_hfs_forward_never_reads_is_frozen_at_build(_cache, family):
+    """Qwen2.5-Omni's audio_bos_eos_token gets no gradient in HF's forward: left trainable, AdamW holds no
+    state for it and a resumed run fails on the missing key (test_dcp's every-family resume)."""
+    model = build_model(name=family)
+    never = families.get(family).never_trained
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == [f"{path}.weight" for path in never]
