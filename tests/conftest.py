@@ -62,6 +62,15 @@ def over_families(*names: str):
 EVERY_FAMILY = over_families(*FAMILIES)
 
 
+# the families that hear (an audio tower and <audio> placeholders): the Omni thinkers
+AUDIO_FAMILY = over_families(*(n for n in FAMILIES if families.get(n).audio_tokens))
+
+
+def families_allowing(feature: str):
+    """:func:`over_families` for the families whose entry does not refuse ``feature`` (its ``not_exact``)."""
+    return over_families(*(n for n in FAMILIES if feature not in families.get(n).not_exact))
+
+
 @pytest.fixture
 def family(request):
     """The model family a test runs (``model.name``); parametrize with :data:`EVERY_FAMILY`."""

@@ -51,7 +51,7 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
             loss_type=loss_cfg.loss_type,
             chunk_budget_mb=loss_cfg.chunk_budget_mb,
         )
-    freeze(model, model_cfg.freeze)
+    freeze(model, [*family.never_trained, *model_cfg.freeze])
     return model
 
 

@@ -4,14 +4,8 @@ Nothing here downloads anything. :func:`ensure_checkpoint` writes a complete HF 
 directory (config, safetensors weights, tokenizer, image processor) into a cache folder, so the
 tiny model is loaded by exactly the code path a real checkpoint takes (``model.build``).
 
-The architecture is the real one at toy sizes. Qwen2.5-VL (:func:`qwen2_5_vl_config`): two
-vision blocks (one windowed, one with full attention), the 2x2 patch merger, mRoPE with
-``mrope_section`` summing to ``head_dim / 2``, and a two-layer GQA text decoder. Qwen3-VL
-(:func:`qwen3_vl_config`): 16-px patches with a learned, interpolated position grid, two
-LayerNorm/GELU vision blocks that both feed DeepStack mergers (added after decoder layers 0
-and 1 of three), interleaved mRoPE, q/k norms; the MoE variant (:func:`qwen3_vl_moe_config`) has four
-experts, two per token, and the router's auxiliary loss on. The family's entry
-(:mod:`qwenkit.model.family`) names its builder.
+The architecture is the real one at toy sizes: each family's entry (:mod:`qwenkit.model.family`)
+names its config builder in :mod:`qwenkit.model.tiny_configs`.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import torch
 import transformers
 from PIL import Image, ImageDraw
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
+from transformers import PreTrainedTokenizerFast
 
 from qwenkit.model import family as families
 from qwenkit.model.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, THINK_TOKENS, ImageProcessor, Processor
@@ -54,116 +48,6 @@ SHAPES = ("circle", "square", "triangle")
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four")
 EVAL_SEED = 1  # the held-out synthetic set (data.tiny_eval_samples); training rows use seed 0
-
-
-def _toy_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
-    """The sizes and token ids every family's tiny config shares: ``(text, vision, top-level)``."""
-    text = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA as in the real models
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        bos_token_id=special_ids["<|endoftext|>"],
-        eos_token_id=special_ids["<|im_end|>"],
-        pad_token_id=special_ids["<|endoftext|>"],
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=64)  # fmt: skip
-    top = dict(
-        image_token_id=special_ids["<|image_pad|>"],
-        video_token_id=special_ids["<|video_pad|>"],
-        vision_start_token_id=special_ids["<|vision_start|>"],
-        vision_end_token_id=special_ids["<|vision_end|>"],
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    return text, vision, top
-
-
-def qwen2_5_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen2_5_VLConfig:
-    """A Qwen2.5-VL config with toy sizes (about 0.2M parameters: 215,264 untied)."""
-    text, vision, top = _toy_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(num_hidden_layers=2, rope_theta=1_000_000.0,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # sums to head_dim/2 = 8
-    vision.update(
-        patch_size=14,
-        window_size=56,  # 2x2 merged tokens per window: the 112 px image has 4 windows
-        fullatt_block_indexes=[1],  # block 0 windowed, block 1 full attention
-        tokens_per_second=2,
-    )
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
-
-
-def _qwen3_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
-    text, vision, top = _toy_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(
-        num_hidden_layers=3,  # DeepStack adds after layers 0 and 1: the last one must follow them
-        head_dim=16,
-        # interleaved mRoPE: the section sums to head_dim/2 = 8 (4.57 reads rope_scaling; 5.x converts it)
-        rope_theta=5_000_000.0,
-        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-    )
-    vision.update(
-        patch_size=16,
-        num_position_embeddings=16,  # a 4x4 learned grid, interpolated to each image's
-        deepstack_visual_indexes=[0, 1],  # two DeepStack mergers, added after decoder layers 0 and 1
-    )
-    return text, vision, top
-
-
-def qwen3_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen3VLConfig:
-    """A Qwen3-VL (dense) config with toy sizes."""
-    text, vision, top = _qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
-    return Qwen3VLConfig(text_config=text, vision_config=vision, **top)
-
-
-def qwen3_vl_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen3VLMoeConfig:
-    """A Qwen3-VL-MoE config with toy sizes: 4 experts, 2 per token, the router's aux loss on."""
-    text, vision, top = _qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
-    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
-
-
-def _qwen3_5_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
-    """Qwen3.5's hybrid decoder at toy sizes: three Gated DeltaNet layers, then one gated full attention."""
-    text, vision, top = _toy_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        head_dim=32,
-        # partial rotary (a quarter of head_dim), interleaved mRoPE: the section sums to 32 * 0.25 / 2 = 4
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-        linear_conv_kernel_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,  # two value heads per key head, as in the real checkpoints
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    )  # fmt: skip
-    vision.update(patch_size=16, num_position_embeddings=16)  # Qwen3-VL's tower without DeepStack
-    return text, vision, top
-
-
-def qwen3_5_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
-    """A Qwen3.5 (dense) config with toy sizes: layers 0-2 linear attention, layer 3 full attention."""
-    from transformers import Qwen3_5Config  # transformers 5.x only: 4.57 has no Qwen3.5
-
-    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
-    return Qwen3_5Config(text_config=text, vision_config=vision, **top)
-
-
-def qwen3_5_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
-    """A Qwen3.5-MoE config with toy sizes: 4 experts, 2 per token, a gated shared expert, the aux loss on."""
-    from transformers import Qwen3_5MoeConfig  # transformers 5.x only
-
-    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
-    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +109,7 @@ def build_processor(family: str = families.TINY_DEFAULT) -> Processor:
         temporal_patch_size=2,
         merge_size=entry.merge_size,
     )
-    added = THINK_TOKENS if entry.think_tags else ()
+    added = (THINK_TOKENS if entry.think_tags else ()) + entry.audio_tokens
     return Processor(build_tokenizer(entry.load("chat_template"), added), image_processor, entry)
 
 
@@ -288,7 +172,7 @@ def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: i
     entry = families.get(family)
     processor = build_processor(family)
     vocab = len(processor.tokenizer)
-    ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *entry.audio_tokens)}
     config = entry.load("tiny_config")(-(-vocab // 64) * 64, ids, tie_word_embeddings)
     if entry.mtp_layers:  # as the family's checkpoints say it (vLLM and SGLang read it)
         config.text_config.mtp_num_hidden_layers = entry.mtp_layers

@@ -4,9 +4,11 @@ Tests marked ``EVERY_FAMILY`` run for Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.
 MoE tiny configs have the router's auxiliary loss on, so the equality includes it as HF adds it).
 """
 
+import inspect
+
 import pytest
 import torch
-from conftest import EVERY_FAMILY, FAMILIES, over_families
+from conftest import AUDIO_FAMILY, EVERY_FAMILY, FAMILIES, make_batch, over_families
 
 from qwenkit import config as qconfig
 from qwenkit.bench.step import loss_and_grads
@@ -97,6 +99,57 @@ def test_chunk_size_that_divides_the_sequence(make_model, batch_factory):
     _assert_same(loss_and_grads(hf, batch), loss_and_grads(ours, batch))
 
 
+def _audio_batch(processor, family, model, frames=(300, 173), images=(0, 0), seed=0):
+    """``make_batch``'s rows, each after one ``<audio_start> pads <audio_end>`` span of ``frames[b]``
+    random 128-bin mel frames (0: no audio in that row), right-padded again. A span holds the audio
+    tower's output length (``model.audio_tokens``; a wrong count is refused by HF's placeholder check):
+    300 frames -> 75 tokens, 173 -> 44 (Qwen2.5-Omni); 39 and 23 (Qwen3-Omni)."""
+    base = make_batch(processor, images_per_sample=images, seed=seed)
+    start, pad, end = processor.tokenizer.convert_tokens_to_ids(list(families.get(family).audio_tokens))
+    rows = []
+    for b, n in enumerate(frames):
+        keep = base["attention_mask"][b].bool()
+        tokens = int(model.audio_tokens(torch.tensor([n]))) if n else 0
+        span = [start] + [pad] * tokens + [end] if n else []
+        rows.append((span + base["input_ids"][b][keep].tolist(), [-100] * len(span) + base["labels"][b][keep].tolist()))
+    width = max(len(ids) for ids, _ in rows)
+    batch = {k: v for k, v in base.items() if k in ("pixel_values", "image_grid_thw")}
+    batch["input_ids"] = torch.full((len(rows), width), processor.pad_token_id)
+    batch["attention_mask"] = torch.zeros(len(rows), width, dtype=torch.long)
+    batch["labels"] = torch.full((len(rows), width), -100)
+    for b, (ids, labels) in enumerate(rows):
+        batch["input_ids"][b, : len(ids)], batch["labels"][b, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
+        batch["attention_mask"][b, : len(ids)] = 1
+    heard = [n for n in frames if n]
+    if heard:
+        g = torch.Generator().manual_seed(seed)
+        batch["input_features"] = torch.randn(len(heard), 128, max(heard), generator=g)
+        batch["feature_attention_mask"] = (torch.arange(max(heard)) < torch.tensor(heard)[:, None]).long()
+    return batch
+
+
+@AUDIO_FAMILY
+@pytest.mark.parametrize(
+    "frames, images, chunk_size",
+    [
+        ((300, 173), (0, 0), 16),  # audio-text, two lengths: the tower's windows of 2 * n_window frames
+        ((300, 0), (1, 2), 7),  # audio, images, and a row without audio
+        ((0, 0), (1, 0), "auto"),  # no audio in the batch
+    ],
+)
+def test_audio_chunk_equals_hf_loss_and_every_grad(make_model, family_processor, family, frames, images, chunk_size):
+    hf, ours = _pair(make_model)
+    ours.configure_loss(chunk=True, chunk_size=chunk_size)
+    batch = _audio_batch(family_processor, family, ours, frames, images)
+    reference, (loss, grads) = loss_and_grads(hf, batch), loss_and_grads(ours, batch)
+    _assert_same(reference, (loss, grads))
+    audio = [n for n, _ in ours.named_parameters() if n.startswith("model.audio_tower")]
+    assert len(audio) > 10
+    for name in audio:  # a gradient (nonzero) for every audio parameter that heard something, else none
+        heard = any(frames) and "audio_bos_eos_token" not in name  # HF's tower never uses that embedding
+        assert (name in grads and bool(grads[name].abs().sum() > 0)) == heard, name
+
+
 @EVERY_FAMILY
 def test_vision_gradients_are_compared_and_nonzero(make_model, batch_factory):
     hf, ours = _pair(make_model)
@@ -161,8 +214,10 @@ def test_non_chunk_mode_is_hf_forward(make_model, batch_factory, family_path, fa
     torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
     kw = {k: v for k, v in batch.items() if k != "labels"}
     last = ours(**kw, logits_to_keep=1, use_cache=True)
-    assert last.logits.shape[1] == 1
-    torch.testing.assert_close(last.logits, b.logits[:, -1:], **FP32)
+    # HF's Omni thinkers take no logits_to_keep (it reaches **kwargs): all positions, as HF's forward gives
+    kept = 1 if "logits_to_keep" in inspect.signature(type(stock).forward).parameters else b.logits.shape[1]
+    assert last.logits.shape[1] == kept
+    torch.testing.assert_close(last.logits, b.logits[:, -kept:], **FP32)
 
 
 @EVERY_FAMILY

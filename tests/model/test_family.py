@@ -84,14 +84,14 @@ def test_no_family_name_is_spelled_outside_the_model_package():
     assert _spelled("modeling_qwen3_vl Qwen3VLConfig", ["qwen3_vl"]) == []
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_unset_module_patterns_are_the_familys_units(name):
-    cfg = qconfig.load(overrides=[f"model.name={name}", "parallel.recompute=auto"])
+@EVERY_FAMILY
+def test_unset_module_patterns_are_the_familys_units(family):
+    cfg = qconfig.load(overrides=[f"model.name={family}", "parallel.recompute=auto"])
     assert cfg.parallel.shard_patterns == "auto"
     model = registry.build(dataclasses.replace(cfg.model, init_device="meta"))
-    family = families.of_model(model)
-    assert families.units(model, "shard_patterns", "auto") == list(family.shard_units)
-    assert families.units(model, "recompute", "auto") == list(family.recompute_units)
+    entry = families.of_model(model)
+    assert families.units(model, "shard_patterns", "auto") == list(entry.shard_units)
+    assert families.units(model, "recompute", "auto") == list(entry.recompute_units)
     assert families.units(model, "recompute", []) == []  # recompute stays off unless asked
     assert prespawn.check_module_paths(cfg) == []  # every unit names modules of the family's tree
 
@@ -148,3 +148,24 @@ def test_expert_parallel_needs_a_moe_checkpoint_whose_experts_it_divides(family,
         assert problems == []
     else:
         assert any(re.search(pattern, p) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.packing=true"], "data.packing=true"),
+        (["parallel.nproc=2", "parallel.sp_size=2"], "parallel.sp_size=2"),
+        (["lora.r=4"], "lora.r=4"),
+        (["train.objective=dpo"], "train.objective=dpo"),
+        (["train.objective=grpo"], "train.objective=grpo"),
+    ],
+)
+@pytest.mark.skipif(bool(families.get("qwen2_5_omni").unavailable()), reason="transformers 4.x has no Omni thinker tree")
+def test_what_an_entry_has_not_made_exact_is_refused_before_start(tmp_path, monkeypatch, capsys, overrides, key):
+    """Every feature in an entry's ``not_exact`` (the Omni thinkers') is one line before any process starts."""
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("spawned"))
+    code = launch.launch(None, ["model.name=qwen2_5_omni", *overrides, f"train.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{key}: qwen2_5_omni's" in err and "is not made exact yet" in err, err
+    cfg = qconfig.load(overrides=["model.name=qwen2_5_omni"])
+    assert families.get("qwen2_5_omni").problems(cfg) == []  # plain SFT runs

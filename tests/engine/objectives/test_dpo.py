@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import EVERY_FAMILY
+from conftest import EVERY_FAMILY, families_allowing
 from model.test_chunked import _video_batch
 from multiproc import check_ranks, free_port, scaled
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -76,7 +76,7 @@ def test_model_sequence_logps_equal_hf_full_logits_and_their_grads(family, famil
             torch.testing.assert_close(a, b, **FP32)
 
 
-@EVERY_FAMILY
+@families_allowing("DPO")
 def test_dpo_trains_every_family_from_its_own_start(family, family_path, tmp_path):
     """One process, the frozen copy as reference: the policy starts as its reference, so step 0's
     held-out rewards are exactly 0 and the first loss is sigmoid DPO's log 2 (no SFT term here)."""

@@ -81,7 +81,8 @@ def test_the_reward_rises_with_vllm_rollouts(run):
 def test_two_ranks_equal_one_process(run):
     """Each rank pushes its shards' gathered weights into its own engine, and a row's completions depend on its
     seed alone: 2 ranks sample, score and train what 1 process does."""
-    timing = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory", "padding_fraction", "eval_generation_time")
+    timing = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory", "padding_fraction", "eval_generation_time",
+              "rollout_time")
     for a, b in zip(_history(run / "two"), _history(run), strict=True):
         assert a.keys() == b.keys()
         for k in a.keys() - set(timing):
@@ -96,10 +97,14 @@ def test_the_trainers_log_probs_equal_vllms_after_each_push(run, name):
     names |= {f"sampling/importance_sampling_ratio/{s}" for s in ("min", "mean", "max")}
     assert names <= set(history[0])
     assert history[-1]["grad_norm"] > 0 and history[-1]["reward"] != history[0]["reward"]  # the policy moved
-    for step in history:  # fp32, the same weights at every rollout: the two engines' sums differ by rounding only
-        assert step["sampling/sampling_logp_difference/max"] < 1e-3, step["step"]
-        assert step["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-3)
-        assert step["sampling/importance_sampling_ratio/max"] == pytest.approx(1, abs=1e-3)
+    # fp32, the same weights at every rollout. vLLM's log-probs are its sampler's (processed_logprobs: after the
+    # temperature, media tokens banned by logit_bias), the trainer's those of the unbanned distribution: a token's two
+    # differ by -log(1 - the media tokens' mass) there (~1e-2 on the tiny model) beside rounding; a rollout from stale
+    # weights differs by the policy's change (lr 0.02: far more)
+    for step in history:
+        assert step["sampling/sampling_logp_difference/max"] < 0.05, step["step"]
+        assert step["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=0.05)
+        assert step["sampling/importance_sampling_ratio/max"] == pytest.approx(1, abs=0.05)
     lines = grpo.read_completions(run / "run")[1]
     assert len(lines) == 4 * 4 and all(line["completion"] is not None for line in lines)
 

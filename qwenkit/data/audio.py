@@ -1,0 +1,98 @@
+"""Audio entries → PyAV-decoded mono 16 kHz waves → the log-mel features an Omni thinker hears.
+
+The ``audios`` column (LLaMA-Factory's, ms-swift's) holds paths, relative to the dataset file or
+absolute, or ``data:audio/...;base64,`` URIs. Each is decoded with PyAV (the kit's video decoder;
+torchaudio does not load here), resampled by FFmpeg's resampler to 32-bit floats at 16 kHz and
+averaged over its channels to one, what Qwen-Omni's feature extractor expects.
+
+Features: transformers' ``WhisperFeatureExtractor`` as Qwen-Omni's processors call it (128 mel bins,
+10 ms hop, padded to its 30 s window), then cut to the audio's own frames
+(``feature_attention_mask``'s sum): a batch pads them again to its longest audio. The extractor
+*truncates* anything longer than its window without a word (transformers #41473); here an audio
+longer than the window is a bad sample that names the file, the row, its length and the limit
+(:func:`features`), never a silently shortened one.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qwenkit.data.report import BadSample, Location
+
+SAMPLE_RATE = 16_000  # Hz: what the Omni audio towers were trained on
+MEL_BINS = 128
+HOP = 160  # samples per mel frame (10 ms)
+WINDOW_S = 30  # the feature extractor's window (chunk_length): longer audio is refused
+
+
+def _source(entry: str, base_dir: Path | None):
+    """A file-like object or path for PyAV: a decoded data URI, else the path (relative to ``base_dir``)."""
+    if entry.startswith("data:"):
+        header, _, payload = entry.partition(",")
+        if ";base64" not in header:
+            raise ValueError("a data URI must be base64 (data:audio/...;base64,...)")
+        return io.BytesIO(base64.b64decode(payload, validate=True))
+    path = Path(entry).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file {str(path)!r}")
+    return str(path)
+
+
+def decode(entry: str, where: Location, base_dir: Path | None = None) -> np.ndarray:
+    """The audio of ``entry`` as float32 mono samples at :data:`SAMPLE_RATE` ``[n]``; a missing or
+    undecodable one is a :class:`BadSample` naming ``entry`` and ``where`` (file and row)."""
+    import av  # the video extra's FFmpeg bindings: only rows with audio need them
+
+    label = entry if not entry.startswith("data:") else entry[:32] + "..."
+    try:
+        source = _source(entry, base_dir)
+    except FileNotFoundError as e:
+        raise BadSample(where, "missing_audio", f"audio {label}: {e}") from None
+    except ValueError as e:
+        raise BadSample(where, "corrupt_audio", f"audio {label}: {e}") from None
+    # resampled per channel, then averaged (librosa's mono, what peers' loaders give): FFmpeg's own
+    # downmix weighs channels by 1/sqrt(2), 1.41 x the average of a centred stereo signal
+    resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
+    pieces = []
+    try:
+        with av.open(source) as container:
+            if not container.streams.audio:
+                raise BadSample(where, "corrupt_audio", f"audio {label}: the file has no audio stream")
+            for frame in container.decode(audio=0):
+                pieces += [f.to_ndarray().mean(axis=0) for f in resampler.resample(frame)]  # [channels, n] -> [n]
+            pieces += [f.to_ndarray().mean(axis=0) for f in resampler.resample(None)]  # flush
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise BadSample(where, "corrupt_audio", f"audio {label}: cannot decode: {e}") from None
+    wave = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    if wave.size == 0:
+        raise BadSample(where, "corrupt_audio", f"audio {label}: no sample decodes")
+    return wave.astype(np.float32, copy=False)
+
+
+def feature_extractor():
+    """transformers' Whisper feature extractor with Qwen-Omni's settings (128 bins, 16 kHz, 30 s window)."""
+    from transformers import WhisperFeatureExtractor  # the tokenizer stack: only when audio is read
+
+    return WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLE_RATE, hop_length=HOP, chunk_length=WINDOW_S)
+
+
+def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.Tensor:
+    """Log-mel features ``[128, frames]`` of one wave, as HF's Omni processor computes them (padded to the
+    window, then cut to the audio's frames); longer than the window: a :class:`BadSample` (``long_audio``)."""
+    window = extractor.n_samples  # chunk_length * sampling_rate
+    if len(wave) > window:
+        raise BadSample(
+            where, "long_audio",
+            f"audio {label} is {len(wave) / SAMPLE_RATE:.1f} s, longer than the feature extractor's "
+            f"{window / SAMPLE_RATE:.0f} s window (it would be cut silently); split it into pieces of at most that",
+        )  # fmt: skip
+    out = extractor(wave, sampling_rate=SAMPLE_RATE, return_attention_mask=True, return_tensors="pt")
+    frames = int(out["attention_mask"][0].sum())
+    return out["input_features"][0, :, :frames]

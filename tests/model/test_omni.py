@@ -1,0 +1,40 @@
+"""qwenkit.model.omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py)."""
+
+import torch
+from conftest import AUDIO_FAMILY, build_model, make_batch, tiny_processor
+
+from qwenkit.bench.step import loss_and_grads
+from qwenkit.model import family as families
+
+
+@AUDIO_FAMILY
+def test_a_rank_without_audio_runs_the_audio_tower_idle_under_data_parallel(_cache, family):
+    """With the trainer's vision padding on (data parallel), a batch without audio adds 0 x the audio
+    tower: the loss is unchanged and every audio parameter the tower uses gets a (zero) gradient, as the
+    root's reduce-scatter on a rank with audio expects; without padding (one process) nothing is added."""
+    model = build_model(chunk=True, seed=1, name=family)
+    batch = make_batch(tiny_processor(family), images_per_sample=(1, 0))
+    alone, alone_grads = loss_and_grads(model, batch)
+    assert not any(n.startswith("model.audio_tower") for n in alone_grads)
+    model.vision_calls_per_step = 1
+    padded, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(padded, alone, rtol=0, atol=0)
+    audio = [n for n, _ in model.named_parameters() if n.startswith("model.audio_tower.") and "bos_eos" not in n]
+    assert len(audio) > 10 and all(n in grads and not grads[n].any() for n in audio)
+
+
+@AUDIO_FAMILY
+def test_video_seconds_reach_the_thinker_under_its_name(_cache, family):
+    model = build_model(chunk=False, name=family)
+    kwargs = model._drop_unsupported({"second_per_grid_ts": torch.tensor([1.0]), "mm_token_type_ids": None})
+    assert set(kwargs) == {"video_second_per_grid"}
+
+
+@AUDIO_FAMILY
+def test_what_hfs_forward_never_reads_is_frozen_at_build(_cache, family):
+    """Qwen2.5-Omni's audio_bos_eos_token gets no gradient in HF's forward: left trainable, AdamW holds no
+    state for it and a resumed run fails on the missing key (test_dcp's every-family resume)."""
+    model = build_model(name=family)
+    never = families.get(family).never_trained
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == [f"{path}.weight" for path in never]
