@@ -20,7 +20,7 @@ import numpy as np
 from qwenkit import config as qconfig
 from qwenkit.data import cache, layout_survey, open_dataset, read_dataset
 from qwenkit.data.dataset import EncodedDataset
-from qwenkit.data.layouts import REFERENCE_KEYS
+from qwenkit.data.layout_readers import REFERENCE_KEYS
 from qwenkit.data.load import index_data
 from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError

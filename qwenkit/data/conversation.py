@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qwenkit.data import layouts
-from qwenkit.data.layouts import IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER
+from qwenkit.data.layout_readers import IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER
 from qwenkit.data.report import BadSample, Location
 from qwenkit.model.processor import SPECIAL_TOKENS
 

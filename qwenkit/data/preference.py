@@ -42,7 +42,7 @@ import torch
 from qwenkit.data.cache import cache_dir
 from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset
-from qwenkit.data.layouts import IMAGE_PLACEHOLDER
+from qwenkit.data.layout_readers import IMAGE_PLACEHOLDER
 from qwenkit.data.reader import HFSource
 from qwenkit.data.report import BadSample, BadSampleReport, Location
 from qwenkit.model.loss import IGNORE_INDEX
