@@ -24,8 +24,9 @@ from transformers import (
 from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_qwen3_omni
 
-from qwenkit.model.chunked import ChunkLossMixin, finish_subclass
+from qwenkit.model.chunked import ChunkLossMixin
 from qwenkit.model.qwen3_vl import RouterAuxLoss, _DeepStack
+from qwenkit.model.subclass import finish_subclass
 
 
 class _Hearing:
