@@ -144,9 +144,6 @@ FLOORS = {
     # sweeps of whole runs (every trial passes engine.prespawn's checks, as every `qwenkit train` does)
     "sweep": {"leaf", "patches", "model", "distributed", "data", "engine"},
     "notebooks": {"leaf", "patches", "model", "distributed", "data", "engine", "bench", "sweep"},
-    # the package's __init__: torchvision's missing operators declared before any transformers import
-    # (qwenkit.model.torchvision_ops: standard library only until it has something to declare)
-    "package": {"model"},
 }
 # the leaf reads the family registry, the one list of families (model.name's allowed values): a
 # light module of the standard library and the module-path rule only (test_the_family_table_is_light)

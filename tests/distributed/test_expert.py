@@ -283,7 +283,8 @@ def test_an_ep_2_checkpoint_exports_the_hf_keys_of_ep_1(trained):
 # policy's; GRPO's rollouts and the held-out replies are generated on the sharded policy (lockstep) and
 # from a gathered copy with the router's aux loss on; LoRA (attention), HSDP and Ulysses SP
 
-MOE = tuple(name for name in families.FAMILIES if families.get(name).experts)
+# the MoE families that take expert parallelism (an entry that refuses it, the Omni MoE thinker, is not run)
+MOE = tuple(n for n in families.FAMILIES if families.get(n).experts and "expert parallelism" not in families.get(n).not_exact)
 VARIANT_STEPS = 2
 OBJECTIVES = {
     "dpo": ["train.objective=dpo", "dpo.sft_weight=0"],
@@ -388,5 +389,5 @@ def test_every_objective_and_setting_with_ep_size_2_trains_as_ep_size_1(variants
         assert replies[0] == replies[1] and len(replies[0]) == 4
     cfg = _variant_cfg(variants, family, name)
     final = f"checkpoints/step-{VARIANT_STEPS:08d}"
-    got_w, ref_w = (export.load_hf(runs[ep] / final, cfg).state_dict() for ep in (2, 1))
+    got_w, ref_w = (export.load_hf(runs[ep] / final, cfg, model_spec.of_run(cfg.model)).state_dict() for ep in (2, 1))
     assert_adamw_weights_close(got_w, ref_w, FP32, lr=LR, steps=VARIANT_STEPS)

@@ -46,6 +46,7 @@ first so a batch wastes little padding), from one of two places (``train.eval_ge
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -198,7 +199,7 @@ def generate_rows(
             for chunk in batches:
                 asked = [dataset.prompt(i) for i in chunk]
                 prompts = [a[0] for a in asked] or [dummy_prompt(pad)]
-                inputs = {k: v.to(device) for k, v in left_pad(prompts, pad).items()}
+                inputs = {k: v.to(device) for k, v in left_pad(prompts, pad).items() if k in model_inputs(model)}
                 if step is None:
                     tokens = model.generate(**inputs, **model_kwargs(model), generation_config=config)  # [B, S + new]
                 else:
@@ -213,6 +214,12 @@ def generate_rows(
     finally:
         model.train(was_training)
     return [done[i] for i in indices]
+
+
+def model_inputs(model: nn.Module) -> set[str]:
+    """The prompt keys ``model``'s forward takes: a family whose HF forward has no ``mm_token_type_ids`` (the
+    Omni thinkers) gets the prompt without it (``generate`` refuses a key its forward does not take)."""
+    return {"input_ids", "attention_mask", *inspect.signature(type(model).forward).parameters}
 
 
 def model_kwargs(model: nn.Module) -> dict:

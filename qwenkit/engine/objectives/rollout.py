@@ -52,6 +52,7 @@ from qwenkit.engine.generation.generate import (
     generation_config,
     left_pad,
     lockstep,
+    model_inputs,
     one_token,
     reply_text,
 )  # fmt: skip
@@ -155,7 +156,8 @@ class HfRollouts:
                     stack.enter_context(unsharded(model))
                 step = stack.enter_context(lockstep(model, synced=False if gathered else None))
                 for chunk in batches:
-                    inputs = {k: v.to(device) for k, v in left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad).items()}
+                    padded = left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad)
+                    inputs = {k: v.to(device) for k, v in padded.items() if k in model_inputs(model)}
                     if not chunk:
                         step(inputs, one_token(config))
                         continue

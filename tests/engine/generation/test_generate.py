@@ -16,6 +16,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from qwenkit.model import family as families
 from qwenkit.model import processor, qwen2_5_vl
+from qwenkit.model.spec import of_run
 
 NEW_TOKENS = 6
 
@@ -258,5 +259,5 @@ def test_a_moe_run_evaluates_batched_prompts_with_the_router_aux_loss_on(tmp_pat
     indices = trainer.evaluator.samples
     assert len({int(dataset.prompt(i)[0]["input_ids"].shape[1]) for i in indices}) > 1  # left padding in the batch
     rows = qgen.read_jsonl(evaluate.generations_path(tmp_path, 1))
-    stock = export.load_hf(tmp_path / "checkpoints" / "step-00000001", cfg).eval()
+    stock = export.load_hf(tmp_path / "checkpoints" / "step-00000001", cfg, of_run(cfg.model)).eval()
     assert [r["tokens"] for r in rows] == todays_replies(stock, dataset, sorted(indices), 4)

@@ -61,9 +61,11 @@ def test_iou_by_hand_in_each_convention():
 
 def test_every_family_names_its_box_convention():
     units = {name: families.get(name).box_units for name in FAMILIES}
-    # Qwen2.5-VL grounds in absolute pixels of the resized image; Qwen3-VL and Qwen3.5 in 0-1000 of each side
+    # Qwen2.5-VL grounds in absolute pixels of the resized image; Qwen3-VL and Qwen3.5 in 0-1000 of each side;
+    # each Omni thinker as the VL generation its vision tower is
     assert units == {"qwen2_5_vl": "pixels", "qwen3_vl": "per_mille", "qwen3_vl_moe": "per_mille",
-                     "qwen3_5": "per_mille", "qwen3_5_moe": "per_mille"}
+                     "qwen3_5": "per_mille", "qwen3_5_moe": "per_mille", "qwen2_5_omni": "pixels",
+                     "qwen3_omni_moe": "per_mille"}
 
 
 def test_a_user_reward_gets_its_rows_columns_and_is_logged_under_its_name(tmp_path, monkeypatch):
