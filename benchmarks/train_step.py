@@ -60,7 +60,7 @@ completions of the batch's completion length (the end token suppressed: full len
 - ``rollout-lockstep``: the rollout as it was before issue 51: one ``generate`` call per prompt's
   group, on the sharded model in lockstep (every unit all-gathered at every forward), HF's sampling;
 - ``rollout``: :class:`qwenkit.engine.objectives.rollout.HfRollouts` with ``where=gather``: every unit
-  gathered once for the rollout (:func:`qwenkit.distributed.fsdp.unsharded`), every completion of
+  gathered once for the rollout (:func:`qwenkit.distributed.unshard.unsharded`), every completion of
   every prompt in one batched ``generate`` call, each drawn from its own seeded generator.
 
 Each prints its seconds, completion tokens per second, the FSDP2 all-gathers of the rollout

@@ -3,7 +3,7 @@
 :func:`count_all_gathers` counts the times an FSDP2 unit starts gathering its parameters
 (``FSDPParamGroup.unshard`` on a sharded unit with no gather in flight): one per unit per forward
 under ``reshard_after_forward``, one per unit for a whole block under
-:func:`qwenkit.distributed.fsdp.unsharded`. Counting the unit's gathers rather than the process
+:func:`qwenkit.distributed.unshard.unsharded`. Counting the unit's gathers rather than the process
 group's calls gives the same number on one rank (where FSDP2 copies instead of calling the
 collective) as on many, so a one-process benchmark reports what a cluster would do.
 """

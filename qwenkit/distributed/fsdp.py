@@ -41,7 +41,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
-    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -309,33 +308,6 @@ def _detached(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_detached(v) for v in value)
     return value.detach() if torch.is_tensor(value) else value
-
-
-@contextlib.contextmanager
-def unsharded(model: nn.Module):
-    """Every FSDP2 unit of ``model`` all-gathered once and kept whole until the block ends.
-
-    Collective: every rank enters (the units are gathered in module order) and leaves together.
-    Inside, a forward all-gathers nothing (each unit's pre-forward finds its parameters whole,
-    and its post-forward keeps them: ``reshard_after_forward`` is off for the block), so a rank
-    may run as many forwards as it likes on its own, e.g. token-by-token generation: one
-    all-gather per unit, whatever the number of tokens. The parameters are FSDP's own unsharded
-    ones (in ``MixedPrecisionPolicy.param_dtype``), the weights the training forward computes
-    with; the memory is that of a full copy. On leaving, every unit is resharded and gets its
-    own ``reshard_after_forward`` back. A model without FSDP units is used as it is.
-    """
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    # the setting each unit had (read from FSDP2's state: no public getter), put back on leaving
-    before = [any(g._reshard_after_forward for g in m._get_fsdp_state()._fsdp_param_groups) for m in units]
-    try:
-        for unit in units:
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
-        yield model
-    finally:
-        for unit, setting in zip(units, before):
-            unit.reshard()
-            unit.set_reshard_after_forward(setting, recurse=False)
 
 
 def _experts_dim_1(param: nn.Parameter) -> Shard:

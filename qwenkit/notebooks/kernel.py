@@ -18,7 +18,7 @@ import torch
 
 from qwenkit import config as qconfig
 from qwenkit.device import resolve_device
-from qwenkit.notebooks import plots, results
+from qwenkit.notebooks import renderer, results
 
 
 def project_root(start: str | Path | None = None) -> Path:
@@ -80,7 +80,7 @@ def str_list(text: str) -> list[str]:
 
 def setup() -> None:
     """First call of every notebook: plotly renderer and plotly.js, quiet transformers, INFO logs."""
-    plots.setup()
+    renderer.setup()
     try:
         import transformers
 

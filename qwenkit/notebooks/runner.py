@@ -9,7 +9,7 @@ For each selected notebook ``notebooks/NN_name.ipynb`` and parameter set ``param
    notebook writes its CSV/JSONL results and ``metrics.json`` there) and :data:`BATCH_VALUES`
    (``interactive = False``: the notebook's own defaults are for a person in JupyterLab);
 3. nbconvert renders ``reports/<run>/NN_name.html``: code hidden, a run-info header added,
-   no CDN script (plotly.js is embedded by :func:`qwenkit.notebooks.plots.setup`), so it works offline;
+   no CDN script (plotly.js is embedded by :func:`qwenkit.notebooks.renderer.setup`), so it works offline;
 4. ``reports/<run>/index.html`` links every report with the one-line summary from its
    ``metrics.json``, and ``reports/latest`` points at the run.
 

@@ -1,5 +1,5 @@
 """count_all_gathers counts one gather per FSDP2 unit per forward, and one per unit for a whole
-block under fsdp.unsharded (whose forwards equal the sharded model's); a one-rank group counts as many would."""
+block under unshard.unsharded (whose forwards equal the sharded model's); a one-rank group counts as many would."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from qwenkit.bench.collectives import count_all_gathers
-from qwenkit.distributed import fsdp
+from qwenkit.distributed.unshard import unsharded
 
 
 def _worker(rank, out):
@@ -25,7 +25,7 @@ def _worker(rank, out):
     x = torch.randn(3, 8)
     with torch.no_grad(), count_all_gathers() as sharded:
         want = [model(x) for _ in range(3)]
-    with torch.no_grad(), count_all_gathers() as whole, fsdp.unsharded(model):
+    with torch.no_grad(), count_all_gathers() as whole, unsharded(model):
         got = [model(x) for _ in range(3)]
     with torch.no_grad(), count_all_gathers() as after:
         model(x)

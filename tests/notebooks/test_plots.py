@@ -1,10 +1,6 @@
 """Figure builders: each draws what its rows hold; the report renderer carries no plotly.js and no CDN."""
 
-import json
 
-import chromium
-import plotly.graph_objects as go
-import pytest
 
 from qwenkit.notebooks import perf, plots
 
@@ -84,39 +80,3 @@ def test_table_formats_and_flags_failures():
     fig = plots.table([{"a": 1.23456e-7, "ok": True}, {"a": 2.0, "ok": False}], ["a", "ok"], formats={"a": ".1e"})
     cells = fig.data[0].cells.values
     assert list(cells[0]) == ["1.2e-07", "2.0e+00"] and list(cells[1]) == ["yes", "NO"]
-
-
-def test_report_renderer_bundle_has_json_for_lab_and_html_without_plotlyjs_or_cdn():
-    fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
-    bundle = plots.ReportRenderer().to_mimebundle(fig.to_dict())
-    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/html"}
-    assert json.dumps(bundle["application/vnd.plotly.v1+json"])  # plain JSON for JupyterLab's extension
-    html = bundle["text/html"]
-    assert "Plotly.newPlot" in html and "<script src=" not in html and len(html) < 100_000
-    js = plots.plotlyjs_html()
-    assert len(js) > 1_000_000 and "window.define = undefined" in js  # plotly.js itself, AMD hidden while it loads
-
-
-def test_lab_charts_are_not_responsive_report_charts_are():
-    """JupyterLab's renderer sizes charts itself; plotly's `responsive` there collapsed a chart to
-    0 px at a legend click (tests/test_lab.py clicks it). A report page has only plotly.js."""
-    bundle = plots.ReportRenderer().to_mimebundle(plots.loss_curves(_curve_rows()).to_dict())
-    assert "responsive" not in bundle["application/vnd.plotly.v1+json"].get("config", {})
-    assert '"responsive": true' in bundle["text/html"]
-
-
-NO_BROWSER = chromium.available_reason()
-
-
-@pytest.mark.skipif(NO_BROWSER is not None, reason=str(NO_BROWSER))
-def test_a_report_chart_keeps_its_size_on_legend_click_zoom_and_resize(tmp_path):
-    """The renderer's HTML as a report holds it, in Chromium: a legend click, a zoom box and a
-    narrower window leave the chart's height as it was (and it stays drawn)."""
-    bundle = plots.ReportRenderer().to_mimebundle(plots.loss_curves(_curve_rows()).to_dict())
-    page = tmp_path / "report.html"
-    page.write_text(f"<html><body>{plots.plotlyjs_html()}{bundle['text/html']}</body></html>")
-    sizes = {}
-    report = chromium.open_page(page, check=lambda p: sizes.update(chromium.poke_chart(p, 0)))
-    assert report.exceptions == [] and report.console_errors == [], (report.exceptions, report.console_errors)
-    chromium.assert_keeps_size(sizes)
-    assert sizes["narrower window"][0] < sizes["before"][0]  # responsive: it follows the window's width

@@ -266,7 +266,7 @@ def lockstep(model: nn.Module, synced: bool | None = None):
     other ranks (one all-reduce); a forward hook ends them after the prefill, since the decoding
     steps carry no pixels on any rank.
 
-    ``synced=False``: the weights are whole for the block (:func:`qwenkit.distributed.fsdp.unsharded`)
+    ``synced=False``: the weights are whole for the block (:func:`qwenkit.distributed.unshard.unsharded`)
     and a forward is no collective, so each rank generates alone (no agreement, no ``synced_gpus``);
     None: synced whenever a process group of more than one rank is up.
     """

@@ -7,7 +7,7 @@ everything after it (rewards, log-probs, the loss) reads :class:`Completion` alo
 :class:`HfRollouts` generates through HF ``generate`` with a KV cache, from the policy's own weights:
 
 - **gathered once** (``gather``): every FSDP2 unit all-gathered once for the whole rollout
-  (:func:`qwenkit.distributed.fsdp.unsharded`) and kept whole; each rank then generates alone, with
+  (:func:`qwenkit.distributed.unshard.unsharded`) and kept whole; each rank then generates alone, with
   no collective per token: the all-gathers of a rollout are one per unit, whatever the completions'
   length (TRL, verl and EasyR1 likewise gather the weights once per rollout into their engine);
 - **in lockstep** (``lockstep``): the sharded model itself, every rank stepping together (HF's
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwenkit.distributed.fsdp import unsharded
+from qwenkit.distributed.unshard import unsharded
 from qwenkit.engine.generation.generate import (
     Sampling,
     choose_generation,
