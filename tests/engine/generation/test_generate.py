@@ -134,6 +134,7 @@ def todays_replies(model, dataset, indices, max_new_tokens):
     with torch.no_grad():
         for i in indices:
             inputs, _ = dataset.prompt(i)
+            inputs = {k: v for k, v in inputs.items() if k in inspect.signature(model.forward).parameters}  # HF's own keys
             tokens = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=im_end,
                                     pad_token_id=dataset.processor.pad_token_id)  # fmt: skip
             new = tokens[0, inputs["input_ids"].shape[1] :].tolist()
