@@ -355,7 +355,7 @@ def variants(tmp_path_factory):
     return out
 
 
-TIMING = {"step_time", "tokens_per_s", "samples_per_s", "peak_memory", "eval_generation_time"}
+TIMING = {"step_time", "tokens_per_s", "samples_per_s", "peak_memory", "eval_generation_time", "rollout_time"}
 
 
 @pytest.mark.slow

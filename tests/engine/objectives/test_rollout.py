@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from conftest import build_model
 from multiproc import check_ranks
+from torch.distributed.fsdp import FSDPModule
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from qwenkit import config as qconfig
@@ -69,7 +70,7 @@ def _worker(rank, out):
         with count_all_gathers() as gathers:
             done = _rollouts(new, batch_size=2, where=where)(model, dataset, share, draw=2)
         result[f"{where}-{new}"] = {"tokens": [c.tokens for c in done], "gathers": len(gathers)}
-    result["units"] = sum(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+    result["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
     (out / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
