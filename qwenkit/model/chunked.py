@@ -211,10 +211,12 @@ class ChunkLossMixin(Positions):
         objectives): :func:`qwenkit.model.logps.sequence_logps` as the head's loss function."""
         return self._labelled_head(sequence_logps, input_ids, labels, kwargs)
 
-    def token_logps(self, input_ids=None, labels=None, entropy: bool = False, temperature: float = 1.0, **kwargs):
+    def token_logps(self, input_ids=None, labels=None, entropy: bool = False, temperature: float = 1.0,
+                    banned: list[int] | None = None, **kwargs):  # fmt: skip
         """Per-token ``(logps [B, S], entropies [B, S] or None)`` of the labels under the logits divided by
-        ``temperature``, without logits (GRPO): :func:`qwenkit.model.logps.token_logps` as the head's loss function."""
-        head = functools.partial(token_logps, entropy=entropy, temperature=temperature)
+        ``temperature``, the ``banned`` tokens excluded, without logits (GRPO): :func:`qwenkit.model.logps.token_logps`
+        as the head's loss function."""
+        head = functools.partial(token_logps, entropy=entropy, temperature=temperature, banned=banned)
         return self._labelled_head(head, input_ids, labels, kwargs)
 
     def _labelled_head(self, head_fn, input_ids, labels, kwargs) -> tuple:

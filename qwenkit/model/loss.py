@@ -107,12 +107,13 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def chunk_pass(hidden, weight, bias, targets, weights, rows, chunk, need_h, need_w, need_b):
+def chunk_pass(hidden, weight, bias, targets, weights, rows, chunk, need_h, need_w, need_b, banned=None):
     """Loss, and the gradients asked for, of the rows ``rows`` (all rows when None).
 
     hidden [N, H], weight [V, H], bias [V] or None, all in the compute dtype; targets [N];
-    weights [N] float32; rows [M] int64 indices or None. Returns (loss, grad_h [N, H] or None,
-    grad_w [V, H] float32 or None, grad_b [V] float32 or None).
+    weights [N] float32; rows [M] int64 indices or None; banned [K] int64 token ids whose logits are
+    -inf (the softmax is over the other tokens, as a sampler that never draws them) or None. Returns
+    (loss, grad_h [N, H] or None, grad_w [V, H] float32 or None, grad_b [V] float32 or None).
     """
     n_rows = hidden.shape[0] if rows is None else rows.numel()
     grad_h = None
@@ -135,6 +136,8 @@ def chunk_pass(hidden, weight, bias, targets, weights, rows, chunk, need_h, need
         logits = (h @ weight.T).float()  # [C, V]; a no-op cast in fp32, HF's upcast in bf16
         if bias is not None:
             logits += bias
+        if banned is not None:
+            logits.index_fill_(1, banned, -torch.inf)  # exp gives 0: no mass, no gradient
         valid = y != IGNORE_INDEX  # all True for gathered rows; the dense path keeps ignored ones
         y_safe = torch.where(valid, y, 0)
         target_logit = logits.gather(1, y_safe[:, None]).squeeze(1)  # [C]

@@ -81,6 +81,39 @@ def test_tempered_logps_entropies_and_grads_equal_trls(temperature, with_bias):
     assert not torch.allclose(got, untempered)  # the temperature is not a no-op here
 
 
+@pytest.mark.parametrize("skip_ignored", [True, False])
+def test_banned_tokens_logps_entropies_and_grads_equal_suppressed_full_logits(skip_ignored):
+    """GRPO's rollouts never draw the media tokens (HF's ``SuppressTokensLogitsProcessor``, vLLM's logit
+    bias): the log-probs, entropy and gradients are of the softmax over the other tokens. One banned token
+    holds every row's largest logit (the max is taken after the ban) and gets no gradient."""
+    from transformers import SuppressTokensLogitsProcessor
+
+    hidden, weight, labels = _inputs(ignore_frac=0.3, seed=11)
+    banned = [0, 40, 96]
+    labels[torch.isin(labels, torch.tensor(banned))] = 1  # a completion holds no banned token
+    bias = torch.zeros(97)
+    bias[40] = 50.0  # above every other logit
+    bias.requires_grad_()
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    suppress = SuppressTokensLogitsProcessor(banned)
+    suppressed = torch.stack([suppress(None, row) for row in logits.unbind(0)])
+    ref, ref_ent = full_token_logps(logits, labels, temperature=0.6, banned=banned)
+    torch.testing.assert_close(ref, full_token_logps(suppressed, labels, temperature=0.6)[0], **FP32)
+    got, ent = token_logps(hidden, weight, labels, chunk_size=7, bias=bias, entropy=True, temperature=0.6,
+                           banned=banned, skip_ignored=skip_ignored)  # fmt: skip
+    torch.testing.assert_close(got, ref, **FP32)
+    torch.testing.assert_close(ent, ref_ent, **FP32)
+    assert ent.isfinite().all()
+    g = _upstream(got.shape)
+    tensors = (hidden, weight, bias)
+    for a, b in zip(torch.autograd.grad((got * g).sum(), tensors), torch.autograd.grad((ref * g).sum(), tensors)):
+        torch.testing.assert_close(a, b, **FP32)
+    grad_w = torch.autograd.grad((token_logps(hidden, weight, labels, banned=banned)[0] * g).sum(), weight)[0]
+    assert (grad_w[banned] == 0).all() and (grad_w.abs().sum(1) > 0).sum() == 97 - len(banned)
+    unbanned, _ = token_logps(hidden, weight, labels, chunk_size=7, bias=bias, temperature=0.6)
+    assert (unbanned[got != 0] < -10).all()  # unbanned, token 40 holds nearly all the mass
+
+
 def test_skip_ignored_and_dense_agree_and_without_entropy_none_is_returned():
     hidden, weight, labels = _inputs(b=2, s=33, h=16, v=64, ignore_frac=0.5, seed=2)
     dense, ent = token_logps(hidden, weight, labels, chunk_size=8, skip_ignored=False)

@@ -16,8 +16,10 @@ One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective
 Then each micro-batch's loss (:class:`qwenkit.model.grpo_loss.GrpoLoss`) on the policy's per-token
 log-probs from the chunked head (:meth:`~qwenkit.model.chunked.ChunkLossMixin.token_logps`: no
 ``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Every
-log-prob (old, reference, current) and the entropy are those of the logits divided by
-``grpo.temperature``, the distribution the rollout sampled (as TRL). Metrics are TRL's names,
+log-prob (old, reference, current) and the entropy are those of the distribution the rollout sampled
+(:meth:`GrpoObjective.logps`): the logits divided by ``grpo.temperature`` (as TRL), the media tokens
+a rollout never draws (:func:`~qwenkit.engine.objectives.rollout.media_tokens`) banned, so a token's
+log-prob is the one HF ``generate`` (and vLLM) sampled it with, not ``-log(1 - their mass)`` below. Metrics are TRL's names,
 summed by name over the ranks (:func:`_all_reduce`).
 
 **The completions file**, ``metrics/completions.jsonl`` beside the metrics: at each step the trainer
@@ -68,7 +70,7 @@ from qwenkit.engine.generation.generate import Sampling
 from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
-from qwenkit.engine.objectives.rollout import Completion, HfRollouts, Rollouts, training_batch
+from qwenkit.engine.objectives.rollout import Completion, HfRollouts, Rollouts, media_tokens, training_batch
 from qwenkit.engine.objectives.vllm_rollouts import VllmRollouts
 from qwenkit.engine.run.build import reference_model
 from qwenkit.model import family as families
@@ -116,6 +118,7 @@ class GrpoObjective(Objective):
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags))
         self.settings = rollout_settings(cfg)
+        self.banned = media_tokens(bundle.dataset.processor)  # what no rollout draws: no log-prob counts them
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
         if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
             self.rollouts: Rollouts = VllmRollouts(spec_of(cfg, bundle.dataset.processor, model_dir), sampling, grpo.num_generations)
@@ -203,16 +206,20 @@ class GrpoObjective(Objective):
     def _fixed_logps(self, model: nn.Module, batch: dict) -> dict:
         """The rollout policy's (``num_iterations > 1``) and the reference's (``beta > 0``) per-token log-probs."""
         inputs = {k: v.to(self.rt.device) for k, v in batch.items() if k not in (*OWN_KEYS, "num_items", "num_samples")}
-        inputs["temperature"] = self.grpo.temperature  # the sampled distribution's log-probs (module docstring)
         out = {}
         if self.grpo.num_iterations > 1 or self.corrects:
-            out["old_logps"] = model.token_logps(**inputs)[0].cpu()
+            out["old_logps"] = self.logps(model, inputs)[0].cpu()
         if self.reference == "adapters":
             with lora.adapters_disabled(model):
-                out["ref_logps"] = model.token_logps(**inputs)[0].cpu()
+                out["ref_logps"] = self.logps(model, inputs)[0].cpu()
         elif self.reference is not None:
-            out["ref_logps"] = self.reference.token_logps(**inputs)[0].cpu()
+            out["ref_logps"] = self.logps(self.reference, inputs)[0].cpu()
         return out
+
+    def logps(self, model: nn.Module, batch: dict, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``model``'s per-token log-probs (and entropies) of ``batch``'s completions under the distribution
+        the rollout sampled: over ``grpo.temperature``, the media tokens banned (module docstring)."""
+        return model.token_logps(**batch, entropy=entropy, temperature=self.grpo.temperature, banned=self.banned)
 
     def _importance(self, batch: dict, done: list[Completion], stats: dict[str, dict[str, float]]) -> dict:
         """The micro-batch's vLLM importance-sampling weights (module docstring), its statistics added to
@@ -261,7 +268,7 @@ class GrpoObjective(Objective):
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         own = {k: v.to(self.rt.device) for k, v in self.queue.pop(0).items()}
-        logps, entropies = model.token_logps(**batch, entropy=True, temperature=self.grpo.temperature)
+        logps, entropies = self.logps(model, batch, entropy=True)
         mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
                              ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"))  # fmt: skip

@@ -19,12 +19,16 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import build_model
 from multiproc import check_ranks
 
 from qwenkit import config as qconfig
+from qwenkit import data
+from qwenkit.distributed import fsdp
 from qwenkit.engine.checkpoints import dcp as checkpoint
+from qwenkit.engine.generation.generate import model_inputs
 from qwenkit.engine.objectives import grpo
-from qwenkit.engine.objectives.rollout import completion_seed
+from qwenkit.engine.objectives.rollout import Completion, completion, completion_seed, media_tokens
 from qwenkit.engine.run import metrics, train
 
 BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
@@ -253,3 +257,56 @@ def test_prompts_alone_train_with_their_answer_column_as_reference(tmp_path, tin
     evals = [json.loads(line) for line in (tmp_path / "prompts" / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
     names = {e["metric"] for e in evals}
     assert "eval_accuracy" in names and "eval_loss" not in names
+
+
+def test_the_trainers_log_probs_and_entropy_are_of_the_distribution_hf_generate_sampled(tiny_path, processor):
+    """HF ``generate`` samples a rollout from the logits with the media tokens suppressed (never drawn,
+    :func:`~qwenkit.engine.objectives.rollout.media_tokens`), over the temperature, and reports those
+    scores (``output_scores``). The trainer's old, reference and current log-probs of the completion, and
+    its entropy, must be of that distribution: without the ban each is off by ``-log(1 - banned mass)``,
+    ~4 / V = 4e-3 on the random tiny model, far above fp32 rounding."""
+    temperature = 0.7
+    cfg = qconfig.load(overrides=["train.objective=grpo", f"model.path={tiny_path}", "data.tiny_samples=4",
+                                  "train.micro_batch_size=2", "grpo.num_generations=2", "grpo.num_iterations=2",
+                                  "grpo.beta=0.04", f"grpo.temperature={temperature}"])  # fmt: skip
+    model = build_model(chunk=True, seed=7)
+    objective = grpo.GrpoObjective(cfg, fsdp.Runtime(0, 1, 0, torch.device("cpu"), "gloo", False),
+                                   data.build(cfg, processor), "pixels", reference=model)  # fmt: skip
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    scores = []  # per completion: [new, V] the processed scores HF sampled from
+
+    def hf_sampled(model, dataset, indices, draw):
+        done = []
+        for i in indices:
+            prompt, conv = dataset.prompt(i)
+            for g in range(cfg.grpo.num_generations):
+                torch.manual_seed(100 * i + g)
+                model.configure_loss(chunk=False)  # HF generates from full logits
+                out = model.generate(**{k: v for k, v in prompt.items() if k in model_inputs(model)}, do_sample=True,
+                                     temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=6, eos_token_id=end,
+                                     pad_token_id=processor.pad_token_id, suppress_tokens=media_tokens(processor),
+                                     output_scores=True, return_dict_in_generate=True)  # fmt: skip
+                model.configure_loss(chunk=True)
+                new, text, truncated = completion(processor.tokenizer, out.sequences[0, prompt["input_ids"].shape[1] :].tolist(), end)
+                scores.append(torch.cat(out.scores)[: len(new)])
+                done.append(Completion(i, prompt, new, text, truncated, conv.reference, dataset.columns(i)))
+        return done
+
+    calls = []  # every (logps, entropies) the trainer computed
+    own = model.token_logps
+    model.token_logps = lambda **kw: calls.append(own(**kw)) or calls[-1]
+    objective.rollouts = hf_sampled
+    (batch,) = objective._rollout(model, 1)
+    counts = torch.stack([batch.pop("num_items"), batch.pop("num_samples")])
+    objective.begin([batch], counts)
+    objective.loss(model, batch)
+    mask = batch["labels"][:, 1:] != -100  # [B, S - 1] the completion tokens, in order
+    want = torch.cat([torch.log_softmax(s.float(), -1).gather(1, batch["labels"][b, 1:][mask[b], None]).squeeze(1)
+                      for b, s in enumerate(scores)])  # fmt: skip
+    entropy = torch.cat([torch.special.entr(torch.softmax(s.float(), -1)).sum(-1) for s in scores])
+    assert len(calls) == 3  # old, reference, the loss's
+    for logps, ents in calls:
+        torch.testing.assert_close(logps[:, :-1][mask], want, rtol=1e-5, atol=1e-6)  # fp32: softmax sums over V in other orders
+        if ents is not None:
+            torch.testing.assert_close(ents[:, :-1][mask], entropy, rtol=1e-5, atol=1e-6)
+    assert calls[-1][1] is not None
