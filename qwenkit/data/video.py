@@ -251,14 +251,18 @@ class VideoProcessor:
         sample_fps = n / meta.frames * meta.fps
         return VideoPlan(indices, (n // t, h // self.patch, w // self.patch), (h, w), t / sample_fps)
 
+    @staticmethod
+    def resized(frames: list[np.ndarray], plan: VideoPlan) -> np.ndarray:
+        """``[n, h, w, 3]`` uint8: the sampled RGB frames resized to the plan's size with PIL bicubic (as
+        the image processor resizes); what :meth:`pixels` patchifies, and what vLLM is given."""
+        rh, rw = plan.size
+        return np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC)) for f in frames])
+
     def pixels(self, frames: list[np.ndarray], plan: VideoPlan) -> torch.Tensor:
         """``[t·h·w, C·T·patch²]`` float32 patches of the sampled RGB frames (``[H, W, 3]`` uint8 each);
         a last temporal patch short of frames repeats the last frame (as HF's patchify pads)."""
-        frames = list(frames) + [frames[-1]] * (-len(frames) % self.temporal)
-        rh, rw = plan.size
-        resized = np.stack(
-            [np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC), dtype=np.float32) for f in frames]
-        )  # [n, H, W, C]
+        resized = self.resized(frames, plan).astype(np.float32)  # [n, H, W, C]
+        resized = np.concatenate([resized] + [resized[-1:]] * (-len(resized) % self.temporal))
         resized = (resized * np.float32(self.rescale_factor) - self.mean) / self.std
         t, gh, gw = plan.grid
         m, p, c = self.merge, self.patch, resized.shape[-1]

@@ -12,10 +12,10 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   EasyR1 clears it too). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
   (:func:`hf_tensors`: the adapters stay unmerged in the trained model); DoRA and ``lora.modules_to_save``
   are refused before start (:mod:`qwenkit.config.vllm`).
-- **Prompts** (:func:`request`): the kit's own prompt token ids (the dataset's template), with each
-  run of image placeholders collapsed to one ``<|image_pad|>``, and the row's images as
-  ``multi_modal_data``: vLLM expands the placeholder itself, with its processor resizing into the
-  run's pixel bounds (``mm_processor_kwargs``). Token ids already expanded would be expanded again.
+- **Prompts** (:mod:`qwenkit.engine.generation.vllm_requests`): the kit's own prompt token ids (the
+  dataset's template), each image and video as one placeholder, the row's images and the kit's
+  sampled video frames as ``multi_modal_data``: vLLM expands the placeholders itself, and its expanded
+  prompt is checked to be the kit's (:func:`~qwenkit.engine.generation.vllm_requests.check_prompts`).
 - **The process stays the kit's** (:func:`protected`): vLLM's CPU worker replaces
   ``torch.set_num_threads`` with a no-op, binds memory to a NUMA node, changes environment variables
   (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...) and reseeds the global RNGs; every call into vLLM runs inside
@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from qwenkit.data.images import load
 from qwenkit.engine.generation.generate import Generation, reply_text
+from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.model import lora
 from qwenkit.model.modules import module_path
 from qwenkit.model.processor import pixel_bounds
@@ -54,6 +54,8 @@ from qwenkit.model.torchvision_ops import declare_missing_ops
 LORA_PART = re.compile(rf"^(.*)\.(base_layer\.weight|lora_A\.{lora.ADAPTER}\.weight|lora_B\.{lora.ADAPTER}\.weight)$")
 SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}  # the set_mempolicy syscall's number per architecture
 ENGINES: dict[EngineSpec, VllmEngine] = {}  # this process's engines, by what they were built from (:func:`shared`)
+# a video's frames come sampled and resized by the kit (vllm_requests): vLLM's video processor keeps them as they are
+VIDEOS_KWARGS = {"size": {"shortest_edge": 1, "longest_edge": 2**62}, "cap_pixels_per_frame": False}
 
 
 @contextlib.contextmanager
@@ -194,8 +196,9 @@ def start_engine(spec: EngineSpec) -> VllmEngine:
         llm = LLM(
             model=spec.model_dir, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
             enforce_eager=not cuda, enable_sleep_mode=spec.sleep and cuda, logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
-            gpu_memory_utilization=spec.gpu_memory_utilization, limit_mm_per_prompt={"video": 0},
-            mm_processor_kwargs={"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}},
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            mm_processor_kwargs={"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+                                 "videos_kwargs": VIDEOS_KWARGS},
         )  # fmt: skip
     return VllmEngine(llm, spec)
 
@@ -223,22 +226,6 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
                       v.gpu_memory_utilization, v.cpu_kv_cache_gib, v.sleep)  # fmt: skip
 
 
-def request(dataset, i: int) -> tuple[dict, dict[str, torch.Tensor], object]:
-    """Row ``i``'s prompt as a vLLM request (module docstring), the kit's prompt inputs and its conversation."""
-    inputs, conv = dataset.prompt(i)
-    if "pixel_values_videos" in inputs:
-        raise ValueError(f"{conv.where}: vLLM rollouts and evaluation take images, not videos yet; "
-                         "use grpo.rollout_engine=hf / train.eval_engine=hf for video rows")  # fmt: skip
-    pads = {dataset.processor.image_token_id}
-    ids = inputs["input_ids"][0].tolist()
-    collapsed = [t for k, t in enumerate(ids) if not (t in pads and k > 0 and ids[k - 1] == t)]
-    out = {"prompt_token_ids": collapsed}
-    refs = dataset.image_refs(i, conv)
-    if refs:
-        out["multi_modal_data"] = {"image": [load(ref, conv.where) for ref in refs]}
-    return out, inputs, conv
-
-
 def generate_rows(engine: VllmEngine, dataset, indices: list[int], sampling, rank: int = 0) -> list:
     """:func:`qwenkit.engine.generation.generate.generate_rows` from ``engine``: replies to the prompts of
     ``dataset[indices]`` (greedy unless ``sampling.temperature`` > 0, then seeded by ``seed + rank`` and
@@ -249,8 +236,10 @@ def generate_rows(engine: VllmEngine, dataset, indices: list[int], sampling, ran
     how = {"temperature": sampling.temperature, "top_p": sampling.top_p} if sampling.temperature > 0 else {"temperature": 0.0}
     params = [engine.params(max_tokens=sampling.max_new_tokens, stop_token_ids=[end], seed=sampling.seed + rank + i, **how)
               for i in indices]  # fmt: skip
+    outs = engine.generate([a[0] for a in asked], params)
+    check_prompts(outs, asked)
     rows = []
-    for i, (_, _, conv), out in zip(indices, asked, engine.generate([a[0] for a in asked], params)):
+    for i, (_, _, conv), out in zip(indices, asked, outs):
         new = list(out.outputs[0].token_ids)
         new = new[: new.index(end)] if end in new else new
         prompt = "\n".join(f"{role}: {text}" for role, text in conv.turns[:-1])
@@ -259,4 +248,4 @@ def generate_rows(engine: VllmEngine, dataset, indices: list[int], sampling, ran
     return rows
 
 
-__all__ = ["EngineSpec", "generate_rows", "VllmEngine", "protected", "request", "shared", "spec_of", "start_engine"]
+__all__ = ["EngineSpec", "generate_rows", "VllmEngine", "protected", "shared", "spec_of", "start_engine"]

@@ -19,6 +19,7 @@ from torch import nn
 
 from qwenkit.engine.generation import vllm_engine
 from qwenkit.engine.generation.generate import Sampling
+from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.engine.objectives.rollout import Completion, completion, completion_seed, media_tokens
 
 BANNED = -100.0  # vLLM's logit_bias bound: a media token is never drawn
@@ -38,13 +39,14 @@ class VllmRollouts:
         tok = dataset.processor.tokenizer
         end = tok.convert_tokens_to_ids("<|im_end|>")
         s = self.sampling
-        asked = [vllm_engine.request(dataset, i) for i in indices]
+        asked = [request(dataset, i) for i in indices]
         keys = [(k, g) for k in range(len(indices)) for g in range(self.num_generations)]  # [position in indices, g]
         params = [engine.params(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens,
                                 seed=completion_seed(s.seed, draw, indices[k], g), logprobs=0, stop_token_ids=[end],
                                 logit_bias={t: BANNED for t in media_tokens(dataset.processor)})
                   for k, g in keys]  # fmt: skip
         outs = engine.generate([asked[k][0] for k, _ in keys], params)
+        check_prompts(outs, [asked[k] for k, _ in keys])
         done = []
         for (k, _), out in zip(keys, outs):
             i, (_, prompt, conv) = indices[k], asked[k]

@@ -1,0 +1,74 @@
+"""qwenkit.engine.generation.vllm_requests without vLLM: a row's prompt with each image and video as one
+placeholder expands, by vLLM's rule, back into the kit's own prompt; a Qwen3-VL video whose first time text
+the template tokenized otherwise than alone is refused, naming the row, as is a Qwen2.5-VL video."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_processor
+from videos import write_video
+
+from qwenkit import config as qconfig
+from qwenkit import data
+from qwenkit.engine.generation.vllm_requests import prompt_ids, request
+
+
+def _dataset(root, family):
+    """A row with an image and a video."""
+    from PIL import Image
+
+    Image.new("RGB", (80, 56), (30, 90, 200)).save(root / "blue.png")
+    write_video(root / "clip.avi", 64, 48, 8, 4)
+    rows = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "A square."}],
+             "videos": ["clip.avi"], "images": ["blue.png"]} for text in ["<image>and<video>What moves?"]]  # fmt: skip
+    (root / "rows.json").write_text(json.dumps(rows))
+    cfg = qconfig.load(overrides=["data.max_length=2048"])
+    return data.read_checked(cfg.data, tiny_processor(family), str(root / "rows.json"))[0]
+
+
+def _expand(ids, processor, video_times):
+    """vLLM's expansion (transformers >= 5.10's Qwen3-VL processor): each image pad its grid's pads, each bare
+    video pad every temporal patch's ``<t seconds>`` (tokenized alone), vision start, pads, vision end."""
+    image_pads, video_pads = iter(processor.expanded_images), iter(video_times)
+    out = []
+    for t in ids:
+        if t == processor.image_token_id:
+            out += [t] * next(image_pads)
+        elif t == processor.video_token_id:
+            times, pads = next(video_pads)
+            for seconds in times:
+                out += processor.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+                out += [processor.vision_start_id, t] + [t] * (pads - 1) + [processor.vision_end_id]
+        else:
+            out.append(t)
+    return out
+
+
+def test_a_qwen3_vl_prompt_expands_back_into_the_kits_and_a_time_text_tokenized_otherwise_is_refused(tmp_path):
+    dataset = _dataset(tmp_path, "qwen3_vl")
+    processor = dataset.processor
+    asked, inputs, conv = request(dataset, 0)
+    ids = inputs["input_ids"][0].tolist()
+    frames, metadata = asked["multi_modal_data"]["video"][0]
+    (plan,) = [dataset.video_processor.plan(m, conv.where, "clip") for m in dataset.index.videos(0)]
+    assert frames.shape == (len(plan.indices), *plan.size, 3) and metadata["frames_indices"] == list(plan.indices)
+    assert len(asked["multi_modal_data"]["image"]) == 1
+    image_pads = ids.count(processor.image_token_id)
+    video_pads = ids.count(processor.video_token_id) // len(plan.timestamps)
+    processor.expanded_images = [image_pads]
+    assert asked["prompt_token_ids"].count(processor.video_token_id) == 1
+    assert _expand(asked["prompt_token_ids"], processor, [(plan.timestamps, video_pads)]) == ids
+    # the first time text tokenized into the text before it (a real vocabulary's " <" token): not what vLLM writes
+    first = ids.index(processor.vision_start_id, ids.index(processor.image_token_id) + image_pads)  # the video's
+    at = first - len(processor.tokenizer.encode(f"<{plan.timestamps[0]:.1f} seconds>", add_special_tokens=False))
+    merged = ids[:at] + [ids[at] + 1] + ids[at + 1 :]  # its first token another
+    with pytest.raises(ValueError, match=r"row 0: the text before its video runs into its first time text"):
+        prompt_ids(merged, processor, [plan.timestamps], conv.where)
+
+
+def test_a_qwen2_5_vl_video_row_is_refused_naming_it(tmp_path):
+    dataset = _dataset(tmp_path, "qwen2_5_vl")
+    with pytest.raises(ValueError, match=r"rows.json: row 0: vLLM does not take this family's videos yet"):
+        request(dataset, 0)
