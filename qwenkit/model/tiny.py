@@ -16,6 +16,8 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -122,9 +124,11 @@ def _cache_root() -> Path:
 
 
 def ensure_checkpoint(
-    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = families.TINY_DEFAULT
-) -> Path:
-    """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``.
+    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = families.TINY_DEFAULT,
+    reshape: Reshape | None = None,
+) -> Path:  # fmt: skip
+    """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``
+    (``reshape``: its config changed first, e.g. :mod:`qwenkit.model.tiny_vllm`'s widths).
 
     The directory name hashes everything that determines its content, so a stale one is never
     reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
@@ -134,9 +138,11 @@ def ensure_checkpoint(
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
         | ({"family": family, "template": 2, "mtp": 1} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
+        | ({"reshape": reshape.name, "reshape_version": reshape.version} if reshape is not None else {})
     )
     root = Path(root) if root is not None else _cache_root()
-    path = root / f"tiny-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    prefix = f"tiny-{reshape.name}" if reshape is not None else "tiny"
+    path = root / f"{prefix}-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():
         return path
     import torch.distributed as dist
@@ -145,18 +151,18 @@ def ensure_checkpoint(
         # with a process group, transformers' save_pretrained writes weights on rank 0 only:
         # rank 0 writes, the others wait for it (every rank calls this collectively)
         if dist.get_rank() == 0:
-            _write_checkpoint(root, path, tie_word_embeddings, seed, family)
+            _write_checkpoint(root, path, tie_word_embeddings, seed, family, reshape)
         dist.barrier()
         return path
-    _write_checkpoint(root, path, tie_word_embeddings, seed, family)
+    _write_checkpoint(root, path, tie_word_embeddings, seed, family, reshape)
     return path
 
 
-def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: int, family: str) -> None:
+def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: int, family: str, reshape) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
-        save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed, family=family)
+        save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed, family=family, reshape=reshape)
         if not (tmp / "model.safetensors").is_file():
             raise RuntimeError(f"tiny checkpoint in {tmp} has no weights after save_pretrained")
         try:
@@ -168,12 +174,25 @@ def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: i
         raise
 
 
-def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = families.TINY_DEFAULT) -> None:
+@dataclass(frozen=True)
+class Reshape:
+    """A change of a family's tiny config before its model is built (``apply(config)``, in place), named
+    and versioned: both key the checkpoint's directory."""
+
+    name: str
+    version: int
+    apply: Callable
+
+
+def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = families.TINY_DEFAULT,
+                    reshape: Reshape | None = None) -> None:  # fmt: skip
     entry = families.get(family)
     processor = build_processor(family)
     vocab = len(processor.tokenizer)
     ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, *entry.audio_tokens)}
     config = entry.load("tiny_config")(-(-vocab // 64) * 64, ids, tie_word_embeddings)
+    if reshape is not None:
+        reshape.apply(config)
     if entry.mtp_layers:  # as the family's checkpoints say it (vLLM and SGLang read it)
         config.text_config.mtp_num_hidden_layers = entry.mtp_layers
     torch.manual_seed(seed)

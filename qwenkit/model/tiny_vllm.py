@@ -11,14 +11,7 @@ DeltaNet on CPU needs bf16 and linear-attention head dims of 128 in vLLM; it is 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
-import tempfile
 from pathlib import Path
-
-import torch
-import transformers
 
 from qwenkit.model import family as families
 from qwenkit.model import tiny
@@ -45,33 +38,15 @@ def widen(config):
     return config
 
 
+WIDENED = tiny.Reshape("vllm", 3, widen)  # keys the checkpoint directory (version: bumped when widen changes)
+
+
 def ensure_checkpoint(family: str = families.TINY_DEFAULT, seed: int = 0, root: str | Path | None = None) -> Path:
-    """Write (once) and return the widened tiny checkpoint of ``family`` (one of :data:`FAMILIES`)."""
+    """Write (once) and return the widened tiny checkpoint of ``family`` (one of :data:`FAMILIES`): the tiny
+    default's writer (:func:`qwenkit.model.tiny.ensure_checkpoint`) with :func:`widen` applied to its config."""
     if family not in FAMILIES:
         raise ValueError(f"no vLLM-shaped tiny model of {family!r}; these have one: {', '.join(FAMILIES)}")
-    key = json.dumps({"v": 2, "family": family, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__})
-    root = Path(root) if root is not None else tiny._cache_root()
-    path = root / f"tiny-vllm-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    if (path / "config.json").is_file():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-vllm-", dir=root))
-    try:
-        entry = families.get(family)
-        processor = tiny.build_processor(family)
-        ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
-        config = widen(entry.load("tiny_config")(-(-len(processor.tokenizer) // 64) * 64, ids))
-        torch.manual_seed(seed)
-        entry.load("hf_class")(config).save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return tiny.ensure_checkpoint(seed=seed, root=root, family=family, reshape=WIDENED)
 
 
 __all__ = ["FAMILIES", "ensure_checkpoint", "widen"]
