@@ -84,6 +84,19 @@ class Family:
     # modules HF's forward never reads (no gradient ever reaches them, so AdamW would keep no state for
     # them and a resumed run would miss it): frozen at build, still saved and exported as loaded
     never_trained: tuple[str, ...] = ()
+    # fused parameters the family's published checkpoints store transposed from transformers 5.x's modules
+    # (Qwen3-VL-MoE's experts: [E, hidden, 2·inter] and [E, inter, hidden] on disk, [E, out, in] held): 5.x
+    # transposes them on load (its conversion mapping) and writes its own layout on save; vLLM and 4.57 read Qwen's
+    checkpoint_transposed: tuple[str, ...] = ()
+    # why vLLM (grpo.rollout_engine, train.eval_engine, qwenkit eval --engine) cannot run the family; "" = it can
+    vllm_refusal: str = ""
+
+    def checkpoint_tensor(self, name: str, tensor):
+        """``tensor``, parameter ``name`` as this transformers holds it, in the layout of the family's checkpoints."""
+        if self.checkpoint_transposed and name.endswith(self.checkpoint_transposed):
+            if int(importlib.metadata.version("transformers").split(".")[0]) >= 5:  # 4.57 holds Qwen's layout
+                return tensor.transpose(1, 2)
+        return tensor
 
     def load(self, what: str):
         """The class (or function) an import path of this entry names."""
@@ -150,6 +163,10 @@ class Family:
             problem = aux_loss_sp_problem(path, sp)
             if problem:
                 problems.append(problem)
+        vllm = [k for k, v in (("grpo.rollout_engine", cfg.grpo.rollout_engine), ("train.eval_engine", cfg.train.eval_engine))
+                if v == "vllm"]  # fmt: skip
+        if vllm and self.vllm_refusal:
+            problems.append(f"{' and '.join(f'{k}=vllm' for k in vllm)}: {self.vllm_refusal}; use the hf engine")
         if cfg.parallel.ep_size > 1:
             problem = expert_parallel_problem(self, path, cfg.parallel.ep_size)
             if problem:
@@ -192,6 +209,10 @@ _QWEN3_5_PARTS = (
 )
 # Qwen3.5 templates as Qwen3-VL does, plus the thinking block of the replies after the last user turn
 _QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
+# what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
+_VLLM_MOE = ("vLLM 0.32 (CPU) loads a Qwen3-VL-MoE checkpoint (its greedy replies equal the kit's), but its in-place "
+             "reload of the fused experts, which every weight push uses, leaves wrong outputs (log-probs 0.07 off after "
+             "reloading the checkpoint's own expert tensors)")  # fmt: skip
 
 # what the Omni thinkers' chunk loss = HF is not yet tested with: refused before start
 _OMNI_NOT_EXACT = ("packing", "sequence parallelism", "LoRA", "DPO", "GRPO")
@@ -248,6 +269,8 @@ FAMILIES: dict[str, Family] = {
             **_QWEN3_DATA,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
+            checkpoint_transposed=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+            vllm_refusal=_VLLM_MOE,
         ),
         Family(
             name="qwen3_5",

@@ -182,6 +182,7 @@ class Reshape:
     name: str
     version: int
     apply: Callable
+    published_layout: bool = False  # weights written as the family's published checkpoints hold them (Family.checkpoint_tensor)
 
 
 def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = families.TINY_DEFAULT,
@@ -201,6 +202,12 @@ def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: i
     processor.save_pretrained(path)
     if entry.mtp_layers:
         _add_mtp(Path(path), model, entry.mtp_layers)
+    if reshape is not None and reshape.published_layout and entry.checkpoint_transposed:
+        from safetensors.torch import load_file, save_file
+
+        file = Path(path) / "model.safetensors"  # the tiny model: one file
+        weights = {k: entry.checkpoint_tensor(k, v).contiguous() for k, v in load_file(file).items()}
+        save_file(weights, file, metadata={"format": "pt"})
 
 
 def _add_mtp(path: Path, model, layers: int) -> None:

@@ -38,7 +38,8 @@ def widen(config):
     return config
 
 
-WIDENED = tiny.Reshape("vllm", 3, widen)  # keys the checkpoint directory (version: bumped when widen changes)
+# keys the checkpoint directory (version: bumped when widen changes); vLLM reads the published layout
+WIDENED = tiny.Reshape("vllm", 4, widen, published_layout=True)
 
 
 def ensure_checkpoint(family: str = families.TINY_DEFAULT, seed: int = 0, root: str | Path | None = None) -> Path:

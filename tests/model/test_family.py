@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint
+from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint, tiny_processor
 
 from qwenkit import config as qconfig
 from qwenkit import launch
@@ -169,3 +169,20 @@ def test_what_an_entry_has_not_made_exact_is_refused_before_start(tmp_path, monk
     assert code == 2 and f"{key}: qwen2_5_omni's" in err and "is not made exact yet" in err, err
     cfg = qconfig.load(overrides=["model.name=qwen2_5_omni"])
     assert families.get("qwen2_5_omni").problems(cfg) == []  # plain SFT runs
+
+
+@pytest.mark.parametrize("key", ["grpo.rollout_engine", "train.eval_engine"])
+def test_a_family_vllm_cannot_run_is_refused_before_start_and_by_qwenkit_eval(key):
+    """Qwen3-VL-MoE's entry says why vLLM cannot run it (its weight pushes): one line naming the key before any
+    process starts, and ``qwenkit eval --engine vllm`` stops before starting an engine (``spec_of``)."""
+    from qwenkit.engine.generation import vllm_engine
+
+    cfg = qconfig.load(overrides=["model.name=qwen3_vl_moe"])
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, "vllm")  # (the config check wants vLLM installed for this)
+    moe = families.get("qwen3_vl_moe")
+    assert moe.problems(cfg) == [f"{key}=vllm: {moe.vllm_refusal}; use the hf engine"]
+    assert "in-place reload of the fused experts" in moe.vllm_refusal
+    assert families.get("qwen3_vl").problems(cfg) == []
+    with pytest.raises(ValueError, match=r"^vLLM cannot run qwen3_vl_moe: .*; use the hf engine$"):
+        vllm_engine.spec_of(cfg, tiny_processor("qwen3_vl_moe"), str(tiny_checkpoint("qwen3_vl_moe")))

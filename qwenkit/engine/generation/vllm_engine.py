@@ -9,7 +9,8 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   ``reload_weights`` as a checkpoint tensor, so vLLM's own name mapping and its CPU backend's repacking
   apply (TRL's ``_sync_fsdp2_params_to_vllm``, verl's ``get_per_tensor_param``). Its prefix, encoder
   and multimodal caches are cleared after (the encoder cache holds features of the old weights:
-  EasyR1 clears it too). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
+  EasyR1 clears it too). Fused MoE experts go out in the family's published layout
+  (:meth:`qwenkit.model.family.Family.checkpoint_tensor`). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
   (:func:`hf_tensors`: the adapters stay unmerged in the trained model); DoRA and ``lora.modules_to_save``
   are refused before start (:mod:`qwenkit.config.vllm`).
 - **Prompts** (:mod:`qwenkit.engine.generation.vllm_requests`): the kit's own prompt token ids (the
@@ -45,6 +46,7 @@ from torch import nn
 
 from qwenkit.engine.generation.generate import Generation, reply_text
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
+from qwenkit.model import family as families
 from qwenkit.model import lora
 from qwenkit.model.modules import module_path
 from qwenkit.model.processor import pixel_bounds
@@ -118,13 +120,14 @@ class VllmEngine:
         """The weights of ``model`` (FSDP2-sharded or plain) into the engine; collective over the ranks
         that shard it. Returns the number of tensors pushed."""
         dtype = getattr(torch, self.spec.dtype)
+        family = families.of_model(model)
         count = 0
 
-        def tensors():
+        def tensors():  # as the checkpoint holds them: reload_weights reads checkpoint tensors
             nonlocal count
             for name, full in hf_tensors(model):
                 count += 1
-                yield name, full.to(dtype)
+                yield name, family.checkpoint_tensor(name, full).to(dtype).contiguous()
 
         with protected():
             self._wake("weights")
@@ -219,6 +222,8 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
     """The engine a run's config asks for (``vllm`` section, ``model.dtype``, the processor's pixel bounds):
     the same for GRPO's rollouts and evaluation, so they share it. A sequence holds ``data.max_length``
     tokens and the longer of the two generation limits."""
+    if why := processor.family.vllm_refusal:  # the launcher refused it already (Family.problems); qwenkit eval asks here
+        raise ValueError(f"vLLM cannot run {processor.family.name}: {why}; use the hf engine")
     lo, hi = pixel_bounds(processor.image_processor)
     v = cfg.vllm
     longest = cfg.data.max_length + max(cfg.grpo.max_new_tokens, cfg.train.eval_max_new_tokens)

@@ -17,7 +17,7 @@ vLLM takes a prompt's token ids with each image or video as one placeholder, and
   transformers >= 5.10) replaces by every patch's time text and span.
 
 **Qwen2.5-VL videos are refused.** Its video is one vision span of ``t`` temporal patches whose mRoPE time
-positions step by ``tokens_per_second · second_per_grid_ts``. vLLM 0.32 (``qwen2_5_vl.py``,
+positions step by ``tokens_per_second · second_per_grid_ts``. vLLM 0.32 (its Qwen2.5-VL model,
 ``get_mrope_input_positions``) starts the text after it at the span's largest position + 1, the temporal
 one included, as Qwen's reference and transformers 4.57 do; transformers 5.19 and 5.24
 (``Qwen2_5_VLModel.get_rope_index``: ``current_pos += max(grid_h, grid_w) // merge``) ignore the temporal
