@@ -210,9 +210,9 @@ _QWEN3_5_PARTS = (
 # Qwen3.5 templates as Qwen3-VL does, plus the thinking block of the replies after the last user turn
 _QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
-_VLLM_MOE = ("vLLM 0.32 (CPU) loads a Qwen3-VL-MoE checkpoint (its greedy replies equal the kit's), but its in-place "
-             "reload of the fused experts, which every weight push uses, leaves wrong outputs (log-probs 0.07 off after "
-             "reloading the checkpoint's own expert tensors)")  # fmt: skip
+_VLLM_MOE = ("vLLM 0.32 (CPU) loads this MoE checkpoint (its replies agree with the kit's), but its in-place reload of "
+             "the fused experts, which every weight push uses, leaves wrong outputs (Qwen3-VL-MoE: log-probs 0.07 off "
+             "after reloading the checkpoint's own expert tensors)")  # fmt: skip
 
 # what the Omni thinkers' chunk loss = HF is not yet tested with: refused before start
 _OMNI_NOT_EXACT = ("packing", "sequence parallelism", "LoRA", "DPO", "GRPO")
@@ -310,6 +310,7 @@ FAMILIES: dict[str, Family] = {
             mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
+            vllm_refusal=_VLLM_MOE,
         ),
         # Qwen2.5-Omni's thinker (the model trained; talker and token2wav are not loaded): Qwen2.5-VL's
         # vision tower and decoder plus a Whisper-style audio tower under model.audio_tower

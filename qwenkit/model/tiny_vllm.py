@@ -4,9 +4,11 @@ vLLM's CPU attention needs a head dim in {32, 64, 80, ..., 512}; the tiny defaul
 (:mod:`qwenkit.model.tiny`) has 16 (64 wide, 4 heads) in its text decoder and its vision tower, and
 other tests and recipes depend on its shapes. :func:`ensure_checkpoint` writes the same family's
 tiny checkpoint (the same tokenizer, processor, layers and token ids) twice as wide: text 128 wide
-with head dim 32 (mRoPE's sections summing to 16), vision 64 wide with head dim 32. Qwen3.5's Gated
-DeltaNet on CPU needs bf16 and linear-attention head dims of 128 in vLLM; it is not widened here
-(:data:`FAMILIES` lists what is).
+with head dim 32 (mRoPE's sections summing to 16; Qwen3.5 keeps its partial rotary sections), vision 64
+wide with head dim 32, and Qwen3.5's linear-attention key and value heads 128 wide (vLLM's CPU Gated
+DeltaNet takes no other, and runs bf16 only). It is the tiny default's writer with :func:`widen` as a
+:class:`~qwenkit.model.tiny.Reshape`, the weights in the family's published layout (Qwen3-VL-MoE's fused
+experts as Qwen's checkpoints hold them, which vLLM reads). :data:`FAMILIES` lists the families widened.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from pathlib import Path
 from qwenkit.model import family as families
 from qwenkit.model import tiny
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # the families whose widened tiny model vLLM runs on CPU
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # the families whose widened tiny model vLLM runs on CPU
 TEXT = dict(hidden_size=128, intermediate_size=256)  # 4 heads: head dim 32
 MROPE = [4, 6, 6]  # sums to head_dim / 2 = 16
+LINEAR_HEAD_DIM = 128  # Qwen3.5's linear-attention key and value heads
 VISION = dict(hidden_size=64, intermediate_size=128, out_hidden_size=128)  # 2 heads: head dim 32
 
 
@@ -30,7 +33,10 @@ def widen(config):
     if getattr(text, "head_dim", None) is not None:  # Qwen3-VL names it; Qwen2.5-VL derives it
         text.head_dim = TEXT["hidden_size"] // text.num_attention_heads
     rope = getattr(text, "rope_parameters", None) or text.rope_scaling  # 5.x | 4.57
-    rope["mrope_section"] = list(MROPE)
+    if rope.get("partial_rotary_factor", 1.0) == 1.0:  # Qwen3.5 rotates a quarter of its head dim 32: as it is
+        rope["mrope_section"] = list(MROPE)
+    if getattr(text, "linear_key_head_dim", None):  # vLLM's CPU Gated DeltaNet kernel takes head dims of 128
+        text.linear_key_head_dim = text.linear_value_head_dim = LINEAR_HEAD_DIM
     for k, v in VISION.items():
         setattr(config.vision_config, k, v)
     if getattr(text, "num_experts", None):  # HF's Qwen3-VL-MoE router always renormalises its top-k; vLLM reads it here
@@ -39,7 +45,7 @@ def widen(config):
 
 
 # keys the checkpoint directory (version: bumped when widen changes); vLLM reads the published layout
-WIDENED = tiny.Reshape("vllm", 4, widen, published_layout=True)
+WIDENED = tiny.Reshape("vllm", 5, widen, published_layout=True)
 
 
 def ensure_checkpoint(family: str = families.TINY_DEFAULT, seed: int = 0, root: str | Path | None = None) -> Path:

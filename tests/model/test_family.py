@@ -186,3 +186,17 @@ def test_a_family_vllm_cannot_run_is_refused_before_start_and_by_qwenkit_eval(ke
     assert families.get("qwen3_vl").problems(cfg) == []
     with pytest.raises(ValueError, match=r"^vLLM cannot run qwen3_vl_moe: .*; use the hf engine$"):
         vllm_engine.spec_of(cfg, tiny_processor("qwen3_vl_moe"), str(tiny_checkpoint("qwen3_vl_moe")))
+
+
+@pytest.mark.skipif(bool(families.get("qwen3_5").unavailable()), reason="transformers 4.x has no Qwen3.5")
+def test_vllm_on_cpu_runs_qwen3_5_in_bfloat16_only():
+    from qwenkit.engine.generation import vllm_engine
+
+    cfg = qconfig.load(overrides=["model.name=qwen3_5"])
+    args = (tiny_processor("qwen3_5"), str(tiny_checkpoint("qwen3_5")))
+    with pytest.raises(ValueError, match=r"^model.dtype=float32: vLLM's CPU backend runs qwen3_5's Gated DeltaNet layers "
+                                         r"in bfloat16 only; set model.dtype=bfloat16 or use the hf engine$"):  # fmt: skip
+        vllm_engine.spec_of(cfg, *args)
+    cfg.model.dtype = "bfloat16"
+    assert vllm_engine.spec_of(cfg, *args).dtype == "bfloat16"
+

@@ -222,8 +222,12 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
     """The engine a run's config asks for (``vllm`` section, ``model.dtype``, the processor's pixel bounds):
     the same for GRPO's rollouts and evaluation, so they share it. A sequence holds ``data.max_length``
     tokens and the longer of the two generation limits."""
-    if why := processor.family.vllm_refusal:  # the launcher refused it already (Family.problems); qwenkit eval asks here
-        raise ValueError(f"vLLM cannot run {processor.family.name}: {why}; use the hf engine")
+    family = processor.family
+    if why := family.vllm_refusal:  # the launcher refused it already (Family.problems); qwenkit eval asks here
+        raise ValueError(f"vLLM cannot run {family.name}: {why}; use the hf engine")
+    if "linear_attention" in family.mixers and cfg.model.dtype != "bfloat16" and not torch.cuda.is_available():
+        raise ValueError(f"model.dtype={cfg.model.dtype}: vLLM's CPU backend runs {family.name}'s Gated DeltaNet layers "
+                         "in bfloat16 only; set model.dtype=bfloat16 or use the hf engine")  # fmt: skip
     lo, hi = pixel_bounds(processor.image_processor)
     v = cfg.vllm
     longest = cfg.data.max_length + max(cfg.grpo.max_new_tokens, cfg.train.eval_max_new_tokens)
