@@ -1,8 +1,8 @@
 """What a family entry checks its config against: its layer kinds (:data:`MIXERS`), the features
 it has not made exact (:data:`NOT_EXACT`), a router's aux loss under sequence parallelism and
-expert parallelism against the checkpoint. :meth:`qwenkit.model.family.Family.problems` asks them.
+expert parallelism against the checkpoint. :meth:`qwenkit.model.family_entry.Family.problems` asks them.
 
-Light on purpose, as :mod:`qwenkit.model.family`: the standard library only.
+Light on purpose, as :mod:`qwenkit.model.family` and :mod:`qwenkit.model.family_entry`: the standard library only.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the annotation only: family imports this module
-    from qwenkit.model.family import Family
+if TYPE_CHECKING:  # the annotation only: family_entry imports this module
+    from qwenkit.model.family_entry import Family
 
 
 @dataclass(frozen=True)
 class Mixer:
-    """What one kind of sequence-mixing layer supports; a family lists its kinds in ``Family.mixers`` (:mod:`qwenkit.model.family`).
+    """What one kind of sequence-mixing layer supports; a family lists its kinds in ``Family.mixers`` (:mod:`qwenkit.model.family_entry`).
 
     A setting that would run a layer kind wrongly without a word is refused for every family that
     has such a layer, until it is exact (docs/ARCHITECTURE.md, "A new model family").

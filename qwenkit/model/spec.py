@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwenkit.model import family as families
-from qwenkit.model.family import Family
+from qwenkit.model.family_entry import Family
 from qwenkit.model.paths import resolve_path
 
 

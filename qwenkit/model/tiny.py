@@ -69,7 +69,7 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(chat_template: str = CHAT_TEMPLATE, added: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """Byte-level BPE with Qwen's pre-tokenizer and special tokens, trained on the synthetic corpus;
-    ``chat_template``: the family's (:attr:`qwenkit.model.family.Family.chat_template`); ``added``:
+    ``chat_template``: the family's (:attr:`qwenkit.model.family_entry.Family.chat_template`); ``added``:
     its added, not special, tokens (Qwen3.5's thinking tags)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()

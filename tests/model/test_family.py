@@ -19,6 +19,7 @@ from qwenkit.engine.run import prespawn
 from qwenkit.model import family as families
 from qwenkit.model import registry
 from qwenkit.model.chunked import ChunkLossMixin
+from qwenkit.model.family_limits import MIXERS, Mixer
 from qwenkit.model.modules import path_match
 
 
@@ -64,7 +65,7 @@ def test_the_registry_is_the_one_list_of_families():
     assert qconfig.MODEL_NAMES == tuple(families.FAMILIES) == FAMILIES
     assert families.TINY_DEFAULT in families.FAMILIES
     for family in families.FAMILIES.values():
-        assert set(family.mixers) <= set(families.MIXERS), family.name
+        assert set(family.mixers) <= set(MIXERS), family.name
 
 
 def _spelled(text: str, names) -> list[str]:
@@ -112,8 +113,8 @@ def test_params_files_do_not_copy_the_familys_units():
 def test_a_layer_kind_refuses_what_it_cannot_run(monkeypatch):
     """A family with a non-attention sequence mixer (a linear-attention layer) refuses SP, packing
     and an attention implementation its kind does not list; attention alone refuses none of them."""
-    monkeypatch.setitem(families.MIXERS, "linear_attention",
-                        families.Mixer(sequence_parallel=False, packing=False, attn_implementations=("sdpa",)))  # fmt: skip
+    monkeypatch.setitem(MIXERS, "linear_attention",
+                        Mixer(sequence_parallel=False, packing=False, attn_implementations=("sdpa",)))  # fmt: skip
     hybrid = dataclasses.replace(families.FAMILIES["qwen3_vl"], mixers=("attention", "linear_attention"))
     cfg = qconfig.load(overrides=["parallel.nproc=2", "parallel.sp_size=2", "model.attn_implementation=eager"])
     cfg.data.packing = True
