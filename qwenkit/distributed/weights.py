@@ -9,9 +9,10 @@ rows with safetensors directly, each shard's place in the full tensor taken from
 chunk list, as DCP's planner does.
 
 Qwen2.5-VL checkpoints name tensors in one of two layouts: the hub's (``model.layers.*``,
-``visual.*``, which transformers 5.x also writes) and transformers 4.52+'s in-memory one
-(``model.language_model.layers.*``, ``model.visual.*``). :func:`model_key` maps both to the
-model's state-dict keys.
+``visual.*``, ``audio_tower.*`` of an Omni thinker, which transformers 5.x also writes) and transformers
+4.52+'s in-memory one (``model.language_model.layers.*``, ``model.visual.*``). :func:`model_key` maps
+both to the model's state-dict keys. A whole Omni checkpoint holds the thinker's under ``thinker.``
+beside the talker's and the vocoder's: only the thinker's are read.
 """
 
 from __future__ import annotations
@@ -35,13 +36,19 @@ except ImportError:  # torch < 2.8
     HuggingFaceStorageReader = None
 
 from qwenkit.distributed.meta import tied_groups
+from qwenkit.model import family as families
 from qwenkit.model.lora import base_key, is_adapter_key
 from qwenkit.model.modules import module_path
 
 
-def model_key(file_key: str) -> str:
-    """A checkpoint tensor name in the model's state-dict layout."""
-    if file_key.startswith("visual."):
+def model_key(file_key: str, prefix: str = "") -> str | None:
+    """A checkpoint tensor name in the model's state-dict layout; None for a tensor of another part
+    of the whole checkpoint (``prefix``: the trained part's, e.g. ``thinker.``)."""
+    if prefix:
+        if not file_key.startswith(prefix):
+            return None
+        file_key = file_key[len(prefix) :]
+    if file_key.startswith(("visual.", "audio_tower.")):
         return "model." + file_key
     if file_key.startswith("model.") and not file_key.startswith(("model.language_model.", "model.visual.")):
         return "model.language_model." + file_key[len("model.") :]
@@ -57,7 +64,9 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     files = tensor_files(path)
     if not files:
         raise FileNotFoundError(f"model.path={str(path)!r}: no *.safetensors weights found")
-    by_model_key = {model_key(k): k for k in files}
+    whole = families.of_model(model).whole  # a whole Omni checkpoint: the thinker's tensors only
+    prefix = whole.prefix if whole is not None and any(k.startswith(whole.prefix) for k in files) else ""
+    by_model_key = {key: k for k in files if (key := model_key(k, prefix)) is not None}
     state = get_model_state_dict(model)  # sharded DTensors, keys without wrapper segments
     # LoRA: a base weight sits under .base_layer; adapters are in no base checkpoint (see load_adapters)
     file_key = {k: by_model_key[base_key(k)] for k in state if base_key(k) in by_model_key}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qwenkit.model.family_entry import Family
+from qwenkit.model.family_entry import Family, Whole
 
 __all__ = ["FAMILIES", "TINY_DEFAULT", "Family"]
 
@@ -175,6 +175,8 @@ FAMILIES: dict[str, Family] = {
             audio_tokens=("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"),
             hf_module="qwen2_5_omni",
             never_trained=("model.audio_tower.audio_bos_eos_token",),
+            whole=Whole("qwen2_5_omni", "transformers:Qwen2_5OmniForConditionalGeneration",
+                        "qwenkit.model.tiny_configs:qwen2_5_omni_whole_config", files=("spk_dict.pt",)),  # fmt: skip
             **_OMNI,
         ),
         # Qwen3-Omni's thinker: Qwen3-VL-MoE's DeepStack tower (its mergers under merger_list) and MoE decoder
@@ -197,7 +199,10 @@ FAMILIES: dict[str, Family] = {
             experts=("model.language_model.layers.*.mlp.experts",),
             audio_tokens=("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"),
             hf_module="qwen3_omni_moe",
-            **{**_OMNI, "not_exact": (*_OMNI["not_exact"], "expert parallelism")},
+            whole=Whole("qwen3_omni_moe", "transformers:Qwen3OmniMoeForConditionalGeneration",
+                        "qwenkit.model.tiny_configs:qwen3_omni_moe_whole_config"),  # fmt: skip
+            # its checkpoints store each expert's linears apart (HF fuses them at load): no meta init yet
+            **{**_OMNI, "not_exact": (*_OMNI["not_exact"], "expert parallelism", "meta init")},
         ),
     )
 }
@@ -244,11 +249,12 @@ def of_directory(path: str | Path, default: str = TINY_DEFAULT) -> Family:
 
 
 def resolve(name: str, path: str | Path) -> Family:
-    """``model.name``'s entry, or (``auto``) the one of the checkpoint's ``config.json`` ``model_type``;
-    a name the checkpoint disagrees with is refused (before any rank starts: the launcher builds
+    """``model.name``'s entry, or (``auto``) the one of the checkpoint's ``config.json`` ``model_type``
+    (the family's own, or that of the whole model it is part of: a whole Omni checkpoint is its thinker's
+    family); a name the checkpoint disagrees with is refused (before any rank starts: the launcher builds
     the module tree on meta through this)."""
     model_type = _model_type(path)
-    by_type = [f for f in FAMILIES.values() if f.model_type == model_type]
+    by_type = [f for f in FAMILIES.values() if f.holds(model_type)]
     if name == "auto":
         if not by_type:
             raise ValueError(
@@ -256,7 +262,7 @@ def resolve(name: str, path: str | Path) -> Family:
             )
         return by_type[0]
     family = get(name)
-    if family.model_type != model_type:
+    if not family.holds(model_type):
         hint = f"model.name={by_type[0].name} or auto" if by_type else "a checkpoint of that family"
         raise ValueError(f"model.name={name!r} but {path}/config.json has model_type={model_type!r}: use {hint}")
     return family

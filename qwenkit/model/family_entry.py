@@ -21,7 +21,37 @@ from pathlib import Path
 from qwenkit.model.family_limits import MIXERS, NOT_EXACT, aux_loss_sp_problem, expert_parallel_problem
 from qwenkit.model.modules import prefix_match
 
-__all__ = ["Family"]
+__all__ = ["Family", "Whole"]
+
+
+@dataclass(frozen=True)
+class Whole:
+    """The whole model a family's model is one part of, as its checkpoints ship it: Qwen-Omni's thinker
+    beside the talker and the vocoder (token2wav, code2wav). qwenkit trains the part; a checkpoint of the
+    whole is read for the part's weights and config, and the export writes the whole back
+    (:func:`qwenkit.engine.checkpoints.export.keep_whole`)."""
+
+    model_type: str  # the whole checkpoint's config.json model_type
+    hf_class: str  # transformers' class of the whole, "module:attr": what an export of it loads in
+    tiny_config: str  # the tiny whole's config builder around the family's tiny config, "module:attr"
+    part: str = "thinker"  # the part's attribute in the whole: its key prefix and its "<part>_config"
+    # files beside the weights that HF's class of the whole reads (Qwen2.5-Omni's speakers: from_pretrained
+    # refuses a directory without them); the tiny whole writes them, the export carries them
+    files: tuple[str, ...] = ()
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.part}."
+
+    def load(self, what: str):
+        """The class (or function) an import path of the whole names (``hf_class``, ``tiny_config``)."""
+        return _imported(getattr(self, what))
+
+
+def _imported(path: str):
+    """What an import path ``module:attr`` names."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 @dataclass(frozen=True)
@@ -76,11 +106,16 @@ class Family:
     # modules HF's forward never reads (no gradient ever reaches them, so AdamW would keep no state for
     # them and a resumed run would miss it): frozen at build, still saved and exported as loaded
     never_trained: tuple[str, ...] = ()
+    # the whole model the family's checkpoints may hold it in (Omni: thinker, talker, vocoder); None: alone
+    whole: Whole | None = None
+
+    def holds(self, model_type: str | None) -> bool:
+        """Whether a checkpoint of ``model_type`` holds this family's model: its own, or its whole's."""
+        return model_type == self.model_type or (self.whole is not None and model_type == self.whole.model_type)
 
     def load(self, what: str):
         """The class (or function) an import path of this entry names."""
-        module, _, attr = getattr(self, what).partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return _imported(getattr(self, what))
 
     def unavailable(self) -> str | None:
         """Why this transformers install cannot build the family (4.57 has no Qwen3.5), or None."""
@@ -139,7 +174,7 @@ class Family:
                 f"{', '.join(self.fused_ops)}); leave them out, or use auto"
             )
         if path is not None and sp > 1 and self.aux_loss:
-            problem = aux_loss_sp_problem(path, sp)
+            problem = aux_loss_sp_problem(self, path, sp)
             if problem:
                 problems.append(problem)
         if cfg.parallel.ep_size > 1:

@@ -52,11 +52,24 @@ NOT_EXACT = {
     "DPO": (lambda cfg: "train.objective=dpo", lambda cfg: cfg.train.objective == "dpo"),
     "GRPO": (lambda cfg: "train.objective=grpo", lambda cfg: cfg.train.objective == "grpo"),
     "expert parallelism": (lambda cfg: f"parallel.ep_size={cfg.parallel.ep_size}", lambda cfg: cfg.parallel.ep_size > 1),
+    # the meta path's reader (qwenkit.distributed.weights) maps checkpoint keys one to one: checkpoints that
+    # store each expert's linears apart (Qwen3-Omni's) would need them fused into the 3-D expert weights
+    "meta init": (lambda cfg: "model.init_device=meta", lambda cfg: cfg.model.init_device == "meta"),
 }
 
 
-def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
-    """Why ``parallel.sp_size`` > 1 cannot train the checkpoint at ``path`` (a family with ``aux_loss``) exactly.
+def text_config(family: Family, path: str | Path) -> dict:
+    """The text decoder's section of the checkpoint's ``config.json``: ``text_config`` (or the file itself),
+    inside the part's section of a checkpoint of ``family``'s whole model (a full Omni one: ``thinker_config``)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    whole = family.whole
+    if whole is not None and config.get("model_type") == whole.model_type:
+        config = config[f"{whole.part}_config"]
+    return config.get("text_config", config)
+
+
+def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str | None:
+    """Why ``parallel.sp_size`` > 1 cannot train the checkpoint at ``path`` (of ``family``, one with ``aux_loss``) exactly.
 
     A router's load-balancing loss is a product of two means over the tokens of the forward
     (the fraction routed to each expert times its mean probability): under Ulysses each rank
@@ -64,8 +77,7 @@ def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
     the whole sequence. So it is refused with SP while the checkpoint's config turns the loss on
     (``text_config.output_router_logits``, ``router_aux_loss_coef`` > 0).
     """
-    config = json.loads((Path(path) / "config.json").read_text())
-    text = config.get("text_config", config)
+    text = text_config(family, path)
     coef = text.get("router_aux_loss_coef", 0)
     if not (text.get("output_router_logits") and coef):
         return None
@@ -89,8 +101,7 @@ def expert_parallel_problem(family: Family, path: str | Path | None, ep_size: in
         return f"parallel.ep_size={ep_size} needs transformers >= 5 (installed: {version}); use parallel.ep_size=1"
     if path is None:
         return None
-    text = json.loads((Path(path) / "config.json").read_text())
-    text = text.get("text_config", text)
+    text = text_config(family, path)
     experts = text.get("num_experts", text.get("num_local_experts"))  # the hub's name; what transformers 5 writes
     if not experts or experts % ep_size:
         return (

@@ -19,7 +19,7 @@ from qwenkit.engine.run import prespawn
 from qwenkit.model import family as families
 from qwenkit.model import registry
 from qwenkit.model.chunked import ChunkLossMixin
-from qwenkit.model.family_limits import MIXERS, Mixer
+from qwenkit.model.family_limits import MIXERS, NOT_EXACT, Mixer
 from qwenkit.model.modules import path_match
 
 
@@ -152,21 +152,23 @@ def test_expert_parallel_needs_a_moe_checkpoint_whose_experts_it_divides(family,
 
 
 @pytest.mark.parametrize(
-    "overrides, key",
+    "family, overrides, key",
     [
-        (["data.packing=true"], "data.packing=true"),
-        (["parallel.nproc=2", "parallel.sp_size=2"], "parallel.sp_size=2"),
-        (["lora.r=4"], "lora.r=4"),
-        (["train.objective=dpo"], "train.objective=dpo"),
-        (["train.objective=grpo"], "train.objective=grpo"),
+        ("qwen2_5_omni", ["data.packing=true"], "data.packing=true"),
+        ("qwen2_5_omni", ["parallel.nproc=2", "parallel.sp_size=2"], "parallel.sp_size=2"),
+        ("qwen2_5_omni", ["lora.r=4"], "lora.r=4"),
+        ("qwen2_5_omni", ["train.objective=dpo"], "train.objective=dpo"),
+        ("qwen2_5_omni", ["train.objective=grpo"], "train.objective=grpo"),
+        ("qwen3_omni_moe", ["model.init_device=meta"], "model.init_device=meta"),
     ],
 )
 @pytest.mark.skipif(bool(families.get("qwen2_5_omni").unavailable()), reason="transformers 4.x has no Omni thinker tree")
-def test_what_an_entry_has_not_made_exact_is_refused_before_start(tmp_path, monkeypatch, capsys, overrides, key):
+def test_what_an_entry_has_not_made_exact_is_refused_before_start(tmp_path, monkeypatch, capsys, family, overrides, key):
     """Every feature in an entry's ``not_exact`` (the Omni thinkers') is one line before any process starts."""
+    assert any(NOT_EXACT[f][1](qconfig.load(overrides=overrides)) for f in families.get(family).not_exact)
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("spawned"))
-    code = launch.launch(None, ["model.name=qwen2_5_omni", *overrides, f"train.output_dir={tmp_path}"])
+    code = launch.launch(None, [f"model.name={family}", *overrides, f"train.output_dir={tmp_path}"])
     err = capsys.readouterr().err
-    assert code == 2 and f"{key}: qwen2_5_omni's" in err and "is not made exact yet" in err, err
-    cfg = qconfig.load(overrides=["model.name=qwen2_5_omni"])
-    assert families.get("qwen2_5_omni").problems(cfg) == []  # plain SFT runs
+    assert code == 2 and f"{key}: {family}'s" in err and "is not made exact yet" in err, err
+    cfg = qconfig.load(overrides=[f"model.name={family}"])
+    assert families.get(family).problems(cfg) == []  # plain SFT runs
