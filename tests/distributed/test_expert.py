@@ -350,7 +350,7 @@ def _experts_layout(model) -> list[list[str]]:
             if ".experts." in n and n.rpartition(".")[2] in ("gate_up_proj", "down_proj")]  # fmt: skip
 
 
-# the Omni MoE thinker's variants (~60 s more on 2 CPU ranks) run in the long tier: its EP dispatch is
+# the Omni MoE thinker's variants (~20 s more on 2 quiet CPU ranks, ~60 s loaded) run in the long tier: its EP dispatch is
 # test_two_ranks_ep2_equal_ep1's in make test, and each objective runs for it in one process there
 LONG_VARIANTS = tuple(k for k in VARIANTS if families.get(k[0]).audio_tokens)
 

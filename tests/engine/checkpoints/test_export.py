@@ -285,7 +285,8 @@ def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_ten
     """A run trains the thinker of a full Omni checkpoint (thinker, talker, token2wav or code2wav): one step,
     then the export loads in HF's class of the whole, its thinker the trained one, every other tensor the
     base's bit for bit in the base's dtype (one kept in bf16 here: not cast to the run's), and the whole's
-    config, the speakers HF's class needs (Qwen2.5-Omni) and the processor files beside them."""
+    config, the speakers HF's class needs (Qwen2.5-Omni) and the processor files beside them; ``qwenkit eval``
+    of the export evaluates its thinker."""
     import shutil
 
     from safetensors import safe_open
@@ -321,3 +322,5 @@ def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_ten
     assert json.loads((exported / "config.json").read_text()) == json.loads((base / "config.json").read_text())
     for name in (*entry.whole.files, "tokenizer.json", "preprocessor_config.json", "generation_config.json"):
         assert (exported / name).is_file(), name
+    model = evaluate.load_for_eval(exported)[0]  # qwenkit eval of the whole export: its thinker
+    assert type(model) is entry.load("hf_class") and all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
