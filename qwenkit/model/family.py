@@ -203,8 +203,7 @@ FAMILIES: dict[str, Family] = {
             hf_module="qwen3_omni_moe",
             whole=Whole("qwen3_omni_moe", "transformers:Qwen3OmniMoeForConditionalGeneration",
                         "qwenkit.model.tiny_configs:qwen3_omni_moe_whole_config"),  # fmt: skip
-            # its checkpoints store each expert's linears apart (HF fuses them at load): no meta init yet
-            **{**_OMNI, "not_exact": (*_OMNI["not_exact"], "meta init")},
+            **_OMNI,
         ),
     )
 }

@@ -52,9 +52,6 @@ NOT_EXACT = {
     "DPO": (lambda cfg: "train.objective=dpo", lambda cfg: cfg.train.objective == "dpo"),
     "GRPO": (lambda cfg: "train.objective=grpo", lambda cfg: cfg.train.objective == "grpo"),
     "expert parallelism": (lambda cfg: f"parallel.ep_size={cfg.parallel.ep_size}", lambda cfg: cfg.parallel.ep_size > 1),
-    # the meta path's reader (qwenkit.distributed.weights) maps checkpoint keys one to one: checkpoints that
-    # store each expert's linears apart (Qwen3-Omni's) would need them fused into the 3-D expert weights
-    "meta init": (lambda cfg: "model.init_device=meta", lambda cfg: cfg.model.init_device == "meta"),
 }
 
 
