@@ -149,8 +149,8 @@ def keep_whole(spec: ModelSpec, out: Path) -> int:
     """Put the trained part at ``out`` (what ``save_pretrained`` wrote of a thinker) back into the whole
     model of ``spec``'s checkpoint (a full Omni one); returns how many of the whole's other tensors it carries.
 
-    The part's tensors get the whole's prefix (``thinker.``: HF's class of the whole saves its part's keys
-    as the part's own class does, under that prefix); every other tensor of the base (talker, token2wav or
+    The part's tensors get the whole's prefix where they lack it (``thinker.``: HF's class of the whole saves
+    its part's keys as the part's own class does, under that prefix); every other tensor of the base (talker, token2wav or
     code2wav) is copied byte for byte, one base file at a time, into ``whole-<base file name>``; the index
     lists both. The base's ``config.json`` (the whole's), ``generation_config.json`` and the files HF's
     class of the whole reads beside the weights (:attr:`qwenkit.model.family_entry.Whole.files`: Qwen2.5-Omni's
@@ -164,7 +164,8 @@ def keep_whole(spec: ModelSpec, out: Path) -> int:
     part_files = sorted(set(json.loads((out / INDEX).read_text())["weight_map"].values())) if (out / INDEX).is_file() \
         else ["model.safetensors"]  # fmt: skip
     for name in part_files:  # one of the part's files at a time
-        tensors = {whole.prefix + k: v for k, v in load_file(out / name).items()}
+        # a part loaded from the whole by from_pretrained (a LoRA run's merge) saves its keys prefixed already
+        tensors = {k if k.startswith(whole.prefix) else whole.prefix + k: v for k, v in load_file(out / name).items()}
         save_file(tensors, out / name, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, name)
         size += sum(t.numel() * t.element_size() for t in tensors.values())

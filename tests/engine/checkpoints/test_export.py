@@ -281,12 +281,14 @@ def test_every_subcommand_reports_bad_input_in_one_line_with_status_2(command, t
 
 
 @AUDIO_FAMILY
-def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_tensors_byte_for_byte(family, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_tensors_byte_for_byte(family, tmp_path, lora):
     """A run trains the thinker of a full Omni checkpoint (thinker, talker, token2wav or code2wav): one step,
     then the export loads in HF's class of the whole, its thinker the trained one, every other tensor the
     base's bit for bit in the base's dtype (one kept in bf16 here: not cast to the run's), and the whole's
     config, the speakers HF's class needs (Qwen2.5-Omni) and the processor files beside them; ``qwenkit eval``
-    of the export evaluates its thinker."""
+    of the export evaluates its thinker. A LoRA run: ``--merge`` is that whole with the merged thinker, the
+    adapter export goes onto the thinker read from the whole base (docs/CHECKPOINTS.md)."""
     import shutil
 
     from safetensors import safe_open
@@ -303,9 +305,10 @@ def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_ten
     others[bf16] = others[bf16].to(torch.bfloat16)
     save_file(weights | others, base / "model.safetensors", metadata={"format": "pt"})
     run = tmp_path / "run"
-    cfg = qconfig.load(overrides=[*RUN, f"model.path={base}", f"train.output_dir={run}", "train.lr=0.01"])
+    adapters = ["lora.r=4", "lora.alpha=8"] if lora else []
+    cfg = qconfig.load(overrides=[*RUN, f"model.path={base}", f"train.output_dir={run}", "train.lr=0.01", *adapters])
     train.run(cfg)
-    exported = hf_export.export(run, tmp_path / "hf", cfg)
+    exported = hf_export.export(run, tmp_path / "hf", cfg, merge=lora)
     index = json.loads((exported / hf_export.INDEX).read_text())["weight_map"]
     assert others.keys() < index.keys()
     for key, value in others.items():
@@ -324,3 +327,14 @@ def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_ten
         assert (exported / name).is_file(), name
     model = evaluate.load_for_eval(exported)[0]  # qwenkit eval of the whole export: its thinker
     assert type(model) is entry.load("hf_class") and all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    if lora:
+        from peft import PeftModel
+        from transformers import AutoConfig
+
+        adapter = hf_export.export(run, tmp_path / "adapter", cfg)
+        assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+        thinker = entry.load("hf_class").from_pretrained(base, config=AutoConfig.from_pretrained(base).thinker_config,
+                                                         dtype=torch.float32)  # the run's model.dtype  # fmt: skip
+        merged = PeftModel.from_pretrained(thinker, adapter).merge_and_unload().state_dict()
+        for key, value in trained.items():
+            torch.testing.assert_close(merged[key], value, rtol=1e-6, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")
