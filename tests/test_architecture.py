@@ -148,7 +148,7 @@ FLOORS = {
 }
 # the leaf reads the family registry, the one list of families (model.name's allowed values): a
 # light module of the standard library and the module-path rule only (test_the_family_table_is_light)
-FAMILY_TABLE = ("qwenkit.model.family", "qwenkit.model.family_limits", "qwenkit.model.modules")
+FAMILY_TABLE = ("qwenkit.model.family", "qwenkit.model.family_entry", "qwenkit.model.family_limits", "qwenkit.model.modules")
 # data needs the model floor's light modules (paths, processor, tokens, loss constants), never its code.
 MODEL_CODE = ("qwenkit.model.qwen2_5_vl", "qwenkit.model.registry")
 
