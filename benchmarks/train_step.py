@@ -400,7 +400,7 @@ def rollout_worker(args, config, shapes, device, dtype) -> dict:
     prompt = {k: batch[k][:1, :prompt_len] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in batch}
     grid = batch["image_grid_thw"][:1]
     prompt |= {"pixel_values": batch["pixel_values"][: int(grid.prod())], "image_grid_thw": grid}
-    prompts = args.lockstep_prompts if args.variant == "rollout-lockstep" else args.rollout_prompts
+    prompts = args.lockstep_prompts if args.variant == "rollout-lockstep" else args.rollout_prompts[0]
     end = 0  # suppressed: every completion runs to its full length
     reset_peak_memory(device)
     with count_all_gathers() as gathers:
@@ -429,7 +429,8 @@ def dpo_main(args) -> int:
     """``--objective dpo`` or ``grpo``: the two-row steps of the module docstring, each against its full-logits step."""
     grpo = args.objective == "grpo"
     variants = args.variants or list(GRPO_VARIANTS + ROLLOUT_VARIANTS if grpo else DPO_VARIANTS)
-    rollout_rows = [_spawn(args, v) for v in variants if v in ROLLOUT_VARIANTS]
+    rollout_rows = [_spawn(args, v, p) for v in variants if v in ROLLOUT_VARIANTS
+                    for p in (args.rollout_prompts if v == "rollout" else [None])]  # fmt: skip
     variants = [v for v in variants if v not in ROLLOUT_VARIANTS]
     what = f"GRPO learner step (grpo.beta {args.beta}), two completions" if grpo else "DPO step, one pair"
     print(f"{what} of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "
@@ -484,11 +485,11 @@ def _mfu_cell(value: float | None, width: int) -> str:
     return f"{value:>{width}.2f}" if value is not None else f"{'error':>{width}}"
 
 
-def _spawn(args, variant: str) -> dict:
+def _spawn(args, variant: str, rollout_prompts: int | None = None) -> dict:
     cmd = [__file__, "--worker", "--variant", variant, "--device", args.device,
            "--shapes", args.shapes, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--gemm-size", str(args.gemm_size), "--objective", args.objective, "--family", args.family, "--beta", str(args.beta),
-           "--rollout-prompts", str(args.rollout_prompts), "--lockstep-prompts", str(args.lockstep_prompts)]  # fmt: skip
+           "--rollout-prompts", str(rollout_prompts or args.rollout_prompts[0]), "--lockstep-prompts", str(args.lockstep_prompts)]  # fmt: skip
     return fresh_process(cmd, f"variant {variant}")  # the same allocator for every variant
 
 
@@ -505,7 +506,8 @@ def main(argv=None) -> int:
     p.add_argument("--beta", type=float, default=None,
                    help="grpo: the KL weight of every variant (default: grpo.beta's default; 0 builds no reference)")
     p.add_argument("--variants", nargs="+", default=None)
-    p.add_argument("--rollout-prompts", type=int, default=4, help="grpo: prompts (x 2 completions) of the rollout variant")
+    p.add_argument("--rollout-prompts", type=int, nargs="+", default=[4],
+                   help="grpo: prompts (x 2 completions) of the rollout variant; several: one process each")
     p.add_argument("--lockstep-prompts", type=int, default=1,
                    help="grpo: prompts of rollout-lockstep (one generate call each: its tokens/s do not depend on it)")
     p.add_argument("--family", default="qwen2_5_vl", choices=list(CONFIGS), help="the model family (model.name)")

@@ -24,7 +24,7 @@ Besides torch's own behaviour it
   when a stop signal ended ranks that had not saved, and when torchrun itself raised;
 - with ``--max-restarts`` (c10d): restarts the group after a failure, not after ranks that
   saved and stopped (exit ``EXIT_RESUMABLE``: a stop was asked for, by a signal or
-  ``train.stop_after``), and says in the final headline how many restarts were used. The
+  ``train.stop_after``) nor after a rank's input error (it would recur), and says in the final headline how many restarts were used. The
   restarted ranks resume from the newest complete checkpoint (:func:`qwenkit.engine.run.rank.main` sets ``train.resume: auto``).
 """
 
@@ -85,12 +85,14 @@ def _record_shutdown(shutdown):
 
 
 def _stops_are_not_failures(monitor):
-    """Ranks that exit ``EXIT_RESUMABLE`` saved and stopped as asked: end the job, never restart it."""
+    """End the job, never restart it, when the ranks that exit ``EXIT_RESUMABLE`` saved and stopped as
+    asked, or when a rank recorded an input error (a bad row, a reward's value: every attempt would read
+    the same files and fail alike)."""
 
     def wrapped(self, worker_group):
         result = monitor(self, worker_group)
         failures = getattr(result, "failures", None) or {}
-        if failures and all(f.exitcode == EXIT_RESUMABLE for f in failures.values()):
+        if failures and (all(f.exitcode == EXIT_RESUMABLE for f in failures.values()) or _input_failure()):
             self._remaining_restarts = 0
         return result
 

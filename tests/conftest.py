@@ -78,10 +78,11 @@ def family(request):
 
 
 @functools.cache
-def tiny_checkpoint(family: str = "qwen2_5_vl"):
+def tiny_checkpoint(family: str = "qwen2_5_vl", whole: bool = False):
+    """The family's tiny checkpoint; ``whole``: the whole model it is part of (a full Omni checkpoint)."""
     from qwenkit.model.tiny import ensure_checkpoint
 
-    return ensure_checkpoint(family=family)
+    return ensure_checkpoint(family=family, whole=whole)
 
 
 @functools.cache

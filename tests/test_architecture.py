@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import package_modules
@@ -147,7 +148,7 @@ FLOORS = {
 }
 # the leaf reads the family registry, the one list of families (model.name's allowed values): a
 # light module of the standard library and the module-path rule only (test_the_family_table_is_light)
-FAMILY_TABLE = ("qwenkit.model.family", "qwenkit.model.family_limits", "qwenkit.model.modules")
+FAMILY_TABLE = ("qwenkit.model.family", "qwenkit.model.family_entry", "qwenkit.model.family_limits", "qwenkit.model.modules")
 # data needs the model floor's light modules (paths, processor, tokens, loss constants), never its code.
 MODEL_CODE = ("qwenkit.model.qwen2_5_vl", "qwenkit.model.registry")
 
@@ -240,3 +241,33 @@ def test_only_the_model_floor_finds_a_checkpoints_family():
     assert _family_lookups("json.loads((path / 'config.json').read_text())") == ["line 1: reads config.json"]
     assert _family_lookups("open(os.path.join(d, 'config.json'))") == ["line 1: opens config.json"]
     assert _family_lookups("(p / 'config.json').is_file(); (p / 'adapter_config.json').read_text()") == []
+
+
+def _tree_listing() -> dict[str, set[str]]:
+    """docs/ARCHITECTURE.md's package tree: each folder's line (``├── data/  a b c  what they do``) to the
+    module names it lists (the words before the first gap of two spaces; ``samples(01)`` names ``samples``)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    tree = text[text.index("```\nqwenkit/") : text.index("```", text.index("```\nqwenkit/") + 3)]
+    listing = {}
+    for line in tree.splitlines():
+        match = re.match(r"^[\s│]*[├└]── ([a-z_]+)/\s+(.*)$", line)
+        if match:
+            names = re.split(r"\s{2,}", match[2].strip())[0].split()
+            listing[match[1]] = {re.sub(r"\(.*\)$", "", n).removesuffix(".py") for n in names}
+    return listing
+
+
+def test_the_tree_of_the_architecture_page_lists_every_module():
+    """The newcomer's first page stays true: every module of each folder the tree shows is on its line, and
+    every name on a line is a module there (``config/``'s line lists the top-level leaves instead)."""
+    listing = _tree_listing()
+    missing, stale = [], []
+    for folder, names in listing.items():
+        if folder == "config":
+            continue
+        path = next(p for p in [PACKAGE / folder, PACKAGE / "engine" / folder] if p.is_dir())
+        modules = {p.stem for p in path.glob("*.py") if p.stem != "__init__"}
+        missing += [f"{folder}/{m}" for m in sorted(modules - names)]
+        stale += [f"{folder}/{n}" for n in sorted(names - modules)]
+    assert {"engine", "run", "objectives", "generation", "checkpoints", "data", "model"} <= set(listing)
+    assert not missing and not stale, f"docs/ARCHITECTURE.md's tree: missing {missing}, not modules {stale}"

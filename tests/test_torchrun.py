@@ -182,3 +182,29 @@ def test_an_eval_rank_that_said_its_input_error_is_not_announced_again(tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert [line for line in proc.stderr.splitlines() if "qwenkit" in line or "exitcode" in line] == [
         "qwenkit eval: --data x.json: row 3 is bad"], proc.stderr  # fmt: skip
+
+
+def test_a_rank_input_error_is_not_restarted(tmp_path):
+    """A bad row or a reward's bad value fails every attempt alike: with ``parallel.max_restarts`` the group is
+    not restarted for it (each restart would read the same rows again), the rank's one line is the output."""
+    from multiproc import free_port
+
+    from qwenkit.engine.run.events import EventLog
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\nfrom pathlib import Path\nfrom qwenkit.engine.run.events import EventLog\n"
+        "out = Path(sys.argv[1])\n(out / f\"start-{os.environ['RANK']}-{os.environ['TORCHELASTIC_RESTART_COUNT']}\").touch()\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    EventLog(out, 0).failed(ValueError('x'), 'qwenkit train: data.json: row 3: bad_format', user_input=True)\n"
+        "    print('qwenkit train: data.json: row 3: bad_format', file=sys.stderr)\n"
+        "sys.exit(1)\n")  # fmt: skip
+    EventLog(tmp_path, 0)  # the launcher's events.jsonl exists before the ranks start
+    cmd = [sys.executable, "-m", "qwenkit.torchrun", f"--events-dir={tmp_path}", "--nnodes=1", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--max-restarts=2",
+           str(script), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("start-*")) == ["start-0-0", "start-1-0"], proc.stderr[-3000:]
+    assert "restart" not in proc.stderr, proc.stderr[-3000:]

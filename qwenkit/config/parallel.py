@@ -99,7 +99,7 @@ _EP_NOT_WITH = (
 
 def _check_expert_parallel(cfg: Config, need: Need) -> None:
     """``parallel.ep_size``; the family (a MoE?) and its expert count are checked by the launcher
-    (:meth:`qwenkit.model.family.Family.problems`: they need the checkpoint's config)."""
+    (:meth:`qwenkit.model.family_entry.Family.problems`: they need the checkpoint's config)."""
     ep = cfg.parallel.ep_size
     need(ep >= 1, f"parallel.ep_size must be >= 1, got {ep}")
     if ep <= 1:

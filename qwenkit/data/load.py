@@ -100,12 +100,13 @@ def _unreadable(index) -> None:
         )
 
 
-def cached_problem(data: DataConfig, processor: Processor, reads: str = "conversations") -> str | None:
+def cached_problem(data: DataConfig, processor: Processor, reads: str = "conversations", source=None) -> str | None:
     """What :func:`read_checked` would raise in every rank, found before any rank starts, when the
     dataset's index is in the cache already (an earlier start, ``qwenkit data prepare``): the first
     bad row (``on_bad_sample: error``), an unreadable file, more than ``data.max_bad_fraction`` bad
-    rows. None when all is well or nothing is cached (the ranks scan and check)."""
-    sources, indexed = open_dataset(data, None, reads), index_data(data, reads)
+    rows. None when all is well or nothing is cached (the ranks scan and check). ``source``: another
+    dataset than ``data.path`` read with the same settings (``data.eval_path``), as :func:`read_checked`'s."""
+    sources, indexed = open_dataset(data, source, reads), index_data(data, reads)
     loaded = SampleIndex.load(cache.index_path(sources, processor, indexed, reads == "prompts"))
     if loaded is None:
         return None

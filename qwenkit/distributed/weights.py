@@ -9,9 +9,12 @@ rows with safetensors directly, each shard's place in the full tensor taken from
 chunk list, as DCP's planner does.
 
 Qwen2.5-VL checkpoints name tensors in one of two layouts: the hub's (``model.layers.*``,
-``visual.*``, which transformers 5.x also writes) and transformers 4.52+'s in-memory one
-(``model.language_model.layers.*``, ``model.visual.*``). :func:`model_key` maps both to the
-model's state-dict keys.
+``visual.*``, ``audio_tower.*`` of an Omni thinker, which transformers 5.x also writes) and transformers
+4.52+'s in-memory one (``model.language_model.layers.*``, ``model.visual.*``). :func:`model_key` maps
+both to the model's state-dict keys. A whole Omni checkpoint holds the thinker's under ``thinker.``
+beside the talker's and the vocoder's: only the thinker's are read. Qwen3-Omni's checkpoints hold each
+expert's linears apart (``mlp.experts.N.gate_proj.weight``): :func:`read_experts` fuses them into the
+model's 3-D expert weights, each rank reading only its experts.
 """
 
 from __future__ import annotations
@@ -35,13 +38,19 @@ except ImportError:  # torch < 2.8
     HuggingFaceStorageReader = None
 
 from qwenkit.distributed.meta import tied_groups
+from qwenkit.model import family as families
 from qwenkit.model.lora import base_key, is_adapter_key
 from qwenkit.model.modules import module_path
 
 
-def model_key(file_key: str) -> str:
-    """A checkpoint tensor name in the model's state-dict layout."""
-    if file_key.startswith("visual."):
+def model_key(file_key: str, prefix: str = "") -> str | None:
+    """A checkpoint tensor name in the model's state-dict layout; None for a tensor of another part
+    of the whole checkpoint (``prefix``: the trained part's, e.g. ``thinker.``)."""
+    if prefix:
+        if not file_key.startswith(prefix):
+            return None
+        file_key = file_key[len(prefix) :]
+    if file_key.startswith(("visual.", "audio_tower.")):
         return "model." + file_key
     if file_key.startswith("model.") and not file_key.startswith(("model.language_model.", "model.visual.")):
         return "model.language_model." + file_key[len("model.") :]
@@ -57,15 +66,19 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     files = tensor_files(path)
     if not files:
         raise FileNotFoundError(f"model.path={str(path)!r}: no *.safetensors weights found")
-    by_model_key = {model_key(k): k for k in files}
+    whole = families.of_model(model).whole  # a whole Omni checkpoint: the thinker's tensors only
+    prefix = whole.prefix if whole is not None and any(k.startswith(whole.prefix) for k in files) else ""
+    by_model_key = {key: k for k in files if (key := model_key(k, prefix)) is not None}
     state = get_model_state_dict(model)  # sharded DTensors, keys without wrapper segments
     # LoRA: a base weight sits under .base_layer; adapters are in no base checkpoint (see load_adapters)
     file_key = {k: by_model_key[base_key(k)] for k in state if base_key(k) in by_model_key}
     to_load = {file_key[k]: state[k] for k in file_key}
+    fused = {k: sources for k in state if k not in file_key and (sources := expert_sources(base_key(k), by_model_key))}
     partners = {module_path(n): [module_path(o) for o in g if o != n] for g in tied_groups(model) for n in g}
     missing = [
         k for k in state
-        if k not in file_key and not is_adapter_key(k) and not any(p in by_model_key for p in partners.get(k, ()))
+        if k not in file_key and k not in fused and not is_adapter_key(k)
+        and not any(p in by_model_key for p in partners.get(k, ()))
     ]  # fmt: skip
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -74,9 +87,50 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
         dcp.load(to_load, storage_reader=HuggingFaceStorageReader(str(path)))  # in place, own rows only
     else:
         read_slices(to_load, files)
-    loaded = {k: to_load[f] for k, f in file_key.items()}
+    for key, sources in fused.items():
+        read_experts(state[key], sources, files)
+    loaded = {k: to_load[f] for k, f in file_key.items()} | {k: state[k] for k in fused}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
-    return len(to_load)
+    return len(to_load) + sum(len(row) for sources in fused.values() for row in sources)
+
+
+# a fused expert weight of the model ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) and the linears of one expert
+# that a checkpoint storing experts apart (Qwen3-Omni's) holds for its row, concatenated along their first dimension
+# (transformers' own conversion: qwen2_moe in its conversion_mapping.py)
+EXPERT_LINEARS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def expert_sources(key: str, by_model_key: dict[str, str]) -> list[list[str]] | None:
+    """The file keys of each expert's linears that make the fused expert weight ``key``, one list per
+    expert in order; None when ``key`` is no fused expert weight or the checkpoint does not hold it apart."""
+    module, _, name = key.rpartition(".")
+    if not module.endswith(".experts") or name not in EXPERT_LINEARS:
+        return None
+    rows = []
+    while all(f"{module}.{len(rows)}.{linear}.weight" in by_model_key for linear in EXPERT_LINEARS[name]):
+        rows.append([by_model_key[f"{module}.{len(rows)}.{linear}.weight"] for linear in EXPERT_LINEARS[name]])
+    return rows or None
+
+
+@torch.no_grad()  # a parameter, filled in place
+def read_experts(target: torch.Tensor, sources: list[list[str]], files: dict[str, Path]) -> None:
+    """Fill a fused expert weight (a sharded DTensor or a plain tensor) from each expert's linears: only
+    the experts of this rank's rows are read (FSDP2 and expert parallelism split the expert dimension)."""
+    local, index = target, tuple(slice(0, n) for n in target.shape)
+    if isinstance(target, DTensor):
+        local = target.to_local()
+        if local.numel() == 0:  # a rank past the last expert of an unevenly sharded weight
+            return
+        (chunk,) = target.__create_chunk_list__()
+        index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+    if len(sources) != target.shape[0]:
+        raise ValueError(f"the checkpoint holds {len(sources)} experts for a weight of {target.shape[0]}")
+    for row, e in enumerate(range(index[0].start, index[0].stop)):
+        parts = []
+        for file_key in sources[e]:
+            with safe_open(str(files[file_key]), framework="pt") as f:
+                parts.append(f.get_tensor(file_key))
+        local[row].copy_(torch.cat(parts)[index[1:]])
 
 
 def load_adapters(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,8 +1,8 @@
 """What a family entry checks its config against: its layer kinds (:data:`MIXERS`), the features
 it has not made exact (:data:`NOT_EXACT`), a router's aux loss under sequence parallelism and
-expert parallelism against the checkpoint. :meth:`qwenkit.model.family.Family.problems` asks them.
+expert parallelism against the checkpoint. :meth:`qwenkit.model.family_entry.Family.problems` asks them.
 
-Light on purpose, as :mod:`qwenkit.model.family`: the standard library only.
+Light on purpose, as :mod:`qwenkit.model.family` and :mod:`qwenkit.model.family_entry`: the standard library only.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the annotation only: family imports this module
-    from qwenkit.model.family import Family
+if TYPE_CHECKING:  # the annotation only: family_entry imports this module
+    from qwenkit.model.family_entry import Family
 
 
 @dataclass(frozen=True)
 class Mixer:
-    """What one kind of sequence-mixing layer supports; a family lists its kinds in ``Family.mixers`` (:mod:`qwenkit.model.family`).
+    """What one kind of sequence-mixing layer supports; a family lists its kinds in ``Family.mixers`` (:mod:`qwenkit.model.family_entry`).
 
     A setting that would run a layer kind wrongly without a word is refused for every family that
     has such a layer, until it is exact (docs/ARCHITECTURE.md, "A new model family").
@@ -55,8 +55,18 @@ NOT_EXACT = {
 }
 
 
-def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
-    """Why ``parallel.sp_size`` > 1 cannot train the checkpoint at ``path`` (a family with ``aux_loss``) exactly.
+def text_config(family: Family, path: str | Path) -> dict:
+    """The text decoder's section of the checkpoint's ``config.json``: ``text_config`` (or the file itself),
+    inside the part's section of a checkpoint of ``family``'s whole model (a full Omni one: ``thinker_config``)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    whole = family.whole
+    if whole is not None and config.get("model_type") == whole.model_type:
+        config = config[f"{whole.part}_config"]
+    return config.get("text_config", config)
+
+
+def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str | None:
+    """Why ``parallel.sp_size`` > 1 cannot train the checkpoint at ``path`` (of ``family``, one with ``aux_loss``) exactly.
 
     A router's load-balancing loss is a product of two means over the tokens of the forward
     (the fraction routed to each expert times its mean probability): under Ulysses each rank
@@ -64,8 +74,7 @@ def aux_loss_sp_problem(path: str | Path, sp_size: int) -> str | None:
     the whole sequence. So it is refused with SP while the checkpoint's config turns the loss on
     (``text_config.output_router_logits``, ``router_aux_loss_coef`` > 0).
     """
-    config = json.loads((Path(path) / "config.json").read_text())
-    text = config.get("text_config", config)
+    text = text_config(family, path)
     coef = text.get("router_aux_loss_coef", 0)
     if not (text.get("output_router_logits") and coef):
         return None
@@ -89,8 +98,7 @@ def expert_parallel_problem(family: Family, path: str | Path | None, ep_size: in
         return f"parallel.ep_size={ep_size} needs transformers >= 5 (installed: {version}); use parallel.ep_size=1"
     if path is None:
         return None
-    text = json.loads((Path(path) / "config.json").read_text())
-    text = text.get("text_config", text)
+    text = text_config(family, path)
     experts = text.get("num_experts", text.get("num_local_experts"))  # the hub's name; what transformers 5 writes
     if not experts or experts % ep_size:
         return (

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qwenkit.model.family import TINY_DEFAULT, Family
+from qwenkit.model.family import TINY_DEFAULT
+from qwenkit.model.family_entry import Family
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny import ensure_checkpoint
 

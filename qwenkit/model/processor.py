@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from qwenkit.model import family as families
+from qwenkit.model.family_entry import Family
 
 try:  # transformers 5.x: the PIL backend needs no torchvision
     from transformers import Qwen2VLImageProcessorPil as ImageProcessor
@@ -128,7 +129,7 @@ class Processor:
     this processor follows the family."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, image_processor: ImageProcessor,
-                 family: families.Family = families.FAMILIES[families.TINY_DEFAULT]):  # fmt: skip
+                 family: Family = families.FAMILIES[families.TINY_DEFAULT]):  # fmt: skip
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.family = family
@@ -159,7 +160,7 @@ class Processor:
     @classmethod
     def from_pretrained(
         cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None,
-        family: families.Family | None = None,
+        family: Family | None = None,
     ) -> Processor:
         """``family``: the model family's entry (default: ``path``'s, :func:`qwenkit.model.family.of_directory`)."""
         path = Path(path)

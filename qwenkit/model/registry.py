@@ -7,7 +7,6 @@ import importlib.util
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from qwenkit.config import DTYPES
 from qwenkit.model import family as families
@@ -20,6 +19,7 @@ from qwenkit.model.spec import of_run
 def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> ChunkLossMixin:
     """Build the family's chunk-loss subclass (``model.name``, or the checkpoint's ``model_type``)
     from ``model_cfg.path`` (tiny or an HF directory); a name the checkpoint disagrees with is refused.
+    A checkpoint of the whole model the family's is part of (a full Omni one) gives the part alone.
 
     ``init_device=meta`` builds the module tree without storage (weights are loaded into the
     FSDP shards later, see :func:`qwenkit.distributed.weights.load_hf_weights`); otherwise HF's ``from_pretrained`` loads them.
@@ -34,13 +34,13 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
         # on Ascend, transformers routes flash_attention_2 to torch_npu's kernel
         raise ValueError("model.attn_implementation='flash_attention_2' needs flash-attn (CUDA) or torch_npu (Ascend)")
     dtype = DTYPES[model_cfg.dtype]
+    config = spec.hf_config()  # of a whole Omni checkpoint: its thinker's, whose thinker.* weights load
     if model_cfg.init_device == "meta":
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
         config._attn_implementation = attn
         with torch.device("meta"):
             model = cls(config).to(dtype)
     else:
-        model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn, local_files_only=True)
+        model = cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn, local_files_only=True)
         if device is not None:
             model.to(device)
     model.name_or_path = str(path)

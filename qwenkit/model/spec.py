@@ -15,8 +15,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from qwenkit.model import family as families
-from qwenkit.model.family import Family
+from qwenkit.model.family_entry import Family
 from qwenkit.model.paths import resolve_path
 
 
@@ -27,6 +29,25 @@ class ModelSpec:
     family: Family  # the entry (qwenkit.model.family.FAMILIES)
     path: Path  # the checkpoint directory (model.path resolved: tiny is the cached tiny checkpoint)
     config: dict  # its config.json, as read once
+
+    @property
+    def whole(self) -> bool:
+        """Whether the checkpoint is the whole model the family's is a part of (a full Omni checkpoint:
+        thinker, talker, vocoder): qwenkit reads the part's weights and config from it, and the export
+        writes the whole back (:attr:`qwenkit.model.family_entry.Family.whole`)."""
+        whole = self.family.whole
+        return whole is not None and self.config.get("model_type") == whole.model_type
+
+    @property
+    def model_config(self) -> dict:
+        """The config of the model qwenkit trains: ``config.json``, or the part's section of a whole's."""
+        return self.config[f"{self.family.whole.part}_config"] if self.whole else self.config
+
+    def hf_config(self):
+        """The trained model's transformers config (``AutoConfig``; of a whole checkpoint, its part's):
+        the one every ``from_pretrained`` and meta build of the family's classes is given."""
+        config = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        return getattr(config, f"{self.family.whole.part}_config") if self.whole else config
 
 
 def resolve(name: str, path: str | Path) -> ModelSpec:

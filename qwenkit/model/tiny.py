@@ -71,7 +71,7 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(chat_template: str = CHAT_TEMPLATE, added: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """Byte-level BPE with Qwen's pre-tokenizer and special tokens, trained on the synthetic corpus;
-    ``chat_template``: the family's (:attr:`qwenkit.model.family.Family.chat_template`); ``added``:
+    ``chat_template``: the family's (:attr:`qwenkit.model.family_entry.Family.chat_template`); ``added``:
     its added, not special, tokens (Qwen3.5's thinking tags)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -124,25 +124,33 @@ def _cache_root() -> Path:
 
 
 def ensure_checkpoint(
-    tie_word_embeddings: bool = False, seed: int = 0, root: str | Path | None = None, family: str = families.TINY_DEFAULT,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    root: str | Path | None = None,
+    family: str = families.TINY_DEFAULT,
+    whole: bool = False,
     reshape: Reshape | None = None,
-) -> Path:  # fmt: skip
-    """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``
-    (``reshape``: its config changed first, e.g. :mod:`qwenkit.model.tiny_vllm`'s widths).
+) -> Path:
+    """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``;
+    ``whole``: the whole model it is part of (a full Omni checkpoint: thinker, talker, vocoder);
+    ``reshape``: its config changed first (:mod:`qwenkit.model.tiny_vllm`'s widths).
 
     The directory name hashes everything that determines its content, so a stale one is never
     reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
     """
     if problem := families.get(family).unavailable():  # a known family this transformers can build
         raise ValueError(problem)
+    if whole and families.get(family).whole is None:
+        raise ValueError(f"{family} is no part of a whole model (its entry's whole is None)")
     key = json.dumps(
         {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
         | ({"family": family, "template": 2, "mtp": 1} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
+        | ({"whole": 2} if whole else {})  # 2: every tensor outside the part drawn
         | ({"reshape": reshape.name, "reshape_version": reshape.version} if reshape is not None else {})
     )
     root = Path(root) if root is not None else _cache_root()
     prefix = f"tiny-{reshape.name}" if reshape is not None else "tiny"
-    path = root / f"{prefix}-{family}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    path = root / f"{prefix}-{family}{'-whole' if whole else ''}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():
         return path
     import torch.distributed as dist
@@ -151,18 +159,20 @@ def ensure_checkpoint(
         # with a process group, transformers' save_pretrained writes weights on rank 0 only:
         # rank 0 writes, the others wait for it (every rank calls this collectively)
         if dist.get_rank() == 0:
-            _write_checkpoint(root, path, tie_word_embeddings, seed, family, reshape)
+            _write_checkpoint(root, path, tie_word_embeddings, seed, family, whole, reshape)
         dist.barrier()
         return path
-    _write_checkpoint(root, path, tie_word_embeddings, seed, family, reshape)
+    _write_checkpoint(root, path, tie_word_embeddings, seed, family, whole, reshape)
     return path
 
 
-def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: int, family: str, reshape) -> None:
+def _write_checkpoint(root: Path, path: Path, tie_word_embeddings: bool, seed: int, family: str, whole: bool,
+                      reshape) -> None:  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
     try:
-        save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed, family=family, reshape=reshape)
+        save_checkpoint(tmp, tie_word_embeddings=tie_word_embeddings, seed=seed, family=family, whole=whole,
+                        reshape=reshape)  # fmt: skip
         if not (tmp / "model.safetensors").is_file():
             raise RuntimeError(f"tiny checkpoint in {tmp} has no weights after save_pretrained")
         try:
@@ -185,8 +195,10 @@ class Reshape:
     published_layout: bool = False  # weights written as the family's published checkpoints hold them (Family.checkpoint_tensor)
 
 
-def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = families.TINY_DEFAULT,
-                    reshape: Reshape | None = None) -> None:  # fmt: skip
+def save_checkpoint(
+    path: str | Path, tie_word_embeddings: bool = False, seed: int = 0, family: str = families.TINY_DEFAULT,
+    whole: bool = False, reshape: Reshape | None = None,
+) -> None:  # fmt: skip
     entry = families.get(family)
     processor = build_processor(family)
     vocab = len(processor.tokenizer)
@@ -197,9 +209,16 @@ def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: i
     if entry.mtp_layers:  # as the family's checkpoints say it (vLLM and SGLang read it)
         config.text_config.mtp_num_hidden_layers = entry.mtp_layers
     torch.manual_seed(seed)
-    model = entry.load("hf_class")(config)
+    if whole:  # the whole model around the family's
+        config = entry.whole.load("tiny_config")(config)
+        model = entry.whole.load("hf_class")(config)
+        _draw_the_rest(model, entry.whole.prefix, seed)
+    else:
+        model = entry.load("hf_class")(config)
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    for name in entry.whole.files if whole else ():
+        WHOLE_FILES[name](Path(path) / name, config)
     if entry.mtp_layers:
         _add_mtp(Path(path), model, entry.mtp_layers)
     if reshape is not None and reshape.published_layout and entry.checkpoint_transposed:
@@ -208,6 +227,29 @@ def save_checkpoint(path: str | Path, tie_word_embeddings: bool = False, seed: i
         file = Path(path) / "model.safetensors"  # the tiny model: one file
         weights = {k: entry.checkpoint_tensor(k, v).contiguous() for k, v in load_file(file).items()}
         save_file(weights, file, metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def _draw_the_rest(model, prefix: str, seed: int) -> None:
+    """Seeded values for every tensor of a whole model outside its part: HF's init leaves some of the talker's
+    (its experts) as the allocator found them, so two writes would differ and a NaN could be among them."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if not name.startswith(prefix):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def _write_speakers(file: Path, config) -> None:
+    """Qwen2.5-Omni's ``spk_dict.pt`` at toy sizes (HF's class of the whole refuses a directory without it):
+    one speaker, its condition vector, reference mel frames and the codec's start token."""
+    dit = config.token2wav_config.dit_config
+    g = torch.Generator().manual_seed(2)
+    torch.save({"Chelsie": {"cond": torch.randn(dit.enc_emb_dim, generator=g), "ref_mel": torch.randn(1, 8, dit.mel_dim, generator=g),
+                            "bos_token": config.talker_config.tts_codec_start_token_id}}, file)  # fmt: skip
+
+
+# the files beside the weights a whole model's checkpoints ship (Whole.files), each name's tiny writer
+WHOLE_FILES = {"spk_dict.pt": _write_speakers}
 
 
 def _add_mtp(path: Path, model, layers: int) -> None:

@@ -6,7 +6,8 @@ two-layer GQA text decoder. Qwen3-VL (:func:`qwen3_vl_config`): 16-px patches wi
 interpolated position grid, two LayerNorm/GELU vision blocks that both feed DeepStack mergers
 (added after decoder layers 0 and 1 of three), interleaved mRoPE, q/k norms; the MoE variant
 (:func:`qwen3_vl_moe_config`) has four experts, two per token, and the router's auxiliary loss on.
-Qwen3.5: three Gated DeltaNet layers, then one full attention. The family's entry
+Qwen3.5: three Gated DeltaNet layers, then one full attention. The Omni thinkers, and the whole Omni
+models around them (talker and vocoder at toy sizes). The family's entry
 (:mod:`qwenkit.model.family`) names its builder; :mod:`qwenkit.model.tiny` writes the checkpoint.
 """
 
@@ -177,3 +178,53 @@ def qwen3_omni_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word
         tie_word_embeddings=tie_word_embeddings,
     )
     return Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **top)
+
+
+# The whole Omni models around the tiny thinkers (Whole.tiny_config): a talker and a vocoder at toy sizes, so that
+# an export into the whole model is tested against HF's class of it. Their token ids are the thinker's.
+
+
+def _talker_ids(thinker) -> dict:
+    return dict(audio_token_id=thinker.audio_token_id, image_token_id=thinker.image_token_id,
+                video_token_id=thinker.video_token_id, vision_start_token_id=thinker.vision_start_token_id,
+                audio_start_token_id=thinker.audio_start_token_id)  # fmt: skip
+
+
+def qwen2_5_omni_whole_config(thinker):
+    """Qwen2.5-Omni whole: the tiny thinker, a one-layer talker (a codec vocabulary of 64) and token2wav (a
+    two-layer DiT, a two-stage BigVGAN)."""
+    from transformers import Qwen2_5OmniConfig
+
+    ids = _talker_ids(thinker)
+    talker = dict(vocab_size=64, embedding_size=thinker.text_config.hidden_size, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+                  audio_token_index=ids.pop("audio_token_id"), image_token_index=ids.pop("image_token_id"),
+                  video_token_index=ids.pop("video_token_id"), audio_end_token_id=thinker.audio_end_token_id,
+                  vision_end_token_id=thinker.vision_end_token_id, tts_codec_start_token_id=60,
+                  tts_codec_end_token_id=61, tts_codec_pad_token_id=62, tts_codec_mask_token_id=63, **ids)  # fmt: skip
+    dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, emb_dim=16, num_embeds=64,
+               mel_dim=8, enc_emb_dim=8, enc_dim=8, enc_channels=[16, 16, 16, 16, 24], enc_attention_channels=8,
+               enc_se_channels=8, look_ahead_layers=[1], look_backward_layers=[0])  # fmt: skip
+    bigvgan = dict(mel_dim=8, upsample_initial_channel=16, resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]],
+                   upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4])  # fmt: skip
+    return Qwen2_5OmniConfig(thinker_config=thinker.to_dict(), talker_config=talker,
+                             token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan))  # fmt: skip
+
+
+def qwen3_omni_moe_whole_config(thinker):
+    """Qwen3-Omni whole: the tiny thinker, a one-layer MoE talker (2 experts and a shared one) with a one-layer
+    code predictor over 4 code groups, and a one-layer code2wav."""
+    from transformers import Qwen3OmniMoeConfig
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)  # fmt: skip
+    text = dict(small, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+    talker = dict(text_config=text, code_predictor_config=dict(small, num_code_groups=4), num_code_groups=4,
+                  thinker_hidden_size=thinker.text_config.hidden_size, accept_hidden_layer=1, spatial_merge_size=2,
+                  codec_eos_token_id=50, codec_nothink_id=51, codec_think_bos_id=52, codec_think_eos_id=53,
+                  codec_pad_id=54, codec_bos_id=55, **_talker_ids(thinker))  # fmt: skip
+    code2wav = dict(codebook_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                    num_hidden_layers=1, num_quantizers=4, upsample_rates=[2, 2], upsampling_ratios=[2], decoder_dim=32,
+                    sliding_window=8)  # fmt: skip
+    return Qwen3OmniMoeConfig(thinker_config=thinker.to_dict(), talker_config=talker, code2wav_config=code2wav)

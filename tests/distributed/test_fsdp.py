@@ -417,14 +417,14 @@ def _passed(two_rank_checks, check):
     return folder
 
 
-def _meta_init_readers(rank, out):
-    """Meta init on 3 ranks (uneven row shards: 32 rows -> 11, 11, 10) through each weight reader
-    this torch has: DCP's HuggingFaceStorageReader (torch 2.8+) and the safetensors slice reader."""
+def _meta_init_readers(rank, out, family, path):
+    """Meta init on 3 ranks (uneven row shards: 32 rows -> 11, 11, 10; 4 experts -> 2, 2, 0) through each
+    weight reader this torch has: DCP's HuggingFaceStorageReader (torch 2.8+) and the safetensors slice reader."""
     from qwenkit.distributed import weights
     from qwenkit.model import registry
 
     dist.init_process_group("gloo")
-    cfg = qconfig.load(overrides=["model.init_device=meta"])
+    cfg = qconfig.load(overrides=["model.init_device=meta", f"model.name={family}", f"model.path={path}"])
     rt = fsdp.Runtime(rank, 3, rank, torch.device("cpu"), "gloo", False)
     dcp_reader = weights.HuggingFaceStorageReader
     for name, reader in {"dcp": dcp_reader, "slices": None}.items():
@@ -437,7 +437,7 @@ def _meta_init_readers(rank, out):
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float("nan"))  # a row no reader fills stays NaN
-        weights.load_hf_weights(model, ensure_checkpoint())
+        weights.load_hf_weights(model, path)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(state, out / f"{name}.pt")
@@ -446,12 +446,17 @@ def _meta_init_readers(rank, out):
 
 
 @pytest.mark.slow
-def test_meta_init_reads_each_shard_like_from_pretrained(tmp_path, tiny_path):
+# Qwen2.5-VL's tiny checkpoint, and (long tier: ~30 s; tests/model/test_omni.py reads it in one process) a whole
+# Qwen3-Omni one: its thinker's tensors under thinker., each expert's linears apart, fused as read, each rank its experts
+@pytest.mark.parametrize("family, whole", [("qwen2_5_vl", False), pytest.param("qwen3_omni_moe", True, marks=[
+    pytest.mark.long, pytest.mark.skipif(bool(families.get("qwen3_omni_moe").unavailable()), reason="transformers 5.x")])])  # fmt: skip
+def test_meta_init_reads_each_shard_like_from_pretrained(tmp_path, _cache, family, whole):
     from qwenkit.distributed import weights
     from qwenkit.model import registry
 
-    check_ranks(_meta_init_readers, 3, tmp_path)
-    ref = registry.build(qconfig.load().model).state_dict()
+    path = tiny_checkpoint(family, whole=whole)
+    check_ranks(_meta_init_readers, 3, tmp_path, family, path)
+    ref = registry.build(qconfig.load(overrides=[f"model.name={family}", f"model.path={path}"]).model).state_dict()
     readers = ["slices"] + (["dcp"] if weights.HuggingFaceStorageReader is not None else [])
     for name in readers:
         got = torch.load(tmp_path / f"{name}.pt")

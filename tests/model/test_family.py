@@ -19,6 +19,7 @@ from qwenkit.engine.run import prespawn
 from qwenkit.model import family as families
 from qwenkit.model import registry
 from qwenkit.model.chunked import ChunkLossMixin
+from qwenkit.model.family_limits import MIXERS, NOT_EXACT, Mixer
 from qwenkit.model.modules import path_match
 
 
@@ -64,7 +65,7 @@ def test_the_registry_is_the_one_list_of_families():
     assert qconfig.MODEL_NAMES == tuple(families.FAMILIES) == FAMILIES
     assert families.TINY_DEFAULT in families.FAMILIES
     for family in families.FAMILIES.values():
-        assert set(family.mixers) <= set(families.MIXERS), family.name
+        assert set(family.mixers) <= set(MIXERS), family.name
 
 
 def _spelled(text: str, names) -> list[str]:
@@ -112,8 +113,8 @@ def test_params_files_do_not_copy_the_familys_units():
 def test_a_layer_kind_refuses_what_it_cannot_run(monkeypatch):
     """A family with a non-attention sequence mixer (a linear-attention layer) refuses SP, packing
     and an attention implementation its kind does not list; attention alone refuses none of them."""
-    monkeypatch.setitem(families.MIXERS, "linear_attention",
-                        families.Mixer(sequence_parallel=False, packing=False, attn_implementations=("sdpa",)))  # fmt: skip
+    monkeypatch.setitem(MIXERS, "linear_attention",
+                        Mixer(sequence_parallel=False, packing=False, attn_implementations=("sdpa",)))  # fmt: skip
     hybrid = dataclasses.replace(families.FAMILIES["qwen3_vl"], mixers=("attention", "linear_attention"))
     cfg = qconfig.load(overrides=["parallel.nproc=2", "parallel.sp_size=2", "model.attn_implementation=eager"])
     cfg.data.packing = True
@@ -151,24 +152,42 @@ def test_expert_parallel_needs_a_moe_checkpoint_whose_experts_it_divides(family,
 
 
 @pytest.mark.parametrize(
-    "overrides, key",
+    "family, overrides, key",
     [
-        (["data.packing=true"], "data.packing=true"),
-        (["parallel.nproc=2", "parallel.sp_size=2"], "parallel.sp_size=2"),
-        (["lora.r=4"], "lora.r=4"),
-        (["train.objective=dpo"], "train.objective=dpo"),
-        (["train.objective=grpo"], "train.objective=grpo"),
+        ("qwen2_5_omni", ["data.packing=true"], "data.packing=true"),
+        ("qwen2_5_omni", ["parallel.nproc=2", "parallel.sp_size=2"], "parallel.sp_size=2"),
+        ("qwen3_omni_moe", ["parallel.nproc=2", "parallel.sp_size=2"], "parallel.sp_size=2"),
     ],
 )
 @pytest.mark.skipif(bool(families.get("qwen2_5_omni").unavailable()), reason="transformers 4.x has no Omni thinker tree")
-def test_what_an_entry_has_not_made_exact_is_refused_before_start(tmp_path, monkeypatch, capsys, overrides, key):
+def test_what_an_entry_has_not_made_exact_is_refused_before_start(tmp_path, monkeypatch, capsys, family, overrides, key):
     """Every feature in an entry's ``not_exact`` (the Omni thinkers') is one line before any process starts."""
+    assert any(NOT_EXACT[f][1](qconfig.load(overrides=overrides)) for f in families.get(family).not_exact)
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("spawned"))
-    code = launch.launch(None, ["model.name=qwen2_5_omni", *overrides, f"train.output_dir={tmp_path}"])
+    code = launch.launch(None, [f"model.name={family}", *overrides, f"train.output_dir={tmp_path}"])
     err = capsys.readouterr().err
-    assert code == 2 and f"{key}: qwen2_5_omni's" in err and "is not made exact yet" in err, err
-    cfg = qconfig.load(overrides=["model.name=qwen2_5_omni"])
-    assert families.get("qwen2_5_omni").problems(cfg) == []  # plain SFT runs
+    assert code == 2 and f"{key}: {family}'s" in err and "is not made exact yet" in err, err
+    cfg = qconfig.load(overrides=[f"model.name={family}"])
+    assert families.get(family).problems(cfg) == []  # plain SFT runs
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni_moe"])
+@pytest.mark.parametrize("overrides", [["lora.r=4"], ["train.objective=dpo"], ["train.objective=grpo"],
+                                       ["parallel.ep_size=2"]], ids=["lora", "dpo", "grpo", "ep"])  # fmt: skip
+@pytest.mark.skipif(bool(families.get("qwen2_5_omni").unavailable()), reason="transformers 4.x has no Omni thinker tree")
+def test_the_omni_thinkers_start_lora_dpo_grpo_and_ep_where_they_have_experts(tmp_path, monkeypatch, capsys, family, overrides):
+    """What the Omni entries no longer refuse reaches the spawn (from a whole Omni checkpoint, whose thinker's
+    expert count the EP check reads); EP on the dense thinker is the dense families' one-line refusal."""
+    spawned = []
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: spawned.append(1) or 0)
+    whole = tiny_checkpoint(family, whole=True)
+    code = launch.launch(None, [f"model.path={whole}", "parallel.nproc=2", "parallel.allow_oversubscribe=true",
+                                *overrides, f"train.output_dir={tmp_path}"])  # fmt: skip
+    err = capsys.readouterr().err
+    if overrides == ["parallel.ep_size=2"] and not families.get(family).experts:
+        assert code == 2 and not spawned and f"{family} has no routed experts to split" in err, err
+    else:
+        assert code == 0 and spawned, err
 
 
 @pytest.mark.parametrize("key", ["grpo.rollout_engine", "train.eval_engine"])
@@ -199,4 +218,3 @@ def test_vllm_on_cpu_runs_qwen3_5_in_bfloat16_only():
         vllm_engine.spec_of(cfg, *args)
     cfg.model.dtype = "bfloat16"
     assert vllm_engine.spec_of(cfg, *args).dtype == "bfloat16"
-

@@ -241,10 +241,14 @@ def _resume_runs(rank, out, processor_path, family):
 # the resume and export proofs for Qwen2.5-VL and for Qwen3-VL-MoE (DeepStack, the router's aux loss;
 # LoRA on attention and, lora.target_experts, on the experts' fused weights: peft's target_parameters);
 # the dense Qwen3-VL export is the acceptance's. family -> its LoRA overrides
-RESUME_FAMILIES = {"qwen2_5_vl": [], "qwen3_vl_moe": ["lora.target_experts=true"]}
+# the Omni thinkers as their dense and MoE peers (the audio tower stays out of LoRA's towers)
+RESUME_FAMILIES = {"qwen2_5_vl": [], "qwen3_vl_moe": ["lora.target_experts=true"], "qwen2_5_omni": [],
+                   "qwen3_omni_moe": ["lora.target_experts=true"]}  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(RESUME_FAMILIES))
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.skipif(bool(why := families.get(f).unavailable()),
+                                                                                  reason=why or ""))
+                                        for f in RESUME_FAMILIES])  # fmt: skip
 def resumed(request, tmp_path_factory, _cache):
     family = request.param
     out = tmp_path_factory.mktemp(f"resume-{family}")

@@ -1,10 +1,16 @@
-"""qwenkit.model.omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py)."""
+"""qwenkit.model.omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py), and the thinker
+read from a whole Omni checkpoint."""
 
+import pytest
 import torch
-from conftest import AUDIO_FAMILY, build_model, make_batch, tiny_processor
+from conftest import AUDIO_FAMILY, build_model, make_batch, tiny_checkpoint, tiny_processor
+from safetensors.torch import load_file
 
 from qwenkit.bench.step import loss_and_grads
+from qwenkit.distributed import weights
 from qwenkit.model import family as families
+from qwenkit.model import spec as model_spec
+from qwenkit.model.family_limits import text_config
 
 
 @AUDIO_FAMILY
@@ -38,3 +44,31 @@ def test_what_hfs_forward_never_reads_is_frozen_at_build(_cache, family):
     never = families.get(family).never_trained
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen == [f"{path}.weight" for path in never]
+
+
+@AUDIO_FAMILY
+@pytest.mark.parametrize("whole", [False, True], ids=["thinker", "whole"])
+def test_the_thinker_is_read_from_its_own_checkpoint_and_from_the_whole_omni_one(_cache, family, whole):
+    """``model.path`` at a full Omni checkpoint (thinker, talker, vocoder; what users start from): ``auto``
+    is the thinker's family, the build is the thinker alone with the weights HF's class of the whole loads
+    into its ``thinker``, and so does the meta path's reader (``load_hf_weights``: Qwen3-Omni's experts are
+    stored per linear, fused as HF fuses them); the config checks read the thinker's text config. A
+    thinker-only checkpoint reads the same way."""
+    path, entry = tiny_checkpoint(family, whole=whole), families.get(family)
+    spec = model_spec.resolve("auto", path)
+    assert spec.family.name == family and spec.whole == whole
+    assert spec.model_config["model_type"] == entry.model_type
+    if whole:
+        reference = entry.whole.load("hf_class").from_pretrained(path).thinker.state_dict()
+        assert len(load_file(path / "model.safetensors")) > len(reference)  # the talker's and the vocoder's too
+    else:
+        reference = entry.load("hf_class").from_pretrained(path).state_dict()
+    model = build_model(name="auto", path=str(path))
+    assert model.state_dict().keys() == reference.keys()
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    assert text_config(entry, path)["hidden_size"] == model.config.text_config.hidden_size
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    weights.load_hf_weights(model, path)
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())

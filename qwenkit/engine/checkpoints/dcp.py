@@ -47,15 +47,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -67,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from qwenkit.engine.checkpoints.background import AsyncSaves, then_manifest
 from qwenkit.engine.checkpoints.files import (
     failure_message,
     gather_manifests,
@@ -97,38 +95,12 @@ from qwenkit.engine.checkpoints.folder import (  # noqa: F401 - the folder's nam
     step_dir,
     step_of,
 )
+from qwenkit.engine.checkpoints.rng import rng_state, set_rng_state  # noqa: F401 - callers' names too
 from qwenkit.engine.objective import Objective
 from qwenkit.model.lora import has_adapters
 
 log = logging.getLogger(__name__)
 STATELESS = Objective()  # a caller's default: an objective with no state of its own (SFT's, DPO's)
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG
-
-
-def rng_state(device: torch.device) -> dict:
-    """python, numpy, torch CPU and accelerator generator states, in types torch.load(weights_only) reads."""
-    np_state = np.random.get_state(legacy=False)
-    state = {
-        "python": random.getstate(),
-        "numpy": {**np_state, "state": {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}},
-        "torch": torch.get_rng_state(),
-    }
-    if device.type != "cpu":
-        state["accelerator"] = torch.get_device_module(device.type).get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    key = np.asarray(np_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state({**np_state, "state": {"key": key, "pos": np_state["state"]["pos"]}})
-    torch.set_rng_state(state["torch"])
-    if device.type != "cpu" and "accelerator" in state:
-        torch.get_device_module(device.type).set_rng_state(state["accelerator"], device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +190,7 @@ def start_save(root: str | Path, step: int, model, optimizer, sampler, device: t
         if saves is not None:  # the manifest lists the rank files: its thread starts after they are written
             # torch >= 2.9 with a staging thread: an AsyncSaveResponse (the copy, then the write); else the write
             pending.staged = getattr(written, "staging_completion", None)
-            pending.future = _then_manifest(getattr(written, "upload_completion", written), pending.tmp, rank)
+            pending.future = then_manifest(getattr(written, "upload_completion", written), pending.tmp, rank)
     except (Exception, dcp.CheckpointException) as e:  # DCP's exception is a BaseException
         _failed(pending, e)
     return pending
@@ -286,51 +258,6 @@ def finish(pending: Save) -> Path:
             prune(old)
     dist.barrier()
     return final
-
-
-def _then_manifest(written: Future, tmp: Path, rank: int) -> Future:
-    """The background write, then this rank's manifest in the same thread: reading the files back
-    for their CRC-32s does not block training either. Not a daemon: a process that ends while it
-    runs waits for it (the checkpoint still gets no COMPLETE.json without :func:`finish`)."""
-    done: Future = Future()
-
-    def run():
-        try:
-            written.result()
-            write_manifest(tmp, rank)
-            done.set_result(None)
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one; finish() reports it
-            done.set_exception(e)
-
-    threading.Thread(target=run, name="qwenkit-checkpoint-write").start()
-    return done
-
-
-class AsyncSaves:
-    """What ``checkpoint.async`` keeps from save to save (collective to build: every rank at once).
-
-    - a gloo group for the background writes: their collectives (DCP's plan and metadata
-      exchange) run in a thread and must never interleave with training's;
-    - a stager whose CPU copies are reused from save to save (torch >= 2.9; older ones copy into
-      new memory each time, before ``async_save`` returns): one save is in flight at a time, so a
-      copy is never refilled while its write still reads it. It copies in a thread of its own
-      (``use_async_staging``), so the next step's forward and backward overlap the copy; pinned
-      memory when the model is on an accelerator.
-    """
-
-    def __init__(self, device: torch.device):
-        self.group = dist.new_group(backend="gloo")
-        try:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        except ImportError:
-            self.stager = None
-        else:
-            pinned = device.type != "cpu"
-            self.stager = DefaultStager(StagingOptions(pinned, False, True, False))
-
-    def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
 
 
 def _failed(pending: Save, error: BaseException) -> None:

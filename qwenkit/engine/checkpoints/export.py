@@ -7,7 +7,9 @@ bounds and video sampling (``data.*``) into the processor files (:func:`write_ru
 so HF's processor loaded from the export resizes exactly as training did; the run's resolved config
 goes beside them (:data:`RUN_CONFIG`: ``qwenkit eval`` of the export evaluates as the run did). A base checkpoint's
 multi-token-prediction tensors (Qwen3.5's ``mtp.*``, which HF's class does not load) go into the
-export unchanged (:func:`keep_mtp`).
+export unchanged (:func:`keep_mtp`). A run started from a whole Omni checkpoint (thinker, talker, vocoder)
+trained its thinker: the export is the whole again, the trained thinker beside the base's other tensors
+byte for byte (:func:`keep_whole`), which HF's class of the whole loads.
 
 The export is written under a temporary name beside the target and renamed into place: a
 failed export leaves no half directory. The target must be new or empty; ``overwrite``
@@ -76,7 +78,11 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
         load_peft(ckpt, cfg, spec).save_pretrained(tmp)
     else:
         load_hf(ckpt, cfg, spec).save_pretrained(tmp)
-        if kept := keep_mtp(base, tmp):
+        if spec.whole:
+            kept = keep_whole(spec, tmp)
+            log.info("export writes the whole model of %s: the trained %s beside its %d other tensors, unchanged",
+                     base, spec.family.whole.part, kept)  # fmt: skip
+        elif kept := keep_mtp(base, tmp):
             log.info("export keeps the base model's multi-token-prediction layer: %d mtp.* tensors of %s, "
                      "unchanged (not trained; vLLM and SGLang use them for speculative decoding)", kept, base)  # fmt: skip
     for name in PROCESSOR_FILES:
@@ -139,6 +145,49 @@ def keep_mtp(base: Path, out: Path) -> int:
     return len(tensors)
 
 
+def keep_whole(spec: ModelSpec, out: Path) -> int:
+    """Put the trained part at ``out`` (what ``save_pretrained`` wrote of a thinker) back into the whole
+    model of ``spec``'s checkpoint (a full Omni one); returns how many of the whole's other tensors it carries.
+
+    The part's tensors get the whole's prefix where they lack it (``thinker.``: HF's class of the whole saves
+    its part's keys as the part's own class does, under that prefix); every other tensor of the base (talker, token2wav or
+    code2wav) is copied byte for byte, one base file at a time, into ``whole-<base file name>``; the index
+    lists both. The base's ``config.json`` (the whole's), ``generation_config.json`` and the files HF's
+    class of the whole reads beside the weights (:attr:`qwenkit.model.family_entry.Whole.files`: Qwen2.5-Omni's
+    speakers) replace the part's, so that HF's class of the whole loads the export with ``from_pretrained``.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    whole, base = spec.family.whole, spec.path
+    weight_map, size = {}, 0
+    part_files = sorted(set(json.loads((out / INDEX).read_text())["weight_map"].values())) if (out / INDEX).is_file() \
+        else ["model.safetensors"]  # fmt: skip
+    for name in part_files:  # one of the part's files at a time
+        # a part loaded from the whole by from_pretrained (a LoRA run's merge) saves its keys prefixed already
+        tensors = {k if k.startswith(whole.prefix) else whole.prefix + k: v for k, v in load_file(out / name).items()}
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
+        size += sum(t.numel() * t.element_size() for t in tensors.values())
+    base_files = sorted(set(json.loads((base / INDEX).read_text())["weight_map"].values())) if (base / INDEX).is_file() \
+        else [p.name for p in sorted(base.glob("*.safetensors"))]  # fmt: skip
+    kept = 0
+    for name in base_files:
+        with safe_open(base / name, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(whole.prefix)}
+        if tensors:
+            save_file(tensors, out / f"whole-{name}", metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(tensors, f"whole-{name}")
+            kept += len(tensors)
+            size += sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2,
+                                        sort_keys=True) + "\n")  # fmt: skip
+    for name in ("config.json", "generation_config.json", *whole.files):
+        if (base / name).is_file():
+            shutil.copy2(base / name, out / name)
+    return kept
+
+
 def load_peft(checkpoint: str | Path, cfg, spec: ModelSpec):
     """A LoRA run's checkpoint as peft's ``PeftModel`` on HF's class (base weights from ``model.path``,
     ``spec``: :func:`qwenkit.model.spec.of_run` of ``cfg.model``).
@@ -153,7 +202,7 @@ def load_peft(checkpoint: str | Path, cfg, spec: ModelSpec):
     ckpt = resolve(checkpoint)
     base = spec.path
     hf_class = spec.family.load("hf_class")
-    hf = hf_class.from_pretrained(base, dtype=DTYPES[cfg.model.dtype], local_files_only=True)
+    hf = hf_class.from_pretrained(base, config=spec.hf_config(), dtype=DTYPES[cfg.model.dtype], local_files_only=True)
     config = lora.peft_config(cfg.lora, hf, modules_to_save=True)
     config.base_model_name_or_path = str(base)
     peft_model = get_peft_model(hf, config)
@@ -257,13 +306,10 @@ def load_hf(checkpoint: str | Path, cfg, spec: ModelSpec):
     the HF model built with parameters on meta, then given CPU storage. Non-persistent buffers
     (rotary ``inv_freq``) are in no checkpoint: they keep the values computed at construction.
     """
-    from transformers import AutoConfig  # modeling: export and eval only
-
     if cfg.lora.r > 0:
         return load_peft(checkpoint, cfg, spec).merge_and_unload()
     ckpt = resolve(checkpoint)
-    config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
-    hf = build_on_meta(spec.family.load("hf_class"), config)
+    hf = build_on_meta(spec.family.load("hf_class"), spec.hf_config())
     buffers = {name: buf.clone() for name, buf in hf.named_buffers()}
     hf.to_empty(device="cpu")
     hf.to(DTYPES[cfg.model.dtype])

@@ -108,7 +108,7 @@ def model_record(model_cfg) -> dict:
         spec = of_run(model_cfg)
     except (OSError, ValueError):
         return {}
-    config, name = spec.config, spec.family.name
+    config, name = spec.model_config, spec.family.name  # a whole Omni checkpoint's: its thinker's
     shape = {"tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
     for part, section in (("text", config.get("text_config") or config), ("vision", config.get("vision_config") or {})):
         shape |= {f"{part}.{k}": section[k] for k in SHAPE_KEYS if k in section}

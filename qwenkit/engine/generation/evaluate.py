@@ -324,8 +324,8 @@ def load_for_eval(target: str | Path, config_path: str | Path | None = None):
         )  # fmt: skip
     cfg.data.min_pixels, cfg.data.max_pixels = lo, hi
     model = spec.family.load("hf_class").from_pretrained(
-        spec.path, dtype=DTYPES[cfg.model.dtype], local_files_only=True
-    )
+        spec.path, config=spec.hf_config(), dtype=DTYPES[cfg.model.dtype], local_files_only=True
+    )  # an export into the whole Omni model: its thinker
     if source.kind == "adapter":
         from peft import PeftModel  # the lora extra: LoRA exports only
 

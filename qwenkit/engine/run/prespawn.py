@@ -104,21 +104,25 @@ def check_extras(cfg) -> list[str]:
 
 
 def check_prepared_rows(cfg) -> str | None:
-    """The bad-sample policy (``data.on_bad_sample``, ``data.max_bad_fraction``) on the training set
-    when its index is cached already (:func:`qwenkit.data.load.cached_problem`): a file of the wrong
-    layout (a DPO file given to GRPO, prompts alone given to SFT) is refused here, in one line, not
-    in every rank. Nothing is read when the cache holds no index (the ranks scan, and say it), nor
-    with ``data.fingerprint: content`` (its key hashes every data file)."""
+    """The bad-sample policy (``data.on_bad_sample``, ``data.max_bad_fraction``) on the training set and
+    on ``data.eval_path`` when their index is cached already (:func:`qwenkit.data.load.cached_problem`): a
+    file of the wrong layout (a DPO file given to GRPO, prompts alone given to SFT) is refused here, in
+    one line, not in every rank. Nothing is read when the cache holds no index (the ranks scan, and say
+    it), nor with ``data.fingerprint: content`` (its key hashes every data file)."""
     folder = cache.cache_dir(cfg.data)
-    if cfg.data.path == "tiny" or not folder.is_dir() or not any(folder.glob("*.npz")):
+    if not folder.is_dir() or not any(folder.glob("*.npz")):
         return None
     if cfg.data.fingerprint == "content":  # finding the index hashes every data file: the ranks' cost, not twice
         return None
     try:
         processor = load_processor(cfg)
-        return cached_problem(cfg.data, processor, qconfig.OBJECTIVES[cfg.train.objective].reads)
+        reads = qconfig.OBJECTIVES[cfg.train.objective].reads
+        for source in (cfg.data.path, cfg.data.eval_path):
+            if source not in (None, "tiny") and (problem := cached_problem(cfg.data, processor, reads, source)):
+                return problem
     except (DataError, OSError):  # a dataset that does not open: the ranks report it, file by file
         return None
+    return None
 
 
 def _has_videos(source, i: int, layout: str, prompts: bool) -> bool:

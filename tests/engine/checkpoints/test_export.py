@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import EVERY_FAMILY
+from conftest import AUDIO_FAMILY, EVERY_FAMILY, tiny_checkpoint
 from multiproc import scaled
 from PIL import Image
 from transformers.video_utils import VideoMetadata
@@ -278,3 +278,63 @@ def test_every_subcommand_reports_bad_input_in_one_line_with_status_2(command, t
     (line,) = _our_lines(proc.stderr, command)
     assert message in line and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
+
+
+@AUDIO_FAMILY
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_tensors_byte_for_byte(family, tmp_path, lora):
+    """A run trains the thinker of a full Omni checkpoint (thinker, talker, token2wav or code2wav): one step,
+    then the export loads in HF's class of the whole, its thinker the trained one, every other tensor the
+    base's bit for bit in the base's dtype (one kept in bf16 here: not cast to the run's), and the whole's
+    config, the speakers HF's class needs (Qwen2.5-Omni) and the processor files beside them; ``qwenkit eval``
+    of the export evaluates its thinker. A LoRA run: ``--merge`` is that whole with the merged thinker, the
+    adapter export goes onto the thinker read from the whole base (docs/CHECKPOINTS.md)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from qwenkit.model.spec import of_run
+
+    entry = families.get(family)
+    base = tmp_path / "base"
+    shutil.copytree(tiny_checkpoint(family, whole=True), base)
+    weights = load_file(base / "model.safetensors")
+    others = {k: v for k, v in weights.items() if not k.startswith(entry.whole.prefix)}
+    bf16 = next(k for k in others if others[k].ndim == 2)
+    others[bf16] = others[bf16].to(torch.bfloat16)
+    save_file(weights | others, base / "model.safetensors", metadata={"format": "pt"})
+    run = tmp_path / "run"
+    adapters = ["lora.r=4", "lora.alpha=8"] if lora else []
+    cfg = qconfig.load(overrides=[*RUN, f"model.path={base}", f"train.output_dir={run}", "train.lr=0.01", *adapters])
+    train.run(cfg)
+    exported = hf_export.export(run, tmp_path / "hf", cfg, merge=lora)
+    index = json.loads((exported / hf_export.INDEX).read_text())["weight_map"]
+    assert others.keys() < index.keys()
+    for key, value in others.items():
+        with safe_open(exported / index[key], framework="pt") as f:
+            got = f.get_tensor(key)
+        assert got.dtype == value.dtype and got.shape == value.shape, key
+        assert torch.equal(got.flatten().view(torch.uint8), value.flatten().view(torch.uint8)), key
+    whole = entry.whole.load("hf_class").from_pretrained(exported)
+    trained = hf_export.load_hf(run / "checkpoints" / "step-00000001", cfg, of_run(cfg.model)).state_dict()
+    thinker = whole.thinker.state_dict()
+    assert thinker.keys() == trained.keys()
+    assert all(torch.equal(thinker[k], v) for k, v in trained.items())
+    assert any(not torch.equal(v, weights[k]) for k, v in load_file(exported / "model.safetensors").items())  # trained
+    assert json.loads((exported / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    for name in (*entry.whole.files, "tokenizer.json", "preprocessor_config.json", "generation_config.json"):
+        assert (exported / name).is_file(), name
+    model = evaluate.load_for_eval(exported)[0]  # qwenkit eval of the whole export: its thinker
+    assert type(model) is entry.load("hf_class") and all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    if lora:
+        from peft import PeftModel
+        from transformers import AutoConfig
+
+        adapter = hf_export.export(run, tmp_path / "adapter", cfg)
+        assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+        thinker = entry.load("hf_class").from_pretrained(base, config=AutoConfig.from_pretrained(base).thinker_config,
+                                                         dtype=torch.float32)  # the run's model.dtype  # fmt: skip
+        merged = PeftModel.from_pretrained(thinker, adapter).merge_and_unload().state_dict()
+        for key, value in trained.items():
+            torch.testing.assert_close(merged[key], value, rtol=1e-6, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}")

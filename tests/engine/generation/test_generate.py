@@ -22,18 +22,20 @@ NEW_TOKENS = 6
 
 
 @pytest.fixture
-def pair(make_model, tiny_path):
-    """The subclass with random weights, and HF's own class holding the very same weights."""
+def pair(make_model, family, family_path):
+    """The subclass with random weights, and HF's own class of the family holding the very same weights."""
     ours = make_model(chunk=False, seed=7).eval()
-    stock = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_path).eval()
+    stock = families.get(family).load("hf_class").from_pretrained(family_path).eval()
     stock.load_state_dict(ours.state_dict())
     return ours, stock
 
 
-def _prompt(batch: dict) -> dict:
-    """A generation prompt: no labels; ``mm_token_type_ids`` only where transformers takes it."""
+def _prompt(batch: dict, model=None) -> dict:
+    """A generation prompt: no labels; ``mm_token_type_ids`` only where transformers takes it (and
+    ``model``'s forward does: the Omni thinkers' has none)."""
     keep = {k: v for k, v in batch.items() if k != "labels"}
-    if not processor.needs_mm_token_type_ids():
+    if not processor.needs_mm_token_type_ids() or (model is not None and "mm_token_type_ids" not in
+                                                     inspect.signature(model.forward).parameters):  # fmt: skip
         keep.pop("mm_token_type_ids", None)
     return keep
 
@@ -50,9 +52,11 @@ def test_forward_exposes_the_parents_parameters():
     assert {"num_items_in_batch", "num_samples", "return_dict", "kwargs"} <= set(ours)
 
 
+# Qwen2.5-VL and the Omni thinkers (GRPO's rollouts generate with them; Qwen3.5: tests/model/test_qwen3_5.py)
+@over_families("qwen2_5_vl", *(n for n in FAMILIES if families.get(n).audio_tokens))
 def test_generate_with_images_equals_hf(pair, batch_factory):
     ours, stock = pair
-    prompt = _prompt(batch_factory(images_per_sample=(2,), seed=3))
+    prompt = _prompt(batch_factory(images_per_sample=(2,), seed=3), stock)
     got, want = _generate(ours, **prompt), _generate(stock, **prompt)
     assert got.shape[1] == prompt["input_ids"].shape[1] + NEW_TOKENS
     assert torch.equal(got, want)

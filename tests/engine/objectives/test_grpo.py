@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model
+from conftest import build_model, families_allowing
 from multiproc import check_ranks
 
 from qwenkit import config as qconfig
@@ -126,6 +126,20 @@ def test_entropy_and_log_probs_belong_to_the_tempered_distribution_the_rollout_s
     assert first["frac_reward_zero_std"] == 1  # every group's completions alike
     assert first["entropy"] < 1e-3
     assert first["kl"] == 0 and first["loss"] == 0  # the policy is its reference; equal rewards: no advantage
+
+
+@families_allowing("GRPO")
+def test_grpo_trains_every_family_from_its_own_start(family, family_path, tmp_path):
+    """One process, two steps from the family's tiny model, the frozen copy as reference: the rollouts (the
+    family's generate, chat template and media keys) complete, step 1's KL is 0 (the policy is its
+    reference) and the vowel reward moves the policy off it by step 2."""
+    cfg = qconfig.load(overrides=BASE + [f"model.name={family}", f"model.path={family_path}", "train.steps=2",
+                                         "train.micro_batch_size=2", "data.tiny_samples=4", "train.resume=none",
+                                         f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
+    first, second = train.run(cfg).history
+    assert all(math.isfinite(v) for h in (first, second) for v in h.values())
+    assert first["kl"] == 0 and first["grad_norm"] > 0 and first["completions/mean_length"] > 0
+    assert second["kl"] > 0
 
 
 def test_lora_reference_is_the_policy_without_adapters(out):

@@ -1,12 +1,14 @@
 """qwenkit.engine.run.prespawn: a dataset of the wrong layout (a DPO file given to GRPO) is one line.
 The first start scans it in the ranks: exit 1, one line naming the file and row, no traceback, not
 once per rank. Its index is cached then, so the next start is refused before any rank starts:
-exit 2, the same line, a ``refused`` event beside the first start's ``failed``."""
+exit 2, the same line, a ``refused`` event beside the first start's ``failed``. The same for the
+training set and for ``data.eval_path``."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from jobs import refused, train
 
 from qwenkit.engine.run import events
@@ -24,9 +26,18 @@ def _ours(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("qwenkit train:") and "qwenkit.torchrun" not in line]
 
 
-def test_a_file_of_another_objective_is_one_line_in_the_ranks_then_refused_before_spawn(tmp_path, capsys):
+def _prompt_rows(path):
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("where", ["data.path", "data.eval_path"])
+def test_a_file_of_another_objective_is_one_line_in_the_ranks_then_refused_before_spawn(where, tmp_path, capsys):
     dpo = _dpo_rows(tmp_path / "dpo.jsonl")
-    run = ["train.objective=grpo", f"data.path={dpo}", f"data.cache_dir={tmp_path / 'cache'}", "grpo.num_generations=2",
+    sets = [f"data.path={dpo}"] if where == "data.path" else [f"data.path={_prompt_rows(tmp_path / 'p.jsonl')}",
+                                                             f"data.eval_path={dpo}", "train.eval_every=1"]  # fmt: skip
+    run = ["train.objective=grpo", *sets, f"data.cache_dir={tmp_path / 'cache'}", "grpo.num_generations=2",
            "grpo.max_new_tokens=2"]  # fmt: skip
     out = tmp_path / "run"
     first = train(out, *run, steps=1, nproc=2)
