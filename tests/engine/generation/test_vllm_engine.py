@@ -32,6 +32,7 @@ from qwenkit.engine.generation import vllm_engine, vllm_requests  # noqa: E402
 from qwenkit.model import family as families  # noqa: E402
 from qwenkit.model import tiny_vllm  # noqa: E402
 from qwenkit.model.paths import load_processor  # noqa: E402
+from qwenkit.model.processor import pixel_bounds  # noqa: E402
 
 NEW_TOKENS = 12
 SAMPLING = qgen.Sampling(max_new_tokens=NEW_TOKENS)  # greedy
@@ -211,7 +212,9 @@ def _isolated_worker(rank, out, family, dtype):
     dataset = _eval_set(out, cfg, processor)
     hf = families.of_directory(path).load("hf_class").from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     exact = families.of_directory(path).load("hf_class").from_pretrained(path, dtype=torch.float32).eval()
-    spec = vllm_engine.EngineSpec(str(path), dtype, 4096, 0, 3136, 200704, 0.3, 1.0, False)  # spec_of refuses MoE
+    # spec_of refuses the MoE families (and Qwen3.5 in float32): the spec it would make, with this dtype
+    lo, hi = pixel_bounds(processor.image_processor)
+    spec = vllm_engine.EngineSpec(str(path), dtype, 4096, cfg.train.seed, lo, hi, 0.3, 1.0, False)
     engine = vllm_engine.start_engine(spec)
     result = {}
     for when in ("loaded", "pushed"):
