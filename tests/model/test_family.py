@@ -218,3 +218,14 @@ def test_vllm_on_cpu_runs_qwen3_5_in_bfloat16_only():
         vllm_engine.spec_of(cfg, *args)
     cfg.model.dtype = "bfloat16"
     assert vllm_engine.spec_of(cfg, *args).dtype == "bfloat16"
+
+
+# the families tests/engine/generation/test_vllm_engine.py starts vLLM with (ENGINE_FAMILIES and its isolated ones)
+VLLM_TRIED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_a_family_never_tried_in_vllm_is_refused_for_it(family):
+    """A family the vLLM tests never start an engine with has a refusal on its entry (one line before start,
+    not an engine failing mid-run): a new family must be tried in vLLM or say why not."""
+    assert family in VLLM_TRIED or families.get(family).vllm_refusal, family
