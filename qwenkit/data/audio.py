@@ -16,13 +16,14 @@ longer than the window is a bad sample that names the file, the row, its length 
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from qwenkit.data.report import BadSample, Location
+from qwenkit.data.report import REBUILD, BadSample, Location
 
 SAMPLE_RATE = 16_000  # Hz: what the Omni audio towers were trained on
 MEL_BINS = 128
@@ -96,3 +97,70 @@ def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.
     out = extractor(wave, sampling_rate=SAMPLE_RATE, return_attention_mask=True, return_tensors="pt")
     frames = int(out["attention_mask"][0].sum())
     return out["input_features"][0, :, :frames]
+
+
+def frames(samples: int) -> int:
+    """Mel frames of an audio of ``samples`` samples, as the extractor's attention mask counts them
+    (one per started hop: the mask is the samples' mask taken every ``HOP``)."""
+    return -(-samples // HOP)
+
+
+def token_counter(family):
+    """HF's own count of an audio's placeholder tokens from its mel frames, for ``family`` (an Omni entry):
+    ``_get_feat_extract_output_lengths`` of the processor module of the entry's transformers submodule,
+    the function ``Qwen2_5OmniProcessor`` / ``Qwen3OmniMoeProcessor`` expand ``<audio>`` with."""
+    name = family.hf_module or family.model_type
+    return importlib.import_module(f"transformers.models.{name}.processing_{name}")._get_feat_extract_output_lengths
+
+
+def _entry(entry, where: Location, k: int, n: int) -> str:
+    if not isinstance(entry, str) or not entry:
+        raise BadSample(where, "bad_format", f"audio {k} of {n} must be a path or a data: URI, got {entry!r:.80}")
+    return entry
+
+
+def measure(conv, base_dir: Path | None, family) -> list[tuple[int, int, int]]:
+    """``(mel frames, placeholder tokens, samples)`` of each of ``conv``'s audios, decoded once (the scan).
+
+    A family without an audio tower (no ``audio_tokens`` in its entry) given audio: a bad row that says so."""
+    if not conv.audios:
+        return []
+    if not family.audio_tokens:
+        raise BadSample(
+            conv.where, "no_audio_tower",
+            f"the row has {len(conv.audios)} audio entr{'y' if len(conv.audios) == 1 else 'ies'} but model family "
+            f"{family.name} has no audio tower; train a family that hears (README's family table), or drop 'audios'",
+        )  # fmt: skip
+    count, extractor, out = token_counter(family), feature_extractor(), []
+    for k, entry in enumerate(conv.audios):
+        label = _entry(entry, conv.where, k, len(conv.audios))
+        wave = decode(label, conv.where, base_dir)
+        if len(wave) > extractor.n_samples:
+            features(wave, extractor, conv.where, label)  # raises long_audio
+        n = frames(len(wave))
+        out.append((n, int(count(n)), len(wave)))
+    return out
+
+
+def load(conv, base_dir: Path | None, expected: list[int]) -> dict[str, torch.Tensor]:
+    """The thinker's inputs of ``conv``'s audios: ``input_features [n_audio, 128, F]`` and
+    ``feature_attention_mask [n_audio, F]`` (``F``: the longest audio's frames; shorter ones padded with
+    0), checked against the scan's frames ``expected`` (an audio that changed: ``changed_media``)."""
+    extractor, made = feature_extractor(), []
+    for k, entry in enumerate(conv.audios):
+        label = _entry(entry, conv.where, k, len(conv.audios))
+        made.append(features(decode(label, conv.where, base_dir), extractor, conv.where, label))  # [128, f]
+    got = [int(f.shape[1]) for f in made]
+    if got != list(expected):
+        raise BadSample(
+            conv.where, "changed_media",
+            f"the audios have {got} mel frames but the index has {list(expected)}: an audio changed after the index "
+            f"was built; {REBUILD}",
+        )  # fmt: skip
+    width = max(got)
+    feats = torch.zeros(len(made), MEL_BINS, width, dtype=made[0].dtype)  # [n_audio, 128, F]
+    mask = torch.zeros(len(made), width, dtype=torch.long)  # [n_audio, F]
+    for k, f in enumerate(made):
+        feats[k, :, : f.shape[1]] = f
+        mask[k, : f.shape[1]] = 1
+    return {"input_features": feats, "feature_attention_mask": mask}
