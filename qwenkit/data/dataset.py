@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from qwenkit.config import DataConfig
+from qwenkit.config.data import AUDIO_IN_VIDEO
 from qwenkit.data import audio
 from qwenkit.data.conversation import Conversation, parse_row
 from qwenkit.data.images import ImageProbe, MediaRef, load, predict_grid, resolve
@@ -259,6 +260,8 @@ def scan_rows(
     """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it).
 
     ``prompts``: a row may be a prompt whose reference is a column (GRPO's rows, see :func:`parse_row`)."""
+    if data.use_audio_in_video:  # the config check refuses it; a DataConfig made in code meets it here
+        raise ValueError(AUDIO_IN_VIDEO)
     template = ChatTemplate(processor, data.system_prompt)
     probe = ImageProbe(data.min_image_side, data.max_aspect_ratio, full)
     videos = _VideoScan(VideoProbe(data.video_fps), for_processor(processor, data), data)

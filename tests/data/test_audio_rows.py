@@ -148,3 +148,10 @@ def test_data_check_counts_and_names_bad_audio_in_a_llama_factory_file(tmp_path,
     assert "audios: 1, 1.0 s, 13 tokens" in out  # 100 mel frames: one full window of 13 tokens (Qwen3-Omni)
     for row, reason in ((1, "missing_audio"), (2, "corrupt_audio"), (3, "long_audio"), (4, "corrupt_audio")):
         assert any(f"set.json: row {row}" in line and reason in line for line in out.splitlines()), (row, reason, out)
+
+
+def test_audio_in_video_is_refused_by_the_scan_too(tmp_path):
+    """The config check refuses ``data.use_audio_in_video=true`` (tests/config/test_data.py); a ``DataConfig``
+    made in code, which no check has seen, is refused by the scan instead of training without the audio."""
+    with pytest.raises(ValueError, match="use_audio_in_video=true"):
+        _read(tmp_path, [LAYOUT_ROWS["messages"]], "qwen2_5_omni", use_audio_in_video=True)
