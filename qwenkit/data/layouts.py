@@ -1,6 +1,6 @@
 """Dataset layouts: one small reader per public layout, each turning a raw row into the same
-:class:`Read` (system text, ``(role, text)`` turns with ``<image>``/``<video>`` placeholders,
-and the row's image and video entries in placeholder order).
+:class:`Read` (system text, ``(role, text)`` turns with ``<image>``/``<video>``/``<audio>`` placeholders,
+and the row's image, video and audio entries in placeholder order).
 
 Everything after reading (the checks of :mod:`qwenkit.data.conversation`, the template, the
 index, the cache, the bad-sample report, packing, evaluation) sees only that result, so a
@@ -10,8 +10,8 @@ keys (:func:`detect`); a named layout refuses rows that do not fit it, naming th
 =================  ==========================================================================
 layout             rows as written by
 =================  ==========================================================================
-``messages``       LLaMA-Factory / ms-swift: ``messages`` with string contents, ``images``, ``videos``
-``sharegpt``       LLaMA-Factory sharegpt: ``conversations`` (``from``/``value``), ``images``, ``videos``
+``messages``       LLaMA-Factory / ms-swift: ``messages`` with string contents, ``images``, ``videos``, ``audios``
+``sharegpt``       LLaMA-Factory sharegpt: ``conversations`` (``from``/``value``), ``images``, ``videos``, ``audios``
 ``llava``          LLaVA-1.5, ShareGPT4V, LLaVA-OneVision, InternVL jsonl, Qwen's qwen-vl-finetune:
                    ``conversations`` with a singular ``image`` (string or list) / ``video``
 ``typed``          HF / TRL / qwen-vl-utils / OpenAI / LLaMA-Factory v1: ``messages`` whose contents
@@ -20,7 +20,8 @@ layout             rows as written by
 ``qwen_vl``        Qwen-VL (v1): ``conversations`` with ``<img>path</img>`` tags in the text
 ``swift_conversation``  ms-swift: ``conversation: [{"human", "assistant"}]`` pairs (+ ``system``)
 ``swift_query``    ms-swift: ``query`` / ``response`` / ``history`` (+ ``system``)
-``alpaca``         LLaMA-Factory alpaca: ``instruction`` / ``input`` / ``output`` (+ ``system``, ``history``)
+``alpaca``         LLaMA-Factory alpaca: ``instruction`` / ``input`` / ``output`` (+ ``system``, ``history``,
+                   ``images``, ``videos``, ``audios``)
 ``cauldron``       HuggingFaceM4 the_cauldron: ``images`` + ``texts: [{"user", "assistant"}]``;
                    the images go before the first user turn
 ``prompt``         GRPO's prompts alone: EasyR1's ``problem`` / TRL's ``prompt`` (text, or messages)
@@ -28,7 +29,7 @@ layout             rows as written by
                    without placeholders go before the text (as TRL's processor puts them)
 =================  ==========================================================================
 
-Every layout also reads a ``solution`` / ``answer`` column (:data:`REFERENCE_KEYS`): GRPO's
+The two ms-swift layouts read ``images``, ``videos`` and ``audios`` too. Every layout also reads a ``solution`` / ``answer`` column (:data:`REFERENCE_KEYS`): GRPO's
 reference where a row has one, and a prompt alone is then a row
 (:func:`qwenkit.data.conversation.parse_row`).
 
