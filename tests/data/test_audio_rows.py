@@ -155,3 +155,25 @@ def test_audio_in_video_is_refused_by_the_scan_too(tmp_path):
     made in code, which no check has seen, is refused by the scan instead of training without the audio."""
     with pytest.raises(ValueError, match="use_audio_in_video=true"):
         _read(tmp_path, [LAYOUT_ROWS["messages"]], "qwen2_5_omni", use_audio_in_video=True)
+
+
+@pytest.mark.parametrize("on_bad, fraction, raised", [("skip", 0.5, None), ("skip", 0.2, "max_bad_fraction"),
+                                                      ("error", 1.0, "missing_audio")])  # fmt: skip
+def test_bad_audio_rows_follow_the_bad_row_rules(tmp_path, on_bad, fraction, raised):
+    """One row of three with a missing audio: skipped within data.max_bad_fraction, refused beyond it, and the
+    first bad row itself with data.on_bad_sample=error, named by file and row."""
+    from qwenkit.data.load import read_checked
+
+    write_tone(tmp_path / "a.wav")
+    rows = [dict(LAYOUT_ROWS["sharegpt"], audios=["a.wav"]), dict(LAYOUT_ROWS["alpaca"], audios=["gone.wav"]),
+            dict(LAYOUT_ROWS["messages"], audios=["a.wav"])]  # fmt: skip
+    (tmp_path / "set.json").write_text(json.dumps(rows))
+    cfg = DataConfig(path=str(tmp_path / "set.json"), cache_dir=str(tmp_path / "c"), on_bad_sample=on_bad,
+                     max_bad_fraction=fraction)  # fmt: skip
+    if raised is None:
+        dataset, report = read_checked(cfg, tiny_processor("qwen2_5_omni"))
+        assert len(dataset) == 2 and report.by_reason == {"missing_audio": 1}
+        return
+    with pytest.raises(Exception, match=raised) as caught:
+        read_checked(cfg, tiny_processor("qwen2_5_omni"))
+    assert on_bad == "skip" or "set.json: row 1" in str(caught.value)
