@@ -177,3 +177,14 @@ def test_bad_audio_rows_follow_the_bad_row_rules(tmp_path, on_bad, fraction, rai
     with pytest.raises(Exception, match=raised) as caught:
         read_checked(cfg, tiny_processor("qwen2_5_omni"))
     assert on_bad == "skip" or "set.json: row 1" in str(caught.value)
+
+
+def test_a_layout_without_audio_refuses_an_audios_column_instead_of_dropping_it():
+    from qwenkit.data.conversation import parse_row
+    from qwenkit.data.report import BadSample, Location
+
+    row = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo."}], "image": "a.png",
+           "audios": ["a.wav"]}  # fmt: skip
+    with pytest.raises(BadSample, match=r"the row has 'audios', but layout llava \(detected\) takes media from 'image' "
+                                        r"and 'video'; its 'audios' would be dropped"):  # fmt: skip
+        parse_row(row, Location("set.json", row=0))
