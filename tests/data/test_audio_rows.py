@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 from conftest import AUDIO_FAMILY, build_model, tiny_processor, write_png
-from tests.data.test_audio import write_tone
 
 from qwenkit.cli import main as cli_main
 from qwenkit.config import DataConfig
 from qwenkit.data import Collator, read_dataset
 from qwenkit.data import audio as qaudio
+from tests.data.test_audio import write_tone
 
 # one user turn with one audio, in each layout that reads the audios column (LLaMA-Factory's, ms-swift's)
 LAYOUT_ROWS = {
