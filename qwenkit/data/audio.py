@@ -84,9 +84,7 @@ def feature_extractor():
     return WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLE_RATE, hop_length=HOP, chunk_length=WINDOW_S)
 
 
-def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.Tensor:
-    """Log-mel features ``[128, frames]`` of one wave, as HF's Omni processor computes them (padded to the
-    window, then cut to the audio's frames); longer than the window: a :class:`BadSample` (``long_audio``)."""
+def _check_length(wave: np.ndarray, extractor, where: Location, label: str) -> None:
     window = extractor.n_samples  # chunk_length * sampling_rate
     if len(wave) > window:
         raise BadSample(
@@ -94,23 +92,53 @@ def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.
             f"audio {label} is {len(wave) / SAMPLE_RATE:.1f} s, longer than the feature extractor's "
             f"{window / SAMPLE_RATE:.0f} s window (it would be cut silently); split it into pieces of at most that",
         )  # fmt: skip
-    out = extractor(wave, sampling_rate=SAMPLE_RATE, return_attention_mask=True, return_tensors="pt")
-    frames = int(out["attention_mask"][0].sum())
-    return out["input_features"][0, :, :frames]
 
 
-def frames(samples: int) -> int:
-    """Mel frames of an audio of ``samples`` samples, as the extractor's attention mask counts them
-    (one per started hop: the mask is the samples' mask taken every ``HOP``)."""
-    return -(-samples // HOP)
+def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.Tensor:
+    """Log-mel features ``[128, frames]`` of one wave, as HF's Omni processor computes them (padded to the
+    window, then cut to the audio's frames); longer than the window: a :class:`BadSample` (``long_audio``)."""
+    _check_length(wave, extractor, where, label)
+    return row_features([wave], extractor, "max_length")[0]
+
+
+def row_features(waves: list[np.ndarray], extractor, padding: str) -> list[torch.Tensor]:
+    """Each of one row's waves as log-mel features ``[128, frames_k]``: the extractor called once on all of
+    them, as HF's processor calls it on a conversation's audios (``padding``: :func:`padding_rule`), each
+    cut to the frames its attention mask keeps."""
+    out = extractor(waves, sampling_rate=SAMPLE_RATE, return_attention_mask=True, padding=padding, truncation=False,
+                    return_tensors="pt")  # fmt: skip
+    return [out["input_features"][k, :, : int(m.sum())] for k, m in enumerate(out["attention_mask"])]
+
+
+def _processing(family):
+    """The processor module of the entry's transformers submodule (``processing_qwen3_omni_moe``, ...)."""
+    name = family.hf_module or family.model_type
+    return importlib.import_module(f"transformers.models.{name}.processing_{name}")
+
+
+def padding_rule(family) -> str:
+    """How HF's processor of ``family`` pads a call's audios before the log-mel: ``max_length`` (Qwen2.5-Omni:
+    each to the 30 s window) or ``longest`` (Qwen3-Omni: ``audio_kwargs`` ``padding=True``, to the longest of
+    the call). It decides the last frames: an audio that ends the padded length loses its partial last hop
+    (``frames``), and its last frame sees the STFT's reflection instead of zeros."""
+    module = _processing(family)
+    (processor,) = (getattr(module, name) for name in module.__all__ if name.endswith("Processor"))
+    padding = processor.audio_kwargs.get("padding", "max_length")
+    return "longest" if padding is True else padding
+
+
+def frames(samples: list[int], padded: int) -> list[int]:
+    """Mel frames of audios of ``samples`` samples padded together to ``padded`` samples, as the extractor's
+    attention mask counts them: one per started hop, but at most ``padded // HOP`` (the STFT's last frame is
+    dropped, and the mask with it when ``padded`` is no multiple of the hop)."""
+    return [min(-(-n // HOP), padded // HOP) for n in samples]
 
 
 def token_counter(family):
     """HF's own count of an audio's placeholder tokens from its mel frames, for ``family`` (an Omni entry):
     ``_get_feat_extract_output_lengths`` of the processor module of the entry's transformers submodule,
     the function ``Qwen2_5OmniProcessor`` / ``Qwen3OmniMoeProcessor`` expand ``<audio>`` with."""
-    name = family.hf_module or family.model_type
-    return importlib.import_module(f"transformers.models.{name}.processing_{name}")._get_feat_extract_output_lengths
+    return _processing(family)._get_feat_extract_output_lengths
 
 
 def _entry(entry, where: Location, k: int, n: int) -> str:
@@ -119,8 +147,18 @@ def _entry(entry, where: Location, k: int, n: int) -> str:
     return entry
 
 
+def _waves(conv, base_dir: Path | None, extractor) -> list[np.ndarray]:
+    waves = []
+    for k, entry in enumerate(conv.audios):
+        label = _entry(entry, conv.where, k, len(conv.audios))
+        waves.append(decode(label, conv.where, base_dir))
+        _check_length(waves[-1], extractor, conv.where, label)
+    return waves
+
+
 def measure(conv, base_dir: Path | None, family) -> list[tuple[int, int, int]]:
-    """``(mel frames, placeholder tokens, samples)`` of each of ``conv``'s audios, decoded once (the scan).
+    """``(mel frames, placeholder tokens, samples)`` of each of ``conv``'s audios, decoded once (the scan), as
+    HF's processor of ``family`` counts them for the row's audios in one call.
 
     A family without an audio tower (no ``audio_tokens`` in its entry) given audio: a bad row that says so."""
     if not conv.audios:
@@ -131,25 +169,19 @@ def measure(conv, base_dir: Path | None, family) -> list[tuple[int, int, int]]:
             f"the row has {len(conv.audios)} audio entr{'y' if len(conv.audios) == 1 else 'ies'} but model family "
             f"{family.name} has no audio tower; train a family that hears (README's family table), or drop 'audios'",
         )  # fmt: skip
-    count, extractor, out = token_counter(family), feature_extractor(), []
-    for k, entry in enumerate(conv.audios):
-        label = _entry(entry, conv.where, k, len(conv.audios))
-        wave = decode(label, conv.where, base_dir)
-        if len(wave) > extractor.n_samples:
-            features(wave, extractor, conv.where, label)  # raises long_audio
-        n = frames(len(wave))
-        out.append((n, int(count(n)), len(wave)))
-    return out
+    extractor = feature_extractor()
+    lengths = [len(w) for w in _waves(conv, base_dir, extractor)]
+    padded = extractor.n_samples if padding_rule(family) == "max_length" else max(lengths)
+    count = token_counter(family)
+    return [(n, int(count(n)), samples) for n, samples in zip(frames(lengths, padded), lengths)]
 
 
-def load(conv, base_dir: Path | None, expected: list[int]) -> dict[str, torch.Tensor]:
+def load(conv, base_dir: Path | None, expected: list[int], family) -> dict[str, torch.Tensor]:
     """The thinker's inputs of ``conv``'s audios: ``input_features [n_audio, 128, F]`` and
     ``feature_attention_mask [n_audio, F]`` (``F``: the longest audio's frames; shorter ones padded with
     0), checked against the scan's frames ``expected`` (an audio that changed: ``changed_media``)."""
-    extractor, made = feature_extractor(), []
-    for k, entry in enumerate(conv.audios):
-        label = _entry(entry, conv.where, k, len(conv.audios))
-        made.append(features(decode(label, conv.where, base_dir), extractor, conv.where, label))  # [128, f]
+    extractor = feature_extractor()
+    made = row_features(_waves(conv, base_dir, extractor), extractor, padding_rule(family))  # [128, f] each
     got = [int(f.shape[1]) for f in made]
     if got != list(expected):
         raise BadSample(

@@ -221,7 +221,8 @@ class EncodedDataset:
             sample.update(self._videos(conv, self.video_refs(i, conv), self.index.videos(i)))
         if conv.audios:  # input_features [n_audio, 128, F], feature_attention_mask [n_audio, F]
             base = self.sources[int(self.index.source[i])].base_dir
-            sample.update(audio.load(conv, base, [frames for frames, _, _ in self.index.grids(i, "audio")]))
+            frames = [f for f, _, _ in self.index.grids(i, "audio")]
+            sample.update(audio.load(conv, base, frames, self.processor.family))
         return sample
 
     def video_refs(self, i: int, conv: Conversation) -> list[MediaRef]:

@@ -47,9 +47,9 @@ def _spans(ids: list[int], audio_ids) -> list[int]:
 @AUDIO_FAMILY
 @pytest.mark.parametrize("layout", list(LAYOUT_ROWS))
 def test_audio_rows_hold_as_many_pads_as_hfs_audio_tower_makes(_cache, tmp_path, family, layout):
-    """Each layout's ``<audio>`` becomes the family's span with one pad per feature HF's own audio tower
-    makes of the audio (HF scatters the features into the pads without counting them), and the features
-    are HF's extractor's, cut to the audio's frames."""
+    """Each layout's ``<audio>`` becomes the family's span with one pad per feature HF's own audio tower makes
+    of the sample's features (HF scatters the features into the pads without counting them); the features
+    themselves are HF's processor's (:func:`test_token_ids_and_features_equal_hfs_omni_processor`)."""
     write_tone(tmp_path / "a.wav", hz=300.0, seconds=0.73)
     write_tone(tmp_path / "b.wav", hz=3000.0, seconds=2.41, channels=1, rate=16_000)
     one = dict(LAYOUT_ROWS[layout], audios=["a.wav"])
@@ -58,23 +58,69 @@ def test_audio_rows_hold_as_many_pads_as_hfs_audio_tower_makes(_cache, tmp_path,
     dataset, report = _read(tmp_path, [one, two], family)
     assert report.skipped == 0 and len(dataset) == 2
     processor, model = tiny_processor(family), build_model(name=family)
-    extractor = qaudio.feature_extractor()
-    for i, names in enumerate((["a.wav"], ["b.wav", "a.wav"])):
+    for i, count in enumerate((1, 2)):
         sample = dataset[i]
         tower = []
-        for k, name in enumerate(names):
-            wave = qaudio.decode(name, None, tmp_path)
-            ref = extractor(wave, sampling_rate=16_000, return_attention_mask=True, padding="max_length",
-                            return_tensors="pt")  # fmt: skip  # as Qwen-Omni's processors call it
-            frames = int(ref["attention_mask"].sum())
-            torch.testing.assert_close(sample["input_features"][k, :, :frames], ref["input_features"][0, :, :frames])
-            assert sample["feature_attention_mask"][k].sum() == frames
+        for k in range(count):
+            frames = int(sample["feature_attention_mask"][k].sum())
             with torch.no_grad():
-                out = model.model.get_audio_features(ref["input_features"][:, :, :frames],
-                                                     feature_attention_mask=ref["attention_mask"][:, :frames],
+                out = model.model.get_audio_features(sample["input_features"][k : k + 1, :, :frames],
+                                                     feature_attention_mask=torch.ones(1, frames, dtype=torch.long),
                                                      return_dict=True)  # fmt: skip
             tower.append(out.last_hidden_state.shape[0])
         assert _spans(sample["input_ids"].tolist(), processor.audio_ids) == tower
+
+
+def _hf_processor(family: str):
+    """HF's own ``Qwen2_5OmniProcessor`` / ``Qwen3OmniMoeProcessor`` over the tiny checkpoint's tokenizer, image
+    processor and the Omni feature extractor. Its ``__init__`` wants a video processor, which needs torchvision
+    (not installed here: docs/DESIGN's CUDA-linked wheel); the attributes it sets are set by hand instead, so
+    ``__call__`` (the placeholder expansion, the features) is HF's code unchanged."""
+    import transformers
+
+    processor = tiny_processor(family)
+    cls = {"qwen2_5_omni": transformers.Qwen2_5OmniProcessor, "qwen3_omni_moe": transformers.Qwen3OmniMoeProcessor}[family]
+    hf = cls.__new__(cls)
+    hf.tokenizer, hf.image_processor, hf.video_processor = processor.tokenizer, processor.image_processor, None
+    hf.feature_extractor, hf.chat_template = qaudio.feature_extractor(), None
+    start, pad, end = processor.tokenizer.convert_ids_to_tokens(list(processor.audio_ids))
+    hf.image_token, hf.video_token, hf.audio_token, hf.audio_bos_token, hf.audio_eos_token = (
+        "<|image_pad|>", "<|video_pad|>", pad, start, end)  # fmt: skip
+    hf.vision_bos_token, hf.vision_eos_token = "<|vision_start|>", "<|vision_end|>"
+    hf.image_token_id, hf.video_token_id, hf.audio_token_id = processor.image_token_id, processor.video_token_id, processor.audio_ids[1]
+    return hf, (start, pad, end)
+
+
+@AUDIO_FAMILY
+def test_token_ids_and_features_equal_hfs_omni_processor(_cache, tmp_path, family):
+    """A row with an image and two audios of other lengths, neither a whole number of 10 ms hops: qwenkit's ids
+    equal HF's Omni processor's on the text the family's chat template writes (each ``<audio>`` as the
+    unexpanded span HF's templates write), and its features and mask equal the processor's up to each audio's
+    frames. HF pads Qwen2.5-Omni's audios to 30 s, Qwen3-Omni's to the row's longest, which then keeps one
+    frame fewer (242 -> 241 here) and reflects its own end in its last frame."""
+    from PIL import Image
+
+    write_tone(tmp_path / "a.wav", hz=300.0, seconds=0.7317, channels=1, rate=16_000)  # 11707 samples
+    write_tone(tmp_path / "b.wav", hz=3000.0, seconds=2.4111, channels=1, rate=16_000)  # 38577 samples
+    write_png(tmp_path / "i.png", (84, 56))
+    user, reply = "<image>Look<audio>and<audio>Which tone is higher?", "The second."
+    row = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}],
+           "images": ["i.png"], "audios": ["b.wav", "a.wav"]}  # fmt: skip
+    dataset, _ = _read(tmp_path, [row], family)
+    sample = dataset[0]
+    hf, (start, pad, end) = _hf_processor(family)
+    parts = [{"type": "image"}, {"type": "text", "text": "LookAUDIOandAUDIOWhich tone is higher?"}]
+    text = tiny_processor(family).tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": reply}]}],
+        tokenize=False,
+    ).replace("AUDIO", start + pad + end)
+    waves = [qaudio.decode(name, None, tmp_path) for name in ("b.wav", "a.wav")]
+    out = hf(text=[text], images=[Image.open(tmp_path / "i.png")], audio=waves, return_tensors="pt")
+    assert sample["input_ids"].tolist() == out["input_ids"][0].tolist()
+    torch.testing.assert_close(sample["image_grid_thw"], out["image_grid_thw"])
+    for k, frames in enumerate(sample["feature_attention_mask"].sum(1).tolist()):
+        assert int(out["feature_attention_mask"][k].sum()) == frames
+        torch.testing.assert_close(sample["input_features"][k, :, :frames], out["input_features"][k, :, :frames])
 
 
 @AUDIO_FAMILY
