@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from qwenkit.config.train import OBJECTIVES
+
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
@@ -13,6 +15,14 @@ DATA_LAYOUTS = (
     "auto", "messages", "sharegpt", "llava", "typed", "qwen_vl", "swift_conversation", "swift_query", "alpaca",
     "cauldron", "prompt",
 )  # fmt: skip
+
+
+# why data.use_audio_in_video=true is refused (the config check; the scan too, for a DataConfig made in code)
+AUDIO_IN_VIDEO = (
+    "data.use_audio_in_video=true: a video's audio track interleaved with its frames (HF's Omni processors' "
+    "2-second chunks and their mRoPE) is not made equal to HF's processor yet; use false, or give the audio as "
+    "its own <audio> entry"
+)
 
 
 @dataclass
@@ -40,6 +50,11 @@ class DataConfig:
     packing: bool = False  # padding-free: each micro-batch is one row of its samples, attention kept per sample
     max_tokens_per_batch: int = 0  # >0: fill micro-batches up to this many tokens (train.micro_batch_size unused)
     tiny_samples: int = 64  # size of the embedded synthetic dataset (path=tiny)
+    # path=tiny: the synthetic task: coloured shapes (images) or tones (audio: which pitch, low/mid/high; a family
+    # with an audio tower)
+    tiny_task: Literal["shapes", "tones"] = "shapes"
+    # every <video> followed by its own audio track (HF's use_audio_in_video); refused: not yet equal to HF's processor
+    use_audio_in_video: bool = False
     cache_dir: str | None = None  # prepared-index cache; None: $QWENKIT_CACHE/data-index (~/.cache/qwenkit/data-index)
     fingerprint: Literal["stat", "content"] = "stat"  # data files keyed by path/size/mtime, or by a content hash
     num_proc: int = 1  # scan processes per rank on a cold cache (rows are also split across ranks)
@@ -102,3 +117,10 @@ def check(cfg: Config, need: Need) -> None:
         f"data.eval_path ({data.eval_path!r}) and data.eval_fraction ({data.eval_fraction}) both give an eval set; keep one",
     )
     need(data.tiny_eval_samples >= 0, f"data.tiny_eval_samples must be >= 0, got {data.tiny_eval_samples}")
+    need(not data.use_audio_in_video, AUDIO_IN_VIDEO)
+    reads = OBJECTIVES[cfg.train.objective].reads if cfg.train.objective in OBJECTIVES else "conversations"
+    need(
+        data.path != "tiny" or data.tiny_task == "shapes" or reads == "conversations",
+        f"data.tiny_task={data.tiny_task!r} is a conversation task; train.objective={cfg.train.objective!r} reads "
+        f"{reads} (the tiny ones are the shapes'): use data.tiny_task=shapes",
+    )

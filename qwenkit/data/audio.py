@@ -16,13 +16,14 @@ longer than the window is a bad sample that names the file, the row, its length 
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from qwenkit.data.report import BadSample, Location
+from qwenkit.data.report import REBUILD, BadSample, Location
 
 SAMPLE_RATE = 16_000  # Hz: what the Omni audio towers were trained on
 MEL_BINS = 128
@@ -83,9 +84,7 @@ def feature_extractor():
     return WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLE_RATE, hop_length=HOP, chunk_length=WINDOW_S)
 
 
-def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.Tensor:
-    """Log-mel features ``[128, frames]`` of one wave, as HF's Omni processor computes them (padded to the
-    window, then cut to the audio's frames); longer than the window: a :class:`BadSample` (``long_audio``)."""
+def _check_length(wave: np.ndarray, extractor, where: Location, label: str) -> None:
     window = extractor.n_samples  # chunk_length * sampling_rate
     if len(wave) > window:
         raise BadSample(
@@ -93,6 +92,107 @@ def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.
             f"audio {label} is {len(wave) / SAMPLE_RATE:.1f} s, longer than the feature extractor's "
             f"{window / SAMPLE_RATE:.0f} s window (it would be cut silently); split it into pieces of at most that",
         )  # fmt: skip
-    out = extractor(wave, sampling_rate=SAMPLE_RATE, return_attention_mask=True, return_tensors="pt")
-    frames = int(out["attention_mask"][0].sum())
-    return out["input_features"][0, :, :frames]
+
+
+def features(wave: np.ndarray, extractor, where: Location, label: str) -> torch.Tensor:
+    """Log-mel features ``[128, frames]`` of one wave, as HF's Omni processor computes them (padded to the
+    window, then cut to the audio's frames); longer than the window: a :class:`BadSample` (``long_audio``)."""
+    _check_length(wave, extractor, where, label)
+    return row_features([wave], extractor, "max_length")[0]
+
+
+def row_features(waves: list[np.ndarray], extractor, padding: str) -> list[torch.Tensor]:
+    """Each of one row's waves as log-mel features ``[128, frames_k]``: the extractor called once on all of
+    them, as HF's processor calls it on a conversation's audios (``padding``: :func:`padding_rule`), each
+    cut to the frames its attention mask keeps."""
+    out = extractor(waves, sampling_rate=SAMPLE_RATE, return_attention_mask=True, padding=padding, truncation=False,
+                    return_tensors="pt")  # fmt: skip
+    return [out["input_features"][k, :, : int(m.sum())] for k, m in enumerate(out["attention_mask"])]
+
+
+def _processing(family):
+    """The processor module of the entry's transformers submodule (``processing_qwen3_omni_moe``, ...)."""
+    name = family.hf_module or family.model_type
+    return importlib.import_module(f"transformers.models.{name}.processing_{name}")
+
+
+def padding_rule(family) -> str:
+    """How HF's processor of ``family`` pads a call's audios before the log-mel: ``max_length`` (Qwen2.5-Omni:
+    each to the 30 s window) or ``longest`` (Qwen3-Omni: ``audio_kwargs`` ``padding=True``, to the longest of
+    the call). It decides the last frames: an audio that ends the padded length loses its partial last hop
+    (``frames``), and its last frame sees the STFT's reflection instead of zeros."""
+    module = _processing(family)
+    (processor,) = (getattr(module, name) for name in module.__all__ if name.endswith("Processor"))
+    padding = processor.audio_kwargs.get("padding", "max_length")
+    return "longest" if padding is True else padding
+
+
+def frames(samples: list[int], padded: int) -> list[int]:
+    """Mel frames of audios of ``samples`` samples padded together to ``padded`` samples, as the extractor's
+    attention mask counts them: one per started hop, but at most ``padded // HOP`` (the STFT's last frame is
+    dropped, and the mask with it when ``padded`` is no multiple of the hop)."""
+    return [min(-(-n // HOP), padded // HOP) for n in samples]
+
+
+def token_counter(family):
+    """HF's own count of an audio's placeholder tokens from its mel frames, for ``family`` (an Omni entry):
+    ``_get_feat_extract_output_lengths`` of the processor module of the entry's transformers submodule,
+    the function ``Qwen2_5OmniProcessor`` / ``Qwen3OmniMoeProcessor`` expand ``<audio>`` with."""
+    return _processing(family)._get_feat_extract_output_lengths
+
+
+def _entry(entry, where: Location, k: int, n: int) -> str:
+    if not isinstance(entry, str) or not entry:
+        raise BadSample(where, "bad_format", f"audio {k} of {n} must be a path or a data: URI, got {entry!r:.80}")
+    return entry
+
+
+def _waves(conv, base_dir: Path | None, extractor) -> list[np.ndarray]:
+    waves = []
+    for k, entry in enumerate(conv.audios):
+        label = _entry(entry, conv.where, k, len(conv.audios))
+        waves.append(decode(label, conv.where, base_dir))
+        _check_length(waves[-1], extractor, conv.where, label)
+    return waves
+
+
+def measure(conv, base_dir: Path | None, family) -> list[tuple[int, int, int]]:
+    """``(mel frames, placeholder tokens, samples)`` of each of ``conv``'s audios, decoded once (the scan), as
+    HF's processor of ``family`` counts them for the row's audios in one call.
+
+    A family without an audio tower (no ``audio_tokens`` in its entry) given audio: a bad row that says so."""
+    if not conv.audios:
+        return []
+    if not family.audio_tokens:
+        raise BadSample(
+            conv.where, "no_audio_tower",
+            f"the row has {len(conv.audios)} audio entr{'y' if len(conv.audios) == 1 else 'ies'} but model family "
+            f"{family.name} has no audio tower; train a family that hears (README's family table), or drop 'audios'",
+        )  # fmt: skip
+    extractor = feature_extractor()
+    lengths = [len(w) for w in _waves(conv, base_dir, extractor)]
+    padded = extractor.n_samples if padding_rule(family) == "max_length" else max(lengths)
+    count = token_counter(family)
+    return [(n, int(count(n)), samples) for n, samples in zip(frames(lengths, padded), lengths)]
+
+
+def load(conv, base_dir: Path | None, expected: list[int], family) -> dict[str, torch.Tensor]:
+    """The thinker's inputs of ``conv``'s audios: ``input_features [n_audio, 128, F]`` and
+    ``feature_attention_mask [n_audio, F]`` (``F``: the longest audio's frames; shorter ones padded with
+    0), checked against the scan's frames ``expected`` (an audio that changed: ``changed_media``)."""
+    extractor = feature_extractor()
+    made = row_features(_waves(conv, base_dir, extractor), extractor, padding_rule(family))  # [128, f] each
+    got = [int(f.shape[1]) for f in made]
+    if got != list(expected):
+        raise BadSample(
+            conv.where, "changed_media",
+            f"the audios have {got} mel frames but the index has {list(expected)}: an audio changed after the index "
+            f"was built; {REBUILD}",
+        )  # fmt: skip
+    width = max(got)
+    feats = torch.zeros(len(made), MEL_BINS, width, dtype=made[0].dtype)  # [n_audio, 128, F]
+    mask = torch.zeros(len(made), width, dtype=torch.long)  # [n_audio, F]
+    for k, f in enumerate(made):
+        feats[k, :, : f.shape[1]] = f
+        mask[k, : f.shape[1]] = 1
+    return {"input_features": feats, "feature_attention_mask": mask}

@@ -48,7 +48,8 @@ ENCODING_KEYS = (
 RUN_KEYS = (
     "path", "tiny_samples", "on_bad_sample", "max_bad_fraction", "shuffle", "num_workers",
     "cache_dir", "fingerprint", "num_proc", "packing", "max_tokens_per_batch", "eval_path", "eval_fraction",
-    "tiny_eval_samples",
+    "tiny_eval_samples", "tiny_task",
+    "use_audio_in_video",  # only false ever runs: true is refused (config.data.AUDIO_IN_VIDEO)
 )  # fmt: skip
 
 

@@ -48,7 +48,7 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
         f"model family: {dataset.processor.family.name} (its chat template and video sampling)",
     ]
     index = dataset.index
-    images, videos = index.kind_mask("image"), index.kind_mask("video")
+    images, videos, audios = index.kind_mask("image"), index.kind_mask("video"), index.kind_mask("audio")
     lines.append(f"images: {int(images.sum())}")
     if videos.any():
         meta = index.media_meta[videos]  # [n_videos, 4]: frames, fps, width, height
@@ -58,6 +58,9 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
             f"videos: {int(videos.sum())}, {(meta[:, 0] / meta[:, 1]).sum():.1f} s, "
             f"{int(meta[:, 0].sum())} frames decoded, {sampled} sampled"
         )
+    if audios.any():  # an audio's grid: (mel frames, placeholder tokens, 0); its meta: (samples, rate, 0, 0)
+        seconds = (index.media_meta[audios, 0] / index.media_meta[audios, 1]).sum()
+        lines.append(f"audios: {int(audios.sum())}, {seconds:.1f} s, {int(index.media_grid[audios, 1].sum())} tokens")
     if len(index):
         lengths = index.length.astype(np.int64)
         p = percentiles(lengths.tolist())
@@ -67,6 +70,7 @@ def summarize(dataset: EncodedDataset, report: BadSampleReport, max_length: int)
         )
         media_tokens = index.media_grid.astype(np.int64).prod(axis=1) // dataset.processor.merge_size**2  # [M]
         video = f"{int(media_tokens[videos].sum())} video, " if videos.any() else ""
+        video += f"{int(index.media_grid[audios, 1].sum())} audio, " if audios.any() else ""
         lines.append(
             f"tokens in total: {lengths.sum()} ({int(media_tokens[images].sum())} image, {video}"
             f"{int(index.label_tokens.sum())} learned)"

@@ -22,8 +22,10 @@ Packed (``packing=True``, padding-free):
 Both modes:
 
 - every other key a sample carries is per-media (``pixel_values``, ``image_grid_thw``,
-  ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ...): concatenated along
-  dim 0 in sample order, which is the order the model scatters features into placeholder tokens;
+  ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ``input_features``,
+  ``feature_attention_mask``, ...): concatenated along dim 0 in sample order, which is the order the
+  model scatters features into placeholder tokens (audio features padded to the batch's longest
+  audio first, :func:`join_media`);
 - ``num_items``: label tokens that count after HF's causal shift, ``(labels[:, 1:] != -100).sum()``;
   summed over ranks and accumulation steps it is the ``token_mean`` denominator;
 - ``num_samples``: ``B``;
@@ -39,7 +41,19 @@ from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.processor import Processor
 
 SEQUENCE_KEYS = ("input_ids", "labels", "mm_token_type_ids")
+# per-audio keys whose last dim is mel frames: a batch pads them to its longest audio (0: no frame)
+FRAME_KEYS = ("input_features", "feature_attention_mask")
 COUNT_KEYS = ("num_bad",)  # per-sample counts: summed over the batch, present when any sample has one
+
+
+def join_media(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One media key of several samples (or prompts) along dim 0, in their order; audio features and
+    their masks (:data:`FRAME_KEYS`) first right-padded with 0 to the longest audio's frames, as HF's
+    processor pads a batch's audios (the mask keeps each audio's own length)."""
+    if key in FRAME_KEYS:
+        width = max(p.shape[-1] for p in parts)
+        parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p in parts]
+    return torch.cat(parts)
 
 
 class Collator:
@@ -58,7 +72,7 @@ class Collator:
         batch = self._pack(samples, lengths) if self.packing else self._pad(samples, lengths)
         media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS + COUNT_KEYS})
         for key in media:
-            batch[key] = torch.cat([s[key] for s in samples if key in s])
+            batch[key] = join_media(key, [s[key] for s in samples if key in s])
         for key in COUNT_KEYS:
             counts = [s[key] for s in samples if key in s]
             if counts:

@@ -3,7 +3,8 @@
 The row's layout (``messages``, sharegpt ``conversations``, LLaVA ``image``/``conversations``,
 typed content parts, ms-swift, alpaca, the_cauldron, ...) is read by :mod:`qwenkit.data.layouts`
 into ``(role, text)`` turns whose ``<image>``/``<video>`` placeholders stand where the media go:
-the k-th ``<image>`` is image ``k`` and the k-th ``<video>`` is video ``k``. Everything here,
+the k-th ``<image>`` is image ``k``, the k-th ``<video>`` video ``k`` and the k-th ``<audio>`` audio ``k``
+(the ``audios`` column of LLaMA-Factory's and ms-swift's layouts). Everything here,
 and after, is the same for every layout.
 
 An optional ``"id"`` field is carried into error messages. Every problem raises
@@ -25,11 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from qwenkit.data import layouts
-from qwenkit.data.layout_readers import IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER
+from qwenkit.data.layout_readers import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER
 from qwenkit.data.report import BadSample, Location
 from qwenkit.model.processor import SPECIAL_TOKENS
 
-__all__ = ["IMAGE_PLACEHOLDER", "ROLES", "VIDEO_PLACEHOLDER", "Conversation", "parse_row"]
+__all__ = ["AUDIO_PLACEHOLDER", "IMAGE_PLACEHOLDER", "ROLES", "VIDEO_PLACEHOLDER", "Conversation", "parse_row"]
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Conversation:
     videos: list[Any] = dataclasses.field(default_factory=list)  # raw video entries; see qwenkit.data.video
     layout: str = "messages"  # the layout the row was read as (qwenkit.data.layouts)
     reference: str | None = None  # what a generation is compared to (module docstring); parse_row sets it
+    audios: list[Any] = dataclasses.field(default_factory=list)  # raw audio entries; see qwenkit.data.audio
 
 
 def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = False) -> Conversation:
@@ -74,10 +76,11 @@ def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = F
     asked = messages if prompt_only else messages[:-1]  # GRPO's prompt: every turn before the reference
     if prompts and not (read.images or read.videos) and not any(visible(t) for role, t in asked if role == "user"):
         raise BadSample(where, "empty_prompt", "the prompt has no text and no image or video: nothing to answer")
-    for placeholder, media in ((IMAGE_PLACEHOLDER, read.images), (VIDEO_PLACEHOLDER, read.videos)):
-        _check_placeholders(system, messages, offset, placeholder, len(media), where, read)
+    media = ((IMAGE_PLACEHOLDER, read.images), (VIDEO_PLACEHOLDER, read.videos), (AUDIO_PLACEHOLDER, read.audios))
+    for placeholder, entries in media:
+        _check_placeholders(system, messages, offset, placeholder, len(entries), where, read)
     reference = _reference(row[column], column, where) if prompts and column else messages[-1][1]
-    return Conversation(where, system or None, messages, read.images, read.videos, read.layout, reference)
+    return Conversation(where, system or None, messages, read.images, read.videos, read.layout, reference, read.audios)
 
 
 def _reference(value: Any, column: str, where: Location) -> str:
@@ -137,7 +140,7 @@ def _check_placeholders(
     where: Location,
     read: layouts.Read,
 ) -> None:
-    kind = "image" if placeholder == IMAGE_PLACEHOLDER else "video"
+    kind = placeholder.strip("<>")
     texts = ([("system", system, 0)] if system else []) + [
         (role, text, i + offset) for i, (role, text) in enumerate(turns)
     ]
@@ -159,5 +162,5 @@ def _check_placeholders(
             where,
             f"{kind}_count",
             f"{found} {placeholder} placeholder{'s' if found != 1 else ''} but {n_media} {kind}{'s' if n_media != 1 else ''} "
-            f"(layout {read.layout}: media from {read.media_from})",
+            f"(layout {read.layout}: media from {read.media_from if kind != 'audio' else repr('audios')})",
         )

@@ -30,6 +30,8 @@ import torch
 from tqdm import tqdm
 
 from qwenkit.config import DataConfig
+from qwenkit.config.data import AUDIO_IN_VIDEO
+from qwenkit.data import audio
 from qwenkit.data.conversation import Conversation, parse_row
 from qwenkit.data.images import ImageProbe, MediaRef, load, predict_grid, resolve
 from qwenkit.data.index import MEDIA_KINDS, BadRecord, SampleIndex, SampleInfo, empty_columns, to_index
@@ -146,7 +148,8 @@ class EncodedDataset:
         conv = self.conversation(i)
         sample = dict(media) if media is not None else self._media(i, conv)
         enc = fit_length(
-            self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv)),
+            self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv),
+                                 self._audio_tokens(i)),  # fmt: skip
             conv,
             self.data.max_length,
             self.data.truncate_text,
@@ -169,7 +172,8 @@ class EncodedDataset:
         """
         conv = self.conversation(i)
         asked = dataclasses.replace(conv, turns=conv.turns[:-1] if conv.turns[-1][0] == "assistant" else conv.turns)
-        encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv))
+        encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv),
+                                       self._audio_tokens(i))  # fmt: skip
         inputs = self._media(i, conv)
         input_ids = torch.tensor([encoded.input_ids + self.template.headers["assistant"]], dtype=torch.long)  # [1, S]
         inputs["input_ids"] = input_ids
@@ -184,6 +188,10 @@ class EncodedDataset:
             return []
         refs = self.video_refs(i, conv)
         return [self.video_processor.plan(m, conv.where, r.label).timestamps for r, m in zip(refs, self.index.videos(i))]
+
+    def _audio_tokens(self, i: int) -> list[int]:
+        """Each audio's placeholder count, as the scan computed it (the index's audio grids hold it)."""
+        return [tokens for _, tokens, _ in self.index.grids(i, "audio")]
 
     def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         """transformers 5.x's ``mm_token_type_ids``: 0 text, 1 image pad, 2 video pad."""
@@ -211,6 +219,10 @@ class EncodedDataset:
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
         if self.index.grids(i, "video"):
             sample.update(self._videos(conv, self.video_refs(i, conv), self.index.videos(i)))
+        if conv.audios:  # input_features [n_audio, 128, F], feature_attention_mask [n_audio, F]
+            base = self.sources[int(self.index.source[i])].base_dir
+            frames = [f for f, _, _ in self.index.grids(i, "audio")]
+            sample.update(audio.load(conv, base, frames, self.processor.family))
         return sample
 
     def video_refs(self, i: int, conv: Conversation) -> list[MediaRef]:
@@ -249,6 +261,8 @@ def scan_rows(
     """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it).
 
     ``prompts``: a row may be a prompt whose reference is a column (GRPO's rows, see :func:`parse_row`)."""
+    if data.use_audio_in_video:  # the config check refuses it; a DataConfig made in code meets it here
+        raise ValueError(AUDIO_IN_VIDEO)
     template = ChatTemplate(processor, data.system_prompt)
     probe = ImageProbe(data.min_image_side, data.max_aspect_ratio, full)
     videos = _VideoScan(VideoProbe(data.video_fps), for_processor(processor, data), data)
@@ -259,7 +273,7 @@ def scan_rows(
         for r in range(a - starts[s], b - starts[s]):
             total += 1
             try:
-                length, grids, learned, truncated, metas, video_grids = _scan_row(
+                length, grids, learned, truncated, metas, video_grids, audios = _scan_row(
                     source, r, template, probe, videos, data, prompts
                 )
             except BadSample as e:
@@ -269,11 +283,13 @@ def scan_rows(
                 ("source", "row", "length", "label_tokens", "truncated"), (s, r, length, learned, truncated)
             ):
                 cols[name].append(value)
-            cols["media_count"].append(len(grids) + len(video_grids))
+            cols["media_count"].append(len(grids) + len(video_grids) + len(audios))
             cols["media_kind"].extend([MEDIA_KINDS["image"]] * len(grids) + [MEDIA_KINDS["video"]] * len(video_grids))
-            cols["media_grid"].extend(grids + video_grids)
+            cols["media_kind"].extend([MEDIA_KINDS["audio"]] * len(audios))
+            cols["media_grid"].extend(grids + video_grids + [(frames, tokens, 0) for frames, tokens, _ in audios])
             cols["media_meta"].extend([(0.0, 0.0, 0.0, 0.0)] * len(grids))
             cols["media_meta"].extend((m.frames, m.fps, m.width, m.height) for m in metas)
+            cols["media_meta"].extend((samples, audio.SAMPLE_RATE, 0.0, 0.0) for _, _, samples in audios)
     return to_index(cols, bad, total)
 
 
@@ -291,11 +307,13 @@ def _scan_row(
             raise BadSample(conv.where, "aspect_ratio", f"{ref.label}: {e}") from None
     metas, plans = videos.measure(conv, source.base_dir)
     video_grids = [p.grid for p in plans]
+    audios = audio.measure(conv, source.base_dir, template.processor.family)  # [(frames, tokens, samples)]
     enc = fit_length(
-        template.encode(conv, grids, video_grids, [p.timestamps for p in plans]), conv, data.max_length, data.truncate_text
-    )
+        template.encode(conv, grids, video_grids, [p.timestamps for p in plans], [t for _, t, _ in audios]),
+        conv, data.max_length, data.truncate_text,
+    )  # fmt: skip
     learned = sum(label != IGNORE_INDEX for label in enc.labels[1:])
-    return len(enc.input_ids), grids, learned, enc.truncated_from is not None, metas, video_grids
+    return len(enc.input_ids), grids, learned, enc.truncated_from is not None, metas, video_grids, audios
 
 
 class _VideoScan:

@@ -18,7 +18,9 @@ Media items (images and videos: every kind that is cut into a ``(t, h, w)`` patc
 flat per-item columns: ``media_kind`` (uint8, a code of :data:`MEDIA_KINDS`), ``media_grid``
 (int32 ``[M, 3]``) and ``media_meta`` (float64 ``[M, 4]``: a video's decodable frames, frame
 rate, width and height, as the probe measured them, from which the frame plan follows; zeros
-for an image). Items keep the row's order within each kind.
+for an image). An audio item (:mod:`qwenkit.data.audio`) keeps ``(mel frames, placeholder tokens, 0)``
+in ``media_grid`` and ``(samples at 16 kHz, 16000, 0, 0)`` in ``media_meta``. Items keep the row's
+order within each kind.
 
 Bad rows are few and need their text (file, row, line, id, reason, detail), so they are kept
 as records (:class:`BadRecord`), in dataset order, next to the arrays.
@@ -37,7 +39,7 @@ import numpy as np
 from qwenkit.data.report import BadSample, BadSampleReport, Location
 from qwenkit.data.video import VideoMeta
 
-MEDIA_KINDS = {"image": 0, "video": 1}
+MEDIA_KINDS = {"image": 0, "video": 1, "audio": 2}
 ROW_COLUMNS = {
     "source": np.int32,
     "row": np.int32,
@@ -49,8 +51,8 @@ MEDIA_COLUMNS = {"media_kind": np.uint8, "media_grid": np.int32, "media_meta": n
 VIDEO_META = ("frames", "fps", "width", "height")  # the media_meta columns, VideoMeta's fields
 # bump when the columns or their meaning change: older cache files are then ignored (3: row spans added;
 # 4: a preference pair whose two sides are the same is a bad pair, same_replies; 5: a GRPO prompt with
-# nothing in it is a bad row, empty_prompt)
-FORMAT = 5
+# nothing in it is a bad row, empty_prompt; 6: rows' audios read, an audio item's grid is (mel frames, tokens, 0))
+FORMAT = 6
 
 
 @dataclass(frozen=True)

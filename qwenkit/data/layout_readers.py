@@ -14,8 +14,9 @@ from qwenkit.data.report import BadSample, Location
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
+AUDIO_PLACEHOLDER = "<audio>"
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
-MEDIA_KEYS = ("images", "videos", "image", "video")
+MEDIA_KEYS = ("images", "videos", "image", "video", "audios")
 QWEN_VL_TAG = re.compile(r"<img>(.*?)</img>", re.S)
 GROUNDING = ("<ref-object>", "<bbox>")
 REFERENCE_KEYS = ("solution", "answer")  # a prompt's reference column (TRL's, EasyR1's), the first present
@@ -31,6 +32,7 @@ class Read:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     media_from: str = "'images'/'videos'"  # how messages name where the media came from
+    audios: list[Any] = field(default_factory=list)  # LLaMA-Factory's / ms-swift's 'audios', in <audio> order
 
 
 def bad(where: Location, detail: str, reason: str = "bad_format") -> BadSample:
@@ -93,12 +95,12 @@ def _chat(row: dict, where: Location, key: str, role_key: str, text_key: str) ->
 
 def read_messages(row: dict, where: Location) -> Read:
     return Read("messages", row.get("system"), _chat(row, where, "messages", "role", "content"),
-                _entries(row, "images", where), _entries(row, "videos", where))  # fmt: skip
+                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where))  # fmt: skip
 
 
 def read_sharegpt(row: dict, where: Location) -> Read:
     return Read("sharegpt", row.get("system"), _sharegpt_turns(row, where),
-                _entries(row, "images", where), _entries(row, "videos", where))  # fmt: skip
+                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where))  # fmt: skip
 
 
 def _sharegpt_turns(row: dict, where: Location) -> list[tuple[str, str]]:
@@ -232,7 +234,7 @@ def read_swift_conversation(row: dict, where: Location) -> Read:
         turns += [("user", _string(pair["human"], f"conversation {k} human", where)),
                   ("assistant", _string(pair["assistant"], f"conversation {k} assistant", where))]  # fmt: skip
     return Read("swift_conversation", row.get("system"), turns,
-                _entries(row, "images", where), _entries(row, "videos", where))  # fmt: skip
+                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where))  # fmt: skip
 
 
 def read_swift_query(row: dict, where: Location) -> Read:
@@ -240,7 +242,7 @@ def read_swift_query(row: dict, where: Location) -> Read:
     turns += [("user", _string(row.get("query"), "'query'", where)),
               ("assistant", _string(row.get("response"), "'response'", where, none_as_empty=True))]  # fmt: skip
     return Read("swift_query", row.get("system"), turns,
-                _entries(row, "images", where), _entries(row, "videos", where))  # fmt: skip
+                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where))  # fmt: skip
 
 
 def read_alpaca(row: dict, where: Location) -> Read:
@@ -248,7 +250,8 @@ def read_alpaca(row: dict, where: Location) -> Read:
     query = [_string(row[key], f"'{key}'", where) for key in ("instruction", "input") if row.get(key)]
     turns = _pairs(row.get("history"), "history", where)
     turns += [("user", "\n".join(query)), ("assistant", _string(row.get("output"), "'output'", where, True))]
-    return Read("alpaca", row.get("system"), turns, _entries(row, "images", where), _entries(row, "videos", where))
+    return Read("alpaca", row.get("system"), turns, _entries(row, "images", where), _entries(row, "videos", where),
+                audios=_entries(row, "audios", where))  # fmt: skip
 
 
 def read_cauldron(row: dict, where: Location) -> Read:

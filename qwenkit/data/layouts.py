@@ -1,6 +1,6 @@
 """Dataset layouts: one small reader per public layout, each turning a raw row into the same
-:class:`Read` (system text, ``(role, text)`` turns with ``<image>``/``<video>`` placeholders,
-and the row's image and video entries in placeholder order).
+:class:`Read` (system text, ``(role, text)`` turns with ``<image>``/``<video>``/``<audio>`` placeholders,
+and the row's image, video and audio entries in placeholder order).
 
 Everything after reading (the checks of :mod:`qwenkit.data.conversation`, the template, the
 index, the cache, the bad-sample report, packing, evaluation) sees only that result, so a
@@ -10,8 +10,8 @@ keys (:func:`detect`); a named layout refuses rows that do not fit it, naming th
 =================  ==========================================================================
 layout             rows as written by
 =================  ==========================================================================
-``messages``       LLaMA-Factory / ms-swift: ``messages`` with string contents, ``images``, ``videos``
-``sharegpt``       LLaMA-Factory sharegpt: ``conversations`` (``from``/``value``), ``images``, ``videos``
+``messages``       LLaMA-Factory / ms-swift: ``messages`` with string contents, ``images``, ``videos``, ``audios``
+``sharegpt``       LLaMA-Factory sharegpt: ``conversations`` (``from``/``value``), ``images``, ``videos``, ``audios``
 ``llava``          LLaVA-1.5, ShareGPT4V, LLaVA-OneVision, InternVL jsonl, Qwen's qwen-vl-finetune:
                    ``conversations`` with a singular ``image`` (string or list) / ``video``
 ``typed``          HF / TRL / qwen-vl-utils / OpenAI / LLaMA-Factory v1: ``messages`` whose contents
@@ -20,7 +20,8 @@ layout             rows as written by
 ``qwen_vl``        Qwen-VL (v1): ``conversations`` with ``<img>path</img>`` tags in the text
 ``swift_conversation``  ms-swift: ``conversation: [{"human", "assistant"}]`` pairs (+ ``system``)
 ``swift_query``    ms-swift: ``query`` / ``response`` / ``history`` (+ ``system``)
-``alpaca``         LLaMA-Factory alpaca: ``instruction`` / ``input`` / ``output`` (+ ``system``, ``history``)
+``alpaca``         LLaMA-Factory alpaca: ``instruction`` / ``input`` / ``output`` (+ ``system``, ``history``,
+                   ``images``, ``videos``, ``audios``)
 ``cauldron``       HuggingFaceM4 the_cauldron: ``images`` + ``texts: [{"user", "assistant"}]``;
                    the images go before the first user turn
 ``prompt``         GRPO's prompts alone: EasyR1's ``problem`` / TRL's ``prompt`` (text, or messages)
@@ -28,7 +29,7 @@ layout             rows as written by
                    without placeholders go before the text (as TRL's processor puts them)
 =================  ==========================================================================
 
-Every layout also reads a ``solution`` / ``answer`` column (:data:`REFERENCE_KEYS`): GRPO's
+The two ms-swift layouts read ``images``, ``videos`` and ``audios`` too. Every layout also reads a ``solution`` / ``answer`` column (:data:`REFERENCE_KEYS`): GRPO's
 reference where a row has one, and a prompt alone is then a row
 (:func:`qwenkit.data.conversation.parse_row`).
 
@@ -89,22 +90,22 @@ def _layout(name, describe, turns, media, keys, message_keys, read) -> Layout:
 LAYOUTS: dict[str, Layout] = {
     layout.name: layout
     for layout in (
-        _layout("messages", "messages/images", ("messages",), ("images", "videos"),
-                ("messages", "images", "videos", "system"), ("role", "content"), read_messages),
-        _layout("sharegpt", "conversations/images", ("conversations",), ("images", "videos"),
-                ("conversations", "images", "videos", "system"), ("from", "value", "role", "content"), read_sharegpt),
+        _layout("messages", "messages/images", ("messages",), ("images", "videos", "audios"),
+                ("messages", "images", "videos", "audios", "system"), ("role", "content"), read_messages),
+        _layout("sharegpt", "conversations/images", ("conversations",), ("images", "videos", "audios"),
+                ("conversations", "images", "videos", "audios", "system"), ("from", "value", "role", "content"), read_sharegpt),
         _layout("llava", "image/conversations", ("conversations",), ("image", "video"),
                 ("conversations", "image", "video", "system"), ("from", "value", "role", "content"), read_llava),
-        _layout("typed", "typed content parts", ("messages",), ("images", "videos"),
-                ("messages", "images", "videos", "system"), ("role", "content", "loss_weight"), read_typed),
+        _layout("typed", "typed content parts", ("messages",), ("images", "videos", "audios"),
+                ("messages", "images", "videos", "audios", "system"), ("role", "content", "loss_weight"), read_typed),
         _layout("qwen_vl", "<img> tags in conversations", ("conversations",), (),
                 ("conversations", "system"), ("from", "value", "role", "content"), read_qwen_vl),
-        _layout("swift_conversation", "conversation pairs", ("conversation",), ("images", "videos"),
-                ("conversation", "images", "videos", "system"), ("human", "assistant"), read_swift_conversation),
-        _layout("swift_query", "query/response/history", ("query",), ("images", "videos"),
-                ("query", "response", "history", "images", "videos", "system"), (), read_swift_query),
-        _layout("alpaca", "instruction/input/output", ("instruction", "output"), ("images", "videos"),
-                ("instruction", "input", "output", "history", "images", "videos", "system"), (), read_alpaca),
+        _layout("swift_conversation", "conversation pairs", ("conversation",), ("images", "videos", "audios"),
+                ("conversation", "images", "videos", "audios", "system"), ("human", "assistant"), read_swift_conversation),
+        _layout("swift_query", "query/response/history", ("query",), ("images", "videos", "audios"),
+                ("query", "response", "history", "images", "videos", "audios", "system"), (), read_swift_query),
+        _layout("alpaca", "instruction/input/output", ("instruction", "output"), ("images", "videos", "audios"),
+                ("instruction", "input", "output", "history", "images", "videos", "audios", "system"), (), read_alpaca),
         _layout("cauldron", "images/texts", ("texts",), ("images",), ("images", "texts"),
                 ("user", "assistant"), read_cauldron),
         _layout("prompt", "prompts alone (GRPO)", ("problem", "prompt"), ("images", "image", "videos"),

@@ -32,7 +32,7 @@ def open_dataset(data: DataConfig, source=None, reads: str = "conversations") ->
     """
     source, pairs = data.path if source is None else source, reads == "pairs"
     if isinstance(source, str) and source == "tiny":
-        source = ensure_dataset(data.tiny_samples, seed=0, preference=pairs)
+        source = ensure_dataset(data.tiny_samples, seed=0, preference=pairs, task=data.tiny_task)
     return preference_sources(open_sources(source)) if pairs else open_sources(source)
 
 

@@ -100,7 +100,7 @@ def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: 
         held_out, _ = read_checked(data, processor, data.eval_path, rank, world_size, reads)
         where = data.eval_path
     elif data.tiny_eval_samples > 0 and source is None and data.path == "tiny":
-        eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED, preference=reads == "pairs")
+        eval_rows = ensure_dataset(data.tiny_eval_samples, seed=EVAL_SEED, preference=reads == "pairs", task=data.tiny_task)
         held_out, _ = read_dataset(data, processor, eval_rows, rank=rank, world_size=world_size, reads=reads)
         where = f"synthetic, seed {EVAL_SEED}"
     else:

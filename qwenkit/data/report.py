@@ -35,9 +35,10 @@ REASONS = {
     "missing_audio": "an audio file does not exist",
     "corrupt_audio": "an audio cannot be decoded (corrupt, truncated, no audio stream, a bad data URI)",
     "long_audio": "an audio is longer than the feature extractor's 30 s window (it would be cut silently)",
+    "no_audio_tower": "a row has audio but the model family has no audio tower",
     "too_long": "the sample has more tokens than data.max_length",
     "media_url": "an image or video is an http(s) URL; URLs are not fetched",
-    "changed_media": "an image or video changed after the index was built",
+    "changed_media": "an image, video or audio changed after the index was built",
     "same_replies": "a preference pair's chosen and rejected sides are the same (it teaches no preference)",
 }
 

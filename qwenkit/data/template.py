@@ -9,6 +9,9 @@ processor's family entry, :mod:`qwenkit.model.family`, says which)::
 
 - the system turn: the conversation's, else ``data.system_prompt``, else the family's default
   (Qwen2.5-VL: "You are a helpful assistant."; Qwen3-VL: none, so no system turn);
+- each ``<audio>`` placeholder becomes the family's audio span (``family.audio_tokens``:
+  ``<|audio_bos|>`` / ``<|audio_start|>``, ``n`` pads, the end token), ``n`` being HF's count for the
+  audio's mel frames (:func:`qwenkit.data.audio.token_counter`);
 - each ``<image>`` placeholder becomes one vision span with ``n = t*h*w / merge²`` pad tokens,
   ``(t, h, w)`` being that image's patch grid; each ``<video>`` the same with ``<|video_pad|>``
   (a video's ``t`` is its number of temporal patches). Families with ``video_timestamps``
@@ -30,19 +33,19 @@ import functools
 import re
 from dataclasses import dataclass
 
-from qwenkit.data.conversation import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
+from qwenkit.data.conversation import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
 from qwenkit.model.loss import IGNORE_INDEX
 from qwenkit.model.processor import Processor
 
-_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+_PLACEHOLDERS = re.compile(f"({'|'.join(re.escape(p) for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER))})")
 
 
 @dataclass
 class Encoded:
     input_ids: list[int]
     labels: list[int]
-    images_end: int  # tokens up to and including the last <|vision_end|> (0 without images or videos)
+    images_end: int  # tokens up to and including the last media span's end token (0 without media)
     truncated_from: int | None = None  # original length when data.truncate_text cut the tail
 
 
@@ -76,10 +79,12 @@ class ChatTemplate:
         grids: list[tuple[int, int, int]],
         video_grids: list[tuple[int, int, int]] = (),
         video_times: list[tuple[float, ...]] = (),
+        audio_tokens: list[int] = (),
     ) -> Encoded:
         """Token ids and labels of ``conv``; ``grids[k]`` / ``video_grids[k]`` is the patch grid
         of image / video ``k``, ``video_times[k]`` the seconds of each of video ``k``'s temporal
-        patches (read by families with ``video_timestamps``)."""
+        patches (read by families with ``video_timestamps``), ``audio_tokens[k]`` audio ``k``'s
+        placeholder count (:func:`qwenkit.data.audio.measure`)."""
         ids: list[int] = []
         labels: list[int] = []
         images_end = 0
@@ -94,6 +99,7 @@ class ChatTemplate:
         media = {
             IMAGE_PLACEHOLDER: (iter(grids), iter(()), self.processor.image_token_id),
             VIDEO_PLACEHOLDER: (iter(video_grids), iter(video_times), self.processor.video_token_id),
+            AUDIO_PLACEHOLDER: (iter(audio_tokens), iter(()), None),
         }
         start, end = self.processor.vision_start_id, self.processor.vision_end_id
         last_user = max((k for k, (role, _) in enumerate(conv.turns) if role == "user"), default=-1)
@@ -112,7 +118,11 @@ class ChatTemplate:
                     continue
                 grid_iter, times, pad = media[piece]
                 grid = next(grid_iter)
-                if pad == self.processor.video_token_id and self.video_timestamps:
+                if pad is None:  # audio: the family's own span, as HF's Omni processors expand <audio>
+                    a_start, a_pad, a_end = self.processor.audio_ids
+                    add(self._encode_text(pending) + [a_start] + [a_pad] * grid + [a_end])
+                    pending = ""
+                elif pad == self.processor.video_token_id and self.video_timestamps:
                     t, h, w = grid
                     for seconds in next(times):  # one span per temporal patch, after its time
                         add(self._encode_text(pending + f"<{seconds:.1f} seconds>") + [start])

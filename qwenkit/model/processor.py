@@ -140,6 +140,8 @@ class Processor:
         self.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
         self.vision_start_id = tokenizer.convert_tokens_to_ids("<|vision_start|>")
         self.vision_end_id = tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        # (start, pad, end) of an audio span, from the family's entry; () for a family without an audio tower
+        self.audio_ids = tuple(tokenizer.convert_tokens_to_ids(t) for t in family.audio_tokens)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
     @property

@@ -16,10 +16,12 @@ import os
 import random
 import shutil
 import tempfile
+import wave
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from PIL import Image, ImageDraw
@@ -382,16 +384,68 @@ def write_preference_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) ->
     return path
 
 
-def ensure_dataset(n: int = 64, seed: int = 0, root: str | Path | None = None, preference: bool = False) -> Path:
-    """The synthetic dataset (``preference``: the pairs) in the cache folder, written once per (n, seed)."""
+# ---------------------------------------------------------------------------------------------
+# Synthetic audio task (data.tiny_task=tones): which of three well-separated pitches a short tone has
+
+TONES = {"low": 300.0, "mid": 1000.0, "high": 3000.0}  # Hz; each tone within 5 % of its class's pitch
+TONE_RATE = 16_000  # Hz: what the Omni feature extractor takes, so no resampling
+
+
+def write_tone(path: Path, hz: float, seconds: float, amplitude: float) -> None:
+    """A sine tone as mono 16-bit PCM WAV at :data:`TONE_RATE` (the standard library's writer)."""
+    t = np.arange(int(seconds * TONE_RATE)) / TONE_RATE
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(TONE_RATE)
+        out.writeframes((amplitude * np.sin(2 * np.pi * hz * t) * 32767).astype("<i2").tobytes())
+
+
+def write_tone_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
+    """Write ``n`` rows asking a tone's pitch (``Low.``, ``Mid.``, ``High.``) as ``tiny.json`` plus WAVs (0.5 to
+    1 s, 16 kHz); returns the JSON path. The rows rotate through LLaMA-Factory's messages, sharegpt and alpaca
+    layouts, each with an ``audios`` column and one ``<audio>`` tag, so the embedded default reads each."""
+    out_dir = Path(out_dir)
+    (out_dir / "tones").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        pitch = rng.choice(list(TONES))
+        name = f"tones/{i:05d}.wav"
+        write_tone(out_dir / name, TONES[pitch] * rng.uniform(0.95, 1.05), rng.uniform(0.5, 1.0), rng.uniform(0.3, 0.8))
+        question, answer = "<audio>Is this tone low, mid or high?", f"{pitch.capitalize()}."
+        if i % 3 == 0:
+            rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                         "audios": [name]})  # fmt: skip
+        elif i % 3 == 1:
+            rows.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
+                         "audios": [name]})  # fmt: skip
+        else:
+            rows.append({"instruction": question, "output": answer, "audios": [name]})
+    path = out_dir / "tiny.json"
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
+_WRITERS = {"shapes": write_dataset, "tones": write_tone_dataset}  # data.tiny_task -> its writer
+
+
+def ensure_dataset(
+    n: int = 64, seed: int = 0, root: str | Path | None = None, preference: bool = False, task: str = "shapes"
+) -> Path:
+    """The synthetic dataset of ``task`` (``data.tiny_task``; ``preference``: the shapes' pairs) in the cache
+    folder, written once per (task, n, seed)."""
     root = Path(root) if root is not None else _cache_root()
-    path = root / (f"tiny-pairs-n{n}-s{seed}-v3" if preference else f"tiny-data-n{n}-s{seed}-v2")
+    if preference and task != "shapes":
+        raise ValueError(f"data.tiny_task={task!r} has no preference pairs; the tiny pairs are the shapes'")
+    name = f"tiny-pairs-n{n}-s{seed}-v3" if preference else f"tiny-data-n{n}-s{seed}-v2"
+    path = root / (name if task == "shapes" else f"tiny-{task}-n{n}-s{seed}-v1")
     if (path / "tiny.json").is_file():
         return path / "tiny.json"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=root))
     try:
-        (write_preference_dataset if preference else write_dataset)(tmp, n=n, seed=seed)
+        (write_preference_dataset if preference else _WRITERS[task])(tmp, n=n, seed=seed)
         try:
             tmp.rename(path)
         except OSError:

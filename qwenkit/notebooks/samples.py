@@ -4,7 +4,8 @@
 sampled frames (thumbnails embedded as PNG data URIs, so a report stays one file) and its
 templated token stream, token runs coloured by what they are: **learned** (labels kept:
 assistant replies and their ``<|im_end|>``), context (ignored by the loss), special tokens, and
-image / video spans collapsed to one chip each with its token count.
+image / video / audio spans collapsed to one chip each with its token count. Each audio is an HTML
+``<audio>`` player (the decoded 16 kHz wave as an embedded WAV data URI) with its length and token count.
 The colouring comes from the sample's ``labels`` tensor, i.e. from exactly what training uses.
 """
 
@@ -13,12 +14,14 @@ from __future__ import annotations
 import base64
 import html
 import io
+import wave
 from typing import Any
 
 import numpy as np
 import torch
 
 from qwenkit.data import REASONS, FixedSizeSampler
+from qwenkit.data import audio as qaudio
 from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
 from qwenkit.model.loss import IGNORE_INDEX
@@ -33,7 +36,9 @@ STYLE = {
     "special": "color:#8250df;font-weight:600",
     "image": "background:#ddf4ff;border:1px solid #54aeff;border-radius:3px;padding:0 3px;color:#0969da",
     "video": "background:#fff1e5;border:1px solid #fb8f44;border-radius:3px;padding:0 3px;color:#bc4c00",
+    "audio": "background:#fbefff;border:1px solid #c297ff;border-radius:3px;padding:0 3px;color:#8250df",
 }
+MEDIA = ("image", "video", "audio")  # the kinds a sample's token stream shows as one chip per span
 FRAMES_SHOWN = 4  # sampled frames rendered per video, spread over the clip
 
 
@@ -42,10 +47,12 @@ FRAMES_SHOWN = 4  # sampled frames rendered per video, spread over the clip
 
 
 def distributions(dataset) -> dict[str, list[int]]:
-    """Per good sample: total tokens, image tokens, video tokens, learned tokens, images, videos
-    (from the index arrays)."""
+    """Per good sample: total tokens, image tokens, video tokens, audio tokens, learned tokens, images,
+    videos, audios (from the index arrays; an audio item's grid holds its tokens second)."""
     index = dataset.index
     per_item = index.media_grid.astype(np.int64).prod(axis=1) // dataset.processor.merge_size**2  # [M]
+    audios = index.kind_mask("audio")
+    per_item[audios] = index.media_grid[audios, 1]
     row_of_item = np.repeat(np.arange(len(index)), index.media_per_row)  # [M]
 
     def per_row(kind: str, weights: np.ndarray) -> list[int]:
@@ -57,9 +64,11 @@ def distributions(dataset) -> dict[str, list[int]]:
         "tokens": index.length.tolist(),
         "image_tokens": per_row("image", per_item),
         "video_tokens": per_row("video", per_item),
+        "audio_tokens": per_row("audio", per_item),
         "learned_tokens": index.label_tokens.tolist(),
         "images": per_row("image", ones),
         "videos": per_row("video", ones),
+        "audios": per_row("audio", ones),
     }
 
 
@@ -82,20 +91,23 @@ def padding(lengths: list[int], micro_batch_size: int, seed: int) -> list[dict[s
 
 
 def segments(input_ids: list[int], labels: list[int], processor: Processor) -> list[tuple[str, str]]:
-    """``(kind, text)`` runs of one sample: kind in learned / context / special / image / video.
+    """``(kind, text)`` runs of one sample: kind in learned / context / special / image / video / audio.
 
     Consecutive tokens of one kind are decoded together, so a character split over several
     byte-level tokens (CJK text) comes out whole. An image (video) span's pad tokens become one
     ``image`` (``video``) run whose text is the token count.
     """
     tok = processor.tokenizer
-    special = {tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    special = {tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} | set(processor.audio_ids)
+    audio_pad = processor.audio_ids[1] if processor.audio_ids else None
 
     def kind(i: int) -> str:
         if input_ids[i] == processor.image_token_id:
             return "image"
         if input_ids[i] == processor.video_token_id:
             return "video"
+        if input_ids[i] == audio_pad:
+            return "audio"
         if labels[i] != IGNORE_INDEX:
             return "learned"
         return "special" if input_ids[i] in special else "context"
@@ -110,7 +122,7 @@ def segments(input_ids: list[int], labels: list[int], processor: Processor) -> l
             runs.append((k, [t]))
     out = []
     for k, ids in runs:
-        text = f"{len(ids)}" if k in ("image", "video") else tok.decode(ids, skip_special_tokens=False)
+        text = f"{len(ids)}" if k in MEDIA else tok.decode(ids, skip_special_tokens=False)
         out.append((k, text))
     return out
 
@@ -161,8 +173,31 @@ def _video_strip(k: int, frames: list, plan, meta, processor: Processor) -> str:
     return f'<div style="{STYLE["video"]};display:inline-block;margin:4px">{html.escape(caption)}<br>{thumbs}</div>'
 
 
+def wav_uri(samples: np.ndarray, rate: int = qaudio.SAMPLE_RATE) -> str:
+    """``samples`` (float in [-1, 1], mono) as a 16-bit PCM WAV data URI, which every browser's player plays."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def audio_players(dataset, i: int) -> str:
+    """Good sample ``i``'s audios as HTML players, each captioned with its seconds and token count."""
+    conv, base = dataset.conversation(i), dataset.sources[dataset.samples[i].source].base_dir
+    out = []
+    for k, (entry, (_, tokens, _)) in enumerate(zip(conv.audios, dataset.index.grids(i, "audio"))):
+        samples = qaudio.decode(entry, conv.where, base)
+        caption = f"audio {k}: {len(samples) / qaudio.SAMPLE_RATE:.2f} s, {tokens} tokens"
+        out.append(f'<div style="{STYLE["audio"]};display:inline-block;margin:4px">{html.escape(caption)}<br>'
+                   f'<audio controls src="{wav_uri(samples)}"></audio></div>')  # fmt: skip
+    return "".join(out)
+
+
 def render_sample(dataset, i: int) -> str:
-    """Sample ``i`` as a self-contained HTML block: where it is from, images, video frames, coloured tokens."""
+    """Sample ``i`` as a self-contained HTML block: where it is from, images, video frames, audio players, coloured tokens."""
     sample = dataset[i]
     info = dataset.samples[i]
     ids = sample["input_ids"].tolist()
@@ -173,14 +208,15 @@ def render_sample(dataset, i: int) -> str:
         f'style="margin:4px;border:1px solid #ccc;max-height:160px">'
         for im, g in zip(sample_images(dataset, i), info.grids)
     ) + "".join(_video_strip(k, *video, dataset.processor) for k, video in enumerate(sample_videos(dataset, i)))
+    images += audio_players(dataset, i)
     spans = []
     for k, text in segments(ids, labels, dataset.processor):
-        if k in ("image", "video"):
+        if k in MEDIA:
             spans.append(f'<span style="{STYLE[k]}">&lt;{k}: {text} tokens&gt;</span>')
         else:
             spans.append(f'<span style="{STYLE[k]}">{html.escape(text)}</span>')
     learned = sum(label != IGNORE_INDEX for label in labels)
-    legend = " ".join(f'<span style="{STYLE[k]}">{k}</span>' for k in ("learned", "context", "special", "image", "video"))
+    legend = " ".join(f'<span style="{STYLE[k]}">{k}</span>' for k in ("learned", "context", "special", *MEDIA))
     return (
         f'<div style="border:1px solid #ddd;border-radius:6px;padding:10px;margin:8px 0">'
         f"<div><b>sample {i}</b> &middot; {where} &middot; {len(ids)} tokens, {learned} learned"
@@ -194,7 +230,7 @@ def render_sample(dataset, i: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # Results
 
-UNITS = {"images": "image", "videos": "video"}
+UNITS = {"images": "image", "videos": "video", "audios": "audio"}
 
 
 def save(
@@ -234,6 +270,8 @@ def save(
         "images": int(sum(dist["images"])),
         "video_tokens_total": int(sum(dist["video_tokens"])),
         "videos": int(sum(dist["videos"])),
+        "audio_tokens_total": int(sum(dist["audio_tokens"])),
+        "audios": int(sum(dist["audios"])),
         "over_max_length": over,
         "padding_fraction": {r["layout"]: r["padding fraction"] for r in padding_rows or []},
     }
@@ -243,6 +281,7 @@ def save(
         + (f"; tokens p50 {tokens['p50']:.0f}, max {tokens['max']}" if tokens else "")
         + f"; {values['images']} images, {values['image_tokens_total']} image tokens, "
         + (f"{values['videos']} videos, {values['video_tokens_total']} video tokens, " if values["videos"] else "")
+        + (f"{values['audios']} audios, {values['audio_tokens_total']} audio tokens, " if values["audios"] else "")
         + f"{values['learned_tokens_total']} learned tokens"
     )
     results.write_metrics(out_dir, "01_data_prep", summary, passed=len(dataset) > 0, **values)
@@ -274,7 +313,7 @@ def bad_sample_figures(out_dir) -> list:
 
 
 def distribution_figures(out_dir) -> list:
-    """Histograms of tokens (with the data.max_length line), image tokens, video tokens (when any) and learned tokens per sample."""
+    """Histograms of tokens (with the data.max_length line), image tokens, video and audio tokens (when any) and learned tokens per sample."""
     rows = results.read_csv(f"{out_dir}/{SUMMARY_FILE}")
 
     def values(metric: str) -> list[float]:
@@ -288,6 +327,8 @@ def distribution_figures(out_dir) -> list:
     ]
     if sum(values("videos")):
         figures.append(plots.histogram(values("video_tokens"), "Video tokens per sample", "video tokens"))
+    if sum(values("audios")):
+        figures.append(plots.histogram(values("audio_tokens"), "Audio tokens per sample", "audio tokens"))
     figures.append(plots.histogram(values("learned_tokens"), "Learned tokens per sample (labels the loss counts)", "tokens"))
     return figures
 

@@ -291,14 +291,28 @@ def _write_rows(root):
         {"messages": [user("No picture today?"), reply]},
     ]
     (root / "data.json").write_text(json.dumps(rows))
+    # the families that hear: a micro-batch of rows with and without audio (audio features padded to the longest)
+    # on one rank, an image row on the other (its audio tower's idle call), through the data pipeline
+    from qwenkit.model.tiny import write_tone
+
+    write_tone(root / "low.wav", 300.0, 0.6, 0.5)
+    write_tone(root / "high.wav", 3000.0, 1.3, 0.5)
+    rows = [
+        {"messages": [user("<audio>Which tone?"), reply], "audios": ["low.wav"]},
+        {"messages": [user("No sound today?"), reply]},
+        {"messages": [user("<image><audio>and<audio>?"), reply], "images": ["red.png"], "audios": ["high.wav", "low.wav"]},
+        {"messages": [user("<image>What is it?"), reply], "images": ["red.png"]},
+    ]
+    (root / "audio.json").write_text(json.dumps(rows))
     return root / "data.json"
 
 
-def _media_batches(path, ranks_rows):
+def _media_batches(path, ranks_rows, family="qwen2_5_vl"):
     from qwenkit.data import build
     from qwenkit.model.paths import load_processor
 
-    cfg = qconfig.load(overrides=[f"data.path={path}", "data.shuffle=false", "train.micro_batch_size=1"])
+    cfg = qconfig.load(overrides=[f"data.path={path}", "data.shuffle=false", "train.micro_batch_size=1",
+                                  f"model.name={family}"])  # fmt: skip
     bundle = build(cfg, load_processor(cfg))
     batches = [bundle.collator([bundle.dataset[i] for i in rows]) for rows in ranks_rows]
     for b in batches:
@@ -307,6 +321,8 @@ def _media_batches(path, ranks_rows):
 
 
 MEDIA_CASES = {"image|image+video": ([0], [1]), "text|image+video": ([2], [1])}  # 1 and 2 idle calls on rank 0
+# audio.json's rows: rank 0 audio + text + image-and-two-audios in one micro-batch, rank 1 an image alone
+AUDIO_CASES = {name: ([0, 1, 2], [3]) for name in FAMILIES if families.get(name).audio_tokens}
 
 
 def _different_media(rank, out):
@@ -328,6 +344,25 @@ def _different_media(rank, out):
             for n, p in ref.named_parameters():
                 torch.testing.assert_close(grads[n], p.grad, **FP32, msg=lambda m, n=n, c=name: f"{c}: {n}: {m}")
             (out / name.replace("|", "-")).write_text("ok")
+    for family, ranks_rows in AUDIO_CASES.items():
+        batches, total = _media_batches(out / "audio.json", ranks_rows, family)
+        assert batches[0]["input_features"].shape[0] == 3 and "input_features" not in batches[1]
+        model = build_model(chunk=True, seed=4, name=family)
+        model.vision_calls_per_step = 1  # images, no video
+        model.train()
+        fsdp.shard(model, qconfig.load().parallel, fsdp.build_mesh(rt))
+        (model(**batches[rank], num_items_in_batch=total).loss * 2).backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        if rank == 0:
+            ref = build_model(chunk=True, seed=4, name=family)
+            for b in batches:
+                ref(**b, num_items_in_batch=total).loss.backward()
+            for n, p in ref.named_parameters():
+                if p.grad is None:  # frozen (never_trained): no gradient on either side
+                    assert n not in grads
+                    continue
+                torch.testing.assert_close(grads[n], p.grad, **FP32, msg=lambda m, n=n, c=family: f"{c}: {n}: {m}")
+            (out / f"audio-{family}").write_text("ok")
     dist.barrier()
     if rank == 0:
         (out / "ok").write_text("ok")
@@ -335,9 +370,13 @@ def _different_media(rank, out):
 
 @pytest.mark.slow
 def test_ranks_with_different_media_agree(two_rank_checks):
+    """Through the data pipeline, ranks whose micro-batches hold different media (images, videos, text; for the
+    families that hear, rows with and without audio on one rank and none on the other) give one process's
+    gradients."""
     pytest.importorskip("av")
     out = _passed(two_rank_checks, _different_media)
-    assert sorted(p.name for p in out.glob("*-*")) == sorted(n.replace("|", "-") for n in MEDIA_CASES)
+    assert sorted(p.name for p in out.glob("*-*")) == sorted(
+        [n.replace("|", "-") for n in MEDIA_CASES] + [f"audio-{f}" for f in AUDIO_CASES])
 
 
 def _no_view_outputs(rank, out):

@@ -113,3 +113,21 @@ def test_padding_of_an_epoch_padded_vs_packed():
     assert rows[0]["positions"] == padded and rows[0]["micro-batches"] == 2
     assert rows[0]["padding fraction"] == pytest.approx(1 - sum(lengths) / padded)
     assert rows[1]["positions"] == sum(lengths) and rows[1]["padding fraction"] == 0.0
+
+
+def test_audio_rows_show_a_player_and_their_token_counts(tmp_path, _cache):
+    """The tone task on the tiny Qwen3-Omni thinker: each audio a playable WAV with its seconds and tokens (the
+    index's, which the token stream's chip shows too), and the audio tokens counted per sample and in total."""
+    cfg = qconfig.load(overrides={"data.tiny_task": "tones", "data.tiny_samples": 3, "model.name": "qwen3_omni_moe",
+                                  "data.cache_dir": str(tmp_path / "c")})  # fmt: skip
+    dataset, report = data.read_dataset(cfg.data, load_processor(cfg))
+    (_, tokens, _), = dataset.index.grids(0, "audio")
+    page = samples.render_sample(dataset, 0)
+    assert page.count("<audio controls src=\"data:audio/wav;base64,") == 1
+    assert f"{tokens} tokens</div>" not in page and f", {tokens} tokens<br>" in page and f"&lt;audio: {tokens} tokens&gt;" in page
+    dist = samples.distributions(dataset)
+    assert dist["audios"] == [1, 1, 1] and dist["audio_tokens"][0] == tokens and dist["image_tokens"] == [0, 0, 0]
+    values = samples.save(tmp_path / "out", "tiny", dataset, report, max_length=1024)
+    assert values["audios"] == 3 and values["audio_tokens_total"] == sum(dist["audio_tokens"])
+    titles = [f.layout.title.text for f in samples.distribution_figures(tmp_path / "out")]
+    assert "Audio tokens per sample" in titles

@@ -60,6 +60,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig
 
+from qwenkit.data.collator import join_media
 from qwenkit.device import free_memory_bytes
 from qwenkit.distributed.meta import build_on_meta
 from qwenkit.model import family as families
@@ -127,7 +128,7 @@ def left_pad(prompts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[
                 out[b, width - p[key].shape[1] :] = p[key][0]
             batch[key] = out
     for key in sorted({k for p in prompts for k in p if k not in pads}):
-        batch[key] = torch.cat([p[key] for p in prompts if key in p])
+        batch[key] = join_media(key, [p[key] for p in prompts if key in p])
     return batch
 
 

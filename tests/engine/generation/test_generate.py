@@ -266,3 +266,26 @@ def test_a_moe_run_evaluates_batched_prompts_with_the_router_aux_loss_on(tmp_pat
     rows = qgen.read_jsonl(evaluate.generations_path(tmp_path, 1))
     stock = export.load_hf(tmp_path / "checkpoints" / "step-00000001", cfg, of_run(cfg.model)).eval()
     assert [r["tokens"] for r in rows] == todays_replies(stock, dataset, sorted(indices), 4)
+
+
+@over_families(*(n for n in FAMILIES if families.get(n).audio_tokens))
+def test_batched_generation_of_audio_prompts_equals_one_row_at_a_time(_cache, tmp_path, family):
+    """Tone prompts of different audio lengths, left-padded into one batch (their features padded to the longest
+    audio, ``join_media``), give the replies HF's class generates for each prompt alone."""
+    from conftest import build_model
+
+    from qwenkit import config as qconfig
+    from qwenkit import data
+    from qwenkit.engine.generation import generate as qgen
+    from qwenkit.model.paths import load_processor
+
+    cfg = qconfig.load(overrides={"model.name": family, "data.tiny_task": "tones", "data.tiny_samples": 5,
+                                  "data.cache_dir": str(tmp_path / "c")})  # fmt: skip
+    dataset, _ = data.read_checked(cfg.data, load_processor(cfg))
+    frames = {dataset.index.grids(i, "audio")[0][0] for i in range(len(dataset))}
+    assert len(frames) > 2  # audios of different lengths share the batch
+    model = build_model(seed=7, name=family).eval()
+    indices = list(range(len(dataset)))
+    want = todays_replies(model, dataset, indices, NEW_TOKENS)
+    rows = qgen.generate_rows(model, dataset, indices, qgen.Sampling(NEW_TOKENS, batch_size=5))
+    assert [r.tokens for r in rows] == want and sum(map(len, want)) > len(want)  # replies, not empty ones
