@@ -126,7 +126,7 @@ def test_the_omni_tone_run_learns_to_hear(tmp_path):
 
 def _tiny_rows(n):
     """The first n rows of the tiny eval set, with absolute image paths (so the file may live anywhere)."""
-    from qwenkit.model.tiny import EVAL_SEED, ensure_dataset
+    from qwenkit.model.tiny_data import EVAL_SEED, ensure_dataset
 
     path = ensure_dataset(4, seed=EVAL_SEED)
     rows = json.loads(path.read_text())[:n]

@@ -293,7 +293,7 @@ def _write_rows(root):
     (root / "data.json").write_text(json.dumps(rows))
     # the families that hear: a micro-batch of rows with and without audio (audio features padded to the longest)
     # on one rank, an image row on the other (its audio tower's idle call), through the data pipeline
-    from qwenkit.model.tiny import write_tone
+    from qwenkit.model.tiny_data import write_tone
 
     write_tone(root / "low.wav", 300.0, 0.6, 0.5)
     write_tone(root / "high.wav", 3000.0, 1.3, 0.5)

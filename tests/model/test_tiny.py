@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from qwenkit.model import tiny
+from qwenkit.model import tiny, tiny_data
 
 
 def test_tiny_config_is_the_real_architecture(tiny_path):
@@ -38,7 +38,7 @@ def test_checkpoint_is_seeded_and_reused(tmp_path):
 
 
 def test_synthetic_dataset_layout(tmp_path):
-    path = tiny.write_dataset(tmp_path, n=6, seed=1)
+    path = tiny_data.write_dataset(tmp_path, n=6, seed=1)
     rows = json.loads(path.read_text())
     assert len(rows) == 6
     for row in rows:
@@ -53,7 +53,7 @@ def test_the_tone_task_answers_the_pitch_its_audio_has(tmp_path):
     the pipeline's own decoder), 0.5 to 1 s long; the rows use the three LLaMA-Factory layouts."""
     from qwenkit.data import audio
 
-    path = tiny.write_tone_dataset(tmp_path, n=9, seed=1)
+    path = tiny_data.write_tone_dataset(tmp_path, n=9, seed=1)
     rows = json.loads(path.read_text())
     assert [next(k for k in ("messages", "conversations", "instruction") if k in r) for r in rows[:3]] == [
         "messages", "conversations", "instruction"]  # fmt: skip
@@ -62,6 +62,6 @@ def test_the_tone_task_answers_the_pitch_its_audio_has(tmp_path):
         answer = answer.get("content", answer.get("value"))
         wave = audio.decode(row["audios"][0], None, tmp_path)
         peak = abs(torch.fft.rfft(torch.from_numpy(wave)).abs().argmax().item()) * audio.SAMPLE_RATE / len(wave)
-        nearest = min(tiny.TONES, key=lambda name: abs(tiny.TONES[name] - peak))
+        nearest = min(tiny_data.TONES, key=lambda name: abs(tiny_data.TONES[name] - peak))
         assert answer == f"{nearest.capitalize()}." and 0.5 <= len(wave) / audio.SAMPLE_RATE <= 1.0
-    assert tiny.ensure_dataset(4, root=tmp_path, task="tones") != tiny.ensure_dataset(4, root=tmp_path)
+    assert tiny_data.ensure_dataset(4, root=tmp_path, task="tones") != tiny_data.ensure_dataset(4, root=tmp_path)

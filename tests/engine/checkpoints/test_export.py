@@ -229,7 +229,7 @@ def test_eval_data_gets_the_checks_training_data_gets(run, tmp_path, capsys):
 
 
 def _tiny_file() -> Path:
-    from qwenkit.model.tiny import ensure_dataset
+    from qwenkit.model.tiny_data import ensure_dataset
 
     return ensure_dataset(4)
 

@@ -101,7 +101,7 @@ def write_mixed_eval_set(root) -> str:
     from PIL import Image
     from videos import write_video
 
-    from qwenkit.model.tiny import write_dataset
+    from qwenkit.model.tiny_data import write_dataset
 
     path = write_dataset(root, n=3, seed=11)
     rows = json.loads(path.read_text())

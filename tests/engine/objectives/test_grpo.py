@@ -254,7 +254,7 @@ def test_prompts_alone_train_with_their_answer_column_as_reference(tmp_path, tin
     generations alone (no ``eval_loss``: no row has a reply)."""
     from pathlib import Path
 
-    from qwenkit.model.tiny import ensure_dataset
+    from qwenkit.model.tiny_data import ensure_dataset
 
     src = ensure_dataset(8, seed=0)
     rows = [{"problem": r["messages"][0]["content"], "answer": r["messages"][1]["content"],
