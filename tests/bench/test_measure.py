@@ -88,14 +88,21 @@ def test_use_cpu_threads_sets_this_process_threads_on_cpu_only():
 
 
 def test_memory_is_read_one_way_and_sees_a_cpu_peak():
-    """device.memory_bytes: on CPU the peak (VmHWM) after a reset covers a tensor freed since."""
+    """device.memory_bytes: on CPU the peak (VmHWM) after a reset covers a tensor freed since. The tensor is
+    on fresh anonymous pages (an mmap): glibc may hand out free memory still resident from earlier tests in
+    this worker, which would not raise the peak (it did, after the whole suite's files on one worker)."""
+    import mmap
+
     from qwenkit.device import memory_bytes, reset_peak_memory
 
     reset_peak_memory("cpu")
     base = memory_bytes("cpu", peak=False)
     size = 64 * 2**20
-    x = torch.ones(size // 4)  # 64 MiB, written: resident
+    pages = mmap.mmap(-1, size)
+    x = torch.frombuffer(pages, dtype=torch.uint8)
+    x.fill_(1)  # 64 MiB, written: resident
     del x
+    pages.close()
     assert memory_bytes("cpu", peak=True) - base >= 0.9 * size
     assert memory_bytes("cpu", peak=True) >= memory_bytes("cpu", peak=False)
 def _train_step_benchmark():
