@@ -77,27 +77,33 @@ def _qa_of(kind: str, facts: dict) -> tuple[str, str]:
     return "Where is the first shape?", f"In the {facts['position']}."
 
 
+def _images(out_dir: Path, n: int, seed: int):
+    """``(i, rng, name, facts)`` for ``n`` drawn images saved as ``images/00000.png`` ...: the row's writer draws
+    its questions from the same ``rng`` after each image, so a dataset is a function of ``seed``."""
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for i in range(n):
+        image, facts = _draw(rng)
+        name = f"images/{i:05d}.png"
+        image.save(out_dir / name)
+        yield i, rng, name, facts
+
+
 def write_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
     """Write ``n`` samples as ``tiny.json`` plus PNG images; returns the JSON path.
 
     A third of the samples are two-turn conversations (two questions about the same image), so
     multi-turn masking is exercised by the embedded default too.
     """
-    out_dir = Path(out_dir)
-    (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
     rows = []
-    for i in range(n):
-        image, facts = _draw(rng)
-        name = f"images/{i:05d}.png"
-        image.save(out_dir / name)
+    for i, rng, name, facts in _images(Path(out_dir), n, seed):
         q1, a1 = _qa(rng, facts)
         messages = [{"role": "user", "content": f"<image>{q1}"}, {"role": "assistant", "content": a1}]
         if i % 3 == 2:
             q2, a2 = _qa(rng, facts)
             messages += [{"role": "user", "content": q2}, {"role": "assistant", "content": a2}]
         rows.append({"messages": messages, "images": [name]})
-    path = out_dir / "tiny.json"
+    path = Path(out_dir) / "tiny.json"
     path.write_text(json.dumps(rows, indent=1))
     return path
 
@@ -118,14 +124,8 @@ def write_preference_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) ->
     three accepted preference layouts (ms-swift, TRL conversational with typed parts,
     LLaMA-Factory sharegpt), so the embedded default reads each of them.
     """
-    out_dir = Path(out_dir)
-    (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
     rows = []
-    for i in range(n):
-        image, facts = _draw(rng)
-        name = f"images/{i:05d}.png"
-        image.save(out_dir / name)
+    for i, rng, name, facts in _images(Path(out_dir), n, seed):
         kind = rng.choice(PREFERENCE_KINDS)
         wrong = dict(facts, **{kind: rng.choice([v for v in _WRONG[kind] if v != facts[kind]])})
         question, chosen = _qa_of(kind, facts)
@@ -142,7 +142,7 @@ def write_preference_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) ->
             rows.append({"conversations": [{"from": "human", "value": f"<image>{question}"}],
                          "chosen": {"from": "gpt", "value": chosen}, "rejected": {"from": "gpt", "value": rejected},
                          "images": [name]})  # fmt: skip
-    path = out_dir / "tiny.json"
+    path = Path(out_dir) / "tiny.json"
     path.write_text(json.dumps(rows, indent=1))
     return path
 

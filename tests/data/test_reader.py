@@ -15,7 +15,7 @@ import torch
 from conftest import make_cfg, write_png
 
 from data.test_layouts import cases
-from qwenkit.data import read_dataset, reader
+from qwenkit.data import read_dataset, reader, row_spans
 from qwenkit.data.dataset import EncodedDataset, row_ranges, scan_rows
 from qwenkit.data.reader import JsonSource
 from qwenkit.data.report import Location
@@ -31,10 +31,10 @@ ODD_ROWS = [
 ]
 
 
-@pytest.fixture(params=[3, 7, 64, reader.BLOCK], ids=lambda b: f"block{b}")
+@pytest.fixture(params=[3, 7, 64, row_spans.BLOCK], ids=lambda b: f"block{b}")
 def block(request, monkeypatch):
     """Small blocks cut rows, strings, escapes, multi-byte characters and numbers at every place."""
-    monkeypatch.setattr(reader, "BLOCK", request.param)
+    monkeypatch.setattr(row_spans, "BLOCK", request.param)
     return request.param
 
 
