@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from qwenkit.config.model import Dtype
 from qwenkit.config.train import EVAL_METRICS, scorer_problems
 from qwenkit.config.vllm import Engine
 
@@ -52,8 +53,11 @@ class GrpoConfig:
     # what samples the completions: hf (generate on the sharded policy) or vllm (a colocated engine per
     # rank, the policy's weights pushed before each rollout; the vllm section)
     rollout_engine: Engine = "hf"
-    # vLLM's sampling log-probs differ from the trainer's: weigh each token's loss by
-    # exp(trainer's - vLLM's log-prob), truncated (or masked) at the clip bounds; TRL's names
+    # hf rollouts' forwards under torch.autocast to this dtype (bfloat16, float16), from the same weights;
+    # None: the weights' own. Their log-probs are then corrected for as vLLM's (below)
+    rollout_dtype: Dtype | None = None
+    # vLLM's (or rollout_dtype's) sampling log-probs differ from the trainer's: weigh each token's loss by
+    # exp(trainer's - sampler's log-prob), truncated (or masked) at the clip bounds; TRL's names
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: Literal[IS_MODES] = "token_truncate"  # TRL 1.16's default is sequence_mask
     vllm_importance_sampling_clip_max: float = 3.0  # truncate: ratios capped here; mask: above it, 0
@@ -96,6 +100,11 @@ def check(cfg: Config, need: Need) -> None:
     low = grpo.vllm_importance_sampling_clip_min
     need(low is None or 0 <= low < grpo.vllm_importance_sampling_clip_max,
          f"grpo.vllm_importance_sampling_clip_min must be in [0, vllm_importance_sampling_clip_max) or unset, got {low}")  # fmt: skip
+    if grpo.rollout_dtype is not None:
+        need(grpo.rollout_dtype != "float32",
+             "grpo.rollout_dtype=float32: autocast lowers precision only; unset it to roll out in the weights' own dtype")  # fmt: skip
+        need(grpo.rollout_engine == "hf", f"grpo.rollout_dtype={grpo.rollout_dtype} sets the hf rollouts' precision; "
+             "vLLM samples in vllm.dtype: unset grpo.rollout_dtype")  # fmt: skip
     need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
     need(
         not cfg.data.packing,

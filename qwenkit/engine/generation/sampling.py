@@ -11,7 +11,10 @@ logits processor of a *greedy* ``generate``:
 3. each row ``b`` draws ``u_b`` from its generator (one number a step) and takes the token where
    the cumulative probability first exceeds ``u_b``: inverse-CDF sampling, exactly the
    categorical distribution of step 2, vectorised over the batch;
-4. the row's scores become ``0`` at that token and ``-inf`` elsewhere, so greedy decoding picks it.
+4. the row's scores become ``0`` at that token and ``-inf`` elsewhere, so greedy decoding picks it;
+5. with ``record``, the log-prob of the token drawn under the distribution of step 2 is kept, a
+   ``[B]`` tensor a step in :attr:`RowSampler.logps`: what GRPO's importance-sampling correction
+   divides by when the rollout's distribution is not the trainer's (``grpo.rollout_dtype``).
 
 A row's draws are its generator's numbers in order, one per step while it runs: they depend on its
 seed and its own tokens alone. Its probabilities are computed in a batch, so a float rounding that
@@ -34,10 +37,11 @@ from transformers import (
 class RowSampler(LogitsProcessor):
     """Draw row ``b``'s next token from ``seeds[b]``'s generator (module docstring); pass it to a greedy ``generate``."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float = 1.0, top_k: int = 0):
+    def __init__(self, seeds: list[int], temperature: float, top_p: float = 1.0, top_k: int = 0, record: bool = False):
         if temperature <= 0:
             raise ValueError(f"sampling needs temperature > 0, got {temperature}")
         self.seeds = list(seeds)
+        self.logps: list[torch.Tensor] | None = [] if record else None  # per step: [B] the drawn tokens' log-probs
         self.generators: list[torch.Generator] | None = None  # made on the first call, on the scores' device
         warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
         warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
@@ -46,17 +50,23 @@ class RowSampler(LogitsProcessor):
 
     def probabilities(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         """``[B, V]`` float32: the distribution each row draws from (steps 1-2)."""
-        return torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)
+        return torch.softmax(self._warped(input_ids, scores), dim=-1)
+
+    def _warped(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        return self.warpers(input_ids, scores).float()
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if scores.shape[0] != len(self.seeds):
             raise ValueError(f"a batch of {scores.shape[0]} rows for {len(self.seeds)} seeds")
         if self.generators is None:
             self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
-        cdf = self.probabilities(input_ids, scores).cumsum(dim=-1)  # [B, V]
+        warped = self._warped(input_ids, scores)  # [B, V]
+        cdf = torch.softmax(warped, dim=-1).cumsum(dim=-1)  # [B, V]
         u = torch.cat([torch.rand(1, generator=g, device=scores.device) for g in self.generators])  # [B]
         # the first token whose cumulative mass exceeds u * total: never one of zero probability
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.shape[1] - 1)  # [B, 1]
+        if self.logps is not None:
+            self.logps.append(torch.log_softmax(warped, dim=-1).gather(1, tokens).squeeze(1))
         out = torch.full_like(scores, -torch.inf)
         return out.scatter_(1, tokens, 0.0)
 

@@ -44,7 +44,8 @@ on a rollout of other settings.
 
 **vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.objectives.vllm_rollouts`): the
 completions come from this rank's colocated vLLM engine, the policy's weights pushed to it first. vLLM's
-sampling log-probs differ from the trainer's (other kernels, other sums), so with
+sampling log-probs differ from the trainer's (other kernels, other sums), and so do those of HF rollouts
+in a lower precision (``grpo.rollout_dtype``: autocast, :mod:`qwenkit.engine.objectives.rollout`), so with
 ``grpo.vllm_importance_sampling_correction`` each micro-batch also gets the trainer's log-probs of the
 rollout (``old``, computed whatever ``num_iterations``) and the truncated importance-sampling weights
 ``exp(old - vLLM's)`` (:func:`qwenkit.model.grpo_loss.vllm_importance_weights`) that scale its
@@ -87,8 +88,8 @@ SAMPLE_FILE = "completions.jsonl"  # beside the metrics: a sample of each logged
 SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each with all its completions
 # what a cached rollout was made under: a mid-cycle resume under other values rolls out again
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
-                    "grpo.top_p", "grpo.rewards", "grpo.reward_weights", "grpo.format_tags", "grpo.scale_rewards",
-                    "grpo.mask_truncated_completions", "grpo.beta", "train.micro_batch_size", "train.grad_accum",
+                    "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
+                    "grpo.format_tags", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta", "train.micro_batch_size", "train.grad_accum",
                     "train.seed")  # fmt: skip
 
 
@@ -123,10 +124,12 @@ class GrpoObjective(Objective):
         if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
             self.rollouts: Rollouts = VllmRollouts(spec_of(cfg, bundle.dataset.processor, model_dir), sampling, grpo.num_generations)
         else:  # expert parallelism's all-to-all makes every forward collective: lockstep even with whole weights
+            dtype = getattr(torch, grpo.rollout_dtype) if grpo.rollout_dtype else None
             self.rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
-                                       collective=cfg.parallel.ep_size > 1)  # fmt: skip
-        # vLLM's sampling log-probs are corrected for (module docstring)
-        self.corrects = grpo.rollout_engine == "vllm" and grpo.vllm_importance_sampling_correction
+                                       collective=cfg.parallel.ep_size > 1, dtype=dtype)  # fmt: skip
+        # vLLM's and a lower-precision rollout's sampling log-probs are corrected for (module docstring)
+        other = grpo.rollout_engine == "vllm" or grpo.rollout_dtype is not None
+        self.corrects = other and grpo.vllm_importance_sampling_correction
         self.rollout_time = 0.0  # seconds this step spent rolling out (0 on a step that reuses the rollout)
         self.rows = iter(bundle.sampler)  # the sampler moves as rows are drawn: checkpoints save where
         self.cached: list[dict] = []  # the rollout's micro-batches, for num_iterations steps

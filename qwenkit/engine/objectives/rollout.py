@@ -25,6 +25,15 @@ not depend on its batch: :mod:`qwenkit.engine.generation.generate`). Prompts com
 images and videos, or the whole conversation of a prompt-only row); the reference is the row's
 ``solution`` / ``answer`` column where it has one, else that reply (:mod:`qwenkit.data.conversation`).
 
+**In a lower precision** (``dtype``, ``grpo.rollout_dtype``): the forwards of the rollout run under
+``torch.autocast`` to ``dtype``, from the same weights. Gathered, each weight is cast once for the whole
+rollout (autocast's cache, freed when the rollout ends: a half-size copy of the weights beside them);
+in lockstep, at every forward. The completions are then samples of another distribution than the
+trainer's (full-precision) policy: each carries its sampler's log-probs (``Completion.sampling_logps``,
+:class:`~qwenkit.engine.generation.sampling.RowSampler`'s ``record``) and GRPO corrects for them as
+for vLLM's (:mod:`qwenkit.engine.objectives.grpo`). On CPU a bf16 GEMM of decoding's skinny shapes is ~4x
+an fp32 one (docs/PERFORMANCE.md).
+
 **Reproducible.** Completion ``g`` of row ``i`` draws from its own generator, seeded by
 ``(train.seed, draw, i, g)`` (:func:`completion_seed`; :class:`qwenkit.engine.generation.sampling.RowSampler`):
 it depends neither on the rank that draws it nor on the rows that share its batch, so 2 ranks sample
@@ -72,7 +81,7 @@ class Completion:
     truncated: bool  # cut at max_new_tokens (no end token)
     reference: str  # the row's solution / answer column, or its last reply
     row: dict = field(default_factory=dict)  # the row's columns as read, a user's reward's keywords
-    sampling_logps: list[float] | None = None  # the sampler's log-prob of each token (vLLM's), None: the policy's own
+    sampling_logps: list[float] | None = None  # the sampler's log-prob of each token (vLLM's, a grpo.rollout_dtype rollout's), None: the policy's own
 
 
 class Rollouts(Protocol):
@@ -100,17 +109,20 @@ class HfRollouts:
 
     ``batch_size``: completions per ``generate`` call (0: all of the rank's); ``where``: one of
     :data:`WHERE`; ``collective``: the model's forward is a collective even with whole weights
-    (expert parallelism), so the rollout runs in lockstep.
+    (expert parallelism), so the rollout runs in lockstep; ``dtype``: the autocast dtype of the
+    rollout's forwards (None: the weights' own), its completions then carrying their sampling log-probs.
     """
 
     def __init__(self, sampling: Sampling, num_generations: int, batch_size: int = 0, where: str = "auto",
-                 collective: bool = False):  # fmt: skip
+                 collective: bool = False, dtype: torch.dtype | None = None):  # fmt: skip
         if sampling.temperature <= 0:
             raise ValueError("rollouts sample: temperature must be > 0")
         if where not in WHERE:
             raise ValueError(f"rollouts come from one of {WHERE}, got {where!r}")
         self.sampling, self.num_generations, self.batch_size = sampling, num_generations, batch_size
         self.where = "lockstep" if collective else where
+        self.dtype = dtype
+        self.sampled_logps: list[list[float]] | None = None  # with dtype: each row's sampling log-probs, of the last call
         self.chosen: tuple[str, str] | None = None  # (gather | lockstep, why) of the last rollout
 
     def __call__(self, model: nn.Module, dataset, indices: list[int], draw: int) -> list[Completion]:
@@ -122,17 +134,19 @@ class HfRollouts:
         tokens = self.sample_rows(model, [asked[k][0] for k, _ in keys], seeds, end, dataset.processor.pad_token_id,
                                   media_tokens(dataset.processor))  # fmt: skip
         done = []
-        for (k, _), new in zip(keys, tokens):
+        for r, ((k, _), new) in enumerate(zip(keys, tokens)):
             new, text, truncated = completion(tok, new, end)
+            logps = self.sampled_logps[r][: len(new)] if self.sampled_logps is not None else None
             done.append(Completion(indices[k], asked[k][0], new, text, truncated, asked[k][1].reference,
-                                   dataset.columns(indices[k])))  # fmt: skip
+                                   dataset.columns(indices[k]), logps))  # fmt: skip
         return done
 
     @torch.no_grad()
     def sample_rows(self, model: nn.Module, prompts: list[dict], seeds: list[int], end: int, pad: int,
                     suppress: list[int]) -> list[list[int]]:  # fmt: skip
         """The new tokens of each ``[1, S]`` prompt of ``prompts``, sampled from ``seeds``' generators (one a
-        row), ended by ``end`` (then ``pad``) or ``max_new_tokens``; ``suppress``: tokens never drawn."""
+        row), ended by ``end`` (then ``pad``) or ``max_new_tokens``; ``suppress``: tokens never drawn. With
+        ``dtype``, :attr:`sampled_logps` holds each row's sampling log-prob of every token generated (pads included)."""
         config = generation_config(Sampling(self.sampling.max_new_tokens), end, pad)  # greedy: RowSampler draws
         config.suppress_tokens = suppress
         device = next(model.parameters()).device
@@ -140,13 +154,15 @@ class HfRollouts:
         size = self.batch_size or len(rows)
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
         longest = max((p["input_ids"].shape[1] for p in prompts), default=1)
-        self.chosen = choose_generation(self.where, model, Sampling(self.sampling.max_new_tokens, size), longest, device)
+        self.chosen = choose_generation(self.where, model, Sampling(self.sampling.max_new_tokens, size), longest, device,
+                                        self.dtype)  # fmt: skip
         gathered = self.chosen[0] == "gather"
         if not gathered and dist.is_initialized() and dist.get_world_size() > 1:
             calls = torch.tensor([len(batches)], device=device)
             dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank makes as many lockstep calls
             batches += [[] for _ in range(int(calls.item()) - len(batches))]  # a dummy call each, dropped
         tokens: dict[int, list[int]] = {}
+        logps: dict[int, list[float]] = {}
         was_training = model.training
         model.eval()
         try:
@@ -154,6 +170,8 @@ class HfRollouts:
                 stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
                 if gathered:
                     stack.enter_context(unsharded(model))
+                if self.dtype is not None:  # gathered: each weight cast once (the cache lives while the context does)
+                    stack.enter_context(torch.autocast(device.type, dtype=self.dtype, cache_enabled=gathered))
                 step = stack.enter_context(lockstep(model, synced=False if gathered else None))
                 for chunk in batches:
                     padded = left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad)
@@ -161,11 +179,15 @@ class HfRollouts:
                     if not chunk:
                         step(inputs, one_token(config))
                         continue
-                    sampler = RowSampler([seeds[r] for r in chunk], self.sampling.temperature, self.sampling.top_p)
+                    sampler = RowSampler([seeds[r] for r in chunk], self.sampling.temperature, self.sampling.top_p,
+                                         record=self.dtype is not None)  # fmt: skip
                     out = step(inputs, config, logits_processor=[sampler])[:, inputs["input_ids"].shape[1] :]  # [B, new]
                     tokens.update(zip(chunk, out.tolist()))
+                    if sampler.logps is not None:
+                        logps.update(zip(chunk, torch.stack(sampler.logps, dim=1).cpu().tolist()))  # [B, new]
         finally:
             model.train(was_training)
+        self.sampled_logps = [logps[r] for r in range(len(prompts))] if self.dtype is not None else None
         return [tokens[r] for r in range(len(prompts))]
 
 

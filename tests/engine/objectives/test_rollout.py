@@ -2,7 +2,8 @@
 replies (broken bytes as ``\\xNN``), so the rewards of valid text are the tokenizer's text's; rollouts
 batched across prompts equal one completion at a time; on 2 FSDP2 ranks, gathered once or in
 lockstep, they equal 1 process's, and the gathered rollout's all-gathers do not grow with the
-completions' length."""
+completions' length; a rollout in a lower precision (``grpo.rollout_dtype``) carries the log-probs it
+sampled with, for every family."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model
+from conftest import build_model, families_allowing
 from multiproc import check_ranks
 from torch.distributed.fsdp import FSDPModule
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -21,8 +22,15 @@ from qwenkit import data
 from qwenkit.bench.collectives import count_all_gathers
 from qwenkit.distributed import fsdp
 from qwenkit.engine.generation.generate import Sampling
-from qwenkit.engine.objectives import rewards
-from qwenkit.engine.objectives.rollout import HfRollouts, completion
+from qwenkit.engine.generation.sampling import RowSampler
+from qwenkit.engine.objectives import rewards, rollout
+from qwenkit.engine.objectives.rollout import (
+    HfRollouts,
+    completion,
+    completion_seed,
+    media_tokens,
+    training_batch,
+)
 from qwenkit.model.processor import Processor
 
 MIXED = qconfig.load(overrides=["data.max_length=2048"])  # the mixed set's rows fit
@@ -107,3 +115,50 @@ def test_a_completion_is_decoded_as_evaluation_decodes_replies(family_processor)
     tokens, text, truncated = completion(tok, broken, end)
     assert tokens == broken and truncated  # no end token: cut at max_new_tokens
     assert text == "\\xc3red" and "\ufffd" in tok.decode(broken)
+
+
+@families_allowing("GRPO")
+def test_a_lower_precision_rollout_carries_the_log_probs_it_sampled_with(family, family_path, family_processor,
+                                                                        make_model, monkeypatch):  # fmt: skip
+    """Under ``dtype`` autocast each completion carries its sampler's log-prob of every token: exactly the
+    tempered log-softmax of the scores HF ``generate`` handed the sampler (media tokens already banned),
+    which differ from the fp32 policy's by more than fp32 rounding (the cast ran: GRPO has something to
+    correct) and by no more than the cast's rounding allows. A rollout in the weights' own dtype carries none."""
+    temperature, seed, draw = 0.7, 3, 1
+    cfg = qconfig.load(overrides=[f"model.name={family}", f"model.path={family_path}", "data.tiny_samples=4"])
+    dataset = data.build(cfg, family_processor).dataset
+    model = make_model(chunk=True, seed=7, path=str(family_path))
+    scores: dict[int, list[torch.Tensor]] = {}  # a completion's seed: the scores of each of its steps
+
+    class Seen(RowSampler):
+        def __call__(self, input_ids, scores_):
+            for b, s in enumerate(self.seeds):
+                scores.setdefault(s, []).append(scores_[b].clone())
+            return super().__call__(input_ids, scores_)
+
+    monkeypatch.setattr(rollout, "RowSampler", Seen)
+    sampling = Sampling(6, temperature=temperature, seed=seed)
+    banned = media_tokens(family_processor)
+    gaps = {}
+    for dtype in (None, torch.bfloat16, torch.float16):
+        scores.clear()
+        done = HfRollouts(sampling, 2, dtype=dtype)(model, dataset, [0, 1], draw)
+        assert all((c.sampling_logps is None) == (dtype is None) for c in done)  # the weights' own: nothing to correct
+        assert all(s.dtype == torch.float32 for steps in scores.values() for s in steps)  # HF's fp32 copy of the logits
+        sampled = []
+        for k, c in enumerate(done):
+            steps = torch.stack(scores[completion_seed(seed, draw, c.index, k % 2)][: len(c.tokens)])  # [new, V]
+            assert torch.isinf(steps[:, banned]).all()  # banned before the sampler
+            sampled.append(torch.log_softmax(steps / temperature, -1).gather(1, torch.tensor(c.tokens)[:, None]).squeeze(1))
+            if dtype is not None:
+                torch.testing.assert_close(torch.tensor(c.sampling_logps), sampled[-1])
+        batch = training_batch(done, family_processor.pad_token_id)
+        with torch.no_grad():
+            policy, _ = model.token_logps(**batch, temperature=temperature, banned=banned)
+        mask = batch["labels"][:, 1:] != -100
+        gaps[dtype] = (policy[:, :-1][mask] - torch.cat(sampled)).abs().max().item()
+        finite = torch.cat([torch.stack(s) for s in scores.values()])
+        scale = finite[finite.isfinite()].abs().max().item() / temperature  # the largest tempered logit
+    for dtype, eps in ((torch.bfloat16, 2**-8), (torch.float16, 2**-11)):
+        # the cast's rounding (a few roundings a layer, relative to the logits) dwarfs fp32's and stays within it
+        assert 8 * gaps[None] < gaps[dtype] < 8 * eps * (1 + scale), (dtype, gaps, scale)
