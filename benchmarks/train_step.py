@@ -61,12 +61,14 @@ completions of the batch's completion length (the end token suppressed: full len
   group, on the sharded model in lockstep (every unit all-gathered at every forward), HF's sampling;
 - ``rollout``: :class:`qwenkit.engine.objectives.rollout.HfRollouts` with ``where=gather``: every unit
   gathered once for the rollout (:func:`qwenkit.distributed.unshard.unsharded`), every completion of
-  every prompt in one batched ``generate`` call, each drawn from its own seeded generator.
+  every prompt in one batched ``generate`` call, each drawn from its own seeded generator;
+- ``rollout-bf16``: the same under bf16 autocast (``grpo.rollout_dtype: bfloat16``): each weight cast
+  once for the rollout, the sampler's log-probs kept for GRPO's importance-sampling correction.
 
 Each prints its seconds, completion tokens per second, the FSDP2 all-gathers of the rollout
 (:func:`qwenkit.bench.collectives.count_all_gathers`: unit gathers, counted the same on one rank as
 on many) and its peak, and the step's split: a step of ``P`` prompts is their rollout and ``P``
-learner micro-batches of one group (the ``grpo`` variant's step time x ``P``). Targets: ``rollout``
+learner micro-batches of one group (the ``grpo`` variant's step time x ``P``). Targets: the rollout's
 share of the step <= 35%, tokens/s >= 4x ``rollout-lockstep``'s, all-gathers independent of the
 completion length. ``rollout-lockstep`` makes one call per prompt, so its tokens/s do not depend
 on ``P``: ``--lockstep-prompts`` (default 1) keeps it short.
@@ -120,7 +122,7 @@ SKIPPING = ("chunk", "chunk+recompute", "chunk-foreach", "lora")  # variants who
 DPO_VARIANTS = ("dpo-hf", "dpo", "dpo-precompute", "dpo-lora")
 DPO_BETA = 0.1
 GRPO_VARIANTS = ("grpo-hf", "grpo", "grpo-lora")
-ROLLOUT_VARIANTS = ("rollout-lockstep", "rollout")
+ROLLOUT_VARIANTS = ("rollout-lockstep", "rollout", "rollout-bf16")
 
 
 def pair_batch(config, seq: int, image_side: int, device="cpu") -> dict:
@@ -414,7 +416,8 @@ def rollout_worker(args, config, shapes, device, dtype) -> dict:
                     torch.manual_seed(p)
                     step(left_pad([prompt] * 2, end), generation)
         else:
-            rollouts = HfRollouts(Sampling(new, temperature=1.0), 2, where="gather")
+            cast = torch.bfloat16 if args.variant == "rollout-bf16" else None
+            rollouts = HfRollouts(Sampling(new, temperature=1.0), 2, where="gather", dtype=cast)
             rollouts.sample_rows(model, [prompt] * (2 * prompts), list(range(2 * prompts)), end, end, [end])
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -430,7 +433,7 @@ def dpo_main(args) -> int:
     grpo = args.objective == "grpo"
     variants = args.variants or list(GRPO_VARIANTS + ROLLOUT_VARIANTS if grpo else DPO_VARIANTS)
     rollout_rows = [_spawn(args, v, p) for v in variants if v in ROLLOUT_VARIANTS
-                    for p in (args.rollout_prompts if v == "rollout" else [None])]  # fmt: skip
+                    for p in (args.rollout_prompts if v != "rollout-lockstep" else [None])]  # fmt: skip
     variants = [v for v in variants if v not in ROLLOUT_VARIANTS]
     what = f"GRPO learner step (grpo.beta {args.beta}), two completions" if grpo else "DPO step, one pair"
     print(f"{what} of 2 x {SHAPES[args.shapes]['seq']} tokens sharing an image prompt; "

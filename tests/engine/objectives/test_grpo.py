@@ -72,7 +72,7 @@ def out(tmp_path_factory, tiny_path):
     step, its checkpoints after step 1 lost and run again from there (in the middle of a cycle);
     iter_ranks: on 2 ranks, stopped after step 1, resumed on 1 process; iter_changed: stopped after
     step 1 (in the middle of a cycle), resumed with a longer grpo.max_new_tokens; cold: sampled at
-    grpo.temperature=1e-6 (every completion of a group its greedy one)."""
+    grpo.temperature=1e-6 (every completion of a group its greedy one); bf16: rolled out under bf16 autocast."""
     out = tmp_path_factory.mktemp("grpo")
     one = ["train.micro_batch_size=2"]
     cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop
@@ -87,7 +87,8 @@ def out(tmp_path_factory, tiny_path):
                                   ("iter_ranks", [*ranks, "train.micro_batch_size=2"], 0),
                                   ("iter_changed", [*cycle, "checkpoint.save_final=true", "train.stop_after=1"], 0),
                                   ("iter_changed", [*cycle, "grpo.max_new_tokens=7"], 0),
-                                  ("cold", [*one, "grpo.temperature=1e-6", "train.steps=1"], 0)])  # fmt: skip
+                                  ("cold", [*one, "grpo.temperature=1e-6", "train.steps=1"], 0),
+                                  ("bf16", [*one, "grpo.rollout_dtype=bfloat16", "train.steps=2"], 0)])  # fmt: skip
     return out
 
 
@@ -126,6 +127,23 @@ def test_entropy_and_log_probs_belong_to_the_tempered_distribution_the_rollout_s
     assert first["frac_reward_zero_std"] == 1  # every group's completions alike
     assert first["entropy"] < 1e-3
     assert first["kl"] == 0 and first["loss"] == 0  # the policy is its reference; equal rewards: no advantage
+
+
+def test_a_bf16_rollout_is_corrected_for_as_vllms_is(out):
+    """``grpo.rollout_dtype=bfloat16``: the rollout's sampler is not the fp32 policy, so every step logs TRL's
+    importance-sampling metrics: log-prob gaps above 0 and within bf16's rounding of the tiny model's logits
+    (below 1: test_rollout.py bounds it per family), ratios around 1; the policy still trains. The fp32 run
+    has nothing to correct and logs none."""
+    history = _history(out, "bf16")
+    assert len(history) == 2
+    for h in history:
+        assert 0 < h["sampling/sampling_logp_difference/mean"] <= h["sampling/sampling_logp_difference/max"] < 16 * 2**-8
+        assert h["sampling/importance_sampling_ratio/min"] <= h["sampling/importance_sampling_ratio/mean"]
+        assert h["sampling/importance_sampling_ratio/mean"] <= h["sampling/importance_sampling_ratio/max"]
+        assert h["sampling/importance_sampling_ratio/max"] < math.exp(16 * 2**-8)
+        assert h["sampling/importance_sampling_ratio/min"] > math.exp(-16 * 2**-8)
+    assert history[0]["grad_norm"] > 0 and history[-1]["kl"] > 0
+    assert not any(k.startswith("sampling/") for k in _history(out, "one")[0])
 
 
 @families_allowing("GRPO")
