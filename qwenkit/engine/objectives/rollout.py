@@ -91,11 +91,12 @@ class Rollouts(Protocol):
 
 
 def media_tokens(processor) -> list[int]:
-    """Token ids a completion must not hold: an image or video placeholder in a reply would make the
-    training forward look for features it has not got ("image features and image tokens do not match",
-    verl #3469, TRL #4488), so sampling never draws them."""
+    """Token ids a completion must not hold: an image, video or audio placeholder (or a span's start or end)
+    in a reply would make the training forward look for features it has not got ("image features and image
+    tokens do not match", verl #3469, TRL #4488), so sampling never draws them."""
     names = ("image_token_id", "video_token_id", "vision_start_id", "vision_end_id")
-    return sorted({getattr(processor, n) for n in names if getattr(processor, n, None) is not None})
+    ids = {getattr(processor, n) for n in names if getattr(processor, n, None) is not None}
+    return sorted(ids | set(getattr(processor, "audio_ids", ())))  # the Omni thinkers' audio span
 
 
 def completion_seed(seed: int, draw: int, row: int, generation: int) -> int:

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model, families_allowing
+from conftest import EVERY_FAMILY, build_model, families_allowing
 from multiproc import check_ranks
 from torch.distributed.fsdp import FSDPModule
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -162,3 +162,13 @@ def test_a_lower_precision_rollout_carries_the_log_probs_it_sampled_with(family,
     for dtype, eps in ((torch.bfloat16, 2**-8), (torch.float16, 2**-11)):
         # the cast's rounding (a few roundings a layer, relative to the logits) dwarfs fp32's and stays within it
         assert 8 * gaps[None] < gaps[dtype] < 8 * eps * (1 + scale), (dtype, gaps, scale)
+
+
+@EVERY_FAMILY
+def test_no_rollout_draws_a_media_placeholder(family_processor):
+    """A completion holding an image, video or audio placeholder, or a span's start or end, would make the
+    training forward look for features it has not got: every such token of the family's tokenizer is banned
+    (the Omni thinkers' audio ones too)."""
+    added = family_processor.tokenizer.get_added_vocab()
+    placeholders = {i for name, i in added.items() if any(w in name.lower() for w in ("image", "video", "vision", "audio"))}
+    assert len(placeholders) >= 4 and placeholders <= set(media_tokens(family_processor))
