@@ -100,6 +100,23 @@ def test_a_row_without_a_video_keeps_its_loss_beside_a_heard_video(_cache, tmp_p
 
 
 @AUDIO_FAMILY
+def test_a_heard_video_has_hfs_sequence_logps(_cache, tmp_path, family):
+    """DPO's log-probs (the head's other path, ``sequence_logps``) of the mixed batch equal the full-logits
+    log-probs of HF's forward with ``use_audio_in_video=True`` (fp32)."""
+    from qwenkit.model.logps import full_sequence_logps
+
+    batch, *_ = _heard_batch(tmp_path, family, [HEARD_ROW, UNHEARD_ROW])
+    batch.pop("num_items")
+    model = build_model(chunk=True, seed=2, name=family)
+    with torch.no_grad():
+        got, _ = model.sequence_logps(**batch, output_router_logits=False)
+        model.chunk_loss = False
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_audio_in_video=True,
+                       use_cache=False, output_router_logits=False).logits  # fmt: skip
+    torch.testing.assert_close(got, full_sequence_logps(logits, batch["labels"])[0], **FP32)
+
+
+@AUDIO_FAMILY
 def test_what_hfs_forward_never_reads_is_frozen_at_build(_cache, family):
     """Qwen2.5-Omni's audio_bos_eos_token gets no gradient in HF's forward: left trainable, AdamW holds no
     state for it and a resumed run fails on the missing key (test_dcp's every-family resume)."""
