@@ -77,7 +77,15 @@ def test_a_heard_video_batch_has_hfs_loss_and_every_gradient(_cache, tmp_path, f
     hf, ours = build_model(chunk=False, seed=1, name=family), build_model(chunk=True, seed=1, name=family)
     assert ours.heard_videos(batch["input_ids"])
     reference = loss_and_grads(hf, batch, use_audio_in_video=True, num_items_in_batch=count)
+    seen = []  # the positions the decoder gets: at the tiny model's random weights they move the loss little
+    hook = ours.model.language_model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)  # fmt: skip
     _assert_same(reference, loss_and_grads(ours, batch, num_items_in_batch=count))
+    hook.remove()
+    want, _ = hf.model.get_rope_index(batch["input_ids"], batch.get("image_grid_thw"), batch["video_grid_thw"],
+                                      batch["attention_mask"], True, batch["feature_attention_mask"].sum(1),
+                                      batch["second_per_grid_ts"])  # fmt: skip
+    torch.testing.assert_close(seen[0][-3:].float(), want.float(), rtol=0, atol=0)
     assert any(n.startswith("model.audio_tower") for n in reference[1])
 
 
