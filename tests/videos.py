@@ -64,3 +64,38 @@ def decode_all(path: Path) -> tuple[list[np.ndarray], float]:
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         return [f.to_ndarray(format="rgb24") for f in container.decode(stream)], float(stream.average_rate)
+
+
+def write_heard_video(
+    path: Path, width: int, height: int, frames: int, fps: int, hz: float = 440.0, rate: int = 16_000,
+    garbage: bool = False,
+) -> Path:
+    """A lossless video (ffv1) with an audio track (flac, mono) of a ``hz`` sine as long as the frames; ``garbage``:
+    the audio packets replaced by random bytes of their size, so the frames decode and the audio does not."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    samples = rate * frames // fps
+    wave = (0.5 * np.sin(2 * np.pi * hz * np.arange(samples) / rate) * 32767).astype(np.int16)
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w", format="matroska") as container:
+        video = container.add_stream(LOSSLESS[0], rate=fps)
+        video.width, video.height, video.pix_fmt = width, height, LOSSLESS[1]
+        sound = container.add_stream("flac", rate=rate, layout="mono")
+        for i in range(frames):
+            for packet in video.encode(av.VideoFrame.from_ndarray(frame(i, width, height), format="rgb24")):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        for start in range(0, samples, 1024):
+            piece = av.AudioFrame.from_ndarray(wave[None, start : start + 1024].copy(), format="s16", layout="mono")
+            piece.sample_rate, piece.pts = rate, start
+            for packet in sound.encode(piece):
+                if garbage:
+                    bad = av.Packet(rng.integers(0, 256, packet.size, dtype=np.uint8).tobytes())
+                    bad.stream, bad.pts, bad.dts, bad.time_base = packet.stream, packet.pts, packet.dts, packet.time_base
+                    packet = bad
+                container.mux(packet)
+        for packet in sound.encode(None):
+            container.mux(packet)
+    return path

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from qwenkit.config.train import OBJECTIVES
+from qwenkit.model.family import FAMILIES
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
@@ -15,14 +16,6 @@ DATA_LAYOUTS = (
     "auto", "messages", "sharegpt", "llava", "typed", "qwen_vl", "swift_conversation", "swift_query", "alpaca",
     "cauldron", "prompt",
 )  # fmt: skip
-
-
-# why data.use_audio_in_video=true is refused (the config check; the scan too, for a DataConfig made in code)
-AUDIO_IN_VIDEO = (
-    "data.use_audio_in_video=true: a video's audio track interleaved with its frames (HF's Omni processors' "
-    "2-second chunks and their mRoPE) is not made equal to HF's processor yet; use false, or give the audio as "
-    "its own <audio> entry"
-)
 
 
 @dataclass
@@ -53,7 +46,8 @@ class DataConfig:
     # path=tiny: the synthetic task: coloured shapes (images) or tones (audio: which pitch, low/mid/high; a family
     # with an audio tower)
     tiny_task: Literal["shapes", "tones"] = "shapes"
-    # every <video> followed by its own audio track (HF's use_audio_in_video); refused: not yet equal to HF's processor
+    # every <video> heard with its own audio track, interleaved with its frames (HF's use_audio_in_video; a family
+    # with an audio tower; a video without a track is a bad row, docs/DATA.md)
     use_audio_in_video: bool = False
     cache_dir: str | None = None  # prepared-index cache; None: $QWENKIT_CACHE/data-index (~/.cache/qwenkit/data-index)
     fingerprint: Literal["stat", "content"] = "stat"  # data files keyed by path/size/mtime, or by a content hash
@@ -117,10 +111,30 @@ def check(cfg: Config, need: Need) -> None:
         f"data.eval_path ({data.eval_path!r}) and data.eval_fraction ({data.eval_fraction}) both give an eval set; keep one",
     )
     need(data.tiny_eval_samples >= 0, f"data.tiny_eval_samples must be >= 0, got {data.tiny_eval_samples}")
-    need(not data.use_audio_in_video, AUDIO_IN_VIDEO)
     reads = OBJECTIVES[cfg.train.objective].reads if cfg.train.objective in OBJECTIVES else "conversations"
+    if data.use_audio_in_video:
+        _check_audio_in_video(cfg, reads, need)
     need(
         data.path != "tiny" or data.tiny_task == "shapes" or reads == "conversations",
         f"data.tiny_task={data.tiny_task!r} is a conversation task; train.objective={cfg.train.objective!r} reads "
         f"{reads} (the tiny ones are the shapes'): use data.tiny_task=shapes",
+    )
+
+
+def _check_audio_in_video(cfg: Config, reads: str, need: Need) -> None:
+    """``data.use_audio_in_video=true``: a family that hears, and no generation (HF's ``generate`` computes the
+    thinker's positions before the forward, from keywords the kit's prompts do not give it: the flag and the
+    video seconds; the training forward is the tested path, tests/model/test_omni.py)."""
+    family = FAMILIES.get(cfg.model.name)  # None: model.name=auto, the scan names each video row instead
+    need(
+        family is None or bool(family.audio_tokens),
+        f"data.use_audio_in_video=true hears each video's audio track, but model.name={cfg.model.name!r} has no "
+        "audio tower; use an Omni family (README's family table) or data.use_audio_in_video=false",
+    )
+    eval_set = cfg.data.eval_path is not None or cfg.data.eval_fraction > 0
+    need(
+        reads != "prompts" and not (eval_set and cfg.train.eval_samples > 0),
+        f"data.use_audio_in_video=true with generation (train.objective={cfg.train.objective!r}'s rollouts, or "
+        f"train.eval_samples={cfg.train.eval_samples} with an eval set) is not supported: the thinker's generate "
+        "does not place a heard video yet; use sft or dpo, and train.eval_samples=0",
     )

@@ -18,11 +18,14 @@ from __future__ import annotations
 import base64
 import importlib
 import io
+import re
+import types
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from qwenkit.data.conversation import AUDIO_PLACEHOLDER, VIDEO_PLACEHOLDER
 from qwenkit.data.report import REBUILD, BadSample, Location
 
 SAMPLE_RATE = 16_000  # Hz: what the Omni audio towers were trained on
@@ -49,8 +52,6 @@ def _source(entry: str, base_dir: Path | None):
 def decode(entry: str, where: Location, base_dir: Path | None = None) -> np.ndarray:
     """The audio of ``entry`` as float32 mono samples at :data:`SAMPLE_RATE` ``[n]``; a missing or
     undecodable one is a :class:`BadSample` naming ``entry`` and ``where`` (file and row)."""
-    import av  # the video extra's FFmpeg bindings: only rows with audio need them
-
     label = entry if not entry.startswith("data:") else entry[:32] + "..."
     try:
         source = _source(entry, base_dir)
@@ -58,22 +59,50 @@ def decode(entry: str, where: Location, base_dir: Path | None = None) -> np.ndar
         raise BadSample(where, "missing_audio", f"audio {label}: {e}") from None
     except ValueError as e:
         raise BadSample(where, "corrupt_audio", f"audio {label}: {e}") from None
+    return _decode(source, where, f"audio {label}", "corrupt_audio", "the file has no audio stream")
+
+
+def track(ref, where: Location) -> np.ndarray:
+    """The audio track of video ``ref`` (a :class:`~qwenkit.data.images.MediaRef`: a file or bytes) as
+    :func:`decode` gives an audio file's. A video without one (frame files, a silent file) is a
+    :class:`BadSample` (``silent_video``): HF's Omni processors give a silent video a plain video span, but the
+    thinkers' ``get_rope_index`` under ``use_audio_in_video`` places only videos with their audio (one flag per
+    batch: a plain span's frames would get text positions), so such a row cannot train with the others."""
+    label = ref.label  # "video k of n ('name')"
+    if ref.frames is not None:
+        raise BadSample(where, "silent_video", f"{label} is a list of frame files: it has no audio track, which "
+                                               "data.use_audio_in_video needs for every video")  # fmt: skip
+    if ref.data is None and not ref.path.is_file():
+        raise BadSample(where, "missing_video", f"{label}: no such file {str(ref.path)!r}")
+    source = io.BytesIO(ref.data) if ref.data is not None else str(ref.path)
+    silent = "it has no audio track, which data.use_audio_in_video needs for every video"
+    return _decode(source, where, label, "corrupt_audio", silent, "silent_video")
+
+
+def _decode(source, where: Location, label: str, reason: str, no_stream: str, no_stream_reason: str | None = None):
+    """The first audio stream of ``source`` (a path or a file-like object) as float32 mono 16 kHz ``[n]``; what
+    does not decode is a :class:`BadSample` of ``reason``, a file without an audio stream one of
+    ``no_stream_reason`` (default: ``reason``) saying ``no_stream``."""
+    import av  # the video extra's FFmpeg bindings: only rows with audio need them
+
     # resampled per channel, then averaged (librosa's mono, what peers' loaders give): FFmpeg's own
     # downmix weighs channels by 1/sqrt(2), 1.41 x the average of a centred stereo signal
     resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
-    pieces = []
+    pieces, silent = [], False
     try:
         with av.open(source) as container:
-            if not container.streams.audio:
-                raise BadSample(where, "corrupt_audio", f"audio {label}: the file has no audio stream")
-            for frame in container.decode(audio=0):
-                pieces += [f.to_ndarray().mean(axis=0) for f in resampler.resample(frame)]  # [channels, n] -> [n]
-            pieces += [f.to_ndarray().mean(axis=0) for f in resampler.resample(None)]  # flush
+            silent = not container.streams.audio
+            if not silent:
+                for frame in container.decode(audio=0):
+                    pieces += [f.to_ndarray().mean(axis=0) for f in resampler.resample(frame)]  # [channels, n] -> [n]
+                pieces += [f.to_ndarray().mean(axis=0) for f in resampler.resample(None)]  # flush
     except (av.FFmpegError, OSError, ValueError) as e:
-        raise BadSample(where, "corrupt_audio", f"audio {label}: cannot decode: {e}") from None
+        raise BadSample(where, reason, f"{label}: cannot decode: {e}") from None
+    if silent:
+        raise BadSample(where, no_stream_reason or reason, f"{label}: {no_stream}")
     wave = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
     if wave.size == 0:
-        raise BadSample(where, "corrupt_audio", f"audio {label}: no sample decodes")
+        raise BadSample(where, reason, f"{label}: no sample decodes")
     return wave.astype(np.float32, copy=False)
 
 
@@ -147,41 +176,83 @@ def _entry(entry, where: Location, k: int, n: int) -> str:
     return entry
 
 
-def _waves(conv, base_dir: Path | None, extractor) -> list[np.ndarray]:
+def heard(conv, tracks: bool) -> list[tuple[str, int]]:
+    """What the thinker hears of ``conv``, in the order of its placeholders (the order HF's processor is given
+    them and scatters their features into the pads): ``("audio", k)`` for the ``k``-th ``<audio>``, and with
+    ``tracks`` (``data.use_audio_in_video``) ``("video", j)`` for the ``j``-th ``<video>``'s own audio track.
+    Placeholders stand in user turns only (:mod:`qwenkit.data.conversation` checks it)."""
+    tags = (AUDIO_PLACEHOLDER, VIDEO_PLACEHOLDER) if tracks else (AUDIO_PLACEHOLDER,)
+    pattern = "|".join(re.escape(t) for t in tags)
+    found = [tag for role, text in conv.turns if role == "user" for tag in re.findall(pattern, text)]
+    counts = {AUDIO_PLACEHOLDER: 0, VIDEO_PLACEHOLDER: 0}
+    out = []
+    for tag in found:
+        out.append(("audio" if tag == AUDIO_PLACEHOLDER else "video", counts[tag]))
+        counts[tag] += 1
+    return out
+
+
+def _waves(conv, base_dir: Path | None, extractor, videos: list | None) -> list[np.ndarray]:
+    """The waves of :func:`heard` (``videos``: the row's video refs when their tracks are heard, else None)."""
     waves = []
-    for k, entry in enumerate(conv.audios):
-        label = _entry(entry, conv.where, k, len(conv.audios))
-        waves.append(decode(label, conv.where, base_dir))
+    for kind, k in heard(conv, videos is not None):
+        if kind == "audio":
+            label = _entry(conv.audios[k], conv.where, k, len(conv.audios))
+            waves.append(decode(label, conv.where, base_dir))
+        else:
+            label = videos[k].label
+            waves.append(track(videos[k], conv.where))
         _check_length(waves[-1], extractor, conv.where, label)
     return waves
 
 
-def measure(conv, base_dir: Path | None, family) -> list[tuple[int, int, int]]:
-    """``(mel frames, placeholder tokens, samples)`` of each of ``conv``'s audios, decoded once (the scan), as
-    HF's processor of ``family`` counts them for the row's audios in one call.
+def measure(conv, base_dir: Path | None, family, videos: list | None = None) -> list[tuple[int, int, int]]:
+    """``(mel frames, placeholder tokens, samples)`` of each audio the row's thinker hears (:func:`heard`:
+    ``videos``, the row's video refs, when their tracks are heard), decoded once (the scan), as HF's processor
+    of ``family`` counts them for the row's audios in one call.
 
     A family without an audio tower (no ``audio_tokens`` in its entry) given audio: a bad row that says so."""
-    if not conv.audios:
+    heard_n = len(conv.audios) + len(videos or ())
+    if not heard_n:
         return []
     if not family.audio_tokens:
         raise BadSample(
             conv.where, "no_audio_tower",
-            f"the row has {len(conv.audios)} audio entr{'y' if len(conv.audios) == 1 else 'ies'} but model family "
-            f"{family.name} has no audio tower; train a family that hears (README's family table), or drop 'audios'",
+            f"the row has {heard_n} audio{'s' if heard_n != 1 else ''} (its 'audios', and its videos' tracks with "
+            f"data.use_audio_in_video) but model family {family.name} has no audio tower; train a family that "
+            "hears (README's family table), or drop them",
         )  # fmt: skip
     extractor = feature_extractor()
-    lengths = [len(w) for w in _waves(conv, base_dir, extractor)]
+    lengths = [len(w) for w in _waves(conv, base_dir, extractor, videos)]
     padded = extractor.n_samples if padding_rule(family) == "max_length" else max(lengths)
     count = token_counter(family)
     return [(n, int(count(n)), samples) for n, samples in zip(frames(lengths, padded), lengths)]
 
 
-def load(conv, base_dir: Path | None, expected: list[int], family) -> dict[str, torch.Tensor]:
-    """The thinker's inputs of ``conv``'s audios: ``input_features [n_audio, 128, F]`` and
+def video_span(family, grid: tuple[int, int, int], second_per_grid: float, audio_tokens: int, merge: int) -> str:
+    """The pads between ``audio_start`` and ``audio_end`` of a video heard with its audio track, as ``V`` (a video
+    pad) and ``A`` (an audio pad): HF's own ``replace_video_with_audio_token`` of ``family``'s processor, called
+    with the processor's ``position_id_per_seconds`` and ``seconds_per_chunk``. Qwen2.5-Omni writes per 2-s
+    chunk the chunk's video pads then its audio pads; Qwen3-Omni merges both by time (a video patch before the
+    audio pads of its start time). ``grid``: the video's patch grid; ``merge``: the spatial merge size."""
+    module = _processing(family)
+    (cls,) = (getattr(module, name) for name in module.__all__ if name.endswith("Processor"))
+    hf = cls.__new__(cls)  # only what the method reads: the tokens as letters, the merge size
+    hf.audio_bos_token, hf.audio_eos_token, hf.video_token, hf.audio_token = "", "", "V", "A"
+    hf.video_processor = types.SimpleNamespace(merge_size=merge)
+    videos = {"video_grid_thw": [list(grid)], "video_second_per_grid": [second_per_grid]}
+    return hf.replace_video_with_audio_token(videos, 0, {"num_audio_tokens": [audio_tokens]}, 0,
+                                             position_id_per_seconds=cls.position_id_per_seconds,
+                                             seconds_per_chunk=cls.seconds_per_chunk)  # fmt: skip
+
+
+def load(conv, base_dir: Path | None, expected: list[int], family, videos: list | None = None) -> dict[str, torch.Tensor]:
+    """The thinker's inputs of the audios ``conv``'s thinker hears (:func:`heard`, ``videos`` as in
+    :func:`measure`), in that order: ``input_features [n_audio, 128, F]`` and
     ``feature_attention_mask [n_audio, F]`` (``F``: the longest audio's frames; shorter ones padded with
     0), checked against the scan's frames ``expected`` (an audio that changed: ``changed_media``)."""
     extractor = feature_extractor()
-    made = row_features(_waves(conv, base_dir, extractor), extractor, padding_rule(family))  # [128, f] each
+    made = row_features(_waves(conv, base_dir, extractor, videos), extractor, padding_rule(family))  # [128, f] each
     got = [int(f.shape[1]) for f in made]
     if got != list(expected):
         raise BadSample(

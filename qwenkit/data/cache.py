@@ -43,13 +43,13 @@ ENCODING_KEYS = (
     "layout", "image_dir", "system_prompt", "max_length", "truncate_text",
     "min_pixels", "max_pixels", "min_image_side", "max_aspect_ratio", "verify_images",
     "video_dir", "video_fps", "video_min_frames", "video_max_frames", "video_max_pixels", "video_total_pixels",
+    "use_audio_in_video",  # each video's track joins the row's audios (the index's audio grids) and its span
 )  # fmt: skip
 # data settings that leave the index as it is (path and tiny_samples are in it through the files)
 RUN_KEYS = (
     "path", "tiny_samples", "on_bad_sample", "max_bad_fraction", "shuffle", "num_workers",
     "cache_dir", "fingerprint", "num_proc", "packing", "max_tokens_per_batch", "eval_path", "eval_fraction",
     "tiny_eval_samples", "tiny_task",
-    "use_audio_in_video",  # only false ever runs: true is refused (config.data.AUDIO_IN_VIDEO)
 )  # fmt: skip
 
 

@@ -30,7 +30,6 @@ import torch
 from tqdm import tqdm
 
 from qwenkit.config import DataConfig
-from qwenkit.config.data import AUDIO_IN_VIDEO
 from qwenkit.data import audio
 from qwenkit.data.conversation import Conversation, parse_row
 from qwenkit.data.images import ImageProbe, MediaRef, load, predict_grid, resolve
@@ -84,7 +83,7 @@ class EncodedDataset:
         prompts: bool = False,  # rows may be prompts whose reference is a column (GRPO's, see parse_row)
     ):
         self.sources, self.index, self.processor, self.data, self.prompts = sources, index, processor, data, prompts
-        self.template = ChatTemplate(processor, data.system_prompt)
+        self.template = ChatTemplate(processor, data.system_prompt, data.use_audio_in_video)
         self.video_processor = for_processor(processor, data)
         self.with_mm_token_type_ids = needs_mm_token_type_ids()
         self.samples = SampleView(index)
@@ -147,9 +146,10 @@ class EncodedDataset:
         """
         conv = self.conversation(i)
         sample = dict(media) if media is not None else self._media(i, conv)
+        times, seconds = self._video_plans(i, conv)
         enc = fit_length(
-            self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv),
-                                 self._audio_tokens(i)),  # fmt: skip
+            self.template.encode(conv, self.index.grids(i), self.index.grids(i, "video"), times, self._audio_tokens(i),
+                                 seconds),  # fmt: skip
             conv,
             self.data.max_length,
             self.data.truncate_text,
@@ -172,8 +172,9 @@ class EncodedDataset:
         """
         conv = self.conversation(i)
         asked = dataclasses.replace(conv, turns=conv.turns[:-1] if conv.turns[-1][0] == "assistant" else conv.turns)
-        encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"), self._video_times(i, conv),
-                                       self._audio_tokens(i))  # fmt: skip
+        times, seconds = self._video_plans(i, conv)
+        encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"), times,
+                                       self._audio_tokens(i), seconds)  # fmt: skip
         inputs = self._media(i, conv)
         input_ids = torch.tensor([encoded.input_ids + self.template.headers["assistant"]], dtype=torch.long)  # [1, S]
         inputs["input_ids"] = input_ids
@@ -182,15 +183,18 @@ class EncodedDataset:
             inputs["mm_token_type_ids"] = self._token_types(input_ids)  # [1, S]
         return inputs, conv
 
-    def _video_times(self, i: int, conv: Conversation) -> list[tuple[float, ...]]:
-        """Each video's temporal-patch times, planned again from the index's metadata (no decoding)."""
-        if not self.template.video_timestamps:
-            return []
+    def _video_plans(self, i: int, conv: Conversation) -> tuple[list[tuple[float, ...]], list[float]]:
+        """Each video's temporal-patch times and seconds per temporal patch, planned again from the index's
+        metadata (no decoding), as far as the template reads them (``([], [])`` otherwise)."""
+        if not (self.template.video_timestamps or self.template.audio_in_video):
+            return [], []
         refs = self.video_refs(i, conv)
-        return [self.video_processor.plan(m, conv.where, r.label).timestamps for r, m in zip(refs, self.index.videos(i))]
+        plans = [self.video_processor.plan(m, conv.where, r.label) for r, m in zip(refs, self.index.videos(i))]
+        return [p.timestamps for p in plans], [p.second_per_grid for p in plans]
 
     def _audio_tokens(self, i: int) -> list[int]:
-        """Each audio's placeholder count, as the scan computed it (the index's audio grids hold it)."""
+        """Each heard audio's placeholder count (:func:`qwenkit.data.audio.heard`'s order), as the scan computed
+        it (the index's audio grids hold it)."""
         return [tokens for _, tokens, _ in self.index.grids(i, "audio")]
 
     def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -219,10 +223,11 @@ class EncodedDataset:
             sample["image_grid_thw"] = pixels["image_grid_thw"].long()  # [n_images, 3]
         if self.index.grids(i, "video"):
             sample.update(self._videos(conv, self.video_refs(i, conv), self.index.videos(i)))
-        if conv.audios:  # input_features [n_audio, 128, F], feature_attention_mask [n_audio, F]
+        frames = [f for f, _, _ in self.index.grids(i, "audio")]  # the <audio> entries and the heard video tracks
+        if frames:  # input_features [n_audio, 128, F], feature_attention_mask [n_audio, F]
             base = self.sources[int(self.index.source[i])].base_dir
-            frames = [f for f, _, _ in self.index.grids(i, "audio")]
-            sample.update(audio.load(conv, base, frames, self.processor.family))
+            tracks = self.video_refs(i, conv) if self.data.use_audio_in_video else None
+            sample.update(audio.load(conv, base, frames, self.processor.family, tracks))
         return sample
 
     def video_refs(self, i: int, conv: Conversation) -> list[MediaRef]:
@@ -261,9 +266,7 @@ def scan_rows(
     """Check global rows ``lo:hi``; an unreadable file has no rows (the caller records it).
 
     ``prompts``: a row may be a prompt whose reference is a column (GRPO's rows, see :func:`parse_row`)."""
-    if data.use_audio_in_video:  # the config check refuses it; a DataConfig made in code meets it here
-        raise ValueError(AUDIO_IN_VIDEO)
-    template = ChatTemplate(processor, data.system_prompt)
+    template = ChatTemplate(processor, data.system_prompt, data.use_audio_in_video)
     probe = ImageProbe(data.min_image_side, data.max_aspect_ratio, full)
     videos = _VideoScan(VideoProbe(data.video_fps), for_processor(processor, data), data)
     starts = row_ranges(sources)
@@ -305,11 +308,13 @@ def _scan_row(
             grids.append(predict_grid(size, template.processor.image_processor))
         except ValueError as e:  # the processor's own limits (e.g. aspect ratio > 200)
             raise BadSample(conv.where, "aspect_ratio", f"{ref.label}: {e}") from None
-    metas, plans = videos.measure(conv, source.base_dir)
+    refs, metas, plans = videos.measure(conv, source.base_dir)
     video_grids = [p.grid for p in plans]
-    audios = audio.measure(conv, source.base_dir, template.processor.family)  # [(frames, tokens, samples)]
+    tracks = refs if data.use_audio_in_video else None  # each video's own audio, heard in placeholder order
+    audios = audio.measure(conv, source.base_dir, template.processor.family, tracks)  # [(frames, tokens, samples)]
     enc = fit_length(
-        template.encode(conv, grids, video_grids, [p.timestamps for p in plans], [t for _, t, _ in audios]),
+        template.encode(conv, grids, video_grids, [p.timestamps for p in plans], [t for _, t, _ in audios],
+                        [p.second_per_grid for p in plans]),
         conv, data.max_length, data.truncate_text,
     )  # fmt: skip
     learned = sum(label != IGNORE_INDEX for label in enc.labels[1:])
@@ -322,13 +327,13 @@ class _VideoScan:
     def __init__(self, probe: VideoProbe, processor: VideoProcessor, data: DataConfig):
         self.probe, self.processor, self.base = probe, processor, data.video_dir or data.image_dir
 
-    def measure(self, conv: Conversation, base_dir) -> tuple[list[VideoMeta], list[VideoPlan]]:
-        metas, plans = [], []
-        for ref in resolve(conv.videos, conv.where, base_dir, self.base, kind="video"):
+    def measure(self, conv: Conversation, base_dir) -> tuple[list[MediaRef], list[VideoMeta], list[VideoPlan]]:
+        refs, metas, plans = resolve(conv.videos, conv.where, base_dir, self.base, kind="video"), [], []
+        for ref in refs:
             meta = self.probe.meta(ref, conv.where)
             metas.append(meta)
             plans.append(self.processor.plan(meta, conv.where, ref.label))
-        return metas, plans
+        return refs, metas, plans
 
 
 # what forked scan processes read: set just before the fork, so nothing is pickled but row ranges

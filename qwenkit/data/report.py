@@ -33,7 +33,9 @@ REASONS = {
     "short_video": "a video has fewer frames than data.video_min_frames",
     "audio_count": "the number of <audio> placeholders differs from the number of audios",
     "missing_audio": "an audio file does not exist",
-    "corrupt_audio": "an audio cannot be decoded (corrupt, truncated, no audio stream, a bad data URI)",
+    "corrupt_audio": "an audio (or, with data.use_audio_in_video, a video's audio track) cannot be decoded "
+    "(corrupt, truncated, no audio stream, a bad data URI)",
+    "silent_video": "data.use_audio_in_video: a video has no audio track (HF's positions place a silent video wrongly)",
     "long_audio": "an audio is longer than the feature extractor's 30 s window (it would be cut silently)",
     "no_audio_tower": "a row has audio but the model family has no audio tower",
     "too_long": "the sample has more tokens than data.max_length",

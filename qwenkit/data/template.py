@@ -12,6 +12,10 @@ processor's family entry, :mod:`qwenkit.model.family`, says which)::
 - each ``<audio>`` placeholder becomes the family's audio span (``family.audio_tokens``:
   ``<|audio_bos|>`` / ``<|audio_start|>``, ``n`` pads, the end token), ``n`` being HF's count for the
   audio's mel frames (:func:`qwenkit.data.audio.token_counter`);
+- with ``data.use_audio_in_video`` each ``<video>`` is heard too, as HF's Omni processors write it:
+  ``<|vision_start|>`` + the audio start token + the video's pads and its audio track's pads interleaved by
+  time (:func:`qwenkit.data.audio.video_span`) + the audio end token + ``<|vision_end|>``; the track's count
+  comes from the same list as the ``<audio>`` counts, in placeholder order (:func:`qwenkit.data.audio.heard`);
 - each ``<image>`` placeholder becomes one vision span with ``n = t*h*w / merge²`` pad tokens,
   ``(t, h, w)`` being that image's patch grid; each ``<video>`` the same with ``<|video_pad|>``
   (a video's ``t`` is its number of temporal patches). Families with ``video_timestamps``
@@ -33,6 +37,7 @@ import functools
 import re
 from dataclasses import dataclass
 
+from qwenkit.data import audio
 from qwenkit.data.conversation import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
 from qwenkit.model.loss import IGNORE_INDEX
@@ -53,8 +58,8 @@ class ChatTemplate:
     """Encodes conversations in the processor's family's chat format; ``system_prompt`` is the
     system text of conversations without one (``None``: the family's default)."""
 
-    def __init__(self, processor: Processor, system_prompt: str | None):
-        self.processor = processor
+    def __init__(self, processor: Processor, system_prompt: str | None, audio_in_video: bool = False):
+        self.processor, self.audio_in_video = processor, audio_in_video
         family = processor.family
         self.system_prompt = system_prompt if system_prompt is not None else family.default_system
         self.video_timestamps = family.video_timestamps
@@ -80,11 +85,13 @@ class ChatTemplate:
         video_grids: list[tuple[int, int, int]] = (),
         video_times: list[tuple[float, ...]] = (),
         audio_tokens: list[int] = (),
+        video_seconds: list[float] = (),
     ) -> Encoded:
         """Token ids and labels of ``conv``; ``grids[k]`` / ``video_grids[k]`` is the patch grid
         of image / video ``k``, ``video_times[k]`` the seconds of each of video ``k``'s temporal
-        patches (read by families with ``video_timestamps``), ``audio_tokens[k]`` audio ``k``'s
-        placeholder count (:func:`qwenkit.data.audio.measure`)."""
+        patches (read by families with ``video_timestamps``), ``audio_tokens[k]`` the placeholder count
+        of the ``k``-th audio heard (:func:`qwenkit.data.audio.measure`), ``video_seconds[k]`` video ``k``'s
+        seconds per temporal patch (read with ``audio_in_video``)."""
         ids: list[int] = []
         labels: list[int] = []
         images_end = 0
@@ -96,11 +103,13 @@ class ChatTemplate:
         system = conv.system if conv.system is not None else self.system_prompt
         if system:
             add(self.headers["system"] + self._encode_text(system) + [self.im_end] + self.newline)
+        heard = iter(audio_tokens)  # <audio> entries and (audio_in_video) video tracks share one order
         media = {
             IMAGE_PLACEHOLDER: (iter(grids), iter(()), self.processor.image_token_id),
             VIDEO_PLACEHOLDER: (iter(video_grids), iter(video_times), self.processor.video_token_id),
-            AUDIO_PLACEHOLDER: (iter(audio_tokens), iter(()), None),
+            AUDIO_PLACEHOLDER: (heard, iter(()), None),
         }
+        seconds = iter(video_seconds)
         start, end = self.processor.vision_start_id, self.processor.vision_end_id
         last_user = max((k for k, (role, _) in enumerate(conv.turns) if role == "user"), default=-1)
         for k, (role, text) in enumerate(conv.turns):
@@ -122,6 +131,9 @@ class ChatTemplate:
                     a_start, a_pad, a_end = self.processor.audio_ids
                     add(self._encode_text(pending) + [a_start] + [a_pad] * grid + [a_end])
                     pending = ""
+                elif pad == self.processor.video_token_id and self.audio_in_video:
+                    add(self._encode_text(pending) + [start] + self._heard_video(grid, next(seconds), next(heard)) + [end])
+                    pending = ""
                 elif pad == self.processor.video_token_id and self.video_timestamps:
                     t, h, w = grid
                     for seconds in next(times):  # one span per temporal patch, after its time
@@ -134,6 +146,13 @@ class ChatTemplate:
                 images_end = len(ids)
             add(self._encode_text(pending) + [self.im_end] + self.newline)
         return Encoded(ids, labels, images_end)
+
+    def _heard_video(self, grid: tuple[int, int, int], second_per_grid: float, audio_tokens: int) -> list[int]:
+        """A video heard with its audio track: the audio span around its interleaved video and audio pads."""
+        a_start, a_pad, a_end = self.processor.audio_ids
+        pads = {"V": self.processor.video_token_id, "A": a_pad}
+        letters = audio.video_span(self.processor.family, grid, second_per_grid, audio_tokens, self.processor.merge_size)
+        return [a_start] + [pads[c] for c in letters] + [a_end]
 
     def _thinking(self, reply: str, after_last_user: bool) -> tuple[str, str]:
         """``(unlearned prefix, learned reply)`` of an assistant turn, as the family's template writes it.

@@ -141,7 +141,7 @@ class ChunkLossMixin(Positions):
         labels = kwargs.pop("labels", None)
         use_cache = kwargs.pop("use_cache", None)
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
-        kwargs = self._drop_unsupported(kwargs)
+        kwargs = self._drop_unsupported(kwargs, input_ids)
         if self.sequence_parallel is not None:  # this rank's slice of the sequence (its own steps)
             from qwenkit.model.parallel import forward_slice  # the SP steps; imports nothing back
 
@@ -227,7 +227,7 @@ class ChunkLossMixin(Positions):
         """
         if labels is None:
             raise ValueError("log-probs need labels (the reply tokens whose log-probs are computed)")
-        kwargs = self._drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"})
+        kwargs = self._drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"}, input_ids)
         idle = self._idle_vision(input_ids, kwargs)
         self._prepare_backbone(kwargs)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
@@ -319,8 +319,9 @@ class ChunkLossMixin(Positions):
             kwargs[param.name] = value
         return kwargs
 
-    def _drop_unsupported(self, kwargs: dict) -> dict:
-        """On 4.57, drop ``mm_token_type_ids`` instead of leaking it into the attention kwargs."""
+    def _drop_unsupported(self, kwargs: dict, input_ids: torch.Tensor | None = None) -> dict:
+        """The batch's keywords as this family's forward takes them (``input_ids``: the batch's, for a family that
+        reads a flag off them): on 4.57, drop ``mm_token_type_ids`` instead of leaking it into the attention kwargs."""
         if "mm_token_type_ids" in kwargs and not self.takes_token_types():
             kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
         return kwargs

@@ -7,6 +7,11 @@ the shared chunk-loss steps run it unchanged (Qwen3-Omni adds Qwen3-VL's DeepSta
 router, :mod:`qwenkit.model.qwen3_vl`'s parts); what hearing adds is here (:class:`_Hearing`):
 
 - the seconds per video grid are ``video_second_per_grid`` here (:meth:`_drop_unsupported`);
+- a batch whose ids hold a video heard with its audio track (``data.use_audio_in_video``: ``<vision_start>``
+  then the audio start token) is run with ``use_audio_in_video=True`` (:meth:`heard_videos`), the flag HF's
+  ``get_rope_index`` reads to interleave that span's video and audio positions by time; a batch without one
+  is run without it. The flag is one per batch: every video of a batch is heard (a silent video is a bad row,
+  :func:`qwenkit.data.audio.track`) and rows without videos are placed alike either way;
 - the audio tower joins the idle calls of data parallelism: a rank whose micro-batch has no audio
   runs it on one blank window (x 0), so that every audio parameter gets a gradient on every rank
   (:meth:`_idle_vision`, :meth:`blank_audio_term`).
@@ -32,14 +37,24 @@ from qwenkit.model.subclass import finish_subclass
 class _Hearing:
     """The audio tower's part of a thinker's chunk-loss forward (both Omni families)."""
 
-    def _drop_unsupported(self, kwargs: dict) -> dict:
+    def _drop_unsupported(self, kwargs: dict, input_ids: torch.Tensor | None = None) -> dict:
         """The batch's ``second_per_grid_ts`` (the collator's name, Qwen2.5-VL's) as the thinker's
-        ``video_second_per_grid``: the seconds per temporal patch its mRoPE times video frames by."""
-        kwargs = super()._drop_unsupported(kwargs)
+        ``video_second_per_grid``: the seconds per temporal patch its mRoPE times video frames by; and
+        ``use_audio_in_video=True`` when ``input_ids`` hold a heard video (unless the caller says)."""
+        kwargs = dict(super()._drop_unsupported(kwargs, input_ids))
         if "second_per_grid_ts" in kwargs:
-            kwargs = dict(kwargs)
             kwargs["video_second_per_grid"] = kwargs.pop("second_per_grid_ts")
+        if kwargs.get("use_audio_in_video") is None and self.heard_videos(input_ids):
+            kwargs["use_audio_in_video"] = True
         return kwargs
+
+    def heard_videos(self, input_ids: torch.Tensor | None) -> bool:
+        """Whether ``input_ids`` hold a video span with its audio track: ``<vision_start>`` right before the audio
+        start token, which only HF's ``use_audio_in_video`` layout writes (:func:`qwenkit.data.audio.video_span`)."""
+        if input_ids is None:
+            return False
+        starts = input_ids[..., :-1] == self.config.vision_start_token_id
+        return bool((starts & (input_ids[..., 1:] == self.config.audio_start_token_id)).any())
 
     def _idle_vision(self, input_ids, kwargs) -> torch.Tensor | None:
         """The idle vision calls this rank owes, plus (data parallel: the trainer pads vision calls) a

@@ -185,12 +185,17 @@ def wav_uri(samples: np.ndarray, rate: int = qaudio.SAMPLE_RATE) -> str:
 
 
 def audio_players(dataset, i: int) -> str:
-    """Good sample ``i``'s audios as HTML players, each captioned with its seconds and token count."""
+    """Good sample ``i``'s audios as HTML players (``data.use_audio_in_video``: its videos' tracks too, in the order
+    heard), each captioned with its seconds and token count."""
     conv, base = dataset.conversation(i), dataset.sources[dataset.samples[i].source].base_dir
+    tracks = dataset.data.use_audio_in_video
     out = []
-    for k, (entry, (_, tokens, _)) in enumerate(zip(conv.audios, dataset.index.grids(i, "audio"))):
-        samples = qaudio.decode(entry, conv.where, base)
-        caption = f"audio {k}: {len(samples) / qaudio.SAMPLE_RATE:.2f} s, {tokens} tokens"
+    for (kind, k), (_, tokens, _) in zip(qaudio.heard(conv, tracks), dataset.index.grids(i, "audio")):
+        if kind == "audio":
+            samples = qaudio.decode(conv.audios[k], conv.where, base)
+        else:
+            samples = qaudio.track(dataset.video_refs(i, conv)[k], conv.where)
+        caption = f"{'audio' if kind == 'audio' else 'the track of video'} {k}: {len(samples) / qaudio.SAMPLE_RATE:.2f} s, {tokens} tokens"
         out.append(f'<div style="{STYLE["audio"]};display:inline-block;margin:4px">{html.escape(caption)}<br>'
                    f'<audio controls src="{wav_uri(samples)}"></audio></div>')  # fmt: skip
     return "".join(out)

@@ -1,10 +1,12 @@
 """Audio rows through the data pipeline: the ``audios`` column and ``<audio>`` tags of every layout that has
-them, HF's placeholder counts, mixed batches, bad audio in ``qwenkit data check``."""
+them, HF's placeholder counts, mixed batches, bad audio in ``qwenkit data check``, and videos heard with their
+own audio track (``data.use_audio_in_video``)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import AUDIO_FAMILY, build_model, tiny_processor, write_png
@@ -14,6 +16,7 @@ from qwenkit.config import DataConfig
 from qwenkit.data import Collator, read_dataset
 from qwenkit.data import audio as qaudio
 from tests.data.test_audio import write_tone
+from tests.videos import LOSSLESS, write_heard_video, write_video
 
 # one user turn with one audio, in each layout that reads the audios column (LLaMA-Factory's, ms-swift's)
 LAYOUT_ROWS = {
@@ -196,11 +199,98 @@ def test_data_check_counts_and_names_bad_audio_in_a_llama_factory_file(tmp_path,
         assert any(f"set.json: row {row}" in line and reason in line for line in out.splitlines()), (row, reason, out)
 
 
-def test_audio_in_video_is_refused_by_the_scan_too(tmp_path):
-    """The config check refuses ``data.use_audio_in_video=true`` (tests/config/test_data.py); a ``DataConfig``
-    made in code, which no check has seen, is refused by the scan instead of training without the audio."""
-    with pytest.raises(ValueError, match="use_audio_in_video=true"):
-        _read(tmp_path, [LAYOUT_ROWS["messages"]], "qwen2_5_omni", use_audio_in_video=True)
+# a row hearing a video (5 s: three of Qwen2.5-Omni's 2-s chunks) before a standalone audio
+HEARD_ROW = {"messages": [{"role": "user", "content": "<video>What is heard?<audio>And here?"},
+                          {"role": "assistant", "content": "A tone, then a lower one."}],
+             "videos": ["v.mkv"], "audios": ["a.wav"]}  # fmt: skip
+
+
+def write_heard_set(tmp_path, rows=(HEARD_ROW,)):
+    """``v.mkv`` (50 lossless frames at 10 fps, sampled at data.video_fps=2: 1 s per temporal patch, with a 5-s
+    880 Hz track), ``a.wav`` (1.3 s at 300 Hz) and the rows."""
+    write_heard_video(tmp_path / "v.mkv", 64, 48, frames=50, fps=10, hz=880.0)
+    write_tone(tmp_path / "a.wav", hz=300.0, seconds=1.3, channels=1, rate=16_000)
+    return list(rows)
+
+
+class _Frames:
+    """A stand-in for HF's video processor (its class needs torchvision, not installed here): the pixels and grid
+    qwenkit made of the video's sampled frames (tests/data/test_video.py checks those against a reference), and
+    the two attributes HF's processor reads; HF's own code does the rest (the span, the audio, the order)."""
+
+    def __init__(self, sample, processor):
+        self.sample, self.merge_size, self.temporal_patch_size = sample, processor.merge_size, 2
+
+    def __call__(self, videos, **kwargs):
+        return {"pixel_values_videos": self.sample["pixel_values_videos"], "video_grid_thw": self.sample["video_grid_thw"]}
+
+
+@AUDIO_FAMILY
+def test_a_heard_video_equals_hfs_omni_processor_with_load_audio_from_video(_cache, tmp_path, family):
+    """``data.use_audio_in_video``: a row with a video carrying an audio track, then a standalone audio. Its ids
+    equal HF's Omni processor's called with ``load_audio_from_video=True`` on the same frames and waveforms
+    (the track given per slot, ``audio_from_video_indices=[0, None]``, as vLLM passes it: torchcodec, which HF
+    decodes tracks with, is not installed): the video's span is HF's interleaving (Qwen2.5-Omni: per 2-s chunk
+    the chunk's video pads then its audio pads; Qwen3-Omni: merged by time), and the features, masks and
+    ``video_second_per_grid`` are HF's, the track's first (placeholder order)."""
+    rows = write_heard_set(tmp_path)
+    dataset, report = _read(tmp_path, rows, family, use_audio_in_video=True)
+    assert report.skipped == 0
+    sample = dataset[0]
+    hf, (start, pad, end) = _hf_processor(family)
+    hf.video_processor = _Frames(sample, tiny_processor(family))
+    turns = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What is heard?AUDIOAnd here?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": rows[0]["messages"][1]["content"]}]}]  # fmt: skip
+    text = tiny_processor(family).tokenizer.apply_chat_template(turns, tokenize=False).replace("AUDIO", start + pad + end)
+    waves = [qaudio.decode(str(tmp_path / "v.mkv"), None), qaudio.decode("a.wav", None, tmp_path)]
+    frames = np.zeros((10, 48, 64, 3), np.uint8)  # the stand-in gives qwenkit's pixels of the sampled frames
+    out = hf(text=[text], videos=[frames], audio=waves, audio_from_video_indices=[0, None], load_audio_from_video=True,
+             fps=2.0, return_tensors="pt")  # fmt: skip
+    ids = sample["input_ids"]
+    assert ids.tolist() == out["input_ids"][0].tolist()
+    assert int((ids == tiny_processor(family).video_token_id).sum()) == int(sample["video_grid_thw"].prod()) // 4
+    torch.testing.assert_close(sample["pixel_values_videos"], out["pixel_values_videos"])
+    torch.testing.assert_close(sample["second_per_grid_ts"], out["video_second_per_grid"].float())
+    assert sample["feature_attention_mask"].sum(1).tolist() == out["feature_attention_mask"].sum(1).tolist()
+    for k, frames in enumerate(sample["feature_attention_mask"].sum(1).tolist()):
+        torch.testing.assert_close(sample["input_features"][k, :, :frames], out["input_features"][k, :, :frames])
+    assert sample["feature_attention_mask"][0].sum() == 500  # the 5-s track first, as its span comes first
+
+
+@AUDIO_FAMILY
+def test_a_silent_or_undecodable_video_is_a_bad_row_by_file_and_row(_cache, tmp_path, family):
+    """With ``data.use_audio_in_video`` a video without an audio track is a bad row (``silent_video``): HF's
+    processor gives it a plain video span, but its ``get_rope_index`` under ``use_audio_in_video`` (one flag per
+    batch) places only heard videos, so the frames would get text positions; a track that does not decode is
+    ``corrupt_audio``; both named by file and row. Without the setting the same rows are good."""
+    rows = write_heard_set(tmp_path)
+    write_video(tmp_path / "silent.mkv", 64, 48, 20, 10, codec=LOSSLESS)
+    write_heard_video(tmp_path / "garbage.mkv", 64, 48, frames=20, fps=10, garbage=True)
+    rows += [dict(HEARD_ROW, videos=["silent.mkv"]), dict(HEARD_ROW, videos=["garbage.mkv"])]
+    dataset, report = _read(tmp_path, rows, family, use_audio_in_video=True)
+    assert len(dataset) == 1 and report.by_reason == {"silent_video": 1, "corrupt_audio": 1}
+    bad = {b.row: b for b in dataset.index.bad}
+    assert bad[1].file.endswith("set.json") and "video 0 of 1 ('silent.mkv')" in bad[1].detail
+    assert "no audio track" in bad[1].detail and "video 0 of 1 ('garbage.mkv'): cannot decode" in bad[2].detail
+    heard_off, report = _read(tmp_path, rows, family)
+    assert len(heard_off) == 3 and report.skipped == 0
+
+
+@AUDIO_FAMILY
+def test_data_check_with_audio_in_video_names_a_video_whose_audio_does_not_decode(_cache, tmp_path, capsys, family):
+    """``qwenkit data check ... data.use_audio_in_video=true``: the heard video's track counted with the audios,
+    the video whose track does not decode named by file, row and reason, exit 1."""
+    rows = write_heard_set(tmp_path)
+    write_heard_video(tmp_path / "garbage.mkv", 64, 48, frames=20, fps=10, garbage=True)
+    path = tmp_path / "set.json"
+    path.write_text(json.dumps([*rows, dict(HEARD_ROW, videos=["garbage.mkv"])]))
+    code = cli_main(["data", "check", str(path), f"model.name={family}", "data.use_audio_in_video=true",
+                     f"data.cache_dir={tmp_path / 'c'}"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "audios: 2, 6.3 s" in out  # the 5-s track and the 1.3-s audio of the good row
+    bad = [line for line in out.splitlines() if "set.json: row 1" in line]
+    assert bad and "corrupt_audio" in bad[0] and "video 0 of 1 ('garbage.mkv'): cannot decode" in bad[0], out
 
 
 @pytest.mark.parametrize("on_bad, fraction, raised", [("skip", 0.5, None), ("skip", 0.2, "max_bad_fraction"),

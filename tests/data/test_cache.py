@@ -125,6 +125,7 @@ CHANGED = {
     "video_max_frames": 64,
     "video_max_pixels": 28 * 28 * 64,
     "video_total_pixels": 28 * 28 * 1024,
+    "use_audio_in_video": True,  # a video's track joins the row's audios: toggling it rebuilds
 }
 
 

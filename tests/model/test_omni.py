@@ -1,5 +1,5 @@
-"""qwenkit.model.omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py), and the thinker
-read from a whole Omni checkpoint."""
+"""qwenkit.model.omni: the thinker's own parts (the chunk loss = HF for audio: test_chunked.py; for videos heard
+with their audio track: here), and the thinker read from a whole Omni checkpoint."""
 
 import pytest
 import torch
@@ -7,10 +7,18 @@ from conftest import AUDIO_FAMILY, build_model, make_batch, tiny_checkpoint, tin
 from safetensors.torch import load_file
 
 from qwenkit.bench.step import loss_and_grads
+from qwenkit.data import Collator
 from qwenkit.distributed import weights
 from qwenkit.model import family as families
 from qwenkit.model import spec as model_spec
 from qwenkit.model.family_limits import text_config
+from tests.data.test_audio_rows import HEARD_ROW, _read, write_heard_set
+from tests.data.test_audio_rows import write_png as _write_png
+
+FP32 = dict(rtol=1e-5, atol=1e-7)  # fp32 both sides; the chunked head sums in another order (test_chunked.py)
+# a row without a video: an image and an audio (its positions must not move when a heard video shares the batch)
+UNHEARD_ROW = {"messages": [{"role": "user", "content": "<image><audio>Which shape, which tone?"},
+                            {"role": "assistant", "content": "A square, low."}], "images": ["i.png"], "audios": ["a.wav"]}  # fmt: skip
 
 
 @AUDIO_FAMILY
@@ -34,6 +42,86 @@ def test_video_seconds_reach_the_thinker_under_its_name(_cache, family):
     model = build_model(chunk=False, name=family)
     kwargs = model._drop_unsupported({"second_per_grid_ts": torch.tensor([1.0]), "mm_token_type_ids": None})
     assert set(kwargs) == {"video_second_per_grid"}
+
+
+def _heard_batch(tmp_path, family, rows):
+    write_heard_set(tmp_path)
+    _write_png(tmp_path / "i.png", (56, 84))
+    dataset, report = _read(tmp_path, rows, family, use_audio_in_video=True)
+    assert report.skipped == 0
+    collate = Collator(tiny_processor(family))
+    batches = [collate([dataset[i] for i in range(len(rows))])] + [collate([dataset[i]]) for i in range(len(rows))]
+    for batch in batches:
+        batch.pop("num_samples")
+    return batches
+
+
+def _assert_same(a, b):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, **FP32)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], **FP32, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@AUDIO_FAMILY
+@pytest.mark.parametrize("rows", [[HEARD_ROW], [HEARD_ROW, UNHEARD_ROW]], ids=["heard", "mixed"])
+def test_a_heard_video_batch_has_hfs_loss_and_every_gradient(_cache, tmp_path, family, rows):
+    """A batch from the data pipeline with ``data.use_audio_in_video`` (the video's span interleaved with its
+    track's pads, the track's features first): the chunk loss and every gradient (fp32) equal HF's own forward
+    called with ``use_audio_in_video=True``, the flag the thinker reads off the ids itself (no batch key says
+    it). ``mixed``: one row hears a video, one has an image and an audio and no video (VeOmni #493: one flag for
+    the batch); the audio, vision and decoder gradients all come from both rows."""
+    batch, *_ = _heard_batch(tmp_path, family, rows)
+    count = batch.pop("num_items")
+    hf, ours = build_model(chunk=False, seed=1, name=family), build_model(chunk=True, seed=1, name=family)
+    assert ours.heard_videos(batch["input_ids"])
+    reference = loss_and_grads(hf, batch, use_audio_in_video=True, num_items_in_batch=count)
+    seen = []  # the positions the decoder gets: at the tiny model's random weights they move the loss little
+    hook = ours.model.language_model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)  # fmt: skip
+    _assert_same(reference, loss_and_grads(ours, batch, num_items_in_batch=count))
+    hook.remove()
+    want, _ = hf.model.get_rope_index(batch["input_ids"], batch.get("image_grid_thw"), batch["video_grid_thw"],
+                                      batch["attention_mask"], True, batch["feature_attention_mask"].sum(1),
+                                      batch["second_per_grid_ts"])  # fmt: skip
+    torch.testing.assert_close(seen[0][-3:].float(), want.float(), rtol=0, atol=0)
+    assert any(n.startswith("model.audio_tower") for n in reference[1])
+
+
+@AUDIO_FAMILY
+def test_a_row_without_a_video_keeps_its_loss_beside_a_heard_video(_cache, tmp_path, family):
+    """The mixed batch's loss is the sum of its rows' losses taken alone over the same token count: the row
+    without a video, run alone without ``use_audio_in_video``, is placed as in the batch that has the flag on
+    (HF's ``get_rope_index`` reads the flag for videos only). The router's aux loss is left out (not a sum)."""
+    mixed, *alone = _heard_batch(tmp_path, family, [HEARD_ROW, UNHEARD_ROW])
+    count = mixed.pop("num_items")
+    model = build_model(chunk=True, seed=3, name=family)
+    with torch.no_grad():
+        total = model(**mixed, num_items_in_batch=count, output_router_logits=False).loss
+        rows = []
+        for one in alone:
+            one.pop("num_items")
+            rows.append(model(**one, num_items_in_batch=count, output_router_logits=False).loss)
+    assert not model.heard_videos(alone[1]["input_ids"])
+    torch.testing.assert_close(total, torch.stack(rows).sum(), rtol=1e-5, atol=1e-6)
+
+
+@AUDIO_FAMILY
+def test_a_heard_video_has_hfs_sequence_logps(_cache, tmp_path, family):
+    """DPO's log-probs (the head's other path, ``sequence_logps``) of the mixed batch equal the full-logits
+    log-probs of HF's forward with ``use_audio_in_video=True`` (fp32)."""
+    from qwenkit.model.logps import full_sequence_logps
+
+    batch, *_ = _heard_batch(tmp_path, family, [HEARD_ROW, UNHEARD_ROW])
+    batch.pop("num_items")
+    model = build_model(chunk=True, seed=2, name=family)
+    with torch.no_grad():
+        got, _ = model.sequence_logps(**batch, output_router_logits=False)
+        model.chunk_loss = False
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_audio_in_video=True,
+                       use_cache=False, output_router_logits=False).logits  # fmt: skip
+    torch.testing.assert_close(got, full_sequence_logps(logits, batch["labels"])[0], **FP32)
 
 
 @AUDIO_FAMILY

@@ -131,3 +131,19 @@ def test_audio_rows_show_a_player_and_their_token_counts(tmp_path, _cache):
     assert values["audios"] == 3 and values["audio_tokens_total"] == sum(dist["audio_tokens"])
     titles = [f.layout.title.text for f in samples.distribution_figures(tmp_path / "out")]
     assert "Audio tokens per sample" in titles
+
+
+def test_a_heard_video_shows_its_track_beside_the_audios(tmp_path, _cache):
+    """``data.use_audio_in_video``: the player list follows the order the thinker hears (the video's track first,
+    then the ``<audio>``), each with its own token count; the page renders the interleaved span."""
+    from tests.data.test_audio_rows import write_heard_set
+
+    rows = write_heard_set(tmp_path)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    cfg = qconfig.load(overrides={"data.path": str(tmp_path / "d.json"), "model.name": "qwen2_5_omni",
+                                  "data.use_audio_in_video": True, "data.cache_dir": str(tmp_path / "c")})  # fmt: skip
+    dataset, report = data.read_dataset(cfg.data, load_processor(cfg))
+    (_, track, _), (_, tone, _) = dataset.index.grids(0, "audio")
+    page = samples.render_sample(dataset, 0)
+    assert page.count("<audio controls src=\"data:audio/wav;base64,") == 2
+    assert page.index(f"the track of video 0: 5.00 s, {track} tokens") < page.index(f"audio 0: 1.30 s, {tone} tokens")
