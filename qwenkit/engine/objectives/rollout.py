@@ -26,9 +26,11 @@ images and videos, or the whole conversation of a prompt-only row); the referenc
 ``solution`` / ``answer`` column where it has one, else that reply (:mod:`qwenkit.data.conversation`).
 
 **In a lower precision** (``dtype``, ``grpo.rollout_dtype``): the forwards of the rollout run under
-``torch.autocast`` to ``dtype``, from the same weights. Gathered, each weight is cast once for the whole
-rollout (autocast's cache, freed when the rollout ends: a half-size copy of the weights beside them);
-in lockstep, at every forward. The completions are then samples of another distribution than the
+``torch.autocast`` to ``dtype``, from the same weights. Gathered, every ``nn.Linear``'s weight and bias
+(the GEMMs: decoding's time, the head's most of all) is cast once for the whole rollout
+(:func:`cast_linears`: a half-size copy beside them, dropped when the rollout ends), which is what
+autocast's own cache would hold if it cached FSDP2's unsharded parameters (views of the all-gather
+buffer, which it does not): the same numbers as casting at every forward; in lockstep each forward casts. The completions are then samples of another distribution than the
 trainer's (full-precision) policy: each carries its sampler's log-probs (``Completion.sampling_logps``,
 :class:`~qwenkit.engine.generation.sampling.RowSampler`'s ``record``) and GRPO corrects for them as
 for vLLM's (:mod:`qwenkit.engine.objectives.grpo`). On CPU a bf16 GEMM of decoding's skinny shapes is ~4x
@@ -171,8 +173,10 @@ class HfRollouts:
                 stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
                 if gathered:
                     stack.enter_context(unsharded(model))
-                if self.dtype is not None:  # gathered: each weight cast once (the cache lives while the context does)
-                    stack.enter_context(torch.autocast(device.type, dtype=self.dtype, cache_enabled=gathered))
+                if self.dtype is not None:
+                    stack.enter_context(torch.autocast(device.type, dtype=self.dtype))
+                    if gathered:  # the GEMMs' weights cast once for the rollout
+                        stack.enter_context(cast_linears(model, self.dtype))
                 step = stack.enter_context(lockstep(model, synced=False if gathered else None))
                 for chunk in batches:
                     padded = left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad)
@@ -190,6 +194,26 @@ class HfRollouts:
             model.train(was_training)
         self.sampled_logps = [logps[r] for r in range(len(prompts))] if self.dtype is not None else None
         return [tokens[r] for r in range(len(prompts))]
+
+
+@contextlib.contextmanager
+def cast_linears(model: nn.Module, dtype: torch.dtype):
+    """Every ``nn.Linear`` of ``model`` (LoRA's included) computing from a ``dtype`` copy of its weight and bias
+    for the block, its own parameters put back on leaving (the optimizer's, FSDP's). Under autocast to ``dtype``
+    that is the cast autocast makes at every call, made once. Inside :func:`~qwenkit.distributed.unshard.unsharded`
+    only: a sharded unit's pre-forward would put its own parameters back."""
+    swapped = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.dtype != dtype:
+            swapped.append((module, dict(module._parameters)))
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+    try:
+        yield model
+    finally:
+        for module, params in swapped:
+            module._parameters.update(params)
 
 
 def completion(tokenizer, new: list[int], end: int) -> tuple[list[int], str, bool]:
@@ -238,4 +262,4 @@ def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str
     return batch
 
 
-__all__ = ["WHERE", "Completion", "HfRollouts", "Rollouts", "completion", "completion_seed", "media_tokens", "training_batch"]
+__all__ = ["WHERE", "Completion", "HfRollouts", "Rollouts", "cast_linears", "completion", "completion_seed", "media_tokens", "training_batch"]

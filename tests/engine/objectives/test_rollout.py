@@ -78,7 +78,19 @@ def _worker(rank, out):
         with count_all_gathers() as gathers:
             done = _rollouts(new, batch_size=2, where=where)(model, dataset, share, draw=2)
         result[f"{where}-{new}"] = {"tokens": [c.tokens for c in done], "gathers": len(gathers)}
-    result["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def params():  # every unit resharded first: the root keeps its parameters whole after a forward
+        for unit in units:
+            unit.reshard()
+        return [(n, id(p), p.dtype) for n, p in model.named_parameters()]
+
+    own = params()
+    for where in ("gather", "lockstep"):  # in bf16: the GEMMs' weights cast for the rollout, FSDP's put back
+        done = _rollouts(3, batch_size=2, where=where, dtype=torch.bfloat16)(model, dataset, share, draw=2)
+        assert all(len(c.sampling_logps) == len(c.tokens) for c in done)
+        assert params() == own, where
+    result["units"] = len(units)
     (out / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -123,7 +135,9 @@ def test_a_lower_precision_rollout_carries_the_log_probs_it_sampled_with(family,
     """Under ``dtype`` autocast each completion carries its sampler's log-prob of every token: exactly the
     tempered log-softmax of the scores HF ``generate`` handed the sampler (media tokens already banned),
     which differ from the fp32 policy's by more than fp32 rounding (the cast ran: GRPO has something to
-    correct) and by no more than the cast's rounding allows. A rollout in the weights' own dtype carries none."""
+    correct) and by no more than the cast's rounding allows. Gathered, the GEMMs' weights are cast once
+    (``cast_linears``): the very numbers of a cast at every forward (lockstep), and the policy keeps its own
+    parameters. A rollout in the weights' own dtype carries none."""
     temperature, seed, draw = 0.7, 3, 1
     cfg = qconfig.load(overrides=[f"model.name={family}", f"model.path={family_path}", "data.tiny_samples=4"])
     dataset = data.build(cfg, family_processor).dataset
@@ -140,9 +154,11 @@ def test_a_lower_precision_rollout_carries_the_log_probs_it_sampled_with(family,
     sampling = Sampling(6, temperature=temperature, seed=seed)
     banned = media_tokens(family_processor)
     gaps = {}
+    own = [(n, id(p), p.dtype) for n, p in model.named_parameters()]
     for dtype in (None, torch.bfloat16, torch.float16):
         scores.clear()
         done = HfRollouts(sampling, 2, dtype=dtype)(model, dataset, [0, 1], draw)
+        assert [(n, id(p), p.dtype) for n, p in model.named_parameters()] == own  # the policy's own, after
         assert all((c.sampling_logps is None) == (dtype is None) for c in done)  # the weights' own: nothing to correct
         assert all(s.dtype == torch.float32 for steps in scores.values() for s in steps)  # HF's fp32 copy of the logits
         sampled = []
@@ -152,6 +168,9 @@ def test_a_lower_precision_rollout_carries_the_log_probs_it_sampled_with(family,
             sampled.append(torch.log_softmax(steps / temperature, -1).gather(1, torch.tensor(c.tokens)[:, None]).squeeze(1))
             if dtype is not None:
                 torch.testing.assert_close(torch.tensor(c.sampling_logps), sampled[-1])
+        if dtype is not None:  # weights cast once for the rollout (gathered) = cast at every forward (lockstep)
+            locked = HfRollouts(sampling, 2, where="lockstep", dtype=dtype)(model, dataset, [0, 1], draw)
+            assert [c.sampling_logps for c in locked] == [c.sampling_logps for c in done]
         batch = training_batch(done, family_processor.pad_token_id)
         with torch.no_grad():
             policy, _ = model.token_logps(**batch, temperature=temperature, banned=banned)
