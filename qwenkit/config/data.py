@@ -113,7 +113,7 @@ def check(cfg: Config, need: Need) -> None:
     need(data.tiny_eval_samples >= 0, f"data.tiny_eval_samples must be >= 0, got {data.tiny_eval_samples}")
     reads = OBJECTIVES[cfg.train.objective].reads if cfg.train.objective in OBJECTIVES else "conversations"
     if data.use_audio_in_video:
-        _check_audio_in_video(cfg, reads, need)
+        _check_audio_in_video(cfg, need)
     need(
         data.path != "tiny" or data.tiny_task == "shapes" or reads == "conversations",
         f"data.tiny_task={data.tiny_task!r} is a conversation task; train.objective={cfg.train.objective!r} reads "
@@ -121,20 +121,12 @@ def check(cfg: Config, need: Need) -> None:
     )
 
 
-def _check_audio_in_video(cfg: Config, reads: str, need: Need) -> None:
-    """``data.use_audio_in_video=true``: a family that hears, and no generation (HF's ``generate`` computes the
-    thinker's positions before the forward, from keywords the kit's prompts do not give it: the flag and the
-    video seconds; the training forward is the tested path, tests/model/test_omni.py)."""
+def _check_audio_in_video(cfg: Config, need: Need) -> None:
+    """``data.use_audio_in_video=true``: a family that hears (every objective: the training forward and the
+    kit's generation both give the thinker ``use_audio_in_video``, :func:`qwenkit.model.positions.thinker_keywords`)."""
     family = FAMILIES.get(cfg.model.name)  # None: model.name=auto, the scan names each video row instead
     need(
         family is None or bool(family.audio_tokens),
         f"data.use_audio_in_video=true hears each video's audio track, but model.name={cfg.model.name!r} has no "
         "audio tower; use an Omni family (README's family table) or data.use_audio_in_video=false",
-    )
-    eval_set = cfg.data.eval_path is not None or cfg.data.eval_fraction > 0
-    need(
-        reads != "prompts" and not (eval_set and cfg.train.eval_samples > 0),
-        f"data.use_audio_in_video=true with generation (train.objective={cfg.train.objective!r}'s rollouts, or "
-        f"train.eval_samples={cfg.train.eval_samples} with an eval set) is not supported: the thinker's generate "
-        "does not place a heard video yet; use sft or dpo, and train.eval_samples=0",
     )

@@ -14,16 +14,17 @@ TRL                 ``prompt`` / ``chosen`` / ``rejected``: strings (plain) or l
                     the next of ``images``), ``images`` optional. A plain prompt without
                     ``<image>`` placeholders gets them in front (as TRL's processor does)
 LLaMA-Factory       ``conversations`` (sharegpt, ending in a user turn) + ``chosen`` / ``rejected``
-                    (each one ``{"from": "gpt", "value": ...}``), ``images``/``videos``
+                    (each one ``{"from": "gpt", "value": ...}``), ``images``/``videos``/``audios``
 ms-swift            ``messages`` ending in the chosen assistant reply + ``rejected_response``
-                    (a string); ``rejected_images`` where the rejected reply sees other images
+                    (a string), ``images``/``videos``/``audios``; ``rejected_images`` where the
+                    rejected reply sees other images
 ==================  ==============================================================================
 
 A row that fits none, or whose parts are malformed, or whose two sides are the same
 (``same_replies``: nothing to prefer), is one bad pair naming its file, row and reason; a pair is
 used only when both of its sides pass the scan, and bad pairs are counted as pairs
 (:func:`pair_report`: ``data.max_bad_fraction`` and ``data check`` count pairs, not sides). :class:`PairDataset` hands
-out ``(chosen, rejected)`` samples: the images (and videos) are loaded and processed once per
+out ``(chosen, rejected)`` samples: the images, videos and audios are loaded and processed once per
 pair when both sides see the same ones, and a pair is one index of the sampler, so it is never
 split across micro-batches or ranks. :class:`PairCollator` makes one micro-batch of the chosen
 rows followed by the rejected rows (one forward for both).
@@ -50,6 +51,7 @@ from qwenkit.model.loss import IGNORE_INDEX
 log = logging.getLogger(__name__)
 
 PAIR_LAYOUTS = ("trl", "llamafactory", "swift")
+MEDIA = ("images", "videos", "audios")  # the media columns both sides of a pair share (rejected_images aside)
 CHOSEN, REJECTED = 0, 1  # the side of a pair: row 2k + side of a PreferenceSource
 
 
@@ -108,7 +110,7 @@ def pair_report(index) -> BadSampleReport:
 
 
 def _trl(row: dict, where: Location, common: dict) -> tuple[dict, dict]:
-    prompt, media = row["prompt"], {k: row[k] for k in ("images", "videos") if row.get(k) is not None}
+    prompt, media = row["prompt"], {k: row[k] for k in MEDIA if row.get(k) is not None}
     if isinstance(prompt, str):  # plain: one user turn, each reply a string
         replies = []
         for side in ("chosen", "rejected"):
@@ -136,7 +138,7 @@ def _trl(row: dict, where: Location, common: dict) -> tuple[dict, dict]:
 
 
 def _llamafactory(row: dict, where: Location, common: dict) -> tuple[dict, dict]:
-    turns, media = row["conversations"], {k: row[k] for k in ("images", "videos") if row.get(k) is not None}
+    turns, media = row["conversations"], {k: row[k] for k in MEDIA if row.get(k) is not None}
     if not isinstance(turns, list) or not turns:
         raise _bad(where, f"'conversations' must be a non-empty list, got {turns!r:.60}")
     sides = []
@@ -158,7 +160,7 @@ def _swift(row: dict, where: Location, common: dict) -> tuple[dict, dict]:
         raise _bad(where, f"the last message must be the chosen assistant reply, got role {messages[-1].get('role')!r}")
     if not isinstance(rejected, str):
         raise _bad(where, f"'rejected_response' must be a string, got {type(rejected).__name__}")
-    media = {k: row[k] for k in ("images", "videos") if row.get(k) is not None}
+    media = {k: row[k] for k in MEDIA if row.get(k) is not None}
     chosen = {**common, **media, "messages": list(messages)}
     other = dict(media)
     if row.get("rejected_images") is not None:
@@ -264,7 +266,7 @@ class PairDataset:
 
     def _media_refs(self, i: int):
         conv = self.samples.conversation(i)
-        return conv.images, conv.videos
+        return conv.images, conv.videos, conv.audios
 
 
 class PairCollator:

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf_qwen3_omni
 
 from qwenkit.model.chunked import ChunkLossMixin
+from qwenkit.model.positions import heard_video, thinker_keywords
 from qwenkit.model.qwen3_vl import RouterAuxLoss, _DeepStack
 from qwenkit.model.subclass import finish_subclass
 
@@ -38,23 +39,11 @@ class _Hearing:
     """The audio tower's part of a thinker's chunk-loss forward (both Omni families)."""
 
     def _drop_unsupported(self, kwargs: dict, input_ids: torch.Tensor | None = None) -> dict:
-        """The batch's ``second_per_grid_ts`` (the collator's name, Qwen2.5-VL's) as the thinker's
-        ``video_second_per_grid``: the seconds per temporal patch its mRoPE times video frames by; and
-        ``use_audio_in_video=True`` when ``input_ids`` hold a heard video (unless the caller says)."""
-        kwargs = dict(super()._drop_unsupported(kwargs, input_ids))
-        if "second_per_grid_ts" in kwargs:
-            kwargs["video_second_per_grid"] = kwargs.pop("second_per_grid_ts")
-        if kwargs.get("use_audio_in_video") is None and self.heard_videos(input_ids):
-            kwargs["use_audio_in_video"] = True
-        return kwargs
+        """The batch's keywords under the thinker's names (:func:`thinker_keywords`)."""
+        return thinker_keywords(self.config, super()._drop_unsupported(kwargs, input_ids), input_ids)
 
     def heard_videos(self, input_ids: torch.Tensor | None) -> bool:
-        """Whether ``input_ids`` hold a video span with its audio track: ``<vision_start>`` right before the audio
-        start token, which only HF's ``use_audio_in_video`` layout writes (:func:`qwenkit.data.audio.video_span`)."""
-        if input_ids is None:
-            return False
-        starts = input_ids[..., :-1] == self.config.vision_start_token_id
-        return bool((starts & (input_ids[..., 1:] == self.config.audio_start_token_id)).any())
+        return heard_video(self.config, input_ids)
 
     def _idle_vision(self, input_ids, kwargs) -> torch.Tensor | None:
         """The idle vision calls this rank owes, plus (data parallel: the trainer pads vision calls) a

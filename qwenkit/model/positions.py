@@ -3,7 +3,8 @@
 :class:`Positions` is a base of :class:`qwenkit.model.chunked.ChunkLossMixin`, so every family's
 subclass has these methods; the chunk-loss forward (packed rows), the sequence-parallel slice
 (:mod:`qwenkit.model.parallel`) and the tests call them on the model. They read the family's own
-``get_rope_index`` (HF's), never compute mRoPE themselves.
+``get_rope_index`` (HF's), never compute mRoPE themselves. The Omni thinkers' ``get_rope_index`` reads
+two keywords more (:func:`thinker_keywords`), which their forward and HF's ``generate`` get alike.
 """
 
 from __future__ import annotations
@@ -11,6 +12,28 @@ from __future__ import annotations
 import inspect
 
 import torch
+
+
+def heard_video(config, input_ids: torch.Tensor | None) -> bool:
+    """Whether ``input_ids`` hold a video span with its audio track: ``<vision_start>`` right before the audio
+    start token, which only HF's ``use_audio_in_video`` layout writes (:func:`qwenkit.data.audio.video_span`)."""
+    if input_ids is None:
+        return False
+    starts = input_ids[..., :-1] == config.vision_start_token_id
+    return bool((starts & (input_ids[..., 1:] == config.audio_start_token_id)).any())
+
+
+def thinker_keywords(config, kwargs: dict, input_ids: torch.Tensor | None) -> dict:
+    """``kwargs`` as a thinker's forward reads them, and HF's ``generate``, which places a prompt's positions from
+    them before the forward: the batch's ``second_per_grid_ts`` (the collator's name, Qwen2.5-VL's) as
+    ``video_second_per_grid``, the seconds per temporal patch its mRoPE times video frames by; and
+    ``use_audio_in_video=True`` when ``input_ids`` hold a heard video (unless the caller says)."""
+    kwargs = dict(kwargs)
+    if "second_per_grid_ts" in kwargs:
+        kwargs["video_second_per_grid"] = kwargs.pop("second_per_grid_ts")
+    if kwargs.get("use_audio_in_video") is None and heard_video(config, input_ids):
+        kwargs["use_audio_in_video"] = True
+    return kwargs
 
 
 class Positions:

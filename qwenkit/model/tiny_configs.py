@@ -174,7 +174,9 @@ def qwen3_omni_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word
         audio_token_id=special_ids["<|audio_pad|>"],
         audio_start_token_id=special_ids["<|audio_start|>"],
         vision_start_token_id=top["vision_start_token_id"],
-        position_id_per_seconds=25,
+        # its processor's rate (a heard video's pads interleaved by time at 13 a second), not transformers'
+        # config default (25, Qwen2.5-Omni's): get_rope_index must place them at the rate they were written
+        position_id_per_seconds=13,
         tie_word_embeddings=tie_word_embeddings,
     )
     return Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, **top)

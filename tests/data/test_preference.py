@@ -9,8 +9,10 @@ import json
 
 import pytest
 import torch
+from conftest import AUDIO_FAMILY, tiny_processor
 from PIL import Image
 
+from data.test_audio import write_tone
 from qwenkit import config as qconfig
 from qwenkit import data as qdata
 from qwenkit.data import BadSample
@@ -74,6 +76,40 @@ def test_each_layout_reads_to_the_two_sft_samples_it_stands_for(media, processor
     assert int(chosen.pop("pair_index")) == 0
     for got, want in ((chosen, reference[0]), (rejected, reference[1])):
         assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+
+# LLaMA-Factory's and ms-swift's pairwise rows carry an ``audios`` column as their SFT rows do (TRL has none)
+AUDIO_ROWS = {
+    "llamafactory": {
+        "conversations": [{"from": "human", "value": "<audio>" + Q}],
+        "chosen": {"from": "gpt", "value": GOOD}, "rejected": {"from": "gpt", "value": BAD}, "audios": ["a.wav"],
+    },  # fmt: skip
+    "swift": {
+        "messages": [{"role": "user", "content": "<audio>" + Q}, {"role": "assistant", "content": GOOD}],
+        "rejected_response": BAD, "audios": ["a.wav"],
+    },  # fmt: skip
+}
+
+
+@AUDIO_FAMILY
+@pytest.mark.parametrize("layout", list(AUDIO_ROWS))
+def test_a_pairs_audios_read_as_its_sft_samples_do(tmp_path, family, layout):
+    """An Omni thinker's pair with an audio: both sides hear it, as the two SFT rows they stand for do (ids,
+    features and masks equal); dropping the column left ``<audio>`` without its audio, a bad pair."""
+    write_tone(tmp_path / "a.wav", hz=300.0, seconds=1.3, channels=1, rate=16_000)
+    over = {"model.name": family, "data.cache_dir": str(tmp_path / "cache")}
+    processor = tiny_processor(family)
+    pairs = PairDataset(qdata.build(_cfg(tmp_path, _write(tmp_path, [AUDIO_ROWS[layout]]), **over), processor).dataset.samples)
+    sft = [{"messages": [{"role": "user", "content": "<audio>" + Q}, {"role": "assistant", "content": r}],
+            "audios": ["a.wav"]} for r in (GOOD, BAD)]  # fmt: skip
+    reference = qdata.build(qconfig.load(overrides={"data.path": str(_write(tmp_path, sft, "sft.jsonl")),
+                                                    "train.micro_batch_size": 1, **over}), processor).dataset  # fmt: skip
+    chosen, rejected = pairs[0]
+    chosen.pop("pair_index")
+    for got, want in ((chosen, reference[0]), (rejected, reference[1])):
+        assert got.keys() == want.keys() and "input_features" in want
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
 

@@ -65,6 +65,7 @@ from qwenkit.device import free_memory_bytes
 from qwenkit.distributed.meta import build_on_meta
 from qwenkit.model import family as families
 from qwenkit.model import lora
+from qwenkit.model.positions import thinker_keywords
 from qwenkit.records import read_jsonl as read_jsonl  # the one JSONL reader; eval/step-*.jsonl are read by it
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ def generate_rows(
             for chunk in batches:
                 asked = [dataset.prompt(i) for i in chunk]
                 prompts = [a[0] for a in asked] or [dummy_prompt(pad)]
-                inputs = {k: v.to(device) for k, v in left_pad(prompts, pad).items() if k in model_inputs(model)}
+                inputs = prompt_inputs(model, left_pad(prompts, pad), device)
                 if step is None:
                     tokens = model.generate(**inputs, **model_kwargs(model), generation_config=config)  # [B, S + new]
                 else:
@@ -221,6 +222,18 @@ def model_inputs(model: nn.Module) -> set[str]:
     """The prompt keys ``model``'s forward takes: a family whose HF forward has no ``mm_token_type_ids`` (the
     Omni thinkers) gets the prompt without it (``generate`` refuses a key its forward does not take)."""
     return {"input_ids", "attention_mask", *inspect.signature(type(model).forward).parameters}
+
+
+def prompt_inputs(model: nn.Module, prompt: dict[str, torch.Tensor], device) -> dict:
+    """A (left-padded) prompt batch as ``model.generate`` takes it, on ``device``: the keys its forward takes
+    (:func:`model_inputs`), under its names. An Omni thinker's (HF's class or the kit's) gets the video
+    seconds as ``video_second_per_grid`` and ``use_audio_in_video`` for a heard video
+    (:func:`qwenkit.model.omni.thinker_keywords`): HF's ``generate`` places the prompt's positions from
+    them before the first forward, and without the seconds it fails on any video."""
+    keys = model_inputs(model)
+    if "video_second_per_grid" in keys:
+        prompt = thinker_keywords(model.config, prompt, prompt["input_ids"])
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in prompt.items() if k in keys}
 
 
 def model_kwargs(model: nn.Module) -> dict:

@@ -63,8 +63,8 @@ from qwenkit.engine.generation.generate import (
     generation_config,
     left_pad,
     lockstep,
-    model_inputs,
     one_token,
+    prompt_inputs,
     reply_text,
 )  # fmt: skip
 from qwenkit.engine.generation.sampling import RowSampler
@@ -180,7 +180,7 @@ class HfRollouts:
                 step = stack.enter_context(lockstep(model, synced=False if gathered else None))
                 for chunk in batches:
                     padded = left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad)
-                    inputs = {k: v.to(device) for k, v in padded.items() if k in model_inputs(model)}
+                    inputs = prompt_inputs(model, padded, device)
                     if not chunk:
                         step(inputs, one_token(config))
                         continue

@@ -289,3 +289,43 @@ def test_batched_generation_of_audio_prompts_equals_one_row_at_a_time(_cache, tm
     want = todays_replies(model, dataset, indices, NEW_TOKENS)
     rows = qgen.generate_rows(model, dataset, indices, qgen.Sampling(NEW_TOKENS, batch_size=5))
     assert [r.tokens for r in rows] == want and sum(map(len, want)) > len(want)  # replies, not empty ones
+
+
+@over_families(*(n for n in FAMILIES if families.get(n).audio_tokens))
+@pytest.mark.parametrize("heard", [False, True], ids=["video", "heard"])
+def test_an_omni_video_prompt_generates_as_hfs_class_given_its_own_keywords(_cache, tmp_path, family, heard):
+    """An Omni thinker's prompt with a video (``heard``: with ``data.use_audio_in_video``, its track interleaved)
+    through the kit's generation (evaluation's replies, GRPO's rollouts): HF's ``generate`` places the prompt's
+    positions before the first forward from keywords (the video seconds under the thinker's name,
+    ``use_audio_in_video``), so the prefill's positions must be HF's ``get_rope_index`` with them (the tiny
+    Qwen3-Omni's logits barely move with positions: its tokens alone would not tell) and the greedy reply HF's
+    class's, given the same prompt under its own keywords."""
+    from conftest import build_model, tiny_checkpoint
+
+    from qwenkit.engine.generation import generate as qgen
+    from tests.data.test_audio_rows import _read, write_heard_set
+
+    rows = write_heard_set(tmp_path)
+    dataset, report = _read(tmp_path, rows, family, use_audio_in_video=heard)
+    assert report.skipped == 0
+    model = build_model(seed=7, name=family).eval()
+    stock = families.get(family).load("hf_class").from_pretrained(tiny_checkpoint(family)).eval()
+    stock.load_state_dict(model.state_dict())
+    prompt, _ = dataset.prompt(0)
+    assert "second_per_grid_ts" in prompt and model.heard_videos(prompt["input_ids"]) == heard
+    seen = []  # the decoder's positions at each forward; the prefill's first
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)  # fmt: skip
+    (row,) = qgen.generate_rows(model, dataset, [0], qgen.Sampling(NEW_TOKENS))
+    hook.remove()
+    own = {k: v for k, v in prompt.items() if k not in ("mm_token_type_ids", "second_per_grid_ts")}
+    own |= {"video_second_per_grid": prompt["second_per_grid_ts"], "use_audio_in_video": heard}
+    end = dataset.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = qgen.generation_config(qgen.Sampling(NEW_TOKENS), end, dataset.processor.pad_token_id)
+    with torch.no_grad():
+        want = stock.generate(**own, generation_config=config)[0, prompt["input_ids"].shape[1] :].tolist()
+    assert row.tokens == (want[: want.index(end)] if end in want else want)
+    positions, _ = stock.model.get_rope_index(prompt["input_ids"], None, prompt["video_grid_thw"],
+                                              prompt["attention_mask"], heard, prompt["feature_attention_mask"].sum(1),
+                                              prompt["second_per_grid_ts"])  # fmt: skip
+    torch.testing.assert_close(seen[0][-3:].float(), positions.float(), rtol=0, atol=0)

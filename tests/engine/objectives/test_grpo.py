@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model, families_allowing
+from conftest import build_model, families_allowing, over_families
 from multiproc import check_ranks
 
 from qwenkit import config as qconfig
@@ -30,6 +30,7 @@ from qwenkit.engine.generation.generate import model_inputs
 from qwenkit.engine.objectives import grpo
 from qwenkit.engine.objectives.rollout import Completion, completion, completion_seed, media_tokens
 from qwenkit.engine.run import metrics, train
+from qwenkit.model import family as families
 
 BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
         "train.warmup_steps=0", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
@@ -154,6 +155,26 @@ def test_grpo_trains_every_family_from_its_own_start(family, family_path, tmp_pa
     cfg = qconfig.load(overrides=BASE + [f"model.name={family}", f"model.path={family_path}", "train.steps=2",
                                          "train.micro_batch_size=2", "data.tiny_samples=4", "train.resume=none",
                                          f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
+    first, second = train.run(cfg).history
+    assert all(math.isfinite(v) for h in (first, second) for v in h.values())
+    assert first["kl"] == 0 and first["grad_norm"] > 0 and first["completions/mean_length"] > 0
+    assert second["kl"] > 0
+
+
+@over_families(*(n for n in families.FAMILIES if families.get(n).audio_tokens))
+def test_grpo_rolls_out_and_trains_on_videos_heard_with_their_track(family, family_path, tmp_path):
+    """``data.use_audio_in_video``: prompts of a video heard with its audio track (and an audio) roll out through
+    the thinker's generate (placed as HF's class places them: test_generate.py) and train: the rollout's
+    log-probs and the loss read the heard span off the ids, step 1's KL is 0 and the vowel reward moves the
+    policy off its reference by step 2."""
+    from tests.data.test_audio_rows import HEARD_ROW, write_heard_set
+
+    rows = write_heard_set(tmp_path, (HEARD_ROW, HEARD_ROW))
+    (tmp_path / "set.json").write_text(json.dumps(rows))
+    cfg = qconfig.load(overrides=BASE + [f"model.name={family}", f"model.path={family_path}", "train.steps=2",
+                                         "train.micro_batch_size=2", f"data.path={tmp_path / 'set.json'}",
+                                         "data.use_audio_in_video=true", f"data.cache_dir={tmp_path / 'cache'}",
+                                         "train.resume=none", f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
     first, second = train.run(cfg).history
     assert all(math.isfinite(v) for h in (first, second) for v in h.values())
     assert first["kl"] == 0 and first["grad_norm"] > 0 and first["completions/mean_length"] > 0
