@@ -342,15 +342,14 @@ def copy_fits(copy: int, kv_cache: int, free: int) -> bool:
 def choose_generation(setting: str, model: nn.Module, sampling: Sampling, longest_prompt: int, device,
                       cast: torch.dtype | None = None) -> tuple[str, str]:  # fmt: skip
     """``(gather | lockstep, why)`` for ``train.eval_generation``; ``auto`` is collective (every
-    rank asks, and ``gather`` needs the copy to fit on every one). ``cast``: the forwards run under
-    autocast to it, whose cache holds a cast of every weight beside them, and the KV cache is in it."""
+    rank asks, and ``gather`` needs the copy to fit on every one). ``cast``: the GEMMs run in it, from a
+    cast of every weight kept beside them (:func:`qwenkit.engine.objectives.rollout.low_precision_gemms`)."""
     if setting != "auto":
         return setting, f"train.eval_generation={setting}"
     copy = copy_bytes(model)
     element = next(p for p in model.parameters() if p.is_floating_point()).element_size()
     if cast is not None:
         copy += copy * cast.itemsize // element
-        element = cast.itemsize
     kv = kv_cache_bytes(model.config, sampling.batch_size, longest_prompt + sampling.max_new_tokens, element)
     free = free_memory_bytes(device)
     if torch.device(device).type == "cpu":  # the host's memory: every rank on it makes a copy

@@ -25,16 +25,16 @@ not depend on its batch: :mod:`qwenkit.engine.generation.generate`). Prompts com
 images and videos, or the whole conversation of a prompt-only row); the reference is the row's
 ``solution`` / ``answer`` column where it has one, else that reply (:mod:`qwenkit.data.conversation`).
 
-**In a lower precision** (``dtype``, ``grpo.rollout_dtype``): the forwards of the rollout run under
-``torch.autocast`` to ``dtype``, from the same weights. Gathered, every ``nn.Linear``'s weight and bias
-(the GEMMs: decoding's time, the head's most of all) is cast once for the whole rollout
-(:func:`cast_linears`: a half-size copy beside them, dropped when the rollout ends), which is what
-autocast's own cache would hold if it cached FSDP2's unsharded parameters (views of the all-gather
-buffer, which it does not): the same numbers as casting at every forward; in lockstep each forward casts. The completions are then samples of another distribution than the
-trainer's (full-precision) policy: each carries its sampler's log-probs (``Completion.sampling_logps``,
-:class:`~qwenkit.engine.generation.sampling.RowSampler`'s ``record``) and GRPO corrects for them as
-for vLLM's (:mod:`qwenkit.engine.objectives.grpo`). On CPU a bf16 GEMM of decoding's skinny shapes is ~4x
-an fp32 one (docs/PERFORMANCE.md).
+**GEMMs in a lower precision** (``dtype``, ``grpo.rollout_dtype``): every ``nn.Linear`` of the policy
+(the GEMMs: decoding's time, the vocabulary-wide head's most of all) computes in ``dtype``, its input,
+weight and bias cast, its output cast back; norms, attention and the KV cache stay in the weights' dtype
+(:func:`low_precision_gemms`). Gathered, each weight is cast once for the rollout (a half-size copy
+beside the whole weights, dropped when it ends); in lockstep, at every call: the same numbers. On this
+CPU a bf16 GEMM of decoding's skinny shapes runs ~4x an fp32 one, while bf16 attention over a long KV
+cache runs ~5x slower than fp32's, hence not autocast, which casts both (docs/PERFORMANCE.md). The
+completions are then samples of another distribution than the trainer's: each carries its sampler's
+log-probs (``Completion.sampling_logps``, :class:`~qwenkit.engine.generation.sampling.RowSampler`'s
+``record``) and GRPO corrects for them as for vLLM's (:mod:`qwenkit.engine.objectives.grpo`).
 
 **Reproducible.** Completion ``g`` of row ``i`` draws from its own generator, seeded by
 ``(train.seed, draw, i, g)`` (:func:`completion_seed`; :class:`qwenkit.engine.generation.sampling.RowSampler`):
@@ -46,6 +46,7 @@ video tokens are never drawn (:func:`media_tokens`). The training RNG is left wh
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from qwenkit.distributed.unshard import unsharded
@@ -112,8 +114,8 @@ class HfRollouts:
 
     ``batch_size``: completions per ``generate`` call (0: all of the rank's); ``where``: one of
     :data:`WHERE`; ``collective``: the model's forward is a collective even with whole weights
-    (expert parallelism), so the rollout runs in lockstep; ``dtype``: the autocast dtype of the
-    rollout's forwards (None: the weights' own), its completions then carrying their sampling log-probs.
+    (expert parallelism), so the rollout runs in lockstep; ``dtype``: the dtype of the rollout's GEMMs
+    (None: the weights' own; :func:`low_precision_gemms`), its completions then carrying their sampling log-probs.
     """
 
     def __init__(self, sampling: Sampling, num_generations: int, batch_size: int = 0, where: str = "auto",
@@ -173,10 +175,8 @@ class HfRollouts:
                 stack.enter_context(torch.random.fork_rng(devices=[device] if device.type != "cpu" else []))
                 if gathered:
                     stack.enter_context(unsharded(model))
-                if self.dtype is not None:
-                    stack.enter_context(torch.autocast(device.type, dtype=self.dtype))
-                    if gathered:  # the GEMMs' weights cast once for the rollout
-                        stack.enter_context(cast_linears(model, self.dtype))
+                if self.dtype is not None:  # gathered: each weight cast once for the rollout
+                    stack.enter_context(low_precision_gemms(model, self.dtype, once=gathered))
                 step = stack.enter_context(lockstep(model, synced=False if gathered else None))
                 for chunk in batches:
                     padded = left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad)
@@ -197,23 +197,32 @@ class HfRollouts:
 
 
 @contextlib.contextmanager
-def cast_linears(model: nn.Module, dtype: torch.dtype):
-    """Every ``nn.Linear`` of ``model`` (LoRA's included) computing from a ``dtype`` copy of its weight and bias
-    for the block, its own parameters put back on leaving (the optimizer's, FSDP's). Under autocast to ``dtype``
-    that is the cast autocast makes at every call, made once. Inside :func:`~qwenkit.distributed.unshard.unsharded`
-    only: a sharded unit's pre-forward would put its own parameters back."""
-    swapped = []
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.dtype != dtype:
-            swapped.append((module, dict(module._parameters)))
-            for name, p in list(module._parameters.items()):
-                if p is not None:
-                    module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+def low_precision_gemms(model: nn.Module, dtype: torch.dtype, once: bool):
+    """Every ``nn.Linear`` of ``model`` (LoRA's included) computing in ``dtype`` for the block: its input, weight
+    and bias cast to ``dtype``, its output back to the input's dtype; everything else (norms, attention and its
+    KV cache, convolutions, fused experts) as before. ``once``: each weight cast at its first call and kept for
+    the block (the weights whole and unchanging: inside :func:`~qwenkit.distributed.unshard.unsharded`), else
+    at every call (a sharded unit gathers its weights anew at each forward). The modules' own forwards and
+    parameters are untouched: the block only sets an instance ``forward`` on each, removed on leaving."""
+    kept: dict[nn.Module, tuple] = {}
+
+    def forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        cast = kept.get(module)
+        if cast is None:
+            cast = (module.weight.to(dtype), None if module.bias is None else module.bias.to(dtype))
+            if once:
+                kept[module] = cast
+        return F.linear(x.to(dtype), *cast).to(x.dtype)
+
+    linears = [m for m in model.modules()
+               if isinstance(m, nn.Linear) and m.weight.dtype != dtype and "forward" not in vars(m)]  # fmt: skip
+    for module in linears:
+        module.forward = functools.partial(forward, module)
     try:
         yield model
     finally:
-        for module, params in swapped:
-            module._parameters.update(params)
+        for module in linears:
+            del module.forward
 
 
 def completion(tokenizer, new: list[int], end: int) -> tuple[list[int], str, bool]:
@@ -262,4 +271,5 @@ def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str
     return batch
 
 
-__all__ = ["WHERE", "Completion", "HfRollouts", "Rollouts", "cast_linears", "completion", "completion_seed", "media_tokens", "training_batch"]
+__all__ = ["WHERE", "Completion", "HfRollouts", "Rollouts", "completion", "completion_seed", "low_precision_gemms",
+           "media_tokens", "training_batch"]

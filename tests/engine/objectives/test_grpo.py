@@ -73,7 +73,7 @@ def out(tmp_path_factory, tiny_path):
     step, its checkpoints after step 1 lost and run again from there (in the middle of a cycle);
     iter_ranks: on 2 ranks, stopped after step 1, resumed on 1 process; iter_changed: stopped after
     step 1 (in the middle of a cycle), resumed with a longer grpo.max_new_tokens; cold: sampled at
-    grpo.temperature=1e-6 (every completion of a group its greedy one); bf16: rolled out under bf16 autocast."""
+    grpo.temperature=1e-6 (every completion of a group its greedy one); bf16: rolled out with its GEMMs in bf16."""
     out = tmp_path_factory.mktemp("grpo")
     one = ["train.micro_batch_size=2"]
     cut = one + ["checkpoint.save_final=true"]  # the checkpoint at the stop

@@ -86,7 +86,7 @@ def _worker(rank, out):
         return [(n, id(p), p.dtype) for n, p in model.named_parameters()]
 
     own = params()
-    for where in ("gather", "lockstep"):  # in bf16: the GEMMs' weights cast for the rollout, FSDP's put back
+    for where in ("gather", "lockstep"):  # GEMMs in bf16: FSDP's parameters untouched
         done = _rollouts(3, batch_size=2, where=where, dtype=torch.bfloat16)(model, dataset, share, draw=2)
         assert all(len(c.sampling_logps) == len(c.tokens) for c in done)
         assert params() == own, where
@@ -132,12 +132,12 @@ def test_a_completion_is_decoded_as_evaluation_decodes_replies(family_processor)
 @families_allowing("GRPO")
 def test_a_lower_precision_rollout_carries_the_log_probs_it_sampled_with(family, family_path, family_processor,
                                                                         make_model, monkeypatch):  # fmt: skip
-    """Under ``dtype`` autocast each completion carries its sampler's log-prob of every token: exactly the
+    """With its GEMMs in ``dtype`` each completion carries its sampler's log-prob of every token: exactly the
     tempered log-softmax of the scores HF ``generate`` handed the sampler (media tokens already banned),
     which differ from the fp32 policy's by more than fp32 rounding (the cast ran: GRPO has something to
-    correct) and by no more than the cast's rounding allows. Gathered, the GEMMs' weights are cast once
-    (``cast_linears``): the very numbers of a cast at every forward (lockstep), and the policy keeps its own
-    parameters. A rollout in the weights' own dtype carries none."""
+    correct) and by no more than the cast's rounding allows. Gathered, the weights are cast once
+    (``low_precision_gemms``): the very numbers of a cast at every call (lockstep), and the policy keeps its
+    own parameters and forwards. A rollout in the weights' own dtype carries none."""
     temperature, seed, draw = 0.7, 3, 1
     cfg = qconfig.load(overrides=[f"model.name={family}", f"model.path={family_path}", "data.tiny_samples=4"])
     dataset = data.build(cfg, family_processor).dataset
@@ -159,6 +159,7 @@ def test_a_lower_precision_rollout_carries_the_log_probs_it_sampled_with(family,
         scores.clear()
         done = HfRollouts(sampling, 2, dtype=dtype)(model, dataset, [0, 1], draw)
         assert [(n, id(p), p.dtype) for n, p in model.named_parameters()] == own  # the policy's own, after
+        assert not any("forward" in vars(m) for m in model.modules())
         assert all((c.sampling_logps is None) == (dtype is None) for c in done)  # the weights' own: nothing to correct
         assert all(s.dtype == torch.float32 for steps in scores.values() for s in steps)  # HF's fp32 copy of the logits
         sampled = []
