@@ -388,7 +388,8 @@ def rollout_worker(args, config, shapes, device, dtype) -> dict:
     from qwenkit.bench.collectives import count_all_gathers
     from qwenkit.device import memory_bytes, reset_peak_memory
     from qwenkit.distributed import fsdp
-    from qwenkit.engine.generation.generate import Sampling, generation_config, left_pad, lockstep
+    from qwenkit.engine.generation.generate import Sampling, generation_config, left_pad
+    from qwenkit.engine.generation.placement import lockstep
     from qwenkit.engine.objectives.rollout import HfRollouts
     from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
 

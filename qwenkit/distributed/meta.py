@@ -4,7 +4,7 @@ Three places need a model whose parameters are placeholders on the meta device b
 buffers are real: meta-device init (:func:`qwenkit.distributed.fsdp.materialize` takes the
 non-persistent buffers, rotary ``inv_freq``, from such a twin), the one-process export
 (:func:`qwenkit.engine.checkpoints.export.load_hf` fills it from a DCP checkpoint) and the generation copy
-(:func:`qwenkit.engine.generation.generate.unsharded_copy` fills it with gathered full tensors). None of
+(:func:`qwenkit.engine.generation.placement.unsharded_copy` fills it with gathered full tensors). None of
 them initialises weights it would overwrite. :func:`build_on_meta` is that one construction.
 
 Tied weights (Qwen2.5-VL-3B's ``lm_head.weight`` is ``embed_tokens.weight``) matter to sharding

@@ -404,11 +404,11 @@ def _copy_for_generation(model, rank):
     which of the model's full tensors it changed (on one rank they are the parameters themselves)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from qwenkit.engine.generation import generate as qgen
+    from qwenkit.engine.generation import placement
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     before = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
-    copy = qgen.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, torch.device("cpu"), rank == 0)
+    copy = placement.unsharded_copy(model, Qwen2_5_VLForConditionalGeneration, torch.device("cpu"), rank == 0)
     after = get_model_state_dict(model, options=full)
     if rank != 0:
         return {}

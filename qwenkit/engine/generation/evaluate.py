@@ -51,7 +51,7 @@ from qwenkit.distributed import fsdp
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints.export import RUN_CONFIG, load_hf
-from qwenkit.engine.generation import answers, vllm_engine
+from qwenkit.engine.generation import answers, placement, vllm_engine
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.errors import COMMAND_ENV
 from qwenkit.model import family as families
@@ -176,9 +176,9 @@ class Evaluator:
                          step, len(self.samples), seconds, t1 - t0, self.world_size)  # fmt: skip
             return {**accuracy_values(values), "eval_generation_time": seconds}
         longest = max(int(self.dataset.lengths[i]) for i in self.samples)
-        mode, why = qgen.choose_generation(t.eval_generation, model, sampling, longest, self.device)
+        mode, why = placement.choose_generation(t.eval_generation, model, sampling, longest, self.device)
         if mode == "gather":  # HF's own class on the full weights: what from_pretrained on an export of them gives
-            source = qgen.unsharded_copy(model, families.of_model(model).load("hf_class"), self.device)
+            source = placement.unsharded_copy(model, families.of_model(model).load("hf_class"), self.device)
         else:
             source = model
         t1 = time.perf_counter()
@@ -207,7 +207,7 @@ def generate_and_score(
     if engine is not None:
         rows = vllm_engine.generate_rows(engine, dataset, mine, sampling, rank)
     else:
-        calls = qgen.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
+        calls = placement.lockstep_calls(len(indices), world_size, sampling.batch_size) if lockstep else None
         rows = qgen.generate_rows(model, dataset, mine, sampling, rank, lockstep_calls=calls)
     for r in rows:
         r.scores = answers.score(metrics, r.generated, r.reference, f"eval row {r.index}")

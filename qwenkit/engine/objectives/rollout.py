@@ -11,11 +11,11 @@ everything after it (rewards, log-probs, the loss) reads :class:`Completion` alo
   no collective per token: the all-gathers of a rollout are one per unit, whatever the completions'
   length (TRL, verl and EasyR1 likewise gather the weights once per rollout into their engine);
 - **in lockstep** (``lockstep``): the sharded model itself, every rank stepping together (HF's
-  ``synced_gpus``, :func:`qwenkit.engine.generation.generate.lockstep`), every forward all-gathering
+  ``synced_gpus``, :func:`qwenkit.engine.generation.placement.lockstep`), every forward all-gathering
   every unit: for a policy whose whole weights do not fit a rank beside its training state, and
   under expert parallelism (the experts' all-to-all makes every forward collective anyway);
 - ``auto``: ``gather`` when the whole weights, one call's KV cache and a margin fit every rank,
-  else ``lockstep``: evaluation's rule (:func:`qwenkit.engine.generation.generate.choose_generation`).
+  else ``lockstep``: evaluation's rule (:func:`qwenkit.engine.generation.placement.choose_generation`).
 
 **Batched across prompts.** Every completion of the rank's prompts (``len(indices) x
 num_generations`` rows) goes through ``generate`` calls of ``grpo.rollout_batch_size`` rows (0: all
@@ -60,15 +60,14 @@ from torch import nn
 from qwenkit.distributed.unshard import unsharded
 from qwenkit.engine.generation.generate import (
     Sampling,
-    choose_generation,
     dummy_prompt,
     generation_config,
     left_pad,
-    lockstep,
     one_token,
     prompt_inputs,
     reply_text,
 )  # fmt: skip
+from qwenkit.engine.generation.placement import choose_generation, lockstep
 from qwenkit.engine.generation.sampling import RowSampler
 from qwenkit.model.loss import IGNORE_INDEX
 

@@ -24,7 +24,7 @@ from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.distributed import fsdp
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import export as hf_export
-from qwenkit.engine.generation import answers, evaluate
+from qwenkit.engine.generation import answers, evaluate, placement
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.engine.run import metrics, train
 from qwenkit.errors import COMMAND_ENV
@@ -321,7 +321,7 @@ def test_eval_accuracy_every_adds_accuracy_between_the_ends(tmp_path, monkeypatc
     cfg = qconfig.load(overrides=common + ["train.eval_accuracy_every=2", f"train.output_dir={tmp_path}"])
     trainer = train.Trainer(cfg)
     with monkeypatch.context() as m, caplog.at_level("INFO", logger="qwenkit.engine.generation.evaluate"):
-        m.setattr(qgen, "free_memory_bytes", lambda device: 0)
+        m.setattr(placement, "free_memory_bytes", lambda device: 0)
         trainer.run()
     # eval_loss wherever an evaluation runs: step 0, every 3, every accuracy step, the end
     assert [e["step"] for e in trainer.evals] == [0, 2, 3, 4]

@@ -193,31 +193,6 @@ def test_sampling_is_seeded_per_rank_and_leaves_the_training_rng_alone(stock_and
 # gather or lockstep: train.eval_generation=auto's rule
 
 
-def test_the_copy_and_kv_cache_sizes_by_hand():
-    from types import SimpleNamespace
-
-    from qwenkit.engine.generation import generate as qgen
-
-    text = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, hidden_size=64, num_attention_heads=4)
-    config = SimpleNamespace(get_text_config=lambda: text)
-    # keys and values x 2 layers x 2 KV heads x 16 dims x 3 rows x 10 positions x 4 bytes
-    assert qgen.kv_cache_bytes(config, batch_size=3, tokens=10, element_size=4) == 2 * 2 * 2 * 16 * 3 * 10 * 4
-    text.head_dim = None  # older configs: hidden size / attention heads
-    assert qgen.kv_cache_bytes(config, batch_size=1, tokens=1, element_size=2) == 2 * 2 * 2 * 16 * 1 * 1 * 2
-    layer = torch.nn.BatchNorm1d(3)  # weight, bias (3 fp32 each); running mean, var (3 fp32), batches seen (1 int64)
-    assert qgen.copy_bytes(layer) == 4 * 4 * 3 + 8
-
-
-def test_auto_gathers_only_when_the_copy_kv_cache_and_margin_fit(monkeypatch):
-    from qwenkit.engine.generation import generate as qgen
-
-    assert qgen.copy_fits(copy=100, kv_cache=10, free=135) and not qgen.copy_fits(copy=100, kv_cache=10, free=134)
-    model = torch.nn.Linear(4, 4)
-    model.config = None  # an explicit setting is not measured
-    assert qgen.choose_generation("lockstep", model, qgen.Sampling(8), 10, "cpu")[0] == "lockstep"
-    assert qgen.choose_generation("gather", model, qgen.Sampling(8), 10, "cpu")[0] == "gather"
-
-
 def test_reply_text_shows_broken_bytes_as_escapes_and_valid_text_as_the_tokenizer_does(family_processor):
     """A reply whose tokens split a multi-byte character: its bytes as ``\\xNN``, not U+FFFD (what
     the gallery of notebook 02 showed for an untrained model); valid text is the tokenizer's own."""
