@@ -13,7 +13,7 @@ logits processor of a *greedy* ``generate``:
    categorical distribution of step 2, vectorised over the batch;
 4. the row's scores become ``0`` at that token and ``-inf`` elsewhere, so greedy decoding picks it;
 5. with ``record``, the log-prob of the token drawn under the distribution of step 2 is kept, a
-   ``[B]`` tensor a step in :attr:`RowSampler.logps`: what GRPO's importance-sampling correction
+   ``[B]`` tensor a step in ``RowSampler.logps``: what GRPO's importance-sampling correction
    divides by when the rollout's distribution is not the trainer's (``grpo.rollout_dtype``).
 
 A row's draws are its generator's numbers in order, one per step while it runs: they depend on its

@@ -150,7 +150,7 @@ class HfRollouts:
                     suppress: list[int]) -> list[list[int]]:  # fmt: skip
         """The new tokens of each ``[1, S]`` prompt of ``prompts``, sampled from ``seeds``' generators (one a
         row), ended by ``end`` (then ``pad``) or ``max_new_tokens``; ``suppress``: tokens never drawn. With
-        ``dtype``, :attr:`sampled_logps` holds each row's sampling log-prob of every token generated (pads included)."""
+        ``dtype``, ``self.sampled_logps`` holds each row's sampling log-prob of every token generated (pads included)."""
         config = generation_config(Sampling(self.sampling.max_new_tokens), end, pad)  # greedy: RowSampler draws
         config.suppress_tokens = suppress
         device = next(model.parameters()).device
