@@ -155,7 +155,17 @@ def _trial(sweep: Sweep, index: int, varied: dict[str, Any], common: list[str]) 
     if problems:
         raise SweepError(f"{sweep.file}: {where}: {'; '.join(problems)}")
     written = RunDir(cfg.train.output_dir).config
-    if written.is_file() and qconfig.parse_yaml(written.read_text(), str(written)) != cfg.to_dict():
+    if written.is_file() and _ran_with(written) != cfg.to_dict():
         raise SweepError(f"{where}: {written} was run with another config than the sweep file now gives; "
                          "use another --out or remove that folder")  # fmt: skip
     return Trial(index, name, varied, overrides, cfg)
+
+
+def _ran_with(written: Path) -> dict | None:
+    """The config a trial folder's ``config.yaml`` ran with, as this qwenkit reads it: a setting added since it was
+    written (absent from it) is its default, which is what the run did; None where this qwenkit cannot read it
+    (a setting it no longer knows, a value it refuses): not the run the sweep file gives."""
+    try:
+        return qconfig.load(written, rewards=False).to_dict()
+    except qconfig.ConfigError:
+        return None

@@ -77,3 +77,24 @@ def test_a_trial_folder_run_with_another_config_is_refused(tmp_path):
     sweep.load(write_sweep(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")  # the same config: fine
     with pytest.raises(sweep.SweepError, match="was run with another config"):
         sweep.load(write_sweep(tmp_path, grid={"train.lr": [0.001]}, overrides=[*SMALL, "train.steps=5"]), tmp_path / "out")
+
+
+def test_a_trial_folder_of_an_older_qwenkit_is_the_same_run_when_only_new_keys_are_missing(tmp_path):
+    """A qwenkit upgrade adds settings (``grpo.rollout_dtype`` in this one): a trial folder written before it
+    lacks them, and ran with what their defaults do, so it is the run the sweep file gives; a value it holds
+    that differs is still another run, and so is a key this qwenkit no longer knows."""
+    s = sweep.load(write_sweep(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")
+    written = qconfig.write_config(s.trials[0].cfg, s.trials[0].output_dir)
+    older = yaml.safe_load(written.read_text())
+    del older["grpo"]["rollout_dtype"]
+    written.write_text(yaml.safe_dump(older, sort_keys=False))
+    sweep.load(write_sweep(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")
+    older["train"]["steps"] += 1
+    written.write_text(yaml.safe_dump(older, sort_keys=False))
+    with pytest.raises(sweep.SweepError, match="was run with another config"):
+        sweep.load(write_sweep(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")
+    older["train"]["steps"] -= 1
+    older["grpo"]["a_removed_setting"] = 1
+    written.write_text(yaml.safe_dump(older, sort_keys=False))
+    with pytest.raises(sweep.SweepError, match="was run with another config"):
+        sweep.load(write_sweep(tmp_path, grid={"train.lr": [0.001]}), tmp_path / "out")
