@@ -48,19 +48,12 @@ class RowSampler(LogitsProcessor):
         warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
         self.warpers = LogitsProcessorList(warpers)
 
-    def probabilities(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
-        """``[B, V]`` float32: the distribution each row draws from (steps 1-2)."""
-        return torch.softmax(self._warped(input_ids, scores), dim=-1)
-
-    def _warped(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
-        return self.warpers(input_ids, scores).float()
-
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if scores.shape[0] != len(self.seeds):
             raise ValueError(f"a batch of {scores.shape[0]} rows for {len(self.seeds)} seeds")
         if self.generators is None:
             self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
-        warped = self._warped(input_ids, scores)  # [B, V]
+        warped = self.warpers(input_ids, scores).float()  # [B, V] the scores each row draws from (steps 1-2)
         cdf = torch.softmax(warped, dim=-1).cumsum(dim=-1)  # [B, V]
         u = torch.cat([torch.rand(1, generator=g, device=scores.device) for g in self.generators])  # [B]
         # the first token whose cumulative mass exceeds u * total: never one of zero probability
