@@ -48,7 +48,7 @@ def _bytes(t: torch.Tensor) -> int:
 def _rank(rank: int, world: int, port: int, results, use_lora: bool = False) -> None:
     from qwenkit import config as qconfig
     from qwenkit.distributed import fsdp
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.families.qwen2_5_vl import QwenkitQwen2_5_VL
 
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)

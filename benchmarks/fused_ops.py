@@ -50,7 +50,7 @@ def model_config(name: str):
     """The tiny checkpoint's config, or ``SHAPES[name]`` with the tiny checkpoint's vocabulary and token ids."""
     from transformers import AutoConfig
 
-    from qwenkit.model.tiny import ensure_checkpoint
+    from qwenkit.model.tiny.checkpoint import ensure_checkpoint
 
     base = AutoConfig.from_pretrained(ensure_checkpoint(), local_files_only=True)
     if SHAPES[name] is None:
@@ -65,7 +65,7 @@ def model_config(name: str):
 
 def build_pair(name: str, args, device, dtype):
     from qwenkit import patches
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.families.qwen2_5_vl import QwenkitQwen2_5_VL
 
     config = model_config(name)
     config._attn_implementation = args.attn

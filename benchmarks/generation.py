@@ -53,7 +53,7 @@ from qwenkit.engine.generation import evaluate
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.engine.run import metrics
 from qwenkit.launch import free_port
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model.paths import load_processor
 
 

@@ -32,7 +32,7 @@ LIMITS = {"cuda_tests": 210, "chunk_vs_hf_bf16": 45, "mfu_3b": 150, "vllm": 180}
 
 CHUNK_VS_HF = """
 import json, torch
-from qwenkit.model.loss import chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.model.losses.cross_entropy import chunked_linear_cross_entropy, full_cross_entropy
 torch.manual_seed(0)
 h = (torch.randn(2, 2048, 2048, device="cuda") * 0.5).bfloat16().requires_grad_()
 w = (torch.randn(151936, 2048, device="cuda") * 0.02).bfloat16().requires_grad_()
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         vjunit = out.parent / "vllm-tests.xml"
         checks["vllm"] = run("vllm", [py, "-m", "pytest", "-q", f"--junitxml={vjunit}",
-                                      "tests/engine/generation/test_vllm_engine.py", "tests/engine/objectives/test_vllm_rollouts.py"],
+                                      "tests/engine/generation/test_vllm_engine.py", "tests/engine/rollouts/test_vllm.py"],
                              out.parent) | junit_counts(vjunit)  # fmt: skip
     for c in checks.values():
         c.pop("stdout", None)

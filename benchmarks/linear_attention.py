@@ -5,7 +5,7 @@ One Gated DeltaNet layer's two sequence ops, forward + backward, on samples of l
 
 - ``unpacked``: HF's own fallbacks (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``) on the
   right-padded batch ``[n, L_max]``, what a padded micro-batch runs;
-- ``varlen``: :mod:`qwenkit.model.linear_attention` on the packed row ``[1, ΣL]`` with the sample
+- ``varlen``: :mod:`qwenkit.model.families.linear_attention` on the packed row ``[1, ΣL]`` with the sample
   boundaries (each sample from a zero conv window and state; on CPU this is HF's fallback on the
   samples side by side, plus the scatter into and out of that layout).
 
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from qwenkit.model import linear_attention as la
+from qwenkit.model.families import linear_attention as la
 
 
 def lengths(n: int, median: int, seed: int = 0) -> list[int]:

@@ -87,7 +87,7 @@ def worker(args) -> dict:
     import torch
 
     from qwenkit.data import Collator
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.families.qwen2_5_vl import QwenkitQwen2_5_VL
 
     config = make_config(CPU_SHAPES)
     config._attn_implementation = "sdpa"

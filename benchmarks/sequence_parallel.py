@@ -147,7 +147,7 @@ def _rank(rank: int, world: int, port: int, sp_size: int, shape_name: str, devic
     import torch.distributed as dist
 
     from qwenkit.distributed import fsdp, sequence
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.families.qwen2_5_vl import QwenkitQwen2_5_VL
 
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))

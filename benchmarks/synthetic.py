@@ -55,7 +55,7 @@ def make_batch(config, seq: int, image_side: int, samples: int = 1, learn_prompt
     """
     import torch  # on use, as above
 
-    from qwenkit.model.loss import IGNORE_INDEX
+    from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 
     vc = config.vision_config
     grid = image_side // vc.patch_size  # patches per side

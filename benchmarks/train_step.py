@@ -37,7 +37,7 @@ the prompt and its image, with different replies, and the step is DPO's (sigmoid
 
 - ``dpo-hf``: DPO as TRL computes it: the policy's forward on both rows (full ``[2, S, V]``
   logits), the reference's (a frozen copy of the starting model) under ``no_grad``, each
-  reduced by a ``log_softmax`` gather (:func:`qwenkit.model.logps.full_sequence_logps`), plain AdamW;
+  reduced by a ``log_softmax`` gather (:func:`qwenkit.model.losses.logps.full_sequence_logps`), plain AdamW;
 - ``dpo``: qwenkit's step: ``sequence_logps`` (per-sequence sums from the chunked head, no
   logits in forward or backward) of the policy and of the frozen reference copy, fused AdamW;
 - ``dpo-precompute``: qwenkit's step with ``dpo.precompute_ref: true``: the reference log-probs
@@ -59,7 +59,7 @@ completions of the batch's completion length (the end token suppressed: full len
 
 - ``rollout-lockstep``: the rollout as it was before issue 51: one ``generate`` call per prompt's
   group, on the sharded model in lockstep (every unit all-gathered at every forward), HF's sampling;
-- ``rollout``: :class:`qwenkit.engine.objectives.rollout.HfRollouts` with ``where=gather``: every unit
+- ``rollout``: :class:`qwenkit.engine.rollouts.hf.HfRollouts` with ``where=gather``: every unit
   gathered once for the rollout (:func:`qwenkit.distributed.unshard.unsharded`), every completion of
   every prompt in one batched ``generate`` call, each drawn from its own seeded generator;
 - ``rollout-bf16``: the same under bf16 autocast (``grpo.rollout_dtype: bfloat16``): each weight cast
@@ -156,8 +156,8 @@ def grpo_step(policy_logps, reference_logps, batch, beta: float):
     import torch
 
     from qwenkit.config import GrpoConfig
-    from qwenkit.model.grpo_loss import GrpoLoss, StepTotals
-    from qwenkit.model.loss import IGNORE_INDEX, shift_labels
+    from qwenkit.model.losses.policy import GrpoLoss, StepTotals
+    from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 
     logps = policy_logps(batch)  # [2, S]
     ref = None
@@ -253,7 +253,7 @@ def worker(args) -> dict:
     from qwenkit.bench.measure import matmul_peak
     from qwenkit.bench.step import step_flops
     from qwenkit.device import memory_bytes, reset_peak_memory
-    from qwenkit.model import family as families
+    from qwenkit.model.families import registry as families
 
     shapes = SHAPES[args.shapes]
     device = torch.device(args.device)
@@ -318,8 +318,8 @@ def dpo_worker(args, config, shapes, device, dtype) -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from qwenkit.device import memory_bytes, reset_peak_memory
-    from qwenkit.model.logps import full_sequence_logps, full_token_logps
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.losses.logps import full_sequence_logps, full_token_logps
+    from qwenkit.model.families.qwen2_5_vl import QwenkitQwen2_5_VL
 
     batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -390,8 +390,8 @@ def rollout_worker(args, config, shapes, device, dtype) -> dict:
     from qwenkit.distributed import fsdp
     from qwenkit.engine.generation.generate import Sampling, generation_config, left_pad
     from qwenkit.engine.generation.placement import lockstep
-    from qwenkit.engine.objectives.rollout import HfRollouts
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.engine.rollouts.hf import HfRollouts
+    from qwenkit.model.families.qwen2_5_vl import QwenkitQwen2_5_VL
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = QwenkitQwen2_5_VL(config).configure_loss(chunk=True, chunk_size="auto").to(device=device, dtype=dtype)
@@ -545,7 +545,7 @@ def main(argv=None) -> int:
             variants.append("liger")
         except ImportError:
             print("note: liger-kernel not installed; its fused linear cross-entropy is not compared")
-    from qwenkit.model.loss import auto_chunk_size
+    from qwenkit.model.losses.cross_entropy import auto_chunk_size
     from qwenkit.notebooks.results import write_jsonl
 
     config = CONFIGS[args.family](shapes)

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from qwenkit import config as qconfig
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,7 +35,7 @@ def _cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_path(_cache):
-    from qwenkit.model.tiny import ensure_checkpoint
+    from qwenkit.model.tiny.checkpoint import ensure_checkpoint
 
     return ensure_checkpoint()
 
@@ -80,7 +80,7 @@ def family(request):
 @functools.cache
 def tiny_checkpoint(family: str = "qwen2_5_vl", whole: bool = False):
     """The family's tiny checkpoint; ``whole``: the whole model it is part of (a full Omni checkpoint)."""
-    from qwenkit.model.tiny import ensure_checkpoint
+    from qwenkit.model.tiny.checkpoint import ensure_checkpoint
 
     return ensure_checkpoint(family=family, whole=whole)
 
@@ -104,7 +104,7 @@ def family_processor(_cache, family):
 
 def build_model(chunk=False, seed=None, **overrides):
     """The tiny model in fp32 (eval mode: no dropout anyway, but deterministic by contract)."""
-    from qwenkit.model import registry
+    from qwenkit.model.families import build as registry
 
     cfg = qconfig.load(overrides={f"model.{k}": v for k, v in overrides.items()})
     m = registry.build(cfg.model, cfg.loss)

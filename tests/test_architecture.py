@@ -148,9 +148,10 @@ FLOORS = {
 }
 # the leaf reads the family registry, the one list of families (model.name's allowed values): a
 # light module of the standard library and the module-path rule only (test_the_family_table_is_light)
-FAMILY_TABLE = ("qwenkit.model.family", "qwenkit.model.family_entry", "qwenkit.model.family_limits", "qwenkit.model.modules")
+FAMILY_TABLE = ("qwenkit.model.families.registry", "qwenkit.model.families.entry", "qwenkit.model.modules",
+                "qwenkit.model.losses.registry")  # and the one list of policy losses (grpo.loss_type's values)
 # data needs the model floor's light modules (paths, processor, tokens, loss constants), never its code.
-MODEL_CODE = ("qwenkit.model.qwen2_5_vl", "qwenkit.model.registry")
+MODEL_CODE = ("qwenkit.model.families.qwen2_5_vl", "qwenkit.model.families.build")
 
 
 def floor_of(module: str) -> str:
@@ -198,8 +199,8 @@ def test_floor_check_catches_an_upward_import():
     assert floor_of("qwenkit.sweep.scheduler") == "sweep" and "entry" not in FLOORS["sweep"]
 
 
-# A checkpoint's family is resolved in qwenkit/model/ only (qwenkit.model.spec: once, then passed down):
-# qwenkit.model.family's lookups that read a checkpoint's config.json, and reads of that file
+# A checkpoint's family is resolved in qwenkit/model/ only (qwenkit.model.families.spec: once, then passed down):
+# qwenkit.model.families.registry's lookups that read a checkpoint's config.json, and reads of that file
 FAMILY_LOOKUPS = ("resolve", "of_directory", "_model_type")
 
 
@@ -211,7 +212,7 @@ def _family_lookups(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "qwenkit.model":
             aliases |= {a.asname or a.name for a in node.names if a.name == "family"}
-        if isinstance(node, ast.ImportFrom) and node.module == "qwenkit.model.family":
+        if isinstance(node, ast.ImportFrom) and node.module == "qwenkit.model.families.registry":
             found += [f"line {node.lineno}: imports {a.name}" for a in node.names if a.name in FAMILY_LOOKUPS]
 
     def names_config(node: ast.AST) -> bool:
@@ -230,14 +231,14 @@ def _family_lookups(source: str) -> list[str]:
 
 def test_only_the_model_floor_finds_a_checkpoints_family():
     """STYLE 16, resolve once and pass down: outside ``qwenkit/model/`` a module receives the family
-    (:class:`qwenkit.model.spec.ModelSpec`, the processor's entry, a built model's own config), it
+    (:class:`qwenkit.model.families.spec.ModelSpec`, the processor's entry, a built model's own config), it
     does not look it up from a checkpoint's ``config.json`` again."""
     found = {m: hits for m, path in MODULES.items() if not m.startswith("qwenkit.model.")
              and (hits := _family_lookups(path.read_text()))}  # fmt: skip
-    assert not found, f"family looked up from disk outside qwenkit/model/ (take a qwenkit.model.spec.ModelSpec): {found}"
+    assert not found, f"family looked up from disk outside qwenkit/model/ (take a qwenkit.model.families.spec.ModelSpec): {found}"
     # the finder: each way of looking it up, and existence checks and other files left alone
     assert _family_lookups("from qwenkit.model import family as f\nf.resolve(name, path)") == ["line 2: f.resolve"]
-    assert _family_lookups("from qwenkit.model.family import of_directory") == ["line 1: imports of_directory"]
+    assert _family_lookups("from qwenkit.model.families.registry import of_directory") == ["line 1: imports of_directory"]
     assert _family_lookups("json.loads((path / 'config.json').read_text())") == ["line 1: reads config.json"]
     assert _family_lookups("open(os.path.join(d, 'config.json'))") == ["line 1: opens config.json"]
     assert _family_lookups("(p / 'config.json').is_file(); (p / 'adapter_config.json').read_text()") == []
@@ -265,9 +266,10 @@ def test_the_tree_of_the_architecture_page_lists_every_module():
     for folder, names in listing.items():
         if folder == "config":
             continue
-        path = next(p for p in [PACKAGE / folder, PACKAGE / "engine" / folder] if p.is_dir())
+        path = next(p for p in [PACKAGE / folder, PACKAGE / "engine" / folder, PACKAGE / "model" / folder] if p.is_dir())
         modules = {p.stem for p in path.glob("*.py") if p.stem != "__init__"}
         missing += [f"{folder}/{m}" for m in sorted(modules - names)]
         stale += [f"{folder}/{n}" for n in sorted(names - modules)]
-    assert {"engine", "run", "objectives", "generation", "checkpoints", "data", "model"} <= set(listing)
+    assert {"engine", "run", "objectives", "rollouts", "generation", "checkpoints", "data", "model", "families", "losses",
+            "tiny"} <= set(listing)
     assert not missing and not stale, f"docs/ARCHITECTURE.md's tree: missing {missing}, not modules {stale}"

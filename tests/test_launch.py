@@ -126,7 +126,7 @@ def test_the_omni_tone_run_learns_to_hear(tmp_path):
 
 def _tiny_rows(n):
     """The first n rows of the tiny eval set, with absolute image paths (so the file may live anywhere)."""
-    from qwenkit.model.tiny_data import EVAL_SEED, ensure_dataset
+    from qwenkit.model.tiny.data import EVAL_SEED, ensure_dataset
 
     path = ensure_dataset(4, seed=EVAL_SEED)
     rows = json.loads(path.read_text())[:n]
@@ -232,7 +232,7 @@ def test_readme_install_line_lists_every_extra():
 
 def test_module_paths_are_checked_on_the_meta_model_before_spawning(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: 0)
-    from qwenkit.model import family
+    from qwenkit.model.families import registry as family
 
     reads = []  # no weights are read: the check builds the module tree on meta, never from_pretrained
     cls = family.get("qwen2_5_vl").load("subclass")

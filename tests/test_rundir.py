@@ -8,7 +8,7 @@ import json
 from conftest import build_model
 
 from qwenkit import config as qconfig
-from qwenkit.model import registry
+from qwenkit.model.families import build as registry
 from qwenkit.rundir import RunDir
 
 

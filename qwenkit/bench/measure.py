@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from qwenkit.device import CPU_MALLOC_ENV, memory_bytes, reset_peak_memory
-from qwenkit.model.loss import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, auto_chunk_size, chunked_linear_cross_entropy
 
 MiB = 2**20
 MAX_ROUNDS = 50  # timed rounds of one case at most, however cheap its passes

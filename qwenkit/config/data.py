@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from qwenkit.config.train import OBJECTIVES
-from qwenkit.model.family import FAMILIES
+from qwenkit.model.families.registry import FAMILIES
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
@@ -123,7 +123,7 @@ def check(cfg: Config, need: Need) -> None:
 
 def _check_audio_in_video(cfg: Config, need: Need) -> None:
     """``data.use_audio_in_video=true``: a family that hears (every objective: the training forward and the
-    kit's generation both give the thinker ``use_audio_in_video``, :func:`qwenkit.model.positions.thinker_keywords`)."""
+    kit's generation both give the thinker ``use_audio_in_video``, :func:`qwenkit.model.families.positions.thinker_keywords`)."""
     family = FAMILIES.get(cfg.model.name)  # None: model.name=auto, the scan names each video row instead
     need(
         family is None or bool(family.audio_tokens),

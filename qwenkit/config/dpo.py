@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss; qwenkit.model.preference_loss implements them
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss; qwenkit.model.losses.preference implements them
 
 
 @dataclass
 class DpoConfig:
-    """Preference tuning (``train.objective: dpo``); the losses are in :mod:`qwenkit.model.preference_loss`."""
+    """Preference tuning (``train.objective: dpo``); the losses are in :mod:`qwenkit.model.losses.preference`."""
 
     beta: float = 0.1  # strength of the pull towards the reference (SimPO: the reward scale)
     loss: Literal[DPO_LOSSES] = "sigmoid"  # sigmoid (DPO), ipo, hinge (SLiC), simpo (no reference, length-normalised)

@@ -2,7 +2,7 @@
 
 The names and defaults are TRL 1.16's ``GRPOConfig`` (``max_completion_length`` is
 ``max_new_tokens`` here, as in ``train.eval_max_new_tokens``); the loss is
-:mod:`qwenkit.model.grpo_loss`, the rewards :mod:`qwenkit.engine.objectives.rewards`.
+:mod:`qwenkit.model.losses.policy`, the rewards :mod:`qwenkit.engine.objectives.rewards`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Literal
 from qwenkit.config.model import Dtype
 from qwenkit.config.train import EVAL_METRICS, scorer_problems
 from qwenkit.config.vllm import Engine
+from qwenkit.model.losses.registry import POLICY_LOSSES
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
 
 log = logging.getLogger(__name__)
 
-GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # grpo.loss_type; qwenkit.model.grpo_loss implements them
+GRPO_LOSSES = tuple(POLICY_LOSSES)  # grpo.loss_type: the policy losses registered in qwenkit.model.losses.registry
 IMPORTANCE_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (sequence: GSPO)
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
 SCALE_REWARDS = ("group", "batch", "none")  # grpo.scale_rewards: the std that divides the advantages
@@ -40,7 +41,7 @@ class GrpoConfig:
     beta: float = 0.0  # weight of the k3 KL to the reference; 0: no reference is built or run
     epsilon: float = 0.2  # clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher recommends 0.28)
-    loss_type: Literal[GRPO_LOSSES] = "dapo"  # how per-token losses are averaged (qwenkit.model.grpo_loss)
+    loss_type: Literal[GRPO_LOSSES] = "dapo"  # how per-token losses are averaged (qwenkit.model.losses.policy)
     importance_sampling_level: Literal[IMPORTANCE_LEVELS] = "token"  # sequence: one ratio per completion (GSPO)
     num_iterations: int = 1  # optimizer updates per batch of rollouts (PPO's mu); > 1 keeps old log-probs
     scale_rewards: Literal[SCALE_REWARDS] = "group"  # divide advantages by the group's std, the batch's, or none (Dr. GRPO)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
-from qwenkit.model.family import FAMILIES
+from qwenkit.model.families.registry import FAMILIES
 
 if TYPE_CHECKING:
     from qwenkit.config.schema import Config, Need
@@ -25,8 +25,8 @@ MODEL_NAMES = tuple(FAMILIES)
 
 @dataclass
 class ModelConfig:
-    # the model family (qwenkit.model.family.FAMILIES); auto: the checkpoint's config.json model_type
-    # (path=tiny: qwenkit.model.family.TINY_DEFAULT). A name that disagrees with the checkpoint is refused before start
+    # the model family (qwenkit.model.families.registry.FAMILIES); auto: the checkpoint's config.json model_type
+    # (path=tiny: qwenkit.model.families.registry.TINY_DEFAULT). A name that disagrees with the checkpoint is refused before start
     name: Literal[("auto", *MODEL_NAMES)] = "auto"
     path: str = "tiny"  # "tiny" (embedded default) or a Hugging Face checkpoint directory
     dtype: Dtype = "float32"  # dtype the weights are loaded in

@@ -23,7 +23,7 @@ class ParallelConfig:
     allow_oversubscribe: bool = False  # CPU: allow more ranks than cores (each rank then gets a share of one)
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    # the modules fully_shard wraps, one FSDP unit each; auto: the family's shard_units (qwenkit.model.family.FAMILIES)
+    # the modules fully_shard wraps, one FSDP unit each; auto: the family's shard_units (qwenkit.model.families.registry.FAMILIES)
     shard_patterns: Literal["auto"] | list[str] = "auto"
     reshard_after_forward: bool = True
     param_dtype: Dtype | None = None  # FSDP2 MixedPrecisionPolicy; None keeps the weights' dtype
@@ -31,7 +31,7 @@ class ParallelConfig:
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on host
     hsdp_replicas: int = 1  # >1: HSDP mesh (replicas, world // replicas); must divide the world size
     # modules recomputed in backward, e.g. [model.language_model.layers.*]; auto: the family's
-    # recompute_units (qwenkit.model.family.FAMILIES: the decoder layers); [] (default): none
+    # recompute_units (qwenkit.model.families.registry.FAMILIES: the decoder layers); [] (default): none
     recompute: Literal["auto"] | list[str] = field(default_factory=list)
     activation_offload: bool = False  # saved activations to host memory
     # Ulysses sequence parallelism: groups of sp_size ranks split every sequence (1 = off);
@@ -99,7 +99,7 @@ _EP_NOT_WITH = (
 
 def _check_expert_parallel(cfg: Config, need: Need) -> None:
     """``parallel.ep_size``; the family (a MoE?) and its expert count are checked by the launcher
-    (:meth:`qwenkit.model.family_entry.Family.problems`: they need the checkpoint's config)."""
+    (:meth:`qwenkit.model.families.entry.Family.problems`: they need the checkpoint's config)."""
     ep = cfg.parallel.ep_size
     need(ep >= 1, f"parallel.ep_size must be >= 1, got {ep}")
     if ep <= 1:

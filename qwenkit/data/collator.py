@@ -14,7 +14,7 @@ Packed (``packing=True``, padding-free):
 - the same samples concatenated into one row: ``input_ids``, ``labels``, ``mm_token_type_ids``
   ``[1, ΣL]``, no ``attention_mask`` (transformers builds the block-causal mask from the
   positions), and ``packed_seq_lens [B]``: each sample's length, from which the model computes
-  per-sample positions (:meth:`qwenkit.model.positions.Positions.packed_position_ids`);
+  per-sample positions (:meth:`qwenkit.model.families.positions.Positions.packed_position_ids`);
 - the first label of every sample after the first is ``-100``: the last token of sample ``k``
   must not learn to predict sample ``k+1``'s first token. A padded row never predicts its first
   label either, so loss, ``num_items`` and gradients equal the padded batch's.
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.processor import Processor
 
 SEQUENCE_KEYS = ("input_ids", "labels", "mm_token_type_ids")

@@ -38,7 +38,7 @@ from qwenkit.data.reader import HFSource, JsonSource
 from qwenkit.data.report import REBUILD, BadSample
 from qwenkit.data.template import ChatTemplate, fit_length
 from qwenkit.data.video import VideoMeta, VideoPlan, VideoProbe, VideoProcessor, for_processor
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
 log = logging.getLogger(__name__)

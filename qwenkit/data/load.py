@@ -20,7 +20,7 @@ from qwenkit.data.index import SampleIndex
 from qwenkit.data.preference import pair_report, preference_data, preference_sources
 from qwenkit.data.reader import DataError, json_files, open_sources
 from qwenkit.model.processor import Processor
-from qwenkit.model.tiny_data import ensure_dataset
+from qwenkit.model.tiny.data import ensure_dataset
 
 
 def open_dataset(data: DataConfig, source=None, reads: str = "conversations") -> list:

@@ -18,7 +18,7 @@ from qwenkit.data.report import BadSampleReport
 from qwenkit.data.sampler import FixedSizeSampler, TokenBudgetSampler
 from qwenkit.data.split import split_eval
 from qwenkit.model.processor import Processor
-from qwenkit.model.tiny_data import EVAL_SEED, ensure_dataset
+from qwenkit.model.tiny.data import EVAL_SEED, ensure_dataset
 
 log = logging.getLogger("qwenkit.data")  # the package's logger, as before the split
 

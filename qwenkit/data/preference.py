@@ -46,7 +46,7 @@ from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.layout_readers import IMAGE_PLACEHOLDER
 from qwenkit.data.reader import HFSource
 from qwenkit.data.report import BadSample, BadSampleReport, Location
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

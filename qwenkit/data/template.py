@@ -1,7 +1,7 @@
 """The family's chat template: a :class:`Conversation` → token ids and labels.
 
 Token layout, identical to the chat template shipped with the family's checkpoints (the
-processor's family entry, :mod:`qwenkit.model.family`, says which)::
+processor's family entry, :mod:`qwenkit.model.families.registry`, says which)::
 
     <|im_start|>system\\n{system}<|im_end|>\\n
     <|im_start|>user\\n{text}<|vision_start|><|image_pad|>×n<|vision_end|>{text}<|im_end|>\\n
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from qwenkit.data import audio
 from qwenkit.data.conversation import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.processor import Processor
 
 _PLACEHOLDERS = re.compile(f"({'|'.join(re.escape(p) for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER))})")

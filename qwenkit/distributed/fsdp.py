@@ -50,7 +50,7 @@ from torch.distributed.tensor import Shard
 from qwenkit.config import DTYPES
 from qwenkit.device import resolve_device
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model.modules import module_path, path_match
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def activation_offload(enabled: bool, device: torch.device):
 
     The chunked loss head is exempt: what it saves are its finished gradients (fp32 grad W is
     2.2 GB at 7B), which would travel to host and back every micro-batch for nothing;
-    :func:`qwenkit.model.loss.chunked_linear_cross_entropy` keeps them on the device.
+    :func:`qwenkit.model.losses.cross_entropy.chunked_linear_cross_entropy` keeps them on the device.
     """
     if not enabled:
         return contextlib.nullcontext()

@@ -192,7 +192,7 @@ class AttentionContext:
 
     def to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, H, S/N, D] -> [B, H/N, S, D]`` (autograd): what Qwen3.5's linear attention
-        (:mod:`qwenkit.model.linear_attention`) exchanges, beside the attention's own."""
+        (:mod:`qwenkit.model.families.linear_attention`) exchanges, beside the attention's own."""
         return seq_to_heads(x.contiguous(), self.group)
 
     def to_seq(self, x: torch.Tensor) -> torch.Tensor:
@@ -317,7 +317,7 @@ def gather_features(local: torch.Tensor, counts: list[int], rank: int, group) ->
 
 def encode_share(model, pixels: torch.Tensor, grid_thw: torch.Tensor, sp: SequenceParallel):
     """``([merged, *DeepStack] features [tokens, H] of every unit, idle term)``: this rank encodes
-    its units (:meth:`~qwenkit.model.chunked.ChunkLossMixin.vision_tower`), then all-gather.
+    its units (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.vision_tower`), then all-gather.
 
     Every rank calls the tower exactly once here, on its share or on one blank patch group.
     """

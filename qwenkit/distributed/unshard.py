@@ -1,6 +1,6 @@
 """A sharded model's weights whole for a while: every FSDP2 unit gathered once, kept until the block ends
 (a GRPO rollout generates token by token inside it with no collective per token;
-:mod:`qwenkit.engine.objectives.rollout`)."""
+:mod:`qwenkit.engine.rollouts.hf`)."""
 
 from __future__ import annotations
 

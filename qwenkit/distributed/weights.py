@@ -38,7 +38,7 @@ except ImportError:  # torch < 2.8
     HuggingFaceStorageReader = None
 
 from qwenkit.distributed.meta import tied_groups
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model.lora import base_key, is_adapter_key
 from qwenkit.model.modules import module_path
 

@@ -1,8 +1,21 @@
-"""The model floor: the family entries (``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``,
-``qwen3_5_moe``), each family's subclass and their chunked loss, the processor, the tiny default.
+"""The model floor, by job.
 
-Light modules (``paths``, ``processor``, ``tiny``, ``loss``) never import transformers' modeling
-code, so the launcher and the data checks can use them; ``qwen2_5_vl`` and ``registry`` do.
+Families (``model.name``, :data:`qwenkit.model.families.registry.FAMILIES`): ``qwen2_5_vl`` (Qwen2.5-VL),
+``qwen3_vl`` and ``qwen3_vl_moe`` (Qwen3-VL, dense and MoE), ``qwen3_5`` and ``qwen3_5_moe`` (Qwen3.5,
+dense and MoE), ``qwen2_5_omni`` and ``qwen3_omni_moe`` (the Omni thinkers).
+
+- ``families/``: one module per family's chunk-loss subclass, the registry of entries, the model spec
+  resolved once, ``build``;
+- ``losses/``: the chunked cross-entropy, token and sequence log-probs, the policy losses (GRPO and its
+  kin, by name in ``losses/registry``), the preference losses;
+- ``tiny/``: the embedded default (tiny checkpoints of every family, their synthetic data);
+- ``lora`` (peft adapters), ``parallel`` (the forward on a sequence slice), ``processor`` and ``paths``
+  (the processor and the model directory, light for the launcher), ``modules`` (module-path matching),
+  ``torchvision_ops``.
+
+Light modules (``paths``, ``processor``, ``tiny/``, ``losses/cross_entropy``, ``families/registry``,
+``families/entry``, ``losses/registry``) never import transformers' modeling code, so the launcher and the
+data checks can use them; the family modules and ``families/build`` do.
 """
 
 from qwenkit.model.torchvision_ops import declare_missing_ops

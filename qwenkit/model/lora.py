@@ -30,7 +30,7 @@ import math
 import torch
 from torch import nn
 
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model.modules import path_match
 
 ADAPTER = "default"  # peft's adapter name, a segment of every adapter key

@@ -1,13 +1,13 @@
 """The model's forward on one rank's slice of the sequence (Ulysses sequence parallelism).
 
 ``model.sequence_parallel`` (set by :func:`qwenkit.distributed.sequence.enable`) is this rank's
-group; the forward of :class:`~qwenkit.model.chunked.ChunkLossMixin` then runs
+group; the forward of :class:`~qwenkit.model.families.chunked.ChunkLossMixin` then runs
 :func:`forward_slice`. The group object brings the communication (``sp.encode`` deals the
 vision units and all-gathers their features, ``sp.attention_context`` and ``sp.full_mask``
 the attention on the whole sequence); the steps are the model's:
 
 1. **positions on the whole sequence**: mRoPE ``[3, B, S]`` from the model's ``get_rope_index``
-   (packed rows: per sample, :meth:`~qwenkit.model.positions.Positions.packed_position_ids`),
+   (packed rows: per sample, :meth:`~qwenkit.model.families.positions.Positions.packed_position_ids`),
    and the labels shifted on the whole sequence (``shift_labels``); then the sequence is padded
    to a multiple of N (padding labelled ``-100``: never learned) and rank ``r`` keeps the
    contiguous slice ``[r*S/N, (r+1)*S/N)`` of ids, positions and shifted labels;
@@ -27,8 +27,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from qwenkit.model.linear_attention import boundaries
-from qwenkit.model.loss import IGNORE_INDEX, TOKEN_SUM, chunked_linear_cross_entropy, shift_labels
+from qwenkit.model.families.linear_attention import boundaries
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, TOKEN_SUM, chunked_linear_cross_entropy, shift_labels
 
 MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
          "mm_token_type_ids")  # fmt: skip

@@ -3,17 +3,17 @@
 ``data``, ``launch`` and ``checkpoint`` need the model directory and the processor, not the model's
 code: this module imports transformers' tokenizer and image processor, never its modeling files.
 Separate from :mod:`qwenkit.model.processor` because ``tiny`` may have to write the tiny checkpoint,
-and :mod:`qwenkit.model.tiny` itself builds on the processor.
+and :mod:`qwenkit.model.tiny.checkpoint` itself builds on the processor.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from qwenkit.model.family import TINY_DEFAULT
-from qwenkit.model.family_entry import Family
+from qwenkit.model.families.registry import TINY_DEFAULT
+from qwenkit.model.families.entry import Family
 from qwenkit.model.processor import Processor
-from qwenkit.model.tiny import ensure_checkpoint
+from qwenkit.model.tiny.checkpoint import ensure_checkpoint
 
 
 def resolve_path(model_cfg) -> Path:
@@ -32,7 +32,7 @@ def resolve_path(model_cfg) -> Path:
 
 def load_processor(cfg, model_dir: str | Path | None = None, family: Family | None = None) -> Processor:
     """A run's processor: ``model.path``'s tokenizer and image processor, ``data``'s pixel bounds;
-    ``family``: the entry already resolved (:mod:`qwenkit.model.spec`), else ``model_dir``'s."""
+    ``family``: the entry already resolved (:mod:`qwenkit.model.families.spec`), else ``model_dir``'s."""
     if model_dir is None:
         model_dir = resolve_path(cfg.model)
     return Processor.from_pretrained(model_dir, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from qwenkit.model import family as families
-from qwenkit.model.family_entry import Family
+from qwenkit.model.families import registry as families
+from qwenkit.model.families.entry import Family
 
 try:  # transformers 5.x: the PIL backend needs no torchvision
     from transformers import Qwen2VLImageProcessorPil as ImageProcessor
@@ -123,8 +123,8 @@ def pixel_bounds(image_processor) -> tuple[int, int]:
 class Processor:
     """Tokenizer + Qwen2-VL image processor, saved and loaded like an HF processor.
 
-    ``family`` is the registry entry (:mod:`qwenkit.model.family`) of the model family whose
-    checkpoint the files come from, resolved once (:mod:`qwenkit.model.spec`): it says how
+    ``family`` is the registry entry (:mod:`qwenkit.model.families.registry`) of the model family whose
+    checkpoint the files come from, resolved once (:mod:`qwenkit.model.families.spec`): it says how
     conversations are templated and videos sampled, so everything the data pipeline builds from
     this processor follows the family."""
 
@@ -164,7 +164,7 @@ class Processor:
         cls, path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None,
         family: Family | None = None,
     ) -> Processor:
-        """``family``: the model family's entry (default: ``path``'s, :func:`qwenkit.model.family.of_directory`)."""
+        """``family``: the model family's entry (default: ``path``'s, :func:`qwenkit.model.families.registry.of_directory`)."""
         path = Path(path)
         if family is None:
             family = families.of_directory(path)

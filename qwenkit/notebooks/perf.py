@@ -40,7 +40,7 @@ from qwenkit.bench.measure import (  # noqa: F401 (notebook 04 calls perf.matmul
     use_cpu_threads,
 )
 from qwenkit.bench.step import mfu
-from qwenkit.model import family
+from qwenkit.model.families import registry as family
 from qwenkit.notebooks import plots, results
 from qwenkit.patches import dispatch
 
@@ -200,7 +200,7 @@ ORIGINAL = {"text_mrope": "original: HF's implementation, never fused"}
 # the linear-attention layers' own ops (families with linear_attention in their mixers: Qwen3.5)
 LINEAR_ATTENTION = {
     "linear attention: conv1d, gated delta rule": "original: HF's functions (causal-conv1d / flash-linear-attention "
-    "where installed on CUDA, else HF's PyTorch fallback); packed rows per sample (qwenkit.model.linear_attention)",
+    "where installed on CUDA, else HF's PyTorch fallback); packed rows per sample (qwenkit.model.families.linear_attention)",
     "linear attention: gated RMSNorm": "original: HF's Qwen3_5RMSNormGated",
 }  # fmt: skip
 

@@ -24,7 +24,7 @@ from qwenkit.data import REASONS, FixedSizeSampler
 from qwenkit.data import audio as qaudio
 from qwenkit.data.check import percentiles
 from qwenkit.data.images import load, resolve
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.processor import SPECIAL_TOKENS, Processor
 from qwenkit.notebooks import plots, results
 

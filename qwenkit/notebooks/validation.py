@@ -1,9 +1,9 @@
 """Chunked loss vs HF's full-logits loss on one model and one batch: what notebook 03 reports.
 
-The reference is what ``tests/model/test_chunked.py`` compares against: HF's own forward for
-``token_mean``, and :func:`qwenkit.model.loss.full_cross_entropy` on HF's logits for ``sample_mean``.
+The reference is what ``tests/model/families/test_chunked.py`` compares against: HF's own forward for
+``token_mean``, and :func:`qwenkit.model.losses.cross_entropy.full_cross_entropy` on HF's logits for ``sample_mean``.
 The same model is switched between the two heads
-(:meth:`qwenkit.model.chunked.ChunkLossMixin.configure_loss`), so the weights are
+(:meth:`qwenkit.model.families.chunked.ChunkLossMixin.configure_loss`), so the weights are
 identical by construction and any difference is the loss head's.
 
 1. :func:`validation_batches` takes real samples from a dataset (:func:`qwenkit.bench.step.sample_batches`);
@@ -26,8 +26,9 @@ import torch
 from qwenkit import config as qconfig
 from qwenkit.bench.step import loss_and_grads, sample_batches, to_device
 from qwenkit.config import DTYPES
-from qwenkit.model import family, registry
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.families import registry as family
+from qwenkit.model.families import build as registry
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor
 from qwenkit.notebooks import kernel, plots, results
@@ -43,13 +44,13 @@ TOLERANCES = {
 
 
 # Largest |loss difference| allowed between the two AdamW curves: the per-step differences above,
-# carried through the optimizer for a few dozen steps (fp32: what tests/model/test_chunked.py asserts).
+# carried through the optimizer for a few dozen steps (fp32: what tests/model/families/test_chunked.py asserts).
 CURVE_TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 # fp32 through Qwen3.5's Gated DeltaNet layers (a triangular solve per 64-token chunk, HF's fallback):
 # the heads' few-ulp differences in d(hidden) come out of them up to ~3e-7 absolute in the embedding
-# gradient (measured: 2.6e-7, text, sample_mean, chunk 7), as tests/model/test_chunked.py's HYBRID_FP32
+# gradient (measured: 2.6e-7, text, sample_mean, chunk 7), as tests/model/families/test_chunked.py's HYBRID_FP32
 HYBRID_FP32 = (1e-5, 1e-6)
 
 

@@ -1,7 +1,7 @@
 """Fused-operator patches for every family: RMSNorm, vision RoPE, and the text SwiGLU MLP.
 
 Which ops fit a family's modules (Qwen2.5-VL, Qwen3-VL and Qwen3.5, dense and MoE) is its entry's
-``fused_ops`` (:mod:`qwenkit.model.family`); the caller passes them to :func:`apply` as ``applicable``.
+``fused_ops`` (:mod:`qwenkit.model.families.registry`); the caller passes them to :func:`apply` as ``applicable``.
 
 :func:`apply` replaces the ``forward`` of matching module *instances* of one model (never a
 transformers class, so other models in the process are untouched) with one that picks, at

@@ -6,7 +6,7 @@ import torch
 from qwenkit import config as qconfig
 from qwenkit.bench import step
 from qwenkit.bench.measure import MAX_ROUNDS, head_case, head_measure
-from qwenkit.model import registry
+from qwenkit.model.families import build as registry
 from qwenkit.notebooks import perf
 
 

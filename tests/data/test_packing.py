@@ -11,7 +11,7 @@ import torch
 from conftest import over_families, tiny_checkpoint
 
 from qwenkit.data import Collator
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 
 IMAGES = (1, 0, 2, 1)  # images at different offsets: after text of random length, 2nd sample text-only
 
@@ -43,7 +43,7 @@ def forward_backward(model, batch):
 
 
 # Qwen3-VL: per-sample interleaved mRoPE and DeepStack in a packed row; Qwen3.5: the linear-attention
-# layers' conv window and recurrent state restart at each sample (qwenkit.model.linear_attention). (Not
+# layers' conv window and recurrent state restart at each sample (qwenkit.model.families.linear_attention). (Not
 # the MoEs: the router's aux loss is averaged over the padded batch's attention mask, which a packed row
 # does not have.)
 DENSE_FAMILIES = over_families("qwen2_5_vl", "qwen3_vl", "qwen3_5")

@@ -17,7 +17,7 @@ from PIL import Image
 
 from qwenkit import config as qconfig
 from qwenkit.data import Collator, build, read_dataset
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
 MLLM_DEMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "mllm_demo" / "mllm_demo.json"  # a sibling of the checkout

@@ -27,8 +27,8 @@ from transformers.video_utils import VideoMetadata
 
 from qwenkit.data import read_dataset
 from qwenkit.data.video import RULES
-from qwenkit.model import family as families
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.families import registry as families
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
 QWEN3 = "qwen3_vl"

@@ -23,7 +23,7 @@ def test_eval_fraction_split_is_disjoint_deterministic_and_seeded(processor):
 
 
 def test_eval_path_and_tiny_held_out_set(processor, tmp_path):
-    from qwenkit.model.tiny_data import EVAL_SEED, write_dataset
+    from qwenkit.model.tiny.data import EVAL_SEED, write_dataset
 
     cfg = qconfig.load(overrides=["data.tiny_samples=16", "data.tiny_eval_samples=6"])
     bundle = data.build(cfg, processor)

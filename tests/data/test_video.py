@@ -28,7 +28,7 @@ from qwenkit.data.images import MediaRef
 from qwenkit.data.report import Location
 from qwenkit.data.video import VideoMeta, VideoProcessor, probe
 from qwenkit.engine.run import train
-from qwenkit.model.loss import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.processor import Processor, needs_mm_token_type_ids
 
 pytest.importorskip("av")

@@ -31,8 +31,8 @@ from qwenkit import config as qconfig
 from qwenkit.distributed import expert, fsdp
 from qwenkit.engine.checkpoints import export
 from qwenkit.engine.run import expert_load, train
-from qwenkit.model import family as families
-from qwenkit.model import spec as model_spec
+from qwenkit.model.families import registry as families
+from qwenkit.model.families import spec as model_spec
 from qwenkit.rundir import RunDir
 
 FP32 = dict(rtol=1e-5, atol=1e-5)

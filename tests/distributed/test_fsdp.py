@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from qwenkit import config as qconfig
 from qwenkit.distributed import fsdp
 from qwenkit.engine.run import train
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model.modules import module_path
-from qwenkit.model.tiny import ensure_checkpoint
+from qwenkit.model.tiny.checkpoint import ensure_checkpoint
 
 # Both sides fp32; sums over ranks and micro-batches run in another order (the issue's bound).
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -293,7 +293,7 @@ def _write_rows(root):
     (root / "data.json").write_text(json.dumps(rows))
     # the families that hear: a micro-batch of rows with and without audio (audio features padded to the longest)
     # on one rank, an image row on the other (its audio tower's idle call), through the data pipeline
-    from qwenkit.model.tiny_data import write_tone
+    from qwenkit.model.tiny.data import write_tone
 
     write_tone(root / "low.wav", 300.0, 0.6, 0.5)
     write_tone(root / "high.wav", 3000.0, 1.3, 0.5)
@@ -460,7 +460,7 @@ def _meta_init_readers(rank, out, family, path):
     """Meta init on 3 ranks (uneven row shards: 32 rows -> 11, 11, 10; 4 experts -> 2, 2, 0) through each
     weight reader this torch has: DCP's HuggingFaceStorageReader (torch 2.8+) and the safetensors slice reader."""
     from qwenkit.distributed import weights
-    from qwenkit.model import registry
+    from qwenkit.model.families import build as registry
 
     dist.init_process_group("gloo")
     cfg = qconfig.load(overrides=["model.init_device=meta", f"model.name={family}", f"model.path={path}"])
@@ -485,13 +485,13 @@ def _meta_init_readers(rank, out, family, path):
 
 
 @pytest.mark.slow
-# Qwen2.5-VL's tiny checkpoint, and (long tier: ~30 s; tests/model/test_omni.py reads it in one process) a whole
+# Qwen2.5-VL's tiny checkpoint, and (long tier: ~30 s; tests/model/families/test_omni.py reads it in one process) a whole
 # Qwen3-Omni one: its thinker's tensors under thinker., each expert's linears apart, fused as read, each rank its experts
 @pytest.mark.parametrize("family, whole", [("qwen2_5_vl", False), pytest.param("qwen3_omni_moe", True, marks=[
     pytest.mark.long, pytest.mark.skipif(bool(families.get("qwen3_omni_moe").unavailable()), reason="transformers 5.x")])])  # fmt: skip
 def test_meta_init_reads_each_shard_like_from_pretrained(tmp_path, _cache, family, whole):
     from qwenkit.distributed import weights
-    from qwenkit.model import registry
+    from qwenkit.model.families import build as registry
 
     path = tiny_checkpoint(family, whole=whole)
     check_ranks(_meta_init_readers, 3, tmp_path, family, path)

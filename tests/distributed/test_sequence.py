@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from conftest import build_model, make_batch, tiny_checkpoint
 from data.test_packing import samples_of
-from model.test_chunked import _video_batch
+from model.families.test_chunked import _video_batch
 from multiproc import check_ranks, free_port
 
 from qwenkit import config as qconfig
 from qwenkit.data.collator import Collator
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine.run import events, metrics
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 
 FP32 = dict(rtol=1e-5, atol=1e-5)  # the issue's bound; fp32, sums over ranks in another order
 
@@ -130,7 +130,7 @@ def _linear_attention_on_the_slice():
     and the state start at the slice). Returns the function that undoes it."""
     import importlib
 
-    from qwenkit.model import linear_attention as la
+    from qwenkit.model.families import linear_attention as la
 
     module = importlib.import_module(la.MODULES[0])
     real = {fn: getattr(module, fn) for fn in (la.CONV, la.DELTA)}

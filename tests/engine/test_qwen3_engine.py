@@ -13,7 +13,8 @@ from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
 
 from qwenkit import config as qconfig
 from qwenkit import launch
-from qwenkit.model import lora, registry
+from qwenkit.model import lora
+from qwenkit.model.families import build as registry
 
 MOE = ["model.name=qwen3_vl_moe", "parallel.nproc=2"]
 

@@ -23,9 +23,10 @@ from qwenkit import launch
 from qwenkit.distributed import fsdp
 from qwenkit.engine.checkpoints import export as hf_export
 from qwenkit.engine.run import metrics, optim, train
-from qwenkit.model import family as families
-from qwenkit.model import lora, registry
-from qwenkit.model import loss as qloss
+from qwenkit.model.families import registry as families
+from qwenkit.model import lora
+from qwenkit.model.families import build as registry
+from qwenkit.model.losses import cross_entropy as qloss
 
 ROOT = Path(__file__).resolve().parents[2]
 FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks run in another order

@@ -1,7 +1,7 @@
 """qwenkit.model.processor: the offline processor round-trips through save and load (every special token
 one id), its chat template is Qwen2-VL's, and an image expands to grid / merge² tokens as the image processor grids it."""
 
-from qwenkit.model import tiny
+from qwenkit.model.tiny.checkpoint import checkpoint as tiny
 from qwenkit.model.processor import SPECIAL_TOKENS, Processor, pixel_bounds
 
 

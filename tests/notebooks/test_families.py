@@ -5,8 +5,8 @@ own functions (the notebooks themselves run on Qwen2.5-VL in tests/test_notebook
 from conftest import EVERY_FAMILY, over_families
 
 from qwenkit import config as qconfig
-from qwenkit.model import family as families
-from qwenkit.model import registry
+from qwenkit.model.families import registry as families
+from qwenkit.model.families import build as registry
 from qwenkit.notebooks import perf, validation
 
 
@@ -14,7 +14,7 @@ def _cfg(family):
     return qconfig.load(overrides=["model.path=tiny", f"model.name={family}"])
 
 
-@over_families("qwen3_5")  # the MoE variant's linear attention is the same layer (tests/model/test_chunked.py runs both)
+@over_families("qwen3_5")  # the MoE variant's linear attention is the same layer (tests/model/families/test_chunked.py runs both)
 def test_chunk_loss_equals_hfs_forward_on_the_hybrid_linear_attention_family(family):
     """Notebook 03 on Qwen3.5: the chunked head against HF's own forward, text and image batches,
     both loss types, a chunk that divides nothing (one above the sequence: test_validation), in fp32 at the

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from qwenkit import config as qconfig
 from qwenkit.bench import step
-from qwenkit.model import registry
-from qwenkit.model.loss import IGNORE_INDEX, shift_labels
+from qwenkit.model.families import build as registry
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.model.paths import load_processor
 from qwenkit.notebooks import validation
 

@@ -93,7 +93,7 @@ def fake_liger(calls: list) -> dict[str, types.ModuleType]:
 
 
 def seeded_bf16(tiny_path, attn: str):
-    from qwenkit.model.qwen2_5_vl import QwenkitQwen2_5_VL
+    from qwenkit.model.families.qwen2_5_vl import QwenkitQwen2_5_VL
 
     model = QwenkitQwen2_5_VL.from_pretrained(
         tiny_path, dtype=torch.float32, attn_implementation=attn, local_files_only=True

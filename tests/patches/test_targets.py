@@ -14,7 +14,7 @@ from qwenkit.bench.step import loss_and_grads
 def test_qwen3_vl_patches_its_text_norms_and_reports_the_vision_path_unpatched(make_model, batch_factory, family):
     """Qwen3-VL: the text RMSNorms (q/k norms included) and, dense, the SwiGLU MLPs; its LayerNorm/GELU
     vision blocks are reported unpatched, and asking for vision_rope by name is refused."""
-    from qwenkit.model import family as families
+    from qwenkit.model.families import registry as families
 
     model = make_model(seed=0)
     batch = batch_factory()
@@ -36,7 +36,7 @@ def test_qwen3_5_patches_swiglu_and_reports_its_norms_unpatched(make_model, batc
     """Qwen3.5: SwiGLU (every dense MLP; the MoE's shared expert) only. Its text RMSNorms scale by
     (1 + weight) and the linear attention's norm is gated: no kernel here computes either, so the
     matcher finds none, and asking for rms_norm by name is refused."""
-    from qwenkit.model import family as families
+    from qwenkit.model.families import registry as families
 
     model = make_model(seed=0)
     batch = batch_factory()

@@ -18,7 +18,7 @@ import pytest
 from qwenkit import config as qconfig
 from qwenkit import sweep
 from qwenkit.engine.run import events, metrics
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.notebooks import compare
 from qwenkit.sweep import ledger
 from sweep.sweeps import ROOT, SMALL, run_qwenkit, write_sweep

@@ -33,7 +33,7 @@ from qwenkit.data import video
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 from qwenkit.engine.checkpoints.dcp import CheckpointError, resolve
 from qwenkit.model import lora
-from qwenkit.model.spec import ModelSpec, of_run
+from qwenkit.model.families.spec import ModelSpec, of_run
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def keep_whole(spec: ModelSpec, out: Path) -> int:
     its part's keys as the part's own class does, under that prefix); every other tensor of the base (talker, token2wav or
     code2wav) is copied byte for byte, one base file at a time, into ``whole-<base file name>``; the index
     lists both. The base's ``config.json`` (the whole's), ``generation_config.json`` and the files HF's
-    class of the whole reads beside the weights (:attr:`qwenkit.model.family_entry.Whole.files`: Qwen2.5-Omni's
+    class of the whole reads beside the weights (:attr:`qwenkit.model.families.entry.Whole.files`: Qwen2.5-Omni's
     speakers) replace the part's, so that HF's class of the whole loads the export with ``from_pretrained``.
     """
     from safetensors import safe_open
@@ -190,7 +190,7 @@ def keep_whole(spec: ModelSpec, out: Path) -> int:
 
 def load_peft(checkpoint: str | Path, cfg, spec: ModelSpec):
     """A LoRA run's checkpoint as peft's ``PeftModel`` on HF's class (base weights from ``model.path``,
-    ``spec``: :func:`qwenkit.model.spec.of_run` of ``cfg.model``).
+    ``spec``: :func:`qwenkit.model.families.spec.of_run` of ``cfg.model``).
 
     peft builds its own adapters (same targets, rank, saved modules) on the base model; the
     checkpoint's trained tensors are then read into them by name: qwenkit's keys are the
@@ -298,7 +298,7 @@ def write_run_processing(out: Path, data, family) -> None:
 
 def load_hf(checkpoint: str | Path, cfg, spec: ModelSpec):
     """A checkpoint's model as a plain HF model of its family (e.g. ``Qwen3VLForConditionalGeneration``) on the CPU;
-    ``spec``: the run's model (:func:`qwenkit.model.spec.of_run` of ``cfg.model``).
+    ``spec``: the run's model (:func:`qwenkit.model.families.spec.of_run` of ``cfg.model``).
 
     A LoRA run's is its :func:`load_peft` model with the adapters merged (peft's ``merge_and_unload``).
 

@@ -54,7 +54,7 @@ from qwenkit.engine.checkpoints.folder import (
     set_aside_damaged,
     step_of,
 )
-from qwenkit.model.spec import of_run
+from qwenkit.model.families.spec import of_run
 
 log = logging.getLogger(__name__)
 

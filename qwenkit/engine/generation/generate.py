@@ -37,32 +37,14 @@ from transformers import GenerationConfig
 
 from qwenkit.data.collator import join_media
 from qwenkit.engine.generation.placement import lockstep, model_kwargs
-from qwenkit.model.positions import thinker_keywords
+from qwenkit.engine.generation.sampling import Sampling
+from qwenkit.model.families.positions import thinker_keywords
 from qwenkit.records import read_jsonl as read_jsonl  # the one JSONL reader; eval/step-*.jsonl are read by it
 
 log = logging.getLogger(__name__)
 
 # per-token prompt keys other than input_ids (padded with the pad token id), and their pad values
 PAD = {"attention_mask": 0, "mm_token_type_ids": 0}
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How replies are generated: ``train.eval_max_new_tokens``, ``eval_batch_size``,
-    ``eval_temperature`` (0: greedy), ``eval_top_p``; ``seed`` seeds sampling (with the rank)."""
-
-    max_new_tokens: int
-    batch_size: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @classmethod
-    def of(cls, train_cfg, **changes) -> Sampling:
-        t = train_cfg
-        settings = dict(max_new_tokens=t.eval_max_new_tokens, batch_size=t.eval_batch_size,
-                        temperature=t.eval_temperature, top_p=t.eval_top_p, seed=t.seed)  # fmt: skip
-        return cls(**{**settings, **changes})
 
 
 @dataclass
@@ -200,7 +182,7 @@ def prompt_inputs(model: nn.Module, prompt: dict[str, torch.Tensor], device) -> 
     """A (left-padded) prompt batch as ``model.generate`` takes it, on ``device``: the keys its forward takes
     (:func:`model_inputs`), under its names. An Omni thinker's (HF's class or the kit's) gets the video
     seconds as ``video_second_per_grid`` and ``use_audio_in_video`` for a heard video
-    (:func:`qwenkit.model.omni.thinker_keywords`): HF's ``generate`` places the prompt's positions from
+    (:func:`qwenkit.model.families.omni.thinker_keywords`): HF's ``generate`` places the prompt's positions from
     them before the first forward, and without the seconds it fails on any video."""
     keys = model_inputs(model)
     if "video_second_per_grid" in keys:

@@ -16,7 +16,7 @@ one of two places:
   rank makes the same number of ``generate`` calls (a rank short of rows generates one token
   from a one-token dummy prompt, dropped); and every rank's prefill calls the vision tower as
   often as the rank that calls it most (the model's idle vision calls,
-  :meth:`~qwenkit.model.chunked.ChunkLossMixin.idle_vision_term`, on a blank patch group: the same
+  :meth:`~qwenkit.model.families.chunked.ChunkLossMixin.idle_vision_term`, on a blank patch group: the same
   rule training follows for a micro-batch without images; DeepStack's outputs are part of it).
   The replies equal the copy's token for token (fp32, tested); LoRA adapters stay unmerged
   (equal up to rounding). Every forward all-gathers the weights, so it is slower than ``gather``.
@@ -43,11 +43,11 @@ from transformers import GenerationConfig
 
 from qwenkit.device import free_memory_bytes
 from qwenkit.distributed.meta import build_on_meta
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model import lora
 
 if TYPE_CHECKING:
-    from qwenkit.engine.generation.generate import Sampling
+    from qwenkit.engine.generation.sampling import Sampling
 
 
 def model_kwargs(model: nn.Module) -> dict:
@@ -69,7 +69,7 @@ _LOCKSTEP_STATE = ("chunk_loss", "sequence_parallel", "vision_calls_per_step")
 
 @contextlib.contextmanager
 def lockstep(model: nn.Module, synced: bool | None = None):
-    """The sharded training ``model`` (a :class:`~qwenkit.model.chunked.ChunkLossMixin`) set up to
+    """The sharded training ``model`` (a :class:`~qwenkit.model.families.chunked.ChunkLossMixin`) set up to
     generate in lockstep; yields ``step(inputs, config, **generate_kwargs) -> tokens``, one collective
     ``generate`` call.
 
@@ -142,7 +142,7 @@ def choose_generation(setting: str, model: nn.Module, sampling: Sampling, longes
                       cast: torch.dtype | None = None) -> tuple[str, str]:  # fmt: skip
     """``(gather | lockstep, why)`` for ``train.eval_generation``; ``auto`` is collective (every
     rank asks, and ``gather`` needs the copy to fit on every one). ``cast``: the GEMMs run in it, from a
-    cast of every weight kept beside them (:func:`qwenkit.engine.objectives.rollout.low_precision_gemms`)."""
+    cast of every weight kept beside them (:func:`qwenkit.engine.rollouts.hf.low_precision_gemms`)."""
     if setting != "auto":
         return setting, f"train.eval_generation={setting}"
     copy = copy_bytes(model)

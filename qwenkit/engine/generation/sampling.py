@@ -1,4 +1,4 @@
-"""Sampling in which every row of a batch draws from its own seeded generator.
+"""How replies are sampled (:class:`Sampling`), and sampling in which every row of a batch draws from its own seeded generator.
 
 HF ``generate`` samples a batch with one ``torch.multinomial`` call on the global RNG: a row's
 tokens then depend on which rows share its batch and in which order. GRPO's rollouts must not
@@ -24,6 +24,8 @@ ulp of a probability, and tests find batched and row-at-a-time samples equal (fp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import (
     LogitsProcessor,
@@ -32,6 +34,25 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How replies are generated: ``train.eval_max_new_tokens``, ``eval_batch_size``,
+    ``eval_temperature`` (0: greedy), ``eval_top_p``; ``seed`` seeds sampling (with the rank)."""
+
+    max_new_tokens: int
+    batch_size: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def of(cls, train_cfg, **changes) -> Sampling:
+        t = train_cfg
+        settings = dict(max_new_tokens=t.eval_max_new_tokens, batch_size=t.eval_batch_size,
+                        temperature=t.eval_temperature, top_p=t.eval_top_p, seed=t.seed)  # fmt: skip
+        return cls(**{**settings, **changes})
 
 
 class RowSampler(LogitsProcessor):
@@ -64,4 +85,4 @@ class RowSampler(LogitsProcessor):
         return out.scatter_(1, tokens, 0.0)
 
 
-__all__ = ["RowSampler"]
+__all__ = ["RowSampler", "Sampling"]

@@ -10,7 +10,7 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   apply (TRL's ``_sync_fsdp2_params_to_vllm``, verl's ``get_per_tensor_param``). Its prefix, encoder
   and multimodal caches are cleared after (the encoder cache holds features of the old weights:
   EasyR1 clears it too). Fused MoE experts go out in the family's published layout
-  (:meth:`qwenkit.model.family.Family.checkpoint_tensor`). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
+  (:meth:`qwenkit.model.families.registry.Family.checkpoint_tensor`). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
   (:func:`hf_tensors`: the adapters stay unmerged in the trained model); DoRA and ``lora.modules_to_save``
   are refused before start (:mod:`qwenkit.config.vllm`).
 - **Prompts** (:mod:`qwenkit.engine.generation.vllm_requests`): the kit's own prompt token ids (the
@@ -46,7 +46,7 @@ from torch import nn
 
 from qwenkit.engine.generation.generate import Generation, reply_text
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model import lora
 from qwenkit.model.modules import module_path
 from qwenkit.model.processor import pixel_bounds

@@ -11,7 +11,7 @@ One micro-batch holds ``P`` whole pairs as ``2P`` rows, chosen then rejected
    the policy; or, with ``dpo.precompute_ref``, a table written by one pass over the data before
    the first step (keyed by the data's index fingerprint and the model files, reused across
    restarts); none for SimPO;
-3. the loss share of :mod:`qwenkit.model.preference_loss`, normalised by the **global** pairs
+3. the loss share of :mod:`qwenkit.model.losses.preference`, normalised by the **global** pairs
    (and chosen tokens for ``dpo.sft_weight``) of the step: world size and accumulation do not
    change the step (the trainer backpropagates ``share * world_size``, as for SFT).
 
@@ -40,10 +40,10 @@ from qwenkit.data import cache
 from qwenkit.data.preference import PairCollator, PairDataset
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.run.build import reference_model
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model import lora, paths
-from qwenkit.model.logps import full_sequence_logps
-from qwenkit.model.preference_loss import pair_losses, preference_loss_share
+from qwenkit.model.losses.logps import full_sequence_logps
+from qwenkit.model.losses.preference import pair_losses, preference_loss_share
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ def evaluate_pairs(cfg, policy: nn.Module, reference: nn.Module | None, dataset,
     """``qwenkit eval`` of a dpo run (one process, HF's own classes): the metrics the trainer logs.
 
     ``reference``: the run's starting model (``model.path``), None for SimPO. Log-probs come from
-    HF's full logits (:func:`qwenkit.model.logps.full_sequence_logps`): no process group here, and
+    HF's full logits (:func:`qwenkit.model.losses.logps.full_sequence_logps`): no process group here, and
     evaluation keeps no graph.
     """
     def logps(model, batch):

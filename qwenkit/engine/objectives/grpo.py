@@ -5,20 +5,20 @@ One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective
 1. this rank's ``train.grad_accum`` batches of ``train.micro_batch_size`` rows from the sampler
    (saved with checkpoints: a resumed run draws the rows the uninterrupted one would);
 2. ``grpo.num_generations`` completions of each row's prompt from the policy, its weights gathered
-   once for the rollout and every completion of the rank batched (:mod:`qwenkit.engine.objectives.rollout`,
+   once for the rollout and every completion of the rank batched (:mod:`qwenkit.engine.rollouts.hf`,
    each completion seeded by ``(train.seed, epoch, row, g)``); ``rollout_time`` is its seconds;
 3. the rewards of every completion (:mod:`qwenkit.engine.objectives.rewards`), gathered from every rank, and
-   the group advantages (:func:`qwenkit.model.grpo_loss.group_advantages`);
+   the group advantages (:func:`qwenkit.model.losses.policy.group_advantages`);
 4. per micro-batch (one batch of rows' completions): the reference's per-token log-probs
    (``grpo.beta > 0``: the policy with its LoRA adapters disabled, or a frozen sharded copy of the
    starting weights as DPO's) and, with ``num_iterations > 1``, the rollout policy's (``old``).
 
-Then each micro-batch's loss (:class:`qwenkit.model.grpo_loss.GrpoLoss`) on the policy's per-token
-log-probs from the chunked head (:meth:`~qwenkit.model.chunked.ChunkLossMixin.token_logps`: no
+Then each micro-batch's loss (:class:`qwenkit.model.losses.policy.GrpoLoss`) on the policy's per-token
+log-probs from the chunked head (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.token_logps`: no
 ``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Every
 log-prob (old, reference, current) and the entropy are those of the distribution the rollout sampled
 (:meth:`GrpoObjective.logps`): the logits divided by ``grpo.temperature`` (as TRL), the media tokens
-a rollout never draws (:func:`~qwenkit.engine.objectives.rollout.media_tokens`) banned, so a token's
+a rollout never draws (:func:`~qwenkit.engine.rollouts.completion.media_tokens`) banned, so a token's
 log-prob is the one HF ``generate`` (and vLLM) sampled it with, not ``-log(1 - their mass)`` below. Metrics are TRL's names,
 summed by name over the ranks (:func:`_all_reduce`).
 
@@ -42,13 +42,13 @@ reference, the micro-batches) differ from this run's was rolled out for another 
 the resumed run rolls out again at its first step, as the next cycle, and says so; it never trains
 on a rollout of other settings.
 
-**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.objectives.vllm_rollouts`): the
+**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.rollouts.vllm`): the
 completions come from this rank's colocated vLLM engine, the policy's weights pushed to it first. vLLM's
 sampling log-probs differ from the trainer's (other kernels, other sums), and so do those of HF rollouts
-in a lower precision (``grpo.rollout_dtype``: autocast, :mod:`qwenkit.engine.objectives.rollout`), so with
+in a lower precision (``grpo.rollout_dtype``: autocast, :mod:`qwenkit.engine.rollouts.hf`), so with
 ``grpo.vllm_importance_sampling_correction`` each micro-batch also gets the trainer's log-probs of the
 rollout (``old``, computed whatever ``num_iterations``) and the truncated importance-sampling weights
-``exp(old - vLLM's)`` (:func:`qwenkit.model.grpo_loss.vllm_importance_weights`) that scale its
+``exp(old - vLLM's)`` (:func:`qwenkit.model.losses.policy.vllm_importance_weights`) that scale its
 per-token loss, logged as TRL names them: ``sampling/sampling_logp_difference/{mean,max}`` and
 ``sampling/importance_sampling_ratio/{min,mean,max}`` (means over every rank's completion tokens).
 """
@@ -67,17 +67,18 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
-from qwenkit.engine.generation.generate import Sampling
+from qwenkit.engine.generation.sampling import Sampling
 from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.objectives import rewards as reward_fns
-from qwenkit.engine.objectives.rollout import Completion, HfRollouts, Rollouts, media_tokens, training_batch
-from qwenkit.engine.objectives.vllm_rollouts import VllmRollouts
+from qwenkit.engine.rollouts.completion import Completion, Rollouts, media_tokens, training_batch
+from qwenkit.engine.rollouts.hf import HfRollouts
+from qwenkit.engine.rollouts.vllm import VllmRollouts
 from qwenkit.engine.run.build import reference_model
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model import lora
-from qwenkit.model.grpo_loss import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
-from qwenkit.model.loss import IGNORE_INDEX, shift_labels
+from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.records import read_jsonl
 
 log = logging.getLogger(__name__)

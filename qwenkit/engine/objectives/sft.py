@@ -1,6 +1,6 @@
 """Supervised fine-tuning (``train.objective: sft``): the replies' cross-entropy, one objective among peers.
 
-The loss is the model's own (:class:`qwenkit.model.chunked.ChunkLossMixin`: chunked or HF's
+The loss is the model's own (:class:`qwenkit.model.families.chunked.ChunkLossMixin`: chunked or HF's
 forward, ``loss.loss_type``), normalised by the step's **global** label tokens and samples that
 the trainer counted (``counts``, all ranks and accumulation steps): a rank's loss is its share of
 the global mean. Held-out rows give ``eval_loss`` and the answer metrics

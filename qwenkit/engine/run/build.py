@@ -2,7 +2,7 @@
 DPO and GRPO (full fine-tuning) are the same build on the same meshes, so they compute alike and are
 split alike (fused ops, expert parallelism, FSDP2 units, meta init).
 
-1. :func:`fused_model`: the family's chunk-loss subclass (:func:`qwenkit.model.registry.build`) with the
+1. :func:`fused_model`: the family's chunk-loss subclass (:func:`qwenkit.model.families.build.build`) with the
    run's fused ops where the family's entry says they fit (:func:`qwenkit.patches.apply`);
 2. a frozen model: no gradients, its floating weights stored in ``parallel.param_dtype``
    (:func:`reference_model`); the policy: the caller's ``adapt`` (LoRA adapters, sequence parallelism,
@@ -30,8 +30,10 @@ from qwenkit import patches
 from qwenkit.config import DTYPES
 from qwenkit.distributed import expert, fsdp
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
-from qwenkit.model import family, lora, registry
-from qwenkit.model.chunked import ChunkLossMixin
+from qwenkit.model import lora
+from qwenkit.model.families import registry as family
+from qwenkit.model.families import build as registry
+from qwenkit.model.families.chunked import ChunkLossMixin
 
 log = logging.getLogger(__name__)
 

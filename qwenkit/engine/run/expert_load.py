@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qwenkit.distributed.expert import experts_modules
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.records import read_jsonl
 from qwenkit.rundir import RunDir
 

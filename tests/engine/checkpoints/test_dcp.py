@@ -38,7 +38,7 @@ from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints import export as hf_export
 from qwenkit.engine.checkpoints import resume
 from qwenkit.engine.run import metrics, optim, train
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 
 BASE = [
     "train.steps=8",

@@ -33,7 +33,7 @@ from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints import export as hf_export
 from qwenkit.engine.generation import evaluate
 from qwenkit.engine.run import train
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 from qwenkit.model.paths import load_processor, resolve_path
 from qwenkit.model.processor import ImageProcessor, pixel_bounds
 
@@ -229,7 +229,7 @@ def test_eval_data_gets_the_checks_training_data_gets(run, tmp_path, capsys):
 
 
 def _tiny_file() -> Path:
-    from qwenkit.model.tiny_data import ensure_dataset
+    from qwenkit.model.tiny.data import ensure_dataset
 
     return ensure_dataset(4)
 
@@ -294,7 +294,7 @@ def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_ten
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from qwenkit.model.spec import of_run
+    from qwenkit.model.families.spec import of_run
 
     entry = families.get(family)
     base = tmp_path / "base"

@@ -11,12 +11,13 @@ import inspect
 import pytest
 import torch
 from conftest import FAMILIES, over_families
-from model.test_chunked import _video_batch
+from model.families.test_chunked import _video_batch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit.model import family as families
-from qwenkit.model import processor, qwen2_5_vl
-from qwenkit.model.spec import of_run
+from qwenkit.model.families import registry as families
+from qwenkit.model import processor
+from qwenkit.model.families import qwen2_5_vl
+from qwenkit.model.families.spec import of_run
 
 NEW_TOKENS = 6
 
@@ -52,7 +53,7 @@ def test_forward_exposes_the_parents_parameters():
     assert {"num_items_in_batch", "num_samples", "return_dict", "kwargs"} <= set(ours)
 
 
-# Qwen2.5-VL and the Omni thinkers (GRPO's rollouts generate with them; Qwen3.5: tests/model/test_qwen3_5.py)
+# Qwen2.5-VL and the Omni thinkers (GRPO's rollouts generate with them; Qwen3.5: tests/model/families/test_qwen3_5.py)
 @over_families("qwen2_5_vl", *(n for n in FAMILIES if families.get(n).audio_tokens))
 def test_generate_with_images_equals_hf(pair, batch_factory):
     ours, stock = pair
@@ -101,7 +102,7 @@ def write_mixed_eval_set(root) -> str:
     from PIL import Image
     from videos import write_video
 
-    from qwenkit.model.tiny_data import write_dataset
+    from qwenkit.model.tiny.data import write_dataset
 
     path = write_dataset(root, n=3, seed=11)
     rows = json.loads(path.read_text())

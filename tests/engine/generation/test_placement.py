@@ -4,7 +4,7 @@ and the rule itself (the copy's and lockstep's replies against each other: test_
 import torch
 
 from qwenkit.engine.generation import placement
-from qwenkit.engine.generation.generate import Sampling
+from qwenkit.engine.generation.sampling import Sampling
 
 
 def test_the_copy_and_kv_cache_sizes_by_hand():

@@ -1,6 +1,6 @@
 """vLLM as the kit's generation engine, against the kit's own HF generation (needs vLLM: make test-vllm).
 
-On the tiny dense families at vLLM's CPU shapes (:mod:`qwenkit.model.tiny_vllm`), float32: vLLM's greedy replies
+On the tiny dense families at vLLM's CPU shapes (:mod:`qwenkit.model.tiny.vllm`), float32: vLLM's greedy replies
 equal the kit's HF greedy replies token for token, on text-only, one-image, two-image rows and Qwen3-VL's video row
 (whose log-probs equal HF's: the same pixels and positions; reversed frames move them); Qwen2.5-VL's video row is
 refused, naming it (:mod:`qwenkit.engine.generation.vllm_requests`); after a
@@ -29,8 +29,8 @@ from qwenkit import config as qconfig  # noqa: E402
 from qwenkit import data  # noqa: E402
 from qwenkit.engine.generation import generate as qgen  # noqa: E402
 from qwenkit.engine.generation import vllm_engine, vllm_requests  # noqa: E402
-from qwenkit.model import family as families  # noqa: E402
-from qwenkit.model import tiny_vllm  # noqa: E402
+from qwenkit.model.families import registry as families  # noqa: E402
+from qwenkit.model.tiny.checkpoint import vllm as tiny_vllm  # noqa: E402
 from qwenkit.model.paths import load_processor  # noqa: E402
 from qwenkit.model.processor import pixel_bounds  # noqa: E402
 
@@ -234,7 +234,7 @@ def _isolated_worker(rank, out, family, dtype):
                 ids=lambda p: p[0])  # fmt: skip
 def isolated(request, tmp_path_factory):
     """``(family, result)`` of :func:`_isolated_worker`. Qwen3.5's Gated DeltaNet runs in bf16 only on vLLM's CPU
-    backend, with linear-attention head dims of 128 (:mod:`qwenkit.model.tiny_vllm`)."""
+    backend, with linear-attention head dims of 128 (:mod:`qwenkit.model.tiny.vllm`)."""
     out = tmp_path_factory.mktemp(request.param[0])
     check_ranks(_isolated_worker, 1, out, *request.param)
     return request.param[0], json.loads((out / "result.json").read_text())

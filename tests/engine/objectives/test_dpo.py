@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import EVERY_FAMILY, families_allowing
-from model.test_chunked import _video_batch
+from model.families.test_chunked import _video_batch
 from multiproc import check_ranks, free_port, scaled
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
@@ -28,8 +28,9 @@ from qwenkit.distributed import fsdp
 from qwenkit.engine.checkpoints import init_from
 from qwenkit.engine.objectives import dpo as preference
 from qwenkit.engine.run import metrics, train
-from qwenkit.model import lora, registry
-from qwenkit.model.logps import full_sequence_logps
+from qwenkit.model import lora
+from qwenkit.model.families import build as registry
+from qwenkit.model.losses.logps import full_sequence_logps
 from qwenkit.sweep import file as sweep_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,9 +28,9 @@ from qwenkit.distributed import fsdp
 from qwenkit.engine.checkpoints import dcp as checkpoint
 from qwenkit.engine.generation.generate import model_inputs
 from qwenkit.engine.objectives import grpo
-from qwenkit.engine.objectives.rollout import Completion, completion, completion_seed, media_tokens
+from qwenkit.engine.rollouts.completion import Completion, completion, completion_seed, media_tokens
 from qwenkit.engine.run import metrics, train
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 
 BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.max_grad_norm=0", "train.lr=0.01",
         "train.warmup_steps=0", "grpo.num_generations=4", "grpo.max_new_tokens=6", "grpo.beta=0.04",
@@ -293,7 +293,7 @@ def test_prompts_alone_train_with_their_answer_column_as_reference(tmp_path, tin
     generations alone (no ``eval_loss``: no row has a reply)."""
     from pathlib import Path
 
-    from qwenkit.model.tiny_data import ensure_dataset
+    from qwenkit.model.tiny.data import ensure_dataset
 
     src = ensure_dataset(8, seed=0)
     rows = [{"problem": r["messages"][0]["content"], "answer": r["messages"][1]["content"],
@@ -314,7 +314,7 @@ def test_prompts_alone_train_with_their_answer_column_as_reference(tmp_path, tin
 
 def test_the_trainers_log_probs_and_entropy_are_of_the_distribution_hf_generate_sampled(tiny_path, processor):
     """HF ``generate`` samples a rollout from the logits with the media tokens suppressed (never drawn,
-    :func:`~qwenkit.engine.objectives.rollout.media_tokens`), over the temperature, and reports those
+    :func:`~qwenkit.engine.rollouts.completion.media_tokens`), over the temperature, and reports those
     scores (``output_scores``). The trainer's old, reference and current log-probs of the completion, and
     its entropy, must be of that distribution: without the ban each is off by ``-log(1 - banned mass)``,
     ~4 / V = 4e-3 on the random tiny model, far above fp32 rounding."""

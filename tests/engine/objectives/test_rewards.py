@@ -10,7 +10,7 @@ import torch
 from conftest import FAMILIES
 
 from qwenkit.engine.objectives import rewards
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 
 
 def _one(name, prediction, reference, box_units="pixels", tags=("think", "answer"), **row):

@@ -9,7 +9,7 @@ from conftest import build_model, make_batch, over_families, tiny_processor
 
 from qwenkit.distributed import fsdp
 from qwenkit.engine.run import expert_load
-from qwenkit.model import family as families
+from qwenkit.model.families import registry as families
 
 MOE = tuple(name for name in families.FAMILIES if families.get(name).experts)
 

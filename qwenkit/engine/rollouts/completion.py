@@ -1,0 +1,103 @@
+"""What every rollout engine hands back and every objective reads: the interface of the rollouts room.
+
+:class:`Rollouts` is called by every rank with the prompts of its share (``rollouts(model, dataset,
+indices, draw) -> [Completion]``), so any engine (:mod:`qwenkit.engine.rollouts.hf`,
+:mod:`qwenkit.engine.rollouts.vllm`) stands in for another; everything after it (rewards, log-probs,
+the loss) reads :class:`Completion` alone. A completion's seed (:func:`completion_seed`) and the tokens
+it may never draw (:func:`media_tokens`) are the same on every engine; :func:`training_batch` makes the
+training forward's micro-batch of ``prompt + completion`` rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from qwenkit.engine.generation.generate import reply_text
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
+
+
+@dataclass
+class Completion:
+    index: int  # the dataset row of the prompt
+    prompt: dict[str, torch.Tensor]  # the prompt's inputs, [1, S] per-token keys (CPU)
+    tokens: list[int]  # the completion's ids, its end token included when it ended
+    text: str  # decoded without the end token
+    truncated: bool  # cut at max_new_tokens (no end token)
+    reference: str  # the row's solution / answer column, or its last reply
+    row: dict = field(default_factory=dict)  # the row's columns as read, a user's reward's keywords
+    sampling_logps: list[float] | None = None  # the sampler's log-prob of each token (vLLM's, a grpo.rollout_dtype rollout's), None: the policy's own
+
+
+class Rollouts(Protocol):
+    def __call__(self, model: nn.Module, dataset, indices: list[int], draw: int) -> list[Completion]:
+        """``num_generations`` completions of each row of ``indices`` (this rank's share; grouped, in
+        order), for rollout ``draw``. Every rank calls it together (it may be collective)."""
+
+
+def media_tokens(processor) -> list[int]:
+    """Token ids a completion must not hold: an image, video or audio placeholder (or a span's start or end)
+    in a reply would make the training forward look for features it has not got ("image features and image
+    tokens do not match", verl #3469, TRL #4488), so sampling never draws them."""
+    names = ("image_token_id", "video_token_id", "vision_start_id", "vision_end_id")
+    ids = {getattr(processor, n) for n in names if getattr(processor, n, None) is not None}
+    return sorted(ids | set(getattr(processor, "audio_ids", ())))  # the Omni thinkers' audio span
+
+
+def completion_seed(seed: int, draw: int, row: int, generation: int) -> int:
+    """The sampling seed of completion ``generation`` of row ``row`` in rollout ``draw`` of a run seeded ``seed``."""
+    key = f"{seed}/{draw}/{row}/{generation}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2**63
+
+
+def completion(tokenizer, new: list[int], end: int) -> tuple[list[int], str, bool]:
+    """``(tokens, text, truncated)`` of one generated row: cut after its first end token (which is
+    trained on, as TRL's EOS), decoded without it as evaluation decodes replies
+    (:func:`qwenkit.engine.generation.generate.reply_text`: broken bytes as ``\\xNN``, valid text as the tokenizer's)."""
+    ended = end in new
+    new = new[: new.index(end) + 1] if ended else new
+    return new, reply_text(tokenizer, new[:-1] if ended else new), not ended
+
+
+def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One right-padded micro-batch of ``prompt + completion`` rows; labels on the completion only.
+
+    Per-token keys (``input_ids``, ``attention_mask``, ``mm_token_type_ids``, ``labels``) are
+    padded to the longest row; pixels, grids and seconds per grid concatenated in row order, as
+    the collator does.
+    """
+    rows = []
+    for c in completions:
+        p = c.prompt
+        n = p["input_ids"].shape[1]
+        new = torch.tensor([c.tokens], dtype=p["input_ids"].dtype)
+        row = {
+            "input_ids": torch.cat([p["input_ids"], new], dim=1),
+            "attention_mask": torch.ones(1, n + new.shape[1], dtype=torch.long),
+            "labels": torch.cat([torch.full((1, n), IGNORE_INDEX), new], dim=1),
+        }
+        if "mm_token_type_ids" in p:
+            row["mm_token_type_ids"] = torch.cat([p["mm_token_type_ids"], torch.zeros_like(new)], dim=1).to(
+                p["mm_token_type_ids"].dtype)  # fmt: skip
+        row.update({k: v for k, v in p.items() if k not in row})
+        rows.append(row)
+    width = max(r["input_ids"].shape[1] for r in rows)
+    pads = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
+    batch = {}
+    for key, value in pads.items():
+        if key not in rows[0]:
+            continue
+        out = torch.full((len(rows), width), value, dtype=rows[0][key].dtype)  # [B, S]
+        for b, r in enumerate(rows):
+            out[b, : r[key].shape[1]] = r[key][0]
+        batch[key] = out
+    for key in sorted({k for r in rows for k in r if k not in pads}):
+        batch[key] = torch.cat([r[key] for r in rows if key in r])
+    return batch
+
+
+__all__ = ["Completion", "Rollouts", "completion", "completion_seed", "media_tokens", "training_batch"]

@@ -1,0 +1,202 @@
+"""GRPO's loss (and Dr. GRPO, DAPO, BNPO, GSPO) of per-token log-probs: the math, no model.
+
+Inputs per completion ``b`` and completion token ``t`` (``mask [B, T]`` marks them): the policy's
+log-probs ``logp`` (:func:`qwenkit.model.losses.logps.token_logps`), the rollout policy's ``old``
+(``None``: this is the rollout's own policy, ``old = logp.detach()``), the reference's ``ref``
+(``beta > 0``) and the advantage ``A[b]`` (:func:`group_advantages`). As TRL 1.16's
+``GRPOTrainer._compute_loss``:
+
+1. ``r = exp(logp - old)``; GSPO (``importance_sampling_level: sequence``): one ratio per
+   completion, ``exp(mean_t(logp - old))``
+2. ``l = -min(r A, clip(r, 1 - eps, 1 + eps_high) A)``
+3. ``+ beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3, Schulman's unbiased KL estimator)
+4. the reduction of ``grpo.loss_type``'s entry (:mod:`qwenkit.model.losses.registry`: grpo, bnpo,
+   dr_grpo, dapo), a **share** of the whole optimizer step (all ranks, all micro-batches), as the SFT
+   loss is a share of the global token mean, so world size and accumulation change nothing.
+
+Steps 1-2 are the entry's surrogate (:func:`clipped_surrogate` for the four above), step 4 its
+reduction (:data:`REDUCE`): each loss is an entry of the registry, never a branch here.
+
+With vLLM rollouts (``grpo.rollout_engine: vllm``), step 2's per-token loss is weighed by the
+truncated importance-sampling ratio of the trainer's and vLLM's log-probs of the sampled tokens
+(:func:`vllm_importance_weights`, TRL's ``vllm_importance_sampling_correction``), before the KL term.
+
+``mask_truncated_completions`` removes a completion cut at ``max_new_tokens`` from ``mask``
+(TRL's ``completion_mask``): it still counts as a completion (grpo, dr_grpo), not as tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from qwenkit.config import GrpoConfig
+from qwenkit.model.losses.registry import policy_loss
+
+STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages [N], std_zero [N] bool)`` of the weighted rewards ``[N]`` of consecutive groups.
+
+    ``advantage = reward - its group's mean``, divided by ``std + 1e-4`` where ``std`` is the
+    group's (``group``) or the whole batch's (``batch``) unbiased std; ``none`` does not divide
+    (Dr. GRPO). ``std_zero``: the group's rewards are all equal (``frac_reward_zero_std``).
+    """
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of grpo.num_generations={num_generations}")
+    grouped = rewards.view(-1, num_generations)  # [groups, G]
+    mean = grouped.mean(dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = rewards.std().expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif scale_rewards in ("group", "none"):
+        std = grouped.std(dim=1).repeat_interleave(num_generations)
+    else:
+        raise ValueError(f"grpo.scale_rewards must be group, batch or none, got {scale_rewards!r}")
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPS)
+    return advantages, torch.isclose(std, torch.zeros_like(std))
+
+
+def vllm_importance_weights(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str,
+                            clip_min: float | None, clip_max: float | None) -> torch.Tensor:  # fmt: skip
+    """TRL 1.16's vLLM importance-sampling ratios: ``[B, T]`` (``token_*``) or ``[B, 1]`` (``sequence_*``).
+
+    ``old``: the trainer's log-probs of the sampled tokens at the rollout, ``sampling``: vLLM's, both
+    ``[B, T]`` on the completion positions of ``mask``. ``r = exp(old - sampling)`` per token, or of the
+    sum over the completion (``sequence_*``); ``*_truncate`` clamps ``r`` into ``[clip_min, clip_max]``,
+    ``*_mask`` sets ratios outside them to 0 (the token, or the sequence, adds no loss).
+    """
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)  # a token vLLM could not score: no correction
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)  # [B, 1]
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if not mode.endswith("mask"):
+        raise ValueError(f"grpo.vllm_importance_sampling_mode must be one of token_truncate, token_mask, "
+                         f"sequence_truncate, sequence_mask; got {mode!r}")  # fmt: skip
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@dataclass
+class StepTotals:
+    """The optimizer step's counts over every rank and micro-batch: the reductions' denominators."""
+
+    completions: int | torch.Tensor
+    tokens: int | torch.Tensor  # completion tokens left in the masks
+    micro_batches: int | torch.Tensor  # over all ranks (bnpo averages their token means)
+
+
+@dataclass
+class GrpoTerms:
+    loss: torch.Tensor  # this micro-batch's share of the step's loss
+    kl: torch.Tensor | None  # [B, T] per-token k3 KL, detached (beta > 0)
+    ratio: torch.Tensor  # [B, T] or [B, 1] (sequence level), detached
+    low_clipped: torch.Tensor  # same shape, bool: the ratio fell under 1 - eps with A < 0
+    high_clipped: torch.Tensor  # the ratio rose over 1 + eps_high with A > 0
+    mask: torch.Tensor  # [B, T] the mask used (truncated completions removed when asked)
+
+
+@dataclass
+class Surrogate:
+    """What an entry's surrogate returns: steps 1-2 of the module docstring."""
+
+    per_token: torch.Tensor  # [B, T] or [B, 1] (sequence level) loss before weighting, KL and mask
+    ratio: torch.Tensor  # same shape, detached: the importance ratio the metrics report
+    low_clipped: torch.Tensor  # bool: the clip (or gate) bound the ratio from below with A < 0
+    high_clipped: torch.Tensor  # bool: ... from above with A > 0
+
+
+def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: GrpoLoss) -> Surrogate:
+    """PPO's clipped surrogate (steps 1-2): ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``, ``r = exp(log_ratio)``."""
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - loss.eps_low, 1 + loss.eps_high)
+    per_token = -torch.min(ratio * advantages, clipped * advantages)  # [B, T] or [B, 1]
+    with torch.no_grad():
+        low = (ratio < 1 - loss.eps_low) & (advantages < 0)
+        high = (ratio > 1 + loss.eps_high) & (advantages > 0)
+    return Surrogate(per_token, ratio.detach(), low, high)
+
+
+def _sequence_mean(per_token, mask, totals, loss):
+    return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / totals.completions
+
+
+def _micro_batch_mean(per_token, mask, totals, loss):
+    return per_token.sum() / mask.sum().clamp(min=1.0) / totals.micro_batches
+
+
+def _max_tokens(per_token, mask, totals, loss):
+    return per_token.sum() / (totals.completions * loss.max_new_tokens)
+
+
+def _token_mean(per_token, mask, totals, loss):
+    return per_token.sum() / torch.as_tensor(totals.tokens, dtype=per_token.dtype).clamp(min=1.0)
+
+
+# step 4: this micro-batch's share of the optimizer step's loss, by the entry's reduction (the registry's table)
+REDUCE: dict[str, Callable] = {"sequence_mean": _sequence_mean, "micro_batch_mean": _micro_batch_mean,
+                               "max_tokens": _max_tokens, "token_mean": _token_mean}  # fmt: skip
+
+
+class GrpoLoss:
+    """The loss of ``grpo.loss_type`` (its registry entry) with the ``grpo`` section's clipping, KL and masking."""
+
+    def __init__(self, grpo: GrpoConfig):
+        entry = policy_loss(grpo.loss_type)
+        module, _, name = entry.surrogate.partition(":")
+        self.surrogate = getattr(importlib.import_module(module), name)
+        self.reduce = REDUCE[entry.reduction]
+        self.loss_type, self.beta = grpo.loss_type, grpo.beta
+        self.eps_low = grpo.epsilon
+        self.eps_high = grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high
+        self.sequence_level = grpo.importance_sampling_level == "sequence"
+        self.max_new_tokens = grpo.max_new_tokens
+        self.mask_truncated = grpo.mask_truncated_completions
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        totals: StepTotals,
+        old: torch.Tensor | None = None,
+        ref: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+        is_ratio: torch.Tensor | None = None,
+    ) -> GrpoTerms:
+        """``logps``, ``old``, ``ref``, ``mask``: ``[B, T]``; ``advantages``, ``truncated``: ``[B]``;
+        ``is_ratio``: vLLM's importance-sampling weights (:func:`vllm_importance_weights`), or None."""
+        mask = mask.to(logps.dtype)
+        if self.mask_truncated and truncated is not None:
+            mask = mask * (~truncated).to(mask.dtype)[:, None]
+        old = logps.detach() if old is None else old
+        log_ratio = logps - old  # [B, T]
+        if self.sequence_level:  # GSPO: the mean log-ratio of the completion, one ratio per sequence
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]  # [B, 1]
+        terms = self.surrogate(log_ratio, advantages[:, None], self)
+        per_token = terms.per_token
+        if is_ratio is not None:
+            per_token = per_token * is_ratio  # [B, T] or [B, 1], as TRL: before the KL term
+        kl = None
+        if self.beta != 0.0:
+            if ref is None:
+                raise ValueError("grpo.beta > 0 needs the reference's log-probs")
+            kl = torch.exp(ref - logps) - (ref - logps) - 1  # [B, T] k3
+            per_token = per_token + self.beta * kl
+        per_token = per_token * mask  # [B, T]: a sequence-level loss broadcasts over its tokens
+        loss = self.reduce(per_token, mask, totals, self)
+        return GrpoTerms(loss, kl.detach() if kl is not None else None, terms.ratio, terms.low_clipped,
+                         terms.high_clipped, mask)  # fmt: skip
+
+
+__all__ = ["REDUCE", "STD_EPS", "GrpoLoss", "GrpoTerms", "StepTotals", "Surrogate", "clipped_surrogate", "group_advantages",
+           "vllm_importance_weights"]
