@@ -15,8 +15,12 @@ MIN_NAMED = 0.85  # of qwenkit's modules (package __init__ files not counted)
 
 
 def named_test_file(path: Path) -> Path:
-    """Where the tests of the module at ``path`` live."""
+    """Where the tests of the module at ``path`` live. A config section's rules
+    (``config/rules/grpo.py``) are tested with its fields, through ``config.load``, in its file
+    (``tests/config/test_grpo.py``)."""
     relative = path.relative_to(PACKAGE)
+    if relative.parent == Path("config", "rules"):
+        relative = Path("config", relative.name)
     return TESTS / relative.parent / f"test_{relative.stem}.py"
 
 

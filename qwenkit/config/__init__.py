@@ -6,9 +6,10 @@ ranges, illegal combinations) *before* any model is built. All problems found ar
 together in one :class:`ConfigError`, each naming the key path, the bad value and what is allowed.
 
 Inside: ``loader`` (YAML 1.2, overrides, typing the values, :func:`load`, :func:`write_config`),
-``schema`` (:class:`Config` and :func:`validate`), ``libraries`` (which library an option needs),
-and one module per section holding its fields, its allowed names and its rules: ``model``,
-``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``grpo``, ``checkpoint``, ``profile``, ``vllm``.
+``schema`` (:class:`Config`), ``validate`` (:func:`validate`, the one pass), ``libraries`` (which
+library an option needs), one module per section holding its fields and allowed names (``model``,
+``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``grpo``, ``checkpoint``, ``profile``,
+``vllm``) and ``rules/`` holding each section's rules under the same name.
 """
 
 from qwenkit.config.checkpoint import CheckpointConfig
@@ -31,7 +32,7 @@ from qwenkit.config.model import (
 )  # fmt: skip
 from qwenkit.config.parallel import ParallelConfig
 from qwenkit.config.profile import ProfileConfig
-from qwenkit.config.schema import Config, validate
+from qwenkit.config.schema import Config
 from qwenkit.config.train import (
     DATA_READS,
     EVAL_METRICS,
@@ -42,6 +43,7 @@ from qwenkit.config.train import (
     load_user_metric,
     scorer_problems,
 )  # fmt: skip
+from qwenkit.config.validate import validate
 from qwenkit.config.vllm import ENGINES, VllmConfig
 
 __all__ = [

@@ -7,20 +7,13 @@ The names and defaults are TRL 1.16's ``GRPOConfig`` (``max_completion_length`` 
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from qwenkit.config.model import Dtype
-from qwenkit.config.train import EVAL_METRICS, scorer_problems
+from qwenkit.config.train import EVAL_METRICS
 from qwenkit.config.vllm import Engine
 from qwenkit.model.losses.registry import POLICY_LOSSES
-
-if TYPE_CHECKING:
-    from qwenkit.config.schema import Config, Need
-
-log = logging.getLogger(__name__)
 
 GRPO_LOSSES = tuple(POLICY_LOSSES)  # grpo.loss_type: the policy losses registered in qwenkit.model.losses.registry
 IMPORTANCE_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (sequence: GSPO)
@@ -63,73 +56,3 @@ class GrpoConfig:
     vllm_importance_sampling_mode: Literal[IS_MODES] = "token_truncate"  # TRL 1.16's default is sequence_mask
     vllm_importance_sampling_clip_max: float = 3.0  # truncate: ratios capped here; mask: above it, 0
     vllm_importance_sampling_clip_min: float | None = None  # truncate: ratios raised to it; mask: below it, 0
-
-
-def check(cfg: Config, need: Need) -> None:
-    """The ``grpo`` section, and what rollouts cannot go with."""
-    grpo = cfg.grpo
-    if cfg.train.objective != "grpo":
-        default = GrpoConfig()
-        changed = [f.name for f in dataclasses.fields(GrpoConfig) if getattr(grpo, f.name) != getattr(default, f.name)]
-        need(not changed, f"grpo.{', grpo.'.join(changed)} set but train.objective={cfg.train.objective!r}; set train.objective=grpo")
-        return
-    need(grpo.num_generations >= 2, f"grpo.num_generations must be >= 2 (advantages compare a group), got {grpo.num_generations}")
-    need(grpo.max_new_tokens >= 1, f"grpo.max_new_tokens must be >= 1, got {grpo.max_new_tokens}")
-    need(grpo.temperature > 0, f"grpo.temperature must be > 0 (greedy rollouts of a group are all alike), got {grpo.temperature}")
-    need(0 < grpo.top_p <= 1, f"grpo.top_p must be in (0, 1], got {grpo.top_p}")
-    need(grpo.rollout_batch_size >= 0, f"grpo.rollout_batch_size must be >= 0 (0: all), got {grpo.rollout_batch_size}")
-    need(grpo.beta >= 0, f"grpo.beta must be >= 0 (0: no reference), got {grpo.beta}")
-    need(grpo.epsilon > 0, f"grpo.epsilon must be > 0, got {grpo.epsilon}")
-    if grpo.epsilon_high is not None:
-        need(grpo.epsilon_high > 0, f"grpo.epsilon_high must be > 0 (or unset: grpo.epsilon), got {grpo.epsilon_high}")
-    need(grpo.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {grpo.num_iterations}")
-    need(
-        not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
-        f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "
-        "give one per reward or none (all 1)",
-    )
-    if grpo.reward_weights and not any(grpo.reward_weights):
-        log.warning("grpo.reward_weights=%s are all 0: every completion's reward is 0, so no advantage and nothing "
-                    "is learnt; give a reward a weight > 0", grpo.reward_weights)  # fmt: skip
-    tags = grpo.format_tags
-    need(
-        len(tags) == 2 and all(t.strip() and "<" not in t and ">" not in t for t in tags) and tags[0] != tags[1],
-        f"grpo.format_tags must be two different tag names without brackets (e.g. [think, answer]), got {tags}",
-    )
-    need(grpo.vllm_importance_sampling_clip_max > 0,
-         f"grpo.vllm_importance_sampling_clip_max must be > 0, got {grpo.vllm_importance_sampling_clip_max}")  # fmt: skip
-    low = grpo.vllm_importance_sampling_clip_min
-    need(low is None or 0 <= low < grpo.vllm_importance_sampling_clip_max,
-         f"grpo.vllm_importance_sampling_clip_min must be in [0, vllm_importance_sampling_clip_max) or unset, got {low}")  # fmt: skip
-    if grpo.rollout_dtype is not None:
-        need(grpo.rollout_dtype != "float32",
-             "grpo.rollout_dtype=float32: autocast lowers precision only; unset it to roll out in the weights' own dtype")  # fmt: skip
-        need(grpo.rollout_engine == "hf", f"grpo.rollout_dtype={grpo.rollout_dtype} sets the hf rollouts' precision; "
-             "vLLM samples in vllm.dtype: unset grpo.rollout_dtype")  # fmt: skip
-    need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
-    need(
-        not cfg.data.packing,
-        "train.objective=grpo does not support data.packing=true: every completion is its own row of a rollout batch; "
-        "use data.packing=false",
-    )
-    need(
-        not cfg.data.max_tokens_per_batch,
-        "train.objective=grpo does not support data.max_tokens_per_batch (rollouts are dealt by prompt); "
-        "use train.micro_batch_size (prompts per micro-batch)",
-    )
-    need(
-        cfg.parallel.sp_size == 1,
-        f"train.objective=grpo does not support parallel.sp_size={cfg.parallel.sp_size}: generation runs whole "
-        "sequences on each rank; use parallel.sp_size=1",
-    )
-
-
-
-
-def check_rewards(cfg: Config, need: Need) -> None:
-    """``grpo.rewards``: built-in names, or functions that import and take ``(prediction, reference, **row)``.
-    Apart from :func:`check`: a command that never calls the rewards (``qwenkit eval``, ``export``)
-    loads a run's config without importing them (``config.load(..., rewards=False)``)."""
-    if cfg.train.objective == "grpo":
-        for problem in scorer_problems(cfg.grpo.rewards, "grpo.rewards", BUILTIN_REWARDS, "reward"):
-            need(False, problem)

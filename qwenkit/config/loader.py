@@ -1,5 +1,5 @@
 """Reading a configuration: YAML 1.2, dotted overrides, values typed against the dataclasses'
-hints, then :func:`qwenkit.config.schema.validate`; and writing the resolved one.
+hints, then :func:`qwenkit.config.validate.validate`; and writing the resolved one.
 
 All problems found are reported together in one :class:`ConfigError`, each naming the key path,
 the bad value and what is allowed.
@@ -19,7 +19,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from qwenkit.config.schema import Config, validate
+from qwenkit.config.schema import Config
+from qwenkit.config.validate import validate
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from qwenkit.config.schema import Config, Need
+from typing import Any, Literal
 
 TRAINING_LOSS_TYPES = ("token_mean", "sample_mean")  # what the chunked head computes
 LOSS_TYPES = (*TRAINING_LOSS_TYPES, "raw")  # loss.loss_type; raw (unreduced, per token): an API output, not for training
@@ -26,15 +23,3 @@ def chunk_size_problem(chunk_size: Any) -> str | None:
     if chunk_size == "auto" or (isinstance(chunk_size, int) and chunk_size > 0):
         return None
     return f"chunk_size must be a positive int or 'auto', got {chunk_size!r}"
-
-
-def check(cfg: Config, need: Need) -> None:
-    loss = cfg.loss
-    problem = chunk_size_problem(loss.chunk_size)
-    need(problem is None, f"loss.{problem}")
-    need(loss.chunk_budget_mb > 0, f"loss.chunk_budget_mb must be > 0, got {loss.chunk_budget_mb}")
-    need(
-        loss.loss_type != "raw",
-        "loss.loss_type: 'raw' (unreduced per-token loss) is an API output "
-        "(model.configure_loss(loss_type='raw')), not a training loss; use token_mean or sample_mean",
-    )

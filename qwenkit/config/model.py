@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
 from qwenkit.model.families.registry import FAMILIES
-
-if TYPE_CHECKING:
-    from qwenkit.config.schema import Config, Need
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # Dtype -> torch
@@ -63,12 +60,3 @@ def fused_backend_problem(backend: str) -> str | None:
         f"fused_backend={backend!r} needs {PIP_NAMES[library]}, which is not installed: "
         f"pip install 'qwenkit[{backend}]', or use auto (each tensor's device picks its kernels)"
     )
-
-
-def check(cfg: Config, need: Need) -> None:
-    model = cfg.model
-    for problem in fused_ops_problems(model.fused_ops):
-        need(False, f"model.fused_ops: {problem}")
-    if model.fused_ops != "off":
-        problem = fused_backend_problem(model.fused_backend)
-        need(problem is None, f"model.{problem}")

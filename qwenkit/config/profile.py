@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from qwenkit.config.schema import Config, Need
 
 
 @dataclass
@@ -16,10 +12,3 @@ class ProfileConfig:
     warmup: int = 1
     active: int = 2
     memory_snapshot: bool = False  # CUDA/NPU allocator history; peak RSS on CPU is always recorded
-
-
-def check(cfg: Config, need: Need) -> None:
-    profile = cfg.profile
-    for name in ("wait", "warmup"):
-        need(getattr(profile, name) >= 0, f"profile.{name} must be >= 0, got {getattr(profile, name)}")
-    need(profile.active >= 1, f"profile.active must be >= 1, got {profile.active}")

@@ -6,7 +6,7 @@ import pytest
 
 from qwenkit import cli, config, launch
 from qwenkit.config import ConfigError
-from qwenkit.config import vllm as vllm_section
+from qwenkit.config.rules import vllm as vllm_section
 
 ROLLOUTS = ["train.objective=grpo", "grpo.rollout_engine=vllm"]
 
