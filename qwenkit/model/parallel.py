@@ -28,7 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from qwenkit.model.families.linear_attention import boundaries
-from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, TOKEN_SUM, chunked_linear_cross_entropy, shift_labels
+from qwenkit.model.losses.cross_entropy import (
+    IGNORE_INDEX,
+    TOKEN_SUM,
+    chunked_linear_cross_entropy,
+    shift_labels,
+)
 
 MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
          "mm_token_type_ids")  # fmt: skip

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qwenkit.model.families.registry import TINY_DEFAULT
 from qwenkit.model.families.entry import Family
+from qwenkit.model.families.registry import TINY_DEFAULT
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny.checkpoint import ensure_checkpoint
 

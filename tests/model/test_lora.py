@@ -23,9 +23,9 @@ from qwenkit import launch
 from qwenkit.distributed import fsdp
 from qwenkit.engine.checkpoints import export as hf_export
 from qwenkit.engine.run import metrics, optim, train
-from qwenkit.model.families import registry as families
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as families
 from qwenkit.model.losses import cross_entropy as qloss
 
 ROOT = Path(__file__).resolve().parents[2]

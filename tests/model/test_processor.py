@@ -1,8 +1,8 @@
 """qwenkit.model.processor: the offline processor round-trips through save and load (every special token
 one id), its chat template is Qwen2-VL's, and an image expands to grid / merge² tokens as the image processor grids it."""
 
-from qwenkit.model.tiny.checkpoint import checkpoint as tiny
 from qwenkit.model.processor import SPECIAL_TOKENS, Processor, pixel_bounds
+from qwenkit.model.tiny import checkpoint as tiny
 
 
 def test_processor_round_trips_through_save_and_load(tmp_path):

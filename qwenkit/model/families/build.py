@@ -11,9 +11,9 @@ from torch import nn
 from qwenkit.config import DTYPES
 from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
+from qwenkit.model.families.spec import of_run
 from qwenkit.model.lora import is_adapter_key
 from qwenkit.model.modules import module_path
-from qwenkit.model.families.spec import of_run
 
 
 def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> ChunkLossMixin:

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
-from qwenkit.model.losses.logps import sequence_logps, token_logps
-from qwenkit.model.losses.cross_entropy import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
 from qwenkit.model.families.positions import Positions
+from qwenkit.model.losses.cross_entropy import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
+from qwenkit.model.losses.logps import sequence_logps, token_logps
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qwenkit.model.families import registry as families
-from qwenkit.model.tiny.checkpoint import checkpoint as tiny
+from qwenkit.model.tiny import checkpoint as tiny
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # the families whose widened tiny model vLLM runs on CPU
 TEXT = dict(hidden_size=128, intermediate_size=256)  # 4 heads: head dim 32

@@ -12,8 +12,8 @@ from conftest import AUDIO_FAMILY, EVERY_FAMILY, FAMILIES, make_batch, over_fami
 
 from qwenkit import config as qconfig
 from qwenkit.bench.step import loss_and_grads
-from qwenkit.model.families import chunked
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import chunked
 from qwenkit.model.families import registry as families
 from qwenkit.model.losses.cross_entropy import shift_labels
 

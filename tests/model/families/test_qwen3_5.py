@@ -28,8 +28,8 @@ from engine.generation.test_generate import _generate, _prompt
 
 from qwenkit import cli, launch
 from qwenkit.data import read_dataset
-from qwenkit.model.families import registry as families
 from qwenkit.model.families import linear_attention as la
+from qwenkit.model.families import registry as families
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 
 NEEDS_QWEN3_5 = pytest.mark.skipif(bool(families.get("qwen3_5").unavailable()), reason="transformers 4.57 has no Qwen3.5")

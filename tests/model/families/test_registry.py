@@ -16,8 +16,8 @@ from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint, tiny_processor
 from qwenkit import config as qconfig
 from qwenkit import launch
 from qwenkit.engine.run import prespawn
-from qwenkit.model.families import registry as families
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
 from qwenkit.model.families.entry import MIXERS, NOT_EXACT, Mixer
 from qwenkit.model.modules import path_match

@@ -8,7 +8,6 @@ from conftest import EVERY_FAMILY
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from qwenkit.model.losses.logps import full_sequence_logps, sequence_logps
 from qwenkit.model.losses.cross_entropy import (
     CHUNK_MULTIPLE,
     IGNORE_INDEX,
@@ -16,6 +15,7 @@ from qwenkit.model.losses.cross_entropy import (
     chunked_linear_cross_entropy,
     full_cross_entropy,
 )
+from qwenkit.model.losses.logps import full_sequence_logps, sequence_logps
 
 # fp32: both sides do the same math in a different summation order; errors stay ~1e-7 relative.
 FP32 = dict(rtol=1e-5, atol=1e-6)

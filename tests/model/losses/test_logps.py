@@ -11,8 +11,8 @@ from conftest import EVERY_FAMILY
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.families.test_chunked import _video_batch
-from qwenkit.model.losses.logps import full_sequence_logps, full_token_logps, sequence_logps, token_logps
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
+from qwenkit.model.losses.logps import full_sequence_logps, full_token_logps, sequence_logps, token_logps
 
 # fp32 on both sides; the chunked head sums the softmax in another order: a few ulps of the sums
 FP32 = dict(rtol=1e-5, atol=1e-6)

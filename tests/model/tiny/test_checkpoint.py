@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from qwenkit.model.tiny.checkpoint import checkpoint as tiny
+from qwenkit.model.tiny import checkpoint as tiny
 
 
 def test_tiny_config_is_the_real_architecture(tiny_path):

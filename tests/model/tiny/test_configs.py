@@ -1,4 +1,5 @@
-"""qwenkit.model.tiny.configs: the tiny checkpoints' configs (their architecture: test_tiny.py)."""
+"""qwenkit.model.tiny.configs and the families' tiny configs built on it: the tiny checkpoints' configs (their
+architecture: tests/model/tiny/test_checkpoint.py)."""
 
 import json
 

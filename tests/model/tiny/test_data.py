@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from qwenkit.model.tiny.checkpoint import data as tiny_data
+from qwenkit.model.tiny import data as tiny_data
 
 
 def test_synthetic_dataset_layout(tmp_path):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from qwenkit.model.families import registry as families
-from qwenkit.model.tiny.checkpoint import checkpoint as tiny
-from qwenkit.model.tiny.checkpoint import vllm as tiny_vllm
 from qwenkit.model.processor import Processor
+from qwenkit.model.tiny import checkpoint as tiny
+from qwenkit.model.tiny import vllm as tiny_vllm
 
 
 @pytest.mark.parametrize("family", tiny_vllm.FAMILIES)
