@@ -84,3 +84,81 @@ def make_batch(config, seq: int, image_side: int, samples: int = 1, learn_prompt
         "image_grid_thw": torch.tensor([[1, grid, grid]] * samples),
     }
     return {k: v.to(device) for k, v in batch.items()}
+
+
+# the measured models' sizes (--shapes): the CPU config, Qwen2.5-VL-3B's, and a seconds-long smoke check
+CPU_SHAPES = dict(
+    text=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+              num_key_value_heads=2, mrope_section=[8, 12, 12]),
+    vision=dict(depth=2, hidden_size=256, intermediate_size=688, num_heads=4, fullatt_block_indexes=[1]),
+    image_side=224, seq=2048, dtype="float32", tie=False,
+)  # fmt: skip
+GPU_3B_SHAPES = dict(  # Qwen2.5-VL-3B-Instruct
+    text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+              num_key_value_heads=2, mrope_section=[16, 24, 24]),
+    vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, fullatt_block_indexes=[7, 15, 23, 31]),
+    image_side=448, seq=4096, dtype="bfloat16", tie=True,
+)  # fmt: skip
+TINY_SHAPES = dict(  # a smoke check of the script in seconds (--shapes tiny), not a measurement
+    text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, mrope_section=[4, 6, 6]),
+    vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, fullatt_block_indexes=[1]),
+    image_side=64, seq=256, dtype="float32", tie=False,
+)  # fmt: skip
+SHAPES = {"cpu": CPU_SHAPES, "3b": GPU_3B_SHAPES, "tiny": TINY_SHAPES}
+
+
+def make_qwen3_config(shapes: dict):
+    """A Qwen3-VL config of the same text sizes (``--family qwen3_vl``): 16-px patches, a learned
+    48x48 position grid, DeepStack from vision block 0, interleaved mRoPE of the same section."""
+    from transformers import Qwen3VLConfig
+
+    base = make_config(shapes)
+    text, vision = base.text_config.to_dict(), shapes["vision"]
+    text.update(head_dim=text["hidden_size"] // text["num_attention_heads"],
+                rope_scaling={"rope_type": "default", "mrope_section": shapes["text"]["mrope_section"],
+                              "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=vision["depth"], hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+                  num_heads=vision["num_heads"], patch_size=16, num_position_embeddings=48 * 48,
+                  deepstack_visual_indexes=[0], out_hidden_size=text["hidden_size"])  # fmt: skip
+    ids = {k: getattr(base, f"{k}_token_id") for k in ("image", "video", "vision_start", "vision_end")}
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=shapes["tie"],
+                         **{f"{k}_token_id": v for k, v in ids.items()})  # fmt: skip
+
+QWEN3_5_VOCAB = 248_320  # Qwen3.5's vocabulary: the chunked head's ratios are measured at it
+
+def make_qwen3_5_config(shapes: dict):
+    """A Qwen3.5 config of the same text sizes (``--family qwen3_5``) at Qwen3.5's 248,320 vocabulary:
+    layers in the checkpoints' pattern (every 4th full attention, the others Gated DeltaNet with half
+    as many key heads as value heads, head dim 128 as in the 9B), partial rotary (a quarter of
+    head_dim), Qwen3-VL's tower without DeepStack."""
+    from transformers import Qwen3_5Config
+
+    base = make_config(shapes, vocab=QWEN3_5_VOCAB)
+    text = base.text_config.to_dict()
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    head_dim = hidden // text["num_attention_heads"]
+    half = head_dim // 4 // 2  # rotary dims / 2
+    value_heads = max(2, hidden // 128)
+    text = {k: text[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}  # fmt: skip
+    text.update(head_dim=head_dim, linear_num_value_heads=value_heads, linear_num_key_heads=value_heads // 2,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                # every 4th full attention, and the last layer (a 2-layer smoke config still has one)
+                layer_types=["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [half - 2 * (half // 3), half // 3, half // 3], "mrope_interleaved": True})  # fmt: skip
+    vision = shapes["vision"]
+    vision = dict(depth=vision["depth"], hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+                  num_heads=vision["num_heads"], patch_size=16, num_position_embeddings=48 * 48,
+                  out_hidden_size=hidden)  # fmt: skip
+    ids = {k: getattr(base, f"{k}_token_id") for k in ("image", "video", "vision_start", "vision_end")}
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=shapes["tie"],
+                         **{f"{k}_token_id": v for k, v in ids.items()})  # fmt: skip
+
+
+# --family: the config of those shapes
+
+
+# --family: the config of those shapes
+CONFIGS = {"qwen2_5_vl": make_config, "qwen3_vl": make_qwen3_config, "qwen3_5": make_qwen3_5_config}

@@ -1,7 +1,8 @@
 """The package's shape, as docs/ARCHITECTURE.md describes it: checked on the source, not by convention.
 
-- no import cycles among qwenkit modules (function-level imports count: a cycle hidden in a
-  function still couples the two modules);
+- no import cycles among qwenkit modules (function-level and type-only imports count: a cycle hidden in a
+  function or an annotation still couples the two modules);
+- no module of the package or of ``benchmarks/`` reaches 440 lines (split by job, not trimmed);
 - at most 9 imports of qwenkit modules inside functions, each with a reason on its line;
 - argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.run.rank``);
 - the training kit never imports the notebook layer.
@@ -17,6 +18,7 @@ from conftest import package_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
+MAX_MODULE_LINES = 440  # a module this long holds more than one job
 MAX_FUNCTION_IMPORTS = 9  # the CLI's, one per subcommand (sweep the ninth)
 ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.run.rank"}
 
@@ -81,18 +83,12 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _type_only_lines(module: str) -> set[int]:
-    """Lines of ``module`` under ``if TYPE_CHECKING:``: imports for annotations, never executed."""
-    tree = ast.parse(MODULES[module].read_text())
-    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"]
-    return {c.lineno for b in blocks for n in b.body for c in ast.walk(n) if hasattr(c, "lineno")}
-
-
 def test_no_import_cycles():
-    """Runtime cycles: a type-only import (a section's ``check(cfg: Config)``) runs nothing."""
+    """Type-only imports (``if TYPE_CHECKING:``) count too: an annotation that needs the other module
+    couples the two as much as a call does."""
     edges: dict[str, set[str]] = {}
-    for module, line, target, _, _ in _imports():
-        if target != module and line not in _type_only_lines(module):
+    for module, _, target, _, _ in _imports():
+        if target != module:
             edges.setdefault(module, set()).add(target)
     cycle = _cycle(edges)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
@@ -101,6 +97,12 @@ def test_no_import_cycles():
 def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_module_holds_more_than_one_job_by_size():
+    sources = [*MODULES.values(), *(ROOT / "benchmarks").glob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) >= MAX_MODULE_LINES}
+    assert not long, f"modules of {MAX_MODULE_LINES} lines or more (split them by job): {long}"
 
 
 def test_few_function_level_imports_each_with_a_reason():
@@ -266,10 +268,10 @@ def test_the_tree_of_the_architecture_page_lists_every_module():
     for folder, names in listing.items():
         if folder == "config":
             continue
-        path = next(p for p in [PACKAGE / folder, PACKAGE / "engine" / folder, PACKAGE / "model" / folder] if p.is_dir())
+        path = next(p for p in [PACKAGE / folder, *(PACKAGE / room / folder for room in ("engine", "model", "config"))] if p.is_dir())
         modules = {p.stem for p in path.glob("*.py") if p.stem != "__init__"}
         missing += [f"{folder}/{m}" for m in sorted(modules - names)]
         stale += [f"{folder}/{n}" for n in sorted(names - modules)]
     assert {"engine", "run", "objectives", "rollouts", "generation", "checkpoints", "data", "model", "families", "losses",
-            "tiny"} <= set(listing)
+            "tiny", "rules"} <= set(listing)
     assert not missing and not stale, f"docs/ARCHITECTURE.md's tree: missing {missing}, not modules {stale}"

@@ -5,8 +5,8 @@ own functions (the notebooks themselves run on Qwen2.5-VL in tests/test_notebook
 from conftest import EVERY_FAMILY, over_families
 
 from qwenkit import config as qconfig
-from qwenkit.model.families import registry as families
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as families
 from qwenkit.notebooks import perf, validation
 
 

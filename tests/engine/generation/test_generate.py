@@ -14,9 +14,9 @@ from conftest import FAMILIES, over_families
 from model.families.test_chunked import _video_batch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from qwenkit.model.families import registry as families
 from qwenkit.model import processor
 from qwenkit.model.families import qwen2_5_vl
+from qwenkit.model.families import registry as families
 from qwenkit.model.families.spec import of_run
 
 NEW_TOKENS = 6

@@ -30,9 +30,9 @@ from qwenkit import data  # noqa: E402
 from qwenkit.engine.generation import generate as qgen  # noqa: E402
 from qwenkit.engine.generation import vllm_engine, vllm_requests  # noqa: E402
 from qwenkit.model.families import registry as families  # noqa: E402
-from qwenkit.model.tiny.checkpoint import vllm as tiny_vllm  # noqa: E402
 from qwenkit.model.paths import load_processor  # noqa: E402
 from qwenkit.model.processor import pixel_bounds  # noqa: E402
+from qwenkit.model.tiny import vllm as tiny_vllm  # noqa: E402
 
 NEW_TOKENS = 12
 SAMPLING = qgen.Sampling(max_new_tokens=NEW_TOKENS)  # greedy

@@ -133,7 +133,7 @@ def test_entropy_and_log_probs_belong_to_the_tempered_distribution_the_rollout_s
 def test_a_bf16_rollout_is_corrected_for_as_vllms_is(out):
     """``grpo.rollout_dtype=bfloat16``: the rollout's sampler is not the fp32 policy, so every step logs TRL's
     importance-sampling metrics: log-prob gaps above 0 and within bf16's rounding of the tiny model's logits
-    (below 1: test_rollout.py bounds it per family), ratios around 1; the policy still trains. The fp32 run
+    (below 1: tests/engine/rollouts/test_hf.py bounds it per family), ratios around 1; the policy still trains. The fp32 run
     has nothing to correct and logs none."""
     history = _history(out, "bf16")
     assert len(history) == 2

@@ -21,8 +21,7 @@ from qwenkit import config as qconfig
 from qwenkit import data
 from qwenkit.bench.collectives import count_all_gathers
 from qwenkit.distributed import fsdp
-from qwenkit.engine.generation.sampling import Sampling
-from qwenkit.engine.generation.sampling import RowSampler
+from qwenkit.engine.generation.sampling import RowSampler, Sampling
 from qwenkit.engine.objectives import rewards
 from qwenkit.engine.rollouts import hf as rollout
 from qwenkit.engine.rollouts.completion import completion, completion_seed, media_tokens, training_batch

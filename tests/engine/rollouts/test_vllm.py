@@ -26,7 +26,7 @@ from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import grpo  # noqa: E402
 from qwenkit.engine.run import train  # noqa: E402
-from qwenkit.model.tiny.checkpoint import vllm as tiny_vllm  # noqa: E402
+from qwenkit.model.tiny import vllm as tiny_vllm  # noqa: E402
 
 STEPS = 6
 RUN = ["train.objective=grpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", f"train.steps={STEPS}",

@@ -11,8 +11,8 @@ from qwenkit import config as qconfig
 from qwenkit import patches
 from qwenkit.bench.step import loss_and_grads
 from qwenkit.engine.run.build import fused_model
-from qwenkit.model.families import registry as families
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as families
 
 
 def _cfg(family, *overrides):
