@@ -26,8 +26,8 @@ import torch
 from qwenkit import config as qconfig
 from qwenkit.bench.step import loss_and_grads, sample_batches, to_device
 from qwenkit.config import DTYPES
-from qwenkit.model.families import registry as family
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as family
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor

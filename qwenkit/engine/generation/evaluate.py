@@ -56,10 +56,10 @@ from qwenkit.engine.generation import generate as qgen
 from qwenkit.errors import COMMAND_ENV
 from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
+from qwenkit.model.families.spec import ModelSpec, of_export, of_run
 from qwenkit.model.losses.cross_entropy import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor, pixel_bounds
-from qwenkit.model.families.spec import ModelSpec, of_export, of_run
 
 log = logging.getLogger(__name__)
 

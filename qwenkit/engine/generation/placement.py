@@ -43,8 +43,8 @@ from transformers import GenerationConfig
 
 from qwenkit.device import free_memory_bytes
 from qwenkit.distributed.meta import build_on_meta
-from qwenkit.model.families import registry as families
 from qwenkit.model import lora
+from qwenkit.model.families import registry as families
 
 if TYPE_CHECKING:
     from qwenkit.engine.generation.sampling import Sampling

@@ -46,8 +46,8 @@ from torch import nn
 
 from qwenkit.engine.generation.generate import Generation, reply_text
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
-from qwenkit.model.families import registry as families
 from qwenkit.model import lora
+from qwenkit.model.families import registry as families
 from qwenkit.model.modules import module_path
 from qwenkit.model.processor import pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops

@@ -40,8 +40,8 @@ from qwenkit.data import cache
 from qwenkit.data.preference import PairCollator, PairDataset
 from qwenkit.engine.objective import Objective
 from qwenkit.engine.run.build import reference_model
-from qwenkit.model.families import registry as families
 from qwenkit.model import lora, paths
+from qwenkit.model.families import registry as families
 from qwenkit.model.losses.logps import full_sequence_logps
 from qwenkit.model.losses.preference import pair_losses, preference_loss_share
 

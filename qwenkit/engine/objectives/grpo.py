@@ -75,10 +75,10 @@ from qwenkit.engine.rollouts.completion import Completion, Rollouts, media_token
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.engine.rollouts.vllm import VllmRollouts
 from qwenkit.engine.run.build import reference_model
-from qwenkit.model.families import registry as families
 from qwenkit.model import lora
-from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
+from qwenkit.model.families import registry as families
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
+from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
 from qwenkit.records import read_jsonl
 
 log = logging.getLogger(__name__)

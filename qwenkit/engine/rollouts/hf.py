@@ -64,7 +64,7 @@ from qwenkit.engine.generation.generate import (
 )  # fmt: skip
 from qwenkit.engine.generation.placement import choose_generation, lockstep
 from qwenkit.engine.generation.sampling import RowSampler
-from qwenkit.engine.rollouts.completion import Completion, completion, completion_seed
+from qwenkit.engine.rollouts.completion import Completion, completion, completion_seed, media_tokens
 
 log = logging.getLogger(__name__)
 WHERE = ("auto", "gather", "lockstep")  # where a rollout's weights come from (module docstring)

@@ -31,8 +31,8 @@ from qwenkit.config import DTYPES
 from qwenkit.distributed import expert, fsdp
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.model import lora
-from qwenkit.model.families import registry as family
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as family
 from qwenkit.model.families.chunked import ChunkLossMixin
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from qwenkit.device import device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine.checkpoints import resume as resume_rule
 from qwenkit.engine.run import optim
-from qwenkit.model.families import registry as families
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as families
 from qwenkit.model.paths import load_processor, resolve_path
 
 

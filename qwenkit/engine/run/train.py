@@ -55,9 +55,9 @@ from qwenkit.engine.run import build, events, optim, stopping
 from qwenkit.engine.run.expert_load import ExpertLoad
 from qwenkit.engine.run.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.run.profiling import ProfileWindow
-from qwenkit.model.families import registry as families
 from qwenkit.model import lora, paths
 from qwenkit.model.families import build as registry
+from qwenkit.model.families import registry as families
 from qwenkit.rundir import RunDir
 
 log = logging.getLogger("qwenkit.engine.run.train")
