@@ -39,6 +39,11 @@ class GrpoConfig:
     num_iterations: int = 1  # optimizer updates per batch of rollouts (PPO's mu); > 1 keeps old log-probs
     scale_rewards: Literal[SCALE_REWARDS] = "group"  # divide advantages by the group's std, the batch's, or none (Dr. GRPO)
     mask_truncated_completions: bool = False  # completions cut at max_new_tokens (no EOS) add no loss (DAPO)
+    # DAPO's dynamic sampling (verl's filter_groups, ms-swift's dynamic_sample): groups whose rewards are all
+    # equal are dropped and more prompts drawn until the batch is full, at most max_resample_rounds extra
+    # draws a rollout (qwenkit.engine.objectives.dynamic_sampling)
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 3
     # scores of each completion: exact, normalized, relaxed, anls (as train.eval_metrics), format
     # (the tags below), iou (a box vs the reference box) or module:function(prediction, reference, **row) -> float
     rewards: list[str] = field(default_factory=lambda: ["exact"])

@@ -29,6 +29,10 @@ def check(cfg: Config, need: Need) -> None:
     if grpo.epsilon_high is not None:
         need(grpo.epsilon_high > 0, f"grpo.epsilon_high must be > 0 (or unset: grpo.epsilon), got {grpo.epsilon_high}")
     need(grpo.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {grpo.num_iterations}")
+    need(grpo.max_resample_rounds >= 0, f"grpo.max_resample_rounds must be >= 0, got {grpo.max_resample_rounds}")
+    need(grpo.dynamic_sampling or grpo.max_resample_rounds == GrpoConfig.max_resample_rounds,
+         f"grpo.max_resample_rounds={grpo.max_resample_rounds} set but grpo.dynamic_sampling=false; "
+         "set grpo.dynamic_sampling=true (or leave grpo.max_resample_rounds unset)")  # fmt: skip
     need(
         not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
         f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "

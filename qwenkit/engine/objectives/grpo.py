@@ -70,7 +70,9 @@ from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
 from qwenkit.engine.generation.sampling import Sampling
 from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
+from qwenkit.engine.objectives import dynamic_sampling
 from qwenkit.engine.objectives import rewards as reward_fns
+from qwenkit.engine.objectives.dynamic_sampling import Round
 from qwenkit.engine.rollouts.completion import Completion, Rollouts, media_tokens, training_batch
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.engine.rollouts.vllm import VllmRollouts
@@ -90,8 +92,8 @@ SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each w
 # what a cached rollout was made under: a mid-cycle resume under other values rolls out again
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
                     "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
-                    "grpo.format_tags", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta", "train.micro_batch_size", "train.grad_accum",
-                    "train.seed")  # fmt: skip
+                    "grpo.format_tags", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta", "grpo.dynamic_sampling",
+                    "grpo.max_resample_rounds", "train.micro_batch_size", "train.grad_accum", "train.seed")  # fmt: skip
 
 
 def rollout_settings(cfg) -> dict:
@@ -156,24 +158,33 @@ class GrpoObjective(Objective):
 
     def micro_batches(self, model: nn.Module, batches, count: int) -> list[dict]:
         """A new rollout every ``grpo.num_iterations`` steps (module docstring), else the last one again."""
-        self.rollout_time = 0.0
+        self.rollout_time = 0.0  # the seconds of this step's rollouts (every round of dynamic sampling)
         if self.uses % self.grpo.num_iterations == 0:
             self.cached = self._rollout(model, count)
         self.uses += 1
         return [dict(b) for b in self.cached]  # the trainer pops its counts from these
 
-    def _rollout(self, model: nn.Module, count: int) -> list[dict]:
-        sampler = self.bundle.sampler
-        epoch = sampler.epoch
+    def _draw(self, model: nn.Module, count: int) -> Round:
+        """``count`` batches of rows from the sampler, their completions and rewards."""
+        epoch = self.bundle.sampler.epoch
         groups = [next(self.rows) for _ in range(count)]  # [count][micro_batch_size] dataset rows
         start = time.perf_counter()
         done = self.rollouts(model, self.bundle.dataset, [i for g in groups for i in g], epoch)
-        self.rollout_time = time.perf_counter() - start
-        if self.uses == 0 and self.rt.rank == 0 and getattr(self.rollouts, "chosen", None):
-            log.info("grpo rollouts: %s (%s)", *self.rollouts.chosen)
+        self.rollout_time += time.perf_counter() - start
         names = [f"row {c.index}" for c in done]
         per, total = reward_fns.score(self.rewards, self.grpo.reward_weights, [c.text for c in done],
                                       [c.reference for c in done], [c.row for c in done], names)  # fmt: skip
+        return Round(done, per, total, [epoch] * len(done))
+
+    def _rollout(self, model: nn.Module, count: int) -> list[dict]:
+        if self.grpo.dynamic_sampling:  # uninformative groups dropped, more prompts drawn (DAPO)
+            drawn, resampled = dynamic_sampling.fill(lambda: self._draw(model, count), self.grpo.num_generations,
+                                                     self.grpo.max_resample_rounds, self.rt.device)  # fmt: skip
+        else:
+            drawn, resampled = self._draw(model, count), {}
+        if self.uses == 0 and self.rt.rank == 0 and getattr(self.rollouts, "chosen", None):
+            log.info("grpo rollouts: %s (%s)", *self.rollouts.chosen)
+        done, per, total = drawn.done, drawn.per, drawn.total
         truncated = torch.tensor([c.truncated for c in done])
         columns = {f"rewards/{name}": per[:, k] for k, name in enumerate(self.rewards)}
         columns |= {"reward": total, "length": torch.tensor([float(len(c.tokens)) for c in done]),
@@ -182,10 +193,10 @@ class GrpoObjective(Objective):
         rank = self.rt.rank
         n = len(done)
         adv, zero = group_advantages(everyone["reward"], self.grpo.num_generations, self.grpo.scale_rewards)
-        self.rollout_metrics = self._rollout_metrics(everyone, zero)
+        self.rollout_metrics = self._rollout_metrics(everyone, zero) | resampled
         mine = adv[rank * n : (rank + 1) * n]
         if self.sample_file is not None:
-            self.sample = self._sample(done, per, total, mine, epoch)
+            self.sample = self._sample(done, per, total, mine, drawn.epochs)
         size = n // count
         micro = []
         # importance sampling over the rollout: sums and counts, and the extremes (the minimum as a maximum of -x)
@@ -317,13 +328,13 @@ class GrpoObjective(Objective):
         return out
 
     def _sample(self, done: list[Completion], per: torch.Tensor, total: torch.Tensor, adv: torch.Tensor,
-                epoch: int) -> list[dict]:  # fmt: skip
+                epochs: list[int]) -> list[dict]:  # fmt: skip
         """The completions file's lines of this rollout's first :data:`SAMPLE_GROUPS` groups (module docstring)."""
         kept = SAMPLE_GROUPS * self.grpo.num_generations
         rollout = self.uses // self.grpo.num_iterations
         return [{"rollout": rollout, "epoch": epoch, "index": c.index, "completion": c.text, "reference": c.reference,
                  "rewards": dict(zip(self.rewards, values)), "reward": r, "advantage": a, "truncated": c.truncated}
-                for c, values, r, a in zip(done[:kept], per.tolist(), total.tolist(), adv.tolist())]  # fmt: skip
+                for c, values, r, a, epoch in zip(done[:kept], per.tolist(), total.tolist(), adv.tolist(), epochs)]  # fmt: skip
 
     def log(self, step: int) -> None:
         """A logged step: rank 0 appends the sample of this step's rollout to the completions file."""
