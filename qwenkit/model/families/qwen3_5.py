@@ -25,7 +25,6 @@ from qwenkit.model.families import linear_attention
 from qwenkit.model.families.chunked import ChunkLossMixin
 from qwenkit.model.families.qwen3_vl import RouterAuxLoss
 from qwenkit.model.families.subclass import finish_subclass
-from qwenkit.model.tiny.configs import toy_parts
 
 
 class _Packed:
@@ -56,44 +55,3 @@ class QwenkitQwen3_5Moe(_Packed, RouterAuxLoss, ChunkLossMixin, Qwen3_5MoeForCon
 
 finish_subclass(QwenkitQwen3_5, Qwen3_5ForConditionalGeneration)
 finish_subclass(QwenkitQwen3_5Moe, Qwen3_5MoeForConditionalGeneration)
-
-
-# The tiny default (the entry's tiny_config): the real architecture at toy sizes.
-
-
-def _qwen3_5_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
-    """Qwen3.5's hybrid decoder at toy sizes: three Gated DeltaNet layers, then one gated full attention."""
-    text, vision, top = toy_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        head_dim=32,
-        # partial rotary (a quarter of head_dim), interleaved mRoPE: the section sums to 32 * 0.25 / 2 = 4
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-        linear_conv_kernel_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,  # two value heads per key head, as in the real checkpoints
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    )  # fmt: skip
-    vision.update(patch_size=16, num_position_embeddings=16)  # Qwen3-VL's tower without DeepStack
-    return text, vision, top
-
-
-def qwen3_5_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
-    """A Qwen3.5 (dense) config with toy sizes: layers 0-2 linear attention, layer 3 full attention."""
-    from transformers import Qwen3_5Config  # transformers 5.x only: 4.57 has no Qwen3.5
-
-    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
-    return Qwen3_5Config(text_config=text, vision_config=vision, **top)
-
-
-def qwen3_5_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
-    """A Qwen3.5-MoE config with toy sizes: 4 experts, 2 per token, a gated shared expert, the aux loss on."""
-    from transformers import Qwen3_5MoeConfig  # transformers 5.x only
-
-    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
-    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)

@@ -18,9 +18,7 @@ import inspect
 
 import torch
 from transformers import (
-    Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
-    Qwen3VLMoeConfig,
     Qwen3VLMoeForConditionalGeneration,
 )
 from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as hf_moe
@@ -32,7 +30,6 @@ except ImportError:  # 4.57
 
 from qwenkit.model.families.chunked import ChunkLossMixin
 from qwenkit.model.families.subclass import finish_subclass
-from qwenkit.model.tiny.configs import toy_parts
 
 
 class _DeepStack:
@@ -94,38 +91,3 @@ _CONFIG_DEFAULT = "output_router_logits" in inspect.signature(Qwen3VLMoeForCondi
 
 finish_subclass(QwenkitQwen3VL, Qwen3VLForConditionalGeneration)
 finish_subclass(QwenkitQwen3VLMoe, Qwen3VLMoeForConditionalGeneration)
-
-
-# The tiny default (the entry's tiny_config): the real architecture at toy sizes.
-
-
-def qwen3_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool) -> tuple[dict, dict, dict]:
-    """Qwen3-VL's tower and decoder at toy sizes (DeepStack, interleaved mRoPE): also Qwen3-Omni's."""
-    text, vision, top = toy_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(
-        num_hidden_layers=3,  # DeepStack adds after layers 0 and 1: the last one must follow them
-        head_dim=16,
-        # interleaved mRoPE: the section sums to head_dim/2 = 8 (4.57 reads rope_scaling; 5.x converts it)
-        rope_theta=5_000_000.0,
-        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-    )
-    vision.update(
-        patch_size=16,
-        num_position_embeddings=16,  # a 4x4 learned grid, interpolated to each image's
-        deepstack_visual_indexes=[0, 1],  # two DeepStack mergers, added after decoder layers 0 and 1
-    )
-    return text, vision, top
-
-
-def qwen3_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen3VLConfig:
-    """A Qwen3-VL (dense) config with toy sizes."""
-    text, vision, top = qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
-    return Qwen3VLConfig(text_config=text, vision_config=vision, **top)
-
-
-def qwen3_vl_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen3VLMoeConfig:
-    """A Qwen3-VL-MoE config with toy sizes: 4 experts, 2 per token, the router's aux loss on."""
-    text, vision, top = qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
-    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)

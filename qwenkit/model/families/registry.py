@@ -90,7 +90,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen2_5_vl",
             hf_class="transformers:Qwen2_5_VLForConditionalGeneration",
             subclass="qwenkit.model.families.qwen2_5_vl:QwenkitQwen2_5_VL",
-            tiny_config="qwenkit.model.families.qwen2_5_vl:qwen2_5_vl_config",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen2_5_vl_config",
             parts=_QWEN2_5_PARTS,
             lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
             shard_units=_SHARD,
@@ -103,7 +103,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen3_vl",
             hf_class="transformers:Qwen3VLForConditionalGeneration",
             subclass="qwenkit.model.families.qwen3_vl:QwenkitQwen3VL",
-            tiny_config="qwenkit.model.families.qwen3_vl:qwen3_vl_config",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen3_vl_config",
             parts=_QWEN3_PARTS,
             lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
             shard_units=_QWEN3_SHARD,
@@ -118,7 +118,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen3_vl_moe",
             hf_class="transformers:Qwen3VLMoeForConditionalGeneration",
             subclass="qwenkit.model.families.qwen3_vl:QwenkitQwen3VLMoe",
-            tiny_config="qwenkit.model.families.qwen3_vl:qwen3_vl_moe_config",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen3_vl_moe_config",
             parts=(*_QWEN3_PARTS[:3], ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_PARTS[3:]),
             lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
             shard_units=_QWEN3_SHARD,
@@ -137,7 +137,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen3_5",
             hf_class="transformers:Qwen3_5ForConditionalGeneration",
             subclass="qwenkit.model.families.qwen3_5:QwenkitQwen3_5",
-            tiny_config="qwenkit.model.families.qwen3_5:qwen3_5_config",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen3_5_config",
             parts=_QWEN3_5_PARTS,
             lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
             shard_units=_SHARD,
@@ -155,7 +155,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen3_5_moe",
             hf_class="transformers:Qwen3_5MoeForConditionalGeneration",
             subclass="qwenkit.model.families.qwen3_5:QwenkitQwen3_5Moe",
-            tiny_config="qwenkit.model.families.qwen3_5:qwen3_5_moe_config",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen3_5_moe_config",
             parts=(*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_5_PARTS[2:]),
             lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
             shard_units=_SHARD,
@@ -179,7 +179,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen2_5_omni_thinker",
             hf_class="transformers:Qwen2_5OmniThinkerForConditionalGeneration",
             subclass="qwenkit.model.families.omni:QwenkitQwen2_5OmniThinker",
-            tiny_config="qwenkit.model.families.omni:qwen2_5_omni_config",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen2_5_omni_config",
             parts=(_OMNI_AUDIO, *_QWEN2_5_PARTS),
             shard_units=_SHARD,
             fused_ops=("rms_norm", "vision_rope", "swiglu"),  # Qwen2.5-VL's modules under other class names
@@ -188,7 +188,7 @@ FAMILIES: dict[str, Family] = {
             hf_module="qwen2_5_omni",
             never_trained=("model.audio_tower.audio_bos_eos_token",),
             whole=Whole("qwen2_5_omni", "transformers:Qwen2_5OmniForConditionalGeneration",
-                        "qwenkit.model.families.omni:qwen2_5_omni_whole_config", files=("spk_dict.pt",)),  # fmt: skip
+                        "qwenkit.model.families.tiny_configs:qwen2_5_omni_whole_config", files=("spk_dict.pt",)),  # fmt: skip
             **_OMNI,
         ),
         # Qwen3-Omni's thinker: Qwen3-VL-MoE's DeepStack tower (its mergers under merger_list) and MoE decoder
@@ -198,7 +198,7 @@ FAMILIES: dict[str, Family] = {
             model_type="qwen3_omni_moe_thinker",
             hf_class="transformers:Qwen3OmniMoeThinkerForConditionalGeneration",
             subclass="qwenkit.model.families.omni:QwenkitQwen3OmniMoeThinker",
-            tiny_config="qwenkit.model.families.omni:qwen3_omni_moe_config",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen3_omni_moe_config",
             parts=(_OMNI_AUDIO, *_QWEN3_PARTS[:2], ("deepstack mergers", ("model.visual.merger_list",)),
                    ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_PARTS[3:]),  # fmt: skip
             shard_units=(*_SHARD[:2], "model.visual.merger_list.*", *_SHARD[2:]),
@@ -212,7 +212,7 @@ FAMILIES: dict[str, Family] = {
             audio_tokens=("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"),
             hf_module="qwen3_omni_moe",
             whole=Whole("qwen3_omni_moe", "transformers:Qwen3OmniMoeForConditionalGeneration",
-                        "qwenkit.model.families.omni:qwen3_omni_moe_whole_config"),  # fmt: skip
+                        "qwenkit.model.families.tiny_configs:qwen3_omni_moe_whole_config"),  # fmt: skip
             **_OMNI,
         ),
     )

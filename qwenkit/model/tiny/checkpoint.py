@@ -6,7 +6,7 @@ directory (config, safetensors weights, tokenizer, image processor) into a cache
 tiny model is loaded by exactly the code path a real checkpoint takes (``model.build``).
 
 The architecture is the real one at toy sizes: each family's entry (:mod:`qwenkit.model.families.registry`)
-names its config builder, in the family's own module.
+names its config builder in :mod:`qwenkit.model.families.tiny_configs`.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from qwenkit import data  # noqa: E402
 from qwenkit.engine.generation import generate as qgen  # noqa: E402
 from qwenkit.engine.generation import vllm_engine, vllm_requests  # noqa: E402
 from qwenkit.model.families import registry as families  # noqa: E402
+from qwenkit.model.families.entry import VLLM_CPU_HEAD_SIZES  # noqa: E402
 from qwenkit.model.paths import load_processor  # noqa: E402
 from qwenkit.model.processor import pixel_bounds  # noqa: E402
 from qwenkit.model.tiny import vllm as tiny_vllm  # noqa: E402
@@ -251,3 +252,9 @@ def test_replies_after_a_push_agree_with_the_kits_except_where_the_entry_refuses
     outputs, also for the checkpoint's own tensors (``Family.vllm_refusal``; this fails once vLLM fixes it)."""
     family, result = isolated
     assert result["pushed"] is not bool(families.get(family).vllm_refusal), result
+
+
+def test_the_head_dims_refused_before_the_start_are_the_ones_vllms_cpu_attention_cannot_run():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert VLLM_CPU_HEAD_SIZES == tuple(CPUAttentionBackend.get_supported_head_sizes())

@@ -1,5 +1,4 @@
-"""qwenkit.model.tiny.configs and the families' tiny configs built on it: the tiny checkpoints' configs (their
-architecture: tests/model/tiny/test_checkpoint.py)."""
+"""qwenkit.model.families.tiny_configs: the tiny checkpoints' configs (their architecture: tests/model/tiny/test_checkpoint.py)."""
 
 import json
 
