@@ -185,9 +185,7 @@ class Trainer:
         model_path = self.model_path
         processor = paths.load_processor(cfg, model_path)
         build_data = self.data_builder or data.build
-        self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
-        if sp_size > 1:  # one micro-batch per SP group: the sampler deals over the groups
-            self.bundle.sampler = data.make_sampler(cfg, self.bundle.dataset, self.sp.dp_rank, self.sp.dp_size)
+        self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)  # dealt over the SP groups (data.make_sampler)
 
         meshes = build.meshes(cfg, rt)
         if main_rank and meshes.experts is not None:
