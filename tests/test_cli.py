@@ -47,6 +47,19 @@ def test_timeout_key_is_validated_before_spawning(tmp_path, monkeypatch, capsys)
     assert qconfig.load().parallel.timeout_s == 600
 
 
+@pytest.mark.parametrize("samples", ["0", "-1"])
+def test_eval_of_no_rows_is_refused_in_one_line_before_anything_loads(samples, tmp_path, monkeypatch, capsys):
+    """``--samples 0`` wrote an empty generations file and exited 0: a command that did nothing."""
+    from qwenkit.engine.generation import evaluate
+
+    monkeypatch.setattr(evaluate, "load_for_eval", lambda *a, **k: pytest.fail("the model must not load"))
+    out = tmp_path / "g.jsonl"
+    assert cli.main(["eval", str(tmp_path), "--samples", samples, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"qwenkit eval: --samples must be >= 1 (rows to evaluate; leave it out for the "
+                                       f"run's train.eval_samples), got {samples}\n")  # fmt: skip
+    assert not out.exists()
+
+
 def test_an_eval_rank_leaves_a_shared_input_error_to_rank_0(tmp_path, monkeypatch, capsys):
     """Under ``qwenkit eval --nproc N`` every rank reads the same arguments, config and data: rank 0
     says their error, once (it was printed by every rank). An error in a rank's own share of the
