@@ -35,9 +35,11 @@ class KnownCause(RuntimeError):
 
 def said_by_another_rank(error: BaseException) -> bool:
     """Whether this process is a rank of a subcommand's torchrun (``qwenkit eval --nproc``) other
-    than rank 0, and ``error`` one that rank 0 meets too and says (:class:`OwnShareError` aside)."""
+    than rank 0, and ``error`` one that rank 0 meets too and says (:class:`OwnShareError` and a rank's
+    own :class:`KnownCause`, its engine's, aside)."""
     ranked = os.environ.get(COMMAND_ENV) is not None and os.environ.get("RANK", "0") != "0"
-    return ranked and not isinstance(error, OwnShareError)
+    own = isinstance(error, OwnShareError) or (isinstance(error, KnownCause) and not isinstance(error, EveryRank))
+    return ranked and not own
 
 
 def print_user_error(command: str, error: BaseException) -> None:

@@ -81,3 +81,23 @@ def test_an_eval_rank_leaves_a_shared_input_error_to_rank_0(tmp_path, monkeypatc
     monkeypatch.setenv("RANK", "1")
     assert cli.main(["eval", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "qwenkit eval: eval metric 'f' returned nan on eval row 3; a score must be a finite number\n"
+
+
+def test_a_known_engine_failure_in_eval_is_one_line_said_by_the_rank_that_met_it(tmp_path, monkeypatch, capsys):
+    """``qwenkit eval --engine vllm`` whose vLLM has no room for its KV cache: the kit's one line, exit 2,
+    as an input error (it was a traceback); under ``--nproc`` the rank whose engine failed says it."""
+    from qwenkit.engine.generation import evaluate, vllm_engine
+
+    said = "vLLM has no memory left for its KV cache (vLLM: ...); raise vllm.gpu_memory_utilization (CUDA)"
+
+    def engine_fails(request):
+        raise vllm_engine.EngineFailure(said)
+
+    monkeypatch.setattr(evaluate, "eval_main", engine_fails)
+    monkeypatch.delenv(errors.TRACEBACK_ENV, raising=False)
+    assert cli.main(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"qwenkit eval: {said}\n"
+    monkeypatch.setenv(errors.COMMAND_ENV, "eval")
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"qwenkit eval: {said}\n"
