@@ -12,7 +12,7 @@ import re
 import sys
 
 from qwenkit import config as qconfig
-from qwenkit.errors import TRACEBACK_ENV, print_user_error, said_by_another_rank
+from qwenkit.errors import TRACEBACK_ENV, KnownCause, print_user_error, said_by_another_rank
 
 # a dotted override (train.steps=30), wherever it stands among the options
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
@@ -25,8 +25,9 @@ class UserError(Exception):
 # What a subcommand raises for bad input: by the project's convention a ValueError that names the
 # key, file or row (ConfigError, DataError, BadSample, ExportError are ValueErrors), or a missing
 # or unwritable file. They print one line, never a traceback, and exit 2 (`train` and `data
-# check` always did); anything else is a bug and keeps its traceback.
-USER_ERRORS = (UserError, ValueError, OSError)
+# check` always did); so does a failure of a known cause that says its fix (KnownCause: vLLM's KV cache
+# too small under `eval --engine vllm`); anything else is a bug and keeps its traceback.
+USER_ERRORS = (UserError, ValueError, OSError, KnownCause)
 
 
 # Each subcommand imports its own stack when it runs, so `qwenkit --help` or a data check does

@@ -1,5 +1,9 @@
 """How the ``qwenkit`` commands report an input error: one line naming what to fix, exit 2; with
-``--traceback`` (every subcommand has it) the full traceback above that line, for a bug report."""
+``--traceback`` (every subcommand has it) the full traceback above that line, for a bug report.
+
+And the kinds of failure a rank of ``qwenkit train`` reports in one line, its traceback in its log only
+(:func:`qwenkit.engine.run.rank.report_failure`): :class:`KnownCause` (a full disk at a save, an engine's
+known error) and :class:`EveryRank` (a failure every rank raises at the same point, which rank 0 says)."""
 
 from __future__ import annotations
 
@@ -16,11 +20,26 @@ class OwnShareError(ValueError):
     the rank that meets it says it. Any other input error every rank meets alike, and rank 0 says it."""
 
 
+class EveryRank(Exception):
+    """A mixin: every rank raises this failure at the same point of its step, having agreed on it over a
+    collective (a reward that failed on one rank, a non-finite loss, a save that failed). The ranks are
+    still in step, so the trainer may finish collective work first (a ``checkpoint.async`` save in flight),
+    and rank 0 alone says it."""
+
+
+class KnownCause(RuntimeError):
+    """A rank's failure whose cause is known, raised as ``<cause>; <fix>``: one line (``qwenkit train: rank N
+    failed: ...``), its traceback in the rank's log. Like an input error, what the user fixes (their disk,
+    their engine settings): restarting the group would meet it again."""
+
+
 def said_by_another_rank(error: BaseException) -> bool:
     """Whether this process is a rank of a subcommand's torchrun (``qwenkit eval --nproc``) other
-    than rank 0, and ``error`` one that rank 0 meets too and says (:class:`OwnShareError` aside)."""
+    than rank 0, and ``error`` one that rank 0 meets too and says (:class:`OwnShareError` and a rank's
+    own :class:`KnownCause`, its engine's, aside)."""
     ranked = os.environ.get(COMMAND_ENV) is not None and os.environ.get("RANK", "0") != "0"
-    return ranked and not isinstance(error, OwnShareError)
+    own = isinstance(error, OwnShareError) or (isinstance(error, KnownCause) and not isinstance(error, EveryRank))
+    return ranked and not own
 
 
 def print_user_error(command: str, error: BaseException) -> None:

@@ -254,7 +254,7 @@ def launch(
     try:
         if out.is_dir():  # a job there now: say so before anything else
             lock = acquire_lock(out, node)
-        problems = check_before_spawn(cfg, rdzv.most_nodes)
+        problems = check_before_spawn(cfg, rdzv.most_nodes, rdzv.nnodes)
         if problems:
             listed = problems[0] if len(problems) == 1 else "\n  - " + "\n  - ".join(problems)  # one: one line
             print(f"qwenkit train: invalid run: {listed}", file=sys.stderr)

@@ -10,6 +10,7 @@
       logs/rank-NNNNN.log  every rank's own log
       metrics/rank-NNNNN.jsonl  every rank's metrics (qwenkit.engine.run.metrics)
       checkpoints/       DCP checkpoints (qwenkit.engine.checkpoints.dcp)
+      reward_failure.json  the rows, completions and tracebacks of a GRPO reward that failed (qwenkit.engine.objectives.rewards)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ TRAIN_LOG = "train.log"
 LOGS = "logs"
 METRICS = "metrics"
 CHECKPOINTS = "checkpoints"
+REWARD_FAILURE = "reward_failure.json"
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / CHECKPOINTS
+
+    @property
+    def reward_failure(self) -> Path:
+        return self.path / REWARD_FAILURE
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank:05d}.log"

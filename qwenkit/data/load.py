@@ -17,8 +17,9 @@ from qwenkit.config import DataConfig
 from qwenkit.data import cache
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.index import SampleIndex
-from qwenkit.data.preference import pair_report, preference_data, preference_sources
+from qwenkit.data.preference import index_pairs, pair_report, preference_data, preference_sources
 from qwenkit.data.reader import DataError, json_files, open_sources
+from qwenkit.data.row_spans import RowSpans
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny.data import ensure_dataset
 
@@ -30,10 +31,16 @@ def open_dataset(data: DataConfig, source=None, reads: str = "conversations") ->
     (:data:`qwenkit.config.DATA_READS`): ``pairs`` reads preference pairs
     (:mod:`qwenkit.data.preference`), two rows per row.
     """
-    source, pairs = data.path if source is None else source, reads == "pairs"
-    if isinstance(source, str) and source == "tiny":
-        source = ensure_dataset(data.tiny_samples, seed=0, preference=pairs, task=data.tiny_task)
+    source, pairs = _located(data, source, reads), reads == "pairs"
     return preference_sources(open_sources(source)) if pairs else open_sources(source)
+
+
+def _located(data: DataConfig, source, reads: str):
+    """``source`` (default ``data.path``), the ``tiny`` set as the file it is written to."""
+    source = data.path if source is None else source
+    if isinstance(source, str) and source == "tiny":
+        return ensure_dataset(data.tiny_samples, seed=0, preference=reads == "pairs", task=data.tiny_task)
+    return source
 
 
 def index_data(data: DataConfig, reads: str) -> DataConfig:
@@ -100,17 +107,22 @@ def _unreadable(index) -> None:
         )
 
 
+def _cached_index(data: DataConfig, processor: Processor, reads: str, source) -> SampleIndex | None:
+    """The prepared index of ``source`` read as ``reads``, when the cache holds it (else None: nothing is scanned)."""
+    sources, indexed = open_dataset(data, source, reads), index_data(data, reads)
+    loaded = SampleIndex.load(cache.index_path(sources, processor, indexed, reads == "prompts"))
+    return None if loaded is None else loaded[0]
+
+
 def cached_problem(data: DataConfig, processor: Processor, reads: str = "conversations", source=None) -> str | None:
     """What :func:`read_checked` would raise in every rank, found before any rank starts, when the
     dataset's index is in the cache already (an earlier start, ``qwenkit data prepare``): the first
     bad row (``on_bad_sample: error``), an unreadable file, more than ``data.max_bad_fraction`` bad
     rows. None when all is well or nothing is cached (the ranks scan and check). ``source``: another
     dataset than ``data.path`` read with the same settings (``data.eval_path``), as :func:`read_checked`'s."""
-    sources, indexed = open_dataset(data, source, reads), index_data(data, reads)
-    loaded = SampleIndex.load(cache.index_path(sources, processor, indexed, reads == "prompts"))
-    if loaded is None:
+    index = _cached_index(data, processor, reads, source)
+    if index is None:
         return None
-    index = loaded[0]
     try:
         if data.on_bad_sample == "error" and index.bad:
             raise index.bad[0].error()
@@ -119,6 +131,44 @@ def cached_problem(data: DataConfig, processor: Processor, reads: str = "convers
     except ValueError as e:
         return str(e)
     return None
+
+
+def cached_samples(data: DataConfig, processor: Processor, reads: str = "conversations", source=None) -> int | None:
+    """How many samples (pairs, prompts) :func:`read_checked` gives from ``source`` (default ``data.path``),
+    when its index is cached: the good rows, or the pairs whose two sides are good. None: nothing cached."""
+    index = _cached_index(data, processor, reads, source)
+    if index is None:
+        return None
+    return len(index_pairs(index)) if reads == "pairs" else len(index)
+
+
+def rows_at_most(data: DataConfig, most: int, reads: str = "conversations", source=None) -> int | None:
+    """The rows of the JSON files behind ``source`` (default ``data.path``; ``tiny``: the synthetic set),
+    counted up to ``most``: no more of the files is read than holds that many rows, so a large dataset
+    costs its first rows only. Every sample (pair, prompt) :func:`read_checked` gives is a row, so fewer
+    rows than a step needs is a certain failure the launcher refuses (:mod:`qwenkit.engine.run.prespawn`).
+    None: not counted here (a Hugging Face dataset; a file that does not parse, which the ranks name)."""
+    source = _located(data, source, reads)
+    if not isinstance(source, (str, Path)):
+        return None
+    path = Path(source).expanduser()
+    if path.is_file():
+        files = [path] if path.suffix in (".json", ".jsonl") else []
+    elif path.is_dir() and not (path / "state.json").is_file():
+        files = json_files(path)
+    else:
+        files = []
+    if not files:
+        return None
+    rows = 0
+    for file in files:
+        spans = RowSpans.find(file, most=most - rows)
+        if spans.error is not None:
+            return None
+        rows += len(spans)
+        if rows >= most:
+            return rows
+    return rows
 
 
 def file_sizes(data: DataConfig) -> dict[str, int] | None:

@@ -14,8 +14,9 @@ from qwenkit.data.collator import Collator
 from qwenkit.data.dataset import EncodedDataset
 from qwenkit.data.load import read_checked, read_dataset
 from qwenkit.data.preference import PairCollator, PairDataset
+from qwenkit.data.reader import DataError
 from qwenkit.data.report import BadSampleReport
-from qwenkit.data.sampler import FixedSizeSampler, TokenBudgetSampler
+from qwenkit.data.sampler import FixedSizeSampler, TokenBudgetSampler, too_small
 from qwenkit.data.split import split_eval
 from qwenkit.model.processor import Processor
 from qwenkit.model.tiny.data import EVAL_SEED, ensure_dataset
@@ -60,7 +61,7 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     """Dataset, sampler, collator and bad-sample report for this rank, checked before training.
 
     Raises :class:`qwenkit.data.report.BadSample` (``on_bad_sample=error``) or ``ValueError`` (too many skipped,
-    an unparseable file, fewer samples than one global batch).
+    an unparseable file, fewer samples than one step takes: :func:`step_problem`).
     """
     data, reads = cfg.data, OBJECTIVES[cfg.train.objective].reads
     dataset, report = read_checked(data, processor, source, rank, world_size, reads)
@@ -78,16 +79,52 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     )
 
 
+UNITS = {"conversations": "samples", "pairs": "pairs", "prompts": "prompts"}  # a sampler index, by what the rows are
+
+
+def data_parallel(cfg: Config, rank: int, world_size: int) -> tuple[int, int]:
+    """``(rank, size)`` among the data-parallel ranks: the ranks of a sequence-parallel group share
+    their micro-batch (:func:`qwenkit.distributed.sequence.init_groups`' groups of consecutive ranks)."""
+    sp = cfg.parallel.sp_size
+    return rank // sp, max(world_size // sp, 1)
+
+
+def _step(cfg: Config, world_size: int) -> tuple[int | None, int, int]:
+    """A step's micro-batches as :func:`qwenkit.data.sampler.too_small` takes them: ``(samples per
+    micro-batch, None under a token budget; data-parallel ranks; train.grad_accum)``."""
+    per = None if cfg.data.max_tokens_per_batch else cfg.train.micro_batch_size
+    return per, data_parallel(cfg, 0, world_size)[1], cfg.train.grad_accum
+
+
+def step_samples(cfg: Config, world_size: int) -> int:
+    """The fewest samples one optimizer step of this run on ``world_size`` ranks takes."""
+    per, ranks, accum = _step(cfg, world_size)
+    return (per or 1) * ranks * accum
+
+
+def step_problem(cfg: Config, num_samples: int, world_size: int, what: str | None = None) -> str | None:
+    """Why ``num_samples`` cannot fill one optimizer step of this run on ``world_size`` ranks, or None:
+    :func:`qwenkit.data.sampler.too_small` with the run's micro-batches. Asked by :func:`make_sampler` in
+    every rank and by the launcher before any rank starts (:mod:`qwenkit.engine.run.prespawn`, with ``what``
+    naming its count)."""
+    return too_small(num_samples, *_step(cfg, world_size), UNITS[OBJECTIVES[cfg.train.objective].reads], what)
+
+
 def make_sampler(cfg: Config, dataset: EncodedDataset, rank: int, world_size: int) -> FixedSizeSampler:
-    """A fixed ``train.micro_batch_size``, or micro-batches filled to ``data.max_tokens_per_batch``."""
+    """A fixed ``train.micro_batch_size``, or micro-batches filled to ``data.max_tokens_per_batch``, dealt
+    over the data-parallel ranks (:func:`data_parallel`). Raises a :class:`~qwenkit.data.reader.DataError`
+    when the dataset cannot fill one step (:func:`step_problem`): one line, as a bad dataset is."""
+    if problem := step_problem(cfg, len(dataset), world_size):
+        raise DataError(problem)
     data, accum = cfg.data, cfg.train.grad_accum  # epochs end at a step's end (see qwenkit.data.sampler)
+    rank, world_size = data_parallel(cfg, rank, world_size)
     if data.max_tokens_per_batch:
         return TokenBudgetSampler(
             dataset.lengths, data.max_tokens_per_batch, cfg.train.seed, data.shuffle, rank, world_size, data.packing,
             accum=accum,
         )
     return FixedSizeSampler(len(dataset), cfg.train.micro_batch_size, cfg.train.seed, data.shuffle, rank, world_size,
-                            accum, unit="pairs" if isinstance(dataset, PairDataset) else "samples")  # fmt: skip
+                            accum, unit=UNITS[OBJECTIVES[cfg.train.objective].reads])  # fmt: skip
 
 
 def _eval_set(cfg: Config, processor: Processor, dataset: EncodedDataset, rank: int, world_size: int, source):

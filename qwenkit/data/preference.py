@@ -206,7 +206,11 @@ def preference_sources(sources: list) -> list[PreferenceSource]:
 
 def pair_indices(dataset: EncodedDataset) -> np.ndarray:
     """``[P, 2]`` dataset indices (chosen, rejected) of the pairs whose both sides passed the scan."""
-    index = dataset.index
+    return index_pairs(dataset.index)
+
+
+def index_pairs(index) -> np.ndarray:
+    """:func:`pair_indices` of a prepared index (:class:`~qwenkit.data.index.SampleIndex`) alone."""
     key = index.source.astype(np.int64) * (2**40) + index.row.astype(np.int64)  # [N] (source, row) of each sample
     position = {int(k): i for i, k in enumerate(key)}
     pairs = [(i, position[int(k) + 1]) for i, k in enumerate(key) if k % 2 == CHOSEN and int(k) + 1 in position]

@@ -44,13 +44,15 @@ class RowSpans:
         return cls(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), error)
 
     @classmethod
-    def find(cls, path: Path, bar: tqdm | None = None) -> RowSpans:
-        """One pass over ``path`` (``bar`` counts its bytes)."""
+    def find(cls, path: Path, bar: tqdm | None = None, most: int | None = None) -> RowSpans:
+        """One pass over ``path`` (``bar`` counts its bytes). ``most``: stop once that many rows are
+        found (a JSONL file: at the end of the block that holds them): the spans of the file's first
+        rows, for a count that needs no more (the launcher's, :func:`qwenkit.data.load.rows_at_most`)."""
         with open(path, "rb") as f:
-            return _jsonl_spans(f, bar) if path.suffix == ".jsonl" else _json_spans(f, str(path), bar)
+            return _jsonl_spans(f, bar, most) if path.suffix == ".jsonl" else _json_spans(f, str(path), bar, most)
 
 
-def _jsonl_spans(f, bar: tqdm | None) -> RowSpans:
+def _jsonl_spans(f, bar: tqdm | None, most: int | None = None) -> RowSpans:
     """Lines that are not blank (``bytes.strip()`` leaves something), numbered from 1."""
     starts, sizes, lines = [], [], []
     carry, base, lineno = b"", 0, 0  # carry: the unfinished last line, from file offset base
@@ -76,7 +78,7 @@ def _jsonl_spans(f, bar: tqdm | None) -> RowSpans:
         sizes.append(size[keep].astype(np.int32))
         lines.append((lineno + 1 + np.flatnonzero(keep)).astype(np.int32))
         lineno += len(ends)
-        if not block:
+        if not block or (most is not None and sum(map(len, starts)) >= most):
             break
         cut = int(ends[-1]) + 1 if len(ends) else 0
         carry, base = buf[cut:], base + cut
@@ -85,7 +87,7 @@ def _jsonl_spans(f, bar: tqdm | None) -> RowSpans:
     return RowSpans(np.concatenate(starts), np.concatenate(sizes), np.concatenate(lines))
 
 
-def _json_spans(f, name: str, bar: tqdm | None) -> RowSpans:
+def _json_spans(f, name: str, bar: tqdm | None, most: int | None = None) -> RowSpans:
     """The elements of a top-level JSON array, found by parsing one element at a time.
 
     The bytes are decoded as Latin-1 (one character per byte, so positions are byte offsets)
@@ -149,6 +151,8 @@ def _json_spans(f, name: str, bar: tqdm | None) -> RowSpans:
                     continue
                 starts.append(base + pos)
                 sizes.append(end - pos)
+                if most is not None and len(starts) >= most:  # enough for the count: the rest is not read
+                    return RowSpans(np.asarray(starts, np.int64), np.asarray(sizes, np.int32), np.zeros(len(starts), np.int32))
                 pos = ws(end)
                 sep = text[pos : pos + 1]
                 if sep == "]":

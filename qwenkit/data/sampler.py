@@ -29,6 +29,29 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 
+def too_small(num_samples: int, batch_size: int | None, world_size: int, accum: int, unit: str = "samples",
+              what: str | None = None) -> str | None:  # fmt: skip
+    """Why ``num_samples`` cannot fill one optimizer step, or None: the one rule of a dataset too small to
+    train, asked by the samplers and, before any rank starts, by the launcher
+    (:func:`qwenkit.data.pipeline.step_problem`).
+
+    A step takes ``batch_size x world_size x accum`` samples (``world_size``: the data-parallel ranks);
+    ``batch_size`` None: micro-batches filled to a token budget (:class:`TokenBudgetSampler`), each of one
+    sample at least, ``world_size x accum`` of them a step (fewer samples leave an epoch without a step).
+    ``what`` names the count (default: ``the dataset has N usable <unit>``).
+    """
+    need = (batch_size or 1) * world_size * accum
+    if num_samples >= need:
+        return None
+    what = what or f"the dataset has {num_samples} usable {unit}"
+    if batch_size is None:
+        return (f"{what}, fewer than one step's micro-batches (data.max_tokens_per_batch: one {unit[:-1]} at least "
+                f"each): {world_size} data-parallel rank(s) x train.grad_accum={accum} = {need}; add rows, or lower --nproc or "
+                "train.grad_accum")  # fmt: skip
+    return (f"{what}, fewer than one global batch: train.micro_batch_size={batch_size} x {world_size} data-parallel rank(s) x "
+            f"train.grad_accum={accum} = {need}; add rows, or lower train.micro_batch_size, --nproc or train.grad_accum")  # fmt: skip
+
+
 class EpochBatches(Sequence):
     """One rank's micro-batches of an epoch, held as the epoch's order and where each batch lies in it.
 
@@ -72,15 +95,12 @@ class FixedSizeSampler:
         world_size: int = 1,
         accum: int = 1,
         unit: str = "samples",  # what an index is, for the messages (a preference pair: "pairs")
+        budget: bool = False,  # micro-batches filled to a token budget (TokenBudgetSampler): batch_size is 1
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if num_samples < batch_size * world_size * accum:
-            raise ValueError(
-                f"the dataset has {num_samples} usable {unit}, fewer than one global batch: "
-                f"train.micro_batch_size={batch_size} x world size {world_size} x train.grad_accum={accum} "
-                f"= {batch_size * world_size * accum}"
-            )
+        if problem := too_small(num_samples, None if budget else batch_size, world_size, accum, unit):
+            raise ValueError(problem)
         self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle
         self.rank, self.world_size, self.accum = rank, world_size, accum
         self.epoch = 0
@@ -234,8 +254,7 @@ class TokenBudgetSampler(FixedSizeSampler):
         self.max_tokens, self.packed, self.window = max_tokens, packed, window
         self.lengths_crc = zlib.crc32(self.lengths.tobytes())  # saved: a resume on changed lengths is refused
         self.batches_per_step = world_size * accum
-        super().__init__(len(self.lengths), 1, seed, shuffle, rank, world_size)
-        self.accum = accum
+        super().__init__(len(self.lengths), 1, seed, shuffle, rank, world_size, accum, budget=True)
 
     def _rank_batches(self, epoch: int, start: int) -> EpochBatches:
         order, sizes = self._balance(*self._fill(self.epoch_order(epoch)))

@@ -75,6 +75,27 @@ BROKEN = {
 }
 
 
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+@pytest.mark.parametrize("most", [1, 4, 6, 9])
+def test_a_count_up_to_most_reads_the_first_rows_only(tmp_path, block, suffix, most):
+    """``most``: the spans of the file's first rows, as many as asked for at least (a JSONL file: its
+    whole last block), a prefix of the whole file's; the rows after them are not read (the launcher's
+    count of a dataset too small for a step, :func:`qwenkit.data.load.rows_at_most`)."""
+    path = tmp_path / f"rows{suffix}"
+    rows = [r for r in ODD_ROWS if isinstance(r, dict)]  # 5 rows
+    path.write_text(json.dumps(rows) + "garbage after the rows: [ not parsed" if suffix == ".json"
+                    else "".join(json.dumps(r) + "\n" for r in rows))  # fmt: skip
+    found = row_spans.RowSpans.find(path, most=most)
+    if suffix == ".json" and most > len(rows):  # the rows ran out: the file was read to its (bad) end
+        assert found.error is not None and found.error.reason == "malformed_json"
+        return
+    assert found.error is None and min(most, len(rows)) <= len(found) <= len(rows)
+    if suffix == ".json":
+        assert len(found) == most  # one element at a time: the garbage after them is never read
+    raw = path.read_bytes()
+    assert [json.loads(raw[a : a + n]) for a, n in zip(found.start.tolist(), found.size.tolist())] == rows[: len(found)]
+
+
 @pytest.mark.parametrize("case", BROKEN)
 def test_malformed_json_array_is_named_as_json_loads_names_it(tmp_path, block, case):
     path = tmp_path / "broken.json"

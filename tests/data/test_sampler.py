@@ -169,6 +169,19 @@ def test_token_budget_checks_samples_and_resume_layout():
     assert [len(s.epoch_batches(0)) for s in two] == [1, 1]
 
 
+def test_a_token_budget_with_fewer_samples_than_a_steps_micro_batches_is_refused_at_once():
+    """Each micro-batch holds one sample at least: 3 samples cannot fill the 4 micro-batches of a step
+    on 2 ranks x 2 accumulation steps (the epoch would hold no step), said when the sampler is made, as
+    a fixed size's; 4 samples can, each its own micro-batch."""
+    with pytest.raises(ValueError, match=r"^the dataset has 3 usable samples, fewer than one step's micro-batches "
+                                         r"\(data.max_tokens_per_batch: one sample at least each\): 2 data-parallel "
+                                         r"rank\(s\) x train.grad_accum=2 = 4; "):  # fmt: skip
+        TokenBudgetSampler([10, 20, 30], 600, seed=0, world_size=2, accum=2, packed=True)
+    four = [TokenBudgetSampler([10, 20, 30, 40], 600, seed=0, rank=r, world_size=2, accum=2, packed=True) for r in (0, 1)]
+    assert sorted(i for s in four for b in s.epoch_batches(0) for i in b) == [0, 1, 2, 3]
+    assert [len(s.epoch_batches(0)) for s in four] == [2, 2]
+
+
 def test_token_budget_config_is_checked():
     with pytest.raises(qconfig.ConfigError, match=r"data.max_tokens_per_batch=512 is below data.max_length=1024"):
         qconfig.load(overrides={"data.max_tokens_per_batch": 512})

@@ -18,9 +18,10 @@ ranks on nodes without one shared output_dir do not, and the save is refused, na
 ``COMPLETE.json`` and rename the directory. A save killed midway leaves a ``.tmp-*`` directory
 that is never picked as latest (and is removed by the next save), so the previous checkpoint
 stays the one a resume selects. A save that fails (DCP's ``CheckpointException``; a full disk is
-known by errno or by the room left after the failed write)
-removes its partial directory and raises one :class:`CheckpointError` on every rank naming the
-disk, the bytes free and about the bytes needed.
+known by errno or by the room left after the failed write, a file-size limit by EFBIG or by
+``ulimit -f``) removes its partial directory and raises one :class:`SaveError` (a
+:class:`CheckpointError`) on every rank naming the folder, the disk, the bytes free and about the
+bytes needed (the tensors of every rank's state dict), and what to do.
 
 ``checkpoint.async``: :func:`start_save` has the state copied to CPU memory in a thread, which the
 next step's forward and backward overlap (the trainer waits for the copy, :meth:`Save.wait_staged`,
@@ -45,7 +46,6 @@ and never a newer one (:func:`~qwenkit.engine.checkpoints.folder.prune`).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import time
@@ -66,8 +66,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from qwenkit.engine.checkpoints.background import AsyncSaves, then_manifest
 from qwenkit.engine.checkpoints.files import (
+    SaveError,
     failure_message,
+    file_size_limit,
     gather_manifests,
+    is_efbig,
     is_enospc,
     one_line,
     write_manifest,
@@ -80,6 +83,7 @@ from qwenkit.engine.checkpoints.folder import (  # noqa: F401 - the folder's nam
     TMP_PREFIX,
     CheckpointError,
     check_files,
+    checkpoint_bytes,
     checkpoint_root,
     complete_checkpoints,
     crc32_file,
@@ -99,7 +103,6 @@ from qwenkit.engine.checkpoints.rng import rng_state, set_rng_state  # noqa: F40
 from qwenkit.engine.objective import Objective
 from qwenkit.model.lora import has_adapters
 
-log = logging.getLogger(__name__)
 STATELESS = Objective()  # a caller's default: an objective with no state of its own (SFT's, DPO's)
 
 
@@ -164,7 +167,8 @@ def start_save(root: str | Path, step: int, model, optimizer, sampler, device: t
     they are at this step.
     """
     root, rank = Path(root), dist.get_rank()
-    pending = Save(root, step, keep_last, run, {"rank": rank, "error": None, "enospc": False, "nbytes": 0, "ranks": []})
+    pending = Save(root, step, keep_last, run, {"rank": rank, "error": None, "enospc": False, "efbig": False,
+                                                "limit": None, "nbytes": 0, "ranks": []})  # fmt: skip
     if (pending.final / COMPLETE).is_file():
         raise CheckpointError(f"checkpoint {str(pending.final)!r} exists already; a save never replaces one")
     if rank == 0:
@@ -235,14 +239,20 @@ def finish(pending: Save) -> Path:
         previous = latest(root)
         kept = f"{str(previous)!r} is intact" if previous else "there is no earlier checkpoint"
         if failed:
-            message = failure_message(step, tmp, failed, sum(r["nbytes"] for r in reports), min(r["free"] for r in failed))
+            # the bytes it needs: its tensors, or the previous checkpoint's files (the same state, DCP's overhead in)
+            needed = max(sum(r["nbytes"] for r in reports), checkpoint_bytes(previous) if previous else 0)
+            message = failure_message(step, tmp, failed, needed, min(r["free"] for r in failed))
         else:
             message = (f"checkpoint step {step} not saved: {problems[0]}: every rank must write to the same "
                        "train.output_dir (a filesystem shared by every node)")  # fmt: skip
         message += f"; the partial save was removed; {kept}"
-        log.error("%s", message)
+        if any(r["enospc"] or r["efbig"] for r in failed):  # what to do, then the same command
+            room = ("make room (or set train.output_dir on a disk with room)" if any(r["enospc"] for r in failed) else
+                    "raise the file-size limit (ulimit -f) or set train.output_dir on a filesystem that holds such files")  # fmt: skip
+            again = f"train.resume=auto goes on from step {step_of(previous)}" if previous else "it starts afresh"
+            message += f"; {room} and run the same command again: {again}"
         dist.barrier()
-        raise CheckpointError(message)
+        raise SaveError(message)  # its one line is the rank's report (qwenkit.engine.run.rank), not a log line too
     final = pending.final
     if rank == 0:
         marker = {
@@ -266,8 +276,11 @@ def _failed(pending: Save, error: BaseException) -> None:
     free = shutil.disk_usage(pending.root).free if pending.root.exists() else 0  # the partial save still in place
     # torch.save's zip writer reports a full disk as a RuntimeError without errno ("unexpected
     # pos"): a failed write that left less room than this rank's part needs is a full disk too
-    full = is_enospc(error) or free < pending.report["nbytes"]
-    pending.report.update(error=one_line(error), enospc=full, free=free,
+    # a file-size limit (ulimit -f) below this rank's part is EFBIG too, however the writer said it
+    limit = file_size_limit()
+    big = is_efbig(error) or (limit is not None and limit < pending.report["nbytes"])
+    full = is_enospc(error) or (not big and free < pending.report["nbytes"])
+    pending.report.update(error=one_line(error), enospc=full, efbig=big, limit=limit, free=free,
                           ranks=sorted(failures) if isinstance(failures, dict) else [pending.report["rank"]])  # fmt: skip
 
 

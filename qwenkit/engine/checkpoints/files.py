@@ -7,8 +7,9 @@ and CRC-32 of that rank's files; every rank then reads every manifest back
 (:func:`gather_manifests`), so ranks on nodes without one shared ``output_dir`` are found before
 anything is marked complete, and the merged list becomes ``COMPLETE.json``'s ``files``. When a
 rank's write failed, :func:`failure_message` tells a full disk (:func:`is_enospc`, or what the
-saving rank noted) from any other error, naming the disk's mount point, the bytes free and about
-the bytes needed.
+saving rank noted) and a file larger than may be written (:func:`is_efbig`, ``ulimit -f``) from any
+other error, naming the disk's mount point, the bytes free and about the bytes needed; every rank
+raises it as one :class:`SaveError` (a failure of a known cause, said in one line).
 
 No torch here: only the files, their checksums (:func:`qwenkit.engine.checkpoints.folder.crc32_file`)
 and the exceptions DCP raises, read through their ``failures`` and causes.
@@ -19,9 +20,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 from pathlib import Path
 
-from qwenkit.engine.checkpoints.folder import MANIFEST, crc32_file
+from qwenkit.engine.checkpoints.folder import MANIFEST, CheckpointError, crc32_file
+from qwenkit.errors import EveryRank, KnownCause
 
 
 def write_text(path: Path, text: str) -> None:
@@ -88,6 +91,22 @@ def is_enospc(error: BaseException) -> bool:
     return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in causes(error))
 
 
+def is_efbig(error: BaseException) -> bool:
+    """Whether ``error`` or any of its causes is a file larger than may be written (EFBIG)."""
+    return any(isinstance(e, OSError) and e.errno == errno.EFBIG for e in causes(error))
+
+
+def file_size_limit() -> int | None:
+    """This process's largest file in bytes (``ulimit -f``, RLIMIT_FSIZE), None without one."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+class SaveError(CheckpointError, KnownCause, EveryRank):
+    """A save that failed on some rank, raised on every rank with the one line of :func:`failure_message`
+    (the run stops; the partial save is removed, the previous checkpoint stays the newest complete one)."""
+
+
 def one_line(error: BaseException) -> str:
     """``Type: message`` of the first OSError among the causes (the one that names the file), else of ``error``."""
     for e in causes(error):
@@ -98,12 +117,21 @@ def one_line(error: BaseException) -> str:
 
 
 def failure_message(step: int, tmp: Path, failed: list[dict], needed: int, free: int) -> str:
-    """Why step ``step`` was not saved, from the failed ranks' reports (``ranks``, ``enospc``, ``error``)."""
+    """Why step ``step`` was not saved, from the failed ranks' reports (``ranks``, ``enospc``, ``efbig``,
+    ``limit``, ``error``): a full disk or quota (the bytes free and about the bytes the save needs), a file
+    larger than may be written (EFBIG: the file-size limit), or the first error."""
     ranks = ", ".join(str(r) for r in sorted({r for report in failed for r in report["ranks"]}))
     if any(r["enospc"] for r in failed):
         where = mount_point(tmp.parent)
         return (f"checkpoint step {step} not saved: the disk of {str(tmp.parent)!r} (mounted at {where}) is full: "
                 f"{free:,} bytes free, this save needs about {needed:,} bytes (rank {ranks})")  # fmt: skip
+    if big := [r for r in failed if r.get("efbig")]:
+        limit = min((r["limit"] for r in big if r.get("limit") is not None), default=None)
+        why = f"this process's file-size limit is {limit:,} bytes (ulimit -f)" if limit is not None else \
+              "the filesystem's largest file"  # fmt: skip
+        return (f"checkpoint step {step} not saved: a file of it in {str(tmp.parent)!r} is larger than rank {ranks} "
+                f"may write (EFBIG: {why}): this save needs about {needed:,} bytes, "
+                f"{max(r['nbytes'] for r in big):,} of them from rank {big[0]['rank']}")  # fmt: skip
     return f"checkpoint step {step} not saved: rank {ranks} failed to write it: {failed[0]['error']}"
 
 

@@ -148,6 +148,14 @@ def check_files(path: Path, checksums: bool = False, rank: int = 0, world_size: 
     return None
 
 
+def checkpoint_bytes(path: Path) -> int:
+    """The bytes of a complete checkpoint's files, as ``COMPLETE.json`` lists them (else as they are on disk)."""
+    files = read_marker(path).get("files")
+    if files is None:
+        return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+    return sum(size for size, _ in files.values())
+
+
 def older_complete(path: Path, damaged=()) -> Path | None:
     """The newest complete checkpoint older than ``path`` next to it that passes :func:`check_files`."""
     damaged = {Path(p) for p in damaged}

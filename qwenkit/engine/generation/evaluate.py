@@ -244,7 +244,7 @@ class EvalRequest:
 
     target: str
     data: str | None = None  # eval dataset; None: the run's eval set
-    samples: int | None = None  # rows to generate; None: train.eval_samples
+    samples: int | None = None  # rows to evaluate, >= 1; None: train.eval_samples
     config: str | None = None  # params YAML; None: the run's (an export's own)
     out: str | None = None  # generations JSONL; None: <target>/eval/cli-<name>.jsonl
     metric: tuple[str, ...] | None = None  # None: train.eval_metrics
@@ -257,8 +257,9 @@ class EvalRequest:
         problems = []
         if not Path(self.target).exists():
             problems.append(f"{self.target!r}: no such run, checkpoint or export")
-        if self.samples is not None and self.samples < 0:
-            problems.append(f"--samples must be >= 0 (rows to generate), got {self.samples}")
+        if self.samples is not None and self.samples < 1:  # 0 would write an empty generations file and succeed
+            problems.append(f"--samples must be >= 1 (rows to evaluate; leave it out for the run's "
+                            f"train.eval_samples), got {self.samples}")  # fmt: skip
         if self.nproc < 1:
             problems.append(f"--nproc must be >= 1, got {self.nproc}")
         if self.batch_size is not None and self.batch_size < 1:
@@ -377,6 +378,8 @@ def evaluate_generations(request: EvalRequest, model, processor, cfg, name: str,
                 "data.tiny_eval_samples); pass --data PATH"
             )
     samples = cfg.train.eval_samples if request.samples is None else request.samples
+    if samples == 0:  # the run trained without answer metrics: an eval of no row would only look done
+        raise ValueError("the run's train.eval_samples=0 asks for no generated row; pass --samples N")
     names = cfg.train.eval_metrics if request.metric is None else list(request.metric)
     sampling = qgen.Sampling.of(cfg.train, **({} if request.batch_size is None else {"batch_size": request.batch_size}))
     collator = qdata.Collator(processor)

@@ -21,6 +21,9 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   ``torch.set_num_threads`` with a no-op, binds memory to a NUMA node, changes environment variables
   (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...) and reseeds the global RNGs; every call into vLLM runs inside
   :func:`protected`, which puts threads, affinity, memory policy, environment and RNG states back.
+- **Its failures of a known cause** (out of memory, a KV cache too small, a model it cannot run:
+  :func:`known_failure`) leave every call (:func:`engine_call`) as the kit's :class:`EngineFailure`, one line
+  naming the ``vllm`` key to change; vLLM's traceback stays in the rank's log.
 - **Memory.** CPU: ``VLLM_CPU_KVCACHE_SPACE`` (``vllm.cpu_kv_cache_gib``; without it vLLM reserves 0.92
   of the host). CUDA: ``vllm.gpu_memory_utilization`` of the device, and with ``vllm.sleep`` the engine
   sleeps (weights and KV cache released) between generations and wakes its weights before a push.
@@ -46,6 +49,7 @@ from torch import nn
 
 from qwenkit.engine.generation.generate import Generation, reply_text
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
+from qwenkit.errors import KnownCause
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
 from qwenkit.model.modules import module_path
@@ -93,6 +97,57 @@ def _default_memory_policy() -> None:
         ctypes.CDLL(None, use_errno=True).syscall(number, 0, None, 0)  # MPOL_DEFAULT
 
 
+class EngineFailure(KnownCause):
+    """vLLM failed from a cause the kit knows (:func:`known_failure`): its message is the cause and the fix."""
+
+
+_ONE_SEQUENCE = ("vLLM's KV cache cannot hold one sequence of data.max_length + the longer of grpo.max_new_tokens "
+                 "and train.eval_max_new_tokens tokens",
+                 "raise vllm.gpu_memory_utilization (CUDA) or vllm.cpu_kv_cache_gib (CPU), or lower data.max_length")  # fmt: skip
+# what vLLM (0.8 to 0.11) says when it fails from a known cause: (words all in its message, the cause, the fix)
+KNOWN_FAILURES = (
+    (("no available memory for the cache blocks",), "vLLM has no memory left for its KV cache",
+     "raise vllm.gpu_memory_utilization (CUDA) or vllm.cpu_kv_cache_gib (CPU), or lower what the trainer holds"),
+    (("kv cache is needed, which is larger than the available kv cache memory",), *_ONE_SEQUENCE),  # vLLM >= 0.10
+    (("larger than the maximum number of tokens that can be stored in kv cache",), *_ONE_SEQUENCE),  # before
+    (("free memory on device", "less than desired gpu memory utilization"),
+     "the device has less free memory than vllm.gpu_memory_utilization asks for, beside the trainer",
+     "lower vllm.gpu_memory_utilization, or keep vllm.sleep=true"),
+    (("are not supported for now",), "this vLLM cannot run the model's architecture",
+     "use grpo.rollout_engine=hf and train.eval_engine=hf, or a vLLM that supports it"),
+    (("failed to be inspected",), "vLLM could not inspect the model's architecture (its log names why)",
+     "use grpo.rollout_engine=hf and train.eval_engine=hf, or a vLLM that supports it"),
+)
+
+
+def known_failure(error: BaseException) -> str | None:
+    """``<cause> (vLLM: <its words>); <fix>`` when ``error``, raised inside vLLM, is a known one: out of
+    device memory, a KV cache too small (:data:`KNOWN_FAILURES`), a model it cannot run. None otherwise
+    (a bug of the kit's or of vLLM's: its traceback is worth seeing)."""
+    said = " ".join(str(error).split())
+    if isinstance(error, torch.OutOfMemoryError):
+        return (f"vLLM ran out of device memory ({said[:200]}); lower vllm.gpu_memory_utilization, keep vllm.sleep=true, "
+                "or lower train.micro_batch_size x grpo.num_generations (the sequences it holds at once)")  # fmt: skip
+    for words, cause, fix in KNOWN_FAILURES:
+        if all(w in said.lower() for w in words):
+            return f"{cause} (vLLM: {said[:300]}); {fix}"
+    return None
+
+
+@contextlib.contextmanager
+def engine_call():
+    """A call into vLLM: :func:`protected`, and an error of a known cause (:func:`known_failure`) raised
+    as the kit's :class:`EngineFailure`, whose one line says what to change (vLLM's traceback stays in the
+    rank's log, as the error's cause)."""
+    with protected():
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - vLLM raises ValueError, RuntimeError, torch's OutOfMemoryError...
+            if (said := known_failure(e)) is not None:
+                raise EngineFailure(said) from e
+            raise
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What an engine is built from: the checkpoint directory, its dtype and the run's settings."""
@@ -129,7 +184,7 @@ class VllmEngine:
                 count += 1
                 yield name, family.checkpoint_tensor(name, full).to(dtype).contiguous()
 
-        with protected():
+        with engine_call():
             self._wake("weights")
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
@@ -139,7 +194,7 @@ class VllmEngine:
 
     def generate(self, requests: list[dict], params: list) -> list:
         """vLLM's ``RequestOutput`` of each request (:func:`request`), with its ``SamplingParams``."""
-        with protected():
+        with engine_call():
             self._wake("weights")
             self._wake("kv_cache")
             out = self.llm.generate(requests, params, use_tqdm=False)
@@ -185,7 +240,7 @@ def hf_tensors(model: nn.Module):
 
 def start_engine(spec: EngineSpec) -> VllmEngine:
     """A new engine in this process (vLLM is imported here, the only place)."""
-    with protected():
+    with engine_call():
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: weights are pushed by a method call
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{spec.cpu_kv_cache_gib:g}")
         declared = declare_missing_ops()
@@ -257,4 +312,5 @@ def generate_rows(engine: VllmEngine, dataset, indices: list[int], sampling, ran
     return rows
 
 
-__all__ = ["EngineSpec", "generate_rows", "VllmEngine", "protected", "shared", "spec_of", "start_engine"]
+__all__ = ["EngineFailure", "EngineSpec", "engine_call", "generate_rows", "known_failure", "VllmEngine", "protected",
+           "shared", "spec_of", "start_engine"]  # fmt: skip

@@ -82,6 +82,7 @@ from qwenkit.model.families import registry as families
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
 from qwenkit.records import read_jsonl
+from qwenkit.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class GrpoObjective(Objective):
         self.rollout_metrics: dict[str, float] = {}  # the last rollout's rewards and lengths (every rank)
         self.sample: list[dict] = []  # rank 0: the completions file's lines of the last rollout, without their step
         self.sample_file = Path(out_dir) / "metrics" / SAMPLE_FILE if out_dir is not None and rt.rank == 0 else None
+        self.out_dir = out_dir  # the run folder: a failed reward's records go there (rewards.stopped)
 
     @classmethod
     def build(cls, cfg, rt, model: nn.Module, bundle, sp=None, out_dir=None) -> GrpoObjective:
@@ -172,8 +174,14 @@ class GrpoObjective(Objective):
         done = self.rollouts(model, self.bundle.dataset, [i for g in groups for i in g], epoch)
         self.rollout_time += time.perf_counter() - start
         names = [f"row {c.index}" for c in done]
-        per, total = reward_fns.score(self.rewards, self.grpo.reward_weights, [c.text for c in done],
-                                      [c.reference for c in done], [c.row for c in done], names)  # fmt: skip
+        failure = None
+        try:
+            per, total = reward_fns.score(self.rewards, self.grpo.reward_weights, [c.text for c in done],
+                                          [c.reference for c in done], [c.row for c in done], names)  # fmt: skip
+        except reward_fns.RewardError as e:
+            c = done[e.record.pop("position")]
+            failure = {**e.record, "index": c.index, "epoch": epoch, "where": str(self.bundle.dataset.conversation(c.index).where)}
+        self._agree_on_rewards(failure)
         return Round(done, per, total, [epoch] * len(done))
 
     def _rollout(self, model: nn.Module, count: int) -> list[dict]:
@@ -216,6 +224,23 @@ class GrpoObjective(Objective):
         if self.corrects:
             self.rollout_metrics |= self._importance_metrics(stats)
         return micro
+
+    def _agree_on_rewards(self, failure: dict | None) -> None:
+        """Collective: a reward that failed on any rank stops every rank here, at the same point (one
+        all-reduce of a flag), rather than leaving the others in the gather with a lost peer: every rank
+        raises :func:`qwenkit.engine.objectives.rewards.stopped`'s error, rank 0 writes the records."""
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=self.rt.device)
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        if several:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not failed.item():
+            return
+        records = [failure]
+        if several:
+            records = [None] * dist.get_world_size()
+            dist.all_gather_object(records, failure)
+        path = RunDir(self.out_dir).reward_failure if self.out_dir is not None else None
+        raise reward_fns.stopped(records, self.uses + 1, path, write=self.rt.rank == 0)
 
     @torch.no_grad()
     def _fixed_logps(self, model: nn.Module, batch: dict) -> dict:

@@ -18,19 +18,26 @@ reference answer and the row's other columns (a user's reward may read them; the
 - ``module:function``: a user's function, importable from ``PYTHONPATH``, logged as
   ``rewards/<function's name>``.
 
-A reward that returns no number, or a value that is not finite, stops the run with one line naming
-the reward and the row (:func:`qwenkit.engine.generation.answers.user_score`, the eval metrics' check).
+A reward that raises, returns no number, or a value that is not finite, stops the run with one line naming
+the reward and the row (:func:`qwenkit.engine.generation.answers.user_score`, the eval metrics' check): on
+every rank at the same point (:class:`RewardsStopped`, agreed by the GRPO objective after scoring), the
+checkpoints written so far kept, the failing row, its completion and the reward's traceback written to the
+run folder's ``reward_failure.json`` (:func:`stopped`) for a notebook to call the reward again with them.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from qwenkit.config import EVAL_METRICS, load_user_metric
 from qwenkit.engine.generation import answers
+from qwenkit.errors import EveryRank
 
 Reward = Callable[..., float]  # reward(prediction, reference, **row) -> float
 _NUMBER = r"-?\d+(?:\.\d+)?"
@@ -119,6 +126,37 @@ def _on_answers(metric: answers.Metric, tag: str) -> Reward:
     return reward
 
 
+class RewardError(answers.UserFunctionError):
+    """A reward that raised or returned no finite number on a completion, with what reproduces it
+    (``record``: the reward, the row, the completion's ``position`` among those scored, the completion, its
+    reference, the row's columns, the error and the traceback)."""
+
+    def __init__(self, message: str, record: dict):
+        super().__init__(message)
+        self.record = record
+
+
+class RewardsStopped(answers.UserFunctionError, EveryRank):
+    """What every rank raises once a reward failed on any rank (:func:`stopped`): the first failure's line
+    and the file that holds every failing rank's record."""
+
+
+def stopped(records: list[dict | None], step: int, path: Path | None, write: bool) -> RewardsStopped:
+    """The error every rank raises at ``step`` when the reward failed on some ranks (``records``: each
+    rank's :class:`RewardError` record, or None), naming the first and the file where ``write`` (rank 0)
+    puts them all (``path``, the run folder's :data:`qwenkit.rundir.REWARD_FAILURE`; None: no file)."""
+    failed = [{"rank": r, "step": step, **record} for r, record in enumerate(records) if record is not None]
+    first = failed[0]
+    where = ""
+    if path is not None:
+        if write:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(failed, indent=1, default=repr) + "\n")
+        where = f"; its row, completion and traceback (and any other rank's) are in {path}"
+    return RewardsStopped(f"{first['error']} (rank {first['rank']}, step {step}){where}; fix the reward, then run the "
+                          "same command again: train.resume=auto goes on from the newest checkpoint")  # fmt: skip
+
+
 def score(
     rewards: dict[str, Reward],
     weights: list[float],
@@ -138,10 +176,16 @@ def score(
         extra = {k: v for k, v in row.items() if k not in ("prediction", "reference")}
         for k, (name, reward) in enumerate(rewards.items()):
             # the eval metrics' one check of a user's scoring function: any finite number (no [0, 1] bound)
-            values[i, k] = answers.user_score(reward, f"grpo.rewards {name!r}", where, prediction, reference,
-                                              bounds=None, **extra)  # fmt: skip
+            try:
+                values[i, k] = answers.user_score(reward, f"grpo.rewards {name!r}", where, prediction, reference,
+                                                  bounds=None, **extra)  # fmt: skip
+            except answers.UserFunctionError as e:  # what a notebook needs to call the reward again the same way
+                record = {"reward": name, "row": where, "position": i, "completion": prediction, "reference": reference,
+                          "columns": extra,
+                          "error": str(e), "traceback": "".join(traceback.format_exception(e.__cause__ or e))}  # fmt: skip
+                raise RewardError(str(e), record) from e
     return values, values @ torch.tensor(weights, dtype=torch.float32)
 
 
-__all__ = ["Reward", "answer_text", "box_iou", "first_box", "format_reward", "iou_reward", "resolve",
-           "score"]  # fmt: skip
+__all__ = ["Reward", "RewardError", "RewardsStopped", "answer_text", "box_iou", "first_box", "format_reward",
+           "iou_reward", "resolve", "score", "stopped"]  # fmt: skip

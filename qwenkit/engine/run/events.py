@@ -68,8 +68,10 @@ class EventLog:
             records.append_jsonl(self.path, {"event": kind, "time": records.now(), "rank": self.rank, **fields})
 
     def failed(self, error: BaseException, summary: str, user_input: bool = False) -> None:
-        """This rank's own failure: the exception it raised; ``user_input``: an input error (a bad row,
-        a reward's value: the summary is the one line people read, :func:`input_failure`)."""
+        """This rank's own failure: the exception it raised; ``user_input``: the user's to fix and said in
+        one line (:func:`qwenkit.engine.run.rank.one_line`: a bad row, a reward's value, a full disk, an
+        engine's known error): the summary is the one line people read (:func:`input_failure`), and a
+        restart of the group would meet it again."""
         extra = {"input": True} if user_input else {}
         self.write("failed", by="rank", error=type(error).__name__, message=first_line(error), summary=summary, **extra)
 

@@ -3,7 +3,8 @@
 ``qwenkit train`` (:mod:`qwenkit.launch`) and every sweep trial (:mod:`qwenkit.sweep.file`) pass
 :func:`check_before_spawn` first: the model directory and its module tree (built on meta: no
 weights read), the dataset path and the optional extras the run needs, its bad rows when their index
-is cached (:func:`check_prepared_rows`), the resume rule
+is cached (:func:`check_prepared_rows`), a dataset too small for one optimizer step
+(:func:`check_data_size`), the resume rule
 (:func:`qwenkit.engine.checkpoints.resume.decide`: which checkpoint, whole, fitting this run's model,
 objective, data and ranks), the number of ranks this node can run, the HSDP shape.
 
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 
 from qwenkit import config as qconfig
-from qwenkit.data import cache
+from qwenkit.data import cache, load, pipeline, split
 from qwenkit.data.conversation import parse_row
 from qwenkit.data.load import cached_problem
 from qwenkit.data.reader import DataError, open_sources
@@ -32,10 +33,11 @@ from qwenkit.model.families import registry as families
 from qwenkit.model.paths import load_processor, resolve_path
 
 
-def check_before_spawn(cfg, nodes: int = 1) -> list[str]:
+def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> list[str]:
     """Problems that would otherwise surface only inside every rank; empty when all is well.
     ``nodes``: how many nodes the job may have (the world the resume rule checks; under c10d the
-    most, the ranks check the world they get)."""
+    most, the ranks check the world they get); ``fewest_nodes``: the fewest it may start on (under
+    c10d MIN of MIN:MAX; default ``nodes``), whose smaller step a dataset too small for fails in any case."""
     if problems := families.entry_problems(cfg.model.name, cfg.model.path):  # before any tiny checkpoint is written
         return problems
     try:
@@ -52,8 +54,11 @@ def check_before_spawn(cfg, nodes: int = 1) -> list[str]:
         problems.append(f"data.path={cfg.data.path!r} does not exist")
     else:
         problems.extend(check_extras(cfg))
-        if not problems and (bad := check_prepared_rows(cfg)):
+        processor = indexing_processor(cfg) if not problems else None
+        if not problems and (bad := check_prepared_rows(cfg, processor)):
             problems.append(bad)
+        if not problems:
+            problems.extend(check_data_size(cfg, cfg.parallel.nproc * (fewest_nodes or nodes), processor))
     problems.extend(check_resume(cfg, cfg.parallel.nproc * nodes))
     ranks = rank_count_problem(cfg.parallel)
     if ranks:
@@ -104,19 +109,16 @@ def check_extras(cfg) -> list[str]:
     return problems
 
 
-def check_prepared_rows(cfg) -> str | None:
+def check_prepared_rows(cfg, processor) -> str | None:
     """The bad-sample policy (``data.on_bad_sample``, ``data.max_bad_fraction``) on the training set and
     on ``data.eval_path`` when their index is cached already (:func:`qwenkit.data.load.cached_problem`): a
     file of the wrong layout (a DPO file given to GRPO, prompts alone given to SFT) is refused here, in
     one line, not in every rank. Nothing is read when the cache holds no index (the ranks scan, and say
-    it), nor with ``data.fingerprint: content`` (its key hashes every data file)."""
-    folder = cache.cache_dir(cfg.data)
-    if not folder.is_dir() or not any(folder.glob("*.npz")):
-        return None
-    if cfg.data.fingerprint == "content":  # finding the index hashes every data file: the ranks' cost, not twice
+    it), nor with ``data.fingerprint: content`` (its key hashes every data file): ``processor`` is then
+    None (:func:`indexing_processor`)."""
+    if processor is None:
         return None
     try:
-        processor = load_processor(cfg)
         reads = qconfig.OBJECTIVES[cfg.train.objective].reads
         for source in (cfg.data.path, cfg.data.eval_path):
             if source not in (None, "tiny") and (problem := cached_problem(cfg.data, processor, reads, source)):
@@ -124,6 +126,60 @@ def check_prepared_rows(cfg) -> str | None:
     except (DataError, OSError):  # a dataset that does not open: the ranks report it, file by file
         return None
     return None
+
+
+def indexing_processor(cfg):
+    """The processor a cached index of this run's data is keyed by, when the cache may hold one; None
+    when there is nothing to read, when finding it would hash every data file (``data.fingerprint:
+    content``: the ranks' cost, not twice), or when it does not load (the ranks report that)."""
+    folder = cache.cache_dir(cfg.data)
+    if not folder.is_dir() or not any(folder.glob("*.npz")) or cfg.data.fingerprint == "content":
+        return None
+    try:
+        return load_processor(cfg)
+    except (DataError, OSError):
+        return None
+
+
+def check_data_size(cfg, world_size: int, processor=None) -> list[str]:
+    """A training set that cannot fill one optimizer step on ``world_size`` ranks, and a ``data.eval_path``
+    without rows: what every rank would fail on, by the ranks' own rule
+    (:func:`qwenkit.data.pipeline.step_problem`, which :func:`qwenkit.data.pipeline.make_sampler` asks),
+    refused here in one line. What is counted: the usable samples (pairs, prompts) when the dataset's index
+    is cached (:func:`qwenkit.data.load.cached_samples`), else the rows of its JSON files, read no further
+    than a step needs (:func:`qwenkit.data.load.rows_at_most`): every sample is a row, so fewer rows fail in
+    any case; ``data.eval_fraction``'s held-out rows (:func:`qwenkit.data.split.held_out`) taken off. A
+    dataset not counted here (a Hugging Face one, a file that does not parse) is the ranks' to check.
+    ``processor``: :func:`indexing_processor`'s (None: no cached index is looked for)."""
+    data, reads = cfg.data, qconfig.OBJECTIVES[cfg.train.objective].reads
+    need, fraction = pipeline.step_samples(cfg, world_size), data.eval_fraction
+    most = need
+    while fraction and most - split.held_out(most, fraction) < need:  # the rows that leave `need` after the split
+        most += 1
+    problems = []
+    for source, enough, held in ((data.path, most, False), (data.eval_path, 1, True)):
+        if source is None:
+            continue
+        try:
+            cached = load.cached_samples(data, processor, reads, source) if processor is not None else None
+            count = cached if cached is not None else load.rows_at_most(data, enough, reads, source)
+        except (DataError, OSError):  # a dataset that does not open: the ranks report it, file by file
+            continue
+        if count is None:
+            continue
+        named = f"data.path={source!r}" + (f" (data.tiny_samples={data.tiny_samples})" if source == "tiny" else "")
+        has = f"has {count} usable {pipeline.UNITS[reads]}" if cached is not None else f"holds {count} row(s)"
+        if held:
+            if count == 0:
+                problems.append(f"the eval set ({source}) has no usable rows: data.eval_path={source!r} {has}")
+            continue
+        if fraction:
+            kept = max(count - split.held_out(count, fraction), 0)
+            has += f", {kept} left to train on after data.eval_fraction={fraction:g}"
+            count = kept
+        if problem := pipeline.step_problem(cfg, count, world_size, f"{named} {has}"):
+            problems.append(problem)
+    return problems
 
 
 def _has_videos(source, i: int, layout: str, prompts: bool) -> bool:

@@ -55,6 +55,7 @@ from qwenkit.engine.run import build, events, optim, stopping
 from qwenkit.engine.run.expert_load import ExpertLoad
 from qwenkit.engine.run.metrics import MetricsWriter, peak_memory_mib, start_step_peak
 from qwenkit.engine.run.profiling import ProfileWindow
+from qwenkit.errors import EveryRank
 from qwenkit.model import lora, paths
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
@@ -64,7 +65,7 @@ log = logging.getLogger("qwenkit.engine.run.train")
 STEP_EVENT = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time")  # a step event's values (engine/run/events.py)
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(FloatingPointError, EveryRank):
     """A NaN/inf loss or gradient norm; raised before the optimizer step, so weights are unchanged."""
 
     def __init__(self, step: int, loss: float, grad_norm: float):
@@ -185,9 +186,7 @@ class Trainer:
         model_path = self.model_path
         processor = paths.load_processor(cfg, model_path)
         build_data = self.data_builder or data.build
-        self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)
-        if sp_size > 1:  # one micro-batch per SP group: the sampler deals over the groups
-            self.bundle.sampler = data.make_sampler(cfg, self.bundle.dataset, self.sp.dp_rank, self.sp.dp_size)
+        self.bundle = build_data(cfg, processor, rt.rank, rt.world_size)  # dealt over the SP groups (data.make_sampler)
 
         meshes = build.meshes(cfg, rt)
         if main_rank and meshes.experts is not None:
@@ -315,12 +314,26 @@ class Trainer:
                     break
             if pending is not None:  # written in the background since an earlier step
                 pending = self._saved(pending)
+        except EveryRank as e:  # every rank stops here, in step: the save in flight (an earlier step's) completes first
+            if pending is not None and not isinstance(e, ckpt.SaveError):
+                pending = self._finish_before_stopping(pending)
+            raise
         finally:
             if saves is not None and pending is None:  # (a write still in flight keeps its stager)
                 saves.close()
             bar.close()
             window.close()
             metrics.close()
+
+    def _finish_before_stopping(self, pending: ckpt.Save) -> None:
+        """Collective: complete a ``checkpoint.async`` save of an earlier step before a failure every rank
+        raised stops the run (:class:`qwenkit.errors.EveryRank`), so no checkpoint it wrote is lost; a save
+        that fails then is logged, and the failure that stopped the run is the one reported."""
+        try:
+            return self._saved(pending)
+        except ckpt.CheckpointError as e:
+            log.error("the checkpoint in flight was not completed before stopping: %s", e)
+            return None
 
     def _saved(self, pending: ckpt.Save) -> None:
         """Collective: wait for the save's write on every rank and mark it complete

@@ -225,7 +225,14 @@ def test_eval_data_gets_the_checks_training_data_gets(run, tmp_path, capsys):
     assert cli.main(["eval", str(run), "--data", str(tmp_path / "missing.json")]) == 2
     assert f"qwenkit eval: --data '{tmp_path / 'missing.json'}': no such file or directory" in capsys.readouterr().err
     assert cli.main(["eval", str(run), "--samples", "-5"]) == 2
-    assert "qwenkit eval: --samples must be >= 0 (rows to generate), got -5" in capsys.readouterr().err
+    assert "qwenkit eval: --samples must be >= 1 (rows to evaluate; leave it out for the run's train.eval_samples), " \
+           "got -5" in capsys.readouterr().err
+    # without --samples, a run trained with train.eval_samples=0 (no answer metrics, as this one) generates no row either
+    out = tmp_path / "g.jsonl"
+    assert cli.main(["eval", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == "qwenkit eval: the run's train.eval_samples=0 asks for no generated row; pass --samples N\n", err
+    assert not out.exists()
 
 
 def _tiny_file() -> Path:

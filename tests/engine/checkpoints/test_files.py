@@ -253,3 +253,134 @@ def test_async_save_faults_leave_the_previous_checkpoint_the_one_resumed(tmp_pat
     assert (root / ".tmp-step-00000004").is_dir()
     cfg = qconfig.load(overrides=[f"train.output_dir={tmp_path}"])
     assert resume.decide(cfg, None).path == root / "step-00000002"
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk in the middle of a run (issue 66): the trainer stops in one line naming the folder and the
+# bytes; the previous checkpoint stays the newest complete one; resume: auto goes on from it as if nothing
+# had happened. With checkpoint.async too (the failure surfaces at the next step, never hidden)
+
+FULL_RUN = ["train.steps=6", "train.micro_batch_size=2", "train.warmup_steps=2", "data.tiny_samples=16",
+            "checkpoint.every=2", "checkpoint.keep_last=3", "data.tiny_eval_samples=0", "train.eval_samples=0",
+            "train.resume=auto"]  # fmt: skip
+FULL_RUNS = [("A", [], False), ("F", [], True), ("F", [], False), ("FA", ["checkpoint.async=true"], True),
+             ("FA", ["checkpoint.async=true"], False)]  # (run folder, overrides, rank 1's disk full at step 4's save)
+
+
+def _full_disk_runs(rank, out):
+    import contextlib
+    import io
+
+    from torch.distributed.checkpoint import filesystem
+
+    from qwenkit.engine.run import rank as rank_entry
+
+    dist.init_process_group("gloo")
+    real_write, real_start = filesystem._write_item, ckpt.start_save
+    full = [False, False]  # [this run's step 4 is to fail, the save under way is step 4's]
+
+    def no_space_at_step_4(*a, **k):  # DCP's writer, also in checkpoint.async's background thread
+        if full[0] and full[1] and rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(*a, **k)
+
+    def start_save(root, step, *a, **k):
+        full[1] = step == 4
+        return real_start(root, step, *a, **k)
+
+    filesystem._write_item, ckpt.start_save = no_space_at_step_4, start_save
+    results = []
+    for name, overrides, fails in FULL_RUNS:
+        full[0] = fails
+        cfg = qconfig.load(overrides=[*FULL_RUN, *overrides, f"train.output_dir={out / name}"])
+        trainer = train.Trainer(cfg)
+        said, error = "", None
+        try:
+            trainer.run()
+        except ckpt.CheckpointError as e:  # a SaveError: every rank's, one line
+            error = f"{type(e).__name__}: {e}"
+            console = io.StringIO()
+            with contextlib.redirect_stderr(console):
+                rank_entry.report_failure(rank, e, out / f"{name}-rank{rank}.log")
+            said = console.getvalue()
+        results.append({"name": name, "start": trainer.start_step, "losses": [h["loss"] for h in trainer.history],
+                        "error": error, "said": said, "complete": [p.name for p in ckpt.complete_checkpoints(out / name / "checkpoints")],
+                        "left": sorted(p.name for p in (out / name / "checkpoints").iterdir())})  # fmt: skip
+    (out / f"full-{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_run_stops_in_one_line_and_resume_goes_on_as_if_uninterrupted(tmp_path):
+    assert run_ranks(_full_disk_runs, 2, tmp_path, timeout=HANG) == [0, 0]
+    r0, r1 = (json.loads((tmp_path / f"full-{r}.json").read_text()) for r in (0, 1))
+    a, *broken = r0
+    assert a["error"] is None and len(a["losses"]) == 6
+    root = {name: tmp_path / name / "checkpoints" for name in ("F", "FA")}
+    for stopped, resumed, other in zip(broken[::2], broken[1::2], r1[1::2]):
+        name = stopped["name"]
+        # the run stops at step 4's save (async: at the next step, when the background write is found failed)
+        assert stopped["error"] == other["error"] and stopped["error"].startswith(
+            f"SaveError: checkpoint step 4 not saved: the disk of {str(root[name])!r} (mounted at ")
+        needed = int(re.search(r"this save needs about ([\d,]+) bytes \(rank 1\)", stopped["error"]).group(1).replace(",", ""))
+        step_2 = json.loads((root[name] / "step-00000002" / ckpt.COMPLETE).read_text())["files"]
+        assert needed == sum(size for size, _ in step_2.values())  # the previous checkpoint's bytes: the same state
+        assert stopped["error"].endswith(f"'{root[name] / 'step-00000002'}' is intact; make room (or set train.output_dir "
+                                         "on a disk with room) and run the same command again: train.resume=auto goes "
+                                         "on from step 2")  # fmt: skip
+        # one line, rank 0's; nothing half-written left, step 2 the newest complete checkpoint
+        log = tmp_path / f"{name}-rank0.log"
+        message = stopped["error"].removeprefix("SaveError: ")
+        assert stopped["said"] == f"qwenkit train: {message} (rank 0; its traceback: {log})\n" and other["said"] == ""
+        assert "Traceback" in log.read_text()
+        assert stopped["complete"] == ["step-00000002"] and stopped["left"] == ["step-00000002"], stopped
+        # async: found failed at the first step whose check sees every rank's write ended, at the latest the next save's
+        assert stopped["losses"] == a["losses"][: len(stopped["losses"])] and len(stopped["losses"]) in ((4,) if name == "F" else (5, 6))
+        # resume: auto from step 2 takes the steps the uninterrupted run took, bit for bit
+        assert resumed["error"] is None and resumed["start"] == 2 and resumed["losses"] == a["losses"][2:], (resumed, a)
+        assert resumed["complete"] == ["step-00000002", "step-00000004", "step-00000006"]
+
+
+def test_a_file_larger_than_may_be_written_is_named_with_the_limit():
+    """EFBIG (``ulimit -f``, a filesystem's largest file): its own line, with the limit and the bytes."""
+    from qwenkit.engine.checkpoints import files
+
+    tmp = Path("/runs/x/checkpoints/.tmp-step-00000004")
+    failed = [{"rank": 1, "ranks": [1], "enospc": False, "efbig": True, "limit": 1 << 20, "nbytes": 1_291_812,
+               "error": "OSError: [Errno 27] File too large"}]  # fmt: skip
+    assert files.failure_message(4, tmp, failed, 2_583_624, 10**9) == (
+        "checkpoint step 4 not saved: a file of it in '/runs/x/checkpoints' is larger than rank 1 may write (EFBIG: "
+        "this process's file-size limit is 1,048,576 bytes (ulimit -f)): this save needs about 2,583,624 bytes, "
+        "1,291,812 of them from rank 1")  # fmt: skip
+    error = RuntimeError("write failed")
+    error.__cause__ = OSError(errno.EFBIG, "File too large")
+    assert files.is_efbig(error) and not files.is_enospc(error)
+
+
+@pytest.mark.slow
+def test_a_real_file_size_limit_fails_the_save_in_one_line(tmp_path):
+    """``ulimit -f 1024`` (1 MiB) below the tiny model's shards (about 1.3 MB a rank): the write fails with
+    EFBIG (CPython ignores SIGXFSZ from its start, so no rank is killed by it) and the save says it, once,
+    with the limit; nothing half-written is left."""
+    import resource
+    import subprocess
+
+    from jobs import HANG, ROOT, checkpoints, train_cmd
+    from multiproc import scaled
+
+    out = tmp_path / "run"
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    proc = subprocess.run(train_cmd(out, "checkpoint.every=2", steps=4), cwd=ROOT, capture_output=True, text=True,
+                          timeout=scaled(HANG), preexec_fn=limited)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("qwenkit train:") and "qwenkit.torchrun" not in line]
+    (line,) = ours
+    assert line.startswith(f"qwenkit train: checkpoint step 2 not saved: a file of it in {str(out / 'checkpoints')!r} is "
+                           "larger than rank 0, 1 may write (EFBIG: this process's file-size limit is 1,048,576 bytes "
+                           "(ulimit -f)): this save needs about "), line  # fmt: skip
+    assert "raise the file-size limit (ulimit -f)" in line and "it starts afresh" in line
+    assert checkpoints(out) == [] and list((out / "checkpoints").iterdir()) == []

@@ -103,3 +103,79 @@ def test_a_reward_that_raises_names_the_reward_and_the_row_and_numpy_scalars_cou
     numpy = pytest.importorskip("numpy")
     _, total = rewards.score({"np": lambda p, r, **row: numpy.float32(2.5)}, [], ["x"], ["y"], [{}], ["t.jsonl row 0"])
     assert total.tolist() == [2.5]  # any finite number: rewards are not bounded to [0, 1]
+
+
+@pytest.mark.parametrize("value", [math.nan, None, "1", KeyError("box")])
+def test_a_failed_reward_carries_what_reproduces_it(value):
+    """The record a failed run writes to its folder: the reward, the row, the completion, its reference,
+    the row's columns and the traceback of the reward's own error (its frame among them)."""
+    def broken(prediction, reference, **row):
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    with pytest.raises(rewards.RewardError) as caught:
+        rewards.score({"broken": broken}, [], ["fine", "x"], ["y", "z"], [{"k": 0}, {"k": 1}], ["row 0", "row 7"])
+    record = caught.value.record
+    assert {k: record[k] for k in ("reward", "row", "position", "completion", "reference", "columns")} == \
+           {"reward": "broken", "row": "row 0", "position": 0, "completion": "fine", "reference": "y", "columns": {"k": 0}}
+    assert record["error"] == str(caught.value) and "grpo.rewards 'broken'" in record["error"]
+    assert "Traceback (most recent call last)" in record["traceback"]
+    if isinstance(value, Exception):
+        assert "in broken" in record["traceback"] and "KeyError: 'box'" in record["traceback"]
+
+
+# A reward that fails in the middle of a GRPO run (issue 66): on rank 1 it raises, on rank 0 it returns a
+# string, at its 9th completion: step 3's first, one step after the checkpoint of step 2 (written in the
+# background with checkpoint.async: still in flight when the reward fails)
+FLAKY = """
+import os
+CALLS = [0]
+def flaky(prediction, reference, **row):
+    CALLS[0] += 1
+    if os.environ["RANK"] == "{rank}" and CALLS[0] >= 9:
+        {fails}
+    return 1.0
+"""
+FAILS = {"raises on rank 1": ("1", "raise ZeroDivisionError('no answer to divide by')", []),
+         "returns a string on rank 0 (async checkpoints)": ("0", "return 'high'", ["checkpoint.async=true"])}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FAILS)
+def test_a_reward_failing_mid_run_stops_in_one_line_keeps_every_checkpoint_and_writes_what_failed(case, tmp_path):
+    import json
+    import os
+    import subprocess
+
+    from jobs import HANG, ROOT, checkpoints, train_cmd
+    from multiproc import scaled
+
+    from qwenkit.engine.run import events
+    from qwenkit.rundir import RunDir
+
+    rank, fails, extra = FAILS[case]
+    (tmp_path / "flaky_reward.py").write_text(FLAKY.format(rank=rank, fails=fails))
+    out = tmp_path / "run"
+    cmd = train_cmd(out, "train.objective=grpo", "train.micro_batch_size=2", "grpo.num_generations=2",
+                    "grpo.max_new_tokens=3", "grpo.rewards=[flaky_reward:flaky]", "checkpoint.every=2", *extra, steps=6)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(HANG))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("qwenkit train:") and "qwenkit.torchrun" not in line]
+    (line,) = ours  # one line: no echo of a lost peer, no torchrun summary, no launcher afterword
+    said = "raised ZeroDivisionError: no answer to divide by" if rank == "1" else "returned 'high' (str)"
+    assert line.startswith(f"qwenkit train: grpo.rewards 'flaky' {said} on row "), line
+    assert checkpoints(out) == [2] and not list((out / "checkpoints").glob(".tmp-*"))  # the save in flight completed
+    path = RunDir(out).reward_failure
+    assert f"(rank {rank}, step 3); its row, completion and traceback (and any other rank's) are in {path}; fix the " \
+           "reward, then run the same command again: train.resume=auto goes on from the newest checkpoint" in line, line
+    (record,) = json.loads(path.read_text())
+    assert (record["rank"], record["step"], record["reward"]) == (int(rank), 3, "flaky")
+    file, _, row = record["where"].partition(": row ")  # the row's file and its row there, as a bad row is named
+    assert file.endswith("tiny.json") and int(row) == record["index"], record["where"]
+    assert isinstance(record["completion"], str) and record["reference"] and "messages" in record["columns"]
+    assert ("ZeroDivisionError" in record["traceback"]) == (rank == "1")
+    failed = [e for e in events.read(out) if e["event"] == "failed"]
+    assert {e["rank"] for e in failed} == {0, 1} and all(e["input"] and e["error"] == "RewardsStopped" for e in failed)
