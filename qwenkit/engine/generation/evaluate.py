@@ -56,6 +56,7 @@ from qwenkit.engine.generation import generate as qgen
 from qwenkit.errors import COMMAND_ENV
 from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
+from qwenkit.model.families.entry import vllm_cpu_problem
 from qwenkit.model.families.spec import ModelSpec, of_export, of_run
 from qwenkit.model.losses.cross_entropy import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
@@ -345,9 +346,14 @@ def eval_main(request: EvalRequest) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if problems := request.problems():
         raise ValueError("; ".join(problems))
-    if request.nproc > 1 and "RANK" not in os.environ:
-        eval_source(request.target, request.config)  # what every rank would find first
-        return _spawn_ranks(request)
+    if "RANK" not in os.environ:  # what every rank would find first, said once
+        source = eval_source(request.target, request.config)
+        asked = "--engine vllm" if request.engine else "train.eval_engine=vllm"
+        if (request.engine or source.cfg.train.eval_engine) == "vllm" and resolve_device(source.cfg.parallel.device) == "cpu":
+            if why := vllm_cpu_problem(source.spec.family, source.spec.path, asked):  # else inside vLLM, after the start
+                raise ValueError(why)
+        if request.nproc > 1:
+            return _spawn_ranks(request)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     model, processor, cfg, name = load_for_eval(request.target, request.config)
     runtime = fsdp.init_distributed(cfg.parallel) if world_size > 1 else None

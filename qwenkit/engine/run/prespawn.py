@@ -30,6 +30,7 @@ from qwenkit.engine.run import optim
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
+from qwenkit.model.families.entry import vllm_cpu_problem
 from qwenkit.model.paths import load_processor, resolve_path
 
 
@@ -47,6 +48,7 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
     else:  # module paths, LoRA targets, saved modules and parameter-group patterns against the module tree (on meta)
         problems.extend(check_module_paths(cfg))
         problems.extend(families.problems(cfg, path))  # what the family cannot run: SP, packing, fused ops...
+        problems.extend(vllm_device_problems(cfg, path))
         heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
         if heads:
             problems.append(heads)
@@ -67,6 +69,21 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
     if hsdp:
         problems.append(hsdp)
     return problems
+
+
+def vllm_device_problems(cfg, path) -> list[str]:
+    """What vLLM cannot run of the checkpoint at ``path`` on this run's device, where a key asks for vLLM
+    (its CPU backend: a few head dims); inside the engine it would fail only after the ranks started."""
+    keys = [f"{k}=vllm" for k, v in (("grpo.rollout_engine", cfg.grpo.rollout_engine),
+                                      ("train.eval_engine", cfg.train.eval_engine)) if v == "vllm"]  # fmt: skip
+    if not keys or resolve_device(cfg.parallel.device) != "cpu":
+        return []
+    try:
+        family = families.resolve(cfg.model.name, path)
+    except ValueError:  # a checkpoint of no family, or of another: families.problems' to refuse
+        return []
+    why = vllm_cpu_problem(family, path, " and ".join(keys))
+    return [why] if why else []
 
 
 def check_extras(cfg) -> list[str]:

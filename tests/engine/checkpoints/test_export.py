@@ -235,6 +235,18 @@ def test_eval_data_gets_the_checks_training_data_gets(run, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU backend's head dims: the run would take the GPU")
+def test_eval_on_vllm_of_a_head_dim_its_cpu_backend_cannot_run_is_one_line_before_anything_loads(run, monkeypatch, capsys):
+    """The tiny default's head dim (16) failed inside vLLM, after the start, with a 147-line traceback (issue 62)."""
+    from qwenkit.engine.generation import evaluate
+
+    monkeypatch.setattr(qconfig, "installed", lambda library: True)  # as in the vLLM environment
+    monkeypatch.setattr(evaluate, "load_for_eval", lambda *a, **k: pytest.fail("the model must not load"))
+    assert cli.main(["eval", str(run), "--engine", "vllm", "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qwenkit eval: --engine vllm: vLLM's CPU attention runs head dims 32, 64,") and err.count("\n") == 1
+
+
 def _tiny_file() -> Path:
     from qwenkit.model.tiny.data import ensure_dataset
 

@@ -11,7 +11,9 @@ import json
 import pytest
 from jobs import refused, train
 
-from qwenkit.engine.run import events
+from qwenkit import config as qconfig
+from qwenkit.engine.run import events, prespawn
+from qwenkit.model.tiny import vllm as tiny_vllm
 
 
 def _dpo_rows(path):
@@ -153,3 +155,20 @@ def test_an_eval_file_without_rows_is_refused_before_spawn(tmp_path):
     cfg = qconfig.load(overrides=[f"data.eval_path={empty}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert prespawn.check_data_size(cfg, WORLD) == [
         f"the eval set ({empty}) has no usable rows: data.eval_path={str(empty)!r} holds 0 row(s)"]
+
+
+# vLLM on this device (issue 62): what its CPU backend cannot run is refused before any rank starts
+
+
+@pytest.mark.parametrize("key", ["grpo.rollout_engine", "train.eval_engine"])
+def test_a_head_dim_vllms_cpu_attention_cannot_run_is_refused_naming_it(key, tiny_path, tmp_path):
+    cfg = qconfig.load(overrides=["train.objective=grpo", "parallel.device=cpu"])
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, "vllm")  # as a config with vLLM installed asks (the config check needs it)
+    (problem,) = prespawn.vllm_device_problems(cfg, tiny_path)
+    text = json.loads((tiny_path / "config.json").read_text())["text_config"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]  # Qwen2.5-VL's config has no head_dim
+    assert problem.startswith(f"{key}=vllm: vLLM's CPU attention runs head dims 32, 64,") and f"has {head_dim};" in problem
+    assert prespawn.vllm_device_problems(cfg, tiny_vllm.ensure_checkpoint(root=tmp_path)) == []  # vLLM's shapes run
+    setattr(getattr(cfg, section), name, "hf")
+    assert prespawn.vllm_device_problems(cfg, tiny_path) == []
