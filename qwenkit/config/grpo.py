@@ -33,8 +33,12 @@ class GrpoConfig:
     rollout_batch_size: int = 0  # completions sampled together in one generate call (0: all of a rank's rollout)
     beta: float = 0.0  # weight of the k3 KL to the reference; 0: no reference is built or run
     epsilon: float = 0.2  # clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher recommends 0.28)
-    loss_type: Literal[GRPO_LOSSES] = "dapo"  # how per-token losses are averaged (qwenkit.model.losses.policy)
+    # None: epsilon (DAPO's clip-higher recommends 0.28); cispo: the IS weight's upper bound itself (TRL's
+    # epsilon_max, 5.0); gmpo: epsilon and epsilon_high bound the log-ratio (the paper's 0.4)
+    epsilon_high: float | None = None
+    loss_type: Literal[GRPO_LOSSES] = "dapo"  # the policy loss and how it is averaged (qwenkit.model.losses.registry)
+    sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature where the advantage is > 0 (TRL's name)
+    sapo_temperature_neg: float = 1.05  # sapo: ... where it is <= 0
     importance_sampling_level: Literal[IMPORTANCE_LEVELS] = "token"  # sequence: one ratio per completion (GSPO)
     num_iterations: int = 1  # optimizer updates per batch of rollouts (PPO's mu); > 1 keeps old log-probs
     scale_rewards: Literal[SCALE_REWARDS] = "group"  # divide advantages by the group's std, the batch's, or none (Dr. GRPO)

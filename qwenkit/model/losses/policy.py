@@ -1,4 +1,4 @@
-"""GRPO's loss (and Dr. GRPO, DAPO, BNPO, GSPO) of per-token log-probs: the math, no model.
+"""GRPO's loss (and Dr. GRPO, DAPO, BNPO, GSPO, CISPO, SAPO, GMPO) of per-token log-probs: the math, no model.
 
 Inputs per completion ``b`` and completion token ``t`` (``mask [B, T]`` marks them): the policy's
 log-probs ``logp`` (:func:`qwenkit.model.losses.logps.token_logps`), the rollout policy's ``old``
@@ -8,14 +8,17 @@ log-probs ``logp`` (:func:`qwenkit.model.losses.logps.token_logps`), the rollout
 
 1. ``r = exp(logp - old)``; GSPO (``importance_sampling_level: sequence``): one ratio per
    completion, ``exp(mean_t(logp - old))``
-2. ``l = -min(r A, clip(r, 1 - eps, 1 + eps_high) A)``
+2. the entry's per-token loss ``l``: PPO's clipped ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``
+   (grpo, dr_grpo, dapo, bnpo), or CISPO's, SAPO's, GMPO's (:func:`cispo_surrogate`,
+   :func:`sapo_surrogate`, :func:`gmpo_surrogate`)
 3. ``+ beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3, Schulman's unbiased KL estimator)
-4. the reduction of ``grpo.loss_type``'s entry (:mod:`qwenkit.model.losses.registry`: grpo, bnpo,
-   dr_grpo, dapo), a **share** of the whole optimizer step (all ranks, all micro-batches), as the SFT
-   loss is a share of the global token mean, so world size and accumulation change nothing.
+4. the reduction of ``grpo.loss_type``'s entry (:mod:`qwenkit.model.losses.registry`), a **share** of the
+   whole optimizer step (all ranks, all micro-batches), as the SFT loss is a share of the global token
+   mean, so world size and accumulation change nothing.
 
-Steps 1-2 are the entry's surrogate (:func:`clipped_surrogate` for the four above), step 4 its
-reduction (:data:`REDUCE`): each loss is an entry of the registry, never a branch here.
+Steps 1-2 are the entry's surrogate, step 4 its reduction (:data:`REDUCE`): each loss is an entry of the
+registry, never a branch here. Every surrogate takes ``(log_ratio, advantages, settings, logps, mask)``
+and reads what it needs (CISPO the log-probs themselves, GMPO the mask of its token mean).
 
 With vLLM rollouts (``grpo.rollout_engine: vllm``), step 2's per-token loss is weighed by the
 truncated importance-sampling ratio of the trainer's and vLLM's log-probs of the sampled tokens
@@ -109,13 +112,14 @@ class GrpoTerms:
 class Surrogate:
     """What an entry's surrogate returns: steps 1-2 of the module docstring."""
 
-    per_token: torch.Tensor  # [B, T] or [B, 1] (sequence level) loss before weighting, KL and mask
-    ratio: torch.Tensor  # same shape, detached: the importance ratio the metrics report
-    low_clipped: torch.Tensor  # bool: the clip (or gate) bound the ratio from below with A < 0
+    per_token: torch.Tensor  # [B, T] or [B, 1] (one loss per completion) before weighting, KL and mask
+    ratio: torch.Tensor  # [B, T] or [B, 1] (sequence level), detached: the ratio the clip metrics count over
+    low_clipped: torch.Tensor  # bool, ratio's shape: the clip bound the ratio from below with A < 0
     high_clipped: torch.Tensor  # bool: ... from above with A > 0
 
 
-def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: GrpoLoss) -> Surrogate:
+def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: GrpoLoss, logps: torch.Tensor,
+                      mask: torch.Tensor) -> Surrogate:  # fmt: skip
     """PPO's clipped surrogate (steps 1-2): ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``, ``r = exp(log_ratio)``."""
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - loss.eps_low, 1 + loss.eps_high)
@@ -124,6 +128,56 @@ def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: G
         low = (ratio < 1 - loss.eps_low) & (advantages < 0)
         high = (ratio > 1 + loss.eps_high) & (advantages > 0)
     return Surrogate(per_token, ratio.detach(), low, high)
+
+
+def cispo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: GrpoLoss, logps: torch.Tensor,
+                    mask: torch.Tensor) -> Surrogate:  # fmt: skip
+    """CISPO (MiniMax-M1; TRL's ``cispo``): ``-sg(min(r, eps_high)) A logp``.
+
+    The importance weight is clipped and its gradient stopped, and every token keeps the REINFORCE
+    gradient ``-w A grad logp`` (PPO's clip drops the clipped tokens' gradient altogether).
+    ``eps_high`` is the weight's upper bound itself (TRL's and ScaleRL's ``epsilon_max``, 5.0), not
+    ``1 + eps_high``; there is no lower bound. ``high_clipped``: TRL's ``cispo_clip_ratio``."""
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=loss.eps_high).detach()  # [B, T] or [B, 1]
+    per_token = -weight * advantages * logps  # [B, T]: a sequence-level weight scales each token's log-prob
+    with torch.no_grad():
+        high = (ratio > loss.eps_high) & (advantages > 0)
+    return Surrogate(per_token, ratio.detach(), torch.zeros_like(high), high)
+
+
+def sapo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: GrpoLoss, logps: torch.Tensor,
+                   mask: torch.Tensor) -> Surrogate:  # fmt: skip
+    """SAPO (Qwen's Soft Adaptive Policy Optimization; TRL's ``sapo``): ``-sigmoid(tau (r - 1)) 4 / tau A``.
+
+    A smooth gate instead of the hard clip: its slope is ``4 s (1 - s)`` (1 at ``r = 1``, fading as
+    ``r`` leaves 1), ``tau`` is ``sapo_temperature_pos`` where ``A > 0``, else ``sapo_temperature_neg``
+    (a larger ``tau`` fades faster). Nothing is bound, so nothing counts as clipped."""
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, loss.sapo_temperature_pos, loss.sapo_temperature_neg)  # [B, 1]
+    per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return Surrogate(per_token, ratio.detach(), none, none)
+
+
+def gmpo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: GrpoLoss, logps: torch.Tensor,
+                   mask: torch.Tensor) -> Surrogate:  # fmt: skip
+    """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673): ``-A (prod_t min(r_t^s, clip(r_t)^s))^(s / |o|)``.
+
+    ``s = sign(A)``, ``clip`` into ``[exp(-eps), exp(eps_high)]``: the geometric mean of the completion's
+    token ratios, each clipped on the pessimistic side, in log space (the paper's code): ``m_t = s
+    min(s l_t, s clamp(l_t, -eps, eps_high))``, ``l = -A exp(mean_t m_t)``, one loss per completion
+    ``[B, 1]`` (the ``sequence_mean`` reduction: the paper's mean over completions). ``eps``,
+    ``eps_high`` are log-ratio bounds here (the paper's 0.4 each). The clip metrics count tokens."""
+    sign = torch.sign(advantages)  # [B, 1]
+    clamped = torch.clamp(log_ratio, -loss.eps_low, loss.eps_high)
+    kept = sign * torch.min(sign * log_ratio, sign * clamped)  # [B, T]
+    mean = (kept * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    per_sequence = -advantages * torch.exp(mean)
+    with torch.no_grad():
+        low = (log_ratio < -loss.eps_low) & (advantages < 0)
+        high = (log_ratio > loss.eps_high) & (advantages > 0)
+    return Surrogate(per_sequence, torch.exp(log_ratio).detach(), low, high)
 
 
 def _sequence_mean(per_token, mask, totals, loss):
@@ -161,6 +215,7 @@ class GrpoLoss:
         self.sequence_level = grpo.importance_sampling_level == "sequence"
         self.max_new_tokens = grpo.max_new_tokens
         self.mask_truncated = grpo.mask_truncated_completions
+        self.sapo_temperature_pos, self.sapo_temperature_neg = grpo.sapo_temperature_pos, grpo.sapo_temperature_neg
 
     def __call__(
         self,
@@ -182,7 +237,7 @@ class GrpoLoss:
         log_ratio = logps - old  # [B, T]
         if self.sequence_level:  # GSPO: the mean log-ratio of the completion, one ratio per sequence
             log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]  # [B, 1]
-        terms = self.surrogate(log_ratio, advantages[:, None], self)
+        terms = self.surrogate(log_ratio, advantages[:, None], self, logps, mask)
         per_token = terms.per_token
         if is_ratio is not None:
             per_token = per_token * is_ratio  # [B, T] or [B, 1], as TRL: before the KL term
@@ -198,5 +253,5 @@ class GrpoLoss:
                          terms.high_clipped, mask)  # fmt: skip
 
 
-__all__ = ["REDUCE", "STD_EPS", "GrpoLoss", "GrpoTerms", "StepTotals", "Surrogate", "clipped_surrogate", "group_advantages",
-           "vllm_importance_weights"]
+__all__ = ["REDUCE", "STD_EPS", "GrpoLoss", "GrpoTerms", "StepTotals", "Surrogate", "cispo_surrogate", "clipped_surrogate",
+           "gmpo_surrogate", "group_advantages", "sapo_surrogate", "vllm_importance_weights"]
