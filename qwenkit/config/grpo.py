@@ -39,6 +39,9 @@ class GrpoConfig:
     loss_type: Literal[GRPO_LOSSES] = "dapo"  # the policy loss and how it is averaged (qwenkit.model.losses.registry)
     sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature where the advantage is > 0 (TRL's name)
     sapo_temperature_neg: float = 1.05  # sapo: ... where it is <= 0
+    # only the tokens whose entropy is in this top fraction of the micro-batch's (over every rank) carry
+    # the policy loss; 1.0: all ("Beyond the 80/20 rule" recommends 0.2; TRL's name)
+    top_entropy_quantile: float = 1.0
     importance_sampling_level: Literal[IMPORTANCE_LEVELS] = "token"  # sequence: one ratio per completion (GSPO)
     num_iterations: int = 1  # optimizer updates per batch of rollouts (PPO's mu); > 1 keeps old log-probs
     scale_rewards: Literal[SCALE_REWARDS] = "group"  # divide advantages by the group's std, the batch's, or none (Dr. GRPO)

@@ -49,6 +49,10 @@ def good(prediction, reference, **row):
         (["grpo.sapo_temperature_pos=2"], r"^grpo\.sapo_temperature_pos set but train\.objective='sft'"),
         (GRPO + ["grpo.loss_type=gmpo", "grpo.importance_sampling_level=sequence"],
          r"^grpo\.importance_sampling_level=sequence cannot go with grpo\.loss_type=gmpo: GMPO's ratio is already one per completion"),
+        (GRPO + ["grpo.loss_type=gmpo", "grpo.top_entropy_quantile=0.2"],
+         r"^grpo\.top_entropy_quantile=0\.2 cannot go with grpo\.loss_type=gmpo: the geometric mean ties"),
+        (GRPO + ["grpo.top_entropy_quantile=1.5"], r"^grpo\.top_entropy_quantile must be in \[0, 1\]"),
+        (GRPO + ["grpo.top_entropy_quantile=-0.1"], r"^grpo\.top_entropy_quantile must be in \[0, 1\]"),
         (GRPO + ["grpo.importance_sampling_level=batch"], r"grpo\.importance_sampling_level"),
         (GRPO + ["grpo.scale_rewards=true"], r"grpo\.scale_rewards"),
         (GRPO + ["grpo.rewards=[]"], r"grpo\.rewards must name at least one reward"),
@@ -85,9 +89,10 @@ def test_grpo_settings_in_range_are_valid():
                                  importance_sampling_level="sequence", scale_rewards="none",
                                  rewards=["exact", "format", "iou", "config.test_grpo:good"], reward_weights=[1, 0.5, 1, 0])
     assert config.validate(cfg) == []
-    for grpo in (config.GrpoConfig(loss_type="cispo", epsilon_high=5.0),
+    for grpo in (config.GrpoConfig(loss_type="cispo", epsilon_high=5.0, top_entropy_quantile=0.2),
                  config.GrpoConfig(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
-                 config.GrpoConfig(loss_type="gmpo", epsilon=0.4)):  # fmt: skip
+                 config.GrpoConfig(loss_type="gmpo", epsilon=0.4),
+                 config.GrpoConfig(top_entropy_quantile=0.0)):  # fmt: skip
         cfg.grpo = grpo
         assert config.validate(cfg) == [], grpo
 

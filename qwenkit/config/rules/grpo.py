@@ -31,6 +31,8 @@ def check(cfg: Config, need: Need) -> None:
         need(grpo.epsilon_high > 0, f"grpo.epsilon_high must be > 0 (or unset: grpo.epsilon), got {grpo.epsilon_high}")
     need(grpo.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {grpo.num_iterations}")
     _loss_rules(grpo, need)
+    need(0 <= grpo.top_entropy_quantile <= 1,
+         f"grpo.top_entropy_quantile must be in [0, 1] (1: every token), got {grpo.top_entropy_quantile}")  # fmt: skip
     need(
         not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
         f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "

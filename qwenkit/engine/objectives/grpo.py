@@ -15,7 +15,8 @@ One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective
 
 Then each micro-batch's loss (:class:`qwenkit.model.losses.policy.GrpoLoss`) on the policy's per-token
 log-probs from the chunked head (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.token_logps`: no
-``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Every
+``[B, S, V]`` logits), normalised by the step's global completions and completion tokens; its entropies
+pick the tokens that carry the loss under ``grpo.top_entropy_quantile < 1`` (the micro-batch's threshold over every rank). Every
 log-prob (old, reference, current) and the entropy are those of the distribution the rollout sampled
 (:meth:`GrpoObjective.logps`): the logits divided by ``grpo.temperature`` (as TRL), the media tokens
 a rollout never draws (:func:`~qwenkit.engine.rollouts.completion.media_tokens`) banned, so a token's
@@ -275,7 +276,8 @@ class GrpoObjective(Objective):
         logps, entropies = self.logps(model, batch, entropy=True)
         mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
-                             ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"))  # fmt: skip
+                             ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"),
+                             entropies=entropies)  # fmt: skip
         m = terms.mask
         # token level: the completion's tokens; sequence level: one ratio per completion (TRL's metrics)
         at = m if terms.ratio.shape[1] > 1 else torch.ones_like(terms.ratio)

@@ -11,12 +11,13 @@ log-probs ``logp`` (:func:`qwenkit.model.losses.logps.token_logps`), the rollout
 2. the entry's per-token loss ``l``: PPO's clipped ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``
    (grpo, dr_grpo, dapo, bnpo), or CISPO's, SAPO's, GMPO's (:func:`cispo_surrogate`,
    :func:`sapo_surrogate`, :func:`gmpo_surrogate`)
-3. ``+ beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3, Schulman's unbiased KL estimator)
-4. the reduction of ``grpo.loss_type``'s entry (:mod:`qwenkit.model.losses.registry`), a **share** of the
+3. with ``top_entropy_quantile < 1``: ``l`` kept on the high-entropy tokens only (:func:`high_entropy_mask`)
+4. ``+ beta * (exp(ref - logp) - (ref - logp) - 1)`` (k3, Schulman's unbiased KL estimator)
+5. the reduction of ``grpo.loss_type``'s entry (:mod:`qwenkit.model.losses.registry`), a **share** of the
    whole optimizer step (all ranks, all micro-batches), as the SFT loss is a share of the global token
    mean, so world size and accumulation change nothing.
 
-Steps 1-2 are the entry's surrogate, step 4 its reduction (:data:`REDUCE`): each loss is an entry of the
+Steps 1-2 are the entry's surrogate, step 5 its reduction (:data:`REDUCE`): each loss is an entry of the
 registry, never a branch here. Every surrogate takes ``(log_ratio, advantages, settings, logps, mask)``
 and reads what it needs (CISPO the log-probs themselves, GMPO the mask of its token mean).
 
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from qwenkit.config import GrpoConfig
 from qwenkit.model.losses.registry import policy_loss
@@ -180,6 +182,44 @@ def gmpo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, loss: Grpo
     return Surrogate(per_sequence, torch.exp(log_ratio).detach(), low, high)
 
 
+def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(values, q)`` (linear interpolation, the same arithmetic) without its limit of
+    2**24 elements, which a micro-batch's tokens over every rank pass at length (64 ranks x 8 x 32k)."""
+    ordered = values.sort().values
+    rank = torch.tensor(q, dtype=values.dtype, device=values.device) * (values.numel() - 1)
+    below, above = rank.long(), rank.ceil().long()
+    return torch.lerp(ordered[below], ordered[above], rank - below)
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """``[B, T]`` bool: the tokens of ``mask`` whose entropy is in the top ``quantile`` (TRL 1.16's
+    ``get_high_entropy_mask`` with threshold ``1 - top_entropy_quantile``; "Beyond the 80/20 rule").
+
+    The threshold is the ``1 - quantile`` quantile of this micro-batch's completion tokens on **every
+    rank** (TRL gathers the processes' micro-batches the same way); the ranks call it together, once per
+    micro-batch (collective). Ties at the threshold are kept (``>=``)."""
+    local = entropies[mask.bool()].detach().float()  # [n]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        local = _gather_ragged(local)
+    if local.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    threshold = _quantile(local, 1 - quantile)
+    return (entropies >= threshold) & mask.bool()
+
+
+def _gather_ragged(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``values [n_r]`` concatenated (``n_r`` may differ): sizes first, then one padded all-gather."""
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.long, device=values.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()], device=values.device))
+    width = int(max(s.item() for s in sizes))
+    padded = torch.zeros(width, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+
+
 def _sequence_mean(per_token, mask, totals, loss):
     return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / totals.completions
 
@@ -196,7 +236,7 @@ def _token_mean(per_token, mask, totals, loss):
     return per_token.sum() / torch.as_tensor(totals.tokens, dtype=per_token.dtype).clamp(min=1.0)
 
 
-# step 4: this micro-batch's share of the optimizer step's loss, by the entry's reduction (the registry's table)
+# step 5: this micro-batch's share of the optimizer step's loss, by the entry's reduction (the registry's table)
 REDUCE: dict[str, Callable] = {"sequence_mean": _sequence_mean, "micro_batch_mean": _micro_batch_mean,
                                "max_tokens": _max_tokens, "token_mean": _token_mean}  # fmt: skip
 
@@ -216,6 +256,7 @@ class GrpoLoss:
         self.max_new_tokens = grpo.max_new_tokens
         self.mask_truncated = grpo.mask_truncated_completions
         self.sapo_temperature_pos, self.sapo_temperature_neg = grpo.sapo_temperature_pos, grpo.sapo_temperature_neg
+        self.top_entropy_quantile = grpo.top_entropy_quantile
 
     def __call__(
         self,
@@ -227,9 +268,11 @@ class GrpoLoss:
         ref: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
         is_ratio: torch.Tensor | None = None,
+        entropies: torch.Tensor | None = None,
     ) -> GrpoTerms:
-        """``logps``, ``old``, ``ref``, ``mask``: ``[B, T]``; ``advantages``, ``truncated``: ``[B]``;
-        ``is_ratio``: vLLM's importance-sampling weights (:func:`vllm_importance_weights`), or None."""
+        """``logps``, ``old``, ``ref``, ``mask``, ``entropies``: ``[B, T]``; ``advantages``, ``truncated``: ``[B]``;
+        ``is_ratio``: vLLM's importance-sampling weights (:func:`vllm_importance_weights`), or None;
+        ``entropies``: the policy's per-token entropies (``top_entropy_quantile < 1`` needs them)."""
         mask = mask.to(logps.dtype)
         if self.mask_truncated and truncated is not None:
             mask = mask * (~truncated).to(mask.dtype)[:, None]
@@ -239,6 +282,10 @@ class GrpoLoss:
             log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]  # [B, 1]
         terms = self.surrogate(log_ratio, advantages[:, None], self, logps, mask)
         per_token = terms.per_token
+        if self.top_entropy_quantile < 1.0:  # step 3, as TRL: before the importance weights and the KL
+            if entropies is None:
+                raise ValueError("grpo.top_entropy_quantile < 1 needs the policy's per-token entropies")
+            per_token = per_token * high_entropy_mask(entropies, mask, self.top_entropy_quantile)
         if is_ratio is not None:
             per_token = per_token * is_ratio  # [B, T] or [B, 1], as TRL: before the KL term
         kl = None
@@ -254,4 +301,4 @@ class GrpoLoss:
 
 
 __all__ = ["REDUCE", "STD_EPS", "GrpoLoss", "GrpoTerms", "StepTotals", "Surrogate", "cispo_surrogate", "clipped_surrogate",
-           "gmpo_surrogate", "group_advantages", "sapo_surrogate", "vllm_importance_weights"]
+           "gmpo_surrogate", "group_advantages", "high_entropy_mask", "sapo_surrogate", "vllm_importance_weights"]

@@ -39,6 +39,7 @@ class PolicyLoss:
 _POLICY = "qwenkit.model.losses.policy"
 _CLIPPED = f"{_POLICY}:clipped_surrogate"
 _GEOMETRIC = "GMPO's ratio is already one per completion (the geometric mean of its tokens')"
+_TIED = "the geometric mean ties each token's gradient to its whole completion; a per-token mask is not defined for it"
 # grpo.loss_type: every value the config allows, in the order the docs list them
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "grpo": PolicyLoss(_CLIPPED, "sequence_mean", "TRL loss_type='grpo' (DeepSeekMath)"),
@@ -49,7 +50,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "sapo": PolicyLoss(f"{_POLICY}:sapo_surrogate", "sequence_mean", "TRL loss_type='sapo' (Qwen's SAPO)",
                        keys=("sapo_temperature_pos", "sapo_temperature_neg")),
     "gmpo": PolicyLoss(f"{_POLICY}:gmpo_surrogate", "sequence_mean", "GMPO (arXiv 2507.20673; not in TRL 1.16)",
-                       refuses=(("importance_sampling_level", _GEOMETRIC),)),
+                       refuses=(("importance_sampling_level", _GEOMETRIC), ("top_entropy_quantile", _TIED))),
 }
 
 

@@ -3,7 +3,8 @@
 TRL's loss lives inside a trainer method that first runs the model: it is called here on a
 stand-in trainer whose ``_get_per_token_logps_and_entropies`` hands it exactly the log-probs under
 test (a leaf tensor, or the tempered log-softmax of leaf logits, so both sides' gradients with
-respect to them are compared). TRL's advantages are computed inside
+respect to them are compared) and their entropies (``top_entropy_quantile``: TRL's own
+``get_high_entropy_mask`` on the stand-in). TRL's advantages are computed inside
 ``_generate_and_score_completions`` with rollouts and reward calls around them; its lines are
 reproduced verbatim in :func:`_trl_advantages`. GMPO, which TRL 1.16 has not, is compared with the
 paper's formula written out (:func:`_gmpo_by_the_paper`).
@@ -15,6 +16,8 @@ from collections import defaultdict
 
 import pytest
 import torch
+import torch.distributed as dist
+from multiproc import check_ranks
 from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import nanstd
 
@@ -23,6 +26,7 @@ from qwenkit.model.losses.policy import (
     GrpoLoss,
     StepTotals,
     group_advantages,
+    high_entropy_mask,
     vllm_importance_weights,
 )  # fmt: skip
 
@@ -49,7 +53,7 @@ def _trl_loss(grpo: GrpoConfig, logps, old, ref, mask, advantages, accum=1, num_
     entropies = torch.zeros_like(logps) if entropies is None else entropies
     stand_in = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None),
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        aux_loss_enabled=False, top_entropy_quantile=grpo.top_entropy_quantile, off_policy_mask_threshold=None,
         importance_sampling_level=grpo.importance_sampling_level, beta=grpo.beta, loss_type=grpo.loss_type,
         epsilon_low=grpo.epsilon, epsilon_high=grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high,
         args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=accum,
@@ -201,7 +205,7 @@ def test_the_importance_weights_scale_each_tokens_loss_before_the_kl():
     torch.testing.assert_close(plain.loss, ((policy + 0.1 * plain.kl) * mask).sum() / 6)
 
 
-# --- CISPO, SAPO, GMPO: through tempered logits --------------------------------------
+# --- CISPO, SAPO, GMPO and the high-entropy tokens: through tempered logits --------------------------------------
 
 TEMPERATURES = [0.7, 1.0, 1.6]  # the sampling temperature the log-probs and entropies are of
 
@@ -233,7 +237,8 @@ def _against_trl(grpo, temperature, seed, drift=0.3, truncated=None):
     trl_mask = mask if truncated is None else mask * (~truncated).int()[:, None]  # TRL's completion_mask
     want, metrics = _trl_loss(grpo, logps, old, ref, trl_mask, adv, entropies=entropies)
     totals = StepTotals(completions=len(mask), tokens=int(trl_mask.sum()), micro_batches=1)
-    terms = GrpoLoss(grpo)(logps, adv, mask, totals, old=old, ref=ref if grpo.beta else None, truncated=truncated)
+    terms = GrpoLoss(grpo)(logps, adv, mask, totals, old=old, ref=ref if grpo.beta else None, truncated=truncated,
+                           entropies=entropies)  # fmt: skip
     torch.testing.assert_close(terms.loss, want, **FP32)
     torch.testing.assert_close(_grad(terms.loss, logits), _grad(want, logits), **FP32)
     return terms, metrics
@@ -321,3 +326,59 @@ def test_gmpo_is_one_ratio_per_completion_and_on_policy_minus_the_mean_advantage
     torch.testing.assert_close(terms.loss, -adv.mean(), **FP32)
     (grad,) = torch.autograd.grad(terms.loss, logps)
     torch.testing.assert_close(grad, -adv[:, None] * mask / mask.sum(-1, keepdim=True) / 6, **FP32)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5, 0.8])
+@pytest.mark.parametrize("loss_type, level", [("dapo", "token"), ("grpo", "sequence"), ("cispo", "token"), ("sapo", "token")])
+def test_top_entropy_quantile_equals_trls_high_entropy_mask(temperature, quantile, loss_type, level):
+    """Only the tokens at or above the micro-batch's ``1 - quantile`` entropy quantile carry the policy
+    loss (TRL's ``get_high_entropy_mask`` on its stand-in), the KL every token; truncated completions
+    masked out are not counted in the quantile."""
+    grpo = GrpoConfig(loss_type=loss_type, importance_sampling_level=level, top_entropy_quantile=quantile, beta=0.04,
+                      epsilon_high=5.0 if loss_type == "cispo" else None, mask_truncated_completions=True,
+                      max_new_tokens=MAX_NEW)  # fmt: skip
+    truncated = torch.tensor([True, False, False, False, False, False])
+    _against_trl(grpo, temperature, seed=10, truncated=truncated)
+
+
+def test_high_entropy_mask_keeps_the_top_fraction_of_the_completion_tokens():
+    entropies = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # the 7.0 is padding: neither counted nor kept
+    kept = high_entropy_mask(entropies, mask, 0.25)  # the top quarter of 7 tokens: at or above their 75% quantile
+    assert kept.tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert high_entropy_mask(entropies, mask, 1.0).equal(mask.bool())
+    assert high_entropy_mask(entropies, torch.zeros_like(mask), 0.2).sum() == 0
+
+
+def test_high_entropy_mask_past_torch_quantiles_limit():
+    """torch.quantile refuses more than 2**24 values (a micro-batch's tokens on every rank reach it at
+    length); the kit's threshold is the same linear interpolation without the limit."""
+    n = 2**24 + 1
+    entropies = torch.randperm(n, generator=torch.Generator().manual_seed(0)).float()[None]  # 0..2**24, exact in fp32
+    with pytest.raises(RuntimeError, match="quantile"):
+        torch.quantile(entropies[0], 0.5)
+    assert int(high_entropy_mask(entropies, torch.ones_like(entropies), 0.5).sum()) == n - 2**23  # >= the median 2**23
+
+
+def _ranks_entropy_mask(rank, out):
+    """Rank ``r`` holds its share of one micro-batch (shares of unequal token counts)."""
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(0)
+    entropies, mask = torch.rand(2, 4, 9, generator=g), (torch.rand(2, 4, 9, generator=g) > 0.3).int()
+    mask[1, :, 6:] = 0  # rank 1 has fewer tokens
+    torch.save(high_entropy_mask(entropies[rank], mask[rank], 0.2), out / f"mask-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_entropy_threshold_is_over_the_micro_batch_on_every_rank(tmp_path):
+    """As TRL (``pad_across_processes`` + ``gather``): each rank's mask is the one-process mask of every rank's share."""
+    check_ranks(_ranks_entropy_mask, 2, tmp_path)
+    g = torch.Generator().manual_seed(0)
+    entropies, mask = torch.rand(2, 4, 9, generator=g), (torch.rand(2, 4, 9, generator=g) > 0.3).int()
+    mask[1, :, 6:] = 0
+    whole = high_entropy_mask(entropies.reshape(8, 9), mask.reshape(8, 9), 0.2)
+    got = torch.cat([torch.load(tmp_path / f"mask-{r}.pt") for r in (0, 1)])
+    assert torch.equal(got, whole)
+    assert not torch.equal(got[:4], high_entropy_mask(entropies[0], mask[0], 0.2))  # rank 0's own threshold differs
