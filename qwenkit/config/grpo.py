@@ -19,7 +19,7 @@ GRPO_LOSSES = tuple(POLICY_LOSSES)  # grpo.loss_type: the policy losses register
 IMPORTANCE_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (sequence: GSPO)
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
 SCALE_REWARDS = ("group", "batch", "none")  # grpo.scale_rewards: the std that divides the advantages
-BUILTIN_REWARDS = (*EVAL_METRICS, "format", "iou")  # grpo.rewards besides module:function
+BUILTIN_REWARDS = (*EVAL_METRICS, "format", "iou", "overlong")  # grpo.rewards besides module:function
 
 
 @dataclass
@@ -47,8 +47,11 @@ class GrpoConfig:
     scale_rewards: Literal[SCALE_REWARDS] = "group"  # divide advantages by the group's std, the batch's, or none (Dr. GRPO)
     mask_truncated_completions: bool = False  # completions cut at max_new_tokens (no EOS) add no loss (DAPO)
     # scores of each completion: exact, normalized, relaxed, anls (as train.eval_metrics), format
-    # (the tags below), iou (a box vs the reference box) or module:function(prediction, reference, **row) -> float
+    # (the tags below), iou (a box vs the reference box), overlong (DAPO's soft overlong punishment) or
+    # module:function(prediction, reference, **row) -> float
     rewards: list[str] = field(default_factory=lambda: ["exact"])
+    # overlong: 0 up to max_new_tokens - overlong_buffer tokens, then linearly down to -1 at max_new_tokens
+    overlong_buffer: int = 0
     reward_weights: list[float] = field(default_factory=list)  # one per reward; empty: all 1
     format_tags: list[str] = field(default_factory=lambda: ["think", "answer"])  # format: <think>..</think><answer>..</answer>
     # what samples the completions: hf (generate on the sharded policy) or vllm (a colocated engine per

@@ -53,10 +53,14 @@ def good(prediction, reference, **row):
          r"^grpo\.top_entropy_quantile=0\.2 cannot go with grpo\.loss_type=gmpo: the geometric mean ties"),
         (GRPO + ["grpo.top_entropy_quantile=1.5"], r"^grpo\.top_entropy_quantile must be in \[0, 1\]"),
         (GRPO + ["grpo.top_entropy_quantile=-0.1"], r"^grpo\.top_entropy_quantile must be in \[0, 1\]"),
+        (GRPO + ["grpo.rewards=[exact, overlong]"], r"^grpo\.rewards has overlong: grpo\.overlong_buffer must be in \[1, grpo\.max_new_tokens=512\].* got 0$"),
+        (GRPO + ["grpo.rewards=[overlong]", "grpo.max_new_tokens=8", "grpo.overlong_buffer=9"],
+         r"^grpo\.rewards has overlong: grpo\.overlong_buffer must be in \[1, grpo\.max_new_tokens=8\]"),
+        (GRPO + ["grpo.overlong_buffer=4"], r"^grpo\.overlong_buffer=4 set but grpo\.rewards=\['exact'\] has no overlong"),
         (GRPO + ["grpo.importance_sampling_level=batch"], r"grpo\.importance_sampling_level"),
         (GRPO + ["grpo.scale_rewards=true"], r"grpo\.scale_rewards"),
         (GRPO + ["grpo.rewards=[]"], r"grpo\.rewards must name at least one reward"),
-        (GRPO + ["grpo.rewards=[accuracy]"], r"'accuracy' is neither a built-in reward \(.*format, iou\) nor module:function"),
+        (GRPO + ["grpo.rewards=[accuracy]"], r"'accuracy' is neither a built-in reward \(.*format, iou, overlong\) nor module:function"),
         (GRPO + ["grpo.rewards=[no_such_module:f]"], r"'no_such_module:f' does not import"),
         (GRPO + ["grpo.rewards=[exact, exact]"], r"grpo\.rewards: exact given twice"),
         (GRPO + ["grpo.rewards=[config.test_grpo:two]"],
@@ -91,8 +95,8 @@ def test_grpo_settings_in_range_are_valid():
     assert config.validate(cfg) == []
     for grpo in (config.GrpoConfig(loss_type="cispo", epsilon_high=5.0, top_entropy_quantile=0.2),
                  config.GrpoConfig(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
-                 config.GrpoConfig(loss_type="gmpo", epsilon=0.4),
-                 config.GrpoConfig(top_entropy_quantile=0.0)):  # fmt: skip
+                 config.GrpoConfig(loss_type="gmpo", epsilon=0.4, rewards=["exact", "overlong"], overlong_buffer=128),
+                 config.GrpoConfig(top_entropy_quantile=0.0, rewards=["overlong"], max_new_tokens=8, overlong_buffer=8)):  # fmt: skip
         cfg.grpo = grpo
         assert config.validate(cfg) == [], grpo
 

@@ -33,6 +33,13 @@ def check(cfg: Config, need: Need) -> None:
     _loss_rules(grpo, need)
     need(0 <= grpo.top_entropy_quantile <= 1,
          f"grpo.top_entropy_quantile must be in [0, 1] (1: every token), got {grpo.top_entropy_quantile}")  # fmt: skip
+    if "overlong" in grpo.rewards:
+        need(0 < grpo.overlong_buffer <= grpo.max_new_tokens,
+             f"grpo.rewards has overlong: grpo.overlong_buffer must be in [1, grpo.max_new_tokens={grpo.max_new_tokens}] "
+             f"(the tokens before the limit over which the penalty grows to -1), got {grpo.overlong_buffer}")  # fmt: skip
+    else:
+        need(grpo.overlong_buffer == 0,
+             f"grpo.overlong_buffer={grpo.overlong_buffer} set but grpo.rewards={grpo.rewards} has no overlong; add it")  # fmt: skip
     need(
         not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
         f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "

@@ -91,7 +91,7 @@ SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each w
 # what a cached rollout was made under: a mid-cycle resume under other values rolls out again
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
                     "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
-                    "grpo.format_tags", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta", "train.micro_batch_size", "train.grad_accum",
+                    "grpo.format_tags", "grpo.overlong_buffer", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta", "train.micro_batch_size", "train.grad_accum",
                     "train.seed")  # fmt: skip
 
 
@@ -119,7 +119,8 @@ class GrpoObjective(Objective):
         grpo = cfg.grpo
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
         self.loss_fn = GrpoLoss(grpo)
-        self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags))
+        self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags), grpo.max_new_tokens,
+                                          grpo.overlong_buffer)  # fmt: skip
         self.settings = rollout_settings(cfg)
         self.banned = media_tokens(bundle.dataset.processor)  # what no rollout draws: no log-prob counts them
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
@@ -174,7 +175,7 @@ class GrpoObjective(Objective):
             log.info("grpo rollouts: %s (%s)", *self.rollouts.chosen)
         names = [f"row {c.index}" for c in done]
         per, total = reward_fns.score(self.rewards, self.grpo.reward_weights, [c.text for c in done],
-                                      [c.reference for c in done], [c.row for c in done], names)  # fmt: skip
+                                      [c.reference for c in done], [c.row | {"completion_ids": c.tokens} for c in done], names)  # fmt: skip
         truncated = torch.tensor([c.truncated for c in done])
         columns = {f"rewards/{name}": per[:, k] for k, name in enumerate(self.rewards)}
         columns |= {"reward": total, "length": torch.tensor([float(len(c.tokens)) for c in done]),
