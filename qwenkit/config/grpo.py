@@ -19,7 +19,7 @@ GRPO_LOSSES = tuple(POLICY_LOSSES)  # grpo.loss_type: the policy losses register
 IMPORTANCE_LEVELS = ("token", "sequence")  # grpo.importance_sampling_level (sequence: GSPO)
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
 SCALE_REWARDS = ("group", "batch", "none")  # grpo.scale_rewards: the std that divides the advantages
-BUILTIN_REWARDS = (*EVAL_METRICS, "format", "iou")  # grpo.rewards besides module:function
+BUILTIN_REWARDS = (*EVAL_METRICS, "format", "iou", "overlong")  # grpo.rewards besides module:function
 
 
 @dataclass
@@ -33,8 +33,15 @@ class GrpoConfig:
     rollout_batch_size: int = 0  # completions sampled together in one generate call (0: all of a rank's rollout)
     beta: float = 0.0  # weight of the k3 KL to the reference; 0: no reference is built or run
     epsilon: float = 0.2  # clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher recommends 0.28)
-    loss_type: Literal[GRPO_LOSSES] = "dapo"  # how per-token losses are averaged (qwenkit.model.losses.policy)
+    # None: epsilon (DAPO's clip-higher recommends 0.28); cispo: the IS weight's upper bound itself (TRL's
+    # epsilon_max, 5.0); gmpo: epsilon and epsilon_high bound the log-ratio (the paper's 0.4)
+    epsilon_high: float | None = None
+    loss_type: Literal[GRPO_LOSSES] = "dapo"  # the policy loss and how it is averaged (qwenkit.model.losses.registry)
+    sapo_temperature_pos: float = 1.0  # sapo: the gate's temperature where the advantage is > 0 (TRL's name)
+    sapo_temperature_neg: float = 1.05  # sapo: ... where it is <= 0
+    # only the tokens whose entropy is in this top fraction of the micro-batch's (over every rank) carry
+    # the policy loss; 1.0: all ("Beyond the 80/20 rule" recommends 0.2; TRL's name)
+    top_entropy_quantile: float = 1.0
     importance_sampling_level: Literal[IMPORTANCE_LEVELS] = "token"  # sequence: one ratio per completion (GSPO)
     num_iterations: int = 1  # optimizer updates per batch of rollouts (PPO's mu); > 1 keeps old log-probs
     scale_rewards: Literal[SCALE_REWARDS] = "group"  # divide advantages by the group's std, the batch's, or none (Dr. GRPO)
@@ -45,8 +52,11 @@ class GrpoConfig:
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
     # scores of each completion: exact, normalized, relaxed, anls (as train.eval_metrics), format
-    # (the tags below), iou (a box vs the reference box) or module:function(prediction, reference, **row) -> float
+    # (the tags below), iou (a box vs the reference box), overlong (DAPO's soft overlong punishment) or
+    # module:function(prediction, reference, **row) -> float
     rewards: list[str] = field(default_factory=lambda: ["exact"])
+    # overlong: 0 up to max_new_tokens - overlong_buffer tokens, then linearly down to -1 at max_new_tokens
+    overlong_buffer: int = 0
     reward_weights: list[float] = field(default_factory=list)  # one per reward; empty: all 1
     format_tags: list[str] = field(default_factory=lambda: ["think", "answer"])  # format: <think>..</think><answer>..</answer>
     # what samples the completions: hf (generate on the sharded policy) or vllm (a colocated engine per

@@ -40,11 +40,27 @@ def good(prediction, reference, **row):
         (GRPO + ["grpo.epsilon=0"], r"grpo\.epsilon must be > 0"),
         (GRPO + ["grpo.epsilon_high=-1"], r"grpo\.epsilon_high must be > 0"),
         (GRPO + ["grpo.num_iterations=0"], r"grpo\.num_iterations must be >= 1"),
-        (GRPO + ["grpo.loss_type=cispo"], r"grpo\.loss_type"),
+        (GRPO + ["grpo.loss_type=ppo"], r"grpo\.loss_type: got 'ppo', expected one of .*'cispo', 'sapo', 'gmpo'"),
+        (GRPO + ["grpo.loss_type=cispo"], r"^grpo\.loss_type=cispo needs grpo\.epsilon_high >= 1: .*recommend 5\.0.*got None$"),
+        (GRPO + ["grpo.loss_type=cispo", "grpo.epsilon_high=0.28"], r"^grpo\.loss_type=cispo needs grpo\.epsilon_high >= 1"),
+        (GRPO + ["grpo.sapo_temperature_pos=2"], r"^grpo\.sapo_temperature_pos set but grpo\.loss_type='dapo'; only loss_type=sapo reads it$"),
+        (GRPO + ["grpo.loss_type=sapo", "grpo.sapo_temperature_neg=0"], r"^grpo\.sapo_temperature_neg must be > 0"),
+        (GRPO + ["grpo.loss_type=sapo", "grpo.sapo_temperature_pos=-1"], r"^grpo\.sapo_temperature_pos must be > 0"),
+        (["grpo.sapo_temperature_pos=2"], r"^grpo\.sapo_temperature_pos set but train\.objective='sft'"),
+        (GRPO + ["grpo.loss_type=gmpo", "grpo.importance_sampling_level=sequence"],
+         r"^grpo\.importance_sampling_level=sequence cannot go with grpo\.loss_type=gmpo: GMPO's ratio is already one per completion"),
+        (GRPO + ["grpo.loss_type=gmpo", "grpo.top_entropy_quantile=0.2"],
+         r"^grpo\.top_entropy_quantile=0\.2 cannot go with grpo\.loss_type=gmpo: the geometric mean ties"),
+        (GRPO + ["grpo.top_entropy_quantile=1.5"], r"^grpo\.top_entropy_quantile must be in \[0, 1\]"),
+        (GRPO + ["grpo.top_entropy_quantile=-0.1"], r"^grpo\.top_entropy_quantile must be in \[0, 1\]"),
+        (GRPO + ["grpo.rewards=[exact, overlong]"], r"^grpo\.rewards has overlong: grpo\.overlong_buffer must be in \[1, grpo\.max_new_tokens=512\].* got 0$"),
+        (GRPO + ["grpo.rewards=[overlong]", "grpo.max_new_tokens=8", "grpo.overlong_buffer=9"],
+         r"^grpo\.rewards has overlong: grpo\.overlong_buffer must be in \[1, grpo\.max_new_tokens=8\]"),
+        (GRPO + ["grpo.overlong_buffer=4"], r"^grpo\.overlong_buffer=4 set but grpo\.rewards=\['exact'\] has no overlong"),
         (GRPO + ["grpo.importance_sampling_level=batch"], r"grpo\.importance_sampling_level"),
         (GRPO + ["grpo.scale_rewards=true"], r"grpo\.scale_rewards"),
         (GRPO + ["grpo.rewards=[]"], r"grpo\.rewards must name at least one reward"),
-        (GRPO + ["grpo.rewards=[accuracy]"], r"'accuracy' is neither a built-in reward \(.*format, iou\) nor module:function"),
+        (GRPO + ["grpo.rewards=[accuracy]"], r"'accuracy' is neither a built-in reward \(.*format, iou, overlong\) nor module:function"),
         (GRPO + ["grpo.rewards=[no_such_module:f]"], r"'no_such_module:f' does not import"),
         (GRPO + ["grpo.rewards=[exact, exact]"], r"grpo\.rewards: exact given twice"),
         (GRPO + ["grpo.rewards=[config.test_grpo:two]"],
@@ -77,6 +93,12 @@ def test_grpo_settings_in_range_are_valid():
                                  importance_sampling_level="sequence", scale_rewards="none",
                                  rewards=["exact", "format", "iou", "config.test_grpo:good"], reward_weights=[1, 0.5, 1, 0])
     assert config.validate(cfg) == []
+    for grpo in (config.GrpoConfig(loss_type="cispo", epsilon_high=5.0, top_entropy_quantile=0.2),
+                 config.GrpoConfig(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
+                 config.GrpoConfig(loss_type="gmpo", epsilon=0.4, rewards=["exact", "overlong"], overlong_buffer=128),
+                 config.GrpoConfig(top_entropy_quantile=0.0, rewards=["overlong"], max_new_tokens=8, overlong_buffer=8)):  # fmt: skip
+        cfg.grpo = grpo
+        assert config.validate(cfg) == [], grpo
 
 
 def test_a_metric_need_not_take_the_row():

@@ -8,6 +8,7 @@ import logging
 from qwenkit.config.grpo import BUILTIN_REWARDS, GrpoConfig
 from qwenkit.config.schema import Config, Need
 from qwenkit.config.train import scorer_problems
+from qwenkit.model.losses.registry import POLICY_LOSSES
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,16 @@ def check(cfg: Config, need: Need) -> None:
     need(grpo.dynamic_sampling or grpo.max_resample_rounds == GrpoConfig.max_resample_rounds,
          f"grpo.max_resample_rounds={grpo.max_resample_rounds} set but grpo.dynamic_sampling=false; "
          "set grpo.dynamic_sampling=true (or leave grpo.max_resample_rounds unset)")  # fmt: skip
+    _loss_rules(grpo, need)
+    need(0 <= grpo.top_entropy_quantile <= 1,
+         f"grpo.top_entropy_quantile must be in [0, 1] (1: every token), got {grpo.top_entropy_quantile}")  # fmt: skip
+    if "overlong" in grpo.rewards:
+        need(0 < grpo.overlong_buffer <= grpo.max_new_tokens,
+             f"grpo.rewards has overlong: grpo.overlong_buffer must be in [1, grpo.max_new_tokens={grpo.max_new_tokens}] "
+             f"(the tokens before the limit over which the penalty grows to -1), got {grpo.overlong_buffer}")  # fmt: skip
+    else:
+        need(grpo.overlong_buffer == 0,
+             f"grpo.overlong_buffer={grpo.overlong_buffer} set but grpo.rewards={grpo.rewards} has no overlong; add it")  # fmt: skip
     need(
         not grpo.reward_weights or len(grpo.reward_weights) == len(grpo.rewards),
         f"grpo.reward_weights has {len(grpo.reward_weights)} weights for {len(grpo.rewards)} grpo.rewards; "
@@ -74,6 +85,24 @@ def check(cfg: Config, need: Need) -> None:
     )
 
 
+def _loss_rules(grpo: GrpoConfig, need: Need) -> None:
+    """What ``grpo.loss_type``'s entry cannot run and the keys other losses alone read (the registry's
+    ``refuses`` and ``keys``), and the settings of the new losses."""
+    default, entry = GrpoConfig(), POLICY_LOSSES[grpo.loss_type]
+    for key, why in entry.refuses:
+        value = getattr(grpo, key)
+        need(value == getattr(default, key), f"grpo.{key}={value} cannot go with grpo.loss_type={grpo.loss_type}: {why}")
+    for name, other in POLICY_LOSSES.items():
+        changed = [k for k in other.keys if k not in entry.keys and getattr(grpo, k) != getattr(default, k)]
+        need(not changed, f"grpo.{', grpo.'.join(changed)} set but grpo.loss_type={grpo.loss_type!r}; "
+             f"only loss_type={name} reads it")  # fmt: skip
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        need(getattr(grpo, key) > 0, f"grpo.{key} must be > 0 (the gate divides by it), got {getattr(grpo, key)}")
+    if grpo.loss_type == "cispo":  # TRL's cispo clamps the weight at epsilon_high itself, not at 1 + epsilon_high
+        bound = grpo.epsilon_high
+        need(bound is not None and bound >= 1,
+             f"grpo.loss_type=cispo needs grpo.epsilon_high >= 1: it is the importance weight's upper bound itself "
+             f"(TRL's epsilon_max; ScaleRL and TRL recommend 5.0), below 1 even on-policy weights are cut; got {bound}")  # fmt: skip
 
 
 def check_rewards(cfg: Config, need: Need) -> None:

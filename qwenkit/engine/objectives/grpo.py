@@ -15,7 +15,8 @@ One rollout, every ``grpo.num_iterations`` optimizer steps (:meth:`GrpoObjective
 
 Then each micro-batch's loss (:class:`qwenkit.model.losses.policy.GrpoLoss`) on the policy's per-token
 log-probs from the chunked head (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.token_logps`: no
-``[B, S, V]`` logits), normalised by the step's global completions and completion tokens. Every
+``[B, S, V]`` logits), normalised by the step's global completions and completion tokens; its entropies
+pick the tokens that carry the loss under ``grpo.top_entropy_quantile < 1`` (the micro-batch's threshold over every rank). Every
 log-prob (old, reference, current) and the entropy are those of the distribution the rollout sampled
 (:meth:`GrpoObjective.logps`): the logits divided by ``grpo.temperature`` (as TRL), the media tokens
 a rollout never draws (:func:`~qwenkit.engine.rollouts.completion.media_tokens`) banned, so a token's
@@ -93,8 +94,9 @@ SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each w
 # what a cached rollout was made under: a mid-cycle resume under other values rolls out again
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
                     "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
-                    "grpo.format_tags", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta", "grpo.dynamic_sampling",
-                    "grpo.max_resample_rounds", "train.micro_batch_size", "train.grad_accum", "train.seed")  # fmt: skip
+                    "grpo.format_tags", "grpo.overlong_buffer", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta",
+                    "grpo.dynamic_sampling", "grpo.max_resample_rounds", "train.micro_batch_size", "train.grad_accum",
+                    "train.seed")  # fmt: skip
 
 
 def rollout_settings(cfg) -> dict:
@@ -121,7 +123,8 @@ class GrpoObjective(Objective):
         grpo = cfg.grpo
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
         self.loss_fn = GrpoLoss(grpo)
-        self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags))
+        self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags), grpo.max_new_tokens,
+                                          grpo.overlong_buffer)  # fmt: skip
         self.settings = rollout_settings(cfg)
         self.banned = media_tokens(bundle.dataset.processor)  # what no rollout draws: no log-prob counts them
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
@@ -177,7 +180,8 @@ class GrpoObjective(Objective):
         failure = None
         try:
             per, total = reward_fns.score(self.rewards, self.grpo.reward_weights, [c.text for c in done],
-                                          [c.reference for c in done], [c.row for c in done], names)  # fmt: skip
+                                          [c.reference for c in done], [c.row | {"completion_ids": c.tokens} for c in done],
+                                          names)  # fmt: skip
         except reward_fns.RewardError as e:
             c = done[e.record.pop("position")]
             failure = {**e.record, "index": c.index, "epoch": epoch, "where": str(self.bundle.dataset.conversation(c.index).where)}
@@ -311,7 +315,8 @@ class GrpoObjective(Objective):
         logps, entropies = self.logps(model, batch, entropy=True)
         mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
-                             ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"))  # fmt: skip
+                             ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"),
+                             entropies=entropies)  # fmt: skip
         m = terms.mask
         # token level: the completion's tokens; sequence level: one ratio per completion (TRL's metrics)
         at = m if terms.ratio.shape[1] > 1 else torch.ones_like(terms.ratio)

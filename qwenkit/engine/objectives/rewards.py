@@ -1,7 +1,8 @@
 """GRPO's rewards: each completion scored by every name in ``grpo.rewards``, weighted by ``grpo.reward_weights``.
 
 A reward is ``reward(prediction, reference, **row) -> float``: the completion's text, the row's
-reference answer and the row's other columns (a user's reward may read them; the built-ins do not).
+reference answer and the row's other columns (a user's reward may read them), with ``completion_ids``,
+the completion's token ids (its end token included when it ended; TRL's keyword), among them.
 
 - the answer metrics (``exact``, ``normalized``, ``relaxed``, ``anls``; :mod:`qwenkit.engine.generation.answers`,
   multiple-choice rows by the letter) score the **answer**: the text inside the answer tag
@@ -15,6 +16,10 @@ reference answer and the row's other columns (a user's reward may read them; the
   of the width and height for Qwen3-VL, whose boxes are clamped to that range); 0 when the
   completion has no box. The reference must be written in the family's convention, as the SFT data
   that taught the model to ground was; a reference in other units is not converted.
+- ``overlong``: DAPO's soft overlong punishment (its Eq. 13; TRL's ``get_soft_overlong_punishment``):
+  with ``L = grpo.max_new_tokens`` and the buffer ``C = grpo.overlong_buffer``, 0 for a completion of
+  ``n <= L - C`` tokens, ``(L - C - n) / C`` above (down to -1 at ``n = L``), -1 beyond ``L``; it reads
+  ``completion_ids``. Penalty scale 1: weigh it with ``grpo.reward_weights``.
 - ``module:function``: a user's function, importable from ``PYTHONPATH``, logged as
   ``rewards/<function's name>``.
 
@@ -102,8 +107,23 @@ def iou_reward(box_units: str) -> Reward:
     return iou
 
 
-def resolve(names: list[str], box_units: str, format_tags: tuple[str, str] = ("think", "answer")) -> dict[str, Reward]:
-    """``{logged name: reward}`` for ``grpo.rewards`` (the config check has vetted the names)."""
+def overlong_reward(max_new_tokens: int, buffer: int) -> Reward:
+    """The ``overlong`` reward of completions limited to ``max_new_tokens``, penalised over the last ``buffer`` (module docstring)."""
+    if not 0 < buffer <= max_new_tokens:
+        raise ValueError(f"grpo.overlong_buffer must be in [1, grpo.max_new_tokens={max_new_tokens}], got {buffer}")
+    free = max_new_tokens - buffer  # the longest completion that goes unpunished
+
+    def overlong(prediction: str, reference: str, completion_ids: list[int], **row) -> float:
+        n = len(completion_ids)
+        return 0.0 if n <= free else -1.0 if n > max_new_tokens else (free - n) / buffer
+
+    return overlong
+
+
+def resolve(names: list[str], box_units: str, format_tags: tuple[str, str] = ("think", "answer"), max_new_tokens: int = 0,
+            overlong_buffer: int = 0) -> dict[str, Reward]:  # fmt: skip
+    """``{logged name: reward}`` for ``grpo.rewards`` (the config check has vetted the names);
+    ``max_new_tokens`` and ``overlong_buffer``: the ``overlong`` reward's limit and buffer."""
     think, answer = format_tags
     out: dict[str, Reward] = {}
     for name in names:
@@ -113,6 +133,8 @@ def resolve(names: list[str], box_units: str, format_tags: tuple[str, str] = ("t
             out[name] = format_reward(think, answer)
         elif name == "iou":
             out[name] = iou_reward(box_units)
+        elif name == "overlong":
+            out[name] = overlong_reward(max_new_tokens, overlong_buffer)
         else:
             fn = load_user_metric(name, "grpo.rewards")
             out[fn.__name__] = fn
@@ -188,4 +210,4 @@ def score(
 
 
 __all__ = ["Reward", "RewardError", "RewardsStopped", "answer_text", "box_iou", "first_box", "format_reward",
-           "iou_reward", "resolve", "score", "stopped"]  # fmt: skip
+           "iou_reward", "overlong_reward", "resolve", "score", "stopped"]  # fmt: skip

@@ -161,6 +161,37 @@ def test_grpo_trains_every_family_from_its_own_start(family, family_path, tmp_pa
     assert second["kl"] > 0
 
 
+# the policy losses and the settings beyond TRL's grpo (loss_type: its extra keys), each trained by one short run
+NEW_LOSSES = {"cispo": ["grpo.loss_type=cispo", "grpo.epsilon_high=5"],
+              "sapo": ["grpo.loss_type=sapo", "grpo.sapo_temperature_pos=0.5", "grpo.sapo_temperature_neg=2"],
+              "gmpo": ["grpo.loss_type=gmpo", "grpo.epsilon=0.4"],
+              "dapo_top_entropy_overlong": ["grpo.top_entropy_quantile=0.2", "grpo.overlong_buffer=3",
+                                            "grpo.rewards=[exact, format, engine.objectives.test_grpo:vowels, overlong]",
+                                            "grpo.reward_weights=[1, 1, 2, 1]"]}  # fmt: skip
+
+
+def _short_run(tmp_path, name, extra):
+    cfg = qconfig.load(overrides=BASE + ["train.steps=2", "train.micro_batch_size=2", "data.tiny_samples=4", "train.resume=none",
+                                         f"train.output_dir={tmp_path / name}", *extra])  # fmt: skip
+    return train.run(cfg).history
+
+
+@pytest.mark.parametrize("name", NEW_LOSSES)
+def test_every_new_loss_trains_the_tiny_model(name, tmp_path, tiny_path):
+    """Two steps of the tiny recipe with each loss: the run completes, every metric is finite, step 1's KL
+    is 0 and its gradient not, and the policy has moved off its reference by step 2. ``overlong``: every
+    completion cut at ``max_new_tokens`` scores -1, the others at most 0. ``top_entropy_quantile``: step 1's
+    rollout is the plain run's (the same seeds) but fewer tokens carry its loss."""
+    first, second = _short_run(tmp_path, name, NEW_LOSSES[name])
+    assert all(math.isfinite(v) for h in (first, second) for v in h.values())
+    assert first["kl"] == 0 and first["grad_norm"] > 0 and second["kl"] > 0
+    if "grpo.overlong_buffer=3" in NEW_LOSSES[name]:
+        for h in (first, second):
+            assert -1 <= h["rewards/overlong/mean"] <= -h["completions/clipped_ratio"] < 0
+        (plain,) = _short_run(tmp_path, "plain", NEW_LOSSES[name][1:] + ["train.steps=1"])
+        assert plain["reward"] == first["reward"] and plain["loss"] != first["loss"]
+
+
 @over_families(*(n for n in families.FAMILIES if families.get(n).audio_tokens))
 def test_grpo_rolls_out_and_trains_on_videos_heard_with_their_track(family, family_path, tmp_path):
     """``data.use_audio_in_video``: prompts of a video heard with its audio track (and an audio) roll out through

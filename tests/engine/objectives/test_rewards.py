@@ -179,3 +179,35 @@ def test_a_reward_failing_mid_run_stops_in_one_line_keeps_every_checkpoint_and_w
     assert ("ZeroDivisionError" in record["traceback"]) == (rank == "1")
     failed = [e for e in events.read(out) if e["event"] == "failed"]
     assert {e["rank"] for e in failed} == {0, 1} and all(e["input"] and e["error"] == "RewardsStopped" for e in failed)
+
+
+@pytest.mark.parametrize("max_new_tokens, buffer", [(8, 3), (20, 20), (16, 1), (512, 128)])
+def test_overlong_equals_trls_soft_overlong_punishment(max_new_tokens, buffer):
+    """DAPO's Eq. 13 as TRL's ``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)``: 0 up to
+    ``L - C`` tokens, linearly down to -1 at ``L``, at every length (and past ``L``, where it is -1)."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    lengths = range(max_new_tokens + 3)
+    ids = [[7] * n for n in lengths]
+    want = get_soft_overlong_punishment(max_new_tokens, buffer)(ids)
+    (reward,) = rewards.resolve(["overlong"], "pixels", max_new_tokens=max_new_tokens, overlong_buffer=buffer).values()
+    assert [reward("text", "ref", completion_ids=c) for c in ids] == pytest.approx(want, abs=0, rel=1e-12)
+    assert want[max_new_tokens - buffer] == 0 and want[max_new_tokens] == -1
+
+
+def test_rewards_get_the_completions_ids_and_overlong_needs_its_buffer():
+    """The objective hands every reward the completion's ``completion_ids`` beside the row's columns
+    (TRL's keyword); ``score`` passes them on as it passes the columns."""
+    seen = []
+
+    def lengths(prediction, reference, **row):
+        seen.append(row)
+        return float(len(row["completion_ids"]))
+
+    found = rewards.resolve(["overlong"], "pixels", max_new_tokens=4, overlong_buffer=2) | {"lengths": lengths}
+    rows = [{"scale": 1, "completion_ids": [1, 2, 3]}, {"scale": 2, "completion_ids": [1]}]
+    per, _ = rewards.score(found, [], ["a", "b"], ["r", "r"], rows, ["t.jsonl row 0", "t.jsonl row 1"])
+    torch.testing.assert_close(per, torch.tensor([[-0.5, 3.0], [0.0, 1.0]]))
+    assert seen == rows
+    with pytest.raises(ValueError, match=r"grpo\.overlong_buffer must be in \[1, grpo\.max_new_tokens=4\], got 0"):
+        rewards.resolve(["overlong"], "pixels", max_new_tokens=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -21,6 +22,13 @@ def test_every_entry_names_a_surrogate_and_a_reduction_that_exist(name):
     module, _, attr = entry.surrogate.partition(":")
     assert callable(getattr(importlib.import_module(module), attr)), entry.surrogate
     assert entry.reduction in REDUCTIONS and entry.peer
+    fields = {f.name for f in dataclasses.fields(qconfig.GrpoConfig)}
+    assert set(entry.keys) <= fields and {key for key, why in entry.refuses if why} <= fields, entry
+
+
+def test_a_key_is_read_by_one_loss_alone():
+    owned = [k for entry in POLICY_LOSSES.values() for k in entry.keys]
+    assert len(owned) == len(set(owned))
 
 
 def test_every_reduction_is_implemented():
