@@ -6,6 +6,7 @@ MLflow beside the JSONL. A rank's own failure report: tests/engine/run/test_even
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -57,7 +58,8 @@ def test_report_to_mlflow_is_refused_when_mlflow_is_missing(monkeypatch):
 def test_a_trial_the_launcher_refuses_is_recorded_with_its_reason(tmp_path, capsys):
     # the data file is there when the sweep checks its trials and gone when the trial starts
     data = tmp_path / "rows.jsonl"
-    data.write_text("")
+    reply = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    data.write_text("".join(json.dumps({"messages": reply}) + "\n" for _ in range(8)))  # a step's rows and more
     s = sweep.load(write_sweep(tmp_path, trials=[{"data.path": str(data)}]), tmp_path / "out")
     data.unlink()
     (row,) = sweep.run(s)

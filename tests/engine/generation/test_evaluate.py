@@ -9,6 +9,7 @@ import copy
 import io
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,7 +274,8 @@ def test_qwenkit_eval_on_two_ranks_equals_the_trainers_evaluation(two_ranks):
 def test_qwenkit_eval_nproc_starts_itself_under_torchrun(monkeypatch, tmp_path):
     started = []
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(evaluate, "eval_source", lambda target, config: None)  # the checks before spawn: tested below
+    monkeypatch.setattr(evaluate, "eval_source", lambda target, config: SimpleNamespace(cfg=qconfig.load()))  # the checks
+    # before spawn: tested below
     monkeypatch.setattr(evaluate.subprocess, "call", lambda cmd, env: started.append((cmd, env[COMMAND_ENV])) or 0)
     request = evaluate.EvalRequest(str(tmp_path), samples=3, nproc=3, batch_size=4, metric=("exact", "anls"))
     assert evaluate.eval_main(request) == 0
