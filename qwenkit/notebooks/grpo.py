@@ -36,7 +36,7 @@ from plotly.subplots import make_subplots
 
 from qwenkit import config as qconfig
 from qwenkit import records
-from qwenkit.engine.objectives.grpo import SAMPLE_FILE, read_completions
+from qwenkit.engine.objectives.completions import SAMPLE_FILE, read_completions
 from qwenkit.engine.run import metrics
 from qwenkit.engine.run.metrics import series
 from qwenkit.notebooks import plots, results
@@ -60,7 +60,7 @@ def check_config(path, overrides: list[str]) -> None:
 
 def completions(run_dir) -> tuple[str, list[dict[str, Any]]]:
     """The run's completion records, each with ``x``: its optimizer ``step`` where the record has
-    one (read by :func:`qwenkit.engine.objectives.grpo.read_completions`: a step written twice keeps its last
+    one (read by :func:`qwenkit.engine.objectives.completions.read_completions`: a step written twice keeps its last
     write), else its ``rollout`` number (files written before records had steps; a rollout written
     again after others keeps its last writing); returns the x axis's name and the records."""
     rows = records.read_jsonl(Path(run_dir) / "metrics" / SAMPLE_FILE)

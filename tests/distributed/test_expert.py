@@ -406,9 +406,9 @@ def test_every_objective_and_setting_with_ep_size_2_trains_as_ep_size_1(request,
     for a, b in zip(*loads):
         torch.testing.assert_close(torch.tensor(b["fractions"]), torch.tensor(a["fractions"]), **FP32)
     if name == "grpo":  # the rollouts sampled the same completions; the held-out replies are the same
-        from qwenkit.engine.objectives import grpo
+        from qwenkit.engine.objectives import completions
 
-        assert grpo.read_completions(runs[2]) == grpo.read_completions(runs[1])
+        assert completions.read_completions(runs[2]) == completions.read_completions(runs[1])
         replies = [records.read_jsonl(runs[ep] / "eval" / f"step-{VARIANT_STEPS:06d}.jsonl") for ep in (1, 2)]
         assert replies[0] == replies[1] and len(replies[0]) == 4
     cfg = _variant_cfg(variants, family, name)

@@ -25,7 +25,7 @@ summed by name over the ranks (:func:`_all_reduce`).
 
 **The completions file**, ``metrics/completions.jsonl`` beside the metrics: at each step the trainer
 logs (``train.log_every``, and an invocation's last step; :meth:`GrpoObjective.log`), rank 0 appends a
-sample of the completions of that step's rollout: its first :data:`SAMPLE_GROUPS` groups (prompts)
+sample of the completions of that step's rollout: its first :data:`~qwenkit.engine.objectives.completions.SAMPLE_GROUPS` groups (prompts)
 with all their completions, each a line ``{"step", "k", "rollout", "epoch", "index", "completion",
 "reference", "rewards": {name: value}, "reward", "advantage", "truncated"}`` (``k``: the line's
 place in its step's write, 0 first; ``index``: the prompt's dataset row). A resumed run appends
@@ -56,7 +56,6 @@ per-token loss, logged as TRL names them: ``sampling/sampling_logp_difference/{m
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -71,8 +70,9 @@ from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
 from qwenkit.engine.generation.sampling import Sampling
 from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
-from qwenkit.engine.objectives import dynamic_sampling
+from qwenkit.engine.objectives import completions, dynamic_sampling
 from qwenkit.engine.objectives import rewards as reward_fns
+from qwenkit.engine.objectives.completions import SAMPLE_FILE
 from qwenkit.engine.objectives.dynamic_sampling import Round
 from qwenkit.engine.rollouts.completion import Completion, Rollouts, media_tokens, training_batch
 from qwenkit.engine.rollouts.hf import HfRollouts
@@ -82,15 +82,12 @@ from qwenkit.model import lora
 from qwenkit.model.families import registry as families
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
-from qwenkit.records import read_jsonl
 from qwenkit.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps", "is_ratio")  # what the objective pops from a micro-batch
 CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-SAMPLE_FILE = "completions.jsonl"  # beside the metrics: a sample of each logged step's completions (rank 0's)
-SAMPLE_GROUPS = 8  # prompts of rank 0's rollout written per logged step, each with all its completions
 # what a cached rollout was made under: a mid-cycle resume under other values rolls out again
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
                     "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
@@ -208,7 +205,8 @@ class GrpoObjective(Objective):
         self.rollout_metrics = self._rollout_metrics(everyone, zero) | resampled
         mine = adv[rank * n : (rank + 1) * n]
         if self.sample_file is not None:
-            self.sample = self._sample(done, per, total, mine, drawn.epochs)
+            self.sample = completions.sample(done, per, total, mine, drawn.epochs, list(self.rewards), self.grpo.num_generations,
+                                             self.uses // self.grpo.num_iterations)  # fmt: skip
         size = n // count
         micro = []
         # importance sampling over the rollout: sums and counts, and the extremes (the minimum as a maximum of -x)
@@ -357,22 +355,10 @@ class GrpoObjective(Objective):
                 "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}  # fmt: skip
         return out
 
-    def _sample(self, done: list[Completion], per: torch.Tensor, total: torch.Tensor, adv: torch.Tensor,
-                epochs: list[int]) -> list[dict]:  # fmt: skip
-        """The completions file's lines of this rollout's first :data:`SAMPLE_GROUPS` groups (module docstring)."""
-        kept = SAMPLE_GROUPS * self.grpo.num_generations
-        rollout = self.uses // self.grpo.num_iterations
-        return [{"rollout": rollout, "epoch": epoch, "index": c.index, "completion": c.text, "reference": c.reference,
-                 "rewards": dict(zip(self.rewards, values)), "reward": r, "advantage": a, "truncated": c.truncated}
-                for c, values, r, a, epoch in zip(done[:kept], per.tolist(), total.tolist(), adv.tolist(), epochs)]  # fmt: skip
-
     def log(self, step: int) -> None:
         """A logged step: rank 0 appends the sample of this step's rollout to the completions file."""
-        if self.sample_file is None or not self.sample:
-            return
-        self.sample_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.sample_file, "a") as f:
-            f.writelines(json.dumps({"step": step, "k": k, **line}) + "\n" for k, line in enumerate(self.sample))
+        if self.sample_file is not None and self.sample:
+            completions.append(self.sample_file, step, self.sample)
 
     # --- checkpoints ------------------------------------------------------------------------
 
@@ -403,17 +389,6 @@ class GrpoObjective(Objective):
             self.cached, self.rollout_metrics, self.sample = state["cached"], state["rollout_metrics"], state["sample"]
 
     evaluate_cli = staticmethod(evaluate_generations)  # answer metrics of the prompts' generations (eval loss where rows have replies)
-
-
-def read_completions(output_dir: str | Path) -> dict[int, list[dict]]:
-    """A run's completions file as ``{step: lines}``; a step written twice (a resumed run ran it again)
-    keeps its last write, as :func:`qwenkit.engine.run.metrics.series` keeps a metric's last row."""
-    out: dict[int, list[dict]] = {}
-    for line in read_jsonl(Path(output_dir) / "metrics" / SAMPLE_FILE):
-        if line["k"] == 0:  # a write of this step begins
-            out[line["step"]] = []
-        out[line["step"]].append(line)
-    return out
 
 
 def _gather_named(columns: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

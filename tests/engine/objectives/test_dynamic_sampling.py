@@ -20,7 +20,7 @@ from multiproc import check_ranks
 from engine.objectives.test_grpo import vowels
 from qwenkit import config as qconfig
 from qwenkit.config import ConfigError
-from qwenkit.engine.objectives import grpo
+from qwenkit.engine.objectives import completions
 from qwenkit.engine.objectives.dynamic_sampling import Round, fill, informative
 from qwenkit.engine.run import train
 
@@ -115,7 +115,7 @@ def test_the_trained_groups_are_informative_and_the_first_round_is_the_plain_run
     for step in dynamic:
         assert step["frac_reward_zero_std"] == 0 and step["dynamic_sampling/rounds"] >= 1
         assert step["dynamic_sampling/extra_prompts"] == 2 * (step["dynamic_sampling/rounds"] - 1)
-    for lines in grpo.read_completions(out / "dynamic").values():
+    for lines in completions.read_completions(out / "dynamic").values():
         rewards: dict[int, set[float]] = {}
         for line in lines:
             rewards.setdefault(line["index"], set()).add(line["reward"])
@@ -125,7 +125,7 @@ def test_the_trained_groups_are_informative_and_the_first_round_is_the_plain_run
 @pytest.mark.slow
 def test_a_resumed_run_with_dynamic_sampling_equals_the_uninterrupted_one(out):
     assert _history(out, "resumed") == _history(out, "dynamic")
-    assert grpo.read_completions(out / "resumed") == grpo.read_completions(out / "dynamic")
+    assert completions.read_completions(out / "resumed") == completions.read_completions(out / "dynamic")
 
 
 @pytest.mark.slow

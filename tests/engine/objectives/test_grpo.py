@@ -27,7 +27,7 @@ from qwenkit import data
 from qwenkit.distributed import fsdp
 from qwenkit.engine.checkpoints import dcp as checkpoint
 from qwenkit.engine.generation.generate import model_inputs
-from qwenkit.engine.objectives import grpo
+from qwenkit.engine.objectives import completions, grpo
 from qwenkit.engine.rollouts.completion import Completion, completion, completion_seed, media_tokens
 from qwenkit.engine.run import metrics, train
 from qwenkit.model.families import registry as families
@@ -227,7 +227,7 @@ def test_two_ranks_equal_one_process_on_the_same_prompts_and_seeds(out):
 
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(out):
     assert _history(out, "resumed") == _history(out, "one")
-    assert grpo.read_completions(out / "resumed") == grpo.read_completions(out / "one")
+    assert completions.read_completions(out / "resumed") == completions.read_completions(out / "one")
 
 
 def _weights(out, name):
@@ -242,16 +242,16 @@ def test_a_resume_in_the_middle_of_a_cycle_is_bit_identical(out):
     assert history[0]["reward"] == history[1]["reward"] != history[2]["reward"]  # rollouts at steps 1 and 3
     want, got = _weights(out, "iter"), _weights(out, "iter_lost")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    lines = (out / "iter_lost" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines()
-    assert len(lines) == 2 * len((out / "iter" / "metrics" / grpo.SAMPLE_FILE).read_text().splitlines())
-    assert grpo.read_completions(out / "iter_lost") == grpo.read_completions(out / "iter")  # the last write of each
+    lines = (out / "iter_lost" / "metrics" / completions.SAMPLE_FILE).read_text().splitlines()
+    assert len(lines) == 2 * len((out / "iter" / "metrics" / completions.SAMPLE_FILE).read_text().splitlines())
+    assert completions.read_completions(out / "iter_lost") == completions.read_completions(out / "iter")  # the last write of each
 
 
 def test_a_resume_on_another_rank_count_in_the_middle_of_a_cycle_rolls_out_again(out):
     saved_step, resumed_step, _ = _history(out, "iter_ranks")
     assert resumed_step["step"] == 2 and resumed_step["reward"] != saved_step["reward"]  # a new rollout, not step 1's
     assert "this run rolls out again at its first step" in (out / "warnings-0.log").read_text()
-    assert {line["rollout"] for line in grpo.read_completions(out / "iter_ranks")[2]} == {1}  # the next one, not 0 again
+    assert {line["rollout"] for line in completions.read_completions(out / "iter_ranks")[2]} == {1}  # the next one, not 0 again
 
 
 def test_a_resume_with_other_rollout_settings_in_the_middle_of_a_cycle_rolls_out_again(out):
@@ -262,7 +262,7 @@ def test_a_resume_with_other_rollout_settings_in_the_middle_of_a_cycle_rolls_out
     assert resumed_step["reward"] == last["reward"]  # its own cycle: steps 2 and 3 train on it
     warned = (out / "warnings-0.log").read_text()
     assert "rollout made under other settings (grpo.max_new_tokens=6, now 7)" in warned
-    assert {line["rollout"] for line in grpo.read_completions(out / "iter_changed")[3]} == {1}
+    assert {line["rollout"] for line in completions.read_completions(out / "iter_changed")[3]} == {1}
 
 
 def test_checkpoints_hold_the_rollout_only_in_the_middle_of_a_cycle(out):
@@ -279,7 +279,7 @@ def test_checkpoints_hold_the_rollout_only_in_the_middle_of_a_cycle(out):
 
 
 def test_completions_file_holds_a_sample_of_each_logged_step(out):
-    by_step = grpo.read_completions(out / "one")
+    by_step = completions.read_completions(out / "one")
     assert sorted(by_step) == [2, 3]  # train.log_every=2, and the last step
     for step, lines in by_step.items():
         assert [line["k"] for line in lines] == list(range(2 * 4))  # 2 prompts x 4 generations
@@ -336,7 +336,7 @@ def test_prompts_alone_train_with_their_answer_column_as_reference(tmp_path, tin
     check_ranks(_worker, 1, tmp_path, [("prompts", extra, 0)])
     (step,) = _history(tmp_path, "prompts")
     assert step["step"] == 1 and math.isfinite(step["loss"]) and step["completions/mean_length"] > 0
-    lines = grpo.read_completions(tmp_path / "prompts")[1]
+    lines = completions.read_completions(tmp_path / "prompts")[1]
     assert len(lines) == 2 * 4 and {line["reference"] for line in lines} <= {r["answer"] for r in rows}
     evals = [json.loads(line) for line in (tmp_path / "prompts" / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
     names = {e["metric"] for e in evals}

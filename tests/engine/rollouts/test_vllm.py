@@ -24,7 +24,7 @@ from multiproc import check_ranks  # noqa: E402
 from qwenkit import cli  # noqa: E402
 from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
-from qwenkit.engine.objectives import grpo  # noqa: E402
+from qwenkit.engine.objectives import completions  # noqa: E402
 from qwenkit.engine.run import train  # noqa: E402
 from qwenkit.model.tiny import vllm as tiny_vllm  # noqa: E402
 
@@ -106,7 +106,7 @@ def test_the_trainers_log_probs_equal_vllms_after_each_push(run, name):
         assert step["sampling/sampling_logp_difference/max"] < 1e-5, step
         assert step["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-5)
         assert step["sampling/importance_sampling_ratio/max"] == pytest.approx(1, abs=1e-5)
-    lines = grpo.read_completions(run / "run")[1]
+    lines = completions.read_completions(run / "run")[1]
     assert len(lines) == 4 * 4 and all(line["completion"] is not None for line in lines)
 
 
