@@ -12,6 +12,7 @@ from qwenkit.model.losses.registry import POLICY_LOSSES
 
 log = logging.getLogger(__name__)
 
+
 def check(cfg: Config, need: Need) -> None:
     """The ``grpo`` section, and what rollouts cannot go with."""
     grpo = cfg.grpo

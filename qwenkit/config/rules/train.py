@@ -10,6 +10,7 @@ from qwenkit.config.train import scorer_problems
 
 log = logging.getLogger(__name__)
 
+
 def check(cfg: Config, need: Need) -> None:
     train = cfg.train
     need(train.steps > 0, f"train.steps must be > 0, got {train.steps}")
