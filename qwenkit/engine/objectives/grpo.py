@@ -30,7 +30,7 @@ with all their completions, each a line ``{"step", "k", "rollout", "epoch", "ind
 "reference", "rewards": {name: value}, "reward", "advantage", "truncated"}`` (``k``: the line's
 place in its step's write, 0 first; ``index``: the prompt's dataset row). A resumed run appends
 too, as the metrics files do: a step run again after a crash is written again, and
-:func:`read_completions` keeps the last write of each step.
+:func:`~qwenkit.engine.objectives.completions.read_completions` keeps the last write of each step.
 
 **Resume in the middle of a cycle** (``num_iterations > 1``): the cached rollout (this rank's
 micro-batches with their old and reference log-probs and advantages, the rollout's metrics, rank
