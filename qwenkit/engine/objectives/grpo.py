@@ -28,7 +28,9 @@ logs (``train.log_every``, and an invocation's last step; :meth:`GrpoObjective.l
 sample of the completions of that step's rollout: its first :data:`~qwenkit.engine.objectives.completions.SAMPLE_GROUPS` groups (prompts)
 with all their completions, each a line ``{"step", "k", "rollout", "epoch", "index", "completion",
 "reference", "rewards": {name: value}, "reward", "advantage", "truncated"}`` (``k``: the line's
-place in its step's write, 0 first; ``index``: the prompt's dataset row). A resumed run appends
+place in its step's write, 0 first; ``index``: the prompt's dataset row); an agentic trajectory's line
+(``grpo.tools`` / ``grpo.environment``: :mod:`qwenkit.engine.rollouts.agentic`, whose ``tools/*`` metrics join
+the rollout's) also holds its ``messages``, ``model_tokens``, ``tool_tokens`` and ``turns``. A resumed run appends
 too, as the metrics files do: a step run again after a crash is written again, and
 :func:`~qwenkit.engine.objectives.completions.read_completions` keeps the last write of each step.
 
@@ -74,8 +76,11 @@ from qwenkit.engine.objectives import completions, dynamic_sampling
 from qwenkit.engine.objectives import rewards as reward_fns
 from qwenkit.engine.objectives.completions import SAMPLE_FILE
 from qwenkit.engine.objectives.dynamic_sampling import Round
+from qwenkit.engine.rollouts import agentic
+from qwenkit.engine.rollouts.agentic import AgenticRollouts
 from qwenkit.engine.rollouts.completion import Completion, Rollouts, media_tokens, training_batch
 from qwenkit.engine.rollouts.hf import HfRollouts
+from qwenkit.engine.rollouts.tools import Toolbox
 from qwenkit.engine.rollouts.vllm import VllmRollouts
 from qwenkit.engine.run.build import reference_model
 from qwenkit.model import lora
@@ -92,8 +97,9 @@ CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
                     "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
                     "grpo.format_tags", "grpo.overlong_buffer", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta",
-                    "grpo.dynamic_sampling", "grpo.max_resample_rounds", "train.micro_batch_size", "train.grad_accum",
-                    "train.seed")  # fmt: skip
+                    "grpo.dynamic_sampling", "grpo.max_resample_rounds", "grpo.tools", "grpo.environment",
+                    "grpo.max_tool_calling_iterations", "grpo.max_trajectory_tokens", "train.micro_batch_size",
+                    "train.grad_accum", "train.seed")  # fmt: skip
 
 
 def rollout_settings(cfg) -> dict:
@@ -131,6 +137,9 @@ class GrpoObjective(Objective):
             dtype = getattr(torch, grpo.rollout_dtype) if grpo.rollout_dtype else None
             self.rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
                                        collective=cfg.parallel.ep_size > 1, dtype=dtype)  # fmt: skip
+            if grpo.tools or grpo.environment:  # trajectories: generate, call the tools, generate again
+                self.rollouts = AgenticRollouts(self.rollouts, Toolbox(grpo.tools, grpo.environment, grpo.tool_timeout_s),
+                                                grpo.max_tool_calling_iterations, grpo.max_trajectory_tokens)  # fmt: skip
         # vLLM's and a lower-precision rollout's sampling log-probs are corrected for (module docstring)
         other = grpo.rollout_engine == "vllm" or grpo.rollout_dtype is not None
         self.corrects = other and grpo.vllm_importance_sampling_correction
@@ -196,8 +205,10 @@ class GrpoObjective(Objective):
         done, per, total = drawn.done, drawn.per, drawn.total
         truncated = torch.tensor([c.truncated for c in done])
         columns = {f"rewards/{name}": per[:, k] for k, name in enumerate(self.rewards)}
-        columns |= {"reward": total, "length": torch.tensor([float(len(c.tokens)) for c in done]),
+        columns |= {"reward": total, "length": torch.tensor([float(c.model_tokens) for c in done]),
                     "truncated": truncated.float()}  # fmt: skip
+        if isinstance(self.rollouts, AgenticRollouts):
+            columns |= {k: torch.tensor([float(c.trajectory[k]) for c in done]) for k in agentic.STATS}
         everyone = _gather_named(columns, self.rt.device)  # name -> [every rank's completions]
         rank = self.rt.rank
         n = len(done)
@@ -351,6 +362,8 @@ class GrpoObjective(Objective):
             out[f"rewards/{name}/mean"] = values.mean().item()
             out[f"rewards/{name}/std"] = values.std().item() if len(values) > 1 else 0.0
         out["frac_reward_zero_std"] = zero.float().mean().item()
+        if "tool_calls" in everyone:
+            out |= agentic.metrics(everyone)
         out |= {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
                 "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}  # fmt: skip
         return out

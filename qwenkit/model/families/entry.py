@@ -195,6 +195,10 @@ class Family:
     video_rule: str = "Qwen2VLVideoProcessor"
     # the replies after the last user turn open with a thinking block (Qwen3.5: "<think>\n\n</think>\n\n" when empty)
     think_tags: bool = False
+    # how the family's template writes a tool call: hermes (Qwen2.5/Qwen3-VL: <tool_call>{"name", "arguments"}</tool_call>)
+    # or xml (Qwen3.5: <tool_call><function=name><parameter=p>value</parameter></function></tool_call>);
+    # qwenkit.engine.rollouts.tool_calls renders and parses both
+    tool_calls: str = "hermes"
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
     # the boxes the family writes (grounding): pixels of the resized image (Qwen2.5-VL) or per_mille,

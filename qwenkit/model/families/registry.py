@@ -61,7 +61,8 @@ _QWEN3_5_PARTS = (
     ("lm_head", ("lm_head",)),
 )
 # Qwen3.5 templates as Qwen3-VL does, plus the thinking block of the replies after the last user turn
-_QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
+_QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True,
+                 "tool_calls": "xml"}
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
 _VLLM_MOE = ("vLLM 0.32 (CPU) loads this MoE checkpoint (its replies agree with the kit's), but its in-place reload of "
              "the fused experts, which every weight push uses, leaves wrong outputs (Qwen3-VL-MoE: log-probs 0.07 off "
