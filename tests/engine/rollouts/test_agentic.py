@@ -269,3 +269,27 @@ def test_tools_that_cannot_run_are_refused_before_spawn(tmp_path, monkeypatch, c
     assert "roll out on the hf engine only" in capsys.readouterr().err
     assert cli.main(["train", "train.objective=grpo", "grpo.max_tool_calling_iterations=2", f"train.output_dir={out}"]) == 2
     assert "set but neither grpo.tools nor grpo.environment" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_tiny_agentic_recipe_trains_on_two_ranks_and_logs_the_tools_metrics(tmp_path):
+    """params/tiny_agentic_cpu.yaml through `qwenkit train` (2 gloo ranks, 2 steps): the tools/* metrics are logged
+    and the completions file holds whole trajectories."""
+    import subprocess
+    import sys
+
+    from multiproc import free_port
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_agentic_cpu.yaml",
+                           "--master-port", str(free_port()), "train.steps=2", "data.tiny_samples=16",
+                           f"train.output_dir={out}"], cwd=Path(__file__).parents[3], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
+    names = {r["metric"] for r in rows}
+    assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns_mean", "tools/model_tokens_mean",
+            "tools/tool_tokens_mean", "rewards/zoomed/mean"} <= names  # fmt: skip
+    lines = [json.loads(line) for line in (out / "metrics" / "completions.jsonl").read_text().splitlines()]
+    assert lines and all(line["messages"][0]["role"] == "assistant" and line["turns"] >= 1 for line in lines)
+    assert all(line["model_tokens"] <= 48 for line in lines)
