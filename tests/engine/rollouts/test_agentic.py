@@ -293,3 +293,17 @@ def test_the_tiny_agentic_recipe_trains_on_two_ranks_and_logs_the_tools_metrics(
     lines = [json.loads(line) for line in (out / "metrics" / "completions.jsonl").read_text().splitlines()]
     assert lines and all(line["messages"][0]["role"] == "assistant" and line["turns"] >= 1 for line in lines)
     assert all(line["model_tokens"] <= 48 for line in lines)
+
+
+def test_a_trajectory_does_not_depend_on_the_rows_rolled_out_beside_it():
+    """What 2 ranks = 1 rests on: rows 0 and 1 rolled out together (one rank) give the trajectories they give
+    rolled out apart (each on its own rank), token for token, after the tool's image turn too."""
+    objective, _ = _objective()
+    model = build_model(chunk=True, seed=0)
+    together = objective.rollouts(model, objective.bundle.dataset, [0, 1], 3)
+    apart = []
+    for i in (0, 1):
+        objective.rollouts.hf.calls = 0  # the script again: each rank's first reply
+        apart += objective.rollouts(model, objective.bundle.dataset, [i], 3)
+    assert [c.tokens for c in together] == [c.tokens for c in apart]
+    assert [c.mask for c in together] == [c.mask for c in apart] and all(0 in c.mask for c in together)
