@@ -71,11 +71,6 @@ def check(cfg: Config, need: Need) -> None:
     _tool_rules(grpo, need)
     need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
     need(
-        not cfg.data.packing,
-        "train.objective=grpo does not support data.packing=true: every completion is its own row of a rollout batch; "
-        "use data.packing=false",
-    )
-    need(
         not cfg.data.max_tokens_per_batch,
         "train.objective=grpo does not support data.max_tokens_per_batch (rollouts are dealt by prompt); "
         "use train.micro_batch_size (prompts per micro-batch)",

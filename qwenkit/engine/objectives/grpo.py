@@ -78,14 +78,13 @@ from qwenkit.engine.objectives.completions import SAMPLE_FILE
 from qwenkit.engine.objectives.dynamic_sampling import Round
 from qwenkit.engine.rollouts import agentic
 from qwenkit.engine.rollouts.agentic import AgenticRollouts
-from qwenkit.engine.rollouts.completion import Completion, Rollouts, media_tokens, training_batch
+from qwenkit.engine.rollouts.completion import Completion, Rollouts, completion_mask, media_tokens, training_batch
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.engine.rollouts.tools import Toolbox
 from qwenkit.engine.rollouts.vllm import VllmRollouts
 from qwenkit.engine.run.build import reference_model
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
-from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
 from qwenkit.rundir import RunDir
 
@@ -99,7 +98,7 @@ ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new
                     "grpo.format_tags", "grpo.overlong_buffer", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta",
                     "grpo.dynamic_sampling", "grpo.max_resample_rounds", "grpo.tools", "grpo.environment",
                     "grpo.max_tool_calling_iterations", "grpo.max_trajectory_tokens", "train.micro_batch_size",
-                    "train.grad_accum", "train.seed")  # fmt: skip
+                    "train.grad_accum", "data.packing", "train.seed")  # fmt: skip
 
 
 def rollout_settings(cfg) -> dict:
@@ -128,7 +127,7 @@ class GrpoObjective(Objective):
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags), grpo.max_new_tokens,
                                           grpo.overlong_buffer)  # fmt: skip
-        self.settings = rollout_settings(cfg)
+        self.settings, self.packing = rollout_settings(cfg), cfg.data.packing  # packing: the micro-batches' layout
         self.banned = media_tokens(bundle.dataset.processor)  # what no rollout draws: no log-prob counts them
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
         if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
@@ -225,9 +224,9 @@ class GrpoObjective(Objective):
                  "max": dict.fromkeys(("difference", "ratio", "-ratio"), -math.inf)}  # fmt: skip
         for k in range(count):
             part = slice(k * size, (k + 1) * size)
-            batch = training_batch(done[part], self.bundle.dataset.processor.pad_token_id)
+            batch = training_batch(done[part], self.bundle.dataset.processor.pad_token_id, self.packing)
             kept = self.grpo.mask_truncated_completions
-            valid = (shift_labels(batch["labels"]) != IGNORE_INDEX) & ~(truncated[part, None] & kept)
+            valid = completion_mask(batch) & ~(truncated[part, None] & kept)
             batch |= {"num_items": valid.sum(), "num_samples": torch.tensor(size),
                       "advantages": mine[part], "truncated": truncated[part]}  # fmt: skip
             batch |= self._fixed_logps(model, batch)
@@ -280,7 +279,7 @@ class GrpoObjective(Objective):
         ratio's denominator, as without vLLM)."""
         g = self.grpo
         old = batch["old_logps"] if g.num_iterations > 1 else batch.pop("old_logps")  # [B, S]
-        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens, in order
+        mask = completion_mask(batch)  # [B, S] the completion tokens, in order
         sampling = torch.zeros_like(old)
         for b, c in enumerate(done):
             sampling[b, mask[b]] = torch.tensor(c.sampling_logps, dtype=old.dtype)
@@ -322,7 +321,7 @@ class GrpoObjective(Objective):
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         own = {k: v.to(self.rt.device) for k, v in self.queue.pop(0).items()}
         logps, entropies = self.logps(model, batch, entropy=True)
-        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
+        mask = completion_mask(batch)  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
                              ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"),
                              entropies=entropies)  # fmt: skip

@@ -17,8 +17,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from qwenkit.data.collator import SEQUENCE_KEYS, pack
 from qwenkit.engine.generation.generate import reply_text
-from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
+from qwenkit.model.losses.logps import unpack
 
 
 @dataclass
@@ -74,13 +76,16 @@ def completion(tokenizer, new: list[int], end: int) -> tuple[list[int], str, boo
     return new, reply_text(tokenizer, new[:-1] if ended else new), not ended
 
 
-def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str, torch.Tensor]:
+def training_batch(completions: list[Completion], pad_token_id: int, packing: bool = False) -> dict[str, torch.Tensor]:
     """One right-padded micro-batch of ``prompt + completion`` rows; labels on the completion's sampled tokens only
     (a trajectory's tool tokens, ``mask`` 0, are ``IGNORE_INDEX`` as the prompt is).
 
     Per-token keys (``input_ids``, ``attention_mask``, ``mm_token_type_ids``, ``labels``) are
     padded to the longest row; pixels, grids and seconds per grid concatenated in row order (a row's
-    prompt's, then its completion's ``media``), as the collator does.
+    prompt's, then its completion's ``media``), as the collator does. ``packing`` (``data.packing``): the rows
+    as one packed row instead, no padding and no attention mask (:func:`qwenkit.data.collator.pack`); the
+    model's log-probs of it come back as the padded batch's
+    (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.token_logps`).
     """
     rows = []
     for c in completions:
@@ -103,9 +108,9 @@ def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str
         rows.append(row)
     width = max(r["input_ids"].shape[1] for r in rows)
     pads = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
-    batch = {}
+    batch = pack([{k: r[k][0] for k in SEQUENCE_KEYS if k in r} for r in rows]) if packing else {}
     for key, value in pads.items():
-        if key not in rows[0]:
+        if key not in rows[0] or packing:
             continue
         out = torch.full((len(rows), width), value, dtype=rows[0][key].dtype)  # [B, S]
         for b, r in enumerate(rows):
@@ -116,4 +121,11 @@ def training_batch(completions: list[Completion], pad_token_id: int) -> dict[str
     return batch
 
 
-__all__ = ["Completion", "Rollouts", "completion", "completion_seed", "media_tokens", "training_batch"]
+def completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, S]`` where :func:`training_batch`'s ``batch`` has completion tokens (a shifted label), in the padded
+    layout the model's per-token log-probs come in, packed or not."""
+    mask = shift_labels(batch["labels"]) != IGNORE_INDEX
+    return unpack(mask, batch["packed_seq_lens"]) if "packed_seq_lens" in batch else mask
+
+
+__all__ = ["Completion", "Rollouts", "completion", "completion_mask", "completion_seed", "media_tokens", "training_batch"]
