@@ -1,7 +1,9 @@
 """Each family's tiny config: its real architecture at toy sizes (the tiny checkpoints' ``config.json``).
 
 Configuration classes only (no modeling code), so the tiny checkpoints are written by any transformers that
-has the family's config (the vLLM environment's too). Qwen2.5-VL (:func:`qwen2_5_vl_config`): two vision
+has the family's config (the vLLM environment's too). Every attention head, decoder and vision, is 32 wide: the
+smallest vLLM's CPU attention runs (``entry.VLLM_CPU_HEAD_SIZES``), so vLLM runs the embedded default as it is.
+Qwen2.5-VL (:func:`qwen2_5_vl_config`): two vision
 blocks (one windowed, one with full attention), the 2x2 patch merger, mRoPE with ``mrope_section`` summing to
 ``head_dim / 2``, and a two-layer GQA text decoder. Qwen3-VL (:func:`qwen3_vl_config`): 16-px patches with a
 learned, interpolated position grid, two LayerNorm/GELU vision blocks that both feed DeepStack mergers (added
@@ -89,8 +91,9 @@ def qwen3_vl_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_e
     text, vision, top = qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
     # moe_intermediate_size 16: the fused gate_up_proj [E, 2·16, 64] is not square, so transformers 5.x's load tells
     # Qwen's published layout (which the tiny checkpoint holds, as vLLM reads it) from its own and transposes it
+    # norm_topk_prob as Qwen's config.json says it: HF's router always renormalises its top-k, vLLM reads the key
     text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
-                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
+                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01, norm_topk_prob=True)  # fmt: skip
     return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
 
 
