@@ -64,7 +64,7 @@ _QWEN3_5_PARTS = (
 _QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
 _VLLM_MOE = ("vLLM 0.32 (CPU) loads this MoE checkpoint (its replies agree with the kit's), but its in-place reload of "
-             "the fused experts, which every weight push uses, leaves wrong outputs (Qwen3-VL-MoE: log-probs 0.07 off "
+             "the fused experts, which every weight push uses, is wrong (Qwen3-VL-MoE: log-probs 0.07 off "
              "after reloading the checkpoint's own expert tensors)")  # fmt: skip
 _VLLM_OMNI = "the Omni thinkers are not yet tried in vLLM (their audio inputs as vLLM's are not built)"
 

@@ -8,8 +8,8 @@ push of other weights, vLLM's replies equal HF's with those weights (and differ 
 the engine leaves the process's threads, environment and RNG as they were. Qwen3.5 (bf16, :func:`_agrees`): vLLM's
 replies agree with the kit's, from the checkpoint and after a push. Qwen3-VL-MoE (float32; its fused experts in Qwen's
 published layout) and Qwen3.5-MoE (bf16), refused by their entries (``Family.vllm_refusal``): vLLM's replies from the
-checkpoint agree with the kit's, and after a push of the same weights they do not (vLLM's in-place reload of fused
-experts).
+checkpoint agree with the kit's, and after a push of the same weights they do not, or the push fails (vLLM's in-place
+reload of fused experts).
 """
 
 from __future__ import annotations
