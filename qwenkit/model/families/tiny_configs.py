@@ -90,7 +90,7 @@ def qwen3_vl_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_e
     """A Qwen3-VL-MoE config with toy sizes: 4 experts, 2 per token, the router's aux loss on."""
     text, vision, top = qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
     # moe_intermediate_size 16: the fused gate_up_proj [E, 2·16, 64] is not square, so transformers 5.x's load tells
-    # Qwen's published layout (which the tiny checkpoint holds, as vLLM reads it) from its own and transposes it
+    # Qwen's published layout (the vLLM tests' copy holds it: qwenkit.model.tiny.vllm) from its own and transposes it
     # norm_topk_prob as Qwen's config.json says it: HF's router always renormalises its top-k, vLLM reads the key
     text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
                 mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01, norm_topk_prob=True)  # fmt: skip

@@ -102,7 +102,7 @@ def ensure_checkpoint(
 ) -> Path:
     """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``;
     ``whole``: the whole model it is part of (a full Omni checkpoint: thinker, talker, vocoder);
-    ``reshape``: its config changed first (:mod:`qwenkit.model.tiny.vllm`'s Qwen3.5 linear-attention heads).
+    ``reshape``: its config changed first (:mod:`qwenkit.model.tiny.vllm`'s).
 
     The directory name hashes everything that determines its content, so a stale one is never
     reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
@@ -111,7 +111,7 @@ def ensure_checkpoint(
         raise ValueError(problem)
     if whole and families.get(family).whole is None:
         raise ValueError(f"{family} is no part of a whole model (its entry's whole is None)")
-    key = json.dumps(  # v 2: head dim 32 (vLLM's CPU attention), fused experts in the published layout
+    key = json.dumps(  # v 2: head dims of 32 (vLLM's CPU attention), Qwen3-VL-MoE's experts 16 wide
         {"v": 2, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
         | ({"family": family, "template": 2, "mtp": 1} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
         | ({"whole": 2} if whole else {})  # 2: every tensor outside the part drawn
@@ -161,6 +161,7 @@ class Reshape:
     name: str
     version: int
     apply: Callable
+    published_layout: bool = False  # weights written as the family's published checkpoints hold them (Family.checkpoint_tensor)
 
 
 def save_checkpoint(
@@ -189,7 +190,7 @@ def save_checkpoint(
         WHOLE_FILES[name](Path(path) / name, config)
     if entry.mtp_layers:
         _add_mtp(Path(path), model, entry.mtp_layers)
-    if entry.checkpoint_transposed:  # as the family's published checkpoints hold them (what vLLM and 4.57 read)
+    if reshape is not None and reshape.published_layout and entry.checkpoint_transposed:
         from safetensors.torch import load_file, save_file
 
         file = Path(path) / "model.safetensors"  # the tiny model: one file

@@ -244,7 +244,7 @@ def _isolated_worker(rank, out, family, dtype):
 def isolated(request, tmp_path_factory):
     """``(family, result)`` of :func:`_isolated_worker`. Qwen3.5's Gated DeltaNet runs in bf16 only on vLLM's CPU
     backend, with linear-attention head dims of 128 (:mod:`qwenkit.model.tiny.vllm` widens the tiny Qwen3.5s'); the
-    tiny Qwen3-VL-MoE as it is (its experts in Qwen's published layout)."""
+    tiny Qwen3-VL-MoE's copy there has its experts in Qwen's published layout, which vLLM reads."""
     out = tmp_path_factory.mktemp(request.param[0])
     check_ranks(_isolated_worker, 1, out, *request.param)
     return request.param[0], json.loads((out / "result.json").read_text())
