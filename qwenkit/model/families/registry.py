@@ -65,10 +65,9 @@ _QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_
                  "tool_calls": "xml"}
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
 _VLLM_MOE = ("vLLM 0.32 (CPU) loads this MoE checkpoint (its replies agree with the kit's), but its in-place reload of "
-             "the fused experts, which every weight push uses, leaves wrong outputs (Qwen3-VL-MoE: log-probs 0.07 off "
+             "the fused experts, which every weight push uses, is wrong (Qwen3-VL-MoE: log-probs 0.07 off "
              "after reloading the checkpoint's own expert tensors)")  # fmt: skip
-_VLLM_OMNI = ("the Omni thinkers are not yet tried in vLLM (their audio inputs, and a tiny thinker of vLLM's CPU "
-              "shapes, are not built)")  # fmt: skip
+_VLLM_OMNI = "the Omni thinkers are not yet tried in vLLM (their audio inputs as vLLM's are not built)"
 
 # what the two Omni thinkers share: the audio tower as a part of its own, LoRA's towers, the text decoder's
 # recompute units, the transformers 5.x module tree and what they do not run yet: packing and Ulysses SP (their

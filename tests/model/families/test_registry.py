@@ -210,14 +210,18 @@ def test_a_family_vllm_cannot_run_is_refused_before_start_and_by_qwenkit_eval(ke
 @pytest.mark.skipif(bool(families.get("qwen3_5").unavailable()), reason="transformers 4.x has no Qwen3.5")
 def test_vllm_on_cpu_runs_qwen3_5_in_bfloat16_only():
     from qwenkit.engine.generation import vllm_engine
+    from qwenkit.model.tiny import vllm as tiny_vllm
 
     cfg = qconfig.load(overrides=["model.name=qwen3_5"])
-    args = (tiny_processor("qwen3_5"), str(tiny_checkpoint("qwen3_5")))
-    with pytest.raises(ValueError, match=r"^model.dtype=float32: vLLM's CPU backend runs qwen3_5's Gated DeltaNet layers "
-                                         r"in bfloat16 only; set model.dtype=bfloat16 or use the hf engine$"):  # fmt: skip
+    args = (tiny_processor("qwen3_5"), str(tiny_vllm.ensure_checkpoint("qwen3_5")))  # linear-attention heads of 128
+    with pytest.raises(ValueError, match=r"^the vllm engine: vLLM's CPU backend runs qwen3_5's Gated DeltaNet layers "
+                                         r"in bfloat16 only, and model.dtype=float32; set model.dtype=bfloat16, or use the "
+                                         r"hf engine$"):  # fmt: skip
         vllm_engine.spec_of(cfg, *args)
     cfg.model.dtype = "bfloat16"
     assert vllm_engine.spec_of(cfg, *args).dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"linear-attention key and value head dims of 128 only, and .* has 16 and 16"):
+        vllm_engine.spec_of(cfg, args[0], str(tiny_checkpoint("qwen3_5")))  # the tiny default's 16
 
 
 # the families tests/engine/generation/test_vllm_engine.py starts vLLM with (ENGINE_FAMILIES and its isolated ones)
