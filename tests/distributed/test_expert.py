@@ -150,7 +150,8 @@ def _compare_ranks(rank, out, ep_size, routes, family="qwen3_vl_moe"):
 # family -> the routes its 2-rank comparison runs: Qwen3-VL-MoE every route; the others the top-k one (the same
 # dispatch): Qwen3.5-MoE's gated shared expert stays a dense weight beside the split routed experts, the Omni
 # thinker's experts sit in a decoder beside its audio tower
-EP_ROUTES = {"qwen3_vl_moe": ("topk", "every", "low"), "qwen3_5_moe": ("topk",), "qwen3_omni_moe": ("topk",)}
+EP_ROUTES = {"qwen3_vl_moe": ("topk", "every", "low"), "qwen3_5_moe": ("topk",), "qwen3_omni_moe": ("topk",),
+             "qwen4_exp": ("topk",)}  # Qwen4-Exp: its experts inside hyper-connection streams, beside PLE
 
 
 @pytest.mark.slow

@@ -53,6 +53,10 @@ MIXERS: dict[str, Mixer] = {
     # restart both at every sample, and under Ulysses each rank runs them on whole sequences for its
     # heads (qwenkit.model.families.linear_attention); the attention implementation is its full-attention layers'
     "linear_attention": Mixer(sequence_parallel=True, packing=True, attn_implementations=_ATTN),
+    # full attention behind the QSA token indexer (Qwen4-Exp): the indexer pools each query's visible keys into
+    # blocks from the first one and picks blocks by score over all of them, which a rank holding a slice of the
+    # sequence cannot do; a packed row's block-causal mask starts its blocks at each sample. HF gives it no flash path
+    "indexed_attention": Mixer(sequence_parallel=False, packing=True, attn_implementations=("sdpa", "eager")),
 }
 
 

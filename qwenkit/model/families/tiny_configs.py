@@ -228,3 +228,23 @@ def qwen3_omni_moe_whole_config(thinker):
                     num_hidden_layers=1, num_quantizers=4, upsample_rates=[2, 2], upsampling_ratios=[2], decoder_dim=32,
                     sliding_window=8)  # fmt: skip
     return Qwen3OmniMoeConfig(thinker_config=thinker.to_dict(), talker_config=talker, code2wav_config=code2wav)
+
+
+def qwen4_exp_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
+    """A Qwen4-Exp config with toy sizes, every feature on: three Gated DeltaNet layers (sigmoid output gate)
+    then one full attention with the QSA indexer (blocks of 4 tokens, 8 selected per query: short samples fit
+    whole, longer ones select), 4 experts (2 per token) and a shared expert, 2 hyper-connection streams, PLE on
+    layers 1 and 3 (bigrams and trigrams, 2 hashed heads each, a ~300-row table in 2 checkpoint parts)."""
+    from transformers import Qwen4ExpConfig  # transformers >= 5.23 only
+
+    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                output_router_logits=True, router_aux_loss_coef=0.01, output_gate_type="sigmoid",
+                layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                hc_count=2, hc_lowrank=16,
+                ple_layer_ids=[1, 3], ple_embed_dim=32, ple_conv_kernel_size=2, ngram_size=3, heads_per_ngram=2,
+                ngram_vocab_size_base=61, make_ngram_vocab_size_divisible_by=16, split_ngram_parts=2,
+                indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                indexer_compress_ratio=4)  # fmt: skip
+    text["rope_parameters"] = {**text["rope_parameters"], "partial_rotary_factor": 0.25}  # rotary 8 <= indexer 16
+    return Qwen4ExpConfig(text_config=text, vision_config=vision, **top)

@@ -230,7 +230,7 @@ def _add_mtp(path: Path, model, layers: int) -> None:
     text = model.config.text_config
     hidden = text.hidden_size
     decoder = model.model.language_model.layers
-    full = next(i for i, kind in enumerate(text.layer_types) if kind == "full_attention")
+    full = next(i for i, kind in enumerate(text.layer_types) if kind != "linear_attention")  # Qwen4-Exp's: indexed
     g = torch.Generator().manual_seed(1)
     mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g) * text.initializer_range,
            "mtp.pre_fc_norm_embedding.weight": torch.ones(hidden), "mtp.pre_fc_norm_hidden.weight": torch.ones(hidden),
