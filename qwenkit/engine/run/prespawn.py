@@ -63,8 +63,8 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
             problems.append(bad)
         if not problems:
             problems.extend(check_data_size(cfg, cfg.parallel.nproc * (fewest_nodes or nodes), processor))
-    if cfg.train.objective == "grpo":  # tools that do not import, are untyped or share a name (issue 61)
-        problems.extend(tools.problems(cfg.grpo.tools, cfg.grpo.environment))
+    # tools that do not import, are untyped or share a name (issue 61): none set, none asked
+    problems.extend(tools.problems(cfg.grpo.tools, cfg.grpo.environment))
     problems.extend(check_resume(cfg, cfg.parallel.nproc * nodes))
     ranks = rank_count_problem(cfg.parallel)
     if ranks:
