@@ -78,7 +78,13 @@ from qwenkit.engine.objectives.completions import SAMPLE_FILE
 from qwenkit.engine.objectives.dynamic_sampling import Round
 from qwenkit.engine.rollouts import agentic
 from qwenkit.engine.rollouts.agentic import AgenticRollouts
-from qwenkit.engine.rollouts.completion import Completion, Rollouts, completion_mask, media_tokens, training_batch
+from qwenkit.engine.rollouts.completion import (
+    Completion,
+    Rollouts,
+    completion_mask,
+    media_tokens,
+    training_batch,
+)
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.engine.rollouts.tools import Toolbox
 from qwenkit.engine.rollouts.vllm import VllmRollouts
