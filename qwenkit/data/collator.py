@@ -69,7 +69,7 @@ class Collator:
         if not samples:
             raise ValueError("cannot collate an empty list of samples")
         lengths = [len(s["input_ids"]) for s in samples]
-        batch = self._pack(samples, lengths) if self.packing else self._pad(samples, lengths)
+        batch = pack(samples) if self.packing else self._pad(samples, lengths)
         media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS + COUNT_KEYS})
         for key in media:
             batch[key] = join_media(key, [s[key] for s in samples if key in s])
@@ -95,9 +95,6 @@ class Collator:
             torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         ).long()  # [B, S]
         return batch
-
-    def _pack(self, samples, lengths: list[int]) -> dict[str, torch.Tensor]:
-        return pack(samples)
 
 
 def pack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
