@@ -13,8 +13,6 @@ and every gradient, images and video, the router's aux loss; ``test_lora.py``, `
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from conftest import make_batch, over_families, tiny_checkpoint, tiny_processor
@@ -95,17 +93,6 @@ def test_vllm_is_refused_by_the_entry():
     object.__setattr__(cfg.grpo, "rollout_engine", "vllm")  # past the loader's own vLLM check
     (line,) = families.get("qwen4_exp").problems(cfg)
     assert line.startswith("grpo.rollout_engine=vllm: vLLM 0.32 has no qwen4_exp model") and line.endswith("use the hf engine")
-
-
-def test_a_transformers_without_qwen4_exp_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
-    """As on 4.57 (and 5.x before 5.23): the family's module is missing; refused before the tiny checkpoint."""
-    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "qwen4_exp" in name else find_spec(name, *a))
-    out = tmp_path / "run"
-    assert cli.main(["train", "model.name=qwen4_exp", f"train.output_dir={out}"]) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if "transformers.models.qwen4_exp" in line]
-    assert len(lines) == 1 and "model.name=qwen4_exp" in lines[0]
 
 
 @NEEDS_QWEN4

@@ -6,6 +6,7 @@ one of another family is refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 from pathlib import Path
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint, tiny_processor
 
+from qwenkit import cli, launch
 from qwenkit import config as qconfig
-from qwenkit import launch
 from qwenkit.engine.run import prespawn
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
@@ -233,3 +234,19 @@ def test_a_family_never_tried_in_vllm_is_refused_for_it(family):
     """A family the vLLM tests never start an engine with has a refusal on its entry (one line before start,
     not an engine failing mid-run): a new family must be tried in vLLM or say why not."""
     assert family in VLLM_TRIED or families.get(family).vllm_refusal, family
+
+
+@EVERY_FAMILY
+def test_a_transformers_without_the_family_is_refused_in_one_line(family, tmp_path, monkeypatch, capsys):
+    """As on 4.57 (Qwen3.5, the Omni thinkers) or 5.x before 5.23 (Qwen4-Exp): the family's module is missing; the
+    launcher refuses before writing the tiny checkpoint, and no rank starts."""
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
+    entry = families.get(family)
+    module = f"transformers.models.{entry.hf_module or entry.model_type}"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m.startswith(module) else find_spec(m, *a))
+    out = tmp_path / "run"
+    assert cli.main(["train", f"model.name={family}", f"train.output_dir={out}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if module in line]
+    assert len(lines) == 1 and f"model.name={family} needs transformers" in lines[0]
+    assert not out.exists()
