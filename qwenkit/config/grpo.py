@@ -74,6 +74,10 @@ class GrpoConfig:
     max_tool_calling_iterations: int = 4
     tool_timeout_s: float = 30.0
     max_trajectory_tokens: int = 0
+    # Rollout Routing Replay (R3; verl's enable_routing_replay, Megatron's moe_enable_routing_replay): a MoE
+    # policy's hf rollouts record the experts each token was routed to, and the trainer's forwards (old and
+    # current log-probs) are routed to them, the gate weights recomputed (qwenkit.model.routing_replay)
+    routing_replay: bool = False
     # vLLM's (or rollout_dtype's) sampling log-probs differ from the trainer's: weigh each token's loss by
     # exp(trainer's - sampler's log-prob), truncated (or masked) at the clip bounds; TRL's names
     vllm_importance_sampling_correction: bool = True

@@ -69,6 +69,8 @@ def check(cfg: Config, need: Need) -> None:
         need(grpo.rollout_engine == "hf", f"grpo.rollout_dtype={grpo.rollout_dtype} sets the hf rollouts' precision; "
              "vLLM samples in vllm.dtype: unset grpo.rollout_dtype")  # fmt: skip
     _tool_rules(grpo, need)
+    if grpo.routing_replay:
+        _routing_rules(cfg, need)
     need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
     need(
         not cfg.data.max_tokens_per_batch,
@@ -80,6 +82,17 @@ def check(cfg: Config, need: Need) -> None:
         f"train.objective=grpo does not support parallel.sp_size={cfg.parallel.sp_size}: generation runs whole "
         "sequences on each rank; use parallel.sp_size=1",
     )
+
+
+def _routing_rules(cfg: Config, need: Need) -> None:
+    """What ``grpo.routing_replay`` cannot go with (the family's routers: :meth:`qwenkit.model.families.entry.Family.problems`)."""
+    grpo = cfg.grpo
+    need(grpo.rollout_engine == "hf", "grpo.routing_replay=true replays the hf rollouts' routing: vLLM 0.32 returns "
+         "routed experts from its GPU model runner only (not on CPU) and the kit does not read them; set "
+         "grpo.rollout_engine=hf")  # fmt: skip
+    need(not (grpo.tools or grpo.environment), "grpo.routing_replay=true with grpo.tools / grpo.environment: a "
+         "trajectory's later turns re-read its earlier tokens in a new prefill, whose routing is not recorded; "
+         "unset one")  # fmt: skip
 
 
 def _tool_rules(grpo: GrpoConfig, need: Need) -> None:

@@ -58,6 +58,7 @@ per-token loss, logged as TRL names them: ``sampling/sampling_logp_difference/{m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -75,14 +76,14 @@ from qwenkit.engine.objectives import completions, dynamic_sampling, grpo_metric
 from qwenkit.engine.objectives import rewards as reward_fns
 from qwenkit.engine.objectives.completions import SAMPLE_FILE
 from qwenkit.engine.objectives.dynamic_sampling import Round
-from qwenkit.engine.objectives.grpo_metrics import ImportanceStats, StepMetrics
+from qwenkit.engine.objectives.grpo_metrics import ImportanceStats, RatioSpread, StepMetrics
 from qwenkit.engine.rollouts import agentic
 from qwenkit.engine.rollouts.agentic import AgenticRollouts
 from qwenkit.engine.rollouts.completion import (
-    Completion,
     Rollouts,
     completion_mask,
     media_tokens,
+    sampler_logps,
     training_batch,
 )
 from qwenkit.engine.rollouts.hf import HfRollouts
@@ -92,17 +93,19 @@ from qwenkit.engine.run.build import reference_model
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
 from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
+from qwenkit.model.routing_replay import RoutingReplay
 from qwenkit.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps", "is_ratio")  # what the objective pops from a micro-batch
+# what the objective pops from a micro-batch
+OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps", "is_ratio", "sampling_logps", "routed_experts")
 # what a cached rollout was made under: a mid-cycle resume under other values rolls out again
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
                     "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
                     "grpo.format_tags", "grpo.overlong_buffer", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta",
                     "grpo.dynamic_sampling", "grpo.max_resample_rounds", "grpo.tools", "grpo.environment",
-                    "grpo.max_tool_calling_iterations", "grpo.max_trajectory_tokens", "train.micro_batch_size",
+                    "grpo.max_tool_calling_iterations", "grpo.max_trajectory_tokens", "grpo.routing_replay", "train.micro_batch_size",
                     "train.grad_accum", "data.packing", "train.seed")  # fmt: skip
 
 
@@ -126,9 +129,10 @@ class GrpoObjective(Objective):
     """The trainer's hooks for ``train.objective: grpo`` (see :mod:`qwenkit.engine.objective`)."""
 
     def __init__(self, cfg, rt, bundle, box_units: str, reference: nn.Module | str | None, evaluator=None, out_dir=None,
-                 model_dir: str | None = None):  # fmt: skip
+                 model_dir: str | None = None, routing: RoutingReplay | None = None):  # fmt: skip
         grpo = cfg.grpo
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
+        self.routing = routing  # grpo.routing_replay: the policy's routers, recorded in rollouts, replayed in training
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags), grpo.max_new_tokens,
                                           grpo.overlong_buffer)  # fmt: skip
@@ -140,7 +144,8 @@ class GrpoObjective(Objective):
         else:  # expert parallelism's all-to-all makes every forward collective: lockstep even with whole weights
             dtype = getattr(torch, grpo.rollout_dtype) if grpo.rollout_dtype else None
             self.rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
-                                       collective=cfg.parallel.ep_size > 1, dtype=dtype)  # fmt: skip
+                                       collective=cfg.parallel.ep_size > 1, dtype=dtype, record=True,
+                                       routing=routing)  # fmt: skip
             if grpo.tools or grpo.environment:  # trajectories: generate, call the tools, generate again
                 self.rollouts = AgenticRollouts(self.rollouts, Toolbox(grpo.tools, grpo.environment, grpo.tool_timeout_s),
                                                 grpo.max_tool_calling_iterations, grpo.max_trajectory_tokens)  # fmt: skip
@@ -166,8 +171,9 @@ class GrpoObjective(Objective):
         evaluator = None
         if bundle.eval_dataset is not None:
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
-        box_units = families.of_model(model).box_units  # the family the model was built as (registry.build)
-        return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir, model.name_or_path)
+        family = families.of_model(model)  # the family the model was built as (registry.build)
+        routing = RoutingReplay(model, family.routers) if cfg.grpo.routing_replay else None
+        return cls(cfg, rt, bundle, family.box_units, reference, evaluator, out_dir, model.name_or_path, routing)
 
     # --- one rollout ------------------------------------------------------------------------
 
@@ -232,9 +238,11 @@ class GrpoObjective(Objective):
             valid = completion_mask(batch) & ~(truncated[part, None] & kept)
             batch |= {"num_items": valid.sum(), "num_samples": torch.tensor(size),
                       "advantages": mine[part], "truncated": truncated[part]}  # fmt: skip
+            if all(c.sampling_logps is not None for c in done[part]):  # the ratio's spread (RatioSpread)
+                batch["sampling_logps"] = sampler_logps(batch, done[part])
             batch |= self._fixed_logps(model, batch)
             if self.corrects:
-                batch |= self._importance(batch, done[part], stats)
+                batch |= self._importance(batch, stats)
             micro.append(batch)
         if self.corrects:
             self.rollout_metrics |= stats.metrics(self.rt.device)
@@ -263,7 +271,7 @@ class GrpoObjective(Objective):
         inputs = {k: v.to(self.rt.device) for k, v in batch.items() if k not in (*OWN_KEYS, "num_items", "num_samples")}
         out = {}
         if self.grpo.num_iterations > 1 or self.corrects:
-            out["old_logps"] = self.logps(model, inputs)[0].cpu()
+            out["old_logps"] = self.logps(model, inputs, routed=batch.get("routed_experts"))[0].cpu()
         if self.reference == "adapters":
             with lora.adapters_disabled(model):
                 out["ref_logps"] = self.logps(model, inputs)[0].cpu()
@@ -271,21 +279,23 @@ class GrpoObjective(Objective):
             out["ref_logps"] = self.logps(self.reference, inputs)[0].cpu()
         return out
 
-    def logps(self, model: nn.Module, batch: dict, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logps(self, model: nn.Module, batch: dict, entropy: bool = False,
+              routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """``model``'s per-token log-probs (and entropies) of ``batch``'s completions under the distribution
-        the rollout sampled: over ``grpo.temperature``, the media tokens banned (module docstring)."""
-        return model.token_logps(**batch, entropy=entropy, temperature=self.grpo.temperature, banned=self.banned)
+        the rollout sampled: over ``grpo.temperature``, the media tokens banned (module docstring); ``routed``:
+        the policy's routers forced to the rollout's experts (``grpo.routing_replay``)."""
+        replay = self.routing.replaying(routed) if self.routing is not None else contextlib.nullcontext()
+        with replay:
+            return model.token_logps(**batch, entropy=entropy, temperature=self.grpo.temperature, banned=self.banned)
 
-    def _importance(self, batch: dict, done: list[Completion], stats: ImportanceStats) -> dict:
+    def _importance(self, batch: dict, stats: ImportanceStats) -> dict:
         """The micro-batch's vLLM importance-sampling weights (module docstring), its statistics added to
         ``stats``; ``old`` stays only for ``num_iterations > 1`` (else the policy's own log-probs are the
         ratio's denominator, as without vLLM)."""
         g = self.grpo
         old = batch["old_logps"] if g.num_iterations > 1 else batch.pop("old_logps")  # [B, S]
         mask = completion_mask(batch)  # [B, S] the completion tokens, in order
-        sampling = torch.zeros_like(old)
-        for b, c in enumerate(done):
-            sampling[b, mask[b]] = torch.tensor(c.sampling_logps, dtype=old.dtype)
+        sampling = batch["sampling_logps"]
         ratio = vllm_importance_weights(old, sampling, mask.to(old.dtype), g.vllm_importance_sampling_mode,
                                         g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max)  # fmt: skip
         kept = ratio[mask] if ratio.shape[1] > 1 else ratio.flatten()  # per token, or per completion
@@ -299,11 +309,15 @@ class GrpoObjective(Objective):
         self.queue = [{k: b.pop(k) for k in OWN_KEYS if k in b} for b in micro]
         self.totals = StepTotals(completions=counts[1], tokens=counts[0], micro_batches=len(micro) * self.rt.world_size)
         self.step_metrics = StepMetrics(self.rt.device)
+        # a rollout's first step: the policy is the sampler's, so exp(logps - sampler's) is their mismatch alone
+        self.spread = RatioSpread(self.rt.device) if (self.uses - 1) % self.grpo.num_iterations == 0 else None
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         own = {k: v.to(self.rt.device) for k, v in self.queue.pop(0).items()}
-        logps, entropies = self.logps(model, batch, entropy=True)
+        logps, entropies = self.logps(model, batch, entropy=True, routed=own.get("routed_experts"))
         mask = completion_mask(batch)  # [B, S] the completion tokens
+        if self.spread is not None and "sampling_logps" in own:
+            self.spread.add(logps.detach(), own["sampling_logps"], mask)
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
                              ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"),
                              entropies=entropies)  # fmt: skip
@@ -313,6 +327,8 @@ class GrpoObjective(Objective):
     def metrics(self) -> dict[str, float]:
         """TRL's names: the rollout's reward and completion metrics, the step's KL, entropy and clipping."""
         out = dict(self.rollout_metrics) | self.step_metrics.reduce(self.grpo.beta)
+        if self.spread is not None:
+            out |= self.spread.reduce()
         out["rollout_time"] = self.rollout_time
         return out
 

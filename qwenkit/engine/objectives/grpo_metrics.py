@@ -1,11 +1,12 @@
 """GRPO's metrics, by TRL's names, reduced over the ranks: what :class:`~qwenkit.engine.objectives.grpo.GrpoObjective` logs.
 
-Three kinds, each reduced in one collective: the rollout's (:func:`rollout_metrics`: rewards, their spread, the
+Four kinds, each reduced in one collective: the rollout's (:func:`rollout_metrics`: rewards, their spread, the
 groups whose rewards are all equal, completion lengths, the agentic ``tools/*``; over every rank's completions,
 gathered once by :func:`gather_named`); the importance sampling of a vLLM or lower-precision rollout
 (:class:`ImportanceStats`: ``sampling/*``, over the rollout's completion tokens); and a step's
 (:class:`StepMetrics`: ``kl``, ``entropy``, ``clip_ratio/*``, summed over its micro-batches' completion tokens,
-or completions at sequence level, and divided once at the end).
+or completions at sequence level, and divided once at the end); and at a rollout's first step the spread of
+the trainer's to the sampler's probability ratio (:class:`RatioSpread`: ``ratio/*``).
 """
 
 from __future__ import annotations
@@ -126,4 +127,34 @@ class StepMetrics:
         return out
 
 
-__all__ = ["CLIP", "ImportanceStats", "StepMetrics", "all_reduce", "gather_named", "rollout_metrics"]
+class RatioSpread:
+    """How far the trainer's probabilities of a rollout's tokens are from its sampler's, at the rollout's first
+    step (the policy still the sampler's): ``ratio/max_abs_dev`` = max |exp(trainer's - sampler's log-prob) - 1|
+    and ``ratio/std``, the ratio's standard deviation, over every rank's completion tokens. The mismatch
+    of kernels and precisions (vLLM, ``grpo.rollout_dtype``, KV-cache decoding against one full forward) and,
+    for a MoE, of the experts a near-tie routes a token to: what ``grpo.routing_replay`` removes."""
+
+    def __init__(self, device):
+        self.sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("count", "dev", "dev2")}
+        self.max = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, logps: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor) -> None:
+        """``[B, S]`` the trainer's and the sampler's per-token log-probs, ``mask`` the completion tokens."""
+        dev = (logps.double() - sampling.to(logps.device, torch.float64)).exp()[mask.to(logps.device)] - 1  # [tokens]
+        if not dev.numel():
+            return
+        for name, value in (("count", dev.numel()), ("dev", dev.sum()), ("dev2", dev.square().sum())):
+            self.sums[name] += value
+        self.max = torch.maximum(self.max, dev.abs().max())
+
+    def reduce(self) -> dict[str, float]:
+        """Collective: the step's spread over every rank."""
+        sums, top = all_reduce(self.sums), all_reduce({"max": self.max}, dist.ReduceOp.MAX)["max"]
+        if not sums["count"]:  # rollouts without their sampler's log-probs (an agentic one in the weights' dtype)
+            return {}
+        n = sums["count"]
+        mean = sums["dev"] / n
+        return {"ratio/max_abs_dev": top, "ratio/std": max(sums["dev2"] / n - mean * mean, 0.0) ** 0.5}
+
+
+__all__ = ["CLIP", "ImportanceStats", "RatioSpread", "StepMetrics", "all_reduce", "gather_named", "rollout_metrics"]

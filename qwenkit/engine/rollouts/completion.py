@@ -21,6 +21,7 @@ from qwenkit.data.collator import SEQUENCE_KEYS, pack
 from qwenkit.engine.generation.generate import reply_text
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.model.losses.logps import unpack
+from qwenkit.model.routing_replay import batch_routing
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Completion:
     mask: list[int] | None = None
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     trajectory: dict | None = None
+    # grpo.routing_replay: the experts the sampler's routers picked, [layers, prompt + tokens, k] (int16, -1 where
+    # a token was never fed to it: qwenkit.model.routing_replay.UNROUTED); None: not recorded
+    routing: torch.Tensor | None = None
 
     @property
     def model_tokens(self) -> int:
@@ -85,7 +89,9 @@ def training_batch(completions: list[Completion], pad_token_id: int, packing: bo
     prompt's, then its completion's ``media``), as the collator does. ``packing`` (``data.packing``): the rows
     as one packed row instead, no padding and no attention mask (:func:`qwenkit.data.collator.pack`); the
     model's log-probs of it come back as the padded batch's
-    (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.token_logps`).
+    (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.token_logps`). Completions with their sampler's
+    ``routing`` add ``routed_experts`` ``[layers, tokens, k]`` in the batch's token order (``grpo.routing_replay``,
+    :func:`qwenkit.model.routing_replay.batch_routing`).
     """
     rows = []
     for c in completions:
@@ -118,6 +124,8 @@ def training_batch(completions: list[Completion], pad_token_id: int, packing: bo
         batch[key] = out
     for key in sorted({k for r in rows for k in r if k not in pads}):
         batch[key] = torch.cat([r[key] for r in rows if key in r])
+    if completions[0].routing is not None:  # the routers see the batch's tokens flattened, in this layout
+        batch["routed_experts"] = batch_routing([c.routing for c in completions], None if packing else width)
     return batch
 
 
@@ -128,4 +136,15 @@ def completion_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return unpack(mask, batch["packed_seq_lens"]) if "packed_seq_lens" in batch else mask
 
 
-__all__ = ["Completion", "Rollouts", "completion", "completion_mask", "completion_seed", "media_tokens", "training_batch"]
+def sampler_logps(batch: dict[str, torch.Tensor], completions: list[Completion]) -> torch.Tensor:
+    """``[B, S]`` the sampler's log-prob of each completion token of :func:`training_batch`'s ``batch`` (of
+    ``completions``, each with its ``sampling_logps``), where :func:`completion_mask` is true; 0 elsewhere."""
+    mask = completion_mask(batch)
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for b, c in enumerate(completions):
+        out[b, mask[b]] = torch.tensor(c.sampling_logps, dtype=out.dtype)
+    return out
+
+
+__all__ = ["Completion", "Rollouts", "completion", "completion_mask", "completion_seed", "media_tokens", "sampler_logps",
+           "training_batch"]

@@ -35,6 +35,11 @@ completions are then samples of another distribution than the trainer's: each ca
 log-probs (``Completion.sampling_logps``, :class:`~qwenkit.engine.generation.sampling.RowSampler`'s
 ``record``) and GRPO corrects for them as for vLLM's (:mod:`qwenkit.engine.objectives.grpo`).
 
+**Routing recorded** (``grpo.routing_replay``, a MoE policy): the experts each router picked for every token
+of a completion's prompt (the prefill) and of its sampled tokens (each fed back in the next decoding step;
+the last one never is), kept with the completion (``Completion.routing``) for the trainer's forward to replay
+(:mod:`qwenkit.model.routing_replay`).
+
 **Reproducible.** Completion ``g`` of row ``i`` draws from its own generator, seeded by
 ``(train.seed, draw, i, g)`` (:func:`completion_seed`; :class:`qwenkit.engine.generation.sampling.RowSampler`):
 it depends neither on the rank that draws it nor on the rows that share its batch, so 2 ranks sample
@@ -65,6 +70,7 @@ from qwenkit.engine.generation.generate import (
 from qwenkit.engine.generation.placement import choose_generation, lockstep
 from qwenkit.engine.generation.sampling import RowSampler
 from qwenkit.engine.rollouts.completion import Completion, completion, completion_seed, media_tokens
+from qwenkit.model.routing_replay import RoutingReplay, decoded_rows
 
 log = logging.getLogger(__name__)
 WHERE = ("auto", "gather", "lockstep")  # where a rollout's weights come from (module docstring)
@@ -76,18 +82,23 @@ class HfRollouts:
     ``batch_size``: completions per ``generate`` call (0: all of the rank's); ``where``: one of
     :data:`WHERE`; ``collective``: the model's forward is a collective even with whole weights
     (expert parallelism), so the rollout runs in lockstep; ``dtype``: the dtype of the rollout's GEMMs
-    (None: the weights' own; :func:`low_precision_gemms`), its completions then carrying their sampling log-probs.
+    (None: the weights' own; :func:`low_precision_gemms`), its completions then carrying their sampling log-probs;
+    ``record``: they carry them in any dtype (GRPO's ``ratio/*`` spread); ``routing``: a
+    :class:`~qwenkit.model.routing_replay.RoutingReplay` on the model's routers, each completion then carrying the
+    experts its prompt's and tokens' forwards were routed to (``grpo.routing_replay``).
     """
 
     def __init__(self, sampling: Sampling, num_generations: int, batch_size: int = 0, where: str = "auto",
-                 collective: bool = False, dtype: torch.dtype | None = None):  # fmt: skip
+                 collective: bool = False, dtype: torch.dtype | None = None, record: bool = False,
+                 routing: RoutingReplay | None = None):  # fmt: skip
         if sampling.temperature <= 0:
             raise ValueError("rollouts sample: temperature must be > 0")
         if where not in WHERE:
             raise ValueError(f"rollouts come from one of {WHERE}, got {where!r}")
         self.sampling, self.num_generations, self.batch_size = sampling, num_generations, batch_size
         self.where = "lockstep" if collective else where
-        self.dtype = dtype
+        self.dtype, self.record, self.routing = dtype, record or dtype is not None, routing
+        self.routed: list[torch.Tensor] | None = None  # with routing: each row's [layers, prompt + new, k], of the last call
         self.sampled_logps: list[list[float]] | None = None  # with dtype: each row's sampling log-probs, of the last call
         self.chosen: tuple[str, str] | None = None  # (gather | lockstep, why) of the last rollout
 
@@ -103,8 +114,9 @@ class HfRollouts:
         for r, ((k, _), new) in enumerate(zip(keys, tokens)):
             new, text, truncated = completion(tok, new, end)
             logps = self.sampled_logps[r][: len(new)] if self.sampled_logps is not None else None
+            routed = self.routed[r][:, : asked[k][0]["input_ids"].shape[1] + len(new)] if self.routed is not None else None
             done.append(Completion(indices[k], asked[k][0], new, text, truncated, asked[k][1].reference,
-                                   dataset.columns(indices[k]), logps))  # fmt: skip
+                                   dataset.columns(indices[k]), logps, routing=routed))  # fmt: skip
         return done
 
     @torch.no_grad()
@@ -114,7 +126,8 @@ class HfRollouts:
         row), ended by ``end`` (then ``pad``) or ``max_new_tokens`` (None: ``grpo.max_new_tokens``; an agentic
         trajectory's turn: what its budget leaves); ``suppress``: tokens never drawn; no prompt: every
         collective of a call still taken (a rank whose trajectories all ended). With
-        ``dtype``, ``self.sampled_logps`` holds each row's sampling log-prob of every token generated (pads included)."""
+        ``dtype`` or ``record``, ``self.sampled_logps`` holds each row's sampling log-prob of every token generated
+        (pads included); with ``routing``, ``self.routed`` each row's experts (prompt and tokens generated)."""
         most = max_new_tokens or self.sampling.max_new_tokens
         config = generation_config(Sampling(most), end, pad)  # greedy: RowSampler draws
         config.suppress_tokens = suppress
@@ -132,6 +145,7 @@ class HfRollouts:
             batches += [[] for _ in range(int(calls.item()) - len(batches))]  # a dummy call each, dropped
         tokens: dict[int, list[int]] = {}
         logps: dict[int, list[float]] = {}
+        routed: dict[int, torch.Tensor] = {}
         was_training = model.training
         model.eval()
         try:
@@ -149,14 +163,20 @@ class HfRollouts:
                         step(inputs, one_token(config))
                         continue
                     sampler = RowSampler([seeds[r] for r in chunk], self.sampling.temperature, self.sampling.top_p,
-                                         record=self.dtype is not None)  # fmt: skip
-                    out = step(inputs, config, logits_processor=[sampler])[:, inputs["input_ids"].shape[1] :]  # [B, new]
+                                         record=self.record)  # fmt: skip
+                    width = inputs["input_ids"].shape[1]
+                    with self.routing.recording() if self.routing else contextlib.nullcontext() as calls:
+                        out = step(inputs, config, logits_processor=[sampler])[:, width:]  # [B, new]
                     tokens.update(zip(chunk, out.tolist()))
+                    if calls is not None:
+                        pads = [width - prompts[r]["input_ids"].shape[1] for r in chunk]
+                        routed.update(zip(chunk, decoded_rows(calls, len(chunk), width, pads, [out.shape[1]] * len(chunk))))
                     if sampler.logps is not None:
                         logps.update(zip(chunk, torch.stack(sampler.logps, dim=1).cpu().tolist()))  # [B, new]
         finally:
             model.train(was_training)
-        self.sampled_logps = [logps[r] for r in range(len(prompts))] if self.dtype is not None else None
+        self.sampled_logps = [logps[r] for r in range(len(prompts))] if self.record else None
+        self.routed = [routed[r] for r in range(len(prompts))] if self.routing else None
         return [tokens[r] for r in range(len(prompts))]
 
 

@@ -82,6 +82,8 @@ GRPO_UNITS = {
     # vLLM rollouts: the trainer's and vLLM's log-probs of the sampled tokens, and the importance weights
     **{f"sampling/sampling_logp_difference/{s}": "nat" for s in ("mean", "max")},
     **{f"sampling/importance_sampling_ratio/{s}": "1" for s in ("min", "mean", "max")},
+    # a rollout's first step: the trainer's to the sampler's probability ratio, its spread (grpo_metrics.RatioSpread)
+    "ratio/max_abs_dev": "1", "ratio/std": "1",
     # grpo.dynamic_sampling (qwenkit.engine.objectives.dynamic_sampling): the first draw's share, rounds, extra rows
     "dynamic_sampling/frac_reward_zero_std_drawn": "1", "dynamic_sampling/rounds": "1",
     "dynamic_sampling/extra_prompts": "sample",

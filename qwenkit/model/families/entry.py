@@ -23,7 +23,7 @@ from pathlib import Path
 from qwenkit.model.modules import prefix_match
 
 __all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "VLLM_CPU_LINEAR_HEAD_DIM", "Family", "Mixer", "Whole",
-           "aux_loss_sp_problem", "expert_parallel_problem", "vllm_cpu_problem"]
+           "aux_loss_sp_problem", "expert_parallel_problem", "routing_replay_problem", "vllm_cpu_problem"]
 
 
 # What an entry checks a config against (Family.problems): its layer kinds, the features it has not made
@@ -134,6 +134,18 @@ def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str |
     )
 
 
+def routing_replay_problem(family: Family) -> str | None:
+    """Why ``grpo.routing_replay`` cannot replay ``family``'s routing, or None: a dense family (no ``routers``), or
+    transformers 4.x, whose MoE blocks route inline (the router a linear, no top-k to force)."""
+    if not family.routers:
+        return f"grpo.routing_replay=true: {family.name} routes no experts (a dense family); unset it"
+    version = importlib.metadata.version("transformers")
+    if int(version.split(".")[0]) < 5:
+        return (f"grpo.routing_replay=true needs transformers 5.x, whose routers return their top-k experts; "
+                f"{version}'s {family.name} routes inside its MoE block")  # fmt: skip
+    return None
+
+
 def expert_parallel_problem(family: Family, path: str | Path | None, ep_size: int) -> str | None:
     """Why ``parallel.ep_size`` cannot split ``family``'s experts, or None: a family without routed
     experts (its entry's ``experts``); transformers 4.x, whose experts take the router's dense weights
@@ -224,6 +236,10 @@ class Family:
     # the routed-experts modules (fused 3-D gate_up_proj / down_proj, HF's forward(hidden, top_k_index,
     # top_k_weights)) that parallel.ep_size splits across ranks (qwenkit.distributed.expert); () = a dense family
     experts: tuple[str, ...] = ()
+    # the routers beside them (transformers 5.x: forward(hidden) -> (logits, top_k_weights, top_k_index)), whose
+    # choices grpo.routing_replay records in the rollout and forces in the training forward
+    # (qwenkit.model.routing_replay); () = nothing to replay
+    routers: tuple[str, ...] = ()
     # linears of the towers LoRA never adapts, not even with all-linear: a MoE's router (a linear in
     # transformers 4.57, a parameter in 5.x: adapted in one and not the other, routing would differ by version)
     lora_exclude: tuple[str, ...] = ()
@@ -330,6 +346,10 @@ class Family:
                 if v == "vllm"]  # fmt: skip
         if vllm and self.vllm_refusal:
             problems.append(f"{' and '.join(f'{k}=vllm' for k in vllm)}: {self.vllm_refusal}; use the hf engine")
+        if cfg.train.objective == "grpo" and cfg.grpo.routing_replay:
+            problem = routing_replay_problem(self)
+            if problem:
+                problems.append(problem)
         if cfg.parallel.ep_size > 1:
             problem = expert_parallel_problem(self, path, cfg.parallel.ep_size)
             if problem:

@@ -71,6 +71,7 @@ _QWEN4_EXP_PARTS = (*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.laye
                     ("n-gram tables", (_PLE_TABLES,)), ("QSA indexer", (_INDEXER,)), *_QWEN3_5_PARTS[2:])  # fmt: skip
 _VLLM_QWEN4_EXP = "vLLM 0.32 has no qwen4_exp model (no Qwen4ExpForConditionalGeneration in its registry)"
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
+_ROUTERS = ("model.language_model.layers.*.mlp.gate",)  # a MoE family's top-k routers (grpo.routing_replay)
 _VLLM_MOE = ("vLLM 0.32 (CPU) loads this MoE checkpoint (its replies agree with the kit's), but its in-place reload of "
              "the fused experts, which every weight push uses, is wrong (Qwen3-VL-MoE: log-probs 0.07 off "
              "after reloading the checkpoint's own expert tensors)")  # fmt: skip
@@ -136,6 +137,7 @@ FAMILIES: dict[str, Family] = {
             **_QWEN3_DATA,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
+            routers=_ROUTERS,
             checkpoint_transposed=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
             vllm_refusal=_VLLM_MOE,
         ),
@@ -177,6 +179,7 @@ FAMILIES: dict[str, Family] = {
             mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
+            routers=_ROUTERS,
             vllm_refusal=_VLLM_MOE,
         ),
         # Qwen4-Exp (transformers >= 5.23): hyper-connection streams around every decoder layer, the QSA indexer
@@ -202,6 +205,7 @@ FAMILIES: dict[str, Family] = {
             mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
+            routers=_ROUTERS,
             min_transformers=5,
             never_trained=(_INDEXER,),
             vllm_refusal=_VLLM_QWEN4_EXP,
@@ -243,6 +247,7 @@ FAMILIES: dict[str, Family] = {
             **{**_QWEN3_DATA, "video_timestamps": False, "video_rule": "Qwen2VLVideoProcessor"},
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
+            routers=_ROUTERS,
             audio_tokens=("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"),
             hf_module="qwen3_omni_moe",
             whole=Whole("qwen3_omni_moe", "transformers:Qwen3OmniMoeForConditionalGeneration",
