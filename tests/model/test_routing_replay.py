@@ -24,9 +24,12 @@ from qwenkit.engine.rollouts.completion import completion_mask, training_batch
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
+from qwenkit.model.families.entry import routing_replay_problem
 from qwenkit.model.routing_replay import UNROUTED, RoutingReplay
 
 MOE = over_families(*(n for n, f in families.FAMILIES.items() if f.routers))
+# transformers 4.x routes inside the MoE block (the router a linear): refused before start (test_routing_replay in engine)
+pytestmark = pytest.mark.skipif(bool(why := routing_replay_problem(families.get("qwen3_vl_moe"))), reason=why or "")
 # fp32: the replayed weights are the router's own top-k values gathered by index, renormalised in the same
 # order; against the masked HF router the softmax runs over k experts instead of E: a few ulps
 FP32 = dict(rtol=1e-5, atol=1e-6)
