@@ -314,6 +314,8 @@ VARIANTS = {
     # 2 replicas of 1 shard each: the dense weights replicated, the experts split over ep as without HSDP
     ("qwen3_vl_moe", "hsdp"): ["parallel.hsdp_replicas=2"],
     ("qwen3_vl_moe", "sp"): ["parallel.sp_size=2", "loss.chunk=true", "train.micro_batch_size=2"],
+    # Rollout Routing Replay: the routers stay HF's under EP, the recorded and replayed indices global expert ids
+    ("qwen3_vl_moe", "grpo_r3"): [*OBJECTIVES["grpo"], "grpo.routing_replay=true"],
 }
 # max_grad_norm=0: the updates themselves are compared; a held-out evaluation (loss, or replies in batches
 # of 2 prompts of different lengths) at step 0 and at the end
@@ -389,11 +391,12 @@ def test_every_objective_and_setting_with_ep_size_2_trains_as_ep_size_1(request,
     """Every logged value (loss, grad norm, the objective's metrics: DPO's rewards, GRPO's rewards, KL
     and lengths; eval loss or accuracy) and the final weights of ep_size=2 equal ep_size=1's (fp32)."""
     variants = request.getfixturevalue("long_variants" if (family, name) in LONG_VARIANTS else "variants")
+    objective = name.removesuffix("_r3")  # grpo_r3: GRPO with grpo.routing_replay
     runs = {ep: variants / f"{family}-{name}-ep{ep}" for ep in (1, 2)}
     ref, got = (json.loads((runs[ep] / "result.json").read_text()) for ep in (1, 2))
     policy, *reference = got["layouts"]
     assert all("'ep'" in mesh for _, mesh, _ in policy)
-    assert reference == ([policy] if name in OBJECTIVES else [])  # a frozen reference's experts: the policy's split
+    assert reference == ([policy] if objective in OBJECTIVES else [])  # a frozen reference's experts: the policy's split
     assert all(h["grad_norm"] > 0 for h in ref["history"])  # something trains
     assert len(got["history"]) == VARIANT_STEPS and [e["step"] for e in got["evals"]] == [0, VARIANT_STEPS]
     for a, b in zip(got["history"] + got["evals"], ref["history"] + ref["evals"], strict=True):
@@ -407,7 +410,7 @@ def test_every_objective_and_setting_with_ep_size_2_trains_as_ep_size_1(request,
     assert [r["step"] for r in loads[1]] == list(range(1, VARIANT_STEPS + 1))  # train.log_every=1
     for a, b in zip(*loads):
         torch.testing.assert_close(torch.tensor(b["fractions"]), torch.tensor(a["fractions"]), **FP32)
-    if name == "grpo":  # the rollouts sampled the same completions; the held-out replies are the same
+    if objective == "grpo":  # the rollouts sampled the same completions; the held-out replies are the same
         from qwenkit.engine.objectives import completions
 
         assert completions.read_completions(runs[2]) == completions.read_completions(runs[1])

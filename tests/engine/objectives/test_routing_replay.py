@@ -67,9 +67,11 @@ def _spread(family: str, replay: bool) -> dict[str, float]:
 @REPLAYS
 def test_routing_replay_brings_the_moe_ratio_spread_to_the_dense_ones():
     free, replayed, dense = _spread(MOE, False), _spread(MOE, True), _spread(DENSE, False)
-    for key in ("ratio/max_abs_dev", "ratio/std"):
+    # measured (2026-12-07): max_abs_dev 0.068 free, 0.0054 replayed, 0.0028 dense; std 0.0070, 0.0011, 0.0009. The
+    # maximum is one token's (the MoE's experts add their own bf16 rounding): within 3x of the dense one's
+    for key, near in (("ratio/max_abs_dev", 3), ("ratio/std", 2)):
         assert free[key] > 5 * replayed[key], (key, free[key], replayed[key])
-        assert dense[key] / 2 < replayed[key] < 2 * dense[key], (key, replayed[key], dense[key])
+        assert dense[key] / near < replayed[key] < near * dense[key], (key, replayed[key], dense[key])
         assert replayed[key] > 0  # the bf16 rounding itself stays
     # the old log-probs (vLLM-style correction of the bf16 sampler) are replayed too
     assert free["sampling/sampling_logp_difference/max"] > 5 * replayed["sampling/sampling_logp_difference/max"]
