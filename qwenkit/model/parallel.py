@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from qwenkit.model.families.linear_attention import boundaries
@@ -79,6 +80,68 @@ def forward_slice(model, sp, input_ids, labels, use_cache, logits_to_keep, loss_
         raise ValueError(f"sequence parallelism supports loss.loss_type=token_mean, got {loss_type!r}")
     shifted = kwargs.pop("shift_labels", None)
     model.check_chunk_args(labels, shifted, use_cache, logits_to_keep, loss_type)
+    b = input_ids.shape[0] if input_ids is not None else 0
+    out, shifted, extra, num_items_in_batch = _decoder_on_slice(model, sp, input_ids, labels, shifted,
+                                                                num_items_in_batch, packed_seq_lens, kwargs)  # fmt: skip
+
+    # 4. the chunked loss of this slice, normalised by the whole batch's count
+    loss_fn = functools.partial(
+        chunked_linear_cross_entropy,
+        shifted=shifted,
+        loss_type=loss_type,
+        chunk_size=model.chunk_size,
+        chunk_budget_bytes=model.chunk_budget_bytes,
+        num_items_in_batch=num_items_in_batch,
+        num_samples=num_samples if num_samples is not None else b,
+    )
+    loss = model.lm_head(out.last_hidden_state, labels=None, loss_fn=loss_fn)
+    for term in extra:
+        loss = loss + term
+    return CausalLMOutputWithPast(loss=loss)
+
+
+def token_logps_slice(model, sp, head_fn, input_ids, labels, packed_seq_lens, kwargs) -> tuple:
+    """``(logps [B, S], entropies [B, S] or None)`` of the whole sequence (GRPO's ``token_logps``), from this
+    rank's slice: steps 1-3, then ``head_fn`` (:func:`qwenkit.model.losses.logps.token_logps`) on the slice's
+    pre-shifted labels, and the slices all-gathered over the group (:func:`gather_slices`: each rank's
+    gradient flows back through its own slice only, so the group's summed gradients are the unsplit
+    forward's when every rank takes the same loss of the whole sequence). The idle vision terms join the logps."""
+    s = input_ids.shape[1]
+    out, shifted, extra, _ = _decoder_on_slice(model, sp, input_ids, labels, None, None, packed_seq_lens, kwargs)
+    loss_fn = functools.partial(head_fn, chunk_size=model.chunk_size, chunk_budget_bytes=model.chunk_budget_bytes,
+                                shifted=shifted)  # fmt: skip
+    logps, entropies = model.lm_head(out.last_hidden_state, labels=None, loss_fn=loss_fn)  # [B, S/N] each
+    logps = gather_slices(logps, sp, s)
+    entropies = gather_slices(entropies.detach(), sp, s) if entropies is not None else None
+    for term in extra:
+        logps = logps + term
+    return logps, entropies
+
+
+class _GatherSlices(torch.autograd.Function):
+    """All-gather of the group's ``[B, S/N]`` slices along the sequence, the padding cut; backward: this rank's
+    slice of the gradient (the padding's is 0)."""
+
+    @staticmethod
+    def forward(ctx, local, rank, size, group, length):
+        ctx.rank, ctx.width, ctx.size = rank, local.shape[1], size
+        pieces = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        return torch.cat(pieces, dim=1)[:, :length].clone()  # a new tensor, not a view (FSDP's output hooks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = F.pad(grad, (0, ctx.width * ctx.size - grad.shape[1]))  # [B, S + pad]
+        return whole[:, ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(), None, None, None, None
+
+
+def gather_slices(local: torch.Tensor, sp, length: int) -> torch.Tensor:
+    """``[B, length]`` of the whole sequence from every rank's ``[B, (length + pad) / N]`` (:class:`_GatherSlices`)."""
+    return _GatherSlices.apply(local, sp.rank, sp.size, sp.group, length)
+
+
+def _decoder_on_slice(model, sp, input_ids, labels, shifted, num_items_in_batch, packed_seq_lens, kwargs):
+    """Steps 1-3: ``(decoder outputs of this slice, its shifted labels, the idle vision terms, the batch's count)``."""
     if input_ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("sequence parallelism needs input_ids (not inputs_embeds)")
     model._prepare_backbone(kwargs)
@@ -146,21 +209,7 @@ def forward_slice(model, sp, input_ids, labels, use_cache, logits_to_keep, loss_
         use_cache=False, return_dict=True, sequence_parallel=sp.attention_context(mask), **kwargs,
         **_deepstack_inputs(model, visual),
     )  # fmt: skip
-
-    # 4. the chunked loss of this slice, normalised by the whole batch's count
-    loss_fn = functools.partial(
-        chunked_linear_cross_entropy,
-        shifted=shifted[:, lo:hi],
-        loss_type=loss_type,
-        chunk_size=model.chunk_size,
-        chunk_budget_bytes=model.chunk_budget_bytes,
-        num_items_in_batch=num_items_in_batch,
-        num_samples=num_samples if num_samples is not None else b,
-    )
-    loss = model.lm_head(out.last_hidden_state, labels=None, loss_fn=loss_fn)
-    for term in extra:
-        loss = loss + term
-    return CausalLMOutputWithPast(loss=loss)
+    return out, shifted[:, lo:hi], extra, num_items_in_batch
 
 
 def _deepstack_inputs(model, visual: list) -> dict:

@@ -77,11 +77,22 @@ def check(cfg: Config, need: Need) -> None:
         "train.objective=grpo does not support data.max_tokens_per_batch (rollouts are dealt by prompt); "
         "use train.micro_batch_size (prompts per micro-batch)",
     )
-    need(
-        cfg.parallel.sp_size == 1,
-        f"train.objective=grpo does not support parallel.sp_size={cfg.parallel.sp_size}: generation runs whole "
-        "sequences on each rank; use parallel.sp_size=1",
-    )
+    if cfg.parallel.sp_size > 1:
+        _sequence_parallel_rules(cfg, need)
+
+
+def _sequence_parallel_rules(cfg: Config, need: Need) -> None:
+    """``parallel.sp_size > 1``: the rollouts stay whole (each rank of a group generates, the group trains on its
+    first rank's), the training forwards run on slices; what is not made exact with it yet is refused."""
+    grpo, sp = cfg.grpo, cfg.parallel.sp_size
+    unmade = [key for key, on in (("grpo.routing_replay=true", grpo.routing_replay),
+                                  ("grpo.tools / grpo.environment", bool(grpo.tools or grpo.environment)),
+                                  ("grpo.rollout_engine=vllm", grpo.rollout_engine == "vllm"),
+                                  (f"grpo.top_entropy_quantile={grpo.top_entropy_quantile}", grpo.top_entropy_quantile < 1))
+              if on]  # fmt: skip
+    need(not unmade, f"parallel.sp_size={sp} with train.objective=grpo is tested without {', '.join(unmade)} only "
+         "(the replayed routing, a trajectory's media, vLLM's engines and the entropy threshold over a group's "
+         "repeated tokens are not made exact on slices); use parallel.sp_size=1 or leave them out")  # fmt: skip
 
 
 def _routing_rules(cfg: Config, need: Need) -> None:

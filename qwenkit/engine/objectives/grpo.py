@@ -129,10 +129,11 @@ class GrpoObjective(Objective):
     """The trainer's hooks for ``train.objective: grpo`` (see :mod:`qwenkit.engine.objective`)."""
 
     def __init__(self, cfg, rt, bundle, box_units: str, reference: nn.Module | str | None, evaluator=None, out_dir=None,
-                 model_dir: str | None = None, routing: RoutingReplay | None = None):  # fmt: skip
+                 model_dir: str | None = None, routing: RoutingReplay | None = None, sp=None):  # fmt: skip
         grpo = cfg.grpo
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
         self.routing = routing  # grpo.routing_replay: the policy's routers, recorded in rollouts, replayed in training
+        self.sp = sp if sp is not None and sp.size > 1 else None  # a sequence-parallel group: one rollout, sliced forwards
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags), grpo.max_new_tokens,
                                           grpo.overlong_buffer)  # fmt: skip
@@ -173,7 +174,7 @@ class GrpoObjective(Objective):
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
         family = families.of_model(model)  # the family the model was built as (registry.build)
         routing = RoutingReplay(model, family.routers) if cfg.grpo.routing_replay else None
-        return cls(cfg, rt, bundle, family.box_units, reference, evaluator, out_dir, model.name_or_path, routing)
+        return cls(cfg, rt, bundle, family.box_units, reference, evaluator, out_dir, model.name_or_path, routing, sp)
 
     # --- one rollout ------------------------------------------------------------------------
 
@@ -191,6 +192,10 @@ class GrpoObjective(Objective):
         groups = [next(self.rows) for _ in range(count)]  # [count][micro_batch_size] dataset rows
         start = time.perf_counter()
         done = self.rollouts(model, self.bundle.dataset, [i for g in groups for i in g], epoch)
+        if self.sp is not None:  # the group trains on one rollout: its first rank's, whatever the kernels' noise
+            shared = [done]
+            dist.broadcast_object_list(shared, src=self.rt.rank - self.sp.rank, group=self.sp.group)
+            done = shared[0]
         self.rollout_time += time.perf_counter() - start
         names = [f"row {c.index}" for c in done]
         failure = None
@@ -307,7 +312,8 @@ class GrpoObjective(Objective):
     def begin(self, micro: list[dict], counts: torch.Tensor) -> None:
         """Pop the rollout's keys; the step's global completions, completion tokens and micro-batches."""
         self.queue = [{k: b.pop(k) for k in OWN_KEYS if k in b} for b in micro]
-        self.totals = StepTotals(completions=counts[1], tokens=counts[0], micro_batches=len(micro) * self.rt.world_size)
+        groups = self.rt.world_size // (self.sp.size if self.sp is not None else 1)  # the data-parallel ranks
+        self.totals = StepTotals(completions=counts[1], tokens=counts[0], micro_batches=len(micro) * groups)
         self.step_metrics = StepMetrics(self.rt.device)
         # a rollout's first step: the policy is the sampler's, so exp(logps - sampler's) is their mismatch alone
         self.spread = RatioSpread(self.rt.device) if (self.uses - 1) % self.grpo.num_iterations == 0 else None
@@ -322,6 +328,8 @@ class GrpoObjective(Objective):
                              ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"),
                              entropies=entropies)  # fmt: skip
         self.step_metrics.add(terms, entropies)
+        if self.sp is not None:  # every rank of the group takes the whole loss, its gradient through its slice only
+            return terms.loss.detach() / self.sp.size + (terms.loss - terms.loss.detach())  # the value: its share
         return terms.loss
 
     def metrics(self) -> dict[str, float]:

@@ -149,10 +149,8 @@ class ChunkLossMixin(Positions):
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
         kwargs = self._drop_unsupported(kwargs, input_ids)
         if self.sequence_parallel is not None:  # this rank's slice of the sequence (its own steps)
-            from qwenkit.model.parallel import forward_slice  # the SP steps; imports nothing back
-
-            out = forward_slice(self, self.sequence_parallel, input_ids, labels, use_cache, logits_to_keep, loss_type,
-                                num_items_in_batch, num_samples, packed_seq_lens, kwargs)  # fmt: skip
+            out = _slice_steps().forward_slice(self, self.sequence_parallel, input_ids, labels, use_cache, logits_to_keep,
+                                               loss_type, num_items_in_batch, num_samples, packed_seq_lens, kwargs)  # fmt: skip
             return out.to_tuple() if return_dict is False else out
         if packed_seq_lens is not None:
             use_cache = self._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
@@ -242,6 +240,14 @@ class ChunkLossMixin(Positions):
             raise ValueError("log-probs need labels (the reply tokens whose log-probs are computed)")
         kwargs = self._drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"}, input_ids)
         packed = kwargs.pop("packed_seq_lens", None)
+        if self.sequence_parallel is not None:  # this rank's slice; the whole sequence's values gathered
+            if getattr(head_fn, "func", None) is not token_logps:
+                raise ValueError("sequence parallelism gives per-token log-probs only (GRPO's); per-sequence "
+                                 "ones (DPO's) need parallel.sp_size=1")  # fmt: skip
+            first, second = _slice_steps().token_logps_slice(self, self.sequence_parallel, head_fn, input_ids, labels,
+                                                             packed, kwargs)  # fmt: skip
+            return (unpack(first, packed), unpack(second, packed) if second is not None else None) if packed is not None \
+                else (first, second)
         if packed is not None:  # per-sample positions, as the packed loss forward's (and its linear attention's)
             self._packed_inputs(input_ids, packed, False, kwargs)
         idle = self._idle_vision(input_ids, kwargs)
@@ -343,3 +349,10 @@ class ChunkLossMixin(Positions):
         if "mm_token_type_ids" in kwargs and not self.takes_token_types():
             kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
         return kwargs
+
+
+def _slice_steps():
+    """:mod:`qwenkit.model.parallel`, the forward on a sequence-parallel slice, imported when a model runs one."""
+    from qwenkit.model import parallel  # the SP steps; imports nothing back
+
+    return parallel

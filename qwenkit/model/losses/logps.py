@@ -133,8 +133,10 @@ def token_logps(
     skip_ignored: bool = True,
     temperature: float = 1.0,
     banned: list[int] | None = None,
+    shifted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(logps [B, S], entropies [B, S] or None)`` float32 of the unshifted ``labels [B, S]``.
+    """``(logps [B, S], entropies [B, S] or None)`` float32 of the unshifted ``labels [B, S]`` (or of the
+    already shifted ``shifted [B, S]``, ``labels`` None: a sequence-parallel slice's, shifted on the whole sequence).
 
     Position ``t`` holds the log-prob of ``labels[b, t + 1]`` (the shifted label, HF's
     convention) under the logits divided by ``temperature``, the ``banned`` token ids excluded
@@ -145,7 +147,7 @@ def token_logps(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     ban = torch.tensor(sorted(set(banned)), dtype=torch.long, device=hidden.device) if banned else None  # [K]
-    shifted = shift_labels(labels)  # [B, S]
+    shifted = shift_labels(labels) if shifted is None else shifted  # [B, S]
     out_of_range = check_inputs(hidden, weight, shifted, chunk_size)
     if out_of_range.any():
         raise_out_of_range(out_of_range, shifted, weight.shape[0], False)
