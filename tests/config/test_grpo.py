@@ -80,6 +80,8 @@ def good(prediction, reference, **row):
         (GRPO + ["data.max_tokens_per_batch=2048"], r"grpo does not support data\.max_tokens_per_batch"),
         (GRPO + ["parallel.nproc=2", "parallel.sp_size=2", "grpo.top_entropy_quantile=0.2"],
          r"parallel\.sp_size=2 with train\.objective=grpo is tested without grpo\.top_entropy_quantile=0\.2 only"),
+        (GRPO + ["parallel.nproc=2", "parallel.sp_size=2", "grpo.routing_replay=true"],
+         r"parallel\.sp_size=2 with train\.objective=grpo is tested without grpo\.routing_replay=true only"),
     ],
 )
 def test_grpo_settings_and_what_they_cannot_go_with_are_refused(overrides, pattern):

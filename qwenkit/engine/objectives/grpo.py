@@ -45,6 +45,13 @@ reference, the micro-batches) differ from this run's was rolled out for another 
 the resumed run rolls out again at its first step, as the next cycle, and says so; it never trains
 on a rollout of other settings.
 
+**Routing replay and sequence parallelism.** With ``grpo.routing_replay`` (a MoE policy) the hf rollouts record
+each router's experts and the policy's old and current log-probs replay them (:mod:`qwenkit.model.routing_replay`);
+the trainer-to-sampler ratio's spread at a rollout's first step is logged either way (``ratio/*``,
+:class:`~qwenkit.engine.objectives.grpo_metrics.RatioSpread`). Under ``parallel.sp_size > 1`` an SP group trains on
+its first rank's rollout (broadcast), its log-probs come from the ranks' slices gathered
+(:func:`qwenkit.model.parallel.token_logps_slice`), and every rank takes the whole loss, valued at its share.
+
 **vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.rollouts.vllm`): the
 completions come from this rank's colocated vLLM engine, the policy's weights pushed to it first. vLLM's
 sampling log-probs differ from the trainer's (other kernels, other sums), and so do those of HF rollouts

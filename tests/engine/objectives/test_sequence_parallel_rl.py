@@ -40,7 +40,8 @@ def _run(out: Path, nproc: int, *overrides) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", ["false", "true"])
+# packed: the same forward on a packed row (positions per sample), in the long tier (two more runs, ~1.5 min)
+@pytest.mark.parametrize("packing", ["false", pytest.param("true", marks=pytest.mark.long)])
 def test_grpo_with_sp_size_2_logs_the_one_process_losses_and_gradient_norms(tmp_path, packing):
     one = _run(tmp_path / "one", 1, f"data.packing={packing}")
     sp2 = _run(tmp_path / "sp2", 2, "parallel.sp_size=2", f"data.packing={packing}")
