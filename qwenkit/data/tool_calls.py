@@ -126,11 +126,15 @@ def _parse_xml(block: str) -> dict | None:
     return {"name": match[1].strip(), "arguments": arguments}
 
 
+def response_body(style: str, contents: list[str]) -> str:
+    """The ``<tool_response>`` blocks of a reply's responses, between ``<|im_start|>user`` and ``<|im_end|>``."""
+    return "".join(f"\n<tool_response>\n{c.strip() if style == 'xml' else c}\n</tool_response>" for c in contents)
+
+
 def response_text(style: str, contents: list[str]) -> str:
     """The user turn holding a reply's tool responses (``contents``: each response's text, its images already
     written as vision spans), from ``<|im_start|>user`` to its ``<|im_end|>\\n``."""
-    body = "".join(f"\n<tool_response>\n{c.strip() if style == 'xml' else c}\n</tool_response>" for c in contents)
-    return f"<|im_start|>user{body}<|im_end|>\n"
+    return f"<|im_start|>user{response_body(style, contents)}<|im_end|>\n"
 
 
-__all__ = ["FORMATS", "calls_text", "parse_calls", "response_text", "system_text"]
+__all__ = ["FORMATS", "calls_text", "parse_calls", "response_body", "response_text", "system_text"]
