@@ -236,3 +236,21 @@ def test_tiny_tool_schemas_are_the_agentic_tools_json_schemas():
     from qwenkit.model.tiny.agentic import ShapesZoom, shape_colour
 
     assert SCHEMAS == [get_json_schema(shape_colour), get_json_schema(ShapesZoom().zoom)]
+
+
+def test_data_check_counts_the_tool_turns_and_shows_a_row_with_its_responses_unlearned(media, capsys):
+    from qwenkit.cli import main as cli_main
+
+    rows = [cases()["swift"][0], cases()["sharegpt"][0], {"messages": [USER, ANSWER]}]
+    (media / "rows.json").write_text(json.dumps(rows))
+    code = cli_main(["data", "check", str(media / "rows.json"), "data.max_length=4096", f"data.cache_dir={media / 'c'}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert ("tool rows: 2; tools defined (rows): shape_colour (2), zoom (2); 5 calls in 3 replies, 4 tool responses "
+            "(never learned)") in out  # fmt: skip
+    example = out.split("tool row example (")[1]
+    assert example.startswith(f"{media / 'rows.json'}: row 0;")
+    assert "<|image_pad|>x" in example and "... (" in example  # pads counted, the tools block cut
+    shown = "\n".join(line[2:] for line in example.splitlines()[1:] if line.startswith("  "))
+    assert re.findall(r"\[\[(.*?)\]\]", shown, re.S) == [t + "<|im_end|>" for t in CALL_TEXT["hermes"]]
+    assert "<|im_start|>user\n<tool_response>\na red square\n</tool_response>" in shown
