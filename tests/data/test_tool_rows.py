@@ -254,3 +254,26 @@ def test_data_check_counts_the_tool_turns_and_shows_a_row_with_its_responses_unl
     shown = "\n".join(line[2:] for line in example.splitlines()[1:] if line.startswith("  "))
     assert re.findall(r"\[\[(.*?)\]\]", shown, re.S) == [t + "<|im_end|>" for t in CALL_TEXT["hermes"]]
     assert "<|im_start|>user\n<tool_response>\na red square\n</tool_response>" in shown
+
+
+@pytest.mark.slow
+def test_the_tiny_tool_sft_recipe_trains_through_qwenkit_train(tmp_path):
+    """params/tiny_tool_sft_cpu.yaml through `qwenkit train` (2 gloo ranks, 2 steps): the tool rows of every layout
+    are read (none bad), trained on, and the held-out answers after the tool's response are generated and scored."""
+    import subprocess
+    import sys
+
+    from multiproc import free_port
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_tool_sft_cpu.yaml",
+                           "--master-port", str(free_port()), "train.steps=2", "data.tiny_samples=12",
+                           "data.tiny_eval_samples=4", "train.eval_samples=4", "train.eval_every=2",
+                           "train.eval_accuracy_every=2", f"train.output_dir={out}"],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (out / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
+    losses = [r["value"] for r in rows if r["metric"] == "loss"]
+    assert len(losses) == 2 and all(0 < v < 20 for v in losses)
+    replies = [json.loads(line) for line in (out / "eval" / "step-000002.jsonl").read_text().splitlines()]
+    assert len(replies) == 4 and all(r["reference"].startswith("It is ") for r in replies)
