@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import EVERY_FAMILY, make_cfg, runs, tiny_processor, write_png
+from conftest import EVERY_FAMILY, make_cfg, over_families, runs, tiny_processor, write_png
 
 from data.test_report import only_bad, write_set
 from qwenkit import config as qconfig
@@ -157,13 +157,11 @@ CALL_TEXT = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@over_families("qwen2_5_vl", "qwen3_5")
 def test_labels_learn_the_calls_and_never_a_tool_response(media, family):
     """The learned runs are exactly each reply with its calls and its <|im_end|>; every token of the tool
     responses' turn (and its image) is IGNORE_INDEX."""
     processor = tiny_processor(family)
-    if why := processor.family.unavailable():
-        pytest.skip(why)
     (media / "rows.json").write_text(json.dumps([cases()["swift"][0]]))
     sample = read(media / "rows.json", processor)[0]
     ids, labels = sample["input_ids"], sample["labels"]
