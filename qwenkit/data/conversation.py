@@ -68,6 +68,7 @@ def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = F
         offset = 1
     else:
         offset = 0
+    numbers = (read.numbers if read.numbers is not None else list(range(len(read.messages))))[offset:]
     calls = {k - offset: made for k, made in read.calls.items()}
     if prompts and (read.tools or calls or any(role == "tool" for role, _ in messages)):
         raise BadSample(where, "bad_tool", "a prompt with tools or tool turns: GRPO's tools are grpo.tools / "
@@ -79,14 +80,14 @@ def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = F
             where, "no_reply", f"the conversation ends with a user turn and the row's {column!r} column is its reference: "
             "a prompt for train.objective=grpo, with no reply to learn",
         )  # fmt: skip
-    tool_turns.check_order(messages, calls, read.tools, offset, where)
-    _check_turns(messages, offset, where, prompt_only, calls)
+    tool_turns.check_order(messages, calls, read.tools, numbers, where)
+    _check_turns(messages, numbers, where, prompt_only, calls)
     asked = messages if prompt_only else messages[:-1]  # GRPO's prompt: every turn before the reference
     if prompts and not (read.images or read.videos) and not any(visible(t) for role, t in asked if role == "user"):
         raise BadSample(where, "empty_prompt", "the prompt has no text and no image or video: nothing to answer")
     media = ((IMAGE_PLACEHOLDER, read.images), (VIDEO_PLACEHOLDER, read.videos), (AUDIO_PLACEHOLDER, read.audios))
     for placeholder, entries in media:
-        _check_placeholders(system, messages, offset, placeholder, len(entries), where, read)
+        _check_placeholders(system, messages, numbers, placeholder, len(entries), where, read)
     reference = _reference(row[column], column, where) if prompts and column else messages[-1][1]
     return Conversation(where, system or None, messages, read.images, read.videos, read.layout, reference, read.audios,
                         read.tools, calls)  # fmt: skip
@@ -108,19 +109,19 @@ def visible(text: str) -> str:
     return "".join(c for c in text if unicodedata.category(c) != "Cf").strip()
 
 
-def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location, prompt_only: bool = False,
+def _check_turns(turns: list[tuple[str, str]], numbers: list[int], where: Location, prompt_only: bool = False,
                  calls: dict[int, list[dict]] | None = None) -> None:  # fmt: skip
     """Alternating turns, user first, ending with a non-empty reply (``prompt_only``: ending with the user's turn);
     a reply that calls tools may be empty, and a run of ``tool`` responses takes the user's place in the
-    alternation (their order: :func:`qwenkit.data.tool_turns.check_order`)."""
+    alternation (their order: :func:`qwenkit.data.tool_turns.check_order`). ``numbers``: each turn's message number."""
     calls = calls or {}
     if turns and turns[-1][0] == "tool":
-        raise BadSample(where, "turn_order", f"the last message ({len(turns) - 1 + offset}) is a tool response; a "
+        raise BadSample(where, "turn_order", f"the last message ({numbers[-1]}) is a tool response; a "
                         "conversation must end with an assistant reply")  # fmt: skip
     kept = [k for k, (role, _) in enumerate(turns) if not (role == "tool" and k and turns[k - 1][0] == "tool")]
     roles = ["user" if turns[k][0] == "tool" else turns[k][0] for k in kept]
     if "system" in roles:
-        i = kept[roles.index("system")] + offset
+        i = numbers[kept[roles.index("system")]]
         raise BadSample(
             where, "turn_order", f"message {i} is a system message; only the first message may be one"
         )
@@ -132,26 +133,26 @@ def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location, pro
             raise BadSample(
                 where,
                 "turn_order",
-                f"message {kept[i] + offset} is from {turns[kept[i]][0]}, expected {expected} (turns must alternate, user first)",
+                f"message {numbers[kept[i]]} is from {turns[kept[i]][0]}, expected {expected} (turns must alternate, user first)",
             )
     if roles[-1] != "assistant" and not prompt_only:
         raise BadSample(
             where,
             "turn_order",
-            f"the last message ({len(turns) - 1 + offset}) is from user; a conversation must end with an assistant reply",
+            f"the last message ({numbers[-1]}) is from user; a conversation must end with an assistant reply",
         )
     for i, (role, text) in enumerate(turns):
         if role == "assistant" and not visible(text) and i not in calls:
             detail = "an empty assistant reply" if not text.strip() else (
                 f"an assistant reply made only of invisible characters {text!r}"
             )
-            raise BadSample(where, "empty_reply", f"message {i + offset} is {detail}")
+            raise BadSample(where, "empty_reply", f"message {numbers[i]} is {detail}")
 
 
 def _check_placeholders(
     system: str | None,
     turns: list[tuple[str, str]],
-    offset: int,
+    numbers: list[int],
     placeholder: str,
     n_media: int,
     where: Location,
@@ -159,7 +160,7 @@ def _check_placeholders(
 ) -> None:
     kind = placeholder.strip("<>")
     texts = ([("system", system, 0)] if system else []) + [
-        (role, text, i + offset) for i, (role, text) in enumerate(turns)
+        (role, text, numbers[i]) for i, (role, text) in enumerate(turns)
     ]
     found = 0
     for role, text, i in texts:

@@ -37,6 +37,7 @@ class Read:
     audios: list[Any] = field(default_factory=list)  # LLaMA-Factory's / ms-swift's 'audios', in <audio> order
     tools: list[dict] = field(default_factory=list)  # the row's tool schemas (qwenkit.data.tool_turns.schemas)
     calls: dict[int, list[dict]] = field(default_factory=dict)  # messages index -> that reply's tool calls
+    numbers: list[int] | None = None  # each of messages' number in the row (None: its index; ms-swift's calls join)
 
 
 def bad(where: Location, detail: str, reason: str = "bad_format") -> BadSample:
@@ -88,39 +89,41 @@ def _entries(row: dict, key: str, where: Location) -> list[Any]:
 # Readers
 
 
-def _chat(row: dict, where: Location, key: str, role_key: str, text_key: str,
-          calls: dict[int, list[dict]] | None = None) -> list[tuple[str, str]]:  # fmt: skip
-    """The string-content turns of ``row[key]``; ``calls``: where the replies' tool calls go (the tool layouts,
-    :mod:`qwenkit.data.tool_turns`)."""
+def _chat(row: dict, where: Location, key: str, role_key: str, text_key: str, calls: dict[int, list[dict]] | None = None,
+          numbers: list[int] | None = None) -> list[tuple[str, str]]:  # fmt: skip
+    """The string-content turns of ``row[key]``; ``calls`` and ``numbers``: where the replies' tool calls and each
+    turn's message number go (the tool layouts, :mod:`qwenkit.data.tool_turns`)."""
     out: list[tuple[str, str]] = []
-    calls = {} if calls is None else calls
+    calls, numbers = {} if calls is None else calls, [] if numbers is None else numbers
     for i, m in enumerate(_list(row, key, where)):
         if not isinstance(m, dict):
             raise bad(where, f"message {i} must be an object, got {type(m).__name__}")
         role = _role(m.get(role_key, m.get("role")), i, where)
         content = m.get(text_key, m.get("content"))
         if role in tool_turns.CALL_ROLES:
-            tool_turns.add_message(out, calls, i, role, "", {"content": content}, where)
+            tool_turns.add_message(out, calls, numbers, i, role, "", {"content": content}, where)
             continue
         if isinstance(content, list):
             raise bad(where, f"message {i} content is a list of typed parts: that is layout 'typed', not {key!r} strings")
         text = _string(content, f"message {i} content", where, none_as_empty=role == "assistant")
-        tool_turns.add_message(out, calls, i, role, text, m, where)
+        tool_turns.add_message(out, calls, numbers, i, role, text, m, where)
     return out
 
 
 def read_messages(row: dict, where: Location) -> Read:
     calls: dict[int, list[dict]] = {}
-    return Read("messages", row.get("system"), _chat(row, where, "messages", "role", "content", calls),
+    numbers: list[int] = []
+    return Read("messages", row.get("system"), _chat(row, where, "messages", "role", "content", calls, numbers),
                 _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where),
-                tools=tool_turns.schemas(row, where), calls=calls)  # fmt: skip
+                tools=tool_turns.schemas(row, where), calls=calls, numbers=numbers)  # fmt: skip
 
 
 def read_sharegpt(row: dict, where: Location) -> Read:
     calls: dict[int, list[dict]] = {}
-    return Read("sharegpt", row.get("system"), _chat(row, where, "conversations", "from", "value", calls),
+    numbers: list[int] = []
+    return Read("sharegpt", row.get("system"), _chat(row, where, "conversations", "from", "value", calls, numbers),
                 _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where),
-                tools=tool_turns.schemas(row, where), calls=calls)  # fmt: skip
+                tools=tool_turns.schemas(row, where), calls=calls, numbers=numbers)  # fmt: skip
 
 
 def _sharegpt_turns(row: dict, where: Location) -> list[tuple[str, str]]:
@@ -184,6 +187,7 @@ def read_typed(row: dict, where: Location) -> Read:
     media: dict[str, list] = {"image": [], "video": []}
     turns: list[tuple[str, str]] = []
     calls: dict[int, list[dict]] = {}
+    numbers: list[int] = []
     for i, m in enumerate(_list(row, "messages", where)):
         if not isinstance(m, dict):
             raise bad(where, f"message {i} must be an object, got {type(m).__name__}")
@@ -197,10 +201,10 @@ def read_typed(row: dict, where: Location) -> Read:
             )
         content = m.get("content")
         if role in tool_turns.CALL_ROLES:
-            tool_turns.add_message(turns, calls, i, role, "", m, where)
+            tool_turns.add_message(turns, calls, numbers, i, role, "", m, where)
             continue
         if isinstance(content, str) or (content is None and role == "assistant"):
-            tool_turns.add_message(turns, calls, i, role, content or "", m, where)
+            tool_turns.add_message(turns, calls, numbers, i, role, content or "", m, where)
             continue
         if not isinstance(content, list):
             raise bad(where, f"message {i} content must be a string or a list of parts, got {type(content).__name__}")
@@ -222,7 +226,7 @@ def read_typed(row: dict, where: Location) -> Read:
                 source = column[kind].pop(0)
             media[kind].append(source)
             pieces.append(IMAGE_PLACEHOLDER if kind == "image" else VIDEO_PLACEHOLDER)
-        tool_turns.add_message(turns, calls, i, role, "".join(pieces), m, where)
+        tool_turns.add_message(turns, calls, numbers, i, role, "".join(pieces), m, where)
     for kind, left in column.items():
         if left:
             raise BadSample(
@@ -232,7 +236,7 @@ def read_typed(row: dict, where: Location) -> Read:
                 f"{sourceless[kind] + len(left)} entries in '{kind}s' (layout typed)",
             )
     return Read("typed", row.get("system"), turns, media["image"], media["video"], "image/video parts",
-                tools=tool_turns.schemas(row, where), calls=calls)  # fmt: skip
+                tools=tool_turns.schemas(row, where), calls=calls, numbers=numbers)  # fmt: skip
 
 
 def _pairs(pairs: Any, what: str, where: Location) -> list[tuple[str, str]]:

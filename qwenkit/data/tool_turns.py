@@ -98,17 +98,20 @@ def calls_of_message(content: Any, i: int, role: str, where: Location) -> list[d
             for k, c in enumerate(listed)]  # fmt: skip
 
 
-def add_message(turns: list[tuple[str, str]], calls: dict[int, list[dict]], i: int, role: str, text: str,
-                message: dict, where: Location) -> None:  # fmt: skip
-    """Append message ``i`` (``role`` already read: user/assistant/system/tool, or a call role) to ``turns``; an
-    assistant's ``tool_calls`` and a call message's calls go to ``calls`` under their reply's turn."""
+def add_message(turns: list[tuple[str, str]], calls: dict[int, list[dict]], numbers: list[int], i: int, role: str,
+                text: str, message: dict, where: Location) -> None:  # fmt: skip
+    """Append message ``i`` (``role`` already read: user/assistant/system/tool, or a call role) to ``turns`` and its
+    number to ``numbers``; an assistant's ``tool_calls`` and a call message's calls go to ``calls`` under their
+    reply's turn (a call message after an assistant message joins it: no turn of its own)."""
     if role in CALL_ROLES:
         made = calls_of_message(message.get("content", message.get("value")), i, role, where)
         if not turns or turns[-1][0] != "assistant":
             turns.append(("assistant", ""))
+            numbers.append(i)
         calls.setdefault(len(turns) - 1, []).extend(made)
         return
     turns.append((role, text))
+    numbers.append(i)
     listed = message.get("tool_calls")
     if role == "assistant" and listed:
         if not isinstance(listed, list):
@@ -118,20 +121,20 @@ def add_message(turns: list[tuple[str, str]], calls: dict[int, list[dict]], i: i
         raise _bad(where, f"message {i} ({role}) has 'tool_calls'; only an assistant message calls tools")
 
 
-def check_order(turns: list[tuple[str, str]], calls: dict[int, list[dict]], tools: list[dict], offset: int,
+def check_order(turns: list[tuple[str, str]], calls: dict[int, list[dict]], tools: list[dict], numbers: list[int],
                 where: Location) -> None:  # fmt: skip
     """Responses follow a reply that calls (or another response) and are followed by a reply; a call names a tool
-    the row defines (when it defines any)."""
+    the row defines (when it defines any). ``numbers``: each turn's message number in the row."""
     defined = names(tools)
     for k, (role, _) in enumerate(turns):
         if role == "tool":
             before = turns[k - 1][0] if k else None
             if before != "tool" and not (before == "assistant" and k - 1 in calls):
-                raise _bad(where, f"message {k + offset} is a tool response with no tool call before it")
+                raise _bad(where, f"message {numbers[k]} is a tool response with no tool call before it")
             if k + 1 < len(turns) and turns[k + 1][0] not in ("tool", "assistant"):
-                raise BadSample(where, "turn_order", f"message {k + 1 + offset} is from {turns[k + 1][0]}, expected "
+                raise BadSample(where, "turn_order", f"message {numbers[k + 1]} is from {turns[k + 1][0]}, expected "
                                 "assistant after the tool responses")  # fmt: skip
         for c in calls.get(k, ()):
             if defined and c["name"] not in defined:
-                raise _bad(where, f"message {k + offset} calls {c['name']!r}, which the row's 'tools' does not define "
+                raise _bad(where, f"message {numbers[k]} calls {c['name']!r}, which the row's 'tools' does not define "
                            f"(it defines {', '.join(defined)})")  # fmt: skip
