@@ -100,3 +100,19 @@ def test_template_is_qwen3_5s_with_its_thinking_block():
     tok = tiny_processor("qwen4_exp").tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], tokenize=False)
     assert "<think>\n\n</think>\n\nHello.<|im_end|>" in text
+
+
+@NEEDS_QWEN4
+def test_a_transformers_before_5_23_is_refused_naming_5_23(tmp_path, monkeypatch, capsys):
+    """5.22 (faked: its version, the module left in place) has no qwen4_exp: the one line names the family's real
+    minimum, not "5.x" (the refusal over every family, a missing module, is test_registry's)."""
+    import importlib.metadata
+
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: "5.22.0" if p == "transformers" else version(p))
+    out = tmp_path / "run"
+    assert cli.main(["train", "model.name=qwen4_exp", f"train.output_dir={out}"]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "qwen4_exp" in line]
+    assert "model.name=qwen4_exp needs transformers >= 5.23 (transformers.models.qwen4_exp)" in line, line
+    assert "transformers 5.22.0 is installed" in line and not out.exists()
