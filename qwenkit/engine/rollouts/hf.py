@@ -12,7 +12,8 @@ One engine behind the interface of :mod:`qwenkit.engine.rollouts.completion` (:c
 - **in lockstep** (``lockstep``): the sharded model itself, every rank stepping together (HF's
   ``synced_gpus``, :func:`qwenkit.engine.generation.placement.lockstep`), every forward all-gathering
   every unit: for a policy whose whole weights do not fit a rank beside its training state, and
-  under expert parallelism (the experts' all-to-all makes every forward collective anyway);
+  under expert parallelism (the experts' all-to-all makes every forward collective anyway) and for a model
+  with column-sharded tables (Qwen4-Exp's n-gram tables: each lookup an exchange, :mod:`qwenkit.distributed.columns`);
 - ``auto``: ``gather`` when the whole weights, one call's KV cache and a margin fit every rank,
   else ``lockstep``: evaluation's rule (:func:`qwenkit.engine.generation.placement.choose_generation`).
 
@@ -53,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from qwenkit.distributed import columns
 from qwenkit.distributed.unshard import unsharded
 from qwenkit.engine.generation.generate import (
     Sampling,
@@ -123,7 +125,8 @@ class HfRollouts:
         size = self.batch_size or max(len(rows), 1)
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
         longest = max((p["input_ids"].shape[1] for p in prompts), default=1)
-        self.chosen = choose_generation(self.where, model, Sampling(most, size), longest, device,
+        where = "lockstep" if columns.sharded(model) else self.where  # its lookups are collectives
+        self.chosen = choose_generation(where, model, Sampling(most, size), longest, device,
                                         self.dtype)  # fmt: skip
         gathered = self.chosen[0] == "gather"
         if not gathered and dist.is_initialized() and dist.get_world_size() > 1:

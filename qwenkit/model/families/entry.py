@@ -258,6 +258,9 @@ class Family:
     checkpoint_transposed: tuple[str, ...] = ()
     # why vLLM (grpo.rollout_engine, train.eval_engine, qwenkit eval --engine) cannot run the family; "" = it can
     vllm_refusal: str = ""
+    # embedding tables sharded on their columns over every rank, outside FSDP, never gathered whole: looked up by
+    # an exchange of rows (qwenkit.distributed.columns; Qwen4-Exp's n-gram tables, ~76 GiB each in the real checkpoint)
+    column_sharded: tuple[str, ...] = ()
 
     def holds(self, model_type: str | None) -> bool:
         """Whether a checkpoint of ``model_type`` holds this family's model: its own, or its whole's."""

@@ -202,6 +202,7 @@ FAMILIES: dict[str, Family] = {
             mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
+            column_sharded=(_PLE_TABLES + ".ngram_embedding",),
             min_transformers="5.23",  # transformers PR #48337 added qwen4_exp
             never_trained=(_INDEXER,),
             vllm_refusal=_VLLM_QWEN4_EXP,
