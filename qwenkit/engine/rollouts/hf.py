@@ -125,9 +125,10 @@ class HfRollouts:
         size = self.batch_size or max(len(rows), 1)
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
         longest = max((p["input_ids"].shape[1] for p in prompts), default=1)
-        where = "lockstep" if columns.sharded(model) else self.where  # its lookups are collectives
-        self.chosen = choose_generation(where, model, Sampling(most, size), longest, device,
-                                        self.dtype)  # fmt: skip
+        if columns.sharded(model):  # the tables' lookups are collectives, whole weights or not
+            self.chosen = ("lockstep", "the model's column-sharded tables: every forward is a collective")
+        else:
+            self.chosen = choose_generation(self.where, model, Sampling(most, size), longest, device, self.dtype)
         gathered = self.chosen[0] == "gather"
         if not gathered and dist.is_initialized() and dist.get_world_size() > 1:
             calls = torch.tensor([len(batches)], device=device)

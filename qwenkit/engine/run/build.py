@@ -84,6 +84,10 @@ def sharded_model(
         experts = expert.apply(model, entry.experts, on.experts)
     compute = DTYPES[cfg.parallel.param_dtype] if cfg.parallel.param_dtype else None
     tables = columns.apply(model, entry.column_sharded, on.tables, compute)  # each rank its columns, for good
+    if tables and rt.rank == 0:
+        held, whole = sum(p.to_local().nbytes for p in tables), sum(p.numel() * p.element_size() for p in tables)
+        log.info("column-sharded tables: %d, %.1f MiB of their %.1f MiB on each rank (columns of every row)",
+                 len(tables), held / 2**20, whole / 2**20)  # fmt: skip
     recomputed = [] if frozen else fsdp.apply_recompute(model, cfg.parallel.recompute)
     plan = fsdp.shard(model, cfg.parallel, on.fsdp, experts, ignored=tables)
     plan.recompute = recomputed
