@@ -184,3 +184,19 @@ def test_each_objective_trains_through_qwenkit_train_with_the_tables_sharded(obj
         torch.testing.assert_close(torch.cat([parts[k] for k in keys]), trained[name], rtol=0, atol=0)
         torch.testing.assert_close(table.detach(), trained[name], rtol=0, atol=0)
         assert not torch.equal(torch.cat([start[k] for k in keys]), trained[name])  # trained: the rows looked up moved
+
+
+@NEEDS_QWEN4
+def test_the_memory_table_in_performance_md_is_the_scripts_output(capsys):
+    """docs/PERFORMANCE.md's Qwen4-Exp table is what benchmarks/qwen4_exp_memory.py prints (not typed by hand)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import qwen4_exp_memory
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    qwen4_exp_memory.main([])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    doc = (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    section = doc[doc.index("## Qwen4-Exp on 8, 16 and 32 GPUs") :]
+    documented = [line for line in section[: section.index("\n## ", 3)].splitlines() if line.startswith("| ")]
+    assert len(printed) == 4 and documented == printed
