@@ -7,7 +7,8 @@ and all-gathers it whole before every forward: that is the whole table on every 
 never happen. So a family's entry names such tables (``Family.column_sharded``) and they are kept out of
 FSDP (``fully_shard(ignored_params=...)``, :func:`qwenkit.distributed.fsdp.shard`), each its own DTensor
 ``Shard(1)`` on a 1-D mesh of all ranks: rank ``r`` holds columns ``[r d/W, (r+1) d/W)`` of every row,
-``1/W`` of the table, for good (weights, gradient and AdamW state alike). Dim 1 because the checkpoint
+``1/W`` of the table, for good: weights, gradient and AdamW state alike (where ``W`` does not divide ``d``,
+``torch.chunk``'s split: ``ceil(d/W)`` columns, fewer or none on the last ranks). Dim 1 because the checkpoint
 splits the table on dim 0 (``split_ngram_parts`` parts, ``<table>.shard_<i>.weight``: transformers'
 ``Concatenate(dim=0)``): each rank reads its columns of every part (:func:`read_parts`) and no rank reads
 another's, as transformers' own TP plan for the table (``embedding_colwise``) does.
@@ -17,7 +18,8 @@ The lookup (:func:`lookup`) is exact, the same rows as ``F.embedding`` on the wh
 1. every rank's ids are all-gathered (``N_r`` ids on rank ``r``; a few int64 per token);
 2. each rank looks all of them up in its columns: ``[sum_r N_r, d/W]``;
 3. one ``all_to_all_single`` sends rank ``r`` its own ids' rows: it receives ``W`` blocks ``[N_r, d/W]``,
-   one per column shard, and lays them side by side: ``[N_r, d]``.
+   one per column shard, and lays them side by side: ``[N_r, d]`` (blocks of uneven shards padded to one width
+   for the exchange, the padding dropped).
 
 Backward runs the same way reversed (the all-to-all's transpose), and the embedding's backward adds every
 rank's gradient rows into this rank's columns: the sum over the ranks' tokens, divided by ``W`` to be the
@@ -61,18 +63,21 @@ def apply(model: nn.Module, patterns: tuple[str, ...], mesh: DeviceMesh, dtype: 
     return params
 
 
+def widths(columns: int, world: int) -> list[int]:
+    """Each rank's number of columns: ``torch.chunk``'s split, as DTensor's ``Shard(1)`` cuts (``ceil(d / W)`` each,
+    the last ranks fewer or none where ``W`` does not divide ``d``)."""
+    width = -(-columns // world)
+    return [max(0, min(width, columns - r * width)) for r in range(world)]
+
+
 @torch.no_grad()
 def shard_columns(module: nn.Embedding, mesh: DeviceMesh) -> None:
     """Keep this rank's columns of the table as a ``Shard(1)`` DTensor of the global shape (the HF key and
     shape stay: DCP checkpoints do not depend on the world size). On meta the slice is meta too (the weights
     are read later: :func:`read_parts`); otherwise it is copied and the whole table freed."""
     weight, world, rank = module.weight, mesh.size(), mesh.get_local_rank()
-    columns = weight.shape[1]
-    if columns % world:
-        raise ValueError(f"{columns} columns of the table {tuple(weight.shape)} do not split over {world} ranks: "
-                         "use a world size that divides them")  # fmt: skip
-    width = columns // world
-    piece = weight[:, rank * width : (rank + 1) * width].clone()  # [V, d/W]
+    start = sum(widths(weight.shape[1], world)[:rank])
+    piece = weight[:, start : start + widths(weight.shape[1], world)[rank]].clone()  # [V, d_r]
     if not piece.is_meta:
         piece = piece.to(mesh.device_type)
     dt = DTensor.from_local(piece, mesh, [Shard(1)], run_check=False, shape=weight.shape, stride=weight.stride())
@@ -110,11 +115,13 @@ def lookup(weight: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
     gathered = flat.new_empty(world * most)
     dist.all_gather_into_tensor(gathered, F.pad(flat, (0, most - mine)), group=group)
     all_ids = torch.cat([gathered[r * most : r * most + n] for r, n in enumerate(sizes)])  # [sum_r N_r]
-    rows = F.embedding(all_ids, local)  # [sum_r N_r, d/W]: my columns of every rank's rows
+    rows = F.embedding(all_ids, local)  # [sum_r N_r, d_me]: my columns of every rank's rows
     if rows.requires_grad and world > 1:
         rows.register_hook(lambda grad: grad / world)  # the sum over the ranks' tokens -> FSDP2's average
-    got = AllToAll.apply(rows, [mine] * world, sizes, group)  # [W N, d/W]: each column shard of my rows
-    return got.view(world, mine, -1).permute(1, 0, 2).reshape(*ids.shape, -1)  # [*ids, d]
+    split = widths(weight.shape[1], world)  # d_r of each rank: equal unless W does not divide d
+    rows = F.pad(rows, (0, split[0] - rows.shape[1]))  # [sum_r N_r, ceil(d/W)]: one width for the exchange
+    got = AllToAll.apply(rows, [mine] * world, sizes, group).view(world, mine, -1)  # [W, N, ceil(d/W)]
+    return torch.cat([got[r, :, :w] for r, w in enumerate(split)], dim=-1).view(*ids.shape, -1)  # [*ids, d]
 
 
 # ---------------------------------------------------------------------------------------------
