@@ -25,8 +25,8 @@ Backward runs the same way reversed (the all-to-all's transpose), and the embedd
 rank's gradient rows into this rank's columns: the sum over the ranks' tokens, divided by ``W`` to be the
 average FSDP2 takes of every other gradient (the trainer's backward runs on ``loss * world_size``). Every
 rank takes part in every lookup, forward and backward, as in every FSDP2 unit's all-gather: HF rollouts
-then run in lockstep (:class:`qwenkit.engine.rollouts.hf.HfRollouts`' ``collective``), as under expert
-parallelism. Memory of one lookup: the gathered ids and ``sum_r N_r x d/W`` rows, a small multiple of a
+step together (:class:`qwenkit.engine.rollouts.hf.HfRollouts`: HF's ``synced_gpus``, the FSDP2 units gathered
+once or not). Memory of one lookup: the gathered ids and ``sum_r N_r x d/W`` rows, a small multiple of a
 rank's own ``N_r x d``.
 """
 

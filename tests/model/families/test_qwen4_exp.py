@@ -160,7 +160,7 @@ def test_each_objective_trains_through_qwenkit_train_with_the_tables_sharded(obj
         assert all(math.isfinite(v) for v in by_rank[0].values()), by_rank
     assert all(v > 0 for v in metrics.series(rows, "grad_norm").values())
     if objective == "grpo":
-        assert "grpo rollouts: lockstep (the model's column-sharded tables" in log
+        assert "in step: the column-sharded tables stay split, each lookup a collective" in log
     if objective != "sft":
         return
     hf = tmp_path / "hf"
