@@ -17,6 +17,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +181,12 @@ class Whole:
         return _imported(getattr(self, what))
 
 
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: ``"5.23.0.dev0"`` -> ``(5, 23)``, ``"5"`` -> ``(5, 0)``."""
+    parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
+    return (parts + [0])[0], (parts + [0, 0])[1]
+
+
 def _imported(path: str):
     """What an import path ``module:attr`` names."""
     module, _, attr = path.partition(":")
@@ -232,10 +239,11 @@ class Family:
     mtp_layers: int = 0
     # the audio placeholder tokens (start, pad, end) of a family that hears (Omni); () = no audio tower
     audio_tokens: tuple[str, ...] = ()
-    # the transformers submodule that holds the family (default: model_type) and the oldest major version
-    # whose module tree the subclass fits (4.57's Omni thinker has no multimodal backbone under ``model``)
+    # the transformers submodule that holds the family (default: model_type) and the oldest release, "major.minor",
+    # that has it with the module tree the subclass fits (4.57's Omni thinker has no multimodal backbone under
+    # ``model``; qwen4_exp came in 5.23); "": any release that has the submodule
     hf_module: str = ""
-    min_transformers: int = 4
+    min_transformers: str = ""
     # features (keys of NOT_EXACT) this family's chunk loss and data path are not yet tested against:
     # refused before start, one line each, until they are made exact
     not_exact: tuple[str, ...] = ()
@@ -250,6 +258,9 @@ class Family:
     checkpoint_transposed: tuple[str, ...] = ()
     # why vLLM (grpo.rollout_engine, train.eval_engine, qwenkit eval --engine) cannot run the family; "" = it can
     vllm_refusal: str = ""
+    # embedding tables sharded on their columns over every rank, outside FSDP, never gathered whole: looked up by
+    # an exchange of rows (qwenkit.distributed.columns; Qwen4-Exp's n-gram tables, ~76 GiB each in the real checkpoint)
+    column_sharded: tuple[str, ...] = ()
 
     def holds(self, model_type: str | None) -> bool:
         """Whether a checkpoint of ``model_type`` holds this family's model: its own, or its whole's."""
@@ -267,13 +278,14 @@ class Family:
         return _imported(getattr(self, what))
 
     def unavailable(self) -> str | None:
-        """Why this transformers install cannot build the family (4.57 has no Qwen3.5), or None."""
+        """Why this transformers install cannot build the family (4.57 has no Qwen3.5, 5.22 no Qwen4-Exp), or None."""
         module = f"transformers.models.{self.hf_module or self.model_type}"
         version = importlib.metadata.version("transformers")
-        if importlib.util.find_spec(module) is not None and int(version.split(".")[0]) >= self.min_transformers:
+        floor = self.min_transformers
+        if importlib.util.find_spec(module) is not None and (not floor or _release(version) >= _release(floor)):
             return None
-        return (f"model.name={self.name} needs transformers 5.x ({module}); transformers "
-                f"{version} is installed and has no such model, or another module tree")  # fmt: skip
+        return (f"model.name={self.name} needs transformers {f'>= {floor}' if floor else '5.x'} ({module}); "
+                f"transformers {version} is installed and has no such model, or another module tree")  # fmt: skip
 
     def part_of(self, name: str) -> str | None:
         """The part (of :func:`qwenkit.model.families.build.parameter_counts`) a parameter or module path belongs to, or None."""

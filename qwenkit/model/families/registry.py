@@ -84,7 +84,7 @@ _OMNI_AUDIO = ("audio tower", ("model.audio_tower",))
 _OMNI = dict(
     lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
     recompute_units=_LAYERS,
-    min_transformers=5,
+    min_transformers="5.0",
     not_exact=("packing", "sequence parallelism"),
     vllm_refusal=_VLLM_OMNI,
 )
@@ -202,7 +202,8 @@ FAMILIES: dict[str, Family] = {
             mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
-            min_transformers=5,
+            column_sharded=(_PLE_TABLES + ".ngram_embedding",),
+            min_transformers="5.23",  # transformers PR #48337 added qwen4_exp
             never_trained=(_INDEXER,),
             vllm_refusal=_VLLM_QWEN4_EXP,
         ),
