@@ -54,7 +54,7 @@ from qwenkit.engine.generation.push_tensors import hf_tensors
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.errors import KnownCause
 from qwenkit.model.families import registry as families
-from qwenkit.model.families.entry import vllm_cpu_problem
+from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.processor import pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops
 
@@ -285,7 +285,7 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
     family = processor.family
     if why := family.vllm_refusal:  # the launcher refused it already (Family.problems); qwenkit eval asks here
         raise ValueError(f"vLLM cannot run {family.name}: {why}; use the hf engine")
-    if not torch.cuda.is_available() and (why := vllm_cpu_problem(family, model_dir, "the vllm engine", cfg.model.dtype)):
+    if why := vllm_problem(family, model_dir, "the vllm engine", cfg.model.dtype, "cuda" if torch.cuda.is_available() else "cpu"):
         raise ValueError(why)  # the launcher and qwenkit eval refused it already, before any process started
     lo, hi = pixel_bounds(processor.image_processor)
     v = cfg.vllm
