@@ -3,7 +3,8 @@ of the training model under its HF name, gathered whole, its LoRA adapter merged
 
 - **Gathered one at a time** (``full_tensor()``, collective for a sharded model: every rank iterates alike): an
   FSDP2 shard, and under expert parallelism an expert weight on the ``(efsdp, ep)`` mesh
-  (:mod:`qwenkit.distributed.expert`), come out whole; only the tensors of one LoRA layer are held at once.
+  (:mod:`qwenkit.distributed.expert`), come out whole; a LoRA layer's base weight is held only until its
+  adapter's two factors have come (an adapted experts module's two fused weights come before their factors).
 - **LoRA merged** as peft merges it, the adapters staying unmerged in the trained model: a linear's
   ``W + scaling * B @ A`` (peft's ``Linear.get_delta_weight``); with ``lora.target_experts`` a fused expert
   weight ``[E, out, in]`` (peft's ``ParamWrapper``: one rank-``r`` pair per expert, stacked in ``lora_A``
