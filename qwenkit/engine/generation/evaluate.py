@@ -56,7 +56,7 @@ from qwenkit.engine.generation import generate as qgen
 from qwenkit.errors import COMMAND_ENV
 from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
-from qwenkit.model.families.entry import vllm_cpu_problem
+from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.families.spec import ModelSpec, of_export, of_run
 from qwenkit.model.losses.cross_entropy import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
@@ -349,8 +349,8 @@ def eval_main(request: EvalRequest) -> int:
     if "RANK" not in os.environ:  # what every rank would find first, said once
         source = eval_source(request.target, request.config)
         asked = "--engine vllm" if request.engine else "train.eval_engine=vllm"
-        if (request.engine or source.cfg.train.eval_engine) == "vllm" and resolve_device(source.cfg.parallel.device) == "cpu":
-            if why := vllm_cpu_problem(source.spec.family, source.spec.path, asked, source.cfg.model.dtype):  # else inside vLLM, after the start
+        if (request.engine or source.cfg.train.eval_engine) == "vllm":  # else inside vLLM, after the start
+            if why := vllm_problem(source.spec.family, source.spec.path, asked, source.cfg.model.dtype, resolve_device(source.cfg.parallel.device)):
                 raise ValueError(why)
         if request.nproc > 1:
             return _spawn_ranks(request)

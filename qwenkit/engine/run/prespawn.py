@@ -32,7 +32,7 @@ from qwenkit.engine.run import optim
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
-from qwenkit.model.families.entry import vllm_cpu_problem
+from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.paths import load_processor, resolve_path
 
 
@@ -76,17 +76,18 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
 
 
 def vllm_device_problems(cfg, path) -> list[str]:
-    """What vLLM cannot run of the checkpoint at ``path`` on this run's device, where a key asks for vLLM
-    (its CPU backend: a few head dims); inside the engine it would fail only after the ranks started."""
+    """What vLLM cannot run of the checkpoint at ``path`` (its experts' layout) or on this run's device (its CPU
+    backend: a few head dims), where a key asks for vLLM; inside the engine it would fail only after the ranks
+    started (:func:`qwenkit.model.families.entry.vllm_problem`)."""
     keys = [f"{k}=vllm" for k, v in (("grpo.rollout_engine", cfg.grpo.rollout_engine),
                                       ("train.eval_engine", cfg.train.eval_engine)) if v == "vllm"]  # fmt: skip
-    if not keys or resolve_device(cfg.parallel.device) != "cpu":
+    if not keys:
         return []
     try:
         family = families.resolve(cfg.model.name, path)
     except ValueError:  # a checkpoint of no family, or of another: families.problems' to refuse
         return []
-    why = vllm_cpu_problem(family, path, " and ".join(keys), cfg.model.dtype)
+    why = vllm_problem(family, path, " and ".join(keys), cfg.model.dtype, resolve_device(cfg.parallel.device))
     return [why] if why else []
 
 

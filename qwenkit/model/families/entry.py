@@ -24,7 +24,8 @@ from pathlib import Path
 from qwenkit.model.modules import prefix_match
 
 __all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "VLLM_CPU_LINEAR_HEAD_DIM", "Family", "Mixer", "Whole",
-           "aux_loss_sp_problem", "expert_parallel_problem", "vllm_cpu_problem"]
+           "aux_loss_sp_problem", "expert_parallel_problem", "vllm_cpu_problem", "vllm_layout_problem",
+           "vllm_problem"]
 
 
 # What an entry checks a config against (Family.problems): its layer kinds, the features it has not made
@@ -112,6 +113,44 @@ def vllm_cpu_problem(family: Family, path: str | Path, keys: str, dtype: str) ->
                 f"{VLLM_CPU_LINEAR_HEAD_DIM} only, and {path}/config.json has {linear[0]} and {linear[1]}; use the hf "
                 "engine, or a model of those head dims")  # fmt: skip
     return None
+
+
+def vllm_problem(family: Family, path: str | Path, keys: str, dtype: str, device: str) -> str | None:
+    """Why vLLM cannot run the checkpoint at ``path`` (:func:`vllm_layout_problem`), or not on ``device`` (``cpu``:
+    :func:`vllm_cpu_problem`) in ``dtype``, asked for by ``keys``; None: it can. Asked before any process starts."""
+    if why := vllm_layout_problem(family, path, keys):
+        return why
+    return vllm_cpu_problem(family, path, keys, dtype) if device == "cpu" else None
+
+
+def vllm_layout_problem(family: Family, path: str | Path, keys: str) -> str | None:
+    """Why vLLM cannot read the checkpoint at ``path``: fused experts in transformers 5.x's layout where vLLM reads
+    the family's published one (:attr:`Family.checkpoint_transposed`, Qwen3-VL-MoE: vLLM 0.32 transposes them on
+    load whatever they hold, and fails inside the engine after the ranks started, ``The size of tensor a (16) must
+    match the size of tensor b (64)``). A checkpoint transformers 5.x saved holds its own layout (the kit's export,
+    the tiny default). Read off the safetensors header; a square tensor cannot tell the layouts apart and passes."""
+    if not family.checkpoint_transposed:
+        return None
+    fused = family.checkpoint_transposed[0]  # gate_up_proj: [E, hidden, 2 inter] published, [E, 2 inter, hidden] 5.x
+    shape = next((v for k, v in _safetensors_shapes(Path(path)).items() if k.endswith(fused)), None)
+    text = text_config(family, path)
+    held = [2 * text.get("moe_intermediate_size", 0), text.get("hidden_size")]  # 5.x's [2 inter, hidden] per expert
+    if shape is None or shape[1:] != held or held[0] == held[1]:
+        return None
+    return (f"{keys}: vLLM reads {family.name}'s fused experts in Qwen's published layout ([E, hidden, 2·inter]), and "
+            f"{path} holds transformers 5.x's ({fused} {shape}: a checkpoint transformers 5.x saved); use the hf "
+            "engine, or the model in Qwen's layout (as published)")  # fmt: skip
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """``{tensor name: shape}`` of the ``*.safetensors`` files in ``path``, from their headers alone (an 8-byte
+    little-endian length, then the JSON header)."""
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        shapes |= {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    return shapes
 
 
 def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str | None:
