@@ -33,9 +33,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwenkit.engine.objectives.grpo import GrpoObjective, _all_reduce, enable
+from qwenkit.engine.objectives import grpo_metrics
+from qwenkit.engine.objectives.grpo import GrpoObjective, enable
+from qwenkit.engine.rollouts.completion import completion_mask
 from qwenkit.engine.run.build import teacher_model
-from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.model.losses.distill import reverse_kl_loss
 
 METRICS = ("reverse_kl", "entropy")  # per completion token, over every rank
@@ -62,7 +63,7 @@ class DistillObjective(GrpoObjective):
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         own = {k: v.to(self.rt.device) for k, v in self.queue.pop(0).items()}
         logps, entropies = self.logps(model, batch, entropy=True)
-        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
+        mask = completion_mask(batch)  # [B, S] the completion tokens
         loss, k = reverse_kl_loss(logps, own["ref_logps"], mask, self.totals.tokens, own.get("is_ratio"))
         m = mask.to(torch.float64)
         for name, values in (("reverse_kl", k), ("entropy", entropies)):
@@ -72,7 +73,7 @@ class DistillObjective(GrpoObjective):
 
     def metrics(self) -> dict[str, float]:
         """The rollout's completion, reward and sampling metrics (GRPO's names), the step's reverse KL and entropy."""
-        sums = _all_reduce(self.sums)
+        sums = grpo_metrics.all_reduce(self.sums)
         out = {k: v for k, v in self.rollout_metrics.items() if k != "frac_reward_zero_std"}  # no advantages here
         out |= {name: sums[f"{name}/sum"] / max(sums[f"{name}/count"], 1.0) for name in METRICS}
         out["rollout_time"] = self.rollout_time
