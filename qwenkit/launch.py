@@ -248,8 +248,9 @@ def launch(
     if stopped is not None:
         return record_refusal(cfg, f"qwenkit train: model.init_from={cfg.model.init_from!r}: the run to start from is not "
                        f"ready (exit {stopped}; the lines above say why)", stopped)  # fmt: skip
-    if (stopped := teacher.prepare(cfg)) is not None:  # distill.teacher: a run's checkpoint exported once
-        return record_refusal(cfg, f"qwenkit train: distill.teacher={cfg.distill.teacher!r} is no teacher", stopped)
+    if (said := teacher.prepare(cfg)) is not None:  # distill.teacher: a run's checkpoint exported once
+        print(said, file=sys.stderr)
+        return record_refusal(cfg, said)
     out = Path(cfg.train.output_dir)
     node = node_name(rdzv)
     lock = None

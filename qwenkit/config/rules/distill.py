@@ -1,4 +1,4 @@
-"""The rules of ``distill``: a teacher exactly when ``train.objective: distill``, and no key of GRPO's loss.
+"""The rules of ``distill``: a teacher exactly when ``train.objective: distill``, no key of GRPO's loss, no tools.
 
 Whether the teacher exists and shares the student's tokenizer is a file check, made before any process
 starts (:mod:`qwenkit.engine.checkpoints.teacher`), not here.
@@ -12,7 +12,8 @@ from qwenkit.config.schema import Config, Need
 
 
 def check(cfg: Config, need: Need) -> None:
-    """``distill.teacher`` set exactly for ``train.objective: distill``; GRPO's loss keys (:data:`GRPO_ONLY`) unset."""
+    """``distill.teacher`` set exactly for ``train.objective: distill``; GRPO's loss keys (:data:`GRPO_ONLY`) and
+    the agentic rollouts' (``grpo.tools``, ``grpo.environment``) unset."""
     teacher = cfg.distill.teacher
     if cfg.train.objective != "distill":
         need(teacher is None, f"distill.teacher={teacher!r} set but train.objective={cfg.train.objective!r}; "
@@ -25,3 +26,6 @@ def check(cfg: Config, need: Need) -> None:
     need(not changed, f"grpo.{', grpo.'.join(changed)} set but train.objective=distill reads only the grpo sampling "
          "and reward keys (its loss is the reverse KL to distill.teacher, no advantages); unset "
          f"{'it' if len(changed) == 1 else 'them'}")  # fmt: skip
+    agentic = [k for k in ("tools", "environment") if getattr(cfg.grpo, k)]
+    need(not agentic, f"grpo.{', grpo.'.join(agentic)} cannot go with train.objective=distill: the teacher scoring "
+         "multi-turn trajectories (their model tokens between the tools' replies) is not built; unset it")  # fmt: skip

@@ -6,16 +6,16 @@ Hugging Face checkpoint directory (``config.json`` there). Before any rank start
 :func:`qwenkit.engine.checkpoints.init_from.export_once`) and points ``distill.teacher`` there, so the
 run's ``config.yaml`` records the weights it distilled from and every rank builds the same directory.
 
-The check before spawn (:func:`problems`): the teacher is a checkpoint of a qwenkit family whose
+The check before spawn (:func:`problems`): the teacher is a checkpoint of the student's qwenkit family
+(it scores the student's batches, their images' and videos' inputs as the student's processor made them) whose
 tokenizer maps every token to the id the student's does (the teacher scores the student's token ids:
 another vocabulary would score other words) and whose head covers the student's ids. A missing
-teacher, or one of another tokenizer, is one line (exit 2).
+teacher, or one of another family or tokenizer, is one line (exit 2).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from qwenkit.engine.checkpoints import folder as checkpoint_dir
@@ -44,15 +44,14 @@ def problem(teacher: str) -> str | None:
     return None
 
 
-def prepare(cfg) -> int | None:
-    """Point ``distill.teacher`` at an HF directory (a checkpoint exported once); an exit status to stop with, or None."""
+def prepare(cfg) -> str | None:
+    """Point ``distill.teacher`` at an HF directory (a checkpoint exported once); the one line to refuse the run
+    with (no teacher there), or None."""
     teacher = cfg.distill.teacher
     if cfg.train.objective != "distill" or not teacher:
         return None
-    said = problem(teacher)
-    if said:
-        print(f"qwenkit train: {said}", file=sys.stderr)
-        return 2
+    if said := problem(teacher):
+        return f"qwenkit train: {said}"
     path = Path(teacher).expanduser()
     if not _hf_dir(path):
         cfg.distill.teacher = str(export_once(checkpoint_dir.resolve(path), KEY))
@@ -61,7 +60,7 @@ def prepare(cfg) -> int | None:
 
 def problems(cfg, student: Path) -> list[str]:
     """What keeps ``distill.teacher`` (an HF directory after :func:`prepare`) from scoring the tokens of the
-    student at ``student``: no teacher, a checkpoint of no family, another tokenizer, a smaller head."""
+    student at ``student``: no teacher, a checkpoint of no family or of another, another tokenizer, a smaller head."""
     if cfg.train.objective != "distill" or not cfg.distill.teacher:
         return []
     if said := problem(cfg.distill.teacher):
@@ -72,11 +71,17 @@ def problems(cfg, student: Path) -> list[str]:
     try:
         family = families.resolve("auto", path)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
-        return [f"{KEY}={cfg.distill.teacher!r}: {e}"]
+        return [f"{KEY}={cfg.distill.teacher!r}: {str(e).removeprefix('model.path=')}"]
+    try:
+        mine = families.resolve(cfg.model.name, student)
+    except (ValueError, KeyError, json.JSONDecodeError):  # the student's own problem: families.problems says it
+        return []
+    if family.name != mine.name:
+        return [f"{KEY}={cfg.distill.teacher!r} is a {family.name} checkpoint, the student ({str(student)!r}) a {mine.name}: "
+                "the teacher scores the student's batches, their media inputs too; give a teacher of the student's family"]  # fmt: skip
     from transformers import AutoTokenizer  # the tokenizers only, no weights
 
-    mine, theirs = (AutoTokenizer.from_pretrained(p, local_files_only=True) for p in (student, path))
-    a, b = mine.get_vocab(), theirs.get_vocab()
+    a, b = (AutoTokenizer.from_pretrained(p, local_files_only=True).get_vocab() for p in (student, path))
     if a != b:
         differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
         return [f"{KEY}={cfg.distill.teacher!r} has another tokenizer than the student's {str(student)!r} "
