@@ -8,11 +8,14 @@ Checked: the reward the run optimises rises; at every step the trainer's log-pro
 equal vLLM's to fp32 ulps (the push carried the weights, both ban the media tokens; the importance-sampling weights are 1), and TRL's
 ``sampling/*`` metrics are logged; the run's final eval replies (vLLM, after 6 pushes) equal the kit's
 HF replies from the exported final weights, and ``qwenkit eval --engine vllm`` gives the same replies.
+On-policy distillation (``train.objective: distill``) rolls out through the same engine: the student's trainer
+log-probs equal vLLM's at every step and the teacher's reverse KL is the loss.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -26,6 +29,7 @@ from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import completions  # noqa: E402
 from qwenkit.engine.run import train  # noqa: E402
+from qwenkit.model.tiny.checkpoint import ensure_checkpoint  # noqa: E402
 
 STEPS = 6
 RUN = ["train.objective=grpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", f"train.steps={STEPS}",
@@ -121,3 +125,32 @@ def test_final_eval_replies_equal_the_kits_hf_replies_and_qwenkit_eval_vllm(run,
     assert replies["vllm"] == replies["hf"] == [r["tokens"] for r in final]
     first = [json.loads(line) for line in (run / "run" / "eval" / "step-000000.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in first] != replies["hf"]  # training moved the replies: the pushes carried it
+
+
+def _noisy_teacher(out):
+    """The tiny default's checkpoint with noise on every weight: a teacher the student is not."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "teacher"
+    shutil.copytree(ensure_checkpoint(), path)
+    weights, g = load_file(path / "model.safetensors"), torch.Generator().manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
+               for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    return path
+
+
+def test_distillation_rolls_out_on_vllm_and_its_loss_is_the_reverse_kl(tmp_path):
+    """Three steps of ``train.objective: distill`` on vLLM rollouts, 1 process: at every step the trainer's
+    student log-probs equal vLLM's to fp32 ulps (the importance weights are 1, as GRPO's above), so the loss is
+    the reverse KL to the teacher, which is not 0 (another model) and moves the student."""
+    run = [*RUN[1:], "train.objective=distill", f"distill.teacher={_noisy_teacher(tmp_path)}", "train.steps=3",
+           "grpo.rewards=[exact]", "train.eval_engine=hf", "train.eval_samples=0", "data.tiny_eval_samples=0",
+           f"train.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    check_ranks(_worker, 1, tmp_path, run)
+    history = _history(tmp_path)
+    assert len(history) == 3
+    for step in history:
+        assert step["sampling/sampling_logp_difference/max"] < 1e-5, step
+        assert step["loss"] == pytest.approx(step["reverse_kl"], rel=1e-4) and step["reverse_kl"] > 0.01, step
+        assert step["grad_norm"] > 0 and "rewards/exact/mean" in step
