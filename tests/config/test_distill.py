@@ -7,6 +7,7 @@ from config.test_grpo import assert_refused
 from qwenkit import config
 from qwenkit.config.distill import GRPO_ONLY, SAMPLING
 from qwenkit.config.grpo import GrpoConfig
+from qwenkit.model.families.entry import NOT_EXACT
 
 DISTILL = ["train.objective=distill", "distill.teacher=/some/teacher"]
 
@@ -55,3 +56,11 @@ def test_every_grpo_key_is_read_or_refused_by_distillation():
     agentic = {"tools", "environment", "max_tool_calling_iterations", "tool_timeout_s", "max_trajectory_tokens"}
     assert set(GrpoConfig.__dataclass_fields__) == set(SAMPLING) | set(GRPO_ONLY) | agentic
     assert not set(SAMPLING) & set(GRPO_ONLY)
+
+
+def test_a_family_that_has_not_made_grpo_exact_cannot_distill_either():
+    """Distillation's rollouts and log-probs are GRPO's: a family entry's ``not_exact`` GRPO refuses it too, naming it."""
+    key, on = NOT_EXACT["GRPO"]
+    cfg = config.load(overrides=DISTILL)
+    assert on(cfg) and key(cfg) == "train.objective=distill"
+    assert not on(config.load())
