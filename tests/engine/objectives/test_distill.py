@@ -12,12 +12,16 @@ by hand, and the loss formula written out on them.
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import build_model
 from jobs import train as launch
+from multiproc import check_ranks
 
 from engine.objectives.test_packed_rl import _made_up
 from qwenkit import config as qconfig
@@ -31,6 +35,7 @@ from qwenkit.engine.rollouts.completion import completion_mask
 from qwenkit.engine.run import metrics, train
 from qwenkit.model.families import build as registry
 from qwenkit.model.paths import load_processor
+from qwenkit.model.tiny.checkpoint import ensure_checkpoint
 
 # fp32; the chunked head sums the softmax over V in another order than log_softmax of the full logits
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -146,6 +151,46 @@ def test_a_student_its_own_teacher_trains_with_zero_loss(tiny_path, tmp_path):
     for h in (first, second):
         assert h["reverse_kl"] == h["loss"] == h["grad_norm"] == 0 and h["entropy"] > 0
         assert h["completions/mean_length"] > 0 and "reward" in h and "kl" not in h
+
+
+def noisy_teacher(out: Path) -> Path:
+    """The tiny default's checkpoint with noise on every weight, in ``out/teacher``: a teacher the student is not."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "teacher"
+    shutil.copytree(ensure_checkpoint(), path)
+    weights, g = load_file(path / "model.safetensors"), torch.Generator().manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
+               for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    return path
+
+
+def _worker(rank, out, overrides):
+    dist.init_process_group("gloo")
+    trainer = train.Trainer(qconfig.load(overrides=overrides))
+    trainer.run()
+    if rank == 0:
+        (out / "history.json").write_text(json.dumps(trainer.history))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_teacher_sharded_equal_one_process(tmp_path):
+    """The same 2 prompts a step and seeds: on 2 ranks (1 prompt each, student and teacher sharded by FSDP2) the
+    two steps' reverse KL, loss, entropy and gradient norm are one process's, to fp32 rounding (gradients and
+    counts summed over the ranks in another order)."""
+    run = ["train.objective=distill", f"distill.teacher={noisy_teacher(tmp_path)}", "data.tiny_samples=8",
+           "data.tiny_eval_samples=0", "train.steps=2", "grpo.num_generations=3", "grpo.max_new_tokens=6",
+           "train.lr=0.01", "train.warmup_steps=0", "train.max_grad_norm=0", "checkpoint.save_final=false"]  # fmt: skip
+    for ranks in (1, 2):
+        (tmp_path / str(ranks)).mkdir()
+        check_ranks(_worker, ranks, tmp_path / str(ranks), [*run, f"train.micro_batch_size={2 // ranks}",
+                                                             f"train.output_dir={tmp_path / str(ranks) / 'run'}"])  # fmt: skip
+    one, two = (json.loads((tmp_path / str(r) / "history.json").read_text()) for r in (1, 2))
+    assert len(one) == len(two) == 2 and one[0]["reverse_kl"] > 0.01
+    for a, b in zip(two, one, strict=True):
+        for k in ("loss", "reverse_kl", "entropy", "grad_norm", "reward", "completions/mean_length"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
 
 
 # --- through qwenkit train -------------------------------------------------------------------

@@ -15,7 +15,6 @@ log-probs equal vLLM's at every step and the teacher's reverse KL is the loss.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -24,12 +23,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed: make test-vllm runs t
 import torch.distributed as dist  # noqa: E402
 from multiproc import check_ranks  # noqa: E402
 
+from engine.objectives.test_distill import noisy_teacher  # noqa: E402
 from qwenkit import cli  # noqa: E402
 from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import completions  # noqa: E402
 from qwenkit.engine.run import train  # noqa: E402
-from qwenkit.model.tiny.checkpoint import ensure_checkpoint  # noqa: E402
 
 STEPS = 6
 RUN = ["train.objective=grpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", f"train.steps={STEPS}",
@@ -127,24 +126,11 @@ def test_final_eval_replies_equal_the_kits_hf_replies_and_qwenkit_eval_vllm(run,
     assert [r["tokens"] for r in first] != replies["hf"]  # training moved the replies: the pushes carried it
 
 
-def _noisy_teacher(out):
-    """The tiny default's checkpoint with noise on every weight: a teacher the student is not."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = out / "teacher"
-    shutil.copytree(ensure_checkpoint(), path)
-    weights, g = load_file(path / "model.safetensors"), torch.Generator().manual_seed(0)
-    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
-               for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
-    return path
-
-
 def test_distillation_rolls_out_on_vllm_and_its_loss_is_the_reverse_kl(tmp_path):
     """Three steps of ``train.objective: distill`` on vLLM rollouts, 1 process: at every step the trainer's
     student log-probs equal vLLM's to fp32 ulps (the importance weights are 1, as GRPO's above), so the loss is
     the reverse KL to the teacher, which is not 0 (another model) and moves the student."""
-    run = [*RUN[1:], "train.objective=distill", f"distill.teacher={_noisy_teacher(tmp_path)}", "train.steps=3",
+    run = [*RUN[1:], "train.objective=distill", f"distill.teacher={noisy_teacher(tmp_path)}", "train.steps=3",
            "grpo.rewards=[exact]", "train.eval_engine=hf", "train.eval_samples=0", "data.tiny_eval_samples=0",
            f"train.output_dir={tmp_path / 'run'}"]  # fmt: skip
     check_ranks(_worker, 1, tmp_path, run)
