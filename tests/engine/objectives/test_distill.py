@@ -165,12 +165,16 @@ def noisy_teacher(out: Path) -> Path:
     return path
 
 
-def _worker(rank, out, overrides):
+def train_worker(rank, out, overrides, then=None):
+    """A rank of a gloo group training ``overrides``; rank 0 writes the history to ``out/history.json``, then
+    calls ``then(out)`` (before the group ends)."""
     dist.init_process_group("gloo")
     trainer = train.Trainer(qconfig.load(overrides=overrides))
     trainer.run()
     if rank == 0:
         (out / "history.json").write_text(json.dumps(trainer.history))
+        if then is not None:
+            then(out)
     dist.destroy_process_group()
 
 
@@ -184,7 +188,7 @@ def test_two_ranks_with_the_teacher_sharded_equal_one_process(tmp_path):
            "train.lr=0.01", "train.warmup_steps=0", "train.max_grad_norm=0", "checkpoint.save_final=false"]  # fmt: skip
     for ranks in (1, 2):
         (tmp_path / str(ranks)).mkdir()
-        check_ranks(_worker, ranks, tmp_path / str(ranks), [*run, f"train.micro_batch_size={2 // ranks}",
+        check_ranks(train_worker, ranks, tmp_path / str(ranks), [*run, f"train.micro_batch_size={2 // ranks}",
                                                              f"train.output_dir={tmp_path / str(ranks) / 'run'}"])  # fmt: skip
     one, two = (json.loads((tmp_path / str(r) / "history.json").read_text()) for r in (1, 2))
     assert len(one) == len(two) == 2 and one[0]["reverse_kl"] > 0.01

@@ -20,15 +20,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: make test-vllm runs these tests in .venv-vllm")
 
-import torch.distributed as dist  # noqa: E402
 from multiproc import check_ranks  # noqa: E402
 
-from engine.objectives.test_distill import noisy_teacher  # noqa: E402
+from engine.objectives.test_distill import noisy_teacher, train_worker  # noqa: E402
 from qwenkit import cli  # noqa: E402
-from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import completions  # noqa: E402
-from qwenkit.engine.run import train  # noqa: E402
 
 STEPS = 6
 RUN = ["train.objective=grpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", f"train.steps={STEPS}",
@@ -43,14 +40,12 @@ def es(prediction: str, reference: str, **row) -> float:
     return prediction.count("e") / max(1, len(prediction))
 
 
+def _engines(out):
+    (out / "engines.json").write_text(json.dumps(len(vllm_engine.ENGINES)))
+
+
 def _worker(rank, out, overrides):
-    dist.init_process_group("gloo")
-    trainer = train.Trainer(qconfig.load(overrides=overrides))
-    trainer.run()
-    if rank == 0:
-        (out / "history.json").write_text(json.dumps(trainer.history))
-        (out / "engines.json").write_text(json.dumps(len(vllm_engine.ENGINES)))
-    dist.destroy_process_group()
+    train_worker(rank, out, overrides, then=_engines)
 
 
 @pytest.fixture(scope="module")
