@@ -83,10 +83,12 @@ def problems(cfg, student: Path) -> list[str]:
 
     a, b = (AutoTokenizer.from_pretrained(p, local_files_only=True).get_vocab() for p in (student, path))
     if a != b:
-        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+        mine, theirs = ({i: t for t, i in v.items()} for v in (a, b))  # id -> token
+        first = min(i for i in mine.keys() | theirs.keys() if mine.get(i) != theirs.get(i))
         return [f"{KEY}={cfg.distill.teacher!r} has another tokenizer than the student's {str(student)!r} "
-                f"({len(b)} tokens vs {len(a)}; first difference: {differ[0][0]!r} at id {differ[0][1]}): the teacher "
-                "must share the student's vocabulary (same tokenizer family)"]  # fmt: skip
+                f"({len(b)} tokens vs {len(a)}; first difference: id {first} is {theirs.get(first)!r} for the teacher, "
+                f"{mine.get(first)!r} for the student): the teacher must share the student's vocabulary (same tokenizer "
+                "family)"]  # fmt: skip
     vocab = text_config(family, path).get("vocab_size", len(b))
     if vocab < len(a):
         return [f"{KEY}={cfg.distill.teacher!r}: its head scores {vocab} tokens, the student's tokenizer has {len(a)}"]

@@ -58,7 +58,8 @@ def test_a_teacher_of_another_tokenizer_is_refused_naming_the_first_difference(t
     (other / "tokenizer.json").write_text(json.dumps(spec))
     (line,) = _problems(tiny_path, other)
     assert line.startswith(f"distill.teacher={str(other)!r} has another tokenizer than the student's {str(tiny_path)!r}")
-    assert "first difference: '!' at id 0" in line and line.endswith("(same tokenizer family)")
+    assert "first difference: id 0 is '\"' for the teacher, '!' for the student)" in line
+    assert line.endswith("must share the student's vocabulary (same tokenizer family)")
 
 
 def test_a_teacher_whose_head_is_smaller_than_the_students_vocabulary_is_refused(tiny_path, tmp_path):
