@@ -153,6 +153,19 @@ def test_a_student_its_own_teacher_trains_with_zero_loss(tiny_path, tmp_path):
         assert h["completions/mean_length"] > 0 and "reward" in h and "kl" not in h
 
 
+def test_a_lora_student_is_scored_by_its_teacher_not_by_itself_without_adapters(tmp_path):
+    """With LoRA, GRPO's reference is the policy with its adapters off; distillation's is ``distill.teacher``: at
+    step 1 (the adapters' B still 0, the student its base) a teacher that is not the base gives a reverse KL > 0,
+    and the adapters train."""
+    cfg = qconfig.load(overrides=["train.objective=distill", f"distill.teacher={noisy_teacher(tmp_path)}", "lora.r=8",
+                                  "data.tiny_samples=8", "train.steps=2", "train.micro_batch_size=2",
+                                  "grpo.num_generations=2", "grpo.max_new_tokens=6", "train.resume=none",
+                                  "checkpoint.save_final=false", "train.warmup_steps=0", "train.lr=0.01",
+                                  f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
+    first, second = train.run(cfg).history
+    assert first["reverse_kl"] > 0.01 and first["grad_norm"] > 0 and second["reverse_kl"] != first["reverse_kl"]
+
+
 def noisy_teacher(out: Path) -> Path:
     """The tiny default's checkpoint with noise on every weight, in ``out/teacher``: a teacher the student is not."""
     from safetensors.torch import load_file, save_file
