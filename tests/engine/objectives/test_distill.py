@@ -42,6 +42,7 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 
 
 ROOT = Path(__file__).resolve().parents[3]
+TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory", "rollout_time")
 
 
 def vowels(prediction: str, reference: str, **row) -> float:
@@ -164,6 +165,23 @@ def test_a_lora_student_is_scored_by_its_teacher_not_by_itself_without_adapters(
                                   f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
     first, second = train.run(cfg).history
     assert first["reverse_kl"] > 0.01 and first["grad_norm"] > 0 and second["reverse_kl"] != first["reverse_kl"]
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """Stopped after step 1 (checkpoint) and run again: step 2 is the uninterrupted run's (the sampler's position and
+    the rollout count come back, the teacher is built again from the same directory)."""
+    teacher = noisy_teacher(tmp_path)
+
+    def run(name, *extra):
+        cfg = qconfig.load(overrides=["train.objective=distill", f"distill.teacher={teacher}", "data.tiny_samples=8",
+                                      "train.steps=2", "train.micro_batch_size=2", "grpo.num_generations=2",
+                                      "grpo.max_new_tokens=6", "train.resume=auto", "train.warmup_steps=0",
+                                      "train.lr=0.01", f"train.output_dir={tmp_path / name}", *extra])  # fmt: skip
+        return [{k: v for k, v in h.items() if k not in TIMING} for h in train.run(cfg).history]
+
+    whole = run("whole")
+    assert run("cut", "train.stop_after=1") == whole[:1]
+    assert run("cut") == whole[1:]
 
 
 def noisy_teacher(out: Path) -> Path:
