@@ -1,5 +1,5 @@
-"""Every model a run holds, built by one path: the policy the trainer trains and the frozen reference of
-DPO and GRPO (full fine-tuning) are the same build on the same meshes, so they compute alike and are
+"""Every model a run holds, built by one path: the policy the trainer trains, the frozen reference of
+DPO and GRPO (full fine-tuning) and distillation's frozen teacher are the same build on the same meshes, so they compute alike and are
 split alike (fused ops, expert parallelism, FSDP2 units, meta init).
 
 1. :func:`fused_model`: the family's chunk-loss subclass (:func:`qwenkit.model.families.build.build`) with the
@@ -21,6 +21,7 @@ The meshes (:class:`Meshes`) are made once per run (:func:`meshes`) and kept on 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,3 +131,13 @@ def reference_model(cfg, rt, policy: ChunkLossMixin) -> ChunkLossMixin:
     ref, _ = sharded_model(cfg, rt, policy.qwenkit_meshes, frozen=True)
     ref.vision_calls_per_step = policy.vision_calls_per_step
     return ref.eval()
+
+
+def teacher_model(cfg, rt, policy: ChunkLossMixin, path: str) -> ChunkLossMixin:
+    """Another checkpoint (``distill.teacher``'s HF directory) built, frozen and split as a reference is,
+    on ``policy``'s meshes: the teacher of on-policy distillation. Its family is its own ``config.json``'s
+    (``model.name: auto``); the student's model section gives the rest (dtype, attention, fused ops)."""
+    model = dataclasses.replace(cfg.model, path=path, name="auto", freeze=[], init_from=None, init_recipe=None)
+    teacher, _ = sharded_model(dataclasses.replace(cfg, model=model), rt, policy.qwenkit_meshes, frozen=True)
+    teacher.vision_calls_per_step = policy.vision_calls_per_step
+    return teacher.eval()

@@ -89,9 +89,11 @@ GRPO_UNITS = {
     "tools/call_frequency": "1", "tools/failure_frequency": "1", "tools/turns_mean": "1",
     "tools/model_tokens_mean": "token", "tools/tool_tokens_mean": "token",
 }  # fmt: skip
+# train.objective=distill's (qwenkit.engine.objectives.distill), beside GRPO's rollout metrics
+DISTILL_UNITS = {"reverse_kl": "nat"}
 # a MoE run's (qwenkit.engine.run.expert_load): expert_load/layer_NN, expert_load/max_over_mean
 MOE_UNITS = {"expert_load": "1"}
-UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **MOE_UNITS}
+UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **DISTILL_UNITS, **MOE_UNITS}
 _GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)
 
 

@@ -2,7 +2,7 @@
 
 ``qwenkit train`` (:mod:`qwenkit.launch`) and every sweep trial (:mod:`qwenkit.sweep.file`) pass
 :func:`check_before_spawn` first: the model directory and its module tree (built on meta: no
-weights read), the dataset path and the optional extras the run needs, its bad rows when their index
+weights read), distillation's teacher (:mod:`qwenkit.engine.checkpoints.teacher`), the dataset path and the optional extras the run needs, its bad rows when their index
 is cached (:func:`check_prepared_rows`), a dataset too small for one optimizer step
 (:func:`check_data_size`), the resume rule
 (:func:`qwenkit.engine.checkpoints.resume.decide`: which checkpoint, whole, fitting this run's model,
@@ -27,6 +27,7 @@ from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine.checkpoints import resume as resume_rule
+from qwenkit.engine.checkpoints import teacher
 from qwenkit.engine.rollouts import tools
 from qwenkit.engine.run import optim
 from qwenkit.model import lora
@@ -51,6 +52,7 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
         problems.extend(check_module_paths(cfg))
         problems.extend(families.problems(cfg, path))  # what the family cannot run: SP, packing, fused ops...
         problems.extend(vllm_device_problems(cfg, path))
+        problems.extend(teacher.problems(cfg, path))  # distillation's teacher: there, of the student's tokenizer
         heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
         if heads:
             problems.append(heads)

@@ -68,7 +68,8 @@ NOT_EXACT = {
     "sequence parallelism": (lambda cfg: f"parallel.sp_size={cfg.parallel.sp_size}", lambda cfg: cfg.parallel.sp_size > 1),
     "LoRA": (lambda cfg: f"lora.r={cfg.lora.r}", lambda cfg: cfg.lora.r > 0),
     "DPO": (lambda cfg: "train.objective=dpo", lambda cfg: cfg.train.objective == "dpo"),
-    "GRPO": (lambda cfg: "train.objective=grpo", lambda cfg: cfg.train.objective == "grpo"),
+    # on-policy distillation rolls out and scores its tokens as GRPO does (qwenkit.engine.objectives.distill)
+    "GRPO": (lambda cfg: f"train.objective={cfg.train.objective}", lambda cfg: cfg.train.objective in ("grpo", "distill")),
     "expert parallelism": (lambda cfg: f"parallel.ep_size={cfg.parallel.ep_size}", lambda cfg: cfg.parallel.ep_size > 1),
 }
 

@@ -10,6 +10,8 @@ equal vLLM's to fp32 ulps (the push carried the weights, both ban the media toke
 HF replies from the exported final weights, and ``qwenkit eval --engine vllm`` gives the same replies.
 A MoE run (the tiny Qwen3-VL-MoE, 2 ranks, ``parallel.ep_size=2``, LoRA on the experts): vLLM's log-probs equal the
 trainer's after each push of the experts gathered from their mesh, their adapters merged.
+On-policy distillation (``train.objective: distill``) rolls out through the same engine: the student's trainer
+log-probs equal vLLM's at every step and the teacher's reverse KL is the loss.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: make test-vllm runs these tests in .venv-vllm")
 
-import torch.distributed as dist  # noqa: E402
 from multiproc import check_ranks  # noqa: E402
 
+from engine.objectives.test_distill import noisy_teacher, train_worker  # noqa: E402
 from qwenkit import cli  # noqa: E402
-from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import completions  # noqa: E402
-from qwenkit.engine.run import train  # noqa: E402
 
 STEPS = 6
 RUN = ["train.objective=grpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", f"train.steps={STEPS}",
@@ -42,14 +42,12 @@ def es(prediction: str, reference: str, **row) -> float:
     return prediction.count("e") / max(1, len(prediction))
 
 
+def _engines(out):
+    (out / "engines.json").write_text(json.dumps(len(vllm_engine.ENGINES)))
+
+
 def _worker(rank, out, overrides):
-    dist.init_process_group("gloo")
-    trainer = train.Trainer(qconfig.load(overrides=overrides))
-    trainer.run()
-    if rank == 0:
-        (out / "history.json").write_text(json.dumps(trainer.history))
-        (out / "engines.json").write_text(json.dumps(len(vllm_engine.ENGINES)))
-    dist.destroy_process_group()
+    train_worker(rank, out, overrides, then=_engines)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +153,19 @@ def test_final_eval_replies_equal_the_kits_hf_replies_and_qwenkit_eval_vllm(run,
     assert replies["vllm"] == replies["hf"] == [r["tokens"] for r in final]
     first = [json.loads(line) for line in (run / "run" / "eval" / "step-000000.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in first] != replies["hf"]  # training moved the replies: the pushes carried it
+
+
+def test_distillation_rolls_out_on_vllm_and_its_loss_is_the_reverse_kl(tmp_path):
+    """Three steps of ``train.objective: distill`` on vLLM rollouts, 1 process: at every step the trainer's
+    student log-probs equal vLLM's to fp32 ulps (the importance weights are 1, as GRPO's above), so the loss is
+    the reverse KL to the teacher, which is not 0 (another model) and moves the student."""
+    run = [*RUN[1:], "train.objective=distill", f"distill.teacher={noisy_teacher(tmp_path)}", "train.steps=3",
+           "grpo.rewards=[exact]", "train.eval_engine=hf", "train.eval_samples=0", "data.tiny_eval_samples=0",
+           f"train.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    check_ranks(_worker, 1, tmp_path, run)
+    history = _history(tmp_path)
+    assert len(history) == 3
+    for step in history:
+        assert step["sampling/sampling_logp_difference/max"] < 1e-5, step
+        assert step["loss"] == pytest.approx(step["reverse_kl"], rel=1e-4) and step["reverse_kl"] > 0.01, step
+        assert step["grad_norm"] > 0 and "rewards/exact/mean" in step
