@@ -57,6 +57,7 @@ from qwenkit.rundir import RunDir
 
 RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "loss": "nat",
+    "mtp_loss": "nat",  # model.mtp.train: the MTP layer's loss, before its weight
     "grad_norm": "1",
     "lr": "1",
     "step_time": "s",

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
+from qwenkit.model.families.mtp import mtp_loss
 from qwenkit.model.families.positions import Positions
 from qwenkit.model.losses.cross_entropy import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
 from qwenkit.model.losses.logps import sequence_logps, token_logps
@@ -151,6 +152,7 @@ class ChunkLossMixin(Positions):
         if packed_seq_lens is not None:
             use_cache = self._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
         idle = self._idle_vision(input_ids, kwargs)
+        self._packed_seq_lens = packed_seq_lens  # the MTP layer's document boundaries (qwenkit.model.families.mtp)
         step = self._chunked_forward if self.chunk_loss else self._hf_forward
         out = step(input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs)
         if idle is not None and out.loss is not None:
@@ -200,6 +202,10 @@ class ChunkLossMixin(Positions):
             num_samples=num_samples,
         )
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
+        if getattr(self, "mtp", None) is not None and loss_type != TOKEN_SUM:  # model.mtp.train (Qwen3.5)
+            extra = mtp_loss(self, outputs.last_hidden_state, input_ids, labels, self._packed_seq_lens, loss_fn)
+            self.last_mtp_loss = extra.detach()
+            loss = loss + self.mtp_loss_weight * extra
         loss, aux = self._with_aux_loss(loss, outputs, kwargs.get("attention_mask"), loss_type)
         # HF's output class with HF's fields (hidden states, attentions, rope deltas / media
         # outputs, router logits, by version) taken from the backbone as its forward does; logits never exist

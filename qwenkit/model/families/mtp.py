@@ -1,0 +1,126 @@
+"""Qwen3.5's multi-token-prediction (MTP) layer, trained beside the backbone (``model.mtp.train``).
+
+The layer as the released checkpoints hold it (``mtp.*``) and vLLM's ``qwen3_5_mtp.py`` runs it:
+``fc`` [H, 2H] over ``concat(pre_fc_norm_embedding(embed(token t+1)), pre_fc_norm_hidden(h_t))`` (the
+embedding first), one full-attention decoder layer of the backbone's kind per depth, the final ``norm``,
+then the model's own ``lm_head`` (through the chunked loss: no full logits). Depth ``d`` (0-based) predicts
+token ``t+d+2``; a deeper one takes the previous depth's output as its hidden state, as vLLM's proposer
+feeds it back. The embeddings are the backbone's ``embed_tokens`` (the checkpoint has none of its own).
+
+The decoder layer runs with what the backbone's first full-attention layer was given in this forward
+(rotary cos/sin of the same positions, the same causal or packed mask, the packing keywords): captured by a
+pre-forward hook, so positions and document boundaries are the backbone's. Targets are masked where
+``t`` and ``t+d+2`` lie in different documents of a packed row: no prediction crosses a boundary.
+The loss of each depth is normalised as the main loss (``num_items_in_batch``: the step's global label
+tokens), averaged over the depths and added with ``model.mtp.loss_weight`` (MindSpeed-MM's
+``mtp_loss_scaling_factor``).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
+
+PREFIX = "mtp."  # the checkpoint's names: the module sits at the model's top level as ``mtp``
+
+
+class MTPHead(nn.Module):
+    """``fc``, the two input norms, ``layers`` (full-attention decoder layers) and ``norm``: the checkpoint's keys."""
+
+    def __init__(self, text_config, layer_cls: type, full_idx: int, norm_cls: type, layers: int):
+        super().__init__()
+        hidden, eps = text_config.hidden_size, text_config.rms_norm_eps
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = norm_cls(hidden, eps=eps)
+        self.pre_fc_norm_hidden = norm_cls(hidden, eps=eps)
+        self.layers = nn.ModuleList(layer_cls(text_config, full_idx) for _ in range(layers))
+        self.norm = norm_cls(hidden, eps=eps)
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, depth: int, layer_kwargs: dict) -> torch.Tensor:
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        x = self.layers[depth](self.fc(x), **layer_kwargs)
+        return self.norm(x)
+
+
+def attach(model, layers: int, loss_weight: float) -> MTPHead:
+    """Give ``model`` (a Qwen3.5 subclass) its MTP module ``model.mtp`` (on the device its parameters are on,
+    meta included) and the hook that records the backbone's full-attention layer inputs."""
+    text = model.model.language_model
+    full = next(i for i, kind in enumerate(text.config.layer_types) if kind == "full_attention")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    with torch.device(device):
+        head = MTPHead(text.config, type(text.layers[full]), full, type(text.norm), layers).to(dtype)
+    model.mtp = head
+    model.mtp_loss_weight = loss_weight
+    model.last_mtp_loss = None
+
+    def record(module, args, kwargs):
+        model._mtp_layer_kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "cache", "past_key_values")}
+
+    text.layers[full].register_forward_pre_hook(record, with_kwargs=True)
+    return head
+
+
+def load_from_checkpoint(model, path) -> int:
+    """Fill ``model.mtp`` from the ``mtp.*`` tensors of the checkpoint at ``path`` (HF's ``from_pretrained``
+    skips them); returns how many. A missing one is refused by name."""
+    wanted = {k for k in model.state_dict() if k.startswith(PREFIX)}
+    files = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            files |= {k: file for k in f.keys() if k.startswith(PREFIX)}
+    if missing := sorted(wanted - set(files)):
+        raise KeyError(f"model.path={str(path)!r}: model.mtp.train needs the checkpoint's {missing[0]} (and "
+                       f"{len(missing) - 1} more mtp.* tensors)")  # fmt: skip
+    state = {}
+    for key in wanted:
+        with safe_open(str(files[key]), framework="pt") as f:
+            state[key[len(PREFIX):]] = f.get_tensor(key)
+    model.mtp.load_state_dict(state)
+    return len(state)
+
+
+def doc_ids(labels: torch.Tensor, packed_seq_lens: torch.Tensor | None) -> torch.Tensor | None:
+    """``[1, S]`` the document (sample index) of each position of a packed row; None for a padded batch."""
+    if packed_seq_lens is None:
+        return None
+    lens = packed_seq_lens.to(labels.device)
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=labels.device), lens)[None, :]
+
+
+def targets(labels: torch.Tensor, offset: int, docs: torch.Tensor | None) -> torch.Tensor:
+    """Pre-shifted targets ``[B, S]``: position t's is ``labels[t + offset]``, ignored past the row's end and
+    where ``t + offset`` lies in another document."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-offset] = labels[:, offset:]
+    if docs is not None:
+        out[:, :-offset][docs[:, :-offset] != docs[:, offset:]] = IGNORE_INDEX
+    return out
+
+
+def shifted_ids(input_ids: torch.Tensor, offset: int) -> torch.Tensor:
+    """``input_ids`` moved left by ``offset`` (token t+offset at t), the tail filled with the row's last token
+    (its predictions are ignored)."""
+    return torch.cat([input_ids[:, offset:], input_ids[:, -1:].expand(-1, offset)], dim=1)
+
+
+def mtp_loss(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, packed_seq_lens, loss_fn) -> torch.Tensor:
+    """The MTP depths' mean loss on the backbone's ``hidden [B, S, H]``; ``loss_fn``: the main loss's
+    :func:`chunked_linear_cross_entropy` partial (its normaliser), given pre-shifted targets."""
+    docs = doc_ids(labels, packed_seq_lens)
+    embed = model.model.get_input_embeddings()
+    kwargs = model._mtp_layer_kwargs
+    total = 0.0
+    for depth in range(len(model.mtp.layers)):
+        hidden = model.mtp(hidden, embed(shifted_ids(input_ids, depth + 1)), depth, kwargs)
+        fn = functools.partial(loss_fn, shifted=targets(labels, depth + 2, docs))
+        total = total + model.lm_head(hidden, labels=labels, loss_fn=fn)
+    return total / len(model.mtp.layers)
+
