@@ -43,6 +43,11 @@ share of the step <= 35%, tokens/s >= 4x ``rollout-lockstep``'s, all-gathers ind
 completion length. ``rollout-lockstep`` makes one call per prompt, so its tokens/s do not depend
 on ``P``: ``--lockstep-prompts`` (default 1) keeps it short.
 
+``grpo-padded`` and ``grpo-packed`` (``--variants``, not run by default): the ``grpo`` step on a ragged
+group, the second completion ended at a quarter of its length (as completions that stop early): right-padded
+to the longest row (``data.packing: false``) or packed into one row (``data.packing: true``), the same real
+tokens; each prints its padding fraction beside its step time.
+
     python benchmarks/dpo_grpo_step.py --objective dpo       # one pair of 2 x 2,048 tokens sharing an image prompt
     python benchmarks/dpo_grpo_step.py --objective grpo      # GRPO's learner step on two completions of 2,048 tokens
 """
@@ -61,6 +66,7 @@ from timing import GiB, device_missing, parse, spawn, step_arguments, timed_step
 DPO_VARIANTS = ("dpo-hf", "dpo", "dpo-precompute", "dpo-lora")
 DPO_BETA = 0.1
 GRPO_VARIANTS = ("grpo-hf", "grpo", "grpo-lora")
+PACKING_VARIANTS = ("grpo-padded", "grpo-packed")  # a ragged group, padded or packed (data.packing)
 ROLLOUT_VARIANTS = ("rollout-lockstep", "rollout", "rollout-bf16")
 
 
@@ -74,6 +80,23 @@ def pair_batch(config, seq: int, image_side: int, device="cpu") -> dict:
     half = batch["pixel_values"].shape[0] // 2
     batch["pixel_values"][half:] = batch["pixel_values"][:half]
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def ragged_batch(batch: dict, packed: bool) -> dict:
+    """``batch``'s two rows, the second's completion ended at a quarter of its length: right-padded (pad id 0,
+    no label, attention mask 0) or packed into one row (:func:`qwenkit.data.collator.pack`), the media as they were."""
+    from qwenkit.data.collator import SEQUENCE_KEYS, pack
+    from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
+
+    prompt = int((batch["labels"][1] == -100).sum())
+    keep = prompt + (batch["input_ids"].shape[1] - prompt) // 4
+    if packed:
+        rows = [{k: batch[k][r, : (keep if r else None)] for k in SEQUENCE_KEYS} for r in (0, 1)]
+        return pack(rows) | {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
+    out = {k: v.clone() for k, v in batch.items()}
+    for key, value in (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX), ("mm_token_type_ids", 0)):
+        out[key][1, keep:] = value
+    return out
 
 
 def dpo_step(policy_logps, reference_logps, batch):
@@ -95,7 +118,7 @@ def grpo_step(policy_logps, reference_logps, batch, beta: float):
     import torch
 
     from qwenkit.config import GrpoConfig
-    from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
+    from qwenkit.engine.rollouts.completion import completion_mask
     from qwenkit.model.losses.policy import GrpoLoss, StepTotals
 
     logps = policy_logps(batch)  # [2, S]
@@ -103,7 +126,7 @@ def grpo_step(policy_logps, reference_logps, batch, beta: float):
     if beta > 0:
         with torch.no_grad():
             ref = reference_logps(batch)
-    mask = shift_labels(batch["labels"]) != IGNORE_INDEX
+    mask = completion_mask(batch)  # [2, S] the padded layout, packed or not
     advantages = torch.tensor([1.0, -1.0], device=logps.device)
     loss = GrpoLoss(GrpoConfig(beta=beta))(logps, advantages, mask, StepTotals(2, mask.sum(), 1), ref=ref).loss
     loss.backward()
@@ -136,6 +159,10 @@ def learner_worker(args, config, shapes, device, dtype) -> dict:
     from qwenkit.model.losses.logps import full_sequence_logps, full_token_logps
 
     batch = pair_batch(config, shapes["seq"], shapes["image_side"], device)
+    if args.variant in PACKING_VARIANTS:
+        batch = ragged_batch(batch, packed=args.variant == "grpo-packed")
+    positions = batch["input_ids"].numel()
+    tokens = int(batch["attention_mask"].sum()) if "attention_mask" in batch else positions
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     grpo = args.objective == "grpo"  # per-token log-probs and GRPO's step; else per-sequence sums and DPO's
     full_logps = full_token_logps if grpo else full_sequence_logps
@@ -189,7 +216,8 @@ def learner_worker(args, config, shapes, device, dtype) -> dict:
     return {
         "variant": args.variant, "step_s": step_s, "peak_bytes": peak,
         "params": n_params, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "losses": losses, "tokens": 2 * shapes["seq"], "optimizer": "AdamW fused" if fused else "AdamW foreach",
+        "losses": losses, "tokens": tokens, "padding_fraction": 1 - tokens / positions,
+        "optimizer": "AdamW fused" if fused else "AdamW foreach",
     }  # fmt: skip
 
 
@@ -288,13 +316,14 @@ def _rollout_table(rows: list[dict], learner: dict | None) -> None:
 
 
 def _learner_table(rows: list[dict], base: dict) -> None:
-    print(f"\n{'variant':<10}{'optimizer':>15}{'step s':>8}{'peak GiB':>10}{'time/HF':>9}{'mem/HF':>8}{'trainable':>13}"
-          f"{'first loss':>12}")  # fmt: skip
+    print(f"\n{'variant':<12}{'optimizer':>15}{'tokens':>8}{'padding':>8}{'step s':>8}{'peak GiB':>10}{'time/HF':>9}"
+          f"{'mem/HF':>8}{'trainable':>13}{'first loss':>12}")  # fmt: skip
     targets = {"dpo": "peak <= 0.50x, time <= 0.80x", "dpo-precompute": "peak <= 0.50x, time <= 0.80x",
                "dpo-lora": "peak <= 0.35x", "grpo": "peak <= 0.50x", "grpo-lora": "peak <= 0.50x"}
     for r in rows:
         r["time_ratio"], r["mem_ratio"] = r["step_s"] / base["step_s"], r["peak_bytes"] / base["peak_bytes"]
-        print(f"{r['variant']:<10}{r['optimizer']:>15}{r['step_s']:>8.2f}{r['peak_bytes'] / GiB:>10.2f}"
+        print(f"{r['variant']:<12}{r['optimizer']:>15}{r['tokens']:>8}{r['padding_fraction']:>8.1%}{r['step_s']:>8.2f}"
+              f"{r['peak_bytes'] / GiB:>10.2f}"
               f"{r['time_ratio']:>9.2f}{r['mem_ratio']:>8.2f}{r['trainable']:>13,}{r['losses'][0]:>12.5f}"
               f"{'   target ' + targets[r['variant']] if r['variant'] in targets else ''}")  # fmt: skip
 

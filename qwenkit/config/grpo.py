@@ -65,6 +65,15 @@ class GrpoConfig:
     # hf rollouts' forwards under torch.autocast to this dtype (bfloat16, float16), from the same weights;
     # None: the weights' own. Their log-probs are then corrected for as vLLM's (below)
     rollout_dtype: Dtype | None = None
+    # agentic rollouts (qwenkit.engine.rollouts.agentic): typed, docstring'd module:function tools (TRL's tools) and/or
+    # a module:Class environment, one instance per completion: reset(**row), its public methods tools (TRL's
+    # environment_factory); rounds of tool calls per trajectory (TRL's name), a call's time limit, and the whole
+    # trajectory's model + tool tokens (0: no limit; max_new_tokens counts the model's)
+    tools: list[str] = field(default_factory=list)
+    environment: str | None = None
+    max_tool_calling_iterations: int = 4
+    tool_timeout_s: float = 30.0
+    max_trajectory_tokens: int = 0
     # vLLM's (or rollout_dtype's) sampling log-probs differ from the trainer's: weigh each token's loss by
     # exp(trainer's - sampler's log-prob), truncated (or masked) at the clip bounds; TRL's names
     vllm_importance_sampling_correction: bool = True

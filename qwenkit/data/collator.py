@@ -69,7 +69,7 @@ class Collator:
         if not samples:
             raise ValueError("cannot collate an empty list of samples")
         lengths = [len(s["input_ids"]) for s in samples]
-        batch = self._pack(samples, lengths) if self.packing else self._pad(samples, lengths)
+        batch = pack(samples) if self.packing else self._pad(samples, lengths)
         media = sorted({k for s in samples for k in s if k not in SEQUENCE_KEYS + COUNT_KEYS})
         for key in media:
             batch[key] = join_media(key, [s[key] for s in samples if key in s])
@@ -96,9 +96,13 @@ class Collator:
         ).long()  # [B, S]
         return batch
 
-    def _pack(self, samples, lengths: list[int]) -> dict[str, torch.Tensor]:
-        batch = {key: torch.cat([s[key] for s in samples])[None, :].long() for key in SEQUENCE_KEYS if key in samples[0]}
-        starts = torch.tensor(lengths[:-1], dtype=torch.long).cumsum(0)  # where samples 2.. begin
-        batch["labels"][0, starts] = IGNORE_INDEX  # no sample predicts the next one's first token
-        batch["packed_seq_lens"] = torch.tensor(lengths, dtype=torch.long)  # [B]
-        return batch
+
+def pack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The :data:`SEQUENCE_KEYS` of ``samples`` (each ``[L]``) as one packed row ``[1, ΣL]`` with its
+    ``packed_seq_lens [B]`` (the module docstring; SFT's micro-batches and GRPO's rollout rows alike)."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    batch = {key: torch.cat([s[key] for s in samples])[None, :].long() for key in SEQUENCE_KEYS if key in samples[0]}
+    starts = torch.tensor(lengths[:-1], dtype=torch.long).cumsum(0)  # where samples 2.. begin
+    batch["labels"][0, starts] = IGNORE_INDEX  # no sample predicts the next one's first token
+    batch["packed_seq_lens"] = torch.tensor(lengths, dtype=torch.long)  # [B]
+    return batch

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -161,9 +161,11 @@ class EncodedDataset:
             sample["mm_token_type_ids"] = self._token_types(input_ids)  # [S]
         return sample
 
-    def prompt(self, i: int) -> tuple[dict[str, torch.Tensor], Conversation]:
+    def prompt(self, i: int,
+               edit: Callable[[Conversation], Conversation] | None = None) -> tuple[dict[str, torch.Tensor], Conversation]:
         """Generation inputs of sample ``i``: every turn before its last reply (a prompt-only row: every
-        turn), then the assistant header.
+        turn), then the assistant header; ``edit``: a change of those turns' text before they are encoded (its
+        media kept), as agentic rollouts put their tools in the system turn (:mod:`qwenkit.engine.rollouts.agentic`).
 
         Returns ``(inputs, conversation)``; ``inputs`` holds ``input_ids [1, S]``,
         ``attention_mask [1, S]``, the pixels and grids of every image and video, and
@@ -172,6 +174,7 @@ class EncodedDataset:
         """
         conv = self.conversation(i)
         asked = dataclasses.replace(conv, turns=conv.turns[:-1] if conv.turns[-1][0] == "assistant" else conv.turns)
+        asked = edit(asked) if edit is not None else asked
         times, seconds = self._video_plans(i, conv)
         encoded = self.template.encode(asked, self.index.grids(i), self.index.grids(i, "video"), times,
                                        self._audio_tokens(i), seconds)  # fmt: skip

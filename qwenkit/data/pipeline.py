@@ -69,7 +69,7 @@ def build(cfg: Config, processor: Processor, rank: int = 0, world_size: int = 1,
     dataset, eval_dataset = _eval_set(cfg, processor, dataset, rank, world_size, source)
     collator = Collator(processor, data.packing)
     if reads == "pairs":  # one sampler index per pair: a pair is never split across micro-batches or ranks
-        dataset, collator = PairDataset(dataset), PairCollator(processor)
+        dataset, collator = PairDataset(dataset), PairCollator(processor, data.packing)
         eval_dataset = PairDataset(eval_dataset) if eval_dataset is not None else None
     if rank == 0:
         log.info("data: %d %s from %s (%d skipped); %s", len(dataset), report.unit,

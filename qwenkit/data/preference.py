@@ -277,11 +277,13 @@ class PairCollator:
     """``[(chosen, rejected)] * P`` → one micro-batch of ``2P`` rows: the chosen ones, then the rejected.
 
     Adds ``num_pairs`` (``P``) and ``num_chosen_items`` (the chosen replies' label tokens), the
-    global normalisers of the preference loss and its SFT term, and ``pair_index [P]``.
+    global normalisers of the preference loss and its SFT term, and ``pair_index [P]``. ``packing``
+    (``data.packing``): the ``2P`` rows packed into one, in the same order (the model's per-sequence
+    log-probs of a packed row are its samples', :meth:`~qwenkit.model.families.chunked.ChunkLossMixin.sequence_logps`).
     """
 
-    def __init__(self, processor):
-        self.collator = Collator(processor)
+    def __init__(self, processor, packing: bool = False):
+        self.collator = Collator(processor, packing)
 
     def __call__(self, pairs: list[tuple[dict, dict]]) -> dict[str, torch.Tensor]:
         index = [c.pop("pair_index") for c, _ in pairs if "pair_index" in c]
@@ -290,7 +292,11 @@ class PairCollator:
         if index:
             batch["pair_index"] = torch.stack(index)  # [P]
         batch["num_pairs"] = torch.tensor(n)
-        batch["num_chosen_items"] = (batch["labels"][:n, 1:] != IGNORE_INDEX).sum()
+        if "packed_seq_lens" in batch:  # the chosen rows' stretch of the packed row
+            chosen = batch["labels"][:, 1 : int(batch["packed_seq_lens"][:n].sum())]
+        else:
+            chosen = batch["labels"][:n, 1:]
+        batch["num_chosen_items"] = (chosen != IGNORE_INDEX).sum()
         return batch
 
 

@@ -16,7 +16,6 @@ from qwenkit.config import ConfigError
         (["train.objective=dpo", "dpo.gamma=0.5"], r"dpo\.gamma .* applies to dpo\.loss=simpo"),
         (["train.objective=dpo", "dpo.loss=simpo", "dpo.precompute_ref=true"], r"SimPO has no reference"),
         (["train.objective=dpo", "dpo.sft_weight=-1"], r"dpo\.sft_weight must be >= 0"),
-        (["train.objective=dpo", "data.packing=true"], r"does not support data\.packing=true"),
         (["train.objective=dpo", "data.max_tokens_per_batch=2048"], r"does not support data\.max_tokens_per_batch"),
         (["train.objective=dpo", "parallel.nproc=2", "parallel.sp_size=2"], r"does not support parallel\.sp_size=2"),
         (["train.objective=dpo", "loss.chunk=false"], r"dpo needs loss\.chunk=true"),

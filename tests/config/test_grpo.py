@@ -74,7 +74,6 @@ def good(prediction, reference, **row):
         (GRPO + ["grpo.format_tags=[think, think]"], r"grpo\.format_tags must be two different tag names"),
         (GRPO + ["grpo.format_tags=[<think>, answer]"], r"grpo\.format_tags must be two different tag names"),
         (GRPO + ["loss.chunk=false"], r"grpo needs loss\.chunk=true"),
-        (GRPO + ["data.packing=true"], r"grpo does not support data\.packing=true"),
         (GRPO + ["data.max_tokens_per_batch=2048"], r"grpo does not support data\.max_tokens_per_batch"),
         (GRPO + ["parallel.nproc=2", "parallel.sp_size=2"], r"grpo does not support parallel\.sp_size=2"),
     ],

@@ -150,7 +150,8 @@ def _compare_ranks(rank, out, ep_size, routes, family="qwen3_vl_moe"):
 # family -> the routes its 2-rank comparison runs: Qwen3-VL-MoE every route; the others the top-k one (the same
 # dispatch): Qwen3.5-MoE's gated shared expert stays a dense weight beside the split routed experts, the Omni
 # thinker's experts sit in a decoder beside its audio tower
-EP_ROUTES = {"qwen3_vl_moe": ("topk", "every", "low"), "qwen3_5_moe": ("topk",), "qwen3_omni_moe": ("topk",)}
+EP_ROUTES = {"qwen3_vl_moe": ("topk", "every", "low"), "qwen3_5_moe": ("topk",), "qwen3_omni_moe": ("topk",),
+             "qwen4_exp": ("topk",)}  # Qwen4-Exp: its experts inside hyper-connection streams, beside PLE
 
 
 @pytest.mark.slow
@@ -281,7 +282,8 @@ def test_an_ep_2_checkpoint_exports_the_hf_keys_of_ep_1(trained):
     final = "checkpoints/step-00000004"
     spec = model_spec.of_run(cfg.model)
     got, ref = (export.load_hf(trained / run / final, cfg, spec).state_dict() for run in ("ep2", "ep1"))
-    assert got["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert got[key].shape == ref[key].shape and got[key].shape[0] == 4  # all 4 experts, as EP 1 holds them
     assert_adamw_weights_close(got, ref, FP32, lr=LR, steps=STEPS)
 
 

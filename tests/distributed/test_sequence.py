@@ -268,8 +268,9 @@ def test_qwen3_5_linear_attention_on_the_slice_is_caught(equality_qwen3_5):
 @pytest.fixture(scope="module")
 def equality4(tmp_path_factory, tiny_path):
     out = tmp_path_factory.mktemp("sp4_equal")
-    check_ranks(_equality_ranks, 4, out, {"qwen2_5_vl": ["text", "image", "packed"]}, 4, timeout=600)
-    return [json.loads((out / f"rank{r}.json").read_text())["qwen2_5_vl"] for r in range(4)]
+    # Qwen3-VL: 4 query heads of 32 (the tiny Qwen2.5-VL has 2, which 4 ranks cannot split) and 2 KV heads
+    check_ranks(_equality_ranks, 4, out, {"qwen3_vl": ["text", "image", "packed"]}, 4, timeout=600)
+    return [json.loads((out / f"rank{r}.json").read_text())["qwen3_vl"] for r in range(4)]
 
 
 @pytest.mark.slow
@@ -285,7 +286,7 @@ def test_two_ranks_equal_one_process(equality, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["text", "image", "packed"])
 def test_four_ranks_sp4_replicate_kv_heads_and_equal_one_process(equality4, name):
-    # the tiny model has 2 KV heads: at sp_size 4 each is replicated for the exchange
+    # the tiny Qwen3-VL has 2 KV heads: at sp_size 4 each is replicated for the exchange
     assert not any(r[name]["mismatched_grads"] for r in equality4), equality4[0][name]["mismatched_grads"]
     assert equality4[0][name]["loss"] == pytest.approx(equality4[0][name]["ref_loss"], rel=1e-5, abs=1e-5)
 
@@ -414,8 +415,8 @@ def test_sp_resume_is_bit_identical(cli_runs):
     "overrides, problem",
     [
         (["--nproc", "2", "parallel.sp_size=3"], "parallel.sp_size=3 must divide parallel.nproc=2"),
-        # the tiny model has 4 query heads and 2 KV heads: 3 ranks cannot split them
-        (["--nproc", "3", "parallel.sp_size=3"], "4 query heads and 2 key/value heads"),
+        # the tiny model has 2 query heads and 1 KV head: 3 ranks cannot split them
+        (["--nproc", "3", "parallel.sp_size=3"], "2 query heads and 1 key/value heads"),
         (["--nproc", "2", "parallel.sp_size=2", "loss.chunk=false"], "needs loss.chunk=true"),
         (["--nproc", "2", "parallel.sp_size=2", "loss.loss_type=sample_mean"], "token_mean only"),
     ],

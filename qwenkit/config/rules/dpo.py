@@ -30,11 +30,6 @@ def check(cfg: Config, need: Need) -> None:
     )
     need(cfg.loss.chunk, "train.objective=dpo needs loss.chunk=true: the per-sequence log-probs come from the chunked head")
     need(
-        not cfg.data.packing,
-        "train.objective=dpo does not support data.packing=true: a pair's two replies are two rows of one micro-batch "
-        "(the per-sequence log-probs are row sums); use data.packing=false",
-    )
-    need(
         not cfg.data.max_tokens_per_batch,
         "train.objective=dpo does not support data.max_tokens_per_batch yet (the token-budget sampler deals samples, "
         "not pairs); use train.micro_batch_size (pairs per micro-batch)",

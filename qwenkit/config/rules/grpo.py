@@ -68,12 +68,8 @@ def check(cfg: Config, need: Need) -> None:
              "grpo.rollout_dtype=float32: autocast lowers precision only; unset it to roll out in the weights' own dtype")  # fmt: skip
         need(grpo.rollout_engine == "hf", f"grpo.rollout_dtype={grpo.rollout_dtype} sets the hf rollouts' precision; "
              "vLLM samples in vllm.dtype: unset grpo.rollout_dtype")  # fmt: skip
+    _tool_rules(grpo, need)
     need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
-    need(
-        not cfg.data.packing,
-        "train.objective=grpo does not support data.packing=true: every completion is its own row of a rollout batch; "
-        "use data.packing=false",
-    )
     need(
         not cfg.data.max_tokens_per_batch,
         "train.objective=grpo does not support data.max_tokens_per_batch (rollouts are dealt by prompt); "
@@ -84,6 +80,26 @@ def check(cfg: Config, need: Need) -> None:
         f"train.objective=grpo does not support parallel.sp_size={cfg.parallel.sp_size}: generation runs whole "
         "sequences on each rank; use parallel.sp_size=1",
     )
+
+
+def _tool_rules(grpo: GrpoConfig, need: Need) -> None:
+    """The agentic keys' ranges, and what tools cannot go with (importing them: the launcher's check before spawn,
+    :func:`qwenkit.engine.rollouts.tools.problems`)."""
+    need(grpo.max_tool_calling_iterations >= 1,
+         f"grpo.max_tool_calling_iterations must be >= 1, got {grpo.max_tool_calling_iterations}")  # fmt: skip
+    need(grpo.tool_timeout_s > 0, f"grpo.tool_timeout_s must be > 0 (seconds a tool call may run), got {grpo.tool_timeout_s}")
+    need(grpo.max_trajectory_tokens >= 0, f"grpo.max_trajectory_tokens must be >= 0 (0: no limit), got {grpo.max_trajectory_tokens}")
+    default, agentic = GrpoConfig(), bool(grpo.tools or grpo.environment)
+    if not agentic:
+        changed = [k for k in ("max_tool_calling_iterations", "tool_timeout_s", "max_trajectory_tokens")
+                   if getattr(grpo, k) != getattr(default, k)]  # fmt: skip
+        need(not changed, f"grpo.{', grpo.'.join(changed)} set but neither grpo.tools nor grpo.environment; set one")
+        return
+    need(grpo.rollout_engine == "hf", "grpo.tools / grpo.environment roll out on the hf engine only (the vLLM "
+         "engine's multi-turn loop is not built); set grpo.rollout_engine=hf")  # fmt: skip
+    need(not grpo.max_trajectory_tokens or grpo.max_trajectory_tokens >= grpo.max_new_tokens,
+         f"grpo.max_trajectory_tokens={grpo.max_trajectory_tokens} is below grpo.max_new_tokens={grpo.max_new_tokens}: "
+         "it bounds the model's and the tools' tokens together; raise it or set 0 (no limit)")  # fmt: skip
 
 
 def _loss_rules(grpo: GrpoConfig, need: Need) -> None:

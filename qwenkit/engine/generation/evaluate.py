@@ -350,7 +350,7 @@ def eval_main(request: EvalRequest) -> int:
         source = eval_source(request.target, request.config)
         asked = "--engine vllm" if request.engine else "train.eval_engine=vllm"
         if (request.engine or source.cfg.train.eval_engine) == "vllm" and resolve_device(source.cfg.parallel.device) == "cpu":
-            if why := vllm_cpu_problem(source.spec.family, source.spec.path, asked):  # else inside vLLM, after the start
+            if why := vllm_cpu_problem(source.spec.family, source.spec.path, asked, source.cfg.model.dtype):  # else inside vLLM, after the start
                 raise ValueError(why)
         if request.nproc > 1:
             return _spawn_ranks(request)

@@ -52,6 +52,7 @@ from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.errors import KnownCause
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
+from qwenkit.model.families.entry import vllm_cpu_problem
 from qwenkit.model.modules import module_path
 from qwenkit.model.processor import pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops
@@ -280,9 +281,8 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
     family = processor.family
     if why := family.vllm_refusal:  # the launcher refused it already (Family.problems); qwenkit eval asks here
         raise ValueError(f"vLLM cannot run {family.name}: {why}; use the hf engine")
-    if "linear_attention" in family.mixers and cfg.model.dtype != "bfloat16" and not torch.cuda.is_available():
-        raise ValueError(f"model.dtype={cfg.model.dtype}: vLLM's CPU backend runs {family.name}'s Gated DeltaNet layers "
-                         "in bfloat16 only; set model.dtype=bfloat16 or use the hf engine")  # fmt: skip
+    if not torch.cuda.is_available() and (why := vllm_cpu_problem(family, model_dir, "the vllm engine", cfg.model.dtype)):
+        raise ValueError(why)  # the launcher and qwenkit eval refused it already, before any process started
     lo, hi = pixel_bounds(processor.image_processor)
     v = cfg.vllm
     longest = cfg.data.max_length + max(cfg.grpo.max_new_tokens, cfg.train.eval_max_new_tokens)

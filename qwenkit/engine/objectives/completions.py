@@ -21,8 +21,16 @@ def sample(done: list[Completion], per: torch.Tensor, total: torch.Tensor, adv: 
     its ``rewards`` (by name, of ``per``), weighted reward, advantage and the epoch it was drawn in."""
     kept = SAMPLE_GROUPS * num_generations
     return [{"rollout": rollout, "epoch": epoch, "index": c.index, "completion": c.text, "reference": c.reference,
-             "rewards": dict(zip(rewards, values)), "reward": r, "advantage": a, "truncated": c.truncated}
+             "rewards": dict(zip(rewards, values)), "reward": r, "advantage": a, "truncated": c.truncated,
+             **trajectory(c)}
             for c, values, r, a, epoch in zip(done[:kept], per.tolist(), total.tolist(), adv.tolist(), epochs)]  # fmt: skip
+
+
+def trajectory(c: Completion) -> dict:
+    """An agentic completion's whole trajectory (:mod:`qwenkit.engine.rollouts.agentic`): its chat ``messages``
+    (assistant replies with their ``tool_calls``, ``tool`` responses whose images are ``{"type": "image", "size"}``
+    placeholders), ``model_tokens``, ``tool_tokens``, ``turns``, ``tool_calls`` and ``tool_failures``; {} otherwise."""
+    return dict(c.trajectory) if c.trajectory is not None else {}
 
 
 def append(path: Path, step: int, lines: list[dict]) -> None:
@@ -43,4 +51,4 @@ def read_completions(output_dir: str | Path) -> dict[int, list[dict]]:
     return out
 
 
-__all__ = ["SAMPLE_FILE", "SAMPLE_GROUPS", "append", "read_completions", "sample"]
+__all__ = ["SAMPLE_FILE", "SAMPLE_GROUPS", "append", "read_completions", "sample", "trajectory"]

@@ -21,14 +21,16 @@ log-prob (old, reference, current) and the entropy are those of the distribution
 (:meth:`GrpoObjective.logps`): the logits divided by ``grpo.temperature`` (as TRL), the media tokens
 a rollout never draws (:func:`~qwenkit.engine.rollouts.completion.media_tokens`) banned, so a token's
 log-prob is the one HF ``generate`` (and vLLM) sampled it with, not ``-log(1 - their mass)`` below. Metrics are TRL's names,
-summed by name over the ranks (:func:`_all_reduce`).
+summed by name over the ranks (:mod:`qwenkit.engine.objectives.grpo_metrics`).
 
 **The completions file**, ``metrics/completions.jsonl`` beside the metrics: at each step the trainer
 logs (``train.log_every``, and an invocation's last step; :meth:`GrpoObjective.log`), rank 0 appends a
 sample of the completions of that step's rollout: its first :data:`~qwenkit.engine.objectives.completions.SAMPLE_GROUPS` groups (prompts)
 with all their completions, each a line ``{"step", "k", "rollout", "epoch", "index", "completion",
 "reference", "rewards": {name: value}, "reward", "advantage", "truncated"}`` (``k``: the line's
-place in its step's write, 0 first; ``index``: the prompt's dataset row). A resumed run appends
+place in its step's write, 0 first; ``index``: the prompt's dataset row); an agentic trajectory's line
+(``grpo.tools`` / ``grpo.environment``: :mod:`qwenkit.engine.rollouts.agentic`, whose ``tools/*`` metrics join
+the rollout's) also holds its ``messages``, ``model_tokens``, ``tool_tokens`` and ``turns``. A resumed run appends
 too, as the metrics files do: a step run again after a crash is written again, and
 :func:`~qwenkit.engine.objectives.completions.read_completions` keeps the last write of each step.
 
@@ -57,7 +59,6 @@ per-token loss, logged as TRL names them: ``sampling/sampling_logp_difference/{m
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -70,30 +71,39 @@ from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
 from qwenkit.engine.generation.sampling import Sampling
 from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective
-from qwenkit.engine.objectives import completions, dynamic_sampling
+from qwenkit.engine.objectives import completions, dynamic_sampling, grpo_metrics
 from qwenkit.engine.objectives import rewards as reward_fns
 from qwenkit.engine.objectives.completions import SAMPLE_FILE
 from qwenkit.engine.objectives.dynamic_sampling import Round
-from qwenkit.engine.rollouts.completion import Completion, Rollouts, media_tokens, training_batch
+from qwenkit.engine.objectives.grpo_metrics import ImportanceStats, StepMetrics
+from qwenkit.engine.rollouts import agentic
+from qwenkit.engine.rollouts.agentic import AgenticRollouts
+from qwenkit.engine.rollouts.completion import (
+    Completion,
+    Rollouts,
+    completion_mask,
+    media_tokens,
+    training_batch,
+)
 from qwenkit.engine.rollouts.hf import HfRollouts
+from qwenkit.engine.rollouts.tools import Toolbox
 from qwenkit.engine.rollouts.vllm import VllmRollouts
 from qwenkit.engine.run.build import reference_model
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
-from qwenkit.model.losses.cross_entropy import IGNORE_INDEX, shift_labels
 from qwenkit.model.losses.policy import GrpoLoss, StepTotals, group_advantages, vllm_importance_weights
 from qwenkit.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 OWN_KEYS = ("advantages", "truncated", "old_logps", "ref_logps", "is_ratio")  # what the objective pops from a micro-batch
-CLIP = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # what a cached rollout was made under: a mid-cycle resume under other values rolls out again
 ROLLOUT_SETTINGS = ("grpo.num_generations", "grpo.num_iterations", "grpo.max_new_tokens", "grpo.temperature",
                     "grpo.top_p", "grpo.rollout_engine", "grpo.rollout_dtype", "grpo.rewards", "grpo.reward_weights",
                     "grpo.format_tags", "grpo.overlong_buffer", "grpo.scale_rewards", "grpo.mask_truncated_completions", "grpo.beta",
-                    "grpo.dynamic_sampling", "grpo.max_resample_rounds", "train.micro_batch_size", "train.grad_accum",
-                    "train.seed")  # fmt: skip
+                    "grpo.dynamic_sampling", "grpo.max_resample_rounds", "grpo.tools", "grpo.environment",
+                    "grpo.max_tool_calling_iterations", "grpo.max_trajectory_tokens", "train.micro_batch_size",
+                    "train.grad_accum", "data.packing", "train.seed")  # fmt: skip
 
 
 def rollout_settings(cfg) -> dict:
@@ -122,7 +132,7 @@ class GrpoObjective(Objective):
         self.loss_fn = GrpoLoss(grpo)
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags), grpo.max_new_tokens,
                                           grpo.overlong_buffer)  # fmt: skip
-        self.settings = rollout_settings(cfg)
+        self.settings, self.packing = rollout_settings(cfg), cfg.data.packing  # packing: the micro-batches' layout
         self.banned = media_tokens(bundle.dataset.processor)  # what no rollout draws: no log-prob counts them
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
         if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
@@ -131,6 +141,9 @@ class GrpoObjective(Objective):
             dtype = getattr(torch, grpo.rollout_dtype) if grpo.rollout_dtype else None
             self.rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
                                        collective=cfg.parallel.ep_size > 1, dtype=dtype)  # fmt: skip
+            if grpo.tools or grpo.environment:  # trajectories: generate, call the tools, generate again
+                self.rollouts = AgenticRollouts(self.rollouts, Toolbox(grpo.tools, grpo.environment, grpo.tool_timeout_s),
+                                                grpo.max_tool_calling_iterations, grpo.max_trajectory_tokens)  # fmt: skip
         # vLLM's and a lower-precision rollout's sampling log-probs are corrected for (module docstring)
         other = grpo.rollout_engine == "vllm" or grpo.rollout_dtype is not None
         self.corrects = other and grpo.vllm_importance_sampling_correction
@@ -196,27 +209,27 @@ class GrpoObjective(Objective):
         done, per, total = drawn.done, drawn.per, drawn.total
         truncated = torch.tensor([c.truncated for c in done])
         columns = {f"rewards/{name}": per[:, k] for k, name in enumerate(self.rewards)}
-        columns |= {"reward": total, "length": torch.tensor([float(len(c.tokens)) for c in done]),
+        columns |= {"reward": total, "length": torch.tensor([float(c.model_tokens) for c in done]),
                     "truncated": truncated.float()}  # fmt: skip
-        everyone = _gather_named(columns, self.rt.device)  # name -> [every rank's completions]
+        if isinstance(self.rollouts, AgenticRollouts):
+            columns |= {k: torch.tensor([float(c.trajectory[k]) for c in done]) for k in agentic.STATS}
+        everyone = grpo_metrics.gather_named(columns, self.rt.device)  # name -> [every rank's completions]
         rank = self.rt.rank
         n = len(done)
         adv, zero = group_advantages(everyone["reward"], self.grpo.num_generations, self.grpo.scale_rewards)
-        self.rollout_metrics = self._rollout_metrics(everyone, zero) | resampled
+        self.rollout_metrics = grpo_metrics.rollout_metrics(everyone, zero, self.rewards) | resampled
         mine = adv[rank * n : (rank + 1) * n]
         if self.sample_file is not None:
             self.sample = completions.sample(done, per, total, mine, drawn.epochs, list(self.rewards), self.grpo.num_generations,
                                              self.uses // self.grpo.num_iterations)  # fmt: skip
         size = n // count
         micro = []
-        # importance sampling over the rollout: sums and counts, and the extremes (the minimum as a maximum of -x)
-        stats = {"sum": dict.fromkeys(("difference", "tokens", "ratio", "ratios"), 0.0),
-                 "max": dict.fromkeys(("difference", "ratio", "-ratio"), -math.inf)}  # fmt: skip
+        stats = ImportanceStats()  # importance sampling over the rollout
         for k in range(count):
             part = slice(k * size, (k + 1) * size)
-            batch = training_batch(done[part], self.bundle.dataset.processor.pad_token_id)
+            batch = training_batch(done[part], self.bundle.dataset.processor.pad_token_id, self.packing)
             kept = self.grpo.mask_truncated_completions
-            valid = (shift_labels(batch["labels"]) != IGNORE_INDEX) & ~(truncated[part, None] & kept)
+            valid = completion_mask(batch) & ~(truncated[part, None] & kept)
             batch |= {"num_items": valid.sum(), "num_samples": torch.tensor(size),
                       "advantages": mine[part], "truncated": truncated[part]}  # fmt: skip
             batch |= self._fixed_logps(model, batch)
@@ -224,7 +237,7 @@ class GrpoObjective(Objective):
                 batch |= self._importance(batch, done[part], stats)
             micro.append(batch)
         if self.corrects:
-            self.rollout_metrics |= self._importance_metrics(stats)
+            self.rollout_metrics |= stats.metrics(self.rt.device)
         return micro
 
     def _agree_on_rewards(self, failure: dict | None) -> None:
@@ -263,37 +276,21 @@ class GrpoObjective(Objective):
         the rollout sampled: over ``grpo.temperature``, the media tokens banned (module docstring)."""
         return model.token_logps(**batch, entropy=entropy, temperature=self.grpo.temperature, banned=self.banned)
 
-    def _importance(self, batch: dict, done: list[Completion], stats: dict[str, dict[str, float]]) -> dict:
+    def _importance(self, batch: dict, done: list[Completion], stats: ImportanceStats) -> dict:
         """The micro-batch's vLLM importance-sampling weights (module docstring), its statistics added to
         ``stats``; ``old`` stays only for ``num_iterations > 1`` (else the policy's own log-probs are the
         ratio's denominator, as without vLLM)."""
         g = self.grpo
         old = batch["old_logps"] if g.num_iterations > 1 else batch.pop("old_logps")  # [B, S]
-        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens, in order
+        mask = completion_mask(batch)  # [B, S] the completion tokens, in order
         sampling = torch.zeros_like(old)
         for b, c in enumerate(done):
             sampling[b, mask[b]] = torch.tensor(c.sampling_logps, dtype=old.dtype)
         ratio = vllm_importance_weights(old, sampling, mask.to(old.dtype), g.vllm_importance_sampling_mode,
                                         g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max)  # fmt: skip
-        diff = (old - sampling).abs()[mask].double()  # [tokens]
-        kept = (ratio[mask] if ratio.shape[1] > 1 else ratio.flatten()).double()  # per token, or per completion
-        if diff.numel():
-            for name, value in (("difference", diff.sum()), ("tokens", diff.numel()), ("ratio", kept.sum()), ("ratios", kept.numel())):
-                stats["sum"][name] += float(value)
-            for name, value in (("difference", diff.max()), ("ratio", kept.max()), ("-ratio", -kept.min())):
-                stats["max"][name] = max(stats["max"][name], float(value))
+        kept = ratio[mask] if ratio.shape[1] > 1 else ratio.flatten()  # per token, or per completion
+        stats.add((old - sampling).abs()[mask], kept)
         return {"is_ratio": ratio}
-
-    def _importance_metrics(self, stats: dict[str, dict[str, float]]) -> dict[str, float]:
-        """TRL's names, over every rank's completion tokens (collective)."""
-        def on_device(values: dict[str, float]) -> dict[str, torch.Tensor]:
-            return {k: torch.tensor(v, dtype=torch.float64, device=self.rt.device) for k, v in values.items()}
-        sums, extremes = _all_reduce(on_device(stats["sum"])), _all_reduce(on_device(stats["max"]), op=dist.ReduceOp.MAX)
-        return {"sampling/sampling_logp_difference/mean": sums["difference"] / max(sums["tokens"], 1),
-                "sampling/sampling_logp_difference/max": extremes["difference"],
-                "sampling/importance_sampling_ratio/min": -extremes["-ratio"],
-                "sampling/importance_sampling_ratio/mean": sums["ratio"] / max(sums["ratios"], 1),
-                "sampling/importance_sampling_ratio/max": extremes["ratio"]}  # fmt: skip
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -301,58 +298,22 @@ class GrpoObjective(Objective):
         """Pop the rollout's keys; the step's global completions, completion tokens and micro-batches."""
         self.queue = [{k: b.pop(k) for k in OWN_KEYS if k in b} for b in micro]
         self.totals = StepTotals(completions=counts[1], tokens=counts[0], micro_batches=len(micro) * self.rt.world_size)
-        # each metric's sum over the step's completion tokens (or completions, sequence level) and its count
-        self.sums = {f"{name}/{part}": torch.zeros((), dtype=torch.float64, device=self.rt.device)
-                     for name in ("kl", "entropy", *CLIP) for part in ("sum", "count")}  # fmt: skip
-        # the lowest per-completion low-clip share (as the highest of its negative) and the highest high-clip share
-        self.extremes = {name: torch.tensor(-torch.inf, dtype=torch.float64, device=self.rt.device)
-                         for name in ("-clip_ratio/low_min", "clip_ratio/high_max")}  # fmt: skip
+        self.step_metrics = StepMetrics(self.rt.device)
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
         own = {k: v.to(self.rt.device) for k, v in self.queue.pop(0).items()}
         logps, entropies = self.logps(model, batch, entropy=True)
-        mask = shift_labels(batch["labels"]) != IGNORE_INDEX  # [B, S] the completion tokens
+        mask = completion_mask(batch)  # [B, S] the completion tokens
         terms = self.loss_fn(logps, own["advantages"], mask, self.totals, old=own.get("old_logps"),
                              ref=own.get("ref_logps"), truncated=own["truncated"], is_ratio=own.get("is_ratio"),
                              entropies=entropies)  # fmt: skip
-        m = terms.mask
-        # token level: the completion's tokens; sequence level: one ratio per completion (TRL's metrics)
-        at = m if terms.ratio.shape[1] > 1 else torch.ones_like(terms.ratio)
-        low, high = terms.low_clipped.to(at.dtype) * at, terms.high_clipped.to(at.dtype) * at
-        kl = (terms.kl * m).sum() if terms.kl is not None else torch.zeros((), device=m.device)
-        seen = {"kl": (kl, m.sum()), "entropy": ((entropies * m).sum(), m.sum()), CLIP[0]: (low.sum(), at.sum()),
-                CLIP[1]: (high.sum(), at.sum()), CLIP[2]: ((low + high).sum(), at.sum())}  # fmt: skip
-        for name, (total, count) in seen.items():
-            self.sums[f"{name}/sum"] += total.detach().to(torch.float64)
-            self.sums[f"{name}/count"] += count.to(torch.float64)
-        per_seq = at.sum(-1).clamp(min=1)
-        for name, value in (("-clip_ratio/low_min", -(low.sum(-1) / per_seq).min()),
-                            ("clip_ratio/high_max", (high.sum(-1) / per_seq).max())):  # fmt: skip
-            self.extremes[name] = torch.maximum(self.extremes[name], value.to(torch.float64))
+        self.step_metrics.add(terms, entropies)
         return terms.loss
 
     def metrics(self) -> dict[str, float]:
         """TRL's names: the rollout's reward and completion metrics, the step's KL, entropy and clipping."""
-        sums = _all_reduce(self.sums)
-        extremes = _all_reduce(self.extremes, dist.ReduceOp.MAX)
-        out = dict(self.rollout_metrics)
-        for name in ("kl", "entropy", *CLIP):
-            if name != "kl" or self.grpo.beta > 0:
-                out[name] = sums[f"{name}/sum"] / max(sums[f"{name}/count"], 1.0)
-        out["clip_ratio/low_min"], out["clip_ratio/high_max"] = -extremes["-clip_ratio/low_min"], extremes["clip_ratio/high_max"]
+        out = dict(self.rollout_metrics) | self.step_metrics.reduce(self.grpo.beta)
         out["rollout_time"] = self.rollout_time
-        return out
-
-    def _rollout_metrics(self, everyone: dict[str, torch.Tensor], zero: torch.Tensor) -> dict[str, float]:
-        total, lengths, truncated = everyone["reward"], everyone["length"], everyone["truncated"]
-        out = {"reward": total.mean().item(), "reward_std": total.std().item() if len(total) > 1 else 0.0}
-        for name in self.rewards:
-            values = everyone[f"rewards/{name}"]
-            out[f"rewards/{name}/mean"] = values.mean().item()
-            out[f"rewards/{name}/std"] = values.std().item() if len(values) > 1 else 0.0
-        out["frac_reward_zero_std"] = zero.float().mean().item()
-        out |= {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.mean().item()}  # fmt: skip
         return out
 
     def log(self, step: int) -> None:
@@ -390,23 +351,3 @@ class GrpoObjective(Objective):
 
     evaluate_cli = staticmethod(evaluate_generations)  # answer metrics of the prompts' generations (eval loss where rows have replies)
 
-
-def _gather_named(columns: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    """Every rank's values of each named column ``[n]`` (equal ``n`` on every rank), in rank order, on the CPU:
-    one all-gather of the columns stacked in name order."""
-    names = sorted(columns)
-    mine = torch.stack([columns[k].to(torch.float32) for k in names], dim=1).to(device)  # [n, columns]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, mine)
-        mine = torch.cat(parts)
-    return dict(zip(names, mine.cpu().unbind(1)))
-
-
-def _all_reduce(values: dict[str, torch.Tensor], op=dist.ReduceOp.SUM) -> dict[str, float]:
-    """Each named scalar reduced over the ranks by ``op``: one all-reduce of the values stacked in name order."""
-    names = sorted(values)
-    stacked = torch.stack([values[k] for k in names])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stacked, op=op)
-    return dict(zip(names, stacked.tolist()))

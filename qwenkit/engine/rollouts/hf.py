@@ -109,18 +109,21 @@ class HfRollouts:
 
     @torch.no_grad()
     def sample_rows(self, model: nn.Module, prompts: list[dict], seeds: list[int], end: int, pad: int,
-                    suppress: list[int]) -> list[list[int]]:  # fmt: skip
+                    suppress: list[int], max_new_tokens: int | None = None) -> list[list[int]]:  # fmt: skip
         """The new tokens of each ``[1, S]`` prompt of ``prompts``, sampled from ``seeds``' generators (one a
-        row), ended by ``end`` (then ``pad``) or ``max_new_tokens``; ``suppress``: tokens never drawn. With
+        row), ended by ``end`` (then ``pad``) or ``max_new_tokens`` (None: ``grpo.max_new_tokens``; an agentic
+        trajectory's turn: what its budget leaves); ``suppress``: tokens never drawn; no prompt: every
+        collective of a call still taken (a rank whose trajectories all ended). With
         ``dtype``, ``self.sampled_logps`` holds each row's sampling log-prob of every token generated (pads included)."""
-        config = generation_config(Sampling(self.sampling.max_new_tokens), end, pad)  # greedy: RowSampler draws
+        most = max_new_tokens or self.sampling.max_new_tokens
+        config = generation_config(Sampling(most), end, pad)  # greedy: RowSampler draws
         config.suppress_tokens = suppress
         device = next(model.parameters()).device
         rows = sorted(range(len(prompts)), key=lambda r: -prompts[r]["input_ids"].shape[1])  # longest first, stable
-        size = self.batch_size or len(rows)
+        size = self.batch_size or max(len(rows), 1)
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
         longest = max((p["input_ids"].shape[1] for p in prompts), default=1)
-        self.chosen = choose_generation(self.where, model, Sampling(self.sampling.max_new_tokens, size), longest, device,
+        self.chosen = choose_generation(self.where, model, Sampling(most, size), longest, device,
                                         self.dtype)  # fmt: skip
         gathered = self.chosen[0] == "gather"
         if not gathered and dist.is_initialized() and dist.get_world_size() > 1:

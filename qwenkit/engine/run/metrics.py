@@ -86,6 +86,9 @@ GRPO_UNITS = {
     # grpo.dynamic_sampling (qwenkit.engine.objectives.dynamic_sampling): the first draw's share, rounds, extra rows
     "dynamic_sampling/frac_reward_zero_std_drawn": "1", "dynamic_sampling/rounds": "1",
     "dynamic_sampling/extra_prompts": "sample",
+    # agentic rollouts (qwenkit.engine.rollouts.agentic): calls per completion, failures per call, per-trajectory means
+    "tools/call_frequency": "1", "tools/failure_frequency": "1", "tools/turns_mean": "1",
+    "tools/model_tokens_mean": "token", "tools/tool_tokens_mean": "token",
 }  # fmt: skip
 # a MoE run's (qwenkit.engine.run.expert_load): expert_load/layer_NN, expert_load/max_over_mean
 MOE_UNITS = {"expert_load": "1"}

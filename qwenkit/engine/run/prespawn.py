@@ -6,7 +6,8 @@ weights read), the dataset path and the optional extras the run needs, its bad r
 is cached (:func:`check_prepared_rows`), a dataset too small for one optimizer step
 (:func:`check_data_size`), the resume rule
 (:func:`qwenkit.engine.checkpoints.resume.decide`: which checkpoint, whole, fitting this run's model,
-objective, data and ranks), the number of ranks this node can run, the HSDP shape.
+objective, data and ranks), the number of ranks this node can run, the HSDP shape, GRPO's tools and
+environment (:func:`qwenkit.engine.rollouts.tools.problems`).
 
 Light on purpose: neither this module nor its imports load the DCP checkpoint code
 (:mod:`qwenkit.engine.checkpoints.dcp`); ``tests/test_launch.py`` checks it in a fresh process.
@@ -26,6 +27,7 @@ from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine.checkpoints import resume as resume_rule
+from qwenkit.engine.rollouts import tools
 from qwenkit.engine.run import optim
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
@@ -61,6 +63,8 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
             problems.append(bad)
         if not problems:
             problems.extend(check_data_size(cfg, cfg.parallel.nproc * (fewest_nodes or nodes), processor))
+    # tools that do not import, are untyped or share a name (issue 61): none set, none asked
+    problems.extend(tools.problems(cfg.grpo.tools, cfg.grpo.environment))
     problems.extend(check_resume(cfg, cfg.parallel.nproc * nodes))
     ranks = rank_count_problem(cfg.parallel)
     if ranks:
@@ -82,7 +86,7 @@ def vllm_device_problems(cfg, path) -> list[str]:
         family = families.resolve(cfg.model.name, path)
     except ValueError:  # a checkpoint of no family, or of another: families.problems' to refuse
         return []
-    why = vllm_cpu_problem(family, path, " and ".join(keys))
+    why = vllm_cpu_problem(family, path, " and ".join(keys), cfg.model.dtype)
     return [why] if why else []
 
 

@@ -14,7 +14,7 @@ from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
 from qwenkit.model.families.spec import of_run
 from qwenkit.model.lora import is_adapter_key
-from qwenkit.model.modules import module_path
+from qwenkit.model.modules import module_path, path_match
 
 
 def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) -> ChunkLossMixin:
@@ -61,13 +61,19 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
 
 
 def freeze(model: nn.Module, paths: list[str]) -> None:
-    """Stop gradients for each listed module path (e.g. ``model.visual``)."""
+    """Stop gradients for each listed module path (e.g. ``model.visual``; ``*`` = one segment, every match)."""
     for path in paths:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            raise ValueError(f"model.freeze: no module {path!r} in {type(model).__name__}") from None
-        module.requires_grad_(False)
+        if "*" in path:
+            modules = [m for name, m in model.named_modules() if name and path_match(name, path)]
+        else:
+            try:
+                modules = [model.get_submodule(path)]
+            except AttributeError:
+                modules = []
+        if not modules:
+            raise ValueError(f"model.freeze: no module {path!r} in {type(model).__name__}")
+        for module in modules:
+            module.requires_grad_(False)
 
 
 def parameter_counts(model: nn.Module) -> dict[str, dict[str, int]]:

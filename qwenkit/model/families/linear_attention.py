@@ -42,8 +42,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# transformers' modules whose Gated DeltaNet calls these module-level functions (dense and MoE)
-MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+# transformers' modules whose Gated DeltaNet calls these module-level functions (Qwen3.5 dense and MoE, Qwen4-Exp)
+MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+           "transformers.models.qwen4_exp.modeling_qwen4_exp")  # fmt: skip
 CONV, DELTA = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
 KERNELS = {CONV: ("causal_conv1d", "causal_conv1d_fn"), DELTA: ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")}
 
@@ -190,13 +191,13 @@ def _delta_for(module):
 
 
 def install() -> list[str]:
-    """Put the boundary-keeping functions into HF's Qwen3.5 modules; returns what it replaced
+    """Put the boundary-keeping functions into HF's Qwen3.5 and Qwen4-Exp modules; returns what it replaced
     (``module.function``), nothing on a second call or where transformers has no Qwen3.5."""
     done = []
     for name in MODULES:
         try:
             module = importlib.import_module(name)
-        except ImportError:  # transformers 4.57: no Qwen3.5 (the family entry refuses it)
+        except ImportError:  # transformers 4.57: no Qwen3.5, before 5.23 no Qwen4-Exp (their entries refuse them)
             continue
         for fn, make in ((CONV, _conv_for), (DELTA, _delta_for)):
             if (name, fn) in _originals:

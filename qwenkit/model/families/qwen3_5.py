@@ -18,8 +18,14 @@ full attention; the vision tower is Qwen3-VL's without DeepStack, so the shared
 from __future__ import annotations
 
 from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
-from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_moe
+
+try:  # HF's output class of the dense forward: transformers 5.24 shares one; 5.19 (the vLLM environment's) has its own
+    from transformers.modeling_outputs import MultimodalCausalLMOutputWithPast
+except ImportError:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5CausalLMOutputWithPast as MultimodalCausalLMOutputWithPast,
+    )
 
 from qwenkit.model.families import linear_attention
 from qwenkit.model.families.chunked import ChunkLossMixin

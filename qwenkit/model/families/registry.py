@@ -61,13 +61,20 @@ _QWEN3_5_PARTS = (
     ("lm_head", ("lm_head",)),
 )
 # Qwen3.5 templates as Qwen3-VL does, plus the thinking block of the replies after the last user turn
-_QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True}
+_QWEN3_5_DATA = {**_QWEN3_DATA, "chat_template": "qwenkit.model.processor:QWEN3_5_CHAT_TEMPLATE", "think_tags": True,
+                 "tool_calls": "xml"}
+# Qwen4-Exp: Qwen3.5-MoE's tower and hybrid decoder plus the PLE n-gram tables (a part of their own: ~45B rows in the
+# real checkpoint) and the QSA indexer, whose top-k selection passes no gradient to its weights (never trained)
+_PLE_TABLES = "model.language_model.layers.*.ple.ple_embedding"
+_INDEXER = "model.language_model.layers.*.self_attn.indexer"
+_QWEN4_EXP_PARTS = (*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.layers.*.mlp.experts",)),
+                    ("n-gram tables", (_PLE_TABLES,)), ("QSA indexer", (_INDEXER,)), *_QWEN3_5_PARTS[2:])  # fmt: skip
+_VLLM_QWEN4_EXP = "vLLM 0.32 has no qwen4_exp model (no Qwen4ExpForConditionalGeneration in its registry)"
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
 _VLLM_MOE = ("vLLM 0.32 (CPU) loads this MoE checkpoint (its replies agree with the kit's), but its in-place reload of "
-             "the fused experts, which every weight push uses, leaves wrong outputs (Qwen3-VL-MoE: log-probs 0.07 off "
+             "the fused experts, which every weight push uses, is wrong (Qwen3-VL-MoE: log-probs 0.07 off "
              "after reloading the checkpoint's own expert tensors)")  # fmt: skip
-_VLLM_OMNI = ("the Omni thinkers are not yet tried in vLLM (their audio inputs, and a tiny thinker of vLLM's CPU "
-              "shapes, are not built)")  # fmt: skip
+_VLLM_OMNI = "the Omni thinkers are not yet tried in vLLM (their audio inputs as vLLM's are not built)"
 
 # what the two Omni thinkers share: the audio tower as a part of its own, LoRA's towers, the text decoder's
 # recompute units, the transformers 5.x module tree and what they do not run yet: packing and Ulysses SP (their
@@ -171,6 +178,33 @@ FAMILIES: dict[str, Family] = {
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
             vllm_refusal=_VLLM_MOE,
+        ),
+        # Qwen4-Exp (transformers >= 5.23): hyper-connection streams around every decoder layer, the QSA indexer
+        # on the full-attention layers, PLE n-gram tables on some linear-attention layers, 512 experts top-10
+        Family(
+            name="qwen4_exp",
+            model_type="qwen4_exp",
+            hf_class="transformers:Qwen4ExpForConditionalGeneration",
+            subclass="qwenkit.model.families.qwen4_exp:QwenkitQwen4Exp",
+            tiny_config="qwenkit.model.families.tiny_configs:qwen4_exp_config",
+            parts=_QWEN4_EXP_PARTS,
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            shard_units=_SHARD,
+            recompute_units=_LAYERS,
+            # as Qwen3.5-MoE's, and the indexer (never trained: an adapter there would get no gradient either)
+            lora_exclude=("model.language_model.layers.*.mlp.gate", "model.language_model.layers.*.mlp.shared_expert_gate",
+                          _INDEXER),  # fmt: skip
+            # the shared expert's MLP; its RMSNorms scale by (1 + weight), some per group of streams: HF's
+            fused_ops=("swiglu",),
+            patch_size=16,
+            **_QWEN3_5_DATA,
+            mixers=("indexed_attention", "linear_attention"),
+            mtp_layers=1,
+            aux_loss=True,
+            experts=("model.language_model.layers.*.mlp.experts",),
+            min_transformers=5,
+            never_trained=(_INDEXER,),
+            vllm_refusal=_VLLM_QWEN4_EXP,
         ),
         # Qwen2.5-Omni's thinker (the model trained; talker and token2wav are not loaded): Qwen2.5-VL's
         # vision tower and decoder plus a Whisper-style audio tower under model.audio_tower

@@ -1,7 +1,9 @@
 """Each family's tiny config: its real architecture at toy sizes (the tiny checkpoints' ``config.json``).
 
 Configuration classes only (no modeling code), so the tiny checkpoints are written by any transformers that
-has the family's config (the vLLM environment's too). Qwen2.5-VL (:func:`qwen2_5_vl_config`): two vision
+has the family's config (the vLLM environment's too). Every attention head, decoder and vision, is 32 wide: the
+smallest vLLM's CPU attention runs (``entry.VLLM_CPU_HEAD_SIZES``), so vLLM runs the embedded default as it is.
+Qwen2.5-VL (:func:`qwen2_5_vl_config`): two vision
 blocks (one windowed, one with full attention), the 2x2 patch merger, mRoPE with ``mrope_section`` summing to
 ``head_dim / 2``, and a two-layer GQA text decoder. Qwen3-VL (:func:`qwen3_vl_config`): 16-px patches with a
 learned, interpolated position grid, two LayerNorm/GELU vision blocks that both feed DeepStack mergers (added
@@ -23,8 +25,8 @@ def toy_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings:
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA as in the real models
+        num_attention_heads=2,  # head dim 32: the smallest vLLM's CPU attention runs (VLLM_CPU_HEAD_SIZES)
+        num_key_value_heads=1,  # GQA as in the real models
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         bos_token_id=special_ids["<|endoftext|>"],
@@ -32,8 +34,8 @@ def toy_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings:
         pad_token_id=special_ids["<|endoftext|>"],
         tie_word_embeddings=tie_word_embeddings,
     )
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=64)  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=1, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64)  # one head of 32, as the decoder's: vLLM runs it  # fmt: skip
     top = dict(
         image_token_id=special_ids["<|image_pad|>"],
         video_token_id=special_ids["<|video_pad|>"],
@@ -48,7 +50,7 @@ def qwen2_5_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_emb
     """A Qwen2.5-VL config with toy sizes (about 0.2M parameters: 215,264 untied)."""
     text, vision, top = toy_parts(vocab_size, special_ids, tie_word_embeddings)
     text.update(num_hidden_layers=2, rope_theta=1_000_000.0,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # sums to head_dim/2 = 8
+                rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})  # sums to head_dim/2 = 16
     vision.update(
         patch_size=14,
         window_size=56,  # 2x2 merged tokens per window: the 112 px image has 4 windows
@@ -63,10 +65,12 @@ def qwen3_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embedding
     text, vision, top = toy_parts(vocab_size, special_ids, tie_word_embeddings)
     text.update(
         num_hidden_layers=3,  # DeepStack adds after layers 0 and 1: the last one must follow them
-        head_dim=16,
-        # interleaved mRoPE: the section sums to head_dim/2 = 8 (4.57 reads rope_scaling; 5.x converts it)
+        num_attention_heads=4,  # Qwen3 names its head dim: 4 heads of 32 (q wider than hidden, as Qwen3-VL-30B-A3B's)
+        num_key_value_heads=2,
+        head_dim=32,
+        # interleaved mRoPE: the section sums to head_dim/2 = 16 (4.57 reads rope_scaling; 5.x converts it)
         rope_theta=5_000_000.0,
-        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        rope_scaling={"rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True},
     )
     vision.update(
         patch_size=16,
@@ -85,8 +89,11 @@ def qwen3_vl_config(vocab_size: int, special_ids: dict[str, int], tie_word_embed
 def qwen3_vl_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False) -> Qwen3VLMoeConfig:
     """A Qwen3-VL-MoE config with toy sizes: 4 experts, 2 per token, the router's aux loss on."""
     text, vision, top = qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
+    # moe_intermediate_size 16: the fused gate_up_proj [E, 2·16, 64] is not square, so transformers 5.x's load tells
+    # Qwen's published layout (the vLLM tests' copy holds it: qwenkit.model.tiny.vllm) from its own and transposes it
+    # norm_topk_prob as Qwen's config.json says it: HF's router always renormalises its top-k, vLLM reads the key
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01, norm_topk_prob=True)  # fmt: skip
     return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
 
 
@@ -96,6 +103,8 @@ def _qwen3_5_parts(vocab_size: int, special_ids: dict[str, int], tie_word_embedd
     text.update(
         num_hidden_layers=4,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
         head_dim=32,
         # partial rotary (a quarter of head_dim), interleaved mRoPE: the section sums to 32 * 0.25 / 2 = 4
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
@@ -136,7 +145,7 @@ def qwen2_5_omni_config(vocab_size: int, special_ids: dict[str, int], tie_word_e
 
     text, vision, top = toy_parts(vocab_size, special_ids, tie_word_embeddings)
     text.update(num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
-                                                      "mrope_section": [2, 3, 3]})  # fmt: skip
+                                                      "mrope_section": [4, 6, 6]})  # fmt: skip
     vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1], in_channels=3)
     audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
                  output_dim=text["hidden_size"], n_window=50, max_source_positions=1500)  # fmt: skip
@@ -156,7 +165,7 @@ def qwen3_omni_moe_config(vocab_size: int, special_ids: dict[str, int], tie_word
     text, vision, top = qwen3_parts(vocab_size, special_ids, tie_word_embeddings)
     text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                 mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.01)  # fmt: skip
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3],
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6],
                                "mrope_interleaved": True}  # fmt: skip
     del text["rope_theta"], text["rope_scaling"]
     audio = dict(num_mel_bins=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
@@ -219,3 +228,23 @@ def qwen3_omni_moe_whole_config(thinker):
                     num_hidden_layers=1, num_quantizers=4, upsample_rates=[2, 2], upsampling_ratios=[2], decoder_dim=32,
                     sliding_window=8)  # fmt: skip
     return Qwen3OmniMoeConfig(thinker_config=thinker.to_dict(), talker_config=talker, code2wav_config=code2wav)
+
+
+def qwen4_exp_config(vocab_size: int, special_ids: dict[str, int], tie_word_embeddings: bool = False):
+    """A Qwen4-Exp config with toy sizes, every feature on: three Gated DeltaNet layers (sigmoid output gate)
+    then one full attention with the QSA indexer (blocks of 4 tokens, 8 selected per query: short samples fit
+    whole, longer ones select), 4 experts (2 per token) and a shared expert, 2 hyper-connection streams, PLE on
+    layers 1 and 3 (bigrams and trigrams, 2 hashed heads each, a ~300-row table in 2 checkpoint parts)."""
+    from transformers import Qwen4ExpConfig  # transformers >= 5.23 only
+
+    text, vision, top = _qwen3_5_parts(vocab_size, special_ids, tie_word_embeddings)
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                output_router_logits=True, router_aux_loss_coef=0.01, output_gate_type="sigmoid",
+                layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                hc_count=2, hc_lowrank=16,
+                ple_layer_ids=[1, 3], ple_embed_dim=32, ple_conv_kernel_size=2, ngram_size=3, heads_per_ngram=2,
+                ngram_vocab_size_base=61, make_ngram_vocab_size_divisible_by=16, split_ngram_parts=2,
+                indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                indexer_compress_ratio=4)  # fmt: skip
+    text["rope_parameters"] = {**text["rope_parameters"], "partial_rotary_factor": 0.25}  # rotary 8 <= indexer 16
+    return Qwen4ExpConfig(text_config=text, vision_config=vision, **top)

@@ -186,6 +186,16 @@ def sequence_logps(
     return logps.sum(-1), (shift_labels(labels) != IGNORE_INDEX).sum(-1)
 
 
+def unpack(values: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """``[B, max L]``: a packed row's per-token values ``[1, ΣL]`` laid out as the right-padded batch of its
+    samples (sample ``b``'s ``L_b`` values first in row ``b``, 0 after), differentiable. The per-token log-probs
+    of a packed row (:func:`token_logps`) so equal the padded batch's position for position: a sample's last
+    position predicts the next sample's first label, which the packing ignores (:mod:`qwenkit.data.collator`),
+    as a padded row's last position predicts padding."""
+    parts = values[0].split(seq_lens.tolist())
+    return torch.nn.utils.rnn.pad_sequence(list(parts), batch_first=True)
+
+
 def full_token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                      banned: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Reference (full logits, TRL's ``selective_log_softmax_and_entropy`` of ``logits / temperature``;
@@ -211,4 +221,4 @@ def full_sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[tor
     return (logps * valid).sum(-1), valid.sum(-1)
 
 
-__all__ = ["full_sequence_logps", "full_token_logps", "sequence_logps", "token_logps"]
+__all__ = ["full_sequence_logps", "full_token_logps", "sequence_logps", "token_logps", "unpack"]

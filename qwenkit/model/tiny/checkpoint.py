@@ -102,7 +102,7 @@ def ensure_checkpoint(
 ) -> Path:
     """Write (once) and return an HF checkpoint directory holding the seeded tiny model of ``family``;
     ``whole``: the whole model it is part of (a full Omni checkpoint: thinker, talker, vocoder);
-    ``reshape``: its config changed first (:mod:`qwenkit.model.tiny.vllm`'s widths).
+    ``reshape``: its config changed first (:mod:`qwenkit.model.tiny.vllm`'s).
 
     The directory name hashes everything that determines its content, so a stale one is never
     reused; it is written under a temporary name and renamed, so concurrent ranks are safe.
@@ -111,8 +111,8 @@ def ensure_checkpoint(
         raise ValueError(problem)
     if whole and families.get(family).whole is None:
         raise ValueError(f"{family} is no part of a whole model (its entry's whole is None)")
-    key = json.dumps(
-        {"v": 1, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
+    key = json.dumps(  # v 2: head dims of 32 (vLLM's CPU attention), Qwen3-VL-MoE's experts 16 wide
+        {"v": 2, "tie": tie_word_embeddings, "seed": seed, "tf": transformers.__version__, "torch": torch.__version__}
         | ({"family": family, "template": 2, "mtp": 1} if family != families.TINY_DEFAULT else {})  # 2: the family's chat template
         | ({"whole": 2} if whole else {})  # 2: every tensor outside the part drawn
         | ({"reshape": reshape.name, "reshape_version": reshape.version} if reshape is not None else {})
@@ -230,7 +230,7 @@ def _add_mtp(path: Path, model, layers: int) -> None:
     text = model.config.text_config
     hidden = text.hidden_size
     decoder = model.model.language_model.layers
-    full = next(i for i, kind in enumerate(text.layer_types) if kind == "full_attention")
+    full = next(i for i, kind in enumerate(text.layer_types) if kind != "linear_attention")  # Qwen4-Exp's: indexed
     g = torch.Generator().manual_seed(1)
     mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g) * text.initializer_range,
            "mtp.pre_fc_norm_embedding.weight": torch.ones(hidden), "mtp.pre_fc_norm_hidden.weight": torch.ones(hidden),

@@ -236,13 +236,16 @@ def test_eval_data_gets_the_checks_training_data_gets(run, tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU backend's head dims: the run would take the GPU")
-def test_eval_on_vllm_of_a_head_dim_its_cpu_backend_cannot_run_is_one_line_before_anything_loads(run, monkeypatch, capsys):
-    """The tiny default's head dim (16) failed inside vLLM, after the start, with a 147-line traceback (issue 62)."""
+def test_eval_on_vllm_of_a_head_dim_its_cpu_backend_cannot_run_is_one_line_before_anything_loads(tiny_path, tmp_path,
+                                                                                                 monkeypatch, capsys):
+    """The tiny default's old head dim (16) failed inside vLLM, after the start, with a 147-line traceback (issue 62)."""
+    from engine.run.test_prespawn import head_dim_16
     from qwenkit.engine.generation import evaluate
 
     monkeypatch.setattr(qconfig, "installed", lambda library: True)  # as in the vLLM environment
     monkeypatch.setattr(evaluate, "load_for_eval", lambda *a, **k: pytest.fail("the model must not load"))
-    assert cli.main(["eval", str(run), "--engine", "vllm", "--samples", "2"]) == 2
+    export = head_dim_16(tiny_path, tmp_path / "export")  # an export's config.json: all eval reads before the check
+    assert cli.main(["eval", str(export), "--engine", "vllm", "--samples", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("qwenkit eval: --engine vllm: vLLM's CPU attention runs head dims 32, 64,") and err.count("\n") == 1
 

@@ -72,9 +72,9 @@ def test_model_sequence_logps_equal_hf_full_logits_and_their_grads(family, famil
     got = torch.autograd.grad((sums * g).sum(), params, allow_unused=True)
     model.chunk_loss = True
     want = torch.autograd.grad((ref * g).sum(), params, allow_unused=True)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want):  # each a sum over the sequence's tokens: fp32's rounding grows with their count
         if a is not None or b is not None:
-            torch.testing.assert_close(a, b, **FP32)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @families_allowing("DPO")

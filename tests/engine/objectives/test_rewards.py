@@ -64,7 +64,7 @@ def test_every_family_names_its_box_convention():
     # Qwen2.5-VL grounds in absolute pixels of the resized image; Qwen3-VL and Qwen3.5 in 0-1000 of each side;
     # each Omni thinker as the VL generation its vision tower is
     assert units == {"qwen2_5_vl": "pixels", "qwen3_vl": "per_mille", "qwen3_vl_moe": "per_mille",
-                     "qwen3_5": "per_mille", "qwen3_5_moe": "per_mille", "qwen2_5_omni": "pixels",
+                     "qwen3_5": "per_mille", "qwen3_5_moe": "per_mille", "qwen4_exp": "per_mille", "qwen2_5_omni": "pixels",
                      "qwen3_omni_moe": "per_mille"}
 
 

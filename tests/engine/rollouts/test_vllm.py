@@ -1,6 +1,6 @@
 """GRPO with vLLM rollouts through the trainer, and evaluation by vLLM (needs vLLM: make test-vllm).
 
-A run on the tiny Qwen2.5-VL at vLLM's CPU shapes (:mod:`qwenkit.model.tiny.vllm`), float32, 1 rank:
+A run on the embedded default (the tiny Qwen2.5-VL, as a new user's run takes it), float32, 1 rank:
 rollouts and evaluation from one colocated engine, the policy's weights pushed before each rollout; the
 same run on 2 ranks (an engine each, in the gloo group's processes) equals it step for step; a LoRA run's
 pushes carry the merged adapters.
@@ -26,7 +26,6 @@ from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import completions  # noqa: E402
 from qwenkit.engine.run import train  # noqa: E402
-from qwenkit.model.tiny import vllm as tiny_vllm  # noqa: E402
 
 STEPS = 6
 RUN = ["train.objective=grpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", f"train.steps={STEPS}",
@@ -56,14 +55,13 @@ def run(tmp_path_factory):
     """The run on 1 process, 4 prompts a step (``run/``), on 2 ranks, 2 prompts each (``two/``), and with LoRA
     adapters, 3 steps (``lora/``)."""
     out = tmp_path_factory.mktemp("vllm-grpo")
-    path = tiny_vllm.ensure_checkpoint("qwen2_5_vl")
-    check_ranks(_worker, 1, out, [*RUN, f"model.path={path}", f"train.output_dir={out / 'run'}"])
+    check_ranks(_worker, 1, out, [*RUN, f"train.output_dir={out / 'run'}"])
     two = out / "two"
     two.mkdir()
-    check_ranks(_worker, 2, two, [*RUN, f"model.path={path}", f"train.output_dir={two / 'run'}", "train.micro_batch_size=2"])
+    check_ranks(_worker, 2, two, [*RUN, f"train.output_dir={two / 'run'}", "train.micro_batch_size=2"])
     adapters = out / "lora"
     adapters.mkdir()
-    check_ranks(_worker, 1, adapters, [*RUN, f"model.path={path}", f"train.output_dir={adapters / 'run'}", "lora.r=8",
+    check_ranks(_worker, 1, adapters, [*RUN, f"train.output_dir={adapters / 'run'}", "lora.r=8",
                                        "train.steps=3", "train.eval_samples=0", "train.lr=0.05"])  # fmt: skip
     return out
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import tiny_checkpoint
 from jobs import refused, train
 
 from qwenkit import config as qconfig
 from qwenkit.engine.run import events, prespawn
+from qwenkit.model.families import registry as families
 from qwenkit.model.tiny import vllm as tiny_vllm
 
 
@@ -160,15 +162,40 @@ def test_an_eval_file_without_rows_is_refused_before_spawn(tmp_path):
 # vLLM on this device (issue 62): what its CPU backend cannot run is refused before any rank starts
 
 
+def head_dim_16(tiny_path, out):
+    """A checkpoint directory whose ``config.json`` is the tiny default's with 4 attention heads of 16 (its head dim
+    before issue 62): all that the checks before the start read."""
+    config = json.loads((tiny_path / "config.json").read_text())
+    config["text_config"]["num_attention_heads"] = 4
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 @pytest.mark.parametrize("key", ["grpo.rollout_engine", "train.eval_engine"])
 def test_a_head_dim_vllms_cpu_attention_cannot_run_is_refused_naming_it(key, tiny_path, tmp_path):
     cfg = qconfig.load(overrides=["train.objective=grpo", "parallel.device=cpu"])
     section, name = key.split(".")
     setattr(getattr(cfg, section), name, "vllm")  # as a config with vLLM installed asks (the config check needs it)
-    (problem,) = prespawn.vllm_device_problems(cfg, tiny_path)
-    text = json.loads((tiny_path / "config.json").read_text())["text_config"]
-    head_dim = text["hidden_size"] // text["num_attention_heads"]  # Qwen2.5-VL's config has no head_dim
-    assert problem.startswith(f"{key}=vllm: vLLM's CPU attention runs head dims 32, 64,") and f"has {head_dim};" in problem
-    assert prespawn.vllm_device_problems(cfg, tiny_vllm.ensure_checkpoint(root=tmp_path)) == []  # vLLM's shapes run
+    odd = head_dim_16(tiny_path, tmp_path / "odd")
+    (problem,) = prespawn.vllm_device_problems(cfg, odd)
+    assert problem.startswith(f"{key}=vllm: vLLM's CPU attention runs head dims 32, 64,") and "has 16;" in problem
+    assert prespawn.vllm_device_problems(cfg, tiny_path) == []  # the embedded default: vLLM's shapes run
     setattr(getattr(cfg, section), name, "hf")
-    assert prespawn.vllm_device_problems(cfg, tiny_path) == []
+    assert prespawn.vllm_device_problems(cfg, odd) == []
+
+
+@pytest.mark.skipif(bool(families.get("qwen3_5").unavailable()), reason="transformers 4.x has no Qwen3.5")
+def test_qwen3_5_on_vllm_on_cpu_is_refused_unless_bf16_with_linear_heads_of_128(tmp_path):
+    """vLLM's CPU Gated DeltaNet runs bf16 and linear-attention head dims of 128 only: the tiny Qwen3.5 (16) is
+    refused in one line naming each, its widened copy (qwenkit.model.tiny.vllm) in bf16 is not."""
+    cfg = qconfig.load(overrides=["model.name=qwen3_5", "train.objective=grpo", "parallel.device=cpu"])
+    cfg.grpo.rollout_engine = "vllm"
+    wide = tiny_vllm.ensure_checkpoint("qwen3_5", root=tmp_path)
+    (problem,) = prespawn.vllm_device_problems(cfg, wide)
+    assert problem == ("grpo.rollout_engine=vllm: vLLM's CPU backend runs qwen3_5's Gated DeltaNet layers in bfloat16 "
+                       "only, and model.dtype=float32; set model.dtype=bfloat16, or use the hf engine")  # fmt: skip
+    cfg.model.dtype = "bfloat16"
+    assert prespawn.vllm_device_problems(cfg, wide) == []
+    (problem,) = prespawn.vllm_device_problems(cfg, tiny_checkpoint("qwen3_5"))
+    assert "linear-attention key and value head dims of 128 only" in problem and "has 16 and 16;" in problem

@@ -202,21 +202,6 @@ def test_linear_attention_heads_that_do_not_split_are_refused_before_start(tmp_p
     assert not out.exists()
 
 
-def test_a_transformers_without_qwen3_5_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
-    """As on 4.57: the family's module is missing; the launcher refuses before writing the tiny checkpoint."""
-    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "qwen3_5" in name else find_spec(name, *a))
-    out = tmp_path / "run"
-    assert cli.main(["train", "model.name=qwen3_5", f"train.output_dir={out}"]) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if "needs transformers 5.x" in line]
-    assert len(lines) == 1 and "model.name=qwen3_5" in lines[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Export keeps the multi-token-prediction layer
-
-
 @over_families("qwen3_5", "qwen3_5_moe")
 def test_export_carries_the_base_checkpoints_mtp_tensors_unchanged(family, tmp_path, caplog):
     """The tiny checkpoint ships an MTP layer (``mtp.*``, as Qwen3.5 checkpoints do, in a dtype of its own

@@ -6,6 +6,7 @@ one of another family is refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 from pathlib import Path
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import EVERY_FAMILY, FAMILIES, tiny_checkpoint, tiny_processor
 
+from qwenkit import cli, launch
 from qwenkit import config as qconfig
-from qwenkit import launch
 from qwenkit.engine.run import prespawn
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
@@ -210,14 +211,18 @@ def test_a_family_vllm_cannot_run_is_refused_before_start_and_by_qwenkit_eval(ke
 @pytest.mark.skipif(bool(families.get("qwen3_5").unavailable()), reason="transformers 4.x has no Qwen3.5")
 def test_vllm_on_cpu_runs_qwen3_5_in_bfloat16_only():
     from qwenkit.engine.generation import vllm_engine
+    from qwenkit.model.tiny import vllm as tiny_vllm
 
     cfg = qconfig.load(overrides=["model.name=qwen3_5"])
-    args = (tiny_processor("qwen3_5"), str(tiny_checkpoint("qwen3_5")))
-    with pytest.raises(ValueError, match=r"^model.dtype=float32: vLLM's CPU backend runs qwen3_5's Gated DeltaNet layers "
-                                         r"in bfloat16 only; set model.dtype=bfloat16 or use the hf engine$"):  # fmt: skip
+    args = (tiny_processor("qwen3_5"), str(tiny_vllm.ensure_checkpoint("qwen3_5")))  # linear-attention heads of 128
+    with pytest.raises(ValueError, match=r"^the vllm engine: vLLM's CPU backend runs qwen3_5's Gated DeltaNet layers "
+                                         r"in bfloat16 only, and model.dtype=float32; set model.dtype=bfloat16, or use the "
+                                         r"hf engine$"):  # fmt: skip
         vllm_engine.spec_of(cfg, *args)
     cfg.model.dtype = "bfloat16"
     assert vllm_engine.spec_of(cfg, *args).dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"linear-attention key and value head dims of 128 only, and .* has 16 and 16"):
+        vllm_engine.spec_of(cfg, args[0], str(tiny_checkpoint("qwen3_5")))  # the tiny default's 16
 
 
 # the families tests/engine/generation/test_vllm_engine.py starts vLLM with (ENGINE_FAMILIES and its isolated ones)
@@ -229,3 +234,19 @@ def test_a_family_never_tried_in_vllm_is_refused_for_it(family):
     """A family the vLLM tests never start an engine with has a refusal on its entry (one line before start,
     not an engine failing mid-run): a new family must be tried in vLLM or say why not."""
     assert family in VLLM_TRIED or families.get(family).vllm_refusal, family
+
+
+@EVERY_FAMILY
+def test_a_transformers_without_the_family_is_refused_in_one_line(family, tmp_path, monkeypatch, capsys):
+    """As on 4.57 (Qwen3.5, the Omni thinkers) or 5.x before 5.23 (Qwen4-Exp): the family's module is missing; the
+    launcher refuses before writing the tiny checkpoint, and no rank starts."""
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
+    entry = families.get(family)
+    module = f"transformers.models.{entry.hf_module or entry.model_type}"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m.startswith(module) else find_spec(m, *a))
+    out = tmp_path / "run"
+    assert cli.main(["train", f"model.name={family}", f"train.output_dir={out}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if module in line]
+    assert len(lines) == 1 and f"model.name={family} needs transformers" in lines[0]
+    assert not out.exists()

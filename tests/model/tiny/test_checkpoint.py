@@ -3,7 +3,10 @@
 import json
 
 import torch
+from conftest import EVERY_FAMILY
 
+from qwenkit.model.families import registry as families
+from qwenkit.model.families.entry import VLLM_CPU_HEAD_SIZES, text_config
 from qwenkit.model.tiny import checkpoint as tiny
 
 
@@ -35,3 +38,19 @@ def test_checkpoint_is_seeded_and_reused(tmp_path):
     b = tiny.ensure_checkpoint(root=tmp_path / "b")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert tiny.ensure_checkpoint(root=tmp_path / "a") == a
+
+
+@EVERY_FAMILY
+def test_every_tiny_family_has_head_dims_vllms_cpu_attention_runs(family, family_path):
+    """Decoder and vision heads of 32 (issue 62: the old 16 failed inside vLLM's CPU attention), HF's and vLLM's
+    head dim alike (Qwen2.5-VL's is hidden / heads; Qwen3's names it), mRoPE over half the rotated dims."""
+    entry = families.get(family)
+    text = text_config(entry, family_path)
+    assert text["hidden_size"] // text["num_attention_heads"] == 32 or text["head_dim"] == 32
+    assert text.get("head_dim", 32) in VLLM_CPU_HEAD_SIZES
+    config = json.loads((family_path / "config.json").read_text())
+    vision = config.get("vision_config") or config["thinker_config"]["vision_config"]
+    assert vision["hidden_size"] // vision["num_heads"] == 32
+    rope = text.get("rope_parameters") or text["rope_scaling"]
+    assert sum(rope["mrope_section"]) == 32 * rope.get("partial_rotary_factor", 1.0) / 2
+

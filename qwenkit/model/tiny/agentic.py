@@ -1,0 +1,74 @@
+"""The tiny agentic task (``params/tiny_agentic_cpu.yaml``): a zoom tool over the synthetic shapes, an environment
+per completion, and the reward that reads it (TRL's ``environment_factory`` shape; :mod:`qwenkit.engine.rollouts.tools`).
+
+:class:`ShapesZoom` is ``grpo.environment``: ``reset(**row)`` finds the row's image (the synthetic training set
+draws image ``k`` alike whatever its size, so any written copy of the seed-0 set holds it) and its public method
+:meth:`ShapesZoom.zoom` is the model's tool, returning a crop of one quadrant as an image: the next turn sees it as
+vision tokens. :func:`shape_colour` is a plain ``grpo.tools`` function (text in, text out).
+:func:`zoomed` is a reward (``grpo.rewards``) reading the completion's environment: 1 when the trajectory zoomed
+at least once without an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PIL import Image
+
+from qwenkit.model.tiny.data import COLOURS, POSITIONS, TINY_IMAGE_SIDE, cache_root
+
+ZOOM_SIDE = 56  # a crop is resized to the tiny image processor's smallest side: 4 image tokens after the merge
+
+
+def tiny_image(name: str) -> Path:
+    """Where image ``name`` (``images/00003.png``) of the seed-0 synthetic set is: any written copy holds it."""
+    if Path(name).is_absolute():
+        return Path(name)
+    for folder in sorted(cache_root().glob("tiny-data-n*-s0-v2")):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{name} is in no written copy of the tiny training set under {cache_root()}")
+
+
+class ShapesZoom:
+    """One completion's environment: the row's image, and the quadrants the model zoomed into."""
+
+    def reset(self, images=(), **row) -> str:
+        """Load the row's image; the prompt gets a line naming the tool."""
+        self.image = Image.open(tiny_image(images[0])).convert("RGB") if images else None
+        self.zooms: list[str] = []
+        return "\nYou may zoom into a quadrant."
+
+    def zoom(self, quadrant: str) -> Image.Image:
+        """Zoom into one quadrant of the image.
+
+        Args:
+            quadrant: top left, top right, bottom left or bottom right.
+        """
+        if self.image is None:
+            raise ValueError("this row has no image")
+        if quadrant not in POSITIONS:
+            raise ValueError(f"quadrant must be one of {', '.join(POSITIONS)}, got {quadrant!r}")
+        k, half = POSITIONS.index(quadrant), TINY_IMAGE_SIDE // 2
+        x, y = (k % 2) * half, (k // 2) * half
+        self.zooms.append(quadrant)
+        return self.image.crop((x, y, x + half, y + half)).resize((ZOOM_SIDE, ZOOM_SIDE))
+
+
+def shape_colour(name: str) -> str:
+    """The RGB value of a colour the shapes are drawn in.
+
+    Args:
+        name: the colour's name (red, green, blue, ...).
+    """
+    if name not in COLOURS:
+        raise ValueError(f"no shape is drawn in {name!r}; the colours are {', '.join(COLOURS)}")
+    return str(list(COLOURS[name]))
+
+
+def zoomed(prediction: str, reference: str, environment: ShapesZoom | None = None, **row) -> float:
+    """1 when the trajectory zoomed at least once (its environment says), else 0."""
+    return float(environment is not None and bool(environment.zooms))
+
+
+__all__ = ["ZOOM_SIDE", "ShapesZoom", "shape_colour", "tiny_image", "zoomed"]
