@@ -6,6 +6,8 @@
 - a packed row = the padded batch (no prediction across a document boundary);
 - through the trainer: ``mtp_loss`` logged, the export's ``mtp.*`` = the trained tensors (not the base's),
   HF's class loads the export;
+- FSDP2 on 2 gloo ranks (CPU and meta init) = one process on the same global batches: losses, ``mtp_loss``,
+  gradient norms and the trained weights, ``mtp.*`` included;
 - a family without an MTP layer asked to train it: refused before start in one line.
 """
 
@@ -16,8 +18,11 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import over_families, tiny_checkpoint
+from conftest import assert_adamw_weights_close, over_families, tiny_checkpoint
+from multiproc import check_ranks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from qwenkit import cli, launch
 from qwenkit import config as qconfig
@@ -136,3 +141,47 @@ def test_a_family_without_mtp_asked_to_train_it_is_refused_before_start(tmp_path
     lines = [line for line in capsys.readouterr().err.splitlines() if "model.mtp.train" in line]
     assert len(lines) == 1 and "qwen2_5_vl has no multi-token-prediction layer" in lines[0]
     assert not out.exists()
+
+
+LR, STEPS = 2e-3, 3
+FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks and micro-batches run in another order
+RANKS_BASE = [f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=2", "train.warmup_steps=1",
+              "train.resume=none", "checkpoint.save_final=false", "data.tiny_samples=16", "loss.chunk_size=16",
+              "model.mtp.train=true", "model.mtp.loss_weight=0.5"]  # fmt: skip
+# the 2-rank runs take grad_accum=1, the one-process reference grad_accum=2: the same 4 samples per step
+RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta"]}
+
+
+def _train_ranks(rank, out, family, runs, grad_accum):
+    from qwenkit.engine.run import train
+
+    dist.init_process_group("gloo")
+    for name, overrides in runs.items():
+        cfg = qconfig.load(overrides=RANKS_BASE + overrides + [f"model.path={tiny_checkpoint(family)}",
+                                                               f"model.name={family}", f"train.grad_accum={grad_accum}",
+                                                               f"train.output_dir={out}/{name}"])  # fmt: skip
+        trainer = train.run(cfg)
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({key: [h[key] for h in trainer.history] for key in ("loss", "mtp_loss", "grad_norm")}
+                       | {"state": state}, out / f"{name}.pt")  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@over_families("qwen3_5")
+def test_two_ranks_equal_one_process(family, tmp_path):
+    tiny_checkpoint(family)  # written once here, so the ranks only read it
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ranks(_train_ranks, 1, one, family, {"cpu": []}, 2, timeout=600)
+    check_ranks(_train_ranks, 2, two, family, RANKS_RUNS, 1, timeout=600)
+    ref = torch.load(one / "cpu.pt")
+    assert any(k.startswith("mtp.layers.0.self_attn") for k in ref["state"]) and "mtp.fc.weight" in ref["state"]
+    for name in RANKS_RUNS:
+        got = torch.load(two / f"{name}.pt")
+        for key in ("loss", "mtp_loss", "grad_norm"):
+            assert len(got[key]) == STEPS
+            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), **FP32, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+        assert_adamw_weights_close(got["state"], ref["state"], FP32, lr=LR, steps=STEPS)
+        assert got["mtp_loss"][-1] < got["mtp_loss"][0]  # the head trained: not two untouched copies
