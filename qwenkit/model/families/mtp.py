@@ -124,3 +124,29 @@ def mtp_loss(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch
         total = total + model.lm_head(hidden, labels=labels, loss_fn=fn)
     return total / len(model.mtp.layers)
 
+
+TOP1_ROWS = 1024  # positions projected at once by top1 (their logits [rows, V] exist, the whole row's never)
+
+
+def top1(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``[N]`` the main head's top-1 token of each of ``hidden [N, H]``, in blocks of :data:`TOP1_ROWS`."""
+    return torch.cat([lm_head(block).argmax(-1) for block in hidden.split(TOP1_ROWS)]) if len(hidden) else hidden.new_zeros(0, dtype=torch.long)
+
+
+@torch.no_grad()
+def draft_agreement(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, packed_seq_lens=None):
+    """Per sample ``(accepted [N], drafted [N])`` of the first MTP depth (speculative decoding's one-token draft):
+    at every position t whose token t+2 is a label token of t's sample, the draft (top-1 of the MTP layer on
+    ``h_t`` and token t+1) against the main head's top-1 at t+1 (the model's own greedy token t+2).
+    ``hidden [B, S, H]``: the backbone's, from the forward whose decoder-layer keywords ``attach``'s hook kept;
+    N: the rows of a padded batch, the samples of a packed row (``packed_seq_lens``)."""
+    docs = doc_ids(labels, packed_seq_lens)
+    drafted = targets(labels, 2, docs) != IGNORE_INDEX  # [B, S]
+    embeds = model.model.get_input_embeddings()(shifted_ids(input_ids, 1))
+    draft = top1(model.lm_head, model.mtp(hidden, embeds, 0, model._mtp_layer_kwargs)[drafted])
+    greedy = top1(model.lm_head, hidden[:, 1:][drafted[:, :-1]])  # drafted positions leave the last one out
+    sample = (docs if docs is not None else torch.arange(len(labels), device=labels.device)[:, None].expand_as(labels))[drafted]
+    n = len(packed_seq_lens) if packed_seq_lens is not None else len(labels)
+    accepted = torch.zeros(n, dtype=torch.long, device=labels.device).index_add_(0, sample, (draft == greedy).long())
+    return accepted, torch.bincount(sample, minlength=n)
+
