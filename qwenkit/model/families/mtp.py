@@ -22,6 +22,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -128,9 +129,20 @@ def mtp_loss(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch
 TOP1_ROWS = 1024  # positions projected at once by top1 (their logits [rows, V] exist, the whole row's never)
 
 
+def _argmax(hidden: torch.Tensor, weight: torch.Tensor, labels=None, bias=None, skip_ignored=True) -> torch.Tensor:
+    """``[N]`` the top-1 of ``hidden [N, H]`` under the head ``weight``, in blocks of :data:`TOP1_ROWS` (a head's loss_fn)."""
+    if not len(hidden):
+        return torch.zeros(0, dtype=torch.long, device=hidden.device)
+    return torch.cat([F.linear(block, weight, bias).argmax(-1) for block in hidden.split(TOP1_ROWS)])
+
+
 def top1(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``[N]`` the main head's top-1 token of each of ``hidden [N, H]``, in blocks of :data:`TOP1_ROWS`."""
-    return torch.cat([lm_head(block).argmax(-1) for block in hidden.split(TOP1_ROWS)]) if len(hidden) else hidden.new_zeros(0, dtype=torch.long)
+    """``[N]`` the main head's top-1 token of each of ``hidden [N, H]``. The chunked head (the trainer's)
+    is called once as a module with :func:`_argmax` as its loss function, whatever N (none included):
+    FSDP2 gathers its weight once, and every rank issues the same collectives."""
+    if type(lm_head) is nn.Linear:  # HF's own head (qwenkit eval): not sharded
+        return _argmax(hidden, lm_head.weight, bias=lm_head.bias)
+    return lm_head(hidden, loss_fn=_argmax)
 
 
 @torch.no_grad()

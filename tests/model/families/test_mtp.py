@@ -7,7 +7,7 @@
 - through the trainer: ``mtp_loss`` logged, the export's ``mtp.*`` = the trained tensors (not the base's),
   HF's class loads the export;
 - FSDP2 on 2 gloo ranks (CPU and meta init) = one process on the same global batches: losses, ``mtp_loss``,
-  gradient norms and the trained weights, ``mtp.*`` included;
+  gradient norms, the trained weights (``mtp.*`` included), eval loss and ``eval_mtp_acceptance``;
 - a family without an MTP layer asked to train it: refused before start in one line.
 """
 
@@ -147,9 +147,11 @@ LR, STEPS = 2e-3, 3
 FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks and micro-batches run in another order
 RANKS_BASE = [f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=2", "train.warmup_steps=1",
               "train.resume=none", "checkpoint.save_final=false", "data.tiny_samples=16", "loss.chunk_size=16",
-              "model.mtp.train=true", "model.mtp.loss_weight=0.5"]  # fmt: skip
+              "model.mtp.train=true", "model.mtp.loss_weight=0.5", "data.tiny_eval_samples=5",
+              "train.eval_samples=0"]  # fmt: skip
 # the 2-rank runs take grad_accum=1, the one-process reference grad_accum=2: the same 4 samples per step
 RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta"]}
+RANKS_KEYS = ("loss", "mtp_loss", "grad_norm", "eval_loss", "eval_mtp_acceptance")  # eval: at the last step
 
 
 def _train_ranks(rank, out, family, runs, grad_accum):
@@ -163,7 +165,7 @@ def _train_ranks(rank, out, family, runs, grad_accum):
         trainer = train.run(cfg)
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
-            torch.save({key: [h[key] for h in trainer.history] for key in ("loss", "mtp_loss", "grad_norm")}
+            torch.save({key: [h[key] for h in trainer.history if key in h] for key in RANKS_KEYS}
                        | {"state": state}, out / f"{name}.pt")  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
@@ -180,8 +182,8 @@ def test_two_ranks_equal_one_process(family, tmp_path):
     assert any(k.startswith("mtp.layers.0.self_attn") for k in ref["state"]) and "mtp.fc.weight" in ref["state"]
     for name in RANKS_RUNS:
         got = torch.load(two / f"{name}.pt")
-        for key in ("loss", "mtp_loss", "grad_norm"):
-            assert len(got[key]) == STEPS
+        assert len(got["loss"]) == STEPS and len(got["eval_mtp_acceptance"]) == 1  # 5 rows: rank 1 runs a filler
+        for key in RANKS_KEYS:
             torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), **FP32, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
         assert_adamw_weights_close(got["state"], ref["state"], FP32, lr=LR, steps=STEPS)
         assert got["mtp_loss"][-1] < got["mtp_loss"][0]  # the head trained: not two untouched copies
