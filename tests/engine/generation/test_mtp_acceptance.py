@@ -5,7 +5,8 @@
   the shared lm_head) against the main head's argmax at t+1, at every t whose token t+2 is a reply token;
   the trainer's chunk-loss model and HF's class given the checkpoint's mtp.* agree;
 - a head whose draft is the model's own next hidden state is accepted everywhere (1.0 exactly);
-- through the trainer: ``eval_mtp_acceptance`` logged at the eval steps, and ``qwenkit eval --metric
+- through the trainer: ``eval_mtp_acceptance`` logged at the eval steps (beside generated replies from a
+  gathered copy of HF's class, which has no MTP layer), and ``qwenkit eval --metric
   mtp_acceptance`` on the run's checkpoint (its trained mtp.*) and on the base (its own) prints the
   trainer's values at the last step and at step 0;
 - a family without an MTP layer, or the metric beside answer metrics: refused in one line, exit 2.
@@ -115,7 +116,8 @@ def test_logged_by_the_trainer_and_measured_by_qwenkit_eval(family, tmp_path, ca
     run = tmp_path / "run"
     cfg = qconfig.load(overrides=[f"model.path={base}", f"model.name={family}", "model.mtp.train=true", "train.steps=2",
                                   "data.tiny_samples=8", "data.tiny_eval_samples=6", "train.micro_batch_size=2",
-                                  "train.resume=none", "train.warmup_steps=1", "train.eval_samples=0", "train.lr=2e-2",
+                                  "train.resume=none", "train.warmup_steps=1", "train.lr=2e-2", "train.eval_samples=2",
+                                  "train.eval_max_new_tokens=2", "train.eval_generation=gather",
                                   f"train.output_dir={run}"])  # fmt: skip
     train.run(cfg)
     logged = metrics.series(metrics.read(run), mtp_acceptance.LOGGED, 0)
