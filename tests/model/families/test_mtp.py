@@ -6,7 +6,7 @@
 - a packed row = the padded batch (no prediction across a document boundary);
 - through the trainer: ``mtp_loss`` logged, the export's ``mtp.*`` = the trained tensors (not the base's),
   HF's class loads the export;
-- FSDP2 on 2 gloo ranks (CPU and meta init) = one process on the same global batches: losses, ``mtp_loss``,
+- FSDP2 on 2 gloo ranks (CPU init; meta init with recompute) = one process on the same global batches: losses, ``mtp_loss``,
   gradient norms, the trained weights (``mtp.*`` included), eval loss and ``eval_mtp_acceptance``;
 - a family without an MTP layer asked to train it: refused before start in one line.
 """
@@ -150,7 +150,7 @@ RANKS_BASE = [f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=
               "model.mtp.train=true", "model.mtp.loss_weight=0.5", "data.tiny_eval_samples=5",
               "train.eval_samples=0"]  # fmt: skip
 # the 2-rank runs take grad_accum=1, the one-process reference grad_accum=2: the same 4 samples per step
-RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta"]}
+RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta", "parallel.recompute=auto"]}  # recompute: the hook refires
 RANKS_KEYS = ("loss", "mtp_loss", "grad_norm", "eval_loss", "eval_mtp_acceptance")  # eval: at the last step
 
 
