@@ -214,7 +214,7 @@ class Family:
     think_tags: bool = False
     # how the family's template writes a tool call: hermes (Qwen2.5/Qwen3-VL: <tool_call>{"name", "arguments"}</tool_call>)
     # or xml (Qwen3.5: <tool_call><function=name><parameter=p>value</parameter></function></tool_call>);
-    # qwenkit.engine.rollouts.tool_calls renders and parses both
+    # qwenkit.data.tool_calls renders and parses both
     tool_calls: str = "hermes"
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
