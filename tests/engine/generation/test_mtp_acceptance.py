@@ -4,6 +4,7 @@
   out here, each row alone with full logits: the draft of vLLM's layer by hand (fc over concat(norm(embed of token t+1), norm(h_t)), the decoder layer, the norm,
   the shared lm_head) against the main head's argmax at t+1, at every t whose token t+2 is a reply token;
   the trainer's chunk-loss model and HF's class given the checkpoint's mtp.* agree;
+- a packed row (the trainer's eval rows with data.packing) = the padded batch, per sample;
 - a head whose draft is the model's own next hidden state is accepted everywhere (1.0 exactly);
 - through the trainer: ``eval_mtp_acceptance`` logged at the eval steps (beside generated replies from a
   gathered copy of HF's class, which has no MTP layer), and ``qwenkit eval --metric
@@ -87,6 +88,22 @@ def test_drafts_and_counts_equal_a_full_logits_reference_of_each_row_alone(famil
     mtp.attach(hf, 1, 0.0)
     assert mtp.load_from_checkpoint(hf, tiny_checkpoint(family)) > 0
     assert _spied(monkeypatch, hf, batch) == (counts, drafts, greedy)
+
+
+@over_families("qwen3_5")
+@torch.no_grad()
+def test_a_packed_row_drafts_as_the_padded_batch(family, monkeypatch):
+    """The trainer's eval rows packed (data.packing): per sample, the same drafts, tokens and counts;
+    no draft across the boundary."""
+    model = _model(family)
+    rows, batch = _batch(model)
+    # the second sample labelled from its token 1: a draft at the first one's end would reach into it
+    batch["labels"][1, 1 : len(rows[1])] = rows[1][1:]
+    padded = _spied(monkeypatch, model, batch)
+    row = torch.cat(rows)[None]
+    labels = torch.cat([batch["labels"][i, : len(r)] for i, r in enumerate(rows)])[None]
+    packed = {"input_ids": row, "labels": labels, "packed_seq_lens": torch.tensor([len(r) for r in rows])}
+    assert _spied(monkeypatch, model, packed) == padded
 
 
 class _NextHidden(torch.nn.Module):
