@@ -57,6 +57,7 @@ from qwenkit.rundir import RunDir
 
 RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "loss": "nat",
+    "mtp_loss": "nat",  # model.mtp.train: the MTP layer's loss, before its weight
     "grad_norm": "1",
     "lr": "1",
     "step_time": "s",
@@ -69,6 +70,7 @@ RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "eval_loss": "nat",
     "eval_accuracy": "1",
     "eval_generation_time": "s",  # an accuracy evaluation's generation, scores and gather (engine/generation/evaluate.py)
+    "eval_mtp_acceptance": "1",  # model.mtp.train: the MTP layer's drafts accepted (engine/generation/mtp_acceptance.py)
 }
 # train.objective=dpo's too (TRL's names, qwenkit.engine.objectives.dpo): rewards are beta x log-ratios
 PREFERENCE_UNITS = {

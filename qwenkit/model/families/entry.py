@@ -367,6 +367,12 @@ class Family:
                     f"model.attn_implementation={attn!r}: {self.name}'s {kind} layers run with "
                     f"{', '.join(mixer.attn_implementations)}"
                 )
+        mtp = cfg.model.mtp
+        if mtp.train and not self.mtp_layers:
+            problems.append(f"model.mtp.train: {self.name} has no multi-token-prediction layer (Qwen3.5's "
+                            "families have one); use model.mtp.train=false")  # fmt: skip
+        elif mtp.train and mtp.layers > self.mtp_layers:
+            problems.append(f"model.mtp.layers={mtp.layers}: {self.name}'s checkpoints hold {self.mtp_layers}")
         ops = cfg.model.fused_ops
         unfit = [op for op in ops if op not in self.fused_ops] if isinstance(ops, (list, tuple)) else []
         if unfit:

@@ -331,7 +331,9 @@ def units(model, key: str, value) -> list[str]:
     if value != "auto":
         return list(value)
     family = of_model(model)
-    return list(family.shard_units if key == "shard_patterns" else family.recompute_units)
+    if key == "shard_patterns":  # the trained MTP layer (model.mtp.train): one unit of its own
+        return [*family.shard_units, *(["mtp"] if getattr(model, "mtp", None) is not None else [])]
+    return list(family.recompute_units)
 
 
 def problems(cfg, path: str | Path) -> list[str]:
