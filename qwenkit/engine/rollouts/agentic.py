@@ -183,7 +183,7 @@ class AgenticRollouts:
                 pixels.append(out["pixel_values"])
                 grids.append(out["image_grid_thw"].long())
                 text += "<|vision_start|>" + "<|image_pad|>" * processor.image_tokens(out["image_grid_thw"][0]) + "<|vision_end|>"
-                shown.append({"type": "image", "size": list(part.size)})
+                shown.append({"type": "image", "size": list(part.size), "image": part})  # the file keeps it (completions.trajectory)
             contents.append(text)
             messages.append({"role": "tool", "name": c["name"], "content": shown})
         ids = processor.tokenizer.encode("\n" + tool_calls.response_text(style, contents) + "<|im_start|>assistant\n",
