@@ -103,9 +103,9 @@ def _steps(run) -> dict[str, dict[int, float]]:
 @pytest.mark.slow
 @pytest.mark.long
 def test_sigterm_while_a_multi_turn_rollout_is_in_flight_resumes_as_the_uninterrupted_run(tmp_path, caller, monkeypatch):
-    """A 2-rank ``qwenkit train`` of 3 steps: after step 1 a tool call of step 2's rollout is held open, the
-    launcher gets SIGTERM, the call returns. The job finishes step 2 (its rollout, then the update), saves, exits
-    75; run again it trains step 3. Every step's metrics and trajectories equal an uninterrupted job's."""
+    """A 2-rank ``qwenkit train`` of 3 steps: the first tool call of its first rollout is held open, the launcher
+    gets SIGTERM, the call returns. The job finishes that step (the rollout's other turns, then the update), saves,
+    exits 75; run again it trains the rest. Every step's metrics and trajectories equal an uninterrupted job's."""
     args = [*agentic(caller), "train.steps=3", "train.micro_batch_size=1"]
     tests = str(Path(__file__).resolve().parents[2])  # the ranks import tool_caller's environment
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p))
@@ -114,25 +114,25 @@ def test_sigterm_while_a_multi_turn_rollout_is_in_flight_resumes_as_the_uninterr
 
     pause = tmp_path / "pause"
     pause.mkdir()
+    (pause / "armed").touch()  # armed from the start: the job's first call is held, whatever the machine's speed
     monkeypatch.setenv(PAUSE_ENV, str(pause))
     out = tmp_path / "cut"
     job = Job(out, *args)
-    job.wait_for_event("step", 1)
-    (pause / "armed").touch()
     _wait(lambda: (pause / "paused").exists(), "a held tool call", job)
-    in_flight = max(e["step"] for e in events.read(out) if e["event"] == "step") + 1
+    in_flight = max((e["step"] for e in events.read(out) if e["event"] == "step"), default=0) + 1
     os.kill(job.proc.pid, signal.SIGTERM)
     time.sleep(scaled(3))  # the signal reaches the ranks (launcher, torchrun, ranks) while the call is held
     (pause / "go").touch()
     code = job.wait()
     assert code == EXIT_RESUMABLE, job.text("stderr")[-3000:]
     stopped = events.last(events.read(out), "stopped")
-    assert in_flight == 2 and stopped["step"] == in_flight and stopped["signal"] == "SIGTERM"
+    # step 1's rollout (or, where none of its 4 trajectories called, about 1 in 250, step 2's): resumable either way
+    assert in_flight < 3 and stopped["step"] == in_flight and stopped["signal"] == "SIGTERM"
     assert checkpoints(out) == [in_flight]
     again = train(out, *args)
     assert again.returncode == 0, again.stderr[-3000:]
 
     want, got = _steps(tmp_path / "whole"), _steps(out)
     assert want == got and sorted(want["loss"]) == [1, 2, 3]
-    assert want["tools/call_frequency"][2] > 0 and want["tools/turns_mean"][2] > 1  # step 2 was multi-turn
+    assert want["tools/call_frequency"][in_flight] > 0 and want["tools/turns_mean"][in_flight] > 1  # multi-turn
     assert completions.read_completions(out) == completions.read_completions(tmp_path / "whole")
