@@ -91,7 +91,7 @@ def calling_checkpoint(steps: int = 100, rows: int = 4) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     base = Path(tiny_checkpoint())
-    for name in PROCESSOR_FILES:
+    for name in ("config.json", *PROCESSOR_FILES):  # the base's config: HF's architecture name, not the kit's subclass
         if (base / name).is_file():
             shutil.copy2(base / name, tmp / name)
     try:

@@ -88,6 +88,7 @@ from qwenkit.engine.rollouts.completion import (
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.engine.rollouts.tools import Toolbox
 from qwenkit.engine.rollouts.vllm import VllmRollouts
+from qwenkit.engine.rollouts.vllm_turns import VllmTurns
 from qwenkit.engine.run.build import reference_model
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
@@ -135,15 +136,17 @@ class GrpoObjective(Objective):
         self.settings, self.packing = rollout_settings(cfg), cfg.data.packing  # packing: the micro-batches' layout
         self.banned = media_tokens(bundle.dataset.processor)  # what no rollout draws: no log-prob counts them
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
+        agentic = bool(grpo.tools or grpo.environment)  # trajectories: generate, call the tools, generate again
         if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
-            self.rollouts: Rollouts = VllmRollouts(spec_of(cfg, bundle.dataset.processor, model_dir), sampling, grpo.num_generations)
+            spec = spec_of(cfg, bundle.dataset.processor, model_dir)
+            self.rollouts: Rollouts = (VllmTurns if agentic else VllmRollouts)(spec, sampling, grpo.num_generations)
         else:  # expert parallelism's all-to-all makes every forward collective: lockstep even with whole weights
             dtype = getattr(torch, grpo.rollout_dtype) if grpo.rollout_dtype else None
             self.rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
                                        collective=cfg.parallel.ep_size > 1, dtype=dtype)  # fmt: skip
-            if grpo.tools or grpo.environment:  # trajectories: generate, call the tools, generate again
-                self.rollouts = AgenticRollouts(self.rollouts, Toolbox(grpo.tools, grpo.environment, grpo.tool_timeout_s),
-                                                grpo.max_tool_calling_iterations, grpo.max_trajectory_tokens)  # fmt: skip
+        if agentic:
+            self.rollouts = AgenticRollouts(self.rollouts, Toolbox(grpo.tools, grpo.environment, grpo.tool_timeout_s),
+                                            grpo.max_tool_calling_iterations, grpo.max_trajectory_tokens)  # fmt: skip
         # vLLM's and a lower-precision rollout's sampling log-probs are corrected for (module docstring)
         other = grpo.rollout_engine == "vllm" or grpo.rollout_dtype is not None
         self.corrects = other and grpo.vllm_importance_sampling_correction
