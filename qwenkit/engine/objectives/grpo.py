@@ -45,7 +45,8 @@ reference, the micro-batches) differ from this run's was rolled out for another 
 the resumed run rolls out again at its first step, as the next cycle, and says so; it never trains
 on a rollout of other settings.
 
-**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.rollouts.vllm`): the
+**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.rollouts.vllm`; with tools, each turn of
+the trajectories: :mod:`qwenkit.engine.rollouts.vllm_turns`): the
 completions come from this rank's colocated vLLM engine, the policy's weights pushed to it first. vLLM's
 sampling log-probs differ from the trainer's (other kernels, other sums), and so do those of HF rollouts
 in a lower precision (``grpo.rollout_dtype``: autocast, :mod:`qwenkit.engine.rollouts.hf`), so with

@@ -29,14 +29,13 @@ from qwenkit.engine.rollouts.vllm import BANNED
 
 
 class VllmTurns:
-    """Turns of agentic trajectories from this rank's vLLM engine (module docstring); ``dtype`` None as the hf
-    engine's own-dtype rollout, but ``sampled_logps`` always holds vLLM's log-probs."""
+    """Turns of agentic trajectories from this rank's vLLM engine (module docstring); ``sampled_logps`` holds vLLM's
+    log-probs of the last call's tokens."""
 
     def __init__(self, spec: vllm_engine.EngineSpec, sampling: Sampling, num_generations: int):
         if sampling.temperature <= 0:
             raise ValueError("rollouts sample: temperature must be > 0")
         self.spec, self.sampling, self.num_generations = spec, sampling, num_generations
-        self.dtype = None
         self.sampled_logps: list[list[float]] | None = None
         self.chosen = ("vllm", "grpo.rollout_engine=vllm: one request per live trajectory and turn")
         self.engine = None
