@@ -48,7 +48,7 @@ from pathlib import Path
 from qwenkit import config as qconfig
 from qwenkit.cluster import MULTINODE_PORT, ClusterError, Rendezvous, free_port, settle
 from qwenkit.device import CPU_MALLOC_ENV, resolve_device
-from qwenkit.engine.checkpoints import init_from
+from qwenkit.engine.checkpoints import init_from, teacher
 from qwenkit.engine.run import events, stopping
 from qwenkit.engine.run.prespawn import check_before_spawn
 from qwenkit.errors import print_user_error
@@ -248,6 +248,9 @@ def launch(
     if stopped is not None:
         return record_refusal(cfg, f"qwenkit train: model.init_from={cfg.model.init_from!r}: the run to start from is not "
                        f"ready (exit {stopped}; the lines above say why)", stopped)  # fmt: skip
+    if (said := teacher.prepare(cfg)) is not None:  # distill.teacher: a run's checkpoint exported once
+        print(said, file=sys.stderr)
+        return record_refusal(cfg, said)
     out = Path(cfg.train.output_dir)
     node = node_name(rdzv)
     lock = None

@@ -8,12 +8,13 @@ together in one :class:`ConfigError`, each naming the key path, the bad value an
 Inside: ``loader`` (YAML 1.2, overrides, typing the values, :func:`load`, :func:`write_config`),
 ``schema`` (:class:`Config`), ``validate`` (:func:`validate`, the one pass), ``libraries`` (which
 library an option needs), one module per section holding its fields and allowed names (``model``,
-``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``grpo``, ``checkpoint``, ``profile``,
+``data``, ``loss``, ``parallel``, ``train``, ``lora``, ``dpo``, ``grpo``, ``distill``, ``checkpoint``, ``profile``,
 ``vllm``) and ``rules/`` holding each section's rules under the same name.
 """
 
 from qwenkit.config.checkpoint import CheckpointConfig
 from qwenkit.config.data import DATA_LAYOUTS, DataConfig
+from qwenkit.config.distill import DistillConfig
 from qwenkit.config.dpo import DPO_LOSSES, DpoConfig
 from qwenkit.config.grpo import BUILTIN_REWARDS, GRPO_LOSSES, GrpoConfig
 from qwenkit.config.libraries import FUSED_LIBRARIES, PIP_NAMES, installed
@@ -49,7 +50,7 @@ from qwenkit.config.vllm import ENGINES, VllmConfig
 __all__ = [
     "BOOL_WORDS", "BUILTIN_REWARDS", "ENGINES", "DATA_LAYOUTS", "DATA_READS", "DPO_LOSSES", "DTYPES", "EVAL_METRICS", "FUSED_BACKENDS", "FUSED_LIBRARIES",
     "FUSED_OPS", "GRPO_LOSSES", "LOSS_TYPES", "MODEL_NAMES", "OBJECTIVES", "PIP_NAMES", "TRAINING_LOSS_TYPES",
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DpoConfig", "Dtype", "GrpoConfig", "Loader", "LoraConfig",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "DpoConfig", "Dtype", "GrpoConfig", "Loader", "LoraConfig",
     "LossConfig", "ModelConfig", "ObjectiveEntry", "ParallelConfig", "ParamGroupConfig", "ProfileConfig", "TrainConfig", "VllmConfig",
     "chunk_size_problem", "fused_backend_problem", "fused_ops_problems", "installed",
     "load", "load_user_metric", "parse_yaml", "scorer_problems", "validate", "write_config",

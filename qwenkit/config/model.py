@@ -21,6 +21,15 @@ MODEL_NAMES = tuple(FAMILIES)
 
 
 @dataclass
+class MTPConfig:
+    # Qwen3.5's multi-token-prediction layer (the checkpoint's mtp.*; qwenkit.model.families.mtp): trained
+    # beside the model (MindSpeed-MM's mtp_num_layers / mtp_loss_scaling_factor); off: exported unchanged
+    train: bool = False
+    loss_weight: float = 0.1  # its loss's weight in the training loss (mtp_loss_scaling_factor)
+    layers: int = 0  # the MTP depths trained, from the first; 0: all the checkpoint has (mtp_num_hidden_layers)
+
+
+@dataclass
 class ModelConfig:
     # the model family (qwenkit.model.families.registry.FAMILIES); auto: the checkpoint's config.json model_type
     # (path=tiny: qwenkit.model.families.registry.TINY_DEFAULT). A name that disagrees with the checkpoint is refused before start
@@ -38,6 +47,7 @@ class ModelConfig:
     # exports it as <run>/hf-step-N and sets model.path there (qwenkit/engine/checkpoints/init_from.py)
     init_from: str | None = None
     init_recipe: str | None = None  # the params file that trains model.init_from when it has no checkpoint yet
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
 
 def fused_ops_problems(ops: Any) -> list[str]:

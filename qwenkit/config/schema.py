@@ -9,6 +9,7 @@ from typing import Any
 
 from qwenkit.config.checkpoint import CheckpointConfig
 from qwenkit.config.data import DataConfig
+from qwenkit.config.distill import DistillConfig
 from qwenkit.config.dpo import DpoConfig
 from qwenkit.config.grpo import GrpoConfig
 from qwenkit.config.lora import LoraConfig
@@ -32,6 +33,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)

@@ -28,6 +28,7 @@ OBJECTIVES = {
     "sft": ObjectiveEntry("qwenkit.engine.objectives.sft:Sft", "conversations"),
     "dpo": ObjectiveEntry("qwenkit.engine.objectives.dpo:PreferenceObjective", "pairs"),
     "grpo": ObjectiveEntry("qwenkit.engine.objectives.grpo:GrpoObjective", "prompts"),
+    "distill": ObjectiveEntry("qwenkit.engine.objectives.distill:DistillObjective", "prompts"),
 }
 
 EVAL_METRICS = ("exact", "normalized", "relaxed", "anls")  # built-in answer scores (qwenkit.engine.generation.answers)
@@ -42,7 +43,8 @@ class ParamGroupConfig:
 
 @dataclass
 class TrainConfig:
-    # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section); grpo: rollouts scored by rewards (the grpo section)
+    # sft: the replies' cross-entropy; dpo: preference pairs (the dpo section); grpo: rollouts scored by rewards (the grpo section);
+    # distill: the student's rollouts (the grpo section's sampling keys) scored by a teacher (the distill section)
     objective: Literal[tuple(OBJECTIVES)] = "sft"
     steps: int = 30  # the run's length: the LR schedule spans these steps
     stop_after: int = 0  # at most N more steps per invocation (checkpoint saved, exit 75: run again); 0: to train.steps

@@ -8,6 +8,7 @@ import math
 from qwenkit.config.rules import (
     checkpoint,
     data,
+    distill,
     dpo,
     grpo,
     lora,
@@ -21,7 +22,7 @@ from qwenkit.config.rules import (
 from qwenkit.config.schema import Config, Need
 
 # each section's rules, in the order their problems are listed
-CHECKS = (model.check, data.check, loss.check, parallel.check, train.check, lora.check, dpo.check, grpo.check,
+CHECKS = (model.check, data.check, loss.check, parallel.check, train.check, lora.check, dpo.check, grpo.check, distill.check,
           checkpoint.check, profile.check, vllm.check)  # fmt: skip
 
 

@@ -13,7 +13,9 @@ use it (``qwenkit data prepare`` builds that index).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
+from collections import Counter
 
 import numpy as np
 
@@ -25,10 +27,12 @@ from qwenkit.data.load import index_data
 from qwenkit.data.preference import PairDataset, pair_layout
 from qwenkit.data.reader import DataError
 from qwenkit.data.report import REASONS, BadSampleReport
+from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
 from qwenkit.model.paths import load_processor, resolve_path
 from qwenkit.model.processor import pixel_bounds
 
 MAX_LISTED = 200  # bad rows printed one by one; the counts by reason are always complete
+SYSTEM_SHOWN = 300  # characters of an example's system turn shown on each side of what is left out (a tools block)
 
 
 def percentiles(values: list[int]) -> dict[str, float]:
@@ -119,6 +123,52 @@ def summarize_prompts(dataset: EncodedDataset) -> str:
     return f"prompts: {len(dataset)} usable; references: {', '.join([*from_columns, f'{replies} the last assistant reply'])}"
 
 
+def summarize_tools(dataset: EncodedDataset) -> str:
+    """Tool rows (:mod:`qwenkit.data.tool_turns`): how many, the tools they define, their calls and responses, and
+    the first one as the model sees it, its learned tokens between ``[[`` and ``]]`` ("" without tool rows)."""
+    defined: Counter = Counter()
+    rows = calls = replies = responses = 0
+    first = None
+    for i in range(len(dataset)):
+        conv = dataset.conversation(i)
+        answered = sum(role == "tool" for role, _ in conv.turns)
+        if not (conv.tools or conv.calls or answered):
+            continue
+        first = i if first is None else first
+        rows += 1
+        defined.update(t["function"]["name"] for t in conv.tools)
+        calls += sum(len(c) for c in conv.calls.values())
+        replies, responses = replies + len(conv.calls), responses + answered
+    if first is None:
+        return ""
+    names = ", ".join(f"{name} ({n})" for name, n in defined.most_common()) or "none"
+    where = dataset.conversation(first).where
+    lines = [f"tool rows: {rows}; tools defined (rows): {names}; {calls} calls in {replies} replies, {responses} "
+             "tool responses (never learned)",
+             f"tool row example ({where}; learned tokens between [[ ]]):"]  # fmt: skip
+    sample = dataset[first]
+    return "\n".join(lines + ["  " + line for line in _shown(sample["input_ids"].tolist(), sample["labels"].tolist(),
+                                                              dataset.processor.tokenizer).splitlines()])  # fmt: skip
+
+
+def _shown(ids: list[int], labels: list[int], tokenizer) -> str:
+    """A sample's text, its learned runs between ``[[ ]]``, runs of a pad token as one, a long system turn cut."""
+    text, run, learned = "", [], False
+    for token, label in [*zip(ids, labels), (None, None)]:
+        if token is None or (label != IGNORE_INDEX) != learned:
+            piece = tokenizer.decode(run)
+            text += f"[[{piece}]]" if learned and run else piece
+            run, learned = [], label != IGNORE_INDEX
+        run.append(token)
+    text = re.sub(r"(<\|(?:image|video)_pad\|>)\1+", lambda m: f"{m[1]}x{len(m[0]) // len(m[1])}", text)
+    system = re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", text, re.S)
+    if system and len(system[1]) > 2 * SYSTEM_SHOWN:
+        body = system[1]
+        cut = f"{body[:SYSTEM_SHOWN]} ... ({len(body) - 2 * SYSTEM_SHOWN} characters) ... {body[-SYSTEM_SHOWN:]}"
+        text = text[: system.start(1)] + cut + text[system.end(1) :]
+    return text
+
+
 def check(cfg: qconfig.Config) -> int:
     """``qwenkit data check``: scan ``cfg.data.path`` with ``cfg.model``'s processor and print a summary.
 
@@ -148,6 +198,8 @@ def check(cfg: qconfig.Config) -> int:
     )
     print(layout_lines)
     print(summarize(dataset, report, cfg.data.max_length))
+    if tools := summarize_tools(dataset):
+        print(tools)
     print(cache_line)
     if report.skipped:
         print(f"FAILED: {report.skipped} bad {report.unit if report.skipped != 1 else report.unit.removesuffix('s')}")

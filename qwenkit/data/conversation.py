@@ -25,7 +25,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from qwenkit.data import layouts
+from qwenkit.data import layouts, tool_turns
 from qwenkit.data.layout_readers import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, ROLES, VIDEO_PLACEHOLDER
 from qwenkit.data.report import BadSample, Location
 from qwenkit.model.processor import SPECIAL_TOKENS
@@ -35,7 +35,8 @@ __all__ = ["AUDIO_PLACEHOLDER", "IMAGE_PLACEHOLDER", "ROLES", "VIDEO_PLACEHOLDER
 
 @dataclass
 class Conversation:
-    """A checked conversation: optional system text, then (role, text) turns user/assistant alternating."""
+    """A checked conversation: optional system text, then (role, text) turns user/assistant alternating; a reply
+    that calls tools (``calls``) may be followed by ``tool`` turns, its responses, then the next reply."""
 
     where: Location
     system: str | None
@@ -45,6 +46,8 @@ class Conversation:
     layout: str = "messages"  # the layout the row was read as (qwenkit.data.layouts)
     reference: str | None = None  # what a generation is compared to (module docstring); parse_row sets it
     audios: list[Any] = dataclasses.field(default_factory=list)  # raw audio entries; see qwenkit.data.audio
+    tools: list[dict] = dataclasses.field(default_factory=list)  # tool schemas, written in the system turn
+    calls: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # turn index -> that reply's tool calls
 
 
 def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = False) -> Conversation:
@@ -65,6 +68,11 @@ def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = F
         offset = 1
     else:
         offset = 0
+    numbers = (read.numbers if read.numbers is not None else list(range(len(read.messages))))[offset:]
+    calls = {k - offset: made for k, made in read.calls.items()}
+    if prompts and (read.tools or calls or any(role == "tool" for role, _ in messages)):
+        raise BadSample(where, "bad_tool", "a prompt with tools or tool turns: GRPO's tools are grpo.tools / "
+                        "grpo.environment, tool rows are SFT's")  # fmt: skip
     column = next((k for k in layouts.REFERENCE_KEYS if row.get(k) is not None), None)
     prompt_only = bool(messages) and messages[-1][0] == "user" and column is not None
     if prompt_only and not prompts:
@@ -72,15 +80,17 @@ def parse_row(row: Any, where: Location, layout: str = "auto", prompts: bool = F
             where, "no_reply", f"the conversation ends with a user turn and the row's {column!r} column is its reference: "
             "a prompt for train.objective=grpo, with no reply to learn",
         )  # fmt: skip
-    _check_turns(messages, offset, where, prompt_only)
+    tool_turns.check_order(messages, calls, read.tools, numbers, where)
+    _check_turns(messages, numbers, where, prompt_only, calls)
     asked = messages if prompt_only else messages[:-1]  # GRPO's prompt: every turn before the reference
     if prompts and not (read.images or read.videos) and not any(visible(t) for role, t in asked if role == "user"):
         raise BadSample(where, "empty_prompt", "the prompt has no text and no image or video: nothing to answer")
     media = ((IMAGE_PLACEHOLDER, read.images), (VIDEO_PLACEHOLDER, read.videos), (AUDIO_PLACEHOLDER, read.audios))
     for placeholder, entries in media:
-        _check_placeholders(system, messages, offset, placeholder, len(entries), where, read)
+        _check_placeholders(system, messages, numbers, placeholder, len(entries), where, read)
     reference = _reference(row[column], column, where) if prompts and column else messages[-1][1]
-    return Conversation(where, system or None, messages, read.images, read.videos, read.layout, reference, read.audios)
+    return Conversation(where, system or None, messages, read.images, read.videos, read.layout, reference, read.audios,
+                        read.tools, calls)  # fmt: skip
 
 
 def _reference(value: Any, column: str, where: Location) -> str:
@@ -99,11 +109,19 @@ def visible(text: str) -> str:
     return "".join(c for c in text if unicodedata.category(c) != "Cf").strip()
 
 
-def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location, prompt_only: bool = False) -> None:
-    """Alternating turns, user first, ending with a non-empty reply (``prompt_only``: ending with the user's turn)."""
-    roles = [role for role, _ in turns]
+def _check_turns(turns: list[tuple[str, str]], numbers: list[int], where: Location, prompt_only: bool = False,
+                 calls: dict[int, list[dict]] | None = None) -> None:  # fmt: skip
+    """Alternating turns, user first, ending with a non-empty reply (``prompt_only``: ending with the user's turn);
+    a reply that calls tools may be empty, and a run of ``tool`` responses takes the user's place in the
+    alternation (their order: :func:`qwenkit.data.tool_turns.check_order`). ``numbers``: each turn's message number."""
+    calls = calls or {}
+    if turns and turns[-1][0] == "tool":
+        raise BadSample(where, "turn_order", f"the last message ({numbers[-1]}) is a tool response; a "
+                        "conversation must end with an assistant reply")  # fmt: skip
+    kept = [k for k, (role, _) in enumerate(turns) if not (role == "tool" and k and turns[k - 1][0] == "tool")]
+    roles = ["user" if turns[k][0] == "tool" else turns[k][0] for k in kept]
     if "system" in roles:
-        i = roles.index("system") + offset
+        i = numbers[kept[roles.index("system")]]
         raise BadSample(
             where, "turn_order", f"message {i} is a system message; only the first message may be one"
         )
@@ -115,26 +133,26 @@ def _check_turns(turns: list[tuple[str, str]], offset: int, where: Location, pro
             raise BadSample(
                 where,
                 "turn_order",
-                f"message {i + offset} is from {role}, expected {expected} (turns must alternate, user first)",
+                f"message {numbers[kept[i]]} is from {turns[kept[i]][0]}, expected {expected} (turns must alternate, user first)",
             )
     if roles[-1] != "assistant" and not prompt_only:
         raise BadSample(
             where,
             "turn_order",
-            f"the last message ({len(roles) - 1 + offset}) is from user; a conversation must end with an assistant reply",
+            f"the last message ({numbers[-1]}) is from user; a conversation must end with an assistant reply",
         )
     for i, (role, text) in enumerate(turns):
-        if role == "assistant" and not visible(text):
+        if role == "assistant" and not visible(text) and i not in calls:
             detail = "an empty assistant reply" if not text.strip() else (
                 f"an assistant reply made only of invisible characters {text!r}"
             )
-            raise BadSample(where, "empty_reply", f"message {i + offset} is {detail}")
+            raise BadSample(where, "empty_reply", f"message {numbers[i]} is {detail}")
 
 
 def _check_placeholders(
     system: str | None,
     turns: list[tuple[str, str]],
-    offset: int,
+    numbers: list[int],
     placeholder: str,
     n_media: int,
     where: Location,
@@ -142,7 +160,7 @@ def _check_placeholders(
 ) -> None:
     kind = placeholder.strip("<>")
     texts = ([("system", system, 0)] if system else []) + [
-        (role, text, i + offset) for i, (role, text) in enumerate(turns)
+        (role, text, numbers[i]) for i, (role, text) in enumerate(turns)
     ]
     found = 0
     for role, text, i in texts:
@@ -150,11 +168,11 @@ def _check_placeholders(
             if token in text:
                 raise BadSample(where, "bad_format", f"message {i} contains the reserved token {token!r}")
         count = text.count(placeholder)
-        if count and role != "user":
+        if count and role not in ("user", "tool"):
             raise BadSample(
                 where,
                 f"{kind}_count",
-                f"message {i} ({role}) contains {placeholder}; {kind}s go in user messages",
+                f"message {i} ({role}) contains {placeholder}; {kind}s go in user messages (or tool responses)",
             )
         found += count
     if found != n_media:

@@ -52,8 +52,9 @@ VIDEO_META = ("frames", "fps", "width", "height")  # the media_meta columns, Vid
 # bump when the columns or their meaning change: older cache files are then ignored (3: row spans added;
 # 4: a preference pair whose two sides are the same is a bad pair, same_replies; 5: a GRPO prompt with
 # nothing in it is a bad row, empty_prompt; 6: rows' audios read, an audio item's grid is (mel frames, tokens, 0);
-# 7: an audio's frames as its family's HF processor pads a row's audios, one frame more or less than 6's)
-FORMAT = 7
+# 7: an audio's frames as its family's HF processor pads a row's audios, one frame more or less than 6's;
+# 8: tool rows read (tools, calls, responses), where 7 refused a row with 'tools' or a tool role)
+FORMAT = 8
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,14 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from qwenkit.data import tool_turns
 from qwenkit.data.report import BadSample, Location
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 AUDIO_PLACEHOLDER = "<audio>"
-ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant",
+         **{role: "tool" for role in tool_turns.RESPONSE_ROLES}}  # fmt: skip
 MEDIA_KEYS = ("images", "videos", "image", "video", "audios")
 QWEN_VL_TAG = re.compile(r"<img>(.*?)</img>", re.S)
 GROUNDING = ("<ref-object>", "<bbox>")
@@ -33,6 +35,9 @@ class Read:
     videos: list[Any] = field(default_factory=list)
     media_from: str = "'images'/'videos'"  # how messages name where the media came from
     audios: list[Any] = field(default_factory=list)  # LLaMA-Factory's / ms-swift's 'audios', in <audio> order
+    tools: list[dict] = field(default_factory=list)  # the row's tool schemas (qwenkit.data.tool_turns.schemas)
+    calls: dict[int, list[dict]] = field(default_factory=dict)  # messages index -> that reply's tool calls
+    numbers: list[int] | None = None  # each of messages' number in the row (None: its index; ms-swift's calls join)
 
 
 def bad(where: Location, detail: str, reason: str = "bad_format") -> BadSample:
@@ -48,12 +53,16 @@ def _string(value: Any, what: str, where: Location, none_as_empty: bool = False)
 
 
 def _role(role: Any, i: int, where: Location) -> str:
+    """The role a message is read as; a call message (``function_call``, ``tool_call``) keeps its own."""
     if role is None:
         raise bad(where, f"message {i} has no 'role' (or sharegpt 'from')")
+    if role in tool_turns.CALL_ROLES:
+        return role
     if role not in ROLES:
         raise BadSample(
-            where, "bad_role", f"message {i} has role {role!r}; allowed: system, user, assistant (sharegpt: human, gpt)"
-        )
+            where, "bad_role", f"message {i} has role {role!r}; allowed: system, user, assistant, tool (sharegpt: human, "
+            "gpt, function_call, observation; ms-swift: tool_call, tool_response)",
+        )  # fmt: skip
     return ROLES[role]
 
 
@@ -80,38 +89,51 @@ def _entries(row: dict, key: str, where: Location) -> list[Any]:
 # Readers
 
 
-def _chat(row: dict, where: Location, key: str, role_key: str, text_key: str) -> list[tuple[str, str]]:
-    out = []
+def _chat(row: dict, where: Location, key: str, role_key: str, text_key: str, calls: dict[int, list[dict]] | None = None,
+          numbers: list[int] | None = None) -> list[tuple[str, str]]:  # fmt: skip
+    """The string-content turns of ``row[key]``; ``calls`` and ``numbers``: where the replies' tool calls and each
+    turn's message number go (the tool layouts, :mod:`qwenkit.data.tool_turns`)."""
+    out: list[tuple[str, str]] = []
+    calls, numbers = {} if calls is None else calls, [] if numbers is None else numbers
     for i, m in enumerate(_list(row, key, where)):
         if not isinstance(m, dict):
             raise bad(where, f"message {i} must be an object, got {type(m).__name__}")
-        role = _role(m.get(role_key), i, where)
-        content = m.get(text_key)
+        role = _role(m.get(role_key, m.get("role")), i, where)
+        content = m.get(text_key, m.get("content"))
+        if role in tool_turns.CALL_ROLES:
+            tool_turns.add_message(out, calls, numbers, i, role, "", {"content": content}, where)
+            continue
         if isinstance(content, list):
             raise bad(where, f"message {i} content is a list of typed parts: that is layout 'typed', not {key!r} strings")
-        out.append((role, _string(content, f"message {i} content", where, none_as_empty=role == "assistant")))
+        text = _string(content, f"message {i} content", where, none_as_empty=role == "assistant")
+        tool_turns.add_message(out, calls, numbers, i, role, text, m, where)
     return out
 
 
 def read_messages(row: dict, where: Location) -> Read:
-    return Read("messages", row.get("system"), _chat(row, where, "messages", "role", "content"),
-                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where))  # fmt: skip
+    calls: dict[int, list[dict]] = {}
+    numbers: list[int] = []
+    return Read("messages", row.get("system"), _chat(row, where, "messages", "role", "content", calls, numbers),
+                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where),
+                tools=tool_turns.schemas(row, where), calls=calls, numbers=numbers)  # fmt: skip
 
 
 def read_sharegpt(row: dict, where: Location) -> Read:
-    return Read("sharegpt", row.get("system"), _sharegpt_turns(row, where),
-                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where))  # fmt: skip
+    calls: dict[int, list[dict]] = {}
+    numbers: list[int] = []
+    return Read("sharegpt", row.get("system"), _chat(row, where, "conversations", "from", "value", calls, numbers),
+                _entries(row, "images", where), _entries(row, "videos", where), audios=_entries(row, "audios", where),
+                tools=tool_turns.schemas(row, where), calls=calls, numbers=numbers)  # fmt: skip
 
 
 def _sharegpt_turns(row: dict, where: Location) -> list[tuple[str, str]]:
-    out = []
-    for i, m in enumerate(_list(row, "conversations", where)):
-        if not isinstance(m, dict):
-            raise bad(where, f"message {i} must be an object, got {type(m).__name__}")
-        role = _role(m.get("from", m.get("role")), i, where)
-        content = m.get("value", m.get("content"))
-        out.append((role, _string(content, f"message {i} content", where, none_as_empty=role == "assistant")))
-    return out
+    """LLaVA's and Qwen-VL's turns: no tool turns (the sharegpt layout reads those)."""
+    calls: dict[int, list[dict]] = {}
+    turns = _chat(row, where, "conversations", "from", "value", calls)
+    if calls or any(role == "tool" for role, _ in turns):
+        raise bad(where, "tool calls or responses in a LLaVA / Qwen-VL row: write the row in the sharegpt layout "
+                  "('images', not 'image'), which reads them")  # fmt: skip
+    return turns
 
 
 def read_llava(row: dict, where: Location) -> Read:
@@ -163,7 +185,9 @@ def read_typed(row: dict, where: Location) -> Read:
     column = {"image": list(_entries(row, "images", where)), "video": list(_entries(row, "videos", where))}
     sourceless = {"image": 0, "video": 0}
     media: dict[str, list] = {"image": [], "video": []}
-    turns = []
+    turns: list[tuple[str, str]] = []
+    calls: dict[int, list[dict]] = {}
+    numbers: list[int] = []
     for i, m in enumerate(_list(row, "messages", where)):
         if not isinstance(m, dict):
             raise bad(where, f"message {i} must be an object, got {type(m).__name__}")
@@ -176,8 +200,11 @@ def read_typed(row: dict, where: Location) -> Read:
                 "else (loss_weight 1.0 on assistant, 0.0 elsewhere)",
             )
         content = m.get("content")
+        if role in tool_turns.CALL_ROLES:
+            tool_turns.add_message(turns, calls, numbers, i, role, "", m, where)
+            continue
         if isinstance(content, str) or (content is None and role == "assistant"):
-            turns.append((role, content or ""))
+            tool_turns.add_message(turns, calls, numbers, i, role, content or "", m, where)
             continue
         if not isinstance(content, list):
             raise bad(where, f"message {i} content must be a string or a list of parts, got {type(content).__name__}")
@@ -199,7 +226,7 @@ def read_typed(row: dict, where: Location) -> Read:
                 source = column[kind].pop(0)
             media[kind].append(source)
             pieces.append(IMAGE_PLACEHOLDER if kind == "image" else VIDEO_PLACEHOLDER)
-        turns.append((role, "".join(pieces)))
+        tool_turns.add_message(turns, calls, numbers, i, role, "".join(pieces), m, where)
     for kind, left in column.items():
         if left:
             raise BadSample(
@@ -208,7 +235,8 @@ def read_typed(row: dict, where: Location) -> Read:
                 f"{sourceless[kind]} {kind} part{'s' if sourceless[kind] != 1 else ''} without a source but "
                 f"{sourceless[kind] + len(left)} entries in '{kind}s' (layout typed)",
             )
-    return Read("typed", row.get("system"), turns, media["image"], media["video"], "image/video parts")
+    return Read("typed", row.get("system"), turns, media["image"], media["video"], "image/video parts",
+                tools=tool_turns.schemas(row, where), calls=calls, numbers=numbers)  # fmt: skip
 
 
 def _pairs(pairs: Any, what: str, where: Location) -> list[tuple[str, str]]:

@@ -35,7 +35,8 @@ reference where a row has one, and a prompt alone is then a row
 
 Refused, naming the row, because reading them as text would train wrongly: ms-swift grounding
 rows (``objects``, ``<ref-object>``/``<bbox>``), ``<img>`` tags in any other layout, tool
-definitions (``tools``), a ``loss_weight`` that differs from "learn the replies only", and a
+definitions (``tools``) in a layout other than ``messages``, ``typed`` and ``sharegpt`` (which read tool rows:
+:mod:`qwenkit.data.tool_turns`), a ``loss_weight`` that differs from "learn the replies only", and a
 media key that the row's layout does not take (``image`` in a ``messages`` row, ...). Which layouts
 a dataset's files hold, and the keys no reader reads: :mod:`qwenkit.data.layout_survey`.
 
@@ -91,13 +92,15 @@ LAYOUTS: dict[str, Layout] = {
     layout.name: layout
     for layout in (
         _layout("messages", "messages/images", ("messages",), ("images", "videos", "audios"),
-                ("messages", "images", "videos", "audios", "system"), ("role", "content"), read_messages),
+                ("messages", "images", "videos", "audios", "system", "tools"), ("role", "content", "tool_calls"), read_messages),
         _layout("sharegpt", "conversations/images", ("conversations",), ("images", "videos", "audios"),
-                ("conversations", "images", "videos", "audios", "system"), ("from", "value", "role", "content"), read_sharegpt),
+                ("conversations", "images", "videos", "audios", "system", "tools"), ("from", "value", "role", "content"),
+                read_sharegpt),
         _layout("llava", "image/conversations", ("conversations",), ("image", "video"),
                 ("conversations", "image", "video", "system"), ("from", "value", "role", "content"), read_llava),
         _layout("typed", "typed content parts", ("messages",), ("images", "videos", "audios"),
-                ("messages", "images", "videos", "audios", "system"), ("role", "content", "loss_weight"), read_typed),
+                ("messages", "images", "videos", "audios", "system", "tools"), ("role", "content", "loss_weight", "tool_calls"),
+                read_typed),
         _layout("qwen_vl", "<img> tags in conversations", ("conversations",), (),
                 ("conversations", "system"), ("from", "value", "role", "content"), read_qwen_vl),
         _layout("swift_conversation", "conversation pairs", ("conversation",), ("images", "videos", "audios"),
@@ -164,8 +167,9 @@ def _fit(row: dict, layout: Layout, forced: bool, where: Location) -> None:
             "references and boxes into the text in the family's coordinates (Qwen2.5-VL: absolute pixels of the resized "
             "image; Qwen3-VL and Qwen3.5: relative, 0-1000)",
         )
-    if row.get("tools"):
-        raise bad(where, "the row has 'tools' (agent tool definitions); qwenkit's template does not render them")
+    if row.get("tools") and "tools" not in layout.keys:
+        raise bad(where, f"the row has 'tools' (tool definitions), but {assumed} does not read them; the messages, typed "
+                  "and sharegpt layouts do (docs/DATA.md, tool rows)")  # fmt: skip
 
 
 def read(row: dict, where: Location, layout: str = "auto") -> Read:

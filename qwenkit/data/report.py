@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 REASONS = {
     "malformed_json": "the file or line is not valid JSON",
     "bad_format": "the row is not a conversation in a supported layout",
-    "bad_role": "a message role other than system, user or assistant",
-    "turn_order": "turns do not run [system] user assistant user assistant ...",
+    "bad_role": "a message role other than system, user, assistant or a tool role",
+    "turn_order": "turns do not run [system] user assistant user assistant ... (tool responses after a calling reply)",
+    "bad_tool": "a tool call without a name or JSON-object arguments, a response with no call before it, a bad 'tools'",
     "no_reply": "the conversation has no assistant reply",
     "empty_reply": "an assistant reply is empty",
     "empty_prompt": "a prompt (train.objective=grpo) has no text and no image or video",

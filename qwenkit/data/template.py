@@ -25,6 +25,10 @@ processor's family entry, :mod:`qwenkit.model.families.registry`, says which)::
   as HF's Qwen3VLProcessor writes it; that text is tokenized with the text around it;
 - families with ``think_tags`` (Qwen3.5) open the replies after the last user turn with a thinking
   block, ``<think>\\n{reasoning}\\n</think>\\n\\n`` (:meth:`ChatTemplate._thinking`);
+- tool rows (:mod:`qwenkit.data.tool_turns`) as the family's template writes ``tools=``, ``tool_calls`` and ``role:
+  tool`` messages (:mod:`qwenkit.data.tool_calls`): the tools block in the system turn, each reply's calls after its
+  text (learned with it), a run of responses one ``user`` turn of ``<tool_response>`` blocks (never learned; an
+  ``<image>`` in a response is a vision span, as in a user turn), tokenized whole as HF tokenizes it;
 - labels learn only the assistant replies and their ``<|im_end|>`` (the model must learn to
   stop); everything else, the ``\\n`` after ``<|im_end|>`` included, is ``IGNORE_INDEX``;
 - text is tokenized piece by piece between special tokens, so a reply's tokens are the ones
@@ -34,10 +38,11 @@ processor's family entry, :mod:`qwenkit.model.families.registry`, says which)::
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from dataclasses import dataclass
 
-from qwenkit.data import audio
+from qwenkit.data import audio, tool_calls
 from qwenkit.data.conversation import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation
 from qwenkit.data.report import BadSample
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX
@@ -64,6 +69,7 @@ class ChatTemplate:
         self.system_prompt = system_prompt if system_prompt is not None else family.default_system
         self.video_timestamps = family.video_timestamps
         self.think_tags = family.think_tags
+        self.tool_style = family.tool_calls
         tok = processor.tokenizer
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None:
@@ -73,6 +79,7 @@ class ChatTemplate:
         else:
             self._encode_text = functools.partial(tok.encode, add_special_tokens=False)
         self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        self.im_start = tok.convert_tokens_to_ids("<|im_start|>")
         self.newline = self._encode_text("\n")
         self.headers = {
             role: self._encode_text(f"<|im_start|>{role}\n") for role in ("system", "user", "assistant")
@@ -101,6 +108,8 @@ class ChatTemplate:
             labels.extend(tokens if learn else [IGNORE_INDEX] * len(tokens))
 
         system = conv.system if conv.system is not None else self.system_prompt
+        if conv.tools:
+            system = tool_calls.system_text(self.tool_style, system, conv.tools)
         if system:
             add(self.headers["system"] + self._encode_text(system) + [self.im_end] + self.newline)
         heard = iter(audio_tokens)  # <audio> entries and (audio_in_video) video tracks share one order
@@ -113,13 +122,23 @@ class ChatTemplate:
         start, end = self.processor.vision_start_id, self.processor.vision_end_id
         last_user = max((k for k, (role, _) in enumerate(conv.turns) if role == "user"), default=-1)
         for k, (role, text) in enumerate(conv.turns):
-            add(self.headers[role])
             if role == "assistant":
+                add(self.headers[role])
                 prompt, text = self._thinking(text, after_last_user=k > last_user)
+                answer = text.split("</think>")[-1].lstrip("\n") if self.think_tags else text
+                calls = tool_calls.calls_text(self.tool_style, answer, conv.calls.get(k, []))
                 add(self._encode_text(prompt))
-                add(self._encode_text(text) + [self.im_end], learn=True)
+                add(self._encode_text(text + calls) + [self.im_end], learn=True)
                 add(self.newline)
                 continue
+            if role == "tool":  # a run of responses: one user turn of <tool_response> blocks, tokenized whole
+                if k and conv.turns[k - 1][0] == "tool":
+                    continue
+                run = [t for _, t in itertools.takewhile(lambda turn: turn[0] == "tool", conv.turns[k:])]
+                add([self.im_start])
+                text = "user" + tool_calls.response_body(self.tool_style, run)
+            else:
+                add(self.headers[role])
             pending = ""  # text not yet tokenized: HF tokenizes everything between special tokens at once
             for piece in _PLACEHOLDERS.split(text):  # text, placeholder, text, ...
                 if piece not in media:

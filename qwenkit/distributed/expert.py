@@ -127,7 +127,7 @@ def install(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         module.forward = base.__call__
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows; its backward sends the gradients back the same way reversed."""
 
     @staticmethod
@@ -167,13 +167,13 @@ def dispatch(module: nn.Module, group, hidden: torch.Tensor, top_k_index: torch.
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # [ep, L]: from each rank to my experts
     send_sizes, recv_sizes = counts.sum(1).tolist(), received.sum(1).tolist()
-    rows = _AllToAll.apply(send, recv_sizes, send_sizes, group)  # [R, H], by source rank, then local expert
+    rows = AllToAll.apply(send, recv_sizes, send_sizes, group)  # [R, H], by source rank, then local expert
     # by local expert across sources: a stable sort of each row's local expert id
     expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True)
     out = local_experts(rows[regroup], received.sum(0).tolist(), gate_up, down, module.act_fn)
     out = out[torch.argsort(regroup)]  # back to the order received
-    back = _AllToAll.apply(out, send_sizes, recv_sizes, group)  # [T k, H], in the sorted pair order
+    back = AllToAll.apply(out, send_sizes, recv_sizes, group)  # [T k, H], in the sorted pair order
     pairs = back[torch.argsort(order)].view(tokens, k, -1)  # [T, k, H], HF's (token, slot) order
     return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1).to(hidden.dtype)
 

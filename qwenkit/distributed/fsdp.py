@@ -249,14 +249,19 @@ def fsdp_kwargs(parallel_cfg, mesh: DeviceMesh) -> dict:
     return {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
 
 
-def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroups | None = None) -> ShardPlan:
+def shard(model: nn.Module, parallel_cfg, mesh: DeviceMesh, experts: ExpertGroups | None = None,
+          ignored: set[nn.Parameter] | None = None) -> ShardPlan:  # fmt: skip
     """``fully_shard`` each module matching ``parallel.shard_patterns`` (deepest first), then the root.
 
     ``experts`` (expert parallelism): their modules go first, each its own group on the expert
     mesh's ``efsdp`` dimension, its gradients divided by the world size like every other group's
     (an expert's gradient already sums its ``ep`` group's tokens; see :mod:`qwenkit.distributed.expert`).
+    ``ignored``: parameters no group takes (tables sharded on their columns, never gathered:
+    :mod:`qwenkit.distributed.columns`).
     """
     kwargs = fsdp_kwargs(parallel_cfg, mesh)
+    if ignored:
+        kwargs["ignored_params"] = ignored
     patterns = families.units(model, "shard_patterns", parallel_cfg.shard_patterns)
     matched = match_modules(model, patterns, "parallel.shard_patterns")
     tied = tied_outside(model, matched)

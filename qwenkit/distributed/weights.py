@@ -14,7 +14,9 @@ Qwen2.5-VL checkpoints name tensors in one of two layouts: the hub's (``model.la
 both to the model's state-dict keys. A whole Omni checkpoint holds the thinker's under ``thinker.``
 beside the talker's and the vocoder's: only the thinker's are read. Qwen3-Omni's checkpoints hold each
 expert's linears apart (``mlp.experts.N.gate_proj.weight``): :func:`read_experts` fuses them into the
-model's 3-D expert weights, each rank reading only its experts.
+model's 3-D expert weights, each rank reading only its experts. Qwen4-Exp's checkpoints split each n-gram
+table in parts along dim 0 (``ngram_embedding.shard_<i>.weight``): each rank reads its columns of every part
+(:func:`qwenkit.distributed.columns.read_parts`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ try:
 except ImportError:  # torch < 2.8
     HuggingFaceStorageReader = None
 
+from qwenkit.distributed import columns
 from qwenkit.distributed.meta import tied_groups
 from qwenkit.model.families import registry as families
 from qwenkit.model.lora import base_key, is_adapter_key
@@ -74,10 +77,11 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     file_key = {k: by_model_key[base_key(k)] for k in state if base_key(k) in by_model_key}
     to_load = {file_key[k]: state[k] for k in file_key}
     fused = {k: sources for k in state if k not in file_key and (sources := expert_sources(base_key(k), by_model_key))}
+    split = {k: parts for k in state if k not in file_key and (parts := columns.part_sources(base_key(k), by_model_key))}
     partners = {module_path(n): [module_path(o) for o in g if o != n] for g in tied_groups(model) for n in g}
     missing = [
         k for k in state
-        if k not in file_key and k not in fused and not is_adapter_key(k)
+        if k not in file_key and k not in fused and k not in split and not is_adapter_key(k)
         and not any(p in by_model_key for p in partners.get(k, ()))
     ]  # fmt: skip
     if missing:
@@ -89,9 +93,11 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
         read_slices(to_load, files)
     for key, sources in fused.items():
         read_experts(state[key], sources, files)
-    loaded = {k: to_load[f] for k, f in file_key.items()} | {k: state[k] for k in fused}
+    for key, parts in split.items():
+        columns.read_parts(state[key], parts, files)
+    loaded = {k: to_load[f] for k, f in file_key.items()} | {k: state[k] for k in (*fused, *split)}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
-    return len(to_load) + sum(len(row) for sources in fused.values() for row in sources)
+    return len(to_load) + sum(len(row) for sources in fused.values() for row in sources) + sum(map(len, split.values()))
 
 
 # a fused expert weight of the model ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) and the linears of one expert

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import re
 
 import torch
 from torch import nn
@@ -192,8 +193,9 @@ def is_adapter_key(key: str) -> bool:
 
 
 def base_key(key: str) -> str:
-    """A model key of the adapted model in the base model's layout (``.base_layer`` dropped)."""
-    return key.replace(".base_layer.", ".")
+    """A model key of the adapted model in the base model's layout (every ``.base_layer`` dropped: an experts
+    module adapted in both fused weights is two wrappers, ``experts.base_layer.base_layer.gate_up_proj``)."""
+    return re.sub(r"\.base_layer(?=\.)", "", key)
 
 
 def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:

@@ -79,6 +79,11 @@ def good(prediction, reference, **row):
     ],
 )
 def test_grpo_settings_and_what_they_cannot_go_with_are_refused(overrides, pattern):
+    assert_refused(overrides, pattern)
+
+
+def assert_refused(overrides, pattern):
+    """Loading ``overrides`` fails with a line that ``pattern`` matches (searched line by line)."""
     with pytest.raises(ConfigError) as e:
         config.load(overrides=overrides)
     lines = [line.strip(" -").removeprefix("invalid configuration:").strip() for line in str(e.value).splitlines()]

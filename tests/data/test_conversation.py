@@ -32,8 +32,8 @@ def test_placeholder_outside_user_message(tmp_path, processor):
 
 def test_unknown_role(tmp_path, processor):
     row = good_row()
-    row["messages"].insert(1, {"role": "tool", "content": "{}"})
-    assert "message 1 has role 'tool'" in only_bad(write_set(tmp_path, row), processor, "bad_role")
+    row["messages"].insert(1, {"role": "robot", "content": "{}"})
+    assert "message 1 has role 'robot'" in only_bad(write_set(tmp_path, row), processor, "bad_role")
 
 
 @pytest.mark.parametrize(

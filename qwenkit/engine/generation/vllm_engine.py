@@ -9,10 +9,13 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   ``reload_weights`` as a checkpoint tensor, so vLLM's own name mapping and its CPU backend's repacking
   apply (TRL's ``_sync_fsdp2_params_to_vllm``, verl's ``get_per_tensor_param``). Its prefix, encoder
   and multimodal caches are cleared after (the encoder cache holds features of the old weights:
-  EasyR1 clears it too). Fused MoE experts go out in the family's published layout
-  (:meth:`qwenkit.model.families.registry.Family.checkpoint_tensor`). A LoRA layer's weight goes out merged, ``W + scaling * B @ A``
-  (:func:`hf_tensors`: the adapters stay unmerged in the trained model); DoRA and ``lora.modules_to_save``
-  are refused before start (:mod:`qwenkit.config.vllm`).
+  EasyR1 clears it too). Fused MoE experts go out fused, in the family's published layout
+  (:meth:`qwenkit.model.families.registry.Family.checkpoint_tensor`), and vLLM 0.32's reload is made to
+  process them as its first load does (:func:`_reprocess_experts`: else its CPU experts kernel keeps
+  unpacked weights); verl's per-expert names (PR #6896) answer another bug (vLLM #42821, CUDA) and would
+  not reach this one. LoRA goes out merged (:mod:`qwenkit.engine.generation.push_tensors`: a linear's
+  ``W + scaling * B @ A``, each expert's with ``lora.target_experts``; the adapters stay unmerged in the
+  trained model); DoRA and ``lora.modules_to_save`` are refused before start (:mod:`qwenkit.config.vllm`).
 - **Prompts** (:mod:`qwenkit.engine.generation.vllm_requests`): the kit's own prompt token ids (the
   dataset's template), each image and video as one placeholder, the row's images and the kit's
   sampled video frames as ``multi_modal_data``: vLLM expands the placeholders itself, and its expanded
@@ -39,7 +42,6 @@ import ctypes
 import os
 import platform
 import random
-import re
 import sys
 from dataclasses import dataclass
 
@@ -48,17 +50,14 @@ import torch
 from torch import nn
 
 from qwenkit.engine.generation.generate import Generation, reply_text
+from qwenkit.engine.generation.push_tensors import hf_tensors
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.errors import KnownCause
-from qwenkit.model import lora
 from qwenkit.model.families import registry as families
-from qwenkit.model.families.entry import vllm_cpu_problem
-from qwenkit.model.modules import module_path
+from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.processor import pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops
 
-# a LoRA layer's parameters: its base weight and its adapter's two factors (peft's names)
-LORA_PART = re.compile(rf"^(.*)\.(base_layer\.weight|lora_A\.{lora.ADAPTER}\.weight|lora_B\.{lora.ADAPTER}\.weight)$")
 SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}  # the set_mempolicy syscall's number per architecture
 ENGINES: dict[EngineSpec, VllmEngine] = {}  # this process's engines, by what they were built from (:func:`shared`)
 # a video's frames come sampled and resized by the kit (vllm_requests): vLLM's video processor keeps them as they are
@@ -187,6 +186,7 @@ class VllmEngine:
 
         with engine_call():
             self._wake("weights")
+            self.llm.collective_rpc(_reprocess_experts)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
             self.llm.llm_engine.reset_encoder_cache()
@@ -217,26 +217,30 @@ class VllmEngine:
             self.asleep.discard(tag)
 
 
-def hf_tensors(model: nn.Module):
-    """``(HF name, full tensor)`` of each parameter of ``model``, gathered one at a time (collective for a
-    sharded model: every rank iterates alike); a LoRA layer's base weight merged with its adapter, its
-    adapter weights not sent."""
-    held: dict[str, dict[str, torch.Tensor]] = {}  # a LoRA layer's path -> its base weight, lora_A, lora_B so far
-    for name, p in model.named_parameters():
-        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-        found = LORA_PART.match(name)
-        if found is None:
-            yield lora.base_key(module_path(name)), full  # a LoRA layer's bias too: its base layer's
+def _reprocess_experts(worker) -> int:
+    """In vLLM's worker (``collective_rpc``), before a reload: make the reload process each MoE layer's experts as
+    the first load did; returns the number of layers. vLLM 0.32's reload (``reload_weights``: the layer's tensors
+    restored on meta, the checkpoint tensors loaded into them, ``process_weights_after_loading``, the result
+    copied into the live tensors) runs the unquantized experts' processing as a *weight update* once the layer
+    has a kernel (``UnquantizedFusedMoEMethod._setup_kernel``: ``is_weight_update``), which skips the experts
+    kernel's own ``process_weights_after_loading``. Where that is not a no-op (the CPU kernel: it zero-pads the
+    intermediate dimension to 32 and prepacks both weights) the live tensors then get unpadded, unpacked
+    weights: the copy fails (the tiny MoE's intermediate 16) or leaves wrong experts (bf16 Qwen3.5-MoE: weights
+    0.12 off after reloading the checkpoint's own tensors). Without its kernel the layer is processed as at
+    start: a new kernel, padded and prepacked, then copied into the same live storage."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    count = 0
+    for module in worker.model_runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or method.moe_kernel is None:
             continue
-        layer, part = found.groups()
-        parts = held.setdefault(layer, {})
-        parts[part] = full
-        if len(parts) == 3:  # peft's merge: W + scaling * B @ A
-            scaling = model.get_submodule(layer).scaling[lora.ADAPTER]
-            delta = parts[f"lora_B.{lora.ADAPTER}.weight"].float() @ parts[f"lora_A.{lora.ADAPTER}.weight"].float()
-            weight = parts["base_layer.weight"]
-            yield module_path(layer) + ".weight", weight + (scaling * delta).to(weight.dtype)
-            del held[layer]
+        process = type(method.moe_kernel.fused_experts).process_weights_after_loading
+        if process is not FusedMoEExperts.process_weights_after_loading:  # CUDA's Triton kernel: nothing skipped
+            method.moe_kernel = None
+            count += 1
+    return count
 
 
 def start_engine(spec: EngineSpec) -> VllmEngine:
@@ -281,7 +285,7 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
     family = processor.family
     if why := family.vllm_refusal:  # the launcher refused it already (Family.problems); qwenkit eval asks here
         raise ValueError(f"vLLM cannot run {family.name}: {why}; use the hf engine")
-    if not torch.cuda.is_available() and (why := vllm_cpu_problem(family, model_dir, "the vllm engine", cfg.model.dtype)):
+    if why := vllm_problem(family, model_dir, "the vllm engine", cfg.model.dtype, "cuda" if torch.cuda.is_available() else "cpu"):
         raise ValueError(why)  # the launcher and qwenkit eval refused it already, before any process started
     lo, hi = pixel_bounds(processor.image_processor)
     v = cfg.vllm

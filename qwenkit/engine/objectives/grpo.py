@@ -164,14 +164,19 @@ class GrpoObjective(Objective):
     def build(cls, cfg, rt, model: nn.Module, bundle, sp=None, out_dir=None) -> GrpoObjective:
         """The model is sharded and holds its starting weights: a frozen copy of them is the reference."""
         enable(model)
-        reference = None
-        if cfg.grpo.beta > 0:
-            reference = "adapters" if lora.has_adapters(model) else enable(reference_model(cfg, rt, model))
+        reference = cls.reference_of(cfg, rt, model)
         evaluator = None
         if bundle.eval_dataset is not None:
             evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
         box_units = families.of_model(model).box_units  # the family the model was built as (registry.build)
         return cls(cfg, rt, bundle, box_units, reference, evaluator, out_dir, model.name_or_path)
+
+    @staticmethod
+    def reference_of(cfg, rt, model: nn.Module) -> nn.Module | str | None:
+        """What scores the rollouts' tokens besides the policy (their ``ref_logps``): GRPO's reference when ``grpo.beta > 0``."""
+        if cfg.grpo.beta <= 0:
+            return None
+        return "adapters" if lora.has_adapters(model) else enable(reference_model(cfg, rt, model))
 
     # --- one rollout ------------------------------------------------------------------------
 
@@ -220,7 +225,7 @@ class GrpoObjective(Objective):
         everyone = grpo_metrics.gather_named(columns, self.rt.device)  # name -> [every rank's completions]
         rank = self.rt.rank
         n = len(done)
-        adv, zero = group_advantages(everyone["reward"], self.grpo.num_generations, self.grpo.scale_rewards)
+        adv, zero = self.advantages(everyone["reward"])
         self.rollout_metrics = grpo_metrics.rollout_metrics(everyone, zero, self.rewards) | resampled
         mine = adv[rank * n : (rank + 1) * n]
         if self.sample_file is not None:
@@ -243,6 +248,10 @@ class GrpoObjective(Objective):
         if self.corrects:
             self.rollout_metrics |= stats.metrics(self.rt.device)
         return micro
+
+    def advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's completions' advantages and whether their group's rewards are all equal."""
+        return group_advantages(rewards, self.grpo.num_generations, self.grpo.scale_rewards)
 
     def _agree_on_rewards(self, failure: dict | None) -> None:
         """Collective: a reward that failed on any rank stops every rank here, at the same point (one

@@ -7,13 +7,13 @@ rollout (``begin``), writes a trajectory's next turn as its prompt (``turn_promp
 (``sample_rows``) and keeps their sampling log-probs (``sampled_logps``). Each completion is a **trajectory**:
 
 1. its prompt: the row's prompt (:meth:`qwenkit.data.dataset.EncodedDataset.prompt`) with the tools' schemas in
-   the system turn as the family's template writes them (:func:`~qwenkit.engine.rollouts.tool_calls.system_text`)
+   the system turn as the family's template writes them (:func:`~qwenkit.data.tool_calls.system_text`)
    and the text of its environment's ``reset(**row)`` appended to the last user turn (:mod:`~qwenkit.engine.rollouts.tools`);
 2. each turn, every trajectory still alive on the rank is sampled in one batched ``generate`` (its prompt plus
    everything so far, images included), the reply cut at its end token or its budget: ``grpo.max_new_tokens``
    counts the model's tokens over the whole trajectory, ``grpo.max_trajectory_tokens`` (0: no limit) the model's
    and the tools' together;
-3. the reply's calls are parsed in the family's format (:func:`~qwenkit.engine.rollouts.tool_calls.parse_calls`);
+3. the reply's calls are parsed in the family's format (:func:`~qwenkit.data.tool_calls.parse_calls`);
    none: the trajectory ends (its last reply is the answer the rewards read); a block that does not parse: it
    ends too, counted as a failed call; else each call runs (:func:`~qwenkit.engine.rollouts.tools.call`: an error
    or a timeout is a response saying so, counted as failed) and their responses are appended as the template
@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwenkit.engine.rollouts import tool_calls, tools
+from qwenkit.data import tool_calls
+from qwenkit.engine.rollouts import tools
 from qwenkit.engine.rollouts.completion import Completion, completion, completion_seed, media_tokens
 
 STATS = ("tool_calls", "tool_failures", "turns", "model_tokens", "tool_tokens")  # a trajectory's counts

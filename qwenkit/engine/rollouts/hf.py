@@ -13,6 +13,9 @@ One engine behind the interface of :mod:`qwenkit.engine.rollouts.completion` (:c
   ``synced_gpus``, :func:`qwenkit.engine.generation.placement.lockstep`), every forward all-gathering
   every unit: for a policy whose whole weights do not fit a rank beside its training state, and
   under expert parallelism (the experts' all-to-all makes every forward collective anyway);
+- a model with column-sharded tables (Qwen4-Exp's n-gram tables, never gathered: each lookup an exchange,
+  :mod:`qwenkit.distributed.columns`) steps in step either way: its units gathered once or not, every rank
+  runs every forward (``synced_gpus``) for the tables' lookups;
 - ``auto``: ``gather`` when the whole weights, one call's KV cache and a margin fit every rank,
   else ``lockstep``: evaluation's rule (:func:`qwenkit.engine.generation.placement.choose_generation`).
 
@@ -53,6 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from qwenkit.distributed import columns
 from qwenkit.distributed.unshard import unsharded
 from qwenkit.engine.generation.generate import (
     Sampling,
@@ -131,10 +135,12 @@ class HfRollouts:
         size = self.batch_size or max(len(rows), 1)
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
         longest = max((p["input_ids"].shape[1] for p in prompts), default=1)
-        self.chosen = choose_generation(self.where, model, Sampling(most, size), longest, device,
-                                        self.dtype)  # fmt: skip
+        self.chosen = choose_generation(self.where, model, Sampling(most, size), longest, device, self.dtype)
         gathered = self.chosen[0] == "gather"
-        if not gathered and dist.is_initialized() and dist.get_world_size() > 1:
+        in_step = not gathered or columns.sharded(model)  # the tables' lookups are collectives, whole weights or not
+        if gathered and in_step:
+            self.chosen = ("gather", f"{self.chosen[1]}; in step: the column-sharded tables stay split, each lookup a collective")
+        if in_step and dist.is_initialized() and dist.get_world_size() > 1:
             calls = torch.tensor([len(batches)], device=device)
             dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank makes as many lockstep calls
             batches += [[] for _ in range(int(calls.item()) - len(batches))]  # a dummy call each, dropped
@@ -149,7 +155,7 @@ class HfRollouts:
                     stack.enter_context(unsharded(model))
                 if self.dtype is not None:  # gathered: each weight cast once for the rollout
                     stack.enter_context(low_precision_gemms(model, self.dtype, once=gathered))
-                step = stack.enter_context(lockstep(model, synced=False if gathered else None))
+                step = stack.enter_context(lockstep(model, synced=None if in_step else False))
                 for chunk in batches:
                     padded = left_pad([prompts[r] for r in chunk] or [dummy_prompt(pad)], pad)
                     inputs = prompt_inputs(model, padded, device)

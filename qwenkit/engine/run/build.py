@@ -1,5 +1,5 @@
-"""Every model a run holds, built by one path: the policy the trainer trains and the frozen reference of
-DPO and GRPO (full fine-tuning) are the same build on the same meshes, so they compute alike and are
+"""Every model a run holds, built by one path: the policy the trainer trains, the frozen reference of
+DPO and GRPO (full fine-tuning) and distillation's frozen teacher are the same build on the same meshes, so they compute alike and are
 split alike (fused ops, expert parallelism, FSDP2 units, meta init).
 
 1. :func:`fused_model`: the family's chunk-loss subclass (:func:`qwenkit.model.families.build.build`) with the
@@ -8,7 +8,8 @@ split alike (fused ops, expert parallelism, FSDP2 units, meta init).
    (:func:`reference_model`); the policy: the caller's ``adapt`` (LoRA adapters, sequence parallelism,
    the parameter counts), all before anything is split;
 3. ``parallel.ep_size > 1``: each rank keeps its whole experts and dispatches tokens to them
-   (:func:`qwenkit.distributed.expert.apply`, on the run's expert mesh);
+   (:func:`qwenkit.distributed.expert.apply`, on the run's expert mesh); the family's column-sharded tables
+   (Qwen4-Exp's n-gram tables) keep each rank's columns, outside FSDP (:func:`qwenkit.distributed.columns.apply`);
 4. recompute wrappers (the policy: a frozen model has no backward), ``fully_shard``
    (:func:`qwenkit.distributed.fsdp.shard`, the experts on their ``efsdp`` dimension);
 5. ``model.init_device: meta``: storage, then the HF weights read into the shards (each rank its
@@ -20,15 +21,16 @@ The meshes (:class:`Meshes`) are made once per run (:func:`meshes`) and kept on 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from qwenkit import patches
 from qwenkit.config import DTYPES
-from qwenkit.distributed import expert, fsdp
+from qwenkit.distributed import columns, expert, fsdp
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
@@ -49,10 +51,12 @@ def fused_model(cfg) -> ChunkLossMixin:
 
 @dataclass
 class Meshes:
-    """The run's device meshes: FSDP's (1-D, or HSDP's ``(replicate, shard)``) and, with
-    ``parallel.ep_size > 1``, the experts' ``(efsdp, ep)`` (:func:`qwenkit.distributed.expert.build_expert_mesh`)."""
+    """The run's device meshes: FSDP's (1-D, or HSDP's ``(replicate, shard)``), every rank's 1-D one of the
+    column-sharded tables (FSDP's unless HSDP) and, with ``parallel.ep_size > 1``, the experts' ``(efsdp, ep)``
+    (:func:`qwenkit.distributed.expert.build_expert_mesh`)."""
 
     fsdp: DeviceMesh
+    tables: DeviceMesh
     experts: DeviceMesh | None = None
 
 
@@ -60,7 +64,9 @@ def meshes(cfg, rt) -> Meshes:
     """The run's meshes (collective: every rank makes the same process groups)."""
     ep = cfg.parallel.ep_size
     experts = expert.build_expert_mesh(rt.device.type, rt.world_size, ep) if ep > 1 else None
-    return Meshes(fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas), experts)
+    mesh = fsdp.build_mesh(rt, cfg.parallel.hsdp_replicas)
+    tables = mesh if mesh.ndim == 1 else init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tables",))
+    return Meshes(mesh, tables, experts)
 
 
 def sharded_model(
@@ -74,10 +80,17 @@ def sharded_model(
     if adapt is not None:
         adapt(model)
     experts = None
+    entry = family.of_model(model)
     if on.experts is not None:  # before recompute and fully_shard: each rank keeps its whole experts
-        experts = expert.apply(model, family.of_model(model).experts, on.experts)
+        experts = expert.apply(model, entry.experts, on.experts)
+    compute = DTYPES[cfg.parallel.param_dtype] if cfg.parallel.param_dtype else None
+    tables = columns.apply(model, entry.column_sharded, on.tables, compute)  # each rank its columns, for good
+    if tables and rt.rank == 0:
+        held, whole = sum(p.to_local().nbytes for p in tables), sum(p.numel() * p.element_size() for p in tables)
+        log.info("column-sharded tables: %d, %.1f MiB of their %.1f MiB on each rank (columns of every row)",
+                 len(tables), held / 2**20, whole / 2**20)  # fmt: skip
     recomputed = [] if frozen else fsdp.apply_recompute(model, cfg.parallel.recompute)
-    plan = fsdp.shard(model, cfg.parallel, on.fsdp, experts)
+    plan = fsdp.shard(model, cfg.parallel, on.fsdp, experts, ignored=tables)
     plan.recompute = recomputed
     if frozen:
         # fsdp.shard keeps the root gathered after forward, for the backward that follows it; a frozen
@@ -118,3 +131,13 @@ def reference_model(cfg, rt, policy: ChunkLossMixin) -> ChunkLossMixin:
     ref, _ = sharded_model(cfg, rt, policy.qwenkit_meshes, frozen=True)
     ref.vision_calls_per_step = policy.vision_calls_per_step
     return ref.eval()
+
+
+def teacher_model(cfg, rt, policy: ChunkLossMixin, path: str) -> ChunkLossMixin:
+    """Another checkpoint (``distill.teacher``'s HF directory) built, frozen and split as a reference is,
+    on ``policy``'s meshes: the teacher of on-policy distillation. Its family is its own ``config.json``'s
+    (``model.name: auto``); the student's model section gives the rest (dtype, attention, fused ops)."""
+    model = dataclasses.replace(cfg.model, path=path, name="auto", freeze=[], init_from=None, init_recipe=None)
+    teacher, _ = sharded_model(dataclasses.replace(cfg, model=model), rt, policy.qwenkit_meshes, frozen=True)
+    teacher.vision_calls_per_step = policy.vision_calls_per_step
+    return teacher.eval()

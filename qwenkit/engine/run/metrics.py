@@ -57,6 +57,7 @@ from qwenkit.rundir import RunDir
 
 RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "loss": "nat",
+    "mtp_loss": "nat",  # model.mtp.train: the MTP layer's loss, before its weight
     "grad_norm": "1",
     "lr": "1",
     "step_time": "s",
@@ -69,6 +70,7 @@ RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "eval_loss": "nat",
     "eval_accuracy": "1",
     "eval_generation_time": "s",  # an accuracy evaluation's generation, scores and gather (engine/generation/evaluate.py)
+    "eval_mtp_acceptance": "1",  # model.mtp.train: the MTP layer's drafts accepted (engine/generation/mtp_acceptance.py)
 }
 # train.objective=dpo's too (TRL's names, qwenkit.engine.objectives.dpo): rewards are beta x log-ratios
 PREFERENCE_UNITS = {
@@ -89,9 +91,11 @@ GRPO_UNITS = {
     "tools/call_frequency": "1", "tools/failure_frequency": "1", "tools/turns_mean": "1",
     "tools/model_tokens_mean": "token", "tools/tool_tokens_mean": "token",
 }  # fmt: skip
+# train.objective=distill's (qwenkit.engine.objectives.distill), beside GRPO's rollout metrics
+DISTILL_UNITS = {"reverse_kl": "nat"}
 # a MoE run's (qwenkit.engine.run.expert_load): expert_load/layer_NN, expert_load/max_over_mean
 MOE_UNITS = {"expert_load": "1"}
-UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **MOE_UNITS}
+UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **DISTILL_UNITS, **MOE_UNITS}
 _GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)
 
 

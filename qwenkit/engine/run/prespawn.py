@@ -2,7 +2,7 @@
 
 ``qwenkit train`` (:mod:`qwenkit.launch`) and every sweep trial (:mod:`qwenkit.sweep.file`) pass
 :func:`check_before_spawn` first: the model directory and its module tree (built on meta: no
-weights read), the dataset path and the optional extras the run needs, its bad rows when their index
+weights read), distillation's teacher (:mod:`qwenkit.engine.checkpoints.teacher`), the dataset path and the optional extras the run needs, its bad rows when their index
 is cached (:func:`check_prepared_rows`), a dataset too small for one optimizer step
 (:func:`check_data_size`), the resume rule
 (:func:`qwenkit.engine.checkpoints.resume.decide`: which checkpoint, whole, fitting this run's model,
@@ -27,12 +27,13 @@ from qwenkit.data.reader import DataError, open_sources
 from qwenkit.device import device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine.checkpoints import resume as resume_rule
+from qwenkit.engine.checkpoints import teacher
 from qwenkit.engine.rollouts import tools
 from qwenkit.engine.run import optim
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
-from qwenkit.model.families.entry import vllm_cpu_problem
+from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.paths import load_processor, resolve_path
 
 
@@ -51,6 +52,7 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
         problems.extend(check_module_paths(cfg))
         problems.extend(families.problems(cfg, path))  # what the family cannot run: SP, packing, fused ops...
         problems.extend(vllm_device_problems(cfg, path))
+        problems.extend(teacher.problems(cfg, path))  # distillation's teacher: there, of the student's tokenizer
         heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
         if heads:
             problems.append(heads)
@@ -76,17 +78,18 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
 
 
 def vllm_device_problems(cfg, path) -> list[str]:
-    """What vLLM cannot run of the checkpoint at ``path`` on this run's device, where a key asks for vLLM
-    (its CPU backend: a few head dims); inside the engine it would fail only after the ranks started."""
+    """What vLLM cannot run of the checkpoint at ``path`` (its experts' layout) or on this run's device (its CPU
+    backend: a few head dims), where a key asks for vLLM; inside the engine it would fail only after the ranks
+    started (:func:`qwenkit.model.families.entry.vllm_problem`)."""
     keys = [f"{k}=vllm" for k, v in (("grpo.rollout_engine", cfg.grpo.rollout_engine),
                                       ("train.eval_engine", cfg.train.eval_engine)) if v == "vllm"]  # fmt: skip
-    if not keys or resolve_device(cfg.parallel.device) != "cpu":
+    if not keys:
         return []
     try:
         family = families.resolve(cfg.model.name, path)
     except ValueError:  # a checkpoint of no family, or of another: families.problems' to refuse
         return []
-    why = vllm_cpu_problem(family, path, " and ".join(keys), cfg.model.dtype)
+    why = vllm_problem(family, path, " and ".join(keys), cfg.model.dtype, resolve_device(cfg.parallel.device))
     return [why] if why else []
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from qwenkit.config import DTYPES
+from qwenkit.model.families import mtp
 from qwenkit.model.families import registry as families
 from qwenkit.model.families.chunked import ChunkLossMixin
 from qwenkit.model.families.spec import of_run
@@ -43,6 +44,10 @@ def build(model_cfg, loss_cfg=None, device: str | torch.device | None = None) ->
         model = cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=attn, local_files_only=True)
         if device is not None:
             model.to(device)
+    if model_cfg.mtp.train:  # Qwen3.5's MTP layer (the family's problems refused it for others)
+        mtp.attach(model, model_cfg.mtp.layers or family.mtp_layers, model_cfg.mtp.loss_weight)
+        if model_cfg.init_device != "meta":  # meta: load_hf_weights fills it with the rest (same names)
+            mtp.load_from_checkpoint(model, path)
     model.name_or_path = str(path)
     if loss_cfg is not None:
         model.configure_loss(

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwenkit.config import LOSS_TYPES, chunk_size_problem
+from qwenkit.model.families.mtp import draft_agreement, mtp_loss
 from qwenkit.model.families.positions import Positions
 from qwenkit.model.losses.cross_entropy import (
     IGNORE_INDEX,
@@ -157,6 +158,7 @@ class ChunkLossMixin(Positions):
         if packed_seq_lens is not None:
             use_cache = self._packed_inputs(input_ids, packed_seq_lens, use_cache, kwargs)
         idle = self._idle_vision(input_ids, kwargs)
+        self._packed_seq_lens = packed_seq_lens  # the MTP layer's document boundaries (qwenkit.model.families.mtp)
         step = self._chunked_forward if self.chunk_loss else self._hf_forward
         out = step(input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs)
         if idle is not None and out.loss is not None:
@@ -206,6 +208,10 @@ class ChunkLossMixin(Positions):
             num_samples=num_samples,
         )
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
+        if getattr(self, "mtp", None) is not None and loss_type != TOKEN_SUM:  # model.mtp.train (Qwen3.5)
+            extra = mtp_loss(self, outputs.last_hidden_state, input_ids, labels, self._packed_seq_lens, loss_fn)
+            self.last_mtp_loss = extra.detach()
+            loss = loss + self.mtp_loss_weight * extra
         loss, aux = self._with_aux_loss(loss, outputs, kwargs.get("attention_mask"), loss_type)
         # HF's output class with HF's fields (hidden states, attentions, rope deltas / media
         # outputs, router logits, by version) taken from the backbone as its forward does; logits never exist
@@ -231,6 +237,19 @@ class ChunkLossMixin(Positions):
         :func:`qwenkit.model.losses.logps.unpack`)."""
         head = functools.partial(token_logps, entropy=entropy, temperature=temperature, banned=banned)
         return self._labelled_head(head, input_ids, labels, kwargs)
+
+    def mtp_agreement(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample ``(accepted, drafted)`` positions of the MTP layer's drafts (``model.mtp``;
+        :func:`qwenkit.model.families.mtp.draft_agreement`), HF's backbone run as in the chunk-loss forward;
+        under FSDP2 a registered forward method, as :meth:`_labelled_head`'s callers."""
+        kwargs = self._drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"}, input_ids)
+        packed = kwargs.pop("packed_seq_lens", None)
+        if packed is not None:
+            self._packed_inputs(input_ids, packed, False, kwargs)
+        self._idle_vision(input_ids, kwargs)  # the collectives a rank short of a modality owes (no loss here)
+        self._prepare_backbone(kwargs)
+        outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
+        return draft_agreement(self, outputs.last_hidden_state, input_ids, labels, packed)
 
     def _labelled_head(self, head_fn, input_ids, labels, kwargs) -> tuple:
         """HF's backbone as in the chunk-loss forward, then the lm_head module with ``head_fn`` as

@@ -17,13 +17,15 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from qwenkit.model.modules import prefix_match
 
 __all__ = ["MIXERS", "NOT_EXACT", "VLLM_CPU_HEAD_SIZES", "VLLM_CPU_LINEAR_HEAD_DIM", "Family", "Mixer", "Whole",
-           "aux_loss_sp_problem", "expert_parallel_problem", "vllm_cpu_problem"]
+           "aux_loss_sp_problem", "expert_parallel_problem", "vllm_cpu_problem", "vllm_layout_problem",
+           "vllm_problem"]
 
 
 # What an entry checks a config against (Family.problems): its layer kinds, the features it has not made
@@ -66,7 +68,8 @@ NOT_EXACT = {
     "sequence parallelism": (lambda cfg: f"parallel.sp_size={cfg.parallel.sp_size}", lambda cfg: cfg.parallel.sp_size > 1),
     "LoRA": (lambda cfg: f"lora.r={cfg.lora.r}", lambda cfg: cfg.lora.r > 0),
     "DPO": (lambda cfg: "train.objective=dpo", lambda cfg: cfg.train.objective == "dpo"),
-    "GRPO": (lambda cfg: "train.objective=grpo", lambda cfg: cfg.train.objective == "grpo"),
+    # on-policy distillation rolls out and scores its tokens as GRPO does (qwenkit.engine.objectives.distill)
+    "GRPO": (lambda cfg: f"train.objective={cfg.train.objective}", lambda cfg: cfg.train.objective in ("grpo", "distill")),
     "expert parallelism": (lambda cfg: f"parallel.ep_size={cfg.parallel.ep_size}", lambda cfg: cfg.parallel.ep_size > 1),
 }
 
@@ -111,6 +114,44 @@ def vllm_cpu_problem(family: Family, path: str | Path, keys: str, dtype: str) ->
                 f"{VLLM_CPU_LINEAR_HEAD_DIM} only, and {path}/config.json has {linear[0]} and {linear[1]}; use the hf "
                 "engine, or a model of those head dims")  # fmt: skip
     return None
+
+
+def vllm_problem(family: Family, path: str | Path, keys: str, dtype: str, device: str) -> str | None:
+    """Why vLLM cannot run the checkpoint at ``path`` (:func:`vllm_layout_problem`), or not on ``device`` (``cpu``:
+    :func:`vllm_cpu_problem`) in ``dtype``, asked for by ``keys``; None: it can. Asked before any process starts."""
+    if why := vllm_layout_problem(family, path, keys):
+        return why
+    return vllm_cpu_problem(family, path, keys, dtype) if device == "cpu" else None
+
+
+def vllm_layout_problem(family: Family, path: str | Path, keys: str) -> str | None:
+    """Why vLLM cannot read the checkpoint at ``path``: fused experts in transformers 5.x's layout where vLLM reads
+    the family's published one (:attr:`Family.checkpoint_transposed`, Qwen3-VL-MoE: vLLM 0.32 transposes them on
+    load whatever they hold, and fails inside the engine after the ranks started, ``The size of tensor a (16) must
+    match the size of tensor b (64)``). A checkpoint transformers 5.x saved holds its own layout (the kit's export,
+    the tiny default). Read off the safetensors header; a square tensor cannot tell the layouts apart and passes."""
+    if not family.checkpoint_transposed:
+        return None
+    fused = family.checkpoint_transposed[0]  # gate_up_proj: [E, hidden, 2 inter] published, [E, 2 inter, hidden] 5.x
+    shape = next((v for k, v in _safetensors_shapes(Path(path)).items() if k.endswith(fused)), None)
+    text = text_config(family, path)
+    held = [2 * text.get("moe_intermediate_size", 0), text.get("hidden_size")]  # 5.x's [2 inter, hidden] per expert
+    if shape is None or shape[1:] != held or held[0] == held[1]:
+        return None
+    return (f"{keys}: vLLM reads {family.name}'s fused experts in Qwen's published layout ([E, hidden, 2·inter]), and "
+            f"{path} holds transformers 5.x's ({fused} {shape}: a checkpoint transformers 5.x saved); use the hf "
+            "engine, or the model in Qwen's layout (as published)")  # fmt: skip
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """``{tensor name: shape}`` of the ``*.safetensors`` files in ``path``, from their headers alone (an 8-byte
+    little-endian length, then the JSON header)."""
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        shapes |= {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    return shapes
 
 
 def aux_loss_sp_problem(family: Family, path: str | Path, sp_size: int) -> str | None:
@@ -180,6 +221,12 @@ class Whole:
         return _imported(getattr(self, what))
 
 
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: ``"5.23.0.dev0"`` -> ``(5, 23)``, ``"5"`` -> ``(5, 0)``."""
+    parts = [int(p) for p in re.findall(r"\d+", version)[:2]]
+    return (parts + [0])[0], (parts + [0, 0])[1]
+
+
 def _imported(path: str):
     """What an import path ``module:attr`` names."""
     module, _, attr = path.partition(":")
@@ -214,7 +261,7 @@ class Family:
     think_tags: bool = False
     # how the family's template writes a tool call: hermes (Qwen2.5/Qwen3-VL: <tool_call>{"name", "arguments"}</tool_call>)
     # or xml (Qwen3.5: <tool_call><function=name><parameter=p>value</parameter></function></tool_call>);
-    # qwenkit.engine.rollouts.tool_calls renders and parses both
+    # qwenkit.data.tool_calls renders and parses both
     tool_calls: str = "hermes"
     aux_loss: bool = False  # the router's load-balancing loss joins the training loss (MoE)
     mixers: tuple[str, ...] = ("attention",)  # the text decoder's sequence-mixing layer kinds (MIXERS)
@@ -232,10 +279,11 @@ class Family:
     mtp_layers: int = 0
     # the audio placeholder tokens (start, pad, end) of a family that hears (Omni); () = no audio tower
     audio_tokens: tuple[str, ...] = ()
-    # the transformers submodule that holds the family (default: model_type) and the oldest major version
-    # whose module tree the subclass fits (4.57's Omni thinker has no multimodal backbone under ``model``)
+    # the transformers submodule that holds the family (default: model_type) and the oldest release, "major.minor",
+    # that has it with the module tree the subclass fits (4.57's Omni thinker has no multimodal backbone under
+    # ``model``; qwen4_exp came in 5.23); "": any release that has the submodule
     hf_module: str = ""
-    min_transformers: int = 4
+    min_transformers: str = ""
     # features (keys of NOT_EXACT) this family's chunk loss and data path are not yet tested against:
     # refused before start, one line each, until they are made exact
     not_exact: tuple[str, ...] = ()
@@ -250,6 +298,9 @@ class Family:
     checkpoint_transposed: tuple[str, ...] = ()
     # why vLLM (grpo.rollout_engine, train.eval_engine, qwenkit eval --engine) cannot run the family; "" = it can
     vllm_refusal: str = ""
+    # embedding tables sharded on their columns over every rank, outside FSDP, never gathered whole: looked up by
+    # an exchange of rows (qwenkit.distributed.columns; Qwen4-Exp's n-gram tables, ~76 GiB each in the real checkpoint)
+    column_sharded: tuple[str, ...] = ()
 
     def holds(self, model_type: str | None) -> bool:
         """Whether a checkpoint of ``model_type`` holds this family's model: its own, or its whole's."""
@@ -267,13 +318,14 @@ class Family:
         return _imported(getattr(self, what))
 
     def unavailable(self) -> str | None:
-        """Why this transformers install cannot build the family (4.57 has no Qwen3.5), or None."""
+        """Why this transformers install cannot build the family (4.57 has no Qwen3.5, 5.22 no Qwen4-Exp), or None."""
         module = f"transformers.models.{self.hf_module or self.model_type}"
         version = importlib.metadata.version("transformers")
-        if importlib.util.find_spec(module) is not None and int(version.split(".")[0]) >= self.min_transformers:
+        floor = self.min_transformers
+        if importlib.util.find_spec(module) is not None and (not floor or _release(version) >= _release(floor)):
             return None
-        return (f"model.name={self.name} needs transformers 5.x ({module}); transformers "
-                f"{version} is installed and has no such model, or another module tree")  # fmt: skip
+        return (f"model.name={self.name} needs transformers {f'>= {floor}' if floor else '5.x'} ({module}); "
+                f"transformers {version} is installed and has no such model, or another module tree")  # fmt: skip
 
     def part_of(self, name: str) -> str | None:
         """The part (of :func:`qwenkit.model.families.build.parameter_counts`) a parameter or module path belongs to, or None."""
@@ -315,6 +367,12 @@ class Family:
                     f"model.attn_implementation={attn!r}: {self.name}'s {kind} layers run with "
                     f"{', '.join(mixer.attn_implementations)}"
                 )
+        mtp = cfg.model.mtp
+        if mtp.train and not self.mtp_layers:
+            problems.append(f"model.mtp.train: {self.name} has no multi-token-prediction layer (Qwen3.5's "
+                            "families have one); use model.mtp.train=false")  # fmt: skip
+        elif mtp.train and mtp.layers > self.mtp_layers:
+            problems.append(f"model.mtp.layers={mtp.layers}: {self.name}'s checkpoints hold {self.mtp_layers}")
         ops = cfg.model.fused_ops
         unfit = [op for op in ops if op not in self.fused_ops] if isinstance(ops, (list, tuple)) else []
         if unfit:

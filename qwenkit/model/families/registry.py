@@ -71,9 +71,6 @@ _QWEN4_EXP_PARTS = (*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.laye
                     ("n-gram tables", (_PLE_TABLES,)), ("QSA indexer", (_INDEXER,)), *_QWEN3_5_PARTS[2:])  # fmt: skip
 _VLLM_QWEN4_EXP = "vLLM 0.32 has no qwen4_exp model (no Qwen4ExpForConditionalGeneration in its registry)"
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
-_VLLM_MOE = ("vLLM 0.32 (CPU) loads this MoE checkpoint (its replies agree with the kit's), but its in-place reload of "
-             "the fused experts, which every weight push uses, is wrong (Qwen3-VL-MoE: log-probs 0.07 off "
-             "after reloading the checkpoint's own expert tensors)")  # fmt: skip
 _VLLM_OMNI = "the Omni thinkers are not yet tried in vLLM (their audio inputs as vLLM's are not built)"
 
 # what the two Omni thinkers share: the audio tower as a part of its own, LoRA's towers, the text decoder's
@@ -84,7 +81,7 @@ _OMNI_AUDIO = ("audio tower", ("model.audio_tower",))
 _OMNI = dict(
     lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
     recompute_units=_LAYERS,
-    min_transformers=5,
+    min_transformers="5.0",
     not_exact=("packing", "sequence parallelism"),
     vllm_refusal=_VLLM_OMNI,
 )
@@ -137,7 +134,6 @@ FAMILIES: dict[str, Family] = {
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
             checkpoint_transposed=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-            vllm_refusal=_VLLM_MOE,
         ),
         Family(
             name="qwen3_5",
@@ -177,7 +173,6 @@ FAMILIES: dict[str, Family] = {
             mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
-            vllm_refusal=_VLLM_MOE,
         ),
         # Qwen4-Exp (transformers >= 5.23): hyper-connection streams around every decoder layer, the QSA indexer
         # on the full-attention layers, PLE n-gram tables on some linear-attention layers, 512 experts top-10
@@ -202,7 +197,8 @@ FAMILIES: dict[str, Family] = {
             mtp_layers=1,
             aux_loss=True,
             experts=("model.language_model.layers.*.mlp.experts",),
-            min_transformers=5,
+            column_sharded=(_PLE_TABLES + ".ngram_embedding",),
+            min_transformers="5.23",  # transformers PR #48337 added qwen4_exp
             never_trained=(_INDEXER,),
             vllm_refusal=_VLLM_QWEN4_EXP,
         ),
@@ -335,7 +331,9 @@ def units(model, key: str, value) -> list[str]:
     if value != "auto":
         return list(value)
     family = of_model(model)
-    return list(family.shard_units if key == "shard_patterns" else family.recompute_units)
+    if key == "shard_patterns":  # the trained MTP layer (model.mtp.train): one unit of its own
+        return [*family.shard_units, *(["mtp"] if getattr(model, "mtp", None) is not None else [])]
+    return list(family.recompute_units)
 
 
 def problems(cfg, path: str | Path) -> list[str]:

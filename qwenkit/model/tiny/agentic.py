@@ -15,9 +15,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from qwenkit.model.tiny.data import COLOURS, POSITIONS, TINY_IMAGE_SIDE, cache_root
-
-ZOOM_SIDE = 56  # a crop is resized to the tiny image processor's smallest side: 4 image tokens after the merge
+from qwenkit.model.tiny.data import COLOURS, POSITIONS, ZOOM_SIDE, cache_root, zoom_crop
 
 
 def tiny_image(name: str) -> Path:
@@ -49,10 +47,8 @@ class ShapesZoom:
             raise ValueError("this row has no image")
         if quadrant not in POSITIONS:
             raise ValueError(f"quadrant must be one of {', '.join(POSITIONS)}, got {quadrant!r}")
-        k, half = POSITIONS.index(quadrant), TINY_IMAGE_SIDE // 2
-        x, y = (k % 2) * half, (k // 2) * half
         self.zooms.append(quadrant)
-        return self.image.crop((x, y, x + half, y + half)).resize((ZOOM_SIDE, ZOOM_SIDE))
+        return zoom_crop(self.image, quadrant)
 
 
 def shape_colour(name: str) -> str:

@@ -1,6 +1,8 @@
 """The embedded default's synthetic datasets (``data.path: tiny``): coloured shapes asked about in every
-layout (:func:`write_dataset`), their preference pairs (:func:`write_preference_dataset`) and, for the Omni
-thinkers, short tones asked about their pitch (:func:`write_tone_dataset`, ``data.tiny_task: tones``); each
+layout (:func:`write_dataset`), their preference pairs (:func:`write_preference_dataset`), for the Omni
+thinkers, short tones asked about their pitch (:func:`write_tone_dataset`, ``data.tiny_task: tones``) and, for
+tool SFT, the shapes asked about through the agentic task's tools (:func:`write_tool_dataset`, ``data.tiny_task:
+tools``); each
 written once per size and seed into the tiny cache folder (:func:`ensure_dataset`), nothing downloaded."""
 
 from __future__ import annotations
@@ -190,7 +192,74 @@ def write_tone_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-_WRITERS = {"shapes": write_dataset, "tones": write_tone_dataset}  # data.tiny_task -> its writer
+# ---------------------------------------------------------------------------------------------
+# Tool SFT (data.tiny_task=tools): the agentic task's calls written out, to warm-start its agents
+
+ZOOM_SIDE = 56  # a crop is resized to the tiny image processor's smallest side: 4 image tokens after the merge
+# transformers.utils.get_json_schema of the agentic task's tools (qwenkit.model.tiny.agentic; a test keeps them equal)
+TOOL_SCHEMAS = (
+    {"type": "function", "function": {"name": "shape_colour", "description": "The RGB value of a colour the shapes are drawn in.",
+     "parameters": {"type": "object", "properties": {"name": {"type": "string", "description": "the colour's name (red, green, blue, ...)."}},
+                    "required": ["name"]}, "return": {"type": "string"}}},
+    {"type": "function", "function": {"name": "zoom", "description": "Zoom into one quadrant of the image.",
+     "parameters": {"type": "object", "properties": {"quadrant": {"type": "string", "description": "top left, top right, bottom left or bottom right."}},
+                    "required": ["quadrant"]}, "return": {"type": "image"}}},
+)  # fmt: skip
+
+
+def zoom_crop(image: Image.Image, quadrant: str) -> Image.Image:
+    """One quadrant (:data:`POSITIONS`) of a synthetic image, resized to :data:`ZOOM_SIDE` (the zoom tool's answer)."""
+    k, half = POSITIONS.index(quadrant), image.width // 2
+    x, y = (k % 2) * half, (k // 2) * half
+    return image.crop((x, y, x + half, y + half)).resize((ZOOM_SIDE, ZOOM_SIDE))
+
+
+def write_tool_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
+    """Write ``n`` tool conversations as ``tiny.json`` plus PNG images (and the zoom crops); returns the JSON path.
+
+    Each row offers both tools (:data:`TOOL_SCHEMAS`): even rows ask the shapes' RGB value, answered by calling
+    ``shape_colour``; odd rows ask the first shape's colour, answered after ``zoom`` into its quadrant returned
+    the crop as an image. The rows rotate through the tool layouts: HF messages (``tool_calls``, ``role: tool``),
+    LLaMA-Factory sharegpt (``function_call`` / ``observation``, bare schemas as a JSON string), ms-swift
+    (``tool_call`` / ``tool_response``) and HF typed parts (the zoom rows: the crop a ``tool`` message's image)."""
+    rows = []
+    for i, _, name, facts in _images(Path(out_dir), n, seed):
+        colour, schemas = facts["colour"], list(TOOL_SCHEMAS)
+        if i % 2:
+            crop = f"images/{i:05d}-zoom.png"
+            with Image.open(Path(out_dir) / name) as image:
+                zoom_crop(image.convert("RGB"), facts["position"]).save(Path(out_dir) / crop)
+            call = {"name": "zoom", "arguments": {"quadrant": facts["position"]}}
+            rows.append({"messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Zoom into the first shape: what colour is it?"}]},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+                {"role": "tool", "content": [{"type": "image"}]},
+                {"role": "assistant", "content": f"It is {colour}."}], "images": [name, crop], "tools": schemas})  # fmt: skip
+            continue
+        question, rgb = "<image>What is the RGB value of the shapes' colour?", str(list(COLOURS[colour]))
+        call, answer = {"name": "shape_colour", "arguments": {"name": colour}}, f"It is {rgb}."
+        if i % 6 == 0:  # HF / TRL messages
+            rows.append({"messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+                {"role": "tool", "content": rgb}, {"role": "assistant", "content": answer}],
+                "images": [name], "tools": schemas})  # fmt: skip
+        elif i % 6 == 2:  # LLaMA-Factory sharegpt
+            rows.append({"conversations": [
+                {"from": "human", "value": question}, {"from": "function_call", "value": json.dumps(call)},
+                {"from": "observation", "value": rgb}, {"from": "gpt", "value": answer}],
+                "images": [name], "tools": json.dumps([t["function"] for t in schemas])})  # fmt: skip
+        else:  # ms-swift
+            rows.append({"messages": [
+                {"role": "user", "content": question}, {"role": "tool_call", "content": json.dumps(call)},
+                {"role": "tool_response", "content": rgb}, {"role": "assistant", "content": answer}],
+                "images": [name], "tools": json.dumps(schemas)})  # fmt: skip
+    path = Path(out_dir) / "tiny.json"
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
+_WRITERS = {"shapes": write_dataset, "tones": write_tone_dataset, "tools": write_tool_dataset}  # data.tiny_task -> its writer
 
 
 def ensure_dataset(

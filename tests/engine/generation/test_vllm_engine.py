@@ -5,15 +5,16 @@ equal the kit's HF greedy replies token for token, on text-only, one-image, two-
 (whose log-probs equal HF's: the same pixels and positions; reversed frames move them); Qwen2.5-VL's video row is
 refused, naming it (:mod:`qwenkit.engine.generation.vllm_requests`); after a
 push of other weights, vLLM's replies equal HF's with those weights (and differ from before the push);
-the engine leaves the process's threads, environment and RNG as they were. Qwen3.5 (bf16, :func:`_agrees`): vLLM's
-replies agree with the kit's, from the checkpoint and after a push. Qwen3-VL-MoE (float32; its fused experts in Qwen's
-published layout) and Qwen3.5-MoE (bf16), refused by their entries (``Family.vllm_refusal``): vLLM's replies from the
-checkpoint agree with the kit's, and after a push of the same weights they do not, or the push fails (vLLM's in-place
-reload of fused experts).
+the engine leaves the process's threads, environment and RNG as they were. In a process each: Qwen3.5 (bf16,
+:func:`_agrees`), Qwen3-VL-MoE (float32; its fused experts in Qwen's published layout) and Qwen3.5-MoE (bf16): vLLM's
+replies agree with the kit's from the checkpoint, after 1 and after 3 pushes, after a push of other weights, and
+(MoE) of a model with LoRA on its experts (= peft's merged copy); a push of the same weights leaves every tensor
+vLLM holds as it loaded it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -29,6 +30,7 @@ from qwenkit import config as qconfig  # noqa: E402
 from qwenkit import data  # noqa: E402
 from qwenkit.engine.generation import generate as qgen  # noqa: E402
 from qwenkit.engine.generation import vllm_engine, vllm_requests  # noqa: E402
+from qwenkit.model import lora  # noqa: E402
 from qwenkit.model.families import registry as families  # noqa: E402
 from qwenkit.model.families.entry import VLLM_CPU_HEAD_SIZES  # noqa: E402
 from qwenkit.model.paths import load_processor  # noqa: E402
@@ -157,10 +159,6 @@ def test_the_engine_leaves_threads_environment_and_rng_as_they_were(setup):
 def test_a_lora_model_is_pushed_merged(setup):
     """The push of a model with LoRA adapters (B random: a real delta) gives vLLM the merged weights; the
     adapters stay unmerged in the pushed model."""
-    import copy
-
-    from qwenkit.model import lora
-
     cfg, dataset, hf, engine, _ = setup
     adapted = copy.deepcopy(hf)
     lora.apply(adapted, qconfig.load(overrides=["lora.r=4", "lora.alpha=8"]).lora, seed=0)
@@ -207,60 +205,132 @@ def _agrees(hf, exact, dataset, replies) -> tuple[int, int]:
     return compared, wrong
 
 
+def _replies_agree(engine, dataset, model, dtype) -> tuple[bool, int, list]:
+    """``(agree, positions compared, replies)``: vLLM's greedy replies against the kit's from the float32 ``model``
+    (float32: token for token; bf16: :func:`_agrees` with the kit's bf16 copy of ``model``)."""
+    got = _vllm_replies(engine, dataset)
+    if dtype == "float32":
+        return got == _kit_replies(model, dataset), 0, got
+    compared, wrong = _agrees(copy.deepcopy(model).to(torch.bfloat16), model, dataset, got)
+    return wrong == 0, compared, got
+
+
+def _other_weights(model, seed: int):
+    """A copy of ``model`` with other random weights (the push must carry every tensor to reach its replies)."""
+    other = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_(0, 0.2)
+    return other
+
+
+def _experts_adapted(model):
+    """A copy of ``model`` with LoRA adapters on its linears and its routed experts (``lora.target_experts``), B
+    random (a real delta); and the copy with them merged (peft's merge: the reference of the push's merge)."""
+    adapted = copy.deepcopy(model)
+    overrides = ["lora.r=4", "lora.alpha=8", "lora.target_experts=true", "lora.dropout=0"]
+    lora.apply(adapted, qconfig.load(overrides=overrides).lora, seed=0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5)
+    return adapted, lora.merge_in_place(copy.deepcopy(adapted))
+
+
+def _engine_tensors(engine) -> dict:
+    """Every tensor of vLLM's model as it holds them (after its CPU backend's padding and prepacking)."""
+
+    def read(worker):
+        return {k: v.detach().clone() for k, v in worker.model_runner.model.state_dict().items()}
+
+    return engine.llm.collective_rpc(read)[0]
+
+
 def _isolated_worker(rank, out, family, dtype):
     """In a process of its own (vLLM sets up its parallel state once a process, with an expert group for MoE only):
-    whether vLLM's replies agree with the kit's from the checkpoint, and after a push of the same weights (fp32: token
-    for token; bf16: :func:`_agrees`)."""
+    whether vLLM's replies agree with the kit's from the checkpoint, after 1 and after 3 pushes of the same weights,
+    after a push of other weights, and (MoE) of a model with LoRA on its experts (fp32: token for token; bf16:
+    :func:`_agrees`); and whether a push of the same weights leaves every tensor of vLLM's as loaded."""
     path = tiny_vllm.ensure_checkpoint(family) if family in tiny_vllm.FAMILIES else ensure_checkpoint(family=family)
     cfg = qconfig.load(overrides=[f"model.path={path}", "data.max_length=2048", "data.tiny_samples=4"])
     processor = load_processor(cfg)
     dataset = _eval_set(out, cfg, processor)
-    hf = families.of_directory(path).load("hf_class").from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     exact = families.of_directory(path).load("hf_class").from_pretrained(path, dtype=torch.float32).eval()
-    # spec_of refuses the MoE families (and Qwen3.5 in float32): the spec it would make, with this dtype
+    # spec_of refuses Qwen3.5 in float32: the spec it would make, with this dtype
     lo, hi = pixel_bounds(processor.image_processor)
     spec = vllm_engine.EngineSpec(str(path), dtype, 4096, cfg.train.seed, lo, hi, 0.3, 1.0, False)
     engine = vllm_engine.start_engine(spec)
     result = {}
-    for when in ("loaded", "pushed"):
-        if when == "pushed":
-            try:
-                engine.push(hf)
-            except RuntimeError as e:  # vLLM's in-place reload of the tiny MoE's fused experts fails outright
-                result |= {when: False, "push_error": str(e)}
-                break
-        got = _vllm_replies(engine, dataset)
-        if dtype == "float32":
-            result[when] = got == _kit_replies(hf, dataset)
-        else:
-            compared, wrong = _agrees(hf, exact, dataset, got)
-            result[when] = wrong == 0
-            result[f"{when}_compared"] = compared
+    result["loaded"], result["loaded_compared"], before = _replies_agree(engine, dataset, exact, dtype)
+    loaded = _engine_tensors(engine)
+    for n in (1, 2, 3):
+        assert engine.push(exact) == len(list(exact.parameters()))
+        if n in (1, 3):
+            result[f"pushed_{n}"], result[f"pushed_{n}_compared"], _ = _replies_agree(engine, dataset, exact, dtype)
+    pushed = _engine_tensors(engine)
+    result["tensors_changed"] = sorted(k for k in loaded if not torch.equal(loaded[k], pushed[k]))
+    other = _other_weights(exact, 123)
+    engine.push(other)
+    result["other"], result["other_compared"], got = _replies_agree(engine, dataset, other, dtype)
+    result["other_moved"] = got != before
+    if families.get(family).experts:
+        adapted, merged = _experts_adapted(exact)
+        engine.push(adapted)
+        result["lora"], result["lora_compared"], got = _replies_agree(engine, dataset, merged, dtype)
+        result["lora_moved"] = got != before
     (out / "result.json").write_text(json.dumps(result))
 
 
 @pytest.fixture(scope="module", params=[("qwen3_5", "bfloat16"), ("qwen3_vl_moe", "float32"), ("qwen3_5_moe", "bfloat16")],
                 ids=lambda p: p[0])  # fmt: skip
 def isolated(request, tmp_path_factory):
-    """``(family, result)`` of :func:`_isolated_worker`. Qwen3.5's Gated DeltaNet runs in bf16 only on vLLM's CPU
-    backend, with linear-attention head dims of 128 (:mod:`qwenkit.model.tiny.vllm` widens the tiny Qwen3.5s'); the
-    tiny Qwen3-VL-MoE's copy there has its experts in Qwen's published layout, which vLLM reads."""
+    """``(family, dtype, result)`` of :func:`_isolated_worker`. Qwen3.5's Gated DeltaNet runs in bf16 only on vLLM's
+    CPU backend, with linear-attention head dims of 128 (:mod:`qwenkit.model.tiny.vllm` widens the tiny Qwen3.5s');
+    the tiny Qwen3-VL-MoE's copy there has its experts in Qwen's published layout, which vLLM reads."""
     out = tmp_path_factory.mktemp(request.param[0])
     check_ranks(_isolated_worker, 1, out, *request.param)
-    return request.param[0], json.loads((out / "result.json").read_text())
+    return (*request.param, json.loads((out / "result.json").read_text()))
 
 
 def test_replies_from_the_checkpoint_agree_with_the_kits(isolated):
-    _, result = isolated
+    *_, result = isolated
     assert result["loaded"]
-    assert result.get("loaded_compared", 1) > 0, result  # bf16: positions sure enough to compare exist
+    assert result["loaded_compared"] > 0 or isolated[1] == "float32", result  # bf16: positions sure enough exist
 
 
-def test_replies_after_a_push_agree_with_the_kits_except_where_the_entry_refuses_vllm(isolated):
-    """Qwen3.5 takes pushes; the MoE families do not: vLLM 0.32's in-place reload of fused experts leaves wrong
-    outputs, also for the checkpoint's own tensors (``Family.vllm_refusal``; this fails once vLLM fixes it)."""
-    family, result = isolated
-    assert result["pushed"] is not bool(families.get(family).vllm_refusal), result
+@pytest.mark.parametrize("push", ["pushed_1", "pushed_3", "other"])
+def test_replies_after_pushes_agree_with_the_kits(isolated, push):
+    """After 1 and 3 pushes of the checkpoint's weights, and after a push of other weights (which moves the
+    replies): the MoE families' fused experts (vLLM's reload makes its CPU kernel pad and prepack them again,
+    ``vllm_engine._reprocess_experts``) and Qwen3.5's linear-attention layers (vLLM #48284: its layerwise reload
+    corrupting Mamba / GDN layers) take every push."""
+    family, dtype, result = isolated
+    assert result[push], result
+    assert result[f"{push}_compared"] > 0 or dtype == "float32", result
+    assert result["other_moved"]
+
+
+def test_a_push_of_the_same_weights_leaves_every_tensor_of_vllms_as_loaded(isolated):
+    """Three pushes of the checkpoint's own weights: every tensor vLLM holds (its kernels' padded, prepacked
+    layouts included) is bit for bit what it loaded; in bf16 except Qwen3.5's ``A_log`` (vLLM keeps it in float32,
+    as the checkpoint holds it; the push sends the trainer's weights in model.dtype)."""
+    family, dtype, result = isolated
+    if dtype == "float32":
+        assert result["tensors_changed"] == [], result
+    else:
+        assert all(k.endswith(".linear_attn.A_log") for k in result["tensors_changed"]), result
+
+
+def test_a_push_of_lora_on_the_experts_is_merged(isolated):
+    """``lora.target_experts``: each expert's adapter merged into its fused weight as peft merges it
+    (``push_tensors.merged``); vLLM's replies equal the kit's from peft's merged copy, and the adapters moved them."""
+    family, dtype, result = isolated
+    if not families.get(family).experts:
+        pytest.skip(f"{family} has no routed experts")
+    assert result["lora"] and result["lora_moved"], result
+    assert result["lora_compared"] > 0 or dtype == "float32", result
 
 
 def test_the_head_dims_refused_before_the_start_are_the_ones_vllms_cpu_attention_cannot_run():

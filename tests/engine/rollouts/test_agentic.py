@@ -19,9 +19,10 @@ from conftest import build_model, tiny_checkpoint, tiny_processor
 
 from qwenkit import config as qconfig
 from qwenkit import data
+from qwenkit.data import tool_calls
 from qwenkit.distributed import fsdp
 from qwenkit.engine.objectives import grpo
-from qwenkit.engine.rollouts import tool_calls, tools
+from qwenkit.engine.rollouts import tools
 from qwenkit.engine.rollouts.completion import training_batch
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.model.losses.cross_entropy import IGNORE_INDEX

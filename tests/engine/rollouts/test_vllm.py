@@ -8,6 +8,10 @@ Checked: the reward the run optimises rises; at every step the trainer's log-pro
 equal vLLM's to fp32 ulps (the push carried the weights, both ban the media tokens; the importance-sampling weights are 1), and TRL's
 ``sampling/*`` metrics are logged; the run's final eval replies (vLLM, after 6 pushes) equal the kit's
 HF replies from the exported final weights, and ``qwenkit eval --engine vllm`` gives the same replies.
+A MoE run (the tiny Qwen3-VL-MoE, 2 ranks, ``parallel.ep_size=2``, LoRA on the experts): vLLM's log-probs equal the
+trainer's after each push of the experts gathered from their mesh, their adapters merged.
+On-policy distillation (``train.objective: distill``) rolls out through the same engine: the student's trainer
+log-probs equal vLLM's at every step and the teacher's reverse KL is the loss.
 """
 
 from __future__ import annotations
@@ -18,14 +22,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: make test-vllm runs these tests in .venv-vllm")
 
-import torch.distributed as dist  # noqa: E402
 from multiproc import check_ranks  # noqa: E402
 
+from engine.objectives.test_distill import noisy_teacher, train_worker  # noqa: E402
 from qwenkit import cli  # noqa: E402
-from qwenkit import config as qconfig  # noqa: E402
 from qwenkit.engine.generation import vllm_engine  # noqa: E402
 from qwenkit.engine.objectives import completions  # noqa: E402
-from qwenkit.engine.run import train  # noqa: E402
 
 STEPS = 6
 RUN = ["train.objective=grpo", "data.tiny_samples=16", "data.tiny_eval_samples=4", f"train.steps={STEPS}",
@@ -40,14 +42,12 @@ def es(prediction: str, reference: str, **row) -> float:
     return prediction.count("e") / max(1, len(prediction))
 
 
+def _engines(out):
+    (out / "engines.json").write_text(json.dumps(len(vllm_engine.ENGINES)))
+
+
 def _worker(rank, out, overrides):
-    dist.init_process_group("gloo")
-    trainer = train.Trainer(qconfig.load(overrides=overrides))
-    trainer.run()
-    if rank == 0:
-        (out / "history.json").write_text(json.dumps(trainer.history))
-        (out / "engines.json").write_text(json.dumps(len(vllm_engine.ENGINES)))
-    dist.destroy_process_group()
+    train_worker(rank, out, overrides, then=_engines)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,38 @@ def run(tmp_path_factory):
     check_ranks(_worker, 1, adapters, [*RUN, f"train.output_dir={adapters / 'run'}", "lora.r=8",
                                        "train.steps=3", "train.eval_samples=0", "train.lr=0.05"])  # fmt: skip
     return out
+
+
+MOE_STEPS = 2  # the second rollout follows a push of moved weights
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """GRPO on the tiny Qwen3-VL-MoE (the vLLM tests' copy: its experts in Qwen's published layout, which vLLM and
+    transformers' load both read), float32, 2 steps, on 2 ranks with ``parallel.ep_size=2`` and LoRA on the linears
+    and the experts (``lora.target_experts``): each rank trains the adapters of 2 whole experts of each layer, and
+    its engine's push gathers all 4 from the ``(efsdp, ep)`` mesh with their adapters merged. (EP 2 = EP 1 for GRPO
+    is tests/distributed/test_expert.py's; what is vLLM's here is the push.)"""
+    from qwenkit.model.tiny import vllm as tiny_vllm
+
+    out = tmp_path_factory.mktemp("vllm-moe")
+    check_ranks(_worker, 2, out, [*RUN, f"model.path={tiny_vllm.ensure_checkpoint('qwen3_vl_moe')}",
+                                  f"train.steps={MOE_STEPS}", "train.eval_engine=hf", "train.eval_samples=0",
+                                  "checkpoint.save_final=false", "parallel.ep_size=2", "parallel.nproc=2",
+                                  "train.micro_batch_size=2", "lora.r=4", "lora.alpha=8", "lora.target_experts=true",
+                                  "lora.dropout=0", "train.lr=0.05", f"train.output_dir={out / 'run'}"])  # fmt: skip
+    return out
+
+
+def test_moe_rollouts_log_probs_equal_the_trainers_after_each_push_with_ep2(moe_run):
+    """Each step's rollout follows a push of the moved policy, its experts gathered whole and its adapters merged:
+    vLLM's log-probs of the sampled tokens equal the trainer's at every step (as the dense run's: fp32 ulps; a stale or misplaced expert
+    moves them far more)."""
+    history = _history(moe_run)
+    assert len(history) == MOE_STEPS and history[0]["grad_norm"] > 0  # the policy moved before the second push
+    for step in history:
+        assert step["sampling/sampling_logp_difference/max"] < 1e-5, step
+        assert step["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-5)
 
 
 def _history(run) -> list[dict]:
@@ -121,3 +153,19 @@ def test_final_eval_replies_equal_the_kits_hf_replies_and_qwenkit_eval_vllm(run,
     assert replies["vllm"] == replies["hf"] == [r["tokens"] for r in final]
     first = [json.loads(line) for line in (run / "run" / "eval" / "step-000000.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in first] != replies["hf"]  # training moved the replies: the pushes carried it
+
+
+def test_distillation_rolls_out_on_vllm_and_its_loss_is_the_reverse_kl(tmp_path):
+    """Three steps of ``train.objective: distill`` on vLLM rollouts, 1 process: at every step the trainer's
+    student log-probs equal vLLM's to fp32 ulps (the importance weights are 1, as GRPO's above), so the loss is
+    the reverse KL to the teacher, which is not 0 (another model) and moves the student."""
+    run = [*RUN[1:], "train.objective=distill", f"distill.teacher={noisy_teacher(tmp_path)}", "train.steps=3",
+           "grpo.rewards=[exact]", "train.eval_engine=hf", "train.eval_samples=0", "data.tiny_eval_samples=0",
+           f"train.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    check_ranks(_worker, 1, tmp_path, run)
+    history = _history(tmp_path)
+    assert len(history) == 3
+    for step in history:
+        assert step["sampling/sampling_logp_difference/max"] < 1e-5, step
+        assert step["loss"] == pytest.approx(step["reverse_kl"], rel=1e-4) and step["reverse_kl"] > 0.01, step
+        assert step["grad_norm"] > 0 and "rewards/exact/mean" in step

@@ -199,3 +199,21 @@ def test_qwen3_5_on_vllm_on_cpu_is_refused_unless_bf16_with_linear_heads_of_128(
     assert prespawn.vllm_device_problems(cfg, wide) == []
     (problem,) = prespawn.vllm_device_problems(cfg, tiny_checkpoint("qwen3_5"))
     assert "linear-attention key and value head dims of 128 only" in problem and "has 16 and 16;" in problem
+
+
+@pytest.mark.parametrize("key", ["grpo.rollout_engine", "train.eval_engine"])
+def test_qwen3_vl_moe_experts_in_transformers_layout_are_refused_for_vllm(key, tmp_path):
+    """vLLM reads Qwen3-VL-MoE's fused experts in Qwen's published layout and transposes them whatever they hold:
+    a checkpoint transformers 5.x saved (the tiny default, the kit's export) fails inside the engine, so it is refused
+    in one line; the same model in Qwen's layout (qwenkit.model.tiny.vllm's copy) is not."""
+    cfg = qconfig.load(overrides=["model.name=qwen3_vl_moe", "train.objective=grpo", "parallel.device=cpu"])
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, "vllm")
+    held = tiny_checkpoint("qwen3_vl_moe")
+    (problem,) = prespawn.vllm_device_problems(cfg, held)
+    assert problem == (f"{key}=vllm: vLLM reads qwen3_vl_moe's fused experts in Qwen's published layout ([E, hidden, "
+                       f"2·inter]), and {held} holds transformers 5.x's (mlp.experts.gate_up_proj [4, 32, 64]: a "
+                       "checkpoint transformers 5.x saved); use the hf engine, or the model in Qwen's layout (as published)")  # fmt: skip
+    assert prespawn.vllm_device_problems(cfg, tiny_vllm.ensure_checkpoint("qwen3_vl_moe", root=tmp_path)) == []
+    setattr(getattr(cfg, section), name, "hf")
+    assert prespawn.vllm_device_problems(cfg, held) == []

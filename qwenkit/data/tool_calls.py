@@ -1,14 +1,19 @@
-"""How a family's chat template writes tools, tool calls and tool responses: the text agentic rollouts render and parse.
+"""How a family's chat template writes tools, tool calls and tool responses: the text agentic rollouts render and
+parse, and the tool SFT rows' template writes (:mod:`qwenkit.data.template`; in the data floor so both reach it).
 
 Two formats, the family entry's ``tool_calls`` (:class:`qwenkit.model.families.entry.Family`), each the text the
 checkpoints' own template writes (the reference: the official templates TRL ships, ``trl/chat_templates/qwen3_vl.jinja``
-and ``qwen3_5_nothink.jinja``, rendered with ``tools=`` and ``role: tool`` messages in ``tests/test_agentic.py``):
+and ``qwen3_5_nothink.jinja``, rendered with ``tools=`` and ``role: tool`` messages in ``tests/engine/rollouts/test_agentic.py``):
 
 - ``hermes`` (Qwen3-VL; Qwen2.5-VL, whose template has no tool branch, is written as Qwen3-VL's and Qwen2.5's
   are): the system turn is the system text, ``\\n\\n``, then ``# Tools ... <tools>`` with one JSON schema a line;
   a call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
 - ``xml`` (Qwen3.5): the tools block first, then ``\\n\\n`` and the system text; a call is
   ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>``.
+
+A reply's calls follow its text (:func:`calls_text`): hermes puts ``\\n`` before each call but a first one after no
+text, writes string arguments as they are and others as JSON; xml puts ``\\n\\n`` before a first call after text
+(``\\n`` before later ones) and writes each argument as JSON when it is a mapping or a list, else as its string.
 
 In both, the tool responses after a reply are one ``user`` turn, ``<|im_start|>user`` then
 ``\\n<tool_response>\\n{content}\\n</tool_response>`` per response, ``<|im_end|>\\n`` (Qwen3.5 trims the content),
@@ -52,6 +57,27 @@ def system_text(style: str, system: str | None, schemas: list[dict]) -> str:
     if style == "xml":
         return _XML_TOOLS + listed + _XML_END + (f"\n\n{system.strip()}" if system and system.strip() else "")
     return (f"{system}\n\n" if system else "") + _HERMES_TOOLS + listed + _HERMES_END
+
+
+def calls_text(style: str, content: str, calls: list[dict]) -> str:
+    """The text of ``calls`` (``{"name", "arguments"}``; arguments a mapping, or a JSON string) after a reply's
+    ``content``, as the family's template writes ``tool_calls`` (module docstring); HF's ``tojson`` is
+    ``json.dumps(..., ensure_ascii=False)`` and Jinja's ``string`` Python's ``str``."""
+    out = ""
+    for k, call in enumerate(calls):
+        name, arguments = call["name"], call.get("arguments", {})
+        if style == "xml":
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            out += ("\n" if k else "\n\n" if content.strip() else "") + f"<tool_call>\n<function={name}>\n"
+            for key, value in arguments.items():
+                value = json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else str(value)
+                out += f"<parameter={key}>\n{value}\n</parameter>\n"
+            out += "</function>\n</tool_call>"
+            continue
+        written = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        out += ("\n" if k or content else "") + f'<tool_call>\n{{"name": "{name}", "arguments": {written}}}\n</tool_call>'
+    return out
 
 
 def parse_calls(style: str, text: str) -> list[dict] | None:
@@ -100,11 +126,15 @@ def _parse_xml(block: str) -> dict | None:
     return {"name": match[1].strip(), "arguments": arguments}
 
 
+def response_body(style: str, contents: list[str]) -> str:
+    """The ``<tool_response>`` blocks of a reply's responses, between ``<|im_start|>user`` and ``<|im_end|>``."""
+    return "".join(f"\n<tool_response>\n{c.strip() if style == 'xml' else c}\n</tool_response>" for c in contents)
+
+
 def response_text(style: str, contents: list[str]) -> str:
     """The user turn holding a reply's tool responses (``contents``: each response's text, its images already
     written as vision spans), from ``<|im_start|>user`` to its ``<|im_end|>\\n``."""
-    body = "".join(f"\n<tool_response>\n{c.strip() if style == 'xml' else c}\n</tool_response>" for c in contents)
-    return f"<|im_start|>user{body}<|im_end|>\n"
+    return f"<|im_start|>user{response_body(style, contents)}<|im_end|>\n"
 
 
-__all__ = ["FORMATS", "parse_calls", "response_text", "system_text"]
+__all__ = ["FORMATS", "calls_text", "parse_calls", "response_body", "response_text", "system_text"]
