@@ -18,7 +18,7 @@ import yaml
 from multiproc import scaled
 
 from qwenkit.engine.run import metrics
-from qwenkit.notebooks import compare, gallery, grpo, perf, runner, runs, samples, validation
+from qwenkit.notebooks import compare, gallery, grpo, perf, runner, runs, samples, trajectories, validation
 from qwenkit.sweep import ledger
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -247,6 +247,7 @@ def test_smoke_02_grpo_from_the_sft_run(smoke_run):
     first = changed[0]
     assert html.escape(first["reference"]) in table and f"{first['x_name']} {first['late']['x']}" in table
     assert f"GRPO 3 steps: mean reward {v['grpo_first_reward']:.2f} (first 1 steps)" in (smoke_run[0] / "index.html").read_text()
+    assert trajectories.NONE in page  # the trajectory view's line for a run without tools (tests/notebooks/test_trajectories.py)
 
 
 @pytest.mark.slow

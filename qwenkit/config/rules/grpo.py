@@ -131,8 +131,9 @@ def _tool_rules(grpo: GrpoConfig, need: Need) -> None:
                    if getattr(grpo, k) != getattr(default, k)]  # fmt: skip
         need(not changed, f"grpo.{', grpo.'.join(changed)} set but neither grpo.tools nor grpo.environment; set one")
         return
-    need(grpo.rollout_engine == "hf", "grpo.tools / grpo.environment roll out on the hf engine only (the vLLM "
-         "engine's multi-turn loop is not built); set grpo.rollout_engine=hf")  # fmt: skip
+    need(grpo.rollout_engine == "hf" or grpo.max_trajectory_tokens > 0, "grpo.tools / grpo.environment with "
+         "grpo.rollout_engine=vllm need grpo.max_trajectory_tokens > 0: it sizes the engine's sequences (the model's "
+         "and the tools' tokens after the prompt)")  # fmt: skip
     need(not grpo.max_trajectory_tokens or grpo.max_trajectory_tokens >= grpo.max_new_tokens,
          f"grpo.max_trajectory_tokens={grpo.max_trajectory_tokens} is below grpo.max_new_tokens={grpo.max_new_tokens}: "
          "it bounds the model's and the tools' tokens together; raise it or set 0 (no limit)")  # fmt: skip

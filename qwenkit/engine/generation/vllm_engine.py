@@ -281,7 +281,7 @@ def shared(spec: EngineSpec) -> VllmEngine:
 def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
     """The engine a run's config asks for (``vllm`` section, ``model.dtype``, the processor's pixel bounds):
     the same for GRPO's rollouts and evaluation, so they share it. A sequence holds ``data.max_length``
-    tokens and the longer of the two generation limits."""
+    tokens and the longest of the generation limits (an agentic trajectory's: ``grpo.max_trajectory_tokens``)."""
     family = processor.family
     if why := family.vllm_refusal:  # the launcher refused it already (Family.problems); qwenkit eval asks here
         raise ValueError(f"vLLM cannot run {family.name}: {why}; use the hf engine")
@@ -289,7 +289,7 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
         raise ValueError(why)  # the launcher and qwenkit eval refused it already, before any process started
     lo, hi = pixel_bounds(processor.image_processor)
     v = cfg.vllm
-    longest = cfg.data.max_length + max(cfg.grpo.max_new_tokens, cfg.train.eval_max_new_tokens)
+    longest = cfg.data.max_length + max(cfg.grpo.max_new_tokens, cfg.grpo.max_trajectory_tokens, cfg.train.eval_max_new_tokens)
     return EngineSpec(str(model_dir), cfg.model.dtype, longest, cfg.train.seed, lo, hi,
                       v.gpu_memory_utilization, v.cpu_kv_cache_gib, v.sleep)  # fmt: skip
 

@@ -52,7 +52,8 @@ the trainer-to-sampler ratio's spread at a rollout's first step is logged either
 its first rank's rollout (broadcast), its log-probs come from the ranks' slices gathered
 (:func:`qwenkit.model.parallel.token_logps_slice`), and every rank takes the whole loss, valued at its share.
 
-**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.rollouts.vllm`): the
+**vLLM rollouts** (``grpo.rollout_engine: vllm``, :mod:`qwenkit.engine.rollouts.vllm`; with tools, each turn of
+the trajectories: :mod:`qwenkit.engine.rollouts.vllm_turns`): the
 completions come from this rank's colocated vLLM engine, the policy's weights pushed to it first. vLLM's
 sampling log-probs differ from the trainer's (other kernels, other sums), and so do those of HF rollouts
 in a lower precision (``grpo.rollout_dtype``: autocast, :mod:`qwenkit.engine.rollouts.hf`), so with
@@ -96,6 +97,7 @@ from qwenkit.engine.rollouts.completion import (
 from qwenkit.engine.rollouts.hf import HfRollouts
 from qwenkit.engine.rollouts.tools import Toolbox
 from qwenkit.engine.rollouts.vllm import VllmRollouts
+from qwenkit.engine.rollouts.vllm_turns import VllmTurns
 from qwenkit.engine.run.build import reference_model
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
@@ -147,16 +149,18 @@ class GrpoObjective(Objective):
         self.settings, self.packing = rollout_settings(cfg), cfg.data.packing  # packing: the micro-batches' layout
         self.banned = media_tokens(bundle.dataset.processor)  # what no rollout draws: no log-prob counts them
         sampling = Sampling(grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=cfg.train.seed)
+        agentic = bool(grpo.tools or grpo.environment)  # trajectories: generate, call the tools, generate again
         if grpo.rollout_engine == "vllm":  # the engine the evaluator shares (spec_of: one per rank)
-            self.rollouts: Rollouts = VllmRollouts(spec_of(cfg, bundle.dataset.processor, model_dir), sampling, grpo.num_generations)
+            spec = spec_of(cfg, bundle.dataset.processor, model_dir)
+            self.rollouts: Rollouts = (VllmTurns if agentic else VllmRollouts)(spec, sampling, grpo.num_generations)
         else:  # expert parallelism's all-to-all makes every forward collective: lockstep even with whole weights
             dtype = getattr(torch, grpo.rollout_dtype) if grpo.rollout_dtype else None
             self.rollouts = HfRollouts(sampling, grpo.num_generations, grpo.rollout_batch_size,
                                        collective=cfg.parallel.ep_size > 1, dtype=dtype, record=True,
                                        routing=routing)  # fmt: skip
-            if grpo.tools or grpo.environment:  # trajectories: generate, call the tools, generate again
-                self.rollouts = AgenticRollouts(self.rollouts, Toolbox(grpo.tools, grpo.environment, grpo.tool_timeout_s),
-                                                grpo.max_tool_calling_iterations, grpo.max_trajectory_tokens)  # fmt: skip
+        if agentic:
+            self.rollouts = AgenticRollouts(self.rollouts, Toolbox(grpo.tools, grpo.environment, grpo.tool_timeout_s),
+                                            grpo.max_tool_calling_iterations, grpo.max_trajectory_tokens)  # fmt: skip
         # vLLM's and a lower-precision rollout's sampling log-probs are corrected for (module docstring)
         other = grpo.rollout_engine == "vllm" or grpo.rollout_dtype is not None
         self.corrects = other and grpo.vllm_importance_sampling_correction

@@ -1,8 +1,10 @@
 """Agentic rollouts (``grpo.tools`` / ``grpo.environment``): generate, call the tools, append their responses, generate again.
 
 Behind the :class:`~qwenkit.engine.rollouts.completion.Rollouts` interface, on HF ``generate``
-(:class:`~qwenkit.engine.rollouts.hf.HfRollouts`, its placement, batching, seeds and ``grpo.rollout_dtype``).
-Each completion is a **trajectory**:
+(:class:`~qwenkit.engine.rollouts.hf.HfRollouts`, its placement, batching, seeds and ``grpo.rollout_dtype``) or on
+this rank's vLLM engine (:class:`~qwenkit.engine.rollouts.vllm_turns.VllmTurns`): the turn sampler, which starts the
+rollout (``begin``), writes a trajectory's next turn as its prompt (``turn_prompt``), samples a batch of them
+(``sample_rows``) and keeps their sampling log-probs (``sampled_logps``). Each completion is a **trajectory**:
 
 1. its prompt: the row's prompt (:meth:`qwenkit.data.dataset.EncodedDataset.prompt`) with the tools' schemas in
    the system turn as the family's template writes them (:func:`~qwenkit.data.tool_calls.system_text`)
@@ -45,7 +47,6 @@ from torch import nn
 from qwenkit.data import tool_calls
 from qwenkit.engine.rollouts import tools
 from qwenkit.engine.rollouts.completion import Completion, completion, completion_seed, media_tokens
-from qwenkit.engine.rollouts.hf import HfRollouts
 
 STATS = ("tool_calls", "tool_failures", "turns", "model_tokens", "tool_tokens")  # a trajectory's counts
 
@@ -64,6 +65,7 @@ class Trajectory:
     logps: list[float] = field(default_factory=list)  # the sampler's log-prob of each sampled token (grpo.rollout_dtype)
     pixels: list[torch.Tensor] = field(default_factory=list)  # each tool image's pixel_values
     grids: list[torch.Tensor] = field(default_factory=list)  # each tool image's image_grid_thw [1, 3]
+    images: list = field(default_factory=list)  # each tool image as the tool returned it (a vLLM turn's input)
     messages: list[dict] = field(default_factory=list)  # the trajectory as chat messages (the completions file)
     text: str = ""  # the last reply, decoded
     alive: bool = True
@@ -93,11 +95,12 @@ class Trajectory:
 
 
 class AgenticRollouts:
-    """Trajectories through HF ``generate`` and the tools (module docstring). ``hf``: the engine whose placement,
-    batching, seeds and dtype every turn uses; ``toolbox``: the resolved tools; ``max_turns``:
+    """Trajectories through the turn sampler ``hf`` and the tools (module docstring). ``hf``: an
+    :class:`~qwenkit.engine.rollouts.hf.HfRollouts` (its placement, batching, seeds and dtype) or a
+    :class:`~qwenkit.engine.rollouts.vllm_turns.VllmTurns`; ``toolbox``: the resolved tools; ``max_turns``:
     ``grpo.max_tool_calling_iterations``; ``max_trajectory_tokens``: 0 for no limit."""
 
-    def __init__(self, hf: HfRollouts, toolbox: tools.Toolbox, max_turns: int, max_trajectory_tokens: int = 0):
+    def __init__(self, hf, toolbox: tools.Toolbox, max_turns: int, max_trajectory_tokens: int = 0):
         self.hf, self.toolbox, self.max_turns, self.max_trajectory_tokens = hf, toolbox, max_turns, max_trajectory_tokens
         self.chosen = None
 
@@ -117,28 +120,30 @@ class AgenticRollouts:
                 trajectories.append(Trajectory(i, shared[0], seed, bound[0], bound[2]))
                 refs.append(shared[1].reference)
                 rows.append(row | ({"environment": bound[2]} if bound[2] is not None else {}))
+        self.hf.begin(model)
         for turn in range(self.max_turns + 1):
             alive = [t for t in trajectories if t.alive]
             if not _anyone(len(alive), next(model.parameters()).device):
                 break
-            self._turn(model, alive, turn, processor, end, style)
+            self._turn(model, alive, turn, dataset, end, style)
         self.chosen = self.hf.chosen
         return [Completion(t.index, t.prompt, t.tokens, t.text, t.truncated, ref, row,
-                           t.logps if self.hf.dtype is not None else None, mask=t.mask,
+                           t.logps if self.hf.sampled_logps is not None else None, mask=t.mask,
                            media=t.media(processor.image_token_id),
                            trajectory={"messages": t.messages, **t.stats})
                 for t, ref, row in zip(trajectories, refs, rows)]  # fmt: skip
 
-    def _turn(self, model: nn.Module, alive: list[Trajectory], turn: int, processor, end: int, style: str) -> None:
+    def _turn(self, model: nn.Module, alive: list[Trajectory], turn: int, dataset, end: int, style: str) -> None:
         """One reply of every trajectory in ``alive`` (one batched sampling), then their tools' responses."""
-        tok, image = processor.tokenizer, processor.image_token_id
+        processor = dataset.processor
+        tok = processor.tokenizer
         for t in alive:
             if self._room(t) == 0:  # the model's budget spent by its last reply: the responses end it
                 t.alive, t.truncated = False, True
         alive = [t for t in alive if t.alive]
         rooms = [self._room(t) for t in alive]
         seeds = [t.seed if turn == 0 else completion_seed(t.seed, turn, t.index, 0) for t in alive]
-        new = self.hf.sample_rows(model, [t.inputs(image) for t in alive], seeds, end, processor.pad_token_id,
+        new = self.hf.sample_rows(model, [self.hf.turn_prompt(t, dataset) for t in alive], seeds, end, processor.pad_token_id,
                                   media_tokens(processor), max_new_tokens=max(rooms, default=1))  # fmt: skip
         for r, (t, ids, room) in enumerate(zip(alive, new, rooms)):
             ids, t.text, cut = completion(tok, ids[:room], end)
@@ -169,7 +174,7 @@ class AgenticRollouts:
 
     def _respond(self, t: Trajectory, calls: list[dict], processor, style: str) -> None:
         """Run ``calls`` and append their responses' turn (mask 0), as the template renders ``tool`` messages."""
-        contents, pixels, grids, messages = [], [], [], []
+        contents, pixels, grids, images, messages = [], [], [], [], []
         for c in calls:
             parts, failed = tools.call(t.tools, c["name"], c["arguments"], self.toolbox.timeout_s)
             t.stats["tool_calls"] += 1
@@ -182,9 +187,10 @@ class AgenticRollouts:
                     continue
                 out = processor.image_processor(images=[part], return_tensors="pt")
                 pixels.append(out["pixel_values"])
+                images.append(part)
                 grids.append(out["image_grid_thw"].long())
                 text += "<|vision_start|>" + "<|image_pad|>" * processor.image_tokens(out["image_grid_thw"][0]) + "<|vision_end|>"
-                shown.append({"type": "image", "size": list(part.size)})
+                shown.append({"type": "image", "size": list(part.size), "image": part})  # the file keeps it (completions.trajectory)
             contents.append(text)
             messages.append({"role": "tool", "name": c["name"], "content": shown})
         ids = processor.tokenizer.encode("\n" + tool_calls.response_text(style, contents) + "<|im_start|>assistant\n",
@@ -196,6 +202,7 @@ class AgenticRollouts:
         t.mask += [0] * len(ids)
         t.pixels += pixels
         t.grids += grids
+        t.images += images
         t.stats["tool_tokens"] += len(ids)
         t.messages += messages
 

@@ -123,6 +123,14 @@ class HfRollouts:
                                    dataset.columns(indices[k]), logps, routing=routed))  # fmt: skip
         return done
 
+    def begin(self, model: nn.Module) -> None:
+        """An agentic rollout starts (:mod:`qwenkit.engine.rollouts.agentic`): nothing to do, the weights are the model's."""
+
+    @staticmethod
+    def turn_prompt(trajectory, dataset) -> dict[str, torch.Tensor]:
+        """An agentic trajectory's next turn as :meth:`sample_rows` takes a prompt: its prompt and tokens so far."""
+        return trajectory.inputs(dataset.processor.image_token_id)
+
     @torch.no_grad()
     def sample_rows(self, model: nn.Module, prompts: list[dict], seeds: list[int], end: int, pad: int,
                     suppress: list[int], max_new_tokens: int | None = None) -> list[list[int]]:  # fmt: skip

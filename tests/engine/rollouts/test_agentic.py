@@ -267,7 +267,7 @@ def test_tools_that_cannot_run_are_refused_before_spawn(tmp_path, monkeypatch, c
     assert "grpo.tools: 'engine.rollouts.test_agentic:untyped' has no JSON schema" in capsys.readouterr().err
     assert cli.main(["train", "train.objective=grpo", f"grpo.environment={ENV}", "grpo.rollout_engine=vllm",
                      f"train.output_dir={out}"]) == 2  # fmt: skip
-    assert "roll out on the hf engine only" in capsys.readouterr().err
+    assert "grpo.rollout_engine=vllm need grpo.max_trajectory_tokens > 0" in capsys.readouterr().err
     assert cli.main(["train", "train.objective=grpo", "grpo.max_tool_calling_iterations=2", f"train.output_dir={out}"]) == 2
     assert "set but neither grpo.tools nor grpo.environment" in capsys.readouterr().err
 
