@@ -198,6 +198,12 @@ def test_a_rank_input_error_is_not_restarted(tmp_path):
         "if os.environ['RANK'] == '0':\n"
         "    EventLog(out, 0).failed(ValueError('x'), 'qwenkit train: data.json: row 3: bad_format', user_input=True)\n"
         "    print('qwenkit train: data.json: row 3: bad_format', file=sys.stderr)\n"
+        "    (out / 'reported').touch()\n"
+        "else:  # the others fail after it, as ranks waiting on the failed one do (else the group may fail first)\n"
+        "    import time\n"
+        "    deadline = time.monotonic() + 120\n"
+        "    while not (out / 'reported').exists() and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
         "sys.exit(1)\n")  # fmt: skip
     EventLog(tmp_path, 0)  # the launcher's events.jsonl exists before the ranks start
     cmd = [sys.executable, "-m", "qwenkit.torchrun", f"--events-dir={tmp_path}", "--nnodes=1", "--nproc-per-node=2",

@@ -47,8 +47,8 @@ def problem(teacher: str) -> str | None:
 def prepare(cfg) -> str | None:
     """Point ``distill.teacher`` at an HF directory (a checkpoint exported once); the one line to refuse the run
     with (no teacher there), or None."""
-    teacher = cfg.distill.teacher
-    if cfg.train.objective != "distill" or not teacher:
+    teacher = cfg.distill.teacher  # set exactly under train.objective=distill (qwenkit.config.rules.distill)
+    if not teacher:
         return None
     if said := problem(teacher):
         return f"qwenkit train: {said}"
@@ -61,7 +61,7 @@ def prepare(cfg) -> str | None:
 def problems(cfg, student: Path) -> list[str]:
     """What keeps ``distill.teacher`` (an HF directory after :func:`prepare`) from scoring the tokens of the
     student at ``student``: no teacher, a checkpoint of no family or of another, another tokenizer, a smaller head."""
-    if cfg.train.objective != "distill" or not cfg.distill.teacher:
+    if not cfg.distill.teacher:  # set exactly under train.objective=distill (the config's rules)
         return []
     if said := problem(cfg.distill.teacher):
         return [said]

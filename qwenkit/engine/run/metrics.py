@@ -57,7 +57,6 @@ from qwenkit.rundir import RunDir
 
 RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "loss": "nat",
-    "mtp_loss": "nat",  # model.mtp.train: the MTP layer's loss, before its weight
     "grad_norm": "1",
     "lr": "1",
     "step_time": "s",
@@ -70,7 +69,6 @@ RUN_UNITS = {  # what every run logs (evaluation's when it evaluates)
     "eval_loss": "nat",
     "eval_accuracy": "1",
     "eval_generation_time": "s",  # an accuracy evaluation's generation, scores and gather (engine/generation/evaluate.py)
-    "eval_mtp_acceptance": "1",  # model.mtp.train: the MTP layer's drafts accepted (engine/generation/mtp_acceptance.py)
 }
 # train.objective=dpo's too (TRL's names, qwenkit.engine.objectives.dpo): rewards are beta x log-ratios
 PREFERENCE_UNITS = {
@@ -95,9 +93,11 @@ GRPO_UNITS = {
 }  # fmt: skip
 # train.objective=distill's (qwenkit.engine.objectives.distill), beside GRPO's rollout metrics
 DISTILL_UNITS = {"reverse_kl": "nat"}
+# model.mtp.train's: the MTP layer's loss before its weight, its drafts accepted (engine/generation/mtp_acceptance.py)
+MTP_UNITS = {"mtp_loss": "nat", "eval_mtp_acceptance": "1"}
 # a MoE run's (qwenkit.engine.run.expert_load): expert_load/layer_NN, expert_load/max_over_mean
 MOE_UNITS = {"expert_load": "1"}
-UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **DISTILL_UNITS, **MOE_UNITS}
+UNITS = {**RUN_UNITS, **PREFERENCE_UNITS, **GRPO_UNITS, **DISTILL_UNITS, **MTP_UNITS, **MOE_UNITS}
 _GRPO_REWARD = re.compile(r"rewards/[^/]+/(mean|std)")  # one GRPO reward's statistics (DPO's rewards/x are nats)
 
 

@@ -114,7 +114,7 @@ def shifted_ids(input_ids: torch.Tensor, offset: int) -> torch.Tensor:
 
 def mtp_loss(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, packed_seq_lens, loss_fn) -> torch.Tensor:
     """The MTP depths' mean loss on the backbone's ``hidden [B, S, H]``; ``loss_fn``: the main loss's
-    :func:`chunked_linear_cross_entropy` partial (its normaliser), given pre-shifted targets."""
+    :func:`~qwenkit.model.losses.cross_entropy.chunked_linear_cross_entropy` partial (its normaliser), given pre-shifted targets."""
     docs = doc_ids(labels, packed_seq_lens)
     embed = model.model.get_input_embeddings()
     kwargs = model._mtp_layer_kwargs

@@ -62,8 +62,8 @@ def _fake_vllm(root, raises: str, ranks: str = "every") -> None:
                 if {ranks!r} in ("every", os.environ.get("RANK")):
                     raise {raises}
 
-            def collective_rpc(self, method, kwargs):
-                for _ in kwargs["weights_iterator"]:  # every tensor gathered: collective over the ranks
+            def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # vLLM's signature
+                for _ in (kwargs or {{}}).get("weights_iterator", ()):  # every tensor gathered: collective over the ranks
                     pass
     """))
 
