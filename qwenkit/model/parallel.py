@@ -32,7 +32,6 @@ from qwenkit.model.families.linear_attention import boundaries
 from qwenkit.model.losses.cross_entropy import (
     IGNORE_INDEX,
     TOKEN_SUM,
-    chunked_linear_cross_entropy,
     shift_labels,
 )
 
@@ -85,15 +84,7 @@ def forward_slice(model, sp, input_ids, labels, use_cache, logits_to_keep, loss_
                                                                 num_items_in_batch, packed_seq_lens, kwargs)  # fmt: skip
 
     # 4. the chunked loss of this slice, normalised by the whole batch's count
-    loss_fn = functools.partial(
-        chunked_linear_cross_entropy,
-        shifted=shifted,
-        loss_type=loss_type,
-        chunk_size=model.chunk_size,
-        chunk_budget_bytes=model.chunk_budget_bytes,
-        num_items_in_batch=num_items_in_batch,
-        num_samples=num_samples if num_samples is not None else b,
-    )
+    loss_fn = model.chunk_loss_fn(shifted, loss_type, num_items_in_batch, num_samples if num_samples is not None else b)
     loss = model.lm_head(out.last_hidden_state, labels=None, loss_fn=loss_fn)
     for term in extra:
         loss = loss + term

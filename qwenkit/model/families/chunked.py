@@ -189,6 +189,13 @@ class ChunkLossMixin(Positions):
         kwargs["inputs_embeds"] = self.model.get_input_embeddings()(input_ids)
         return sum(self.idle_vision_term() for _ in range(missing))
 
+    def chunk_loss_fn(self, shifted, loss_type, num_items_in_batch, num_samples):
+        """The loss the lm_head module is handed (:func:`chunked_linear_cross_entropy` at this model's chunking),
+        normalised by ``num_items_in_batch`` / ``num_samples``; ``shifted``: pre-shifted labels or None."""
+        return functools.partial(chunked_linear_cross_entropy, shifted=shifted, loss_type=loss_type,
+                                 chunk_size=self.chunk_size, chunk_budget_bytes=self.chunk_budget_bytes,
+                                 num_items_in_batch=num_items_in_batch, num_samples=num_samples)  # fmt: skip
+
     def _chunked_forward(self, input_ids, labels, use_cache, logits_to_keep, loss_type, num_items_in_batch, num_samples, kwargs):
         """Step 3 (chunk loss): HF's multimodal backbone, then the loss from the lm_head module itself."""
         # pre-shifted labels (sequence parallelism): used as given, as HF's ForCausalLMLoss does
@@ -196,15 +203,7 @@ class ChunkLossMixin(Positions):
         self.check_chunk_args(labels, shifted, use_cache, logits_to_keep, loss_type)
         self._prepare_backbone(kwargs)
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
-        loss_fn = functools.partial(
-            chunked_linear_cross_entropy,
-            shifted=shifted,
-            loss_type=loss_type,
-            chunk_size=self.chunk_size,
-            chunk_budget_bytes=self.chunk_budget_bytes,
-            num_items_in_batch=num_items_in_batch,
-            num_samples=num_samples,
-        )
+        loss_fn = self.chunk_loss_fn(shifted, loss_type, num_items_in_batch, num_samples)
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
         if getattr(self, "mtp", None) is not None and loss_type != TOKEN_SUM:  # model.mtp.train (Qwen3.5)
             extra = mtp_loss(self, outputs.last_hidden_state, input_ids, labels, self._packed_seq_lens, loss_fn)

@@ -222,7 +222,10 @@ def test_two_ranks_equal_one_process_on_the_same_prompts_and_seeds(out):
     for a, b in zip(_history(out, "two"), _history(out, "one"), strict=True):
         assert a.keys() == b.keys()
         for k in a.keys() - {"padding_fraction"}:  # one micro-batch of 8 completions pads more than two of 4
-            assert a[k] == pytest.approx(b[k], **FP32), k
+            if k.startswith("ratio/"):  # the trainer's to the sampler's ratio: 1 up to either batch's fp32 ulps
+                assert a[k] < 1e-5 and b[k] < 1e-5, (k, a[k], b[k])
+            else:
+                assert a[k] == pytest.approx(b[k], **FP32), k
 
 
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(out):

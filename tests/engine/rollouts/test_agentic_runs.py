@@ -74,7 +74,10 @@ def test_two_ranks_equal_one_process_on_agentic_trajectories(tmp_path, caller):
     for a, b in zip(two, one, strict=True):
         assert a.keys() == b.keys()
         for k in a.keys() - {"padding_fraction"}:  # one micro-batch of 4 trajectories pads more than two of 2
-            assert a[k] == pytest.approx(b[k], **FP32), k
+            if k.startswith("ratio/"):  # the trainer's to the sampler's ratio: 1 up to either batch's fp32 ulps
+                assert a[k] < 1e-5 and b[k] < 1e-5, (k, a[k], b[k])
+            else:
+                assert a[k] == pytest.approx(b[k], **FP32), k
     mine, every = (completions.read_completions(tmp_path / n) for n in ("two", "one"))
     for step, lines in mine.items():
         theirs = {(r["index"], r["k"] % 2): r for r in every[step]}  # a group's 2 completions in order

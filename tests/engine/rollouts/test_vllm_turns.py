@@ -52,4 +52,4 @@ def test_two_ranks_equal_one_process_on_vllm_trajectories(out):
     for a, b in zip(two, one, strict=True):
         assert a.keys() == b.keys()
         for k in a.keys() - {"padding_fraction"}:  # vLLM's log-prob differences to the trainer's: ulps of either batch
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-5 if k.startswith("sampling/") else 1e-6), k
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-5 if k.startswith(("sampling/", "ratio/")) else 1e-6), k
