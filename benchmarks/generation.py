@@ -49,7 +49,7 @@ from qwenkit import config as qconfig
 from qwenkit import data as qdata
 from qwenkit.distributed import fsdp
 from qwenkit.distributed.meta import build_on_meta
-from qwenkit.engine.generation import evaluate
+from qwenkit.engine.generation import eval_command, evaluate
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.engine.run import metrics
 from qwenkit.launch import free_port
@@ -60,7 +60,7 @@ from qwenkit.model.paths import load_processor
 def load(args):
     """``(model, dataset)``: the tiny model (seeded random weights) or ``--checkpoint``'s, and 32 held-out rows."""
     if args.checkpoint:
-        model, processor, cfg, _ = evaluate.load_for_eval(args.checkpoint)
+        model, processor, cfg, _ = eval_command.load_for_eval(args.checkpoint)
     else:
         from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -195,7 +195,7 @@ def against_the_run(run: Path, args) -> int:
     total = [0.0, 0.0]
     equal = True
     for step in steps:
-        model, processor, cfg, _ = evaluate.load_for_eval(saved[step])
+        model, processor, cfg, _ = eval_command.load_for_eval(saved[step])
         dataset = qdata.build(cfg, processor).eval_dataset
         want = qgen.read_jsonl(evaluate.generations_path(run, step))
         t0 = time.perf_counter()

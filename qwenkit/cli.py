@@ -75,16 +75,16 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from qwenkit.engine.generation import evaluate  # the model and generation stack: eval only
+    from qwenkit.engine.generation import eval_command  # the model and generation stack: eval only
 
-    request = evaluate.EvalRequest(
+    request = eval_command.EvalRequest(
         args.target, data=args.data, samples=args.samples, config=args.config, out=args.out,
         metric=tuple(args.metric) if args.metric is not None else None, nproc=args.nproc, batch_size=args.batch_size,
         engine=args.engine,
     )  # fmt: skip
     try:
-        return evaluate.eval_main(request)
-    except evaluate.ckpt.CheckpointError as e:
+        return eval_command.eval_main(request)
+    except eval_command.ckpt.CheckpointError as e:
         raise UserError(e) from e
 
 

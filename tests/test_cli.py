@@ -50,9 +50,9 @@ def test_timeout_key_is_validated_before_spawning(tmp_path, monkeypatch, capsys)
 @pytest.mark.parametrize("samples", ["0", "-1"])
 def test_eval_of_no_rows_is_refused_in_one_line_before_anything_loads(samples, tmp_path, monkeypatch, capsys):
     """``--samples 0`` wrote an empty generations file and exited 0: a command that did nothing."""
-    from qwenkit.engine.generation import evaluate
+    from qwenkit.engine.generation import eval_command
 
-    monkeypatch.setattr(evaluate, "load_for_eval", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(eval_command, "load_for_eval", lambda *a, **k: pytest.fail("the model must not load"))
     out = tmp_path / "g.jsonl"
     assert cli.main(["eval", str(tmp_path), "--samples", samples, "--out", str(out)]) == 2
     assert capsys.readouterr().err == (f"qwenkit eval: --samples must be >= 1 (rows to evaluate; leave it out for the "
@@ -64,7 +64,7 @@ def test_an_eval_rank_leaves_a_shared_input_error_to_rank_0(tmp_path, monkeypatc
     """Under ``qwenkit eval --nproc N`` every rank reads the same arguments, config and data: rank 0
     says their error, once (it was printed by every rank). An error in a rank's own share of the
     rows (a user's metric on them) is said by the rank that meets it."""
-    from qwenkit.engine.generation import answers, evaluate
+    from qwenkit.engine.generation import answers, eval_command
 
     monkeypatch.setenv(errors.COMMAND_ENV, "eval")
     monkeypatch.setenv("RANK", "1")
@@ -77,7 +77,7 @@ def test_an_eval_rank_leaves_a_shared_input_error_to_rank_0(tmp_path, monkeypatc
     def metric_fails(request):
         raise answers.UserFunctionError("eval metric 'f' returned nan on eval row 3; a score must be a finite number")
 
-    monkeypatch.setattr(evaluate, "eval_main", metric_fails)
+    monkeypatch.setattr(eval_command, "eval_main", metric_fails)
     monkeypatch.setenv("RANK", "1")
     assert cli.main(["eval", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "qwenkit eval: eval metric 'f' returned nan on eval row 3; a score must be a finite number\n"
@@ -86,14 +86,14 @@ def test_an_eval_rank_leaves_a_shared_input_error_to_rank_0(tmp_path, monkeypatc
 def test_a_known_engine_failure_in_eval_is_one_line_said_by_the_rank_that_met_it(tmp_path, monkeypatch, capsys):
     """``qwenkit eval --engine vllm`` whose vLLM has no room for its KV cache: the kit's one line, exit 2,
     as an input error (it was a traceback); under ``--nproc`` the rank whose engine failed says it."""
-    from qwenkit.engine.generation import evaluate, vllm_engine
+    from qwenkit.engine.generation import eval_command, vllm_engine
 
     said = "vLLM has no memory left for its KV cache (vLLM: ...); raise vllm.gpu_memory_utilization (CUDA)"
 
     def engine_fails(request):
         raise vllm_engine.EngineFailure(said)
 
-    monkeypatch.setattr(evaluate, "eval_main", engine_fails)
+    monkeypatch.setattr(eval_command, "eval_main", engine_fails)
     monkeypatch.delenv(errors.TRACEBACK_ENV, raising=False)
     assert cli.main(["eval", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"qwenkit eval: {said}\n"

@@ -79,7 +79,7 @@ class Objective:
     @staticmethod
     def evaluate_cli(request, model, processor, cfg, name: str, rank: int, world_size: int, device) -> int:
         """``qwenkit eval`` of a run of this objective (``request``: its
-        :class:`~qwenkit.engine.generation.evaluate.EvalRequest`): prints its metrics, returns the exit status."""
+        :class:`~qwenkit.engine.generation.eval_command.EvalRequest`): prints its metrics, returns the exit status."""
         raise NotImplementedError
 
 

@@ -76,7 +76,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
+from qwenkit.engine.generation.eval_command import evaluate_generations
+from qwenkit.engine.generation.evaluate import Evaluator
 from qwenkit.engine.generation.sampling import Sampling
 from qwenkit.engine.generation.vllm_engine import spec_of
 from qwenkit.engine.objective import Objective

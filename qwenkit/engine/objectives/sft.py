@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwenkit.engine.generation.evaluate import Evaluator, evaluate_generations
+from qwenkit.engine.generation.eval_command import evaluate_generations
+from qwenkit.engine.generation.evaluate import Evaluator
 from qwenkit.engine.generation.mtp_acceptance import WithAcceptance
 from qwenkit.engine.objective import Objective
 

@@ -31,7 +31,7 @@ from qwenkit.data.report import Location
 from qwenkit.data.video import RULES, VideoMeta
 from qwenkit.engine.checkpoints import dcp as ckpt
 from qwenkit.engine.checkpoints import export as hf_export
-from qwenkit.engine.generation import evaluate
+from qwenkit.engine.generation import eval_command
 from qwenkit.engine.run import train
 from qwenkit.model.families import registry as families
 from qwenkit.model.paths import load_processor, resolve_path
@@ -106,7 +106,7 @@ def test_exported_processor_resizes_as_training_did(run, tmp_path):
     torch.testing.assert_close(auto_pixels, pixels, rtol=0, atol=0 if same_class else 0.1)
 
     # qwenkit eval of the export, with no --config: the export's bounds, not the config defaults
-    model, processor, eval_cfg, _ = evaluate.load_for_eval(exported)
+    model, processor, eval_cfg, _ = eval_command.load_for_eval(exported)
     assert (eval_cfg.data.min_pixels, eval_cfg.data.max_pixels) == (6272, 50176)
     assert qconfig.load(exported / hf_export.RUN_CONFIG) == cfg  # the run's config travels with its export:
     assert eval_cfg.data.tiny_eval_samples == 2  # its eval set too (the defaults have none)
@@ -240,10 +240,10 @@ def test_eval_on_vllm_of_a_head_dim_its_cpu_backend_cannot_run_is_one_line_befor
                                                                                                  monkeypatch, capsys):
     """The tiny default's old head dim (16) failed inside vLLM, after the start, with a 147-line traceback (issue 62)."""
     from engine.run.test_prespawn import head_dim_16
-    from qwenkit.engine.generation import evaluate
+    from qwenkit.engine.generation import eval_command
 
     monkeypatch.setattr(qconfig, "installed", lambda library: True)  # as in the vLLM environment
-    monkeypatch.setattr(evaluate, "load_for_eval", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(eval_command, "load_for_eval", lambda *a, **k: pytest.fail("the model must not load"))
     export = head_dim_16(tiny_path, tmp_path / "export")  # an export's config.json: all eval reads before the check
     assert cli.main(["eval", str(export), "--engine", "vllm", "--samples", "2"]) == 2
     err = capsys.readouterr().err
@@ -347,7 +347,7 @@ def test_a_run_from_a_whole_omni_checkpoint_exports_the_whole_with_its_other_ten
     assert json.loads((exported / "config.json").read_text()) == json.loads((base / "config.json").read_text())
     for name in (*entry.whole.files, "tokenizer.json", "preprocessor_config.json", "generation_config.json"):
         assert (exported / name).is_file(), name
-    model = evaluate.load_for_eval(exported)[0]  # qwenkit eval of the whole export: its thinker
+    model = eval_command.load_for_eval(exported)[0]  # qwenkit eval of the whole export: its thinker
     assert type(model) is entry.load("hf_class") and all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
     if lora:
         from peft import PeftModel

@@ -25,7 +25,7 @@ from qwenkit.data.template import IGNORE_INDEX
 from qwenkit.distributed import fsdp
 from qwenkit.engine import objective
 from qwenkit.engine.checkpoints import export as hf_export
-from qwenkit.engine.generation import answers, evaluate, placement
+from qwenkit.engine.generation import answers, eval_command, evaluate, placement
 from qwenkit.engine.generation import generate as qgen
 from qwenkit.engine.run import metrics, train
 from qwenkit.errors import COMMAND_ENV
@@ -139,11 +139,11 @@ def _eval_worker(rank, out):
                                     ["exact"], rank, 2, out / f"lockstep-{batch_size}.jsonl", lockstep=True)  # fmt: skip
     assert (sharded.chunk_loss, sharded.vision_calls_per_step) == (True, 1)  # the training settings are back
     # and qwenkit eval --nproc 2's ranks on the run's last checkpoint, in this process group
-    request = evaluate.EvalRequest(str(out / "two"), samples=3, out=str(out / "cli.jsonl"),
+    request = eval_command.EvalRequest(str(out / "two"), samples=3, out=str(out / "cli.jsonl"),
                                    metric=("exact", "normalized", "anls"), nproc=2)  # fmt: skip
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        evaluate.eval_main(request)
+        eval_command.eval_main(request)
     if rank == 0:
         (out / "cli.txt").write_text(printed.getvalue())
     dist.barrier()
@@ -274,11 +274,11 @@ def test_qwenkit_eval_on_two_ranks_equals_the_trainers_evaluation(two_ranks):
 def test_qwenkit_eval_nproc_starts_itself_under_torchrun(monkeypatch, tmp_path):
     started = []
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(evaluate, "eval_source", lambda target, config: SimpleNamespace(cfg=qconfig.load()))  # the checks
+    monkeypatch.setattr(eval_command, "eval_source", lambda target, config: SimpleNamespace(cfg=qconfig.load()))  # the checks
     # before spawn: tested below
-    monkeypatch.setattr(evaluate.subprocess, "call", lambda cmd, env: started.append((cmd, env[COMMAND_ENV])) or 0)
-    request = evaluate.EvalRequest(str(tmp_path), samples=3, nproc=3, batch_size=4, metric=("exact", "anls"))
-    assert evaluate.eval_main(request) == 0
+    monkeypatch.setattr(eval_command.subprocess, "call", lambda cmd, env: started.append((cmd, env[COMMAND_ENV])) or 0)
+    request = eval_command.EvalRequest(str(tmp_path), samples=3, nproc=3, batch_size=4, metric=("exact", "anls"))
+    assert eval_command.eval_main(request) == 0
     assert started == [([sys.executable, "-m", "qwenkit.torchrun", "--standalone", "--nproc-per-node=3", "-m", "qwenkit.cli",
                          "eval", str(tmp_path), "--samples=3", "--batch-size=4", "--metric", "exact", "anls"], "eval")]  # fmt: skip
 
@@ -298,7 +298,7 @@ def test_qwenkit_eval_of_a_dpo_run_refuses_metric_it_cannot_score():
     """A dpo run is evaluated on pairs, nothing generated: ``--metric`` is refused in one line (it was ignored);
     ``--samples`` takes the first pairs (tests/test_preference_train.py, on a trained run)."""
     cfg = qconfig.load(overrides=["train.objective=dpo"])
-    request = evaluate.EvalRequest("run", metric=("exact",))
+    request = eval_command.EvalRequest("run", metric=("exact",))
     with pytest.raises(ValueError, match=r"--metric exact: a dpo run is evaluated on its held-out pairs .* leave --metric out"):
         objective.entry("dpo").evaluate_cli(request, None, None, cfg, "run", 0, 1, "cpu")
 
@@ -431,7 +431,7 @@ def test_eval_nproc_refuses_a_family_mismatch_before_any_rank_starts(tmp_path, t
 
     started = []
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(evaluate.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
+    monkeypatch.setattr(eval_command.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
     other = _write_yaml(tmp_path / "other.yaml", ["model.name=qwen3_vl"])
     assert cli.main(["eval", str(tiny_path), "--nproc", "2", "--config", str(other)]) == 2
     err = capsys.readouterr().err
