@@ -264,6 +264,19 @@ def package_modules() -> dict[str, Path]:
 ILL_CONDITIONED = 1e-3  # at most this fraction of the trained elements
 
 
+def assert_same_runs(got: list[dict], want: list[dict], uneven=("padding_fraction",)) -> None:
+    """Two runs' logged metrics, step by step, equal to fp32 sums in another order (another world size, other
+    micro-batches); ``uneven``: metrics their batching changes. ``ratio/*`` (the trainer's to the sampler's
+    probability ratio) is 1 up to either batch's own fp32 ulps, so each run's is checked to be that small."""
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for k in a.keys() - set(uneven):
+            if k.startswith("ratio/"):
+                assert a[k] < 1e-5 and b[k] < 1e-5, (k, a[k], b[k])
+            else:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+
+
 def assert_adamw_weights_close(got: dict, ref: dict, tol: dict, *, lr: float, steps: int, trained=None) -> None:
     """``got``/``ref``: full state dicts; ``trained``: the names that train (None: all), the others equal."""
     assert got.keys() == ref.keys()

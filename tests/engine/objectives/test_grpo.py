@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_model, families_allowing, over_families
+from conftest import assert_same_runs, build_model, families_allowing, over_families
 from multiproc import check_ranks
 
 from qwenkit import config as qconfig
@@ -37,8 +37,6 @@ BASE = ["train.objective=grpo", "data.tiny_samples=16", "train.steps=3", "train.
         "grpo.rewards=[exact, format, engine.objectives.test_grpo:vowels]", "grpo.reward_weights=[1, 1, 2]",
         "checkpoint.save_final=false", "train.resume=auto", "train.log_every=2"]  # fmt: skip
 TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory", "rollout_time")
-# fp32; 2 ranks sum the gradient over ranks and reduce the counts in another order: a few ulps
-FP32 = dict(rel=1e-5, abs=1e-7)
 
 
 def vowels(prediction: str, reference: str, **row) -> float:
@@ -219,13 +217,7 @@ def test_lora_reference_is_the_policy_without_adapters(out):
 
 
 def test_two_ranks_equal_one_process_on_the_same_prompts_and_seeds(out):
-    for a, b in zip(_history(out, "two"), _history(out, "one"), strict=True):
-        assert a.keys() == b.keys()
-        for k in a.keys() - {"padding_fraction"}:  # one micro-batch of 8 completions pads more than two of 4
-            if k.startswith("ratio/"):  # the trainer's to the sampler's ratio: 1 up to either batch's fp32 ulps
-                assert a[k] < 1e-5 and b[k] < 1e-5, (k, a[k], b[k])
-            else:
-                assert a[k] == pytest.approx(b[k], **FP32), k
+    assert_same_runs(_history(out, "two"), _history(out, "one"))  # one micro-batch of 8 completions pads more than two of 4
 
 
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(out):

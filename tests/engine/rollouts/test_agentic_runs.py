@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from conftest import assert_same_runs
 from jobs import EXIT_RESUMABLE, Job, checkpoints, train
 from multiproc import check_ranks, scaled
 from tool_caller import ENV, PAUSE_ENV, calling_checkpoint
@@ -30,7 +31,6 @@ from qwenkit.engine.run import events, metrics
 from qwenkit.engine.run import train as qtrain
 
 TIMING = ("step_time", "tokens_per_s", "samples_per_s", "peak_memory", "rollout_time")
-FP32 = dict(rel=1e-5, abs=1e-7)  # as tests/engine/objectives/test_grpo.py: fp32 sums in another order, a few ulps
 
 
 def agentic(path) -> list[str]:
@@ -71,13 +71,7 @@ def test_two_ranks_equal_one_process_on_agentic_trajectories(tmp_path, caller):
     two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
     assert [h["step"] for h in two] == [1, 2] and two[0]["tools/call_frequency"] > 0 and two[0]["tools/turns_mean"] > 1
     assert two[0]["tools/tool_tokens_mean"] > 0 and two[0]["grad_norm"] > 0
-    for a, b in zip(two, one, strict=True):
-        assert a.keys() == b.keys()
-        for k in a.keys() - {"padding_fraction"}:  # one micro-batch of 4 trajectories pads more than two of 2
-            if k.startswith("ratio/"):  # the trainer's to the sampler's ratio: 1 up to either batch's fp32 ulps
-                assert a[k] < 1e-5 and b[k] < 1e-5, (k, a[k], b[k])
-            else:
-                assert a[k] == pytest.approx(b[k], **FP32), k
+    assert_same_runs(two, one)  # one micro-batch of 4 trajectories pads more than two of 2
     mine, every = (completions.read_completions(tmp_path / n) for n in ("two", "one"))
     for step, lines in mine.items():
         theirs = {(r["index"], r["k"] % 2): r for r in every[step]}  # a group's 2 completions in order
