@@ -134,12 +134,17 @@ def test_trained_through_the_trainer_logged_and_exported_under_the_checkpoints_n
     families.get(family).load("hf_class").from_pretrained(exported)  # HF's class loads the export
 
 
-def test_a_family_without_mtp_asked_to_train_it_is_refused_before_start(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("keys, said", [
+    (["model.name=qwen2_5_vl"], "model.mtp.train: qwen2_5_vl has no multi-token-prediction layer"),
+    (["model.name=qwen3_5", "model.mtp.layers=2"], "model.mtp.layers=2: qwen3_5's checkpoints hold 1"),
+])  # fmt: skip
+def test_mtp_a_model_cannot_train_is_refused_before_start(tmp_path, monkeypatch, capsys, keys, said):
+    """A family without the layer, or more depths than its checkpoints hold (never a random layer trained)."""
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
     out = tmp_path / "run"
-    assert cli.main(["train", "model.name=qwen2_5_vl", "model.mtp.train=true", f"train.output_dir={out}"]) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if "model.mtp.train" in line]
-    assert len(lines) == 1 and "qwen2_5_vl has no multi-token-prediction layer" in lines[0]
+    assert cli.main(["train", *keys, "model.mtp.train=true", f"train.output_dir={out}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "model.mtp" in line]
+    assert len(lines) == 1 and said in lines[0], lines
     assert not out.exists()
 
 
