@@ -83,7 +83,7 @@ def split_pair(row: Any, where: Location) -> tuple[dict, dict]:
             f"no preference layout has the keys {keys}: expected TRL prompt/chosen/rejected, LLaMA-Factory "
             "conversations/chosen/rejected or ms-swift messages/rejected_response (see docs/DATA.md)",
         )
-    common = {k: row[k] for k in ("id", "system") if k in row}
+    common = {k: row[k] for k in ("id", "system", "tools") if k in row}  # what both sides share
     chosen, rejected = {"trl": _trl, "llamafactory": _llamafactory, "swift": _swift}[layout](row, where, common)
     if chosen == rejected:  # the same reply (and images): DPO's loss is constant on it, nothing is learned
         raise BadSample(where, "same_replies", "preference row: the chosen and rejected replies are the same")

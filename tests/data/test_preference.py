@@ -114,6 +114,28 @@ def test_a_pairs_audios_read_as_its_sft_samples_do(tmp_path, family, layout):
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
 
 
+TOOLS = [{"type": "function", "function": {"name": "zoom", "description": "Zoom into a quadrant.", "parameters": {
+    "type": "object", "properties": {"quadrant": {"type": "string"}}, "required": ["quadrant"]}}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(ROWS))
+def test_a_pairs_tools_reach_both_sides_as_its_sft_samples_do(media, processor, layout):
+    """A pair with a ``tools`` column: both sides render the tool definitions, as the two SFT rows they stand for
+    do (ids and labels equal); dropping the column trained on a prompt without them."""
+    row = dict(ROWS[layout], tools=TOOLS)
+    pairs = PairDataset(qdata.build(_cfg(media, _write(media, [row])), processor).dataset.samples)
+    sft = [dict(_sft(r), tools=TOOLS) for r in (GOOD, BAD)]
+    reference = qdata.build(qconfig.load(overrides={"data.path": str(_write(media, sft, "sft.jsonl")),
+                                                    "data.cache_dir": str(media / "cache"),
+                                                    "train.micro_batch_size": 1}), processor).dataset  # fmt: skip
+    chosen, rejected = pairs[0]
+    chosen.pop("pair_index")
+    for got, want in ((chosen, reference[0]), (rejected, reference[1])):
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+
 def test_rejected_images_give_the_rejected_side_its_own_pixels(media, processor):
     row = dict(ROWS["swift"], rejected_images=["img/b.png"])
     chosen, rejected = qdata.build(_cfg(media, _write(media, [row])), processor).dataset[0]
