@@ -350,7 +350,7 @@ class GrpoObjective(Objective):
                              entropies=entropies)  # fmt: skip
         self.step_metrics.add(terms, entropies)
         if self.sp is not None:  # every rank of the group takes the whole loss, its gradient through its slice only
-            return terms.loss.detach() / self.sp.size + (terms.loss - terms.loss.detach())  # the value: its share
+            return self.sp.share(terms.loss)  # the value: its share
         return terms.loss
 
     def metrics(self) -> dict[str, float]:
