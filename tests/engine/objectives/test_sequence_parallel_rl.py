@@ -45,11 +45,14 @@ def _run(out: Path, nproc: int, *overrides, keys=KEYS) -> dict[int, dict[str, fl
 
 
 @pytest.mark.slow
-# packed: the same forward on a packed row (positions per sample), in the long tier (two more runs, ~1.5 min)
-@pytest.mark.parametrize("packing", ["false", pytest.param("true", marks=pytest.mark.long)])
-def test_grpo_with_sp_size_2_logs_the_one_process_losses_and_gradient_norms(tmp_path, packing):
-    one = _run(tmp_path / "one", 1, f"data.packing={packing}")
-    sp2 = _run(tmp_path / "sp2", 2, "parallel.sp_size=2", f"data.packing={packing}")
+# packed: the same forward on a packed row (positions per sample), in the long tier (two more runs, ~1.5 min);
+# the high-entropy tokens: the threshold over the micro-batch's tokens once, not once per rank of the group
+@pytest.mark.parametrize("packing, quantile", [("false", "1.0"), pytest.param("true", "1.0", marks=pytest.mark.long),
+                                               pytest.param("false", "0.2", marks=pytest.mark.long)])  # fmt: skip
+def test_grpo_with_sp_size_2_logs_the_one_process_losses_and_gradient_norms(tmp_path, packing, quantile):
+    keys = [f"data.packing={packing}", f"grpo.top_entropy_quantile={quantile}"]
+    one = _run(tmp_path / "one", 1, *keys)
+    sp2 = _run(tmp_path / "sp2", 2, "parallel.sp_size=2", *keys)
     assert sorted(sp2) == sorted(one) == [1, 2]
     assert one[2]["loss"] != 0 and one[2]["kl"] > 0  # step 2 reuses the rollout: its old log-probs and the KL count
     for step in (1, 2):
