@@ -46,7 +46,8 @@ def _run(out: Path, nproc: int, *overrides, keys=KEYS) -> dict[int, dict[str, fl
 
 @pytest.mark.slow
 # packed: the same forward on a packed row (positions per sample), in the long tier (two more runs, ~1.5 min);
-# the high-entropy tokens: the threshold over the micro-batch's tokens once, not once per rank of the group
+# the high-entropy tokens through the trainer (that each token counts once is test_policy.py's SP-group test: these
+# tokens' threshold happens to mask the same with every rank counting)
 @pytest.mark.parametrize("packing, quantile", [("false", "1.0"), pytest.param("true", "1.0", marks=pytest.mark.long),
                                                pytest.param("false", "0.2", marks=pytest.mark.long)])  # fmt: skip
 def test_grpo_with_sp_size_2_logs_the_one_process_losses_and_gradient_norms(tmp_path, packing, quantile):
