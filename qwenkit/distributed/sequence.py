@@ -53,6 +53,13 @@ class SequenceParallel:
         """``(every tower output of the whole batch, idle term or None)``: see :func:`encode_share`."""
         return encode_share(model, pixels, grid_thw, self)
 
+    def share(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss every rank of the group computes whole from values gathered over the group
+        (:func:`qwenkit.model.parallel.gather_slices`): valued ``loss / N``, so the group's values sum to it
+        once, with the whole loss's gradient, which flows back through this rank's slice only (the gather's
+        backward), so the group's summed gradients are the unsplit forward's (GRPO's and DPO's losses)."""
+        return loss.detach() / self.size + (loss - loss.detach())
+
     def attention_context(self, mask: torch.Tensor | None) -> AttentionContext:
         return AttentionContext(self.group, self.size, mask)
 

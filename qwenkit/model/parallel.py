@@ -96,7 +96,9 @@ def token_logps_slice(model, sp, head_fn, input_ids, labels, packed_seq_lens, kw
     rank's slice: steps 1-3, then ``head_fn`` (:func:`qwenkit.model.losses.logps.token_logps`) on the slice's
     pre-shifted labels, and the slices all-gathered over the group (:func:`gather_slices`: each rank's
     gradient flows back through its own slice only, so the group's summed gradients are the unsplit
-    forward's when every rank takes the same loss of the whole sequence). The idle vision terms join the logps."""
+    forward's when every rank takes the same loss of the whole sequence:
+    :meth:`qwenkit.distributed.sequence.SequenceParallel.share`). DPO's per-sequence sums are these summed
+    (:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.sequence_logps`). The idle vision terms join the logps."""
     s = input_ids.shape[1]
     out, shifted, extra, _ = _decoder_on_slice(model, sp, input_ids, labels, None, None, packed_seq_lens, kwargs)
     loss_fn = functools.partial(head_fn, chunk_size=model.chunk_size, chunk_budget_bytes=model.chunk_budget_bytes,

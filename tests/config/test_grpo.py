@@ -78,14 +78,18 @@ def good(prediction, reference, **row):
         (GRPO + ["grpo.format_tags=[<think>, answer]"], r"grpo\.format_tags must be two different tag names"),
         (GRPO + ["loss.chunk=false"], r"grpo needs loss\.chunk=true"),
         (GRPO + ["data.max_tokens_per_batch=2048"], r"grpo does not support data\.max_tokens_per_batch"),
-        (GRPO + ["parallel.nproc=2", "parallel.sp_size=2", "grpo.top_entropy_quantile=0.2"],
-         r"parallel\.sp_size=2 with train\.objective=grpo is tested without grpo\.top_entropy_quantile=0\.2 only"),
         (GRPO + ["parallel.nproc=2", "parallel.sp_size=2", "grpo.routing_replay=true"],
          r"parallel\.sp_size=2 with train\.objective=grpo is tested without grpo\.routing_replay=true only"),
     ],
 )
 def test_grpo_settings_and_what_they_cannot_go_with_are_refused(overrides, pattern):
     assert_refused(overrides, pattern)
+
+
+def test_the_entropy_threshold_is_valid_under_sequence_parallelism():
+    """Each token counted once per SP group (tests/engine/objectives/test_sequence_parallel_rl.py)."""
+    cfg = config.load(overrides=GRPO + ["parallel.nproc=2", "parallel.sp_size=2", "grpo.top_entropy_quantile=0.2"])
+    assert cfg.grpo.top_entropy_quantile == 0.2
 
 
 def assert_refused(overrides, pattern):

@@ -35,11 +35,6 @@ def check(cfg: Config, need: Need) -> None:
         "not pairs); use train.micro_batch_size (pairs per micro-batch)",
     )
     need(
-        cfg.parallel.sp_size == 1,
-        f"train.objective=dpo does not support parallel.sp_size={cfg.parallel.sp_size}: a sequence's log-prob would be "
-        "split over the ranks of its group; use parallel.sp_size=1",
-    )
-    need(
         cfg.data.eval_fraction == 0.0,
         "train.objective=dpo does not support data.eval_fraction (it would split rows, not pairs); "
         "hold out pairs with data.eval_path",

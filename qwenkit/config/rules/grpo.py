@@ -99,12 +99,11 @@ def _sequence_parallel_rules(cfg: Config, need: Need) -> None:
     grpo, sp = cfg.grpo, cfg.parallel.sp_size
     unmade = [key for key, on in (("grpo.routing_replay=true", grpo.routing_replay),
                                   ("grpo.tools / grpo.environment", bool(grpo.tools or grpo.environment)),
-                                  ("grpo.rollout_engine=vllm", grpo.rollout_engine == "vllm"),
-                                  (f"grpo.top_entropy_quantile={grpo.top_entropy_quantile}", grpo.top_entropy_quantile < 1))
+                                  ("grpo.rollout_engine=vllm", grpo.rollout_engine == "vllm"))
               if on]  # fmt: skip
     need(not unmade, f"parallel.sp_size={sp} with train.objective=grpo is tested without {', '.join(unmade)} only "
-         "(the replayed routing, a trajectory's media, vLLM's engines and the entropy threshold over a group's "
-         "repeated tokens are not made exact on slices); use parallel.sp_size=1 or leave them out")  # fmt: skip
+         "(the replayed routing, a trajectory's media and vLLM's engines are not made exact on slices); use "
+         "parallel.sp_size=1 or leave them out")  # fmt: skip
 
 
 def _routing_rules(cfg: Config, need: Need) -> None:

@@ -15,6 +15,14 @@ One micro-batch holds ``P`` whole pairs as ``2P`` rows, chosen then rejected
    (and chosen tokens for ``dpo.sft_weight``) of the step: world size and accumulation do not
    change the step (the trainer backpropagates ``share * world_size``, as for SFT).
 
+Under ``parallel.sp_size > 1`` every rank of a group holds the group's micro-batch and runs its slice of every
+chosen and rejected row, padded or packed (the policy, the policy with its adapters off, the frozen copy alike):
+each sequence's log-prob sum is that of its per-token log-probs gathered once over the group
+(:meth:`~qwenkit.model.families.chunked.ChunkLossMixin.sequence_logps`), so every rank of the group takes the
+whole loss, its gradient through its own slice (:meth:`qwenkit.distributed.sequence.SequenceParallel.share`);
+pairs, chosen tokens and metrics count once per group, and the precompute pass and evaluation deal pairs by
+group (:func:`for_each_pair_batch`).
+
 Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
 ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``), plus ``logps/accuracies`` (the
 policy's own preference, reference aside), means over the step's global pairs; evaluation on held-out pairs logs the same with the ``eval_`` prefix and ``eval_loss``.
@@ -92,15 +100,15 @@ class Reference:
         return sums[:n], sums[n:]
 
 
-def build_reference(cfg, rt, model: nn.Module, bundle, main_rank: bool) -> Reference:
+def build_reference(cfg, rt, model: nn.Module, bundle, main_rank: bool, sp=None) -> Reference:
     """The run's reference. Called before a checkpoint is loaded: the policy still holds the starting weights."""
     if cfg.dpo.loss == "simpo":
         return Reference("none")
     if cfg.dpo.precompute_ref:
         live = Reference("adapters" if lora.has_adapters(model) else "policy")
-        tables = {"train": precomputed(cfg, rt, model, live, bundle.dataset, bundle.collator, main_rank)}
+        tables = {"train": precomputed(cfg, rt, model, live, bundle.dataset, bundle.collator, main_rank, sp)}
         if bundle.eval_dataset is not None:
-            tables["eval"] = precomputed(cfg, rt, model, live, bundle.eval_dataset, bundle.collator, main_rank)
+            tables["eval"] = precomputed(cfg, rt, model, live, bundle.eval_dataset, bundle.collator, main_rank, sp)
         return Reference("precomputed", tables=tables)
     if lora.has_adapters(model):
         return Reference("adapters")
@@ -125,7 +133,7 @@ def reference_path(cfg, dataset) -> tuple[Path, str]:
     return Path(cache.cache_dir(samples.data)) / f"ref-logps-{key}.pt", key
 
 
-def precomputed(cfg, rt, model, live: Reference, dataset, collator, main_rank: bool) -> torch.Tensor:
+def precomputed(cfg, rt, model, live: Reference, dataset, collator, main_rank: bool, sp=None) -> torch.Tensor:
     """``[P, 2]`` reference log-probs of every pair of ``dataset``: read, or computed once and written."""
     path, key = reference_path(cfg, dataset)
     if path.is_file():
@@ -140,12 +148,12 @@ def precomputed(cfg, rt, model, live: Reference, dataset, collator, main_rank: b
         c, r = live(policy, batch, pairs)
         table[pairs[valid]] = torch.stack([c, r], 1)[valid].float()
 
-    for_each_pair_batch(model, dataset, collator, cfg.train.micro_batch_size, rt, fill)
+    for_each_pair_batch(model, dataset, collator, cfg.train.micro_batch_size, rt, fill, sp)
     # The root keeps its parameters gathered after a forward (reshard_after_forward=False, for the
     # backward); without a backward they would stay so, and the optimizer built next would take the
     # unsharded tensors for the sharded parameters (wrong grad norm, wrong updates)
     model.reshard()
-    dist.all_reduce(table)  # each pair was computed by exactly one rank
+    dist.all_reduce(table)  # each pair was filled in by exactly one rank
     table = table.cpu()
     if main_rank:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,20 +165,23 @@ def precomputed(cfg, rt, model, live: Reference, dataset, collator, main_rank: b
     return table
 
 
-def for_each_pair_batch(model, dataset, collator, batch_size: int, rt, fn) -> None:
+def for_each_pair_batch(model, dataset, collator, batch_size: int, rt, fn, sp=None) -> None:
     """``fn(model, batch, pairs, valid)`` over this rank's pairs ``rank, rank + W, ...`` in micro-batches.
 
     Every rank runs the same number of forwards (FSDP's collectives need it): a rank out of
-    pairs runs pair 0 with ``valid`` False. Runs in ``eval()`` mode.
+    pairs runs pair 0 with ``valid`` False. Under sequence parallelism (``sp``, this rank's group) the rank
+    and ``W`` are the group's among the data-parallel groups: every rank of a group runs the same pairs, its
+    slice of them, and only the group's first counts them (``valid`` False on the others). Runs in ``eval()`` mode.
     """
-    mine = list(range(rt.rank, len(dataset), rt.world_size))
-    batches = math.ceil(math.ceil(len(dataset) / rt.world_size) / batch_size)
+    rank, size, counts = (sp.dp_rank, sp.dp_size, sp.rank == 0) if sp is not None else (rt.rank, rt.world_size, True)
+    mine = list(range(rank, len(dataset), size))
+    batches = math.ceil(math.ceil(len(dataset) / size) / batch_size)
     was_training = model.training
     model.eval()
     try:
         for b in range(batches):
             picked = mine[b * batch_size : (b + 1) * batch_size]
-            valid = torch.tensor([True] * len(picked) or [False], device=rt.device)
+            valid = torch.tensor([counts] * len(picked) or [False], device=rt.device)
             picked = picked or [0]
             batch = collator([dataset[p] for p in picked])
             pairs = torch.tensor(picked, device=rt.device)
@@ -188,8 +199,10 @@ def for_each_pair_batch(model, dataset, collator, batch_size: int, rt, fn) -> No
 class PreferenceObjective(Objective):
     """The trainer's hooks for ``train.objective: dpo`` (see :mod:`qwenkit.engine.objective`)."""
 
-    def __init__(self, cfg, reference: Reference, device: torch.device, evaluator: PreferenceEvaluator | None = None):
+    def __init__(self, cfg, reference: Reference, device: torch.device, evaluator: PreferenceEvaluator | None = None,
+                 sp=None):  # fmt: skip
         self.dpo, self.reference, self.device, self.evaluator = cfg.dpo, reference, device, evaluator
+        self.sp = sp if sp is not None and sp.size > 1 else None  # a sequence-parallel group: sliced forwards
         self.queue: list[torch.Tensor] = []  # pair indices of the step's micro-batches, in order
         self.norms = self.sums = None
 
@@ -197,11 +210,11 @@ class PreferenceObjective(Objective):
     def build(cls, cfg, rt, model: nn.Module, bundle, sp=None, out_dir=None) -> PreferenceObjective:
         """The model is sharded and holds its starting weights: the reference is built from them."""
         enable(model)
-        reference = build_reference(cfg, rt, model, bundle, rt.rank == 0)
+        reference = build_reference(cfg, rt, model, bundle, rt.rank == 0, sp)
         evaluator = None
         if bundle.eval_dataset is not None:
-            evaluator = PreferenceEvaluator(cfg, bundle.eval_dataset, bundle.collator, reference, rt)
-        return cls(cfg, reference, rt.device, evaluator)
+            evaluator = PreferenceEvaluator(cfg, bundle.eval_dataset, bundle.collator, reference, rt, sp)
+        return cls(cfg, reference, rt.device, evaluator, sp)
 
     def begin(self, micro: list[dict], counts: torch.Tensor) -> None:
         """Pop the pair keys of the step's micro-batches; the global pair and chosen-token counts."""
@@ -209,7 +222,7 @@ class PreferenceObjective(Objective):
         counts = torch.stack([torch.stack([b.pop("num_pairs"), b.pop("num_chosen_items")]) for b in micro]).sum(0)
         counts = counts.to(self.device)
         dist.all_reduce(counts)
-        self.norms = counts  # [global pairs, global chosen tokens]
+        self.norms = counts // (self.sp.size if self.sp is not None else 1)  # [global pairs, chosen tokens]: once per SP group
         self.sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.device)
 
     def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
@@ -220,8 +233,10 @@ class PreferenceObjective(Objective):
         ref_c, ref_r = self.reference(model, batch, pairs)
         terms = pair_losses(sums[:n], sums[n:], ref_c, ref_r, counts[:n], counts[n:], self.dpo.loss, self.dpo.beta,
                             self.dpo.gamma, self.dpo.label_smoothing)  # fmt: skip
-        self.sums += _metric_sums(terms, sums[:n].detach(), sums[n:].detach())
-        return preference_loss_share(terms, sums[:n], self.norms[0], self.norms[1], self.dpo.sft_weight)
+        if self.sp is None or self.sp.rank == 0:  # the group's ranks hold the same pairs: counted once
+            self.sums += _metric_sums(terms, sums[:n].detach(), sums[n:].detach())
+        share = preference_loss_share(terms, sums[:n], self.norms[0], self.norms[1], self.dpo.sft_weight)
+        return self.sp.share(share) if self.sp is not None else share  # the whole loss on each rank of the group
 
     def metrics(self) -> dict[str, float]:
         """The step's metrics (TRL's names): one all-reduce, means over the global pairs."""
@@ -272,8 +287,9 @@ class PreferenceEvaluator:
     Due at step 0 (fresh runs), every ``train.eval_every`` steps and at ``train.steps`` (as SFT's).
     """
 
-    def __init__(self, cfg, dataset, collator, reference: Reference, rt):
+    def __init__(self, cfg, dataset, collator, reference: Reference, rt, sp=None):
         self.cfg, self.dataset, self.collator, self.reference, self.rt = cfg, dataset, collator, reference, rt
+        self.sp = sp
 
     def due(self, step: int) -> bool:
         t = self.cfg.train
@@ -288,7 +304,7 @@ class PreferenceEvaluator:
                 ref_c, ref_r = self.reference(policy, batch, pairs, split="eval")
             total.add_(_eval_sums(self.cfg.dpo, sums, counts, ref_c, ref_r, valid))
 
-        for_each_pair_batch(model, self.dataset, self.collator, self.cfg.train.micro_batch_size, self.rt, add)
+        for_each_pair_batch(model, self.dataset, self.collator, self.cfg.train.micro_batch_size, self.rt, add, self.sp)
         dist.all_reduce(total)
         return eval_values(total)
 

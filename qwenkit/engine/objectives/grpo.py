@@ -144,7 +144,7 @@ class GrpoObjective(Objective):
         self.grpo, self.rt, self.bundle, self.reference, self.evaluator = grpo, rt, bundle, reference, evaluator
         self.routing = routing  # grpo.routing_replay: the policy's routers, recorded in rollouts, replayed in training
         self.sp = sp if sp is not None and sp.size > 1 else None  # a sequence-parallel group: one rollout, sliced forwards
-        self.loss_fn = GrpoLoss(grpo)
+        self.loss_fn = GrpoLoss(grpo, counts_tokens=self.sp is None or self.sp.rank == 0)  # the entropy threshold's
         self.rewards = reward_fns.resolve(grpo.rewards, box_units, tuple(grpo.format_tags), grpo.max_new_tokens,
                                           grpo.overlong_buffer)  # fmt: skip
         self.settings, self.packing = rollout_settings(cfg), cfg.data.packing  # packing: the micro-batches' layout
@@ -350,7 +350,7 @@ class GrpoObjective(Objective):
                              entropies=entropies)  # fmt: skip
         self.step_metrics.add(terms, entropies)
         if self.sp is not None:  # every rank of the group takes the whole loss, its gradient through its slice only
-            return terms.loss.detach() / self.sp.size + (terms.loss - terms.loss.detach())  # the value: its share
+            return self.sp.share(terms.loss)  # the value: its share
         return terms.loss
 
     def metrics(self) -> dict[str, float]:

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from qwenkit import patches
 from qwenkit.config import DTYPES
-from qwenkit.distributed import columns, expert, fsdp
+from qwenkit.distributed import columns, expert, fsdp, sequence
 from qwenkit.distributed.weights import load_adapters, load_hf_weights
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
@@ -126,9 +126,12 @@ def _freeze(model: ChunkLossMixin, param_dtype: str | None) -> None:
 
 def reference_model(cfg, rt, policy: ChunkLossMixin) -> ChunkLossMixin:
     """The starting weights again, frozen, built and split as ``policy`` was (its meshes, its experts'
-    ranks): the reference of full fine-tuning (DPO, GRPO with ``grpo.beta > 0``). Call it before a
-    checkpoint is loaded into the policy. In eval mode; its vision calls per step are the policy's."""
-    ref, _ = sharded_model(cfg, rt, policy.qwenkit_meshes, frozen=True)
+    ranks, its sequence-parallel group: its forwards on the same slices): the reference of full fine-tuning
+    (DPO, GRPO with ``grpo.beta > 0``). Call it before a checkpoint is loaded into the policy. In eval mode;
+    its vision calls per step are the policy's."""
+    sp = policy.sequence_parallel
+    ref, _ = sharded_model(cfg, rt, policy.qwenkit_meshes, frozen=True,
+                           adapt=(lambda m: sequence.enable(m, sp)) if sp is not None else None)  # fmt: skip
     ref.vision_calls_per_step = policy.vision_calls_per_step
     return ref.eval()
 

@@ -218,12 +218,16 @@ class ChunkLossMixin(Positions):
     def sequence_logps(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence ``(sums [B], counts [B])`` of the label log-probs, without logits (preference
         objectives): :func:`qwenkit.model.losses.logps.sequence_logps` as the head's loss function; of a
-        packed row (``packed_seq_lens [B]``), its samples' sums of the per-token log-probs."""
-        if kwargs.get("packed_seq_lens") is None:
+        packed row (``packed_seq_lens [B]``), its samples' sums of the per-token log-probs; under sequence
+        parallelism, the sums of the whole sequence's per-token log-probs, gathered once over the group from
+        the slices (:func:`qwenkit.model.parallel.token_logps_slice`, GRPO's path). The counts come from the
+        whole labels every rank of the group holds: no collective."""
+        packed = kwargs.get("packed_seq_lens")
+        if packed is None and self.sequence_parallel is None:
             return self._labelled_head(sequence_logps, input_ids, labels, kwargs)
-        logps, _ = self._labelled_head(token_logps, input_ids, labels, kwargs)  # [B, max L], unpacked
-        counts = unpack(shift_labels(labels) != IGNORE_INDEX, kwargs["packed_seq_lens"]).sum(-1)
-        return logps.sum(-1), counts
+        logps, _ = self._labelled_head(token_logps, input_ids, labels, kwargs)  # [B, S] or [B, max L], unpacked
+        valid = shift_labels(labels) != IGNORE_INDEX  # [B, S]
+        return logps.sum(-1), (unpack(valid, packed) if packed is not None else valid).sum(-1)
 
     def token_logps(self, input_ids=None, labels=None, entropy: bool = False, temperature: float = 1.0,
                     banned: list[int] | None = None, **kwargs):  # fmt: skip
@@ -259,9 +263,9 @@ class ChunkLossMixin(Positions):
         kwargs = self._drop_unsupported({k: v for k, v in kwargs.items() if k != "use_cache"}, input_ids)
         packed = kwargs.pop("packed_seq_lens", None)
         if self.sequence_parallel is not None:  # this rank's slice; the whole sequence's values gathered
-            if getattr(head_fn, "func", None) is not token_logps:
-                raise ValueError("sequence parallelism gives per-token log-probs only (GRPO's); per-sequence "
-                                 "ones (DPO's) need parallel.sp_size=1")  # fmt: skip
+            if getattr(head_fn, "func", head_fn) is not token_logps:
+                raise ValueError("sequence parallelism gives per-token log-probs of the whole sequence only "
+                                 "(sequence_logps sums them)")  # fmt: skip
             first, second = _slice_steps().token_logps_slice(self, self.sequence_parallel, head_fn, input_ids, labels,
                                                              packed, kwargs)  # fmt: skip
             return (unpack(first, packed), unpack(second, packed) if second is not None else None) if packed is not None \

@@ -191,14 +191,18 @@ def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     return torch.lerp(ordered[below], ordered[above], rank - below)
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float, counted: bool = True) -> torch.Tensor:
     """``[B, T]`` bool: the tokens of ``mask`` whose entropy is in the top ``quantile`` (TRL 1.16's
     ``get_high_entropy_mask`` with threshold ``1 - top_entropy_quantile``; "Beyond the 80/20 rule").
 
     The threshold is the ``1 - quantile`` quantile of this micro-batch's completion tokens on **every
     rank** (TRL gathers the processes' micro-batches the same way); the ranks call it together, once per
-    micro-batch (collective). Ties at the threshold are kept (``>=``)."""
+    micro-batch (collective). Ties at the threshold are kept (``>=``). ``counted`` False: this rank's tokens
+    are another's too (a sequence-parallel group holds its micro-batch whole on every rank, the entropies
+    gathered from the slices) and stay out of the threshold, which so counts each token once, as at SP 1."""
     local = entropies[mask.bool()].detach().float()  # [n]
+    if not counted:
+        local = local[:0]
     if dist.is_initialized() and dist.get_world_size() > 1:
         local = _gather_ragged(local)
     if local.numel() == 0:
@@ -244,7 +248,9 @@ REDUCE: dict[str, Callable] = {"sequence_mean": _sequence_mean, "micro_batch_mea
 class GrpoLoss:
     """The loss of ``grpo.loss_type`` (its registry entry) with the ``grpo`` section's clipping, KL and masking."""
 
-    def __init__(self, grpo: GrpoConfig):
+    def __init__(self, grpo: GrpoConfig, counts_tokens: bool = True):
+        """``counts_tokens``: whether this rank's tokens join the entropy threshold (:func:`high_entropy_mask`);
+        under sequence parallelism only a group's first rank's, the others holding the same tokens."""
         entry = policy_loss(grpo.loss_type)
         module, _, name = entry.surrogate.partition(":")
         self.surrogate = getattr(importlib.import_module(module), name)
@@ -256,7 +262,7 @@ class GrpoLoss:
         self.max_new_tokens = grpo.max_new_tokens
         self.mask_truncated = grpo.mask_truncated_completions
         self.sapo_temperature_pos, self.sapo_temperature_neg = grpo.sapo_temperature_pos, grpo.sapo_temperature_neg
-        self.top_entropy_quantile = grpo.top_entropy_quantile
+        self.top_entropy_quantile, self.counts_tokens = grpo.top_entropy_quantile, counts_tokens
 
     def __call__(
         self,
@@ -285,7 +291,7 @@ class GrpoLoss:
         if self.top_entropy_quantile < 1.0:  # step 3, as TRL: before the importance weights and the KL
             if entropies is None:
                 raise ValueError("grpo.top_entropy_quantile < 1 needs the policy's per-token entropies")
-            per_token = per_token * high_entropy_mask(entropies, mask, self.top_entropy_quantile)
+            per_token = per_token * high_entropy_mask(entropies, mask, self.top_entropy_quantile, self.counts_tokens)
         if is_ratio is not None:
             per_token = per_token * is_ratio  # [B, T] or [B, 1], as TRL: before the KL term
         kl = None

@@ -382,3 +382,27 @@ def test_the_entropy_threshold_is_over_the_micro_batch_on_every_rank(tmp_path):
     got = torch.cat([torch.load(tmp_path / f"mask-{r}.pt") for r in (0, 1)])
     assert torch.equal(got, whole)
     assert not torch.equal(got[:4], high_entropy_mask(entropies[0], mask[0], 0.2))  # rank 0's own threshold differs
+
+
+def _sp_group_entropy_mask(rank, out):
+    """Both ranks are one sequence-parallel group: each holds the whole micro-batch (its entropies gathered from
+    the slices); the threshold counts the first rank's tokens only, then (as a check) every rank's."""
+    dist.init_process_group("gloo")
+    entropies, mask = torch.tensor([[0.0, 1.0, 2.0]]), torch.ones(1, 3, dtype=torch.int)
+    once = high_entropy_mask(entropies, mask, 0.8, counted=rank == 0)
+    twice = high_entropy_mask(entropies, mask, 0.8)
+    torch.save({"once": once, "twice": twice}, out / f"sp-mask-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_entropy_threshold_of_a_sequence_parallel_group_counts_each_token_once(tmp_path):
+    """Under ``parallel.sp_size`` the group's ranks hold the same tokens: the one-process mask on each, where every
+    rank counting its copy would move the threshold (the 20% quantile of [0, 1, 2] is 0.4, of [0, 0, 1, 1, 2, 2] 0)."""
+    check_ranks(_sp_group_entropy_mask, 2, tmp_path)
+    want = high_entropy_mask(torch.tensor([[0.0, 1.0, 2.0]]), torch.ones(1, 3, dtype=torch.int), 0.8)
+    assert want.tolist() == [[False, True, True]]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"sp-mask-{rank}.pt")
+        assert torch.equal(got["once"], want)
+        assert got["twice"].tolist() == [[True, True, True]]  # the threshold over the repeated tokens
