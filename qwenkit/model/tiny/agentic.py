@@ -62,9 +62,9 @@ def shape_colour(name: str) -> str:
     return str(list(COLOURS[name]))
 
 
-def zoomed(prediction: str, reference: str, environment: ShapesZoom | None = None, **row) -> float:
-    """1 when the trajectory zoomed at least once (its environment says), else 0."""
-    return float(environment is not None and bool(environment.zooms))
+def zoomed(prediction: str, reference: str, environments: list[ShapesZoom] = (), **row) -> float:
+    """1 when the trajectory zoomed at least once (its environment, TRL's ``environments[0]`` here, says), else 0."""
+    return float(bool(environments) and bool(environments[0].zooms))
 
 
 __all__ = ["ZOOM_SIDE", "ShapesZoom", "shape_colour", "tiny_image", "zoomed"]

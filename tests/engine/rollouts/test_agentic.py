@@ -187,6 +187,28 @@ def test_the_trainers_log_probs_of_the_sampled_ids_are_the_samplers_and_tool_tok
     assert tool.any() and (grad[tool] == 0).all() and (grad[mask] != 0).any()
 
 
+SEEN: list = []  # what own_zooms was given, one entry per completion scored
+
+
+def own_zooms(prediction: str, reference: str, environments: list = (), **row) -> float:
+    """A reward keeping the ``environments`` it gets (the test below reads them): its environment's zooms."""
+    SEEN.append(environments)
+    return float(len(environments[0].zooms))
+
+
+def test_each_completions_reward_gets_its_own_environment_as_trls_environments_list():
+    """TRL's keyword and type: ``environments``, a list of one environment per completion scored, here the one
+    completion's own instance, the one its tools were bound to, read after its rollout (the scripted zoom in it)."""
+    SEEN.clear()
+    objective, _ = _objective(extra=["grpo.rewards=[engine.rollouts.test_agentic:own_zooms, qwenkit.model.tiny.agentic:zoomed]"])
+    drawn = objective._draw(build_model(chunk=True, seed=0), 1)
+    assert len(SEEN) == len(drawn.done) == 2 and all(len(envs) == 1 for envs in SEEN)
+    assert SEEN[0][0] is not SEEN[1][0] and all(isinstance(envs[0], ShapesZoom) for envs in SEEN)
+    assert all(envs[0].zooms[0] == "top left" for envs in SEEN)
+    torch.testing.assert_close(drawn.per[:, 0], torch.tensor([float(len(envs[0].zooms)) for envs in SEEN]))
+    torch.testing.assert_close(drawn.per[:, 1], torch.ones(2))  # the recipe's reward reads it the same way
+
+
 def test_a_tool_error_or_timeout_is_a_message_counted_as_failed():
     def slow(seconds: float) -> str:
         """Sleep.
