@@ -306,7 +306,7 @@ def test_the_tiny_agentic_recipe_starts_from_its_tool_sft_on_two_ranks_and_logs_
 
     root = Path(__file__).parents[3]
     recipe = qconfig.load(root / "params" / "tiny_agentic_cpu.yaml")
-    start = (root / recipe.model.init_recipe).read_text().replace("steps: 100", "steps: 2").replace("tiny_samples: 256", "tiny_samples: 8")
+    start = (root / recipe.model.init_recipe).read_text().replace("steps: 200", "steps: 2").replace("tiny_samples: 256", "tiny_samples: 8")
     (tmp_path / "start.yaml").write_text(start)
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_agentic_cpu.yaml",
