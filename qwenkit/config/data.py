@@ -38,8 +38,9 @@ class DataConfig:
     max_tokens_per_batch: int = 0  # >0: fill micro-batches up to this many tokens (train.micro_batch_size unused)
     tiny_samples: int = 64  # size of the embedded synthetic dataset (path=tiny)
     # path=tiny: the synthetic task: coloured shapes (images), tones (audio: which pitch, low/mid/high; a family
-    # with an audio tower) or tools (the shapes asked through the agentic task's tools: multi-turn tool SFT)
-    tiny_task: Literal["shapes", "tones", "tools"] = "shapes"
+    # with an audio tower), tools (the shapes asked through the agentic task's tools: multi-turn tool SFT) or
+    # tool_questions (those rows' questions and final answers alone: the agentic GRPO recipe's prompts)
+    tiny_task: Literal["shapes", "tones", "tools", "tool_questions"] = "shapes"
     # every <video> heard with its own audio track, interleaved with its frames (HF's use_audio_in_video; a family
     # with an audio tower; a video without a track is a bad row, docs/DATA.md)
     use_audio_in_video: bool = False

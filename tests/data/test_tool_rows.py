@@ -232,6 +232,38 @@ def test_grpo_prompts_refuse_tool_rows(tmp_path, processor):
     assert report.by_reason == {"bad_tool": 1} and "GRPO's tools are grpo.tools" in report.messages[0]
 
 
+def test_the_tiny_tool_questions_are_the_tool_rows_without_their_calls_and_read_as_grpo_prompts(tmp_path, processor):
+    """data.tiny_task=tool_questions (the agentic recipe's prompts): each tool row's question, image and final answer,
+    nothing of its call; read as GRPO's prompts with no bad row, and its environment opens each row's own image."""
+    from PIL import Image, ImageChops
+
+    from qwenkit.model.tiny.agentic import ShapesZoom
+    from qwenkit.model.tiny.data import write_tool_dataset, write_tool_question_dataset
+
+    tools = json.loads(write_tool_dataset(tmp_path / "tools", n=6).read_text())
+    questions = json.loads(write_tool_question_dataset(tmp_path / "questions", n=6).read_text())
+    answers = [t["messages"][-1]["content"] if "messages" in t else t["conversations"][-1]["value"] for t in tools]
+    assert [q["messages"][1]["content"] for q in questions] == answers
+    assert all(q["images"] == t["images"][:1] and len(q["messages"]) == 2 and q["messages"][0]["content"].startswith("<image>")
+               for q, t in zip(questions, tools))  # fmt: skip
+    assert {q["messages"][0]["content"] for q in questions} == {"<image>What is the RGB value of the shapes' colour?",
+                                                                "<image>Zoom into the first shape: what colour is it?"}
+    _, report = read_dataset(make_cfg().data, processor, str(tmp_path / "questions" / "tiny.json"), reads="prompts",
+                             use_cache=False)  # fmt: skip
+    assert report.by_reason == {}
+    env, q = ShapesZoom(), qconfig.load(overrides=["train.objective=grpo", "data.tiny_task=tool_questions"])
+    assert q.data.tiny_task == "tool_questions"
+    from qwenkit.model.tiny.data import ensure_dataset
+
+    folder = ensure_dataset(8, task="tool_questions").parent
+    row = json.loads((folder / "tiny.json").read_text())[3]
+    assert env.reset(**row) == ""  # the tool SFT's prompt, word for word
+    with Image.open(folder / row["images"][0]) as own:
+        assert ImageChops.difference(env.image, own.convert("RGB")).getbbox() is None
+    with pytest.raises(qconfig.ConfigError, match=r"data\.tiny_task='tool_questions' is a conversation task; train\.objective='dpo'"):
+        qconfig.load(overrides=["train.objective=dpo", "data.tiny_task=tool_questions"])
+
+
 def test_tiny_tool_schemas_are_the_agentic_tools_json_schemas():
     from transformers.utils import get_json_schema
 

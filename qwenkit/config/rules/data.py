@@ -64,9 +64,11 @@ def check(cfg: Config, need: Need) -> None:
     if data.use_audio_in_video:
         _check_audio_in_video(cfg, need)
     need(
-        data.path != "tiny" or data.tiny_task == "shapes" or reads == "conversations",
+        data.path != "tiny" or data.tiny_task == "shapes" or reads == "conversations"
+        or (data.tiny_task == "tool_questions" and reads == "prompts"),
         f"data.tiny_task={data.tiny_task!r} is a conversation task; train.objective={cfg.train.objective!r} reads "
-        f"{reads} (the tiny ones are the shapes'): use data.tiny_task=shapes",
+        f"{reads} (the tiny ones are the shapes'{' and tool_questions (prompts)' if reads == 'prompts' else ''}): "
+        "use data.tiny_task=shapes",
     )
 
 

@@ -2,7 +2,10 @@
 
 A reward is ``reward(prediction, reference, **row) -> float``: the completion's text, the row's
 reference answer and the row's other columns (a user's reward may read them), with ``completion_ids``,
-the completion's token ids (its end token included when it ended; TRL's keyword), among them.
+the completion's token ids (its end token included when it ended; TRL's keyword), among them; with
+``grpo.environment``, ``environments`` too: TRL's keyword and type, a list of one environment per completion
+scored; a reward scores one completion, so it is ``[the completion's own environment]`` (TRL's reward reads
+``environments[i]`` for its completion ``i``; here ``i`` is 0), the instance its tools were bound to, after the rollout.
 
 - the answer metrics (``exact``, ``normalized``, ``relaxed``, ``anls``; :mod:`qwenkit.engine.generation.answers`,
   multiple-choice rows by the letter) score the **answer**: the text inside the answer tag

@@ -119,7 +119,7 @@ class AgenticRollouts:
                 seed = completion_seed(self.hf.sampling.seed, draw, i, g)
                 trajectories.append(Trajectory(i, shared[0], seed, bound[0], bound[2]))
                 refs.append(shared[1].reference)
-                rows.append(row | ({"environment": bound[2]} if bound[2] is not None else {}))
+                rows.append(row | ({"environments": [bound[2]]} if bound[2] is not None else {}))  # TRL's keyword (rewards.py)
         self.hf.begin(model)
         for turn in range(self.max_turns + 1):
             alive = [t for t in trajectories if t.alive]

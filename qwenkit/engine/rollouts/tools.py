@@ -6,8 +6,8 @@ TRL's shape, so users' code moves over unchanged:
   ``transformers.utils.get_json_schema``'s, which raises on a parameter without a type or a description;
 - ``grpo.environment: module:Class``: one instance per completion (``Class()``), ``reset(**row)`` called with the
   row's columns before the rollout (a string it returns is appended to the prompt's last user turn); its public
-  methods (not ``reset``, not ``_private``) are tools too, bound to that instance; the rewards receive it as
-  their ``environment`` keyword (:mod:`qwenkit.engine.objectives.rewards`).
+  methods (not ``reset``, not ``_private``) are tools too, bound to that instance; the rewards receive it in
+  their ``environments`` keyword, TRL's (:mod:`qwenkit.engine.objectives.rewards`).
 
 A tool returns a string (anything else: its ``str``, a mapping or list of numbers: JSON), a PIL image, or a list of
 both; an image enters the next turn as the family's vision input. A call that names no tool, whose arguments do

@@ -18,24 +18,27 @@ from PIL import Image
 from qwenkit.model.tiny.data import COLOURS, POSITIONS, ZOOM_SIDE, cache_root, zoom_crop
 
 
-def tiny_image(name: str) -> Path:
-    """Where image ``name`` (``images/00003.png``) of the seed-0 synthetic set is: any written copy holds it."""
+def tiny_image(name: str, task: str = "shapes") -> Path:
+    """Where image ``name`` (``images/00003.png``) of the seed-0 synthetic set of ``task`` (``data.tiny_task``; the
+    tool tasks draw other images than the shapes') is: any written copy holds it."""
     if Path(name).is_absolute():
         return Path(name)
-    for folder in sorted(cache_root().glob("tiny-data-n*-s0-v2")):
+    pattern = "tiny-data-n*-s0-v2" if task == "shapes" else f"tiny-{task}-n*-s0-v1"
+    for folder in sorted(cache_root().glob(pattern)):
         if (folder / name).is_file():
             return folder / name
-    raise FileNotFoundError(f"{name} is in no written copy of the tiny training set under {cache_root()}")
+    raise FileNotFoundError(f"{name} is in no written copy of the tiny {task} training set under {cache_root()}")
 
 
 class ShapesZoom:
     """One completion's environment: the row's image, and the quadrants the model zoomed into."""
 
-    def reset(self, images=(), **row) -> str:
-        """Load the row's image; the prompt gets a line naming the tool."""
-        self.image = Image.open(tiny_image(images[0])).convert("RGB") if images else None
+    def reset(self, images=(), tiny_task: str = "shapes", **row) -> str:
+        """Load the row's image (from the set its ``tiny_task`` column names); a shapes prompt gets a line naming the
+        tool, a tool question none (it is the prompt the tool SFT learned to call from, word for word)."""
+        self.image = Image.open(tiny_image(images[0], tiny_task)).convert("RGB") if images else None
         self.zooms: list[str] = []
-        return "\nYou may zoom into a quadrant."
+        return "\nYou may zoom into a quadrant." if tiny_task == "shapes" else ""
 
     def zoom(self, quadrant: str) -> Image.Image:
         """Zoom into one quadrant of the image.
@@ -62,9 +65,9 @@ def shape_colour(name: str) -> str:
     return str(list(COLOURS[name]))
 
 
-def zoomed(prediction: str, reference: str, environment: ShapesZoom | None = None, **row) -> float:
-    """1 when the trajectory zoomed at least once (its environment says), else 0."""
-    return float(environment is not None and bool(environment.zooms))
+def zoomed(prediction: str, reference: str, environments: list[ShapesZoom] = (), **row) -> float:
+    """1 when the trajectory zoomed at least once (its environment, TRL's ``environments[0]`` here, says), else 0."""
+    return float(bool(environments) and bool(environments[0].zooms))
 
 
 __all__ = ["ZOOM_SIDE", "ShapesZoom", "shape_colour", "tiny_image", "zoomed"]

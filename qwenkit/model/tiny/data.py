@@ -2,7 +2,8 @@
 layout (:func:`write_dataset`), their preference pairs (:func:`write_preference_dataset`), for the Omni
 thinkers, short tones asked about their pitch (:func:`write_tone_dataset`, ``data.tiny_task: tones``) and, for
 tool SFT, the shapes asked about through the agentic task's tools (:func:`write_tool_dataset`, ``data.tiny_task:
-tools``); each
+tools``) and their questions alone, the agentic recipe's prompts (:func:`write_tool_question_dataset`,
+``data.tiny_task: tool_questions``); each
 written once per size and seed into the tiny cache folder (:func:`ensure_dataset`), nothing downloaded."""
 
 from __future__ import annotations
@@ -259,7 +260,28 @@ def write_tool_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-_WRITERS = {"shapes": write_dataset, "tones": write_tone_dataset, "tools": write_tool_dataset}  # data.tiny_task -> its writer
+def write_tool_question_dataset(out_dir: str | Path, n: int = 64, seed: int = 0) -> Path:
+    """The rows of :func:`write_tool_dataset` (the same images, questions and answers) without their calls: the user's
+    question and the final answer only, GRPO's prompts for the agentic recipe, whose model calls the tools itself.
+    Each row names its image set (``tiny_task``) for the environment that opens the image
+    (:func:`qwenkit.model.tiny.agentic.tiny_image`)."""
+    path = write_tool_dataset(out_dir, n, seed)
+    rows = []
+    for row in json.loads(path.read_text()):
+        turns = row.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
+                                         "content": t["value"]} for t in row["conversations"]]  # fmt: skip
+        question = turns[0]["content"]
+        if not isinstance(question, str):  # typed parts: the image, then the text
+            question = "<image>" + "".join(part.get("text", "") for part in question)
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": turns[-1]["content"]}],
+                     "images": row["images"][:1], "tiny_task": "tool_questions"})  # fmt: skip
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
+# data.tiny_task -> its writer
+_WRITERS = {"shapes": write_dataset, "tones": write_tone_dataset, "tools": write_tool_dataset,
+            "tool_questions": write_tool_question_dataset}  # fmt: skip
 
 
 def ensure_dataset(

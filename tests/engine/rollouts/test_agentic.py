@@ -187,6 +187,28 @@ def test_the_trainers_log_probs_of_the_sampled_ids_are_the_samplers_and_tool_tok
     assert tool.any() and (grad[tool] == 0).all() and (grad[mask] != 0).any()
 
 
+SEEN: list = []  # what own_zooms was given, one entry per completion scored
+
+
+def own_zooms(prediction: str, reference: str, environments: list = (), **row) -> float:
+    """A reward keeping the ``environments`` it gets (the test below reads them): its environment's zooms."""
+    SEEN.append(environments)
+    return float(len(environments[0].zooms))
+
+
+def test_each_completions_reward_gets_its_own_environment_as_trls_environments_list():
+    """TRL's keyword and type: ``environments``, a list of one environment per completion scored, here the one
+    completion's own instance, the one its tools were bound to, read after its rollout (the scripted zoom in it)."""
+    SEEN.clear()
+    objective, _ = _objective(extra=["grpo.rewards=[engine.rollouts.test_agentic:own_zooms, qwenkit.model.tiny.agentic:zoomed]"])
+    drawn = objective._draw(build_model(chunk=True, seed=0), 1)
+    assert len(SEEN) == len(drawn.done) == 2 and all(len(envs) == 1 for envs in SEEN)
+    assert SEEN[0][0] is not SEEN[1][0] and all(isinstance(envs[0], ShapesZoom) for envs in SEEN)
+    assert all(envs[0].zooms[0] == "top left" for envs in SEEN)
+    torch.testing.assert_close(drawn.per[:, 0], torch.tensor([float(len(envs[0].zooms)) for envs in SEEN]))
+    torch.testing.assert_close(drawn.per[:, 1], torch.ones(2))  # the recipe's reward reads it the same way
+
+
 def test_a_tool_error_or_timeout_is_a_message_counted_as_failed():
     def slow(seconds: float) -> str:
         """Sleep.
@@ -273,27 +295,34 @@ def test_tools_that_cannot_run_are_refused_before_spawn(tmp_path, monkeypatch, c
 
 
 @pytest.mark.slow
-def test_the_tiny_agentic_recipe_trains_on_two_ranks_and_logs_the_tools_metrics(tmp_path):
-    """params/tiny_agentic_cpu.yaml through `qwenkit train` (2 gloo ranks, 2 steps): the tools/* metrics are logged
-    and the completions file holds whole trajectories."""
+def test_the_tiny_agentic_recipe_starts_from_its_tool_sft_on_two_ranks_and_logs_the_tools_metrics(tmp_path):
+    """params/tiny_agentic_cpu.yaml through `qwenkit train` (2 gloo ranks, 2 steps) from its start recipe (here cut to
+    2 steps of 8 rows: trained first, as a fresh clone's run trains its own): the tools/* metrics are logged, the
+    completions file holds whole trajectories within grpo.max_new_tokens, and the rows are the tool questions."""
     import subprocess
     import sys
 
     from multiproc import free_port
 
+    root = Path(__file__).parents[3]
+    recipe = qconfig.load(root / "params" / "tiny_agentic_cpu.yaml")
+    start = (root / recipe.model.init_recipe).read_text().replace("steps: 200", "steps: 2").replace("tiny_samples: 256", "tiny_samples: 8")
+    (tmp_path / "start.yaml").write_text(start)
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "qwenkit.cli", "train", "--config", "params/tiny_agentic_cpu.yaml",
                            "--master-port", str(free_port()), "train.steps=2", "data.tiny_samples=16",
-                           f"train.output_dir={out}"], cwd=Path(__file__).parents[3], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                           f"model.init_from={tmp_path / 'start'}", f"model.init_recipe={tmp_path / 'start.yaml'}",
+                           f"train.output_dir={out}"], cwd=root, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "start" / "checkpoints" / "step-00000002").is_dir()
     rows = [json.loads(line) for line in (out / "metrics" / "rank-00000.jsonl").read_text().splitlines()]
     names = {r["metric"] for r in rows}
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns_mean", "tools/model_tokens_mean",
             "tools/tool_tokens_mean", "rewards/zoomed/mean"} <= names  # fmt: skip
     lines = [json.loads(line) for line in (out / "metrics" / "completions.jsonl").read_text().splitlines()]
     assert lines and all(line["messages"][0]["role"] == "assistant" and line["turns"] >= 1 for line in lines)
-    assert all(line["model_tokens"] <= 48 for line in lines)
+    assert all(line["model_tokens"] <= recipe.grpo.max_new_tokens for line in lines)
+    assert {line["reference"].split(" is ")[0] for line in lines} == {"It"}  # the tool questions' answers
 
 
 def test_a_trajectory_does_not_depend_on_the_rows_rolled_out_beside_it():
