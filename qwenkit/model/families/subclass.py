@@ -41,8 +41,30 @@ def finish_subclass(cls: type, parent: type) -> type:
     forward.__doc__ = ChunkLossMixin.forward.__doc__
     forward.__qualname__ = f"{cls.__qualname__}.forward"
     cls.forward = forward
+    _inherit_library_facts(cls, parent)
     _register_checkpoint_format(cls, parent)
     return cls
+
+
+def _inherit_library_facts(cls: type, parent: type) -> None:
+    """Give the subclass the parent's answers to what transformers 5.x reads from a class's module.
+
+    The subclass is HF's model with a forward wrapped around it: every module and ``_init_weights`` is
+    the parent's. transformers guesses otherwise from where the class is defined:
+
+    - ``is_custom_code()`` (the module is outside ``transformers.``): ``initialize_weights`` then skips
+      a module whose own parameters are all set, before its ``_init_weights`` runs, so a parent's init of
+      a child's weight never happens: ``from_pretrained`` of a checkpoint without Qwen4-Exp's PLE
+      ``conv1d`` left it at torch's default init instead of HF's zeros, and the MoE router ``gate`` at
+      the generic linear init instead of the block's own (HF's test_can_init_all_missing_weights);
+    - ``_can_set_experts_implementation()`` / ``_can_set_attn_implementation()`` grep the class's module
+      source (``@use_experts_implementation``), which the family module does not contain: the answer
+      depended on whether the parent had been asked first (``experts_implementation=`` refused).
+    """
+    cls.is_custom_code = classmethod(lambda _cls: parent.is_custom_code())
+    for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
+        if hasattr(parent, probe):  # transformers 4.57 has neither
+            setattr(cls, f"{probe}_cached_value", getattr(parent, probe)())
 
 
 def _register_checkpoint_format(cls: type, parent: type) -> None:
