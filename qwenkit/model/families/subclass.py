@@ -20,7 +20,7 @@ def finish_subclass(cls: type, parent: type) -> type:
 
     HF's ``generate`` checks its model kwargs (``pixel_values``, ``video_grid_thw``, ...) against
     ``inspect.signature(model.forward)`` and refuses any it does not find there; HF's test suite
-    reads it to pick tests (``inputs_embeds``). Declaring the parent's signature (self, the
+    reads it to pick tests (``inputs_embeds``) and the outputs a head returns. Declaring the parent's signature (self, the
     parent's parameters, qwenkit's keywords, the parent's annotated ``**kwargs``) keeps both
     working on every transformers version without copying its parameter list.
     """
@@ -37,7 +37,13 @@ def finish_subclass(cls: type, parent: type) -> type:
     # the parent's **kwargs keeps its annotation (Unpack[TransformersKwargs]): HF's suite reads
     # output_attentions / output_hidden_states support from it
     parent_kwargs = next(p for p in parent_sig.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
-    forward.__signature__ = inspect.Signature([own["self"], *cls._parent_params, *extra, parent_kwargs])
+    forward.__signature__ = inspect.Signature(
+        [own["self"], *cls._parent_params, *extra, parent_kwargs],
+        return_annotation=inspect.signature(parent.forward).return_annotation,
+    )
+    # the parent's annotations, its return type among them: HF's suite reads which outputs a head returns
+    # (``router_logits``) from ``forward.__annotations__["return"]``, and the forward returns the parent's output
+    forward.__annotations__ = dict(parent.forward.__annotations__)
     forward.__doc__ = ChunkLossMixin.forward.__doc__
     forward.__qualname__ = f"{cls.__qualname__}.forward"
     cls.forward = forward

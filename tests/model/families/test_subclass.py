@@ -27,6 +27,17 @@ def test_declared_forward_keeps_the_parents_kwargs_annotation():
 
 
 @EVERY_FAMILY
+def test_declared_forward_returns_the_parents_output(family):
+    """HF's suite reads the fields a head returns (``router_logits`` of a MoE: test_moe_models_record_router_logits)
+    from ``forward.__annotations__["return"]``; the forward returns the parent's output class."""
+    entry = families.get(family)
+    hf, ours = entry.load("hf_class"), entry.load("subclass")
+    want = hf.forward.__annotations__.get("return")
+    assert want is not None and ours.forward.__annotations__.get("return") == want
+    assert inspect.signature(ours.forward).return_annotation == inspect.signature(hf.forward).return_annotation
+
+
+@EVERY_FAMILY
 def test_weights_missing_from_a_checkpoint_are_initialised_as_the_parents_are(family, family_path):
     """``from_pretrained`` of a checkpoint without any weight: HF's ``_init_weights`` sets each as it does on the
     parent, bit for bit from one seed (as custom code, Qwen4-Exp's PLE conv1d kept torch's default init and
