@@ -29,6 +29,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return liger_rms_norm(x, weight, eps, offset=0.0, casting_mode="llama")
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's zero-centred RMSNorm (Qwen3.5's, Qwen4-Exp's): ``offset=1.0`` scales by ``1 + weight``, and
+    ``casting_mode="gemma"`` is its order: x, weight and the product in fp32, cast to the input dtype last."""
+    from liger_kernel.transformers.functional import liger_rms_norm
+
+    return liger_rms_norm(x, weight, eps, offset=1.0, casting_mode="gemma")
+
+
 def vision_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from qwenkit.config import PIP_NAMES, installed
-from qwenkit.patches import cuda, npu
+from qwenkit.patches import cuda, npu, targets
 from qwenkit.patches.report import PatchError
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,15 @@ def routes(backend: str) -> dict[str, str]:
 
 
 def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """RMSNorm (text and vision). Input and weight of different dtypes (fp32 weight on a bf16
+    """RMSNorm (text and vision), HF's ``weight * norm(x)`` or the zero-centred ``(1 + weight) * norm(x)``. Input and weight of different dtypes (fp32 weight on a bf16
     input) keep HF's path: HF returns the promoted dtype there, the kernels the input's."""
     kernels = None
     if hidden_states.dtype == self.weight.dtype:
         kernels = self._qwenkit_patch.router.kernels("rms_norm", hidden_states)
     if kernels is None:
         return self._qwenkit_original_forward(hidden_states)
+    if targets.zero_centred(type(self)):  # (1 + weight), in fp32 (targets._is_rms_norm)
+        return kernels.zero_centred_rms_norm(hidden_states, self.weight, self.eps)
     return kernels.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 

@@ -26,6 +26,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's zero-centred RMSNorm (Qwen3.5's, Qwen4-Exp's): the kernel's ``gamma`` is ``1 + weight``, and the
+    norm runs in fp32 and is cast back last, as HF does (the gradient reaches ``weight`` through the sum)."""
+    import torch_npu
+
+    return torch_npu.npu_rms_norm(x.float(), 1.0 + weight.float(), epsilon=eps)[0].to(x.dtype)
+
+
 def vision_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

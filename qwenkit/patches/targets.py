@@ -9,12 +9,16 @@ patch, and an op that matches nothing is reported as an error by ``apply``.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from torch import nn
 
 TEXT, VISION = "language_model", "visual"  # module-path components of the two towers
 
 LOOKED_FOR = {
-    "rms_norm": "modules named *RMSNorm with a 1-D weight and variance_epsilon (text and vision)",
+    "rms_norm": "modules named *RMSNorm with a 1-D weight and variance_epsilon, or eps and a (1 + weight) scale "
+    "(text and vision)",
     "vision_rope": f"*VisionAttention modules under {VISION!r}",
     "swiglu": f"MLPs under {TEXT!r} with gate_proj/up_proj/down_proj linears and a SiLU act_fn",
 }
@@ -25,14 +29,30 @@ def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+# what HF's zero-centred RMSNorms (Qwen3.5's, Qwen4-Exp's, Gemma's) run: the norm in fp32, then times (1 + weight)
+ZERO_CENTRED = ("self._norm(x.float())", "(1.0 + self.weight.float())")
+
+
+@functools.cache
+def zero_centred(cls: type) -> bool:
+    """Whether an RMSNorm class scales by ``1 + weight`` in fp32 (its weight initialised at 0), read from its
+    forward's source: no attribute says so, and a norm wrongly taken for one would be off by ``x / rms(x)``."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return all(piece in source for piece in ZERO_CENTRED)
+
+
 def _is_rms_norm(parts: list[str], m: nn.Module) -> bool:
     weight = getattr(m, "weight", None)
-    return (
-        type(m).__name__.endswith("RMSNorm")
-        and hasattr(m, "variance_epsilon")
-        and isinstance(weight, nn.Parameter)
-        and weight.dim() == 1
-    )
+    if not (type(m).__name__.endswith("RMSNorm") and isinstance(weight, nn.Parameter) and weight.dim() == 1):
+        return False
+    if hasattr(m, "variance_epsilon"):
+        return True
+    # Qwen4-Exp's norm over groups of the hyper-connection streams (group_size) scales each group by its own
+    # slice of the weight: a 1-D kernel's one weight per column does not fit it, so HF's runs
+    return isinstance(getattr(m, "eps", None), float) and getattr(m, "group_size", None) is None and zero_centred(type(m))
 
 
 def _is_vision_attention(parts: list[str], m: nn.Module) -> bool:

@@ -408,6 +408,10 @@ class Family:
             problem = routing_replay_problem(self)
             if problem:
                 problems.append(problem)
+        if cfg.parallel.cpu_offload and self.column_sharded:
+            # distributed/columns.py keeps the tables outside FSDP2, so its CPUOffloadPolicy never moves them
+            problems.append(f"parallel.cpu_offload=true: {self.name}'s column-sharded tables ({', '.join(self.column_sharded)}) "
+                            "stay outside FSDP2, whose offload does not reach them; use parallel.cpu_offload=false")  # fmt: skip
         if cfg.parallel.ep_size > 1:
             problem = expert_parallel_problem(self, path, cfg.parallel.ep_size)
             if problem:

@@ -195,8 +195,9 @@ FAMILIES: dict[str, Family] = {
             # as Qwen3.5-MoE's, and the indexer (never trained: an adapter there would get no gradient either)
             lora_exclude=("model.language_model.layers.*.mlp.gate", "model.language_model.layers.*.mlp.shared_expert_gate",
                           _INDEXER),  # fmt: skip
-            # the shared expert's MLP; its RMSNorms scale by (1 + weight), some per group of streams: HF's
-            fused_ops=("swiglu",),
+            # the shared expert's MLP; the RMSNorms that scale by (1 + weight) (Liger's offset, torch_npu's
+            # gamma = 1 + w), not the ones over groups of the hyper-connection streams (patches/targets.py)
+            fused_ops=("swiglu", "rms_norm"),
             patch_size=16,
             **_QWEN3_5_DATA,
             mixers=("indexed_attention", "linear_attention"),

@@ -20,7 +20,7 @@ def finish_subclass(cls: type, parent: type) -> type:
 
     HF's ``generate`` checks its model kwargs (``pixel_values``, ``video_grid_thw``, ...) against
     ``inspect.signature(model.forward)`` and refuses any it does not find there; HF's test suite
-    reads it to pick tests (``inputs_embeds``). Declaring the parent's signature (self, the
+    reads it to pick tests (``inputs_embeds``) and the outputs a head returns. Declaring the parent's signature (self, the
     parent's parameters, qwenkit's keywords, the parent's annotated ``**kwargs``) keeps both
     working on every transformers version without copying its parameter list.
     """
@@ -37,12 +37,40 @@ def finish_subclass(cls: type, parent: type) -> type:
     # the parent's **kwargs keeps its annotation (Unpack[TransformersKwargs]): HF's suite reads
     # output_attentions / output_hidden_states support from it
     parent_kwargs = next(p for p in parent_sig.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
-    forward.__signature__ = inspect.Signature([own["self"], *cls._parent_params, *extra, parent_kwargs])
+    forward.__signature__ = inspect.Signature(
+        [own["self"], *cls._parent_params, *extra, parent_kwargs],
+        return_annotation=inspect.signature(parent.forward).return_annotation,
+    )
+    # the parent's annotations, its return type among them: HF's suite reads which outputs a head returns
+    # (``router_logits``) from ``forward.__annotations__["return"]``, and the forward returns the parent's output
+    forward.__annotations__ = dict(parent.forward.__annotations__)
     forward.__doc__ = ChunkLossMixin.forward.__doc__
     forward.__qualname__ = f"{cls.__qualname__}.forward"
     cls.forward = forward
+    _inherit_library_facts(cls, parent)
     _register_checkpoint_format(cls, parent)
     return cls
+
+
+def _inherit_library_facts(cls: type, parent: type) -> None:
+    """Give the subclass the parent's answers to what transformers 5.x reads from a class's module.
+
+    The subclass is HF's model with a forward wrapped around it: every module and ``_init_weights`` is
+    the parent's. transformers guesses otherwise from where the class is defined:
+
+    - ``is_custom_code()`` (the module is outside ``transformers.``): ``initialize_weights`` then skips
+      a module whose own parameters are all set, before its ``_init_weights`` runs, so a parent's init of
+      a child's weight never happens: ``from_pretrained`` of a checkpoint without Qwen4-Exp's PLE
+      ``conv1d`` left it at torch's default init instead of HF's zeros, and the MoE router ``gate`` at
+      the generic linear init instead of the block's own (HF's test_can_init_all_missing_weights);
+    - ``_can_set_experts_implementation()`` / ``_can_set_attn_implementation()`` grep the class's module
+      source (``@use_experts_implementation``), which the family module does not contain: the answer
+      depended on whether the parent had been asked first (``experts_implementation=`` refused).
+    """
+    cls.is_custom_code = classmethod(lambda _cls: parent.is_custom_code())
+    for probe in ("_can_set_attn_implementation", "_can_set_experts_implementation"):
+        if hasattr(parent, probe):  # transformers 4.57 has neither
+            setattr(cls, f"{probe}_cached_value", getattr(parent, probe)())
 
 
 def _register_checkpoint_format(cls: type, parent: type) -> None:

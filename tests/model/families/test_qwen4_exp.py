@@ -4,7 +4,8 @@
   the QSA indexer's compressed blocks, PLE's n-grams and dilated conv all restart at each sample); with
   HF's PLE forward put back (:func:`qwenkit.model.families.ple.revert`) the packed row differs (the leak shows);
 - the QSA indexer: HF's forward gives its weights no gradient (a top-k selection), so the entry freezes it;
-- refused before any process starts: sequence parallelism (the indexer's blocks), flash attention,
+- refused before any process starts: sequence parallelism (the indexer's blocks), flash attention, CPU offload
+  (the n-gram tables are column-sharded outside FSDP2, whose offload does not reach them),
   vLLM rollouts, and a transformers before 5.23;
 - SFT, DPO and GRPO through ``qwenkit train`` (params/tiny_qwen4_exp_cpu.yaml: 2 ranks, meta init, each rank half
   of every n-gram table), and the SFT run's export, in which ``save_pretrained`` splits the tables into their parts.
@@ -84,6 +85,8 @@ def test_the_indexer_gets_no_gradient_from_hf_and_is_frozen(family, make_model, 
     [
         (["--nproc", "2", "parallel.sp_size=2"], "parallel.sp_size=2: qwen4_exp's indexed_attention layers cannot run sequence parallel"),
         (["model.attn_implementation=flash_attention_2"], "qwen4_exp's indexed_attention layers run with sdpa, eager"),
+        (["--nproc", "2", "parallel.cpu_offload=true"],
+         "parallel.cpu_offload=true: qwen4_exp's column-sharded tables (model.language_model.layers.*.ple.ple_embedding.ngram_embedding) stay outside FSDP2"),
     ],
 )  # fmt: skip
 def test_what_it_cannot_run_is_refused_before_start(overrides, says, tmp_path, monkeypatch, capsys):
