@@ -5,7 +5,8 @@ store), the trainer's rank 0 rank 1, the sender. On CPU a gloo group (torch's ``
 ``TCPStore``); on CUDA vLLM's ``PyNcclCommunicator`` over its ``StatelessProcessGroup``, as TRL's
 ``VLLMClient.init_communicator``. A push is the tensors of
 :func:`~qwenkit.engine.generation.push_tensors.checkpoint_tensors` one after another, each after a header (its
-dtype, shape and name's length, then the name's bytes), then an end header: the server feeds them to the same
+dtype, shape and name's length, then the name's bytes, then the tensor's bytes: any dtype, on either backend), then
+an end header: the server feeds them to the same
 ``reload_weights`` as the colocated engine (:meth:`qwenkit.engine.generation.vllm_engine.VllmEngine.load`), one
 tensor held at a time on each side.
 """
@@ -13,6 +14,7 @@ tensor held at a time on each side.
 from __future__ import annotations
 
 import datetime
+import math
 
 import torch
 
@@ -66,7 +68,7 @@ class Channel:
             raw = torch.tensor(list(name.encode()), dtype=torch.uint8)
             self._header(DTYPES.index(tensor.dtype), tuple(tensor.shape), len(raw))
             self._broadcast(raw.to(self.device), SENDER)
-            self._broadcast(tensor.to(self.device).contiguous(), SENDER)
+            self._broadcast(tensor.to(self.device).contiguous().reshape(-1).view(torch.uint8), SENDER)  # its bytes
             count += 1
         self._header(END, (), 0)
         return count
@@ -81,9 +83,10 @@ class Channel:
                 return
             raw = torch.empty(length, dtype=torch.uint8, device=self.device)
             self._broadcast(raw, SENDER)
-            tensor = torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=self.device)
-            self._broadcast(tensor, SENDER)
-            yield bytes(raw.tolist()).decode(), tensor
+            shape, kind = shape[:ndim], DTYPES[dtype]
+            data = torch.empty(math.prod(shape) * kind.itemsize, dtype=torch.uint8, device=self.device)
+            self._broadcast(data, SENDER)
+            yield bytes(raw.tolist()).decode(), data.view(kind).reshape(shape)
 
     def _header(self, dtype: int, shape: tuple[int, ...], length: int) -> None:
         if len(shape) > MAX_DIMS:
