@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import tiny_processor
 from videos import write_video
 
 from qwenkit import config as qconfig
 from qwenkit import data
+from qwenkit.engine.generation import vllm_requests as wire
 from qwenkit.engine.generation.vllm_requests import prompt_ids, request
 
 
@@ -78,24 +80,19 @@ def test_a_request_and_a_reply_cross_the_wire_unchanged(tmp_path):
     """Server mode's wire (JSON): a Qwen3-VL row's request (an image, a video's frames and metadata) arrives with
     the same ids, pixels, frames and metadata; a ``logit_bias``' token ids come back as ints; a reply's float32
     log-probs arrive exact."""
-    import numpy as np
-
-    from qwenkit.engine.generation.vllm_requests import (Logprob, from_wire, reply_from_wire, reply_to_wire,
-                                                         settings_from_wire, to_wire)  # fmt: skip
-
     dataset = _dataset(tmp_path, "qwen3_vl")
     asked, _, _ = request(dataset, 0)
-    back = from_wire(json.loads(json.dumps(to_wire(asked))))
+    back = wire.from_wire(json.loads(json.dumps(wire.to_wire(asked))))
     assert back["prompt_token_ids"] == asked["prompt_token_ids"]
     (image,), (got_image,) = asked["multi_modal_data"]["image"], back["multi_modal_data"]["image"]
     assert got_image.mode == image.mode and np.array_equal(np.asarray(got_image), np.asarray(image))
     ((frames, meta),), ((got_frames, got_meta),) = asked["multi_modal_data"]["video"], back["multi_modal_data"]["video"]
     assert np.array_equal(got_frames, frames) and got_frames.dtype == np.uint8 and got_meta == json.loads(json.dumps(meta))
     settings = json.loads(json.dumps({"seed": 3, "logit_bias": {7: -100.0}}))
-    assert settings_from_wire(settings) == {"seed": 3, "logit_bias": {7: -100.0}}
+    assert wire.settings_from_wire(settings) == {"seed": 3, "logit_bias": {7: -100.0}}
     lp = float(np.float32(-6.0123456))  # a float32 log-prob, as vLLM's
     out = type("Out", (), {"prompt_token_ids": [1, 2], "outputs": [type("S", (), {"token_ids": [5, 9],
-               "logprobs": [{5: Logprob(lp)}, {9: Logprob(-0.5), 4: Logprob(-1.5)}]})()]})()  # fmt: skip
-    reply = reply_from_wire(json.loads(json.dumps(reply_to_wire(out))))
+               "logprobs": [{5: wire.Logprob(lp)}, {9: wire.Logprob(-0.5), 4: wire.Logprob(-1.5)}]})()]})()  # fmt: skip
+    reply = wire.reply_from_wire(json.loads(json.dumps(wire.reply_to_wire(out))))
     assert reply.prompt_token_ids == [1, 2] and reply.outputs[0].token_ids == [5, 9]
     assert reply.outputs[0].logprobs[0][5].logprob == lp and reply.outputs[0].logprobs[1][4].logprob == -1.5
