@@ -1,7 +1,9 @@
 """vLLM as a generation engine: one colocated instance per rank, its weights pushed from the training model.
 
-TRL's colocate mode: every rank runs its own ``vllm.LLM`` in its own process (no server), built once
-from the run's checkpoint directory (:func:`shared`: GRPO's rollouts and evaluation use the same one)
+TRL's colocate mode: every rank runs its own ``vllm.LLM`` in its own process, built once
+from the run's checkpoint directory (:func:`shared`: GRPO's rollouts and evaluation use the same one; with
+``vllm.mode: server`` it hands out the server's client instead, :mod:`qwenkit.engine.generation.vllm_client`, whose
+server runs this same engine, :mod:`qwenkit.engine.generation.vllm_server`)
 and updated **in place** from the FSDP2-sharded policy before it samples (:meth:`VllmEngine.push`):
 
 - **Weights.** Each parameter is gathered alone (``full_tensor()``, collective: every rank in the same
@@ -282,7 +284,8 @@ _INSPECT = ("from qwenkit.model.torchvision_ops import declare_missing_ops; decl
 
 
 def shared(spec: EngineSpec) -> VllmEngine:
-    """This process's engine for ``spec``, started on first use (rollouts and evaluation share it)."""
+    """This process's engine for ``spec``, started (or, server mode, connected to) on first use (rollouts and
+    evaluation share it)."""
     if spec not in ENGINES:
         ENGINES[spec] = ServedEngine(spec) if spec.mode == "server" else start_engine(spec)
     return ENGINES[spec]

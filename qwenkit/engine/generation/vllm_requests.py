@@ -1,4 +1,5 @@
-"""A dataset row's prompt as a vLLM request that vLLM expands back into the kit's own prompt.
+"""A dataset row's prompt as a vLLM request that vLLM expands back into the kit's own prompt; the same request,
+and vLLM's reply, as JSON for a server (``vllm.mode: server``: :func:`to_wire`, :func:`reply_to_wire`).
 
 vLLM takes a prompt's token ids with each image or video as one placeholder, and the media as
 ``multi_modal_data``; its processor expands each placeholder again (:func:`prompt_ids`):

@@ -3,15 +3,16 @@
 One ``qwenkit vllm-serve`` for the module, on the tiny Qwen2.5-VL (float32), against a colocated engine in this
 process built from the same config: the server's greedy replies, and a rollout's seeded samples with their
 log-probs, equal colocate's (text, one- and two-image rows), before and after a push of other weights over the
-weight channel. Through ``qwenkit train`` on 2 ranks: a GRPO run with the launcher's own server (rollouts and
-evaluation on it) logs colocate's metrics step for step, and (``long``) resumed, on a new server given the
-checkpoint's weights first, it goes on as the uninterrupted colocate run; a server killed in the middle of a run (by
-its reward) ends the run in one line naming the URL, no hang.
+weight channel. Through ``qwenkit train`` on 2 ranks, a GRPO run with the launcher's own server (rollouts and
+evaluation on it): its server killed mid-run (by its reward) ends it in one line naming the URL, no hang; run again,
+it resumes on a new server given the checkpoint's weights first, and every step's metrics are the uninterrupted
+colocate run's.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,15 +45,17 @@ HANG = 300  # seconds: a run waiting longer has hung
 EXIT_RESUMABLE = 75  # train.stop_after: a checkpoint saved, run again to go on
 
 
+KILL_ENV = "QK_KILL_THE_SERVER"  # "1": the run's first reward of its second rollout kills its server
+CALLS = [0]  # this rank's reward calls
+
+
 def es(prediction: str, reference: str, **row) -> float:
-    """A reward the random tiny model can learn in a few steps: the share of ``e`` in the completion."""
-    return prediction.count("e") / max(1, len(prediction))
-
-
-def kills_the_server(prediction: str, reference: str, **row) -> float:
-    """:func:`es`; at its first call on rank 0 the run's server (``SERVER_URL_ENV``: the launcher's own) is killed."""
+    """A reward the random tiny model can learn in a few steps: the share of ``e`` in the completion. With
+    ``KILL_ENV`` set, rank 0's first call of the second rollout (its 2 prompts x 4 completions a rollout) first kills
+    the run's server (the launcher's own: the one on ``SERVER_URL_ENV``'s port)."""
+    CALLS[0] += 1
     port = os.environ.get(SERVER_URL_ENV, "").rsplit(":", 1)[-1]
-    if port and os.environ.get("RANK") == "0":
+    if os.environ.get(KILL_ENV) == "1" and os.environ.get("RANK") == "0" and CALLS[0] == 2 * 4 + 1:
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -60,7 +63,7 @@ def kills_the_server(prediction: str, reference: str, **row) -> float:
                 continue
             if b"vllm-serve" in argv and port.encode() in argv:
                 os.kill(int(pid), signal.SIGKILL)
-    return es(prediction, reference)
+    return prediction.count("e") / max(1, len(prediction))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +148,8 @@ def test_after_a_push_the_server_replies_as_colocate_with_those_weights(engines)
         local.push(hf)
 
 
-STEPS = 2  # the second rollout follows a push of moved weights
+STEPS = 3  # the server dies in the second rollout; the third follows the resumed run's first push
+URL = r"http://127\.0\.0\.1:\d+"
 RUN = ["--config", str(ROOT / "params" / "tiny_cpu.yaml"), "train.objective=grpo", "data.tiny_samples=8",
        "data.tiny_eval_samples=4", "train.micro_batch_size=2", "train.lr=0.02", "train.warmup_steps=0",
        "train.max_grad_norm=0", "train.log_every=1", "grpo.num_generations=4", "grpo.max_new_tokens=8",
@@ -153,10 +157,10 @@ RUN = ["--config", str(ROOT / "params" / "tiny_cpu.yaml"), "train.objective=grpo
        f"train.steps={STEPS}", "checkpoint.every=1", "train.resume=auto", f"grpo.rewards=[{__name__}:es]"]  # fmt: skip
 
 
-def _train(out, *overrides) -> subprocess.CompletedProcess:
+def _train(out, *overrides, env=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "qwenkit.cli", "train", *RUN, "--nproc", "2", "--master-port", str(free_port()),
            f"train.output_dir={out}", *overrides]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(HANG))
 
 
@@ -196,38 +200,25 @@ def _same_metrics(got_dir, want_dir) -> None:
         runs.append(steps)
     got, want = runs
     assert len(want) == STEPS + 1 and "eval_accuracy" in want[0] and "eval_accuracy" in want[-1]  # evals at 0 and the end
-    assert all(step["grad_norm"] > 0 for step in want[1:])  # the second push carried moved weights
+    assert all(step["grad_norm"] > 0 for step in want[1:])  # every push after the first carried moved weights
     assert_same_runs(got, want)
 
 
-def test_grpo_on_the_runs_own_server_logs_colocates_metrics(colocate, tmp_path):
-    """Two ranks and the launcher's server (rollouts and evaluation on it, the weights pushed by rank 0)."""
-    done = _train(tmp_path / "run", "vllm.mode=server")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "qwenkit train: vLLM server at http://127.0.0.1:" in done.stdout
-    _same_metrics(tmp_path / "run", colocate)
-
-
-@pytest.mark.long
-def test_a_resumed_run_starts_a_new_server_and_goes_on_as_the_uninterrupted_run(colocate, tmp_path):
-    """Stopped after step 1 (``train.stop_after``, a checkpoint saved), run again: a new server, the checkpoint's
-    weights pushed before its first rollout, and step 2 and the final eval are the uninterrupted colocate run's."""
+def test_grpo_on_the_runs_own_server_equals_colocate_its_death_is_one_line_and_a_rerun_resumes_on_a_new_one(
+    colocate, tmp_path
+):  # fmt: skip
+    """Two ranks and the launcher's server (rollouts and evaluation on it, the weights pushed by rank 0). Its server
+    killed in the second rollout: the run ends non-zero in one line naming the URL and what to do (no traceback on
+    the console, no hang). Run again: a new server, the checkpoint's weights pushed before its first rollout, and
+    every step's metrics (the killed run's, then the resumed run's) are the uninterrupted colocate run's."""
     out = tmp_path / "run"
-    first = _train(out, "vllm.mode=server", "train.stop_after=1")
-    assert first.returncode == EXIT_RESUMABLE, first.stderr[-3000:]
+    killed = _train(out, "vllm.mode=server", env={KILL_ENV: "1"})
+    assert killed.returncode not in (0, EXIT_RESUMABLE), killed.stderr[-3000:]
+    said = [line for line in killed.stderr.splitlines() if "the vLLM server at http://127.0.0.1:" in line]
+    assert len(said) == 1, killed.stderr[-3000:]
+    assert "run the same command again to resume" in said[0] and "Traceback" not in killed.stderr, killed.stderr[-3000:]
     again = _train(out, "vllm.mode=server")
     assert again.returncode == 0, again.stderr[-3000:]
-    urls = [line.split()[4] for out_ in (first, again) for line in out_.stdout.splitlines() if "vLLM server at" in line]
-    assert len(urls) == 2  # one server each
+    urls = [re.search(URL, line)[0] for run in (killed, again) for line in run.stdout.splitlines() if "vLLM server at" in line]
+    assert len(urls) == 2 and re.search(URL, said[0])[0] == urls[0], (urls, said)  # a server each; the first one died
     _same_metrics(out, colocate)
-
-
-def test_the_servers_death_is_one_line_naming_its_url(tmp_path):
-    """The run's server killed by the first reward on rank 0: the next push finds it gone, and the run ends non-zero
-    with one line (no traceback on the console) naming the URL and what to do; the launcher stops nothing left."""
-    done = _train(tmp_path / "run", "vllm.mode=server", "train.eval_samples=0", "data.tiny_eval_samples=0",
-                  "checkpoint.every=0", f"grpo.rewards=[{__name__}:kills_the_server]")  # fmt: skip
-    assert done.returncode != 0
-    said = [line for line in done.stderr.splitlines() if "the vLLM server at http://127.0.0.1:" in line]
-    assert len(said) == 1, done.stderr[-3000:]
-    assert "run the same command again to resume" in said[0] and "Traceback" not in done.stderr, done.stderr[-3000:]
