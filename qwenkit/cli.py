@@ -1,4 +1,4 @@
-"""The ``qwenkit`` command: train, data check, export, eval, sweep, notebooks.
+"""The ``qwenkit`` command: train, data check, export, eval, vllm-serve, sweep, notebooks.
 
 Each subcommand lives in the module that owns its concern; this file only parses and dispatches.
 """
@@ -88,6 +88,12 @@ def _eval(args) -> int:
         raise UserError(e) from e
 
 
+def _vllm_serve(args) -> int:
+    from qwenkit.engine.generation import vllm_server  # vLLM, FastAPI and uvicorn: vllm-serve only
+
+    return vllm_server.serve(qconfig.load(args.config, args.overrides, rewards=False), args.host, args.port)
+
+
 def _notebooks(args) -> int:
     from qwenkit.notebooks import runner  # papermill and nbconvert (the notebooks extra): notebooks only
 
@@ -165,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--engine", choices=("hf", "vllm"), default=None,
                    help="what generates: HF generate or a vLLM engine given the weights (default: train.eval_engine)")
     v.set_defaults(func=_eval)
+
+    s = leaf(sub, "vllm-serve", help="serve a run's vLLM engine to its ranks (vllm.mode=server vllm.server_url=...)")
+    s.add_argument("--config", default=None, help="the run's params/*.yaml: its model, dtype, lengths and pixel bounds")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: this host only; 0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000, TRL's)")
+    s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
+    s.set_defaults(func=_vllm_serve)
 
     w = sub.add_parser("sweep", help="run many training runs from a sweep file, and show their ledger")
     wsub = w.add_subparsers(dest="sweep_command", required=True)

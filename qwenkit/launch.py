@@ -26,7 +26,9 @@ read ``<output_dir>/.config-<host>-<pid>.yaml``, written by this launcher alone.
 Signals (see docs/CHECKPOINTS.md): SIGTERM, SIGINT and SIGUSR1 are forwarded to torchrun (which
 runs in its own process group, so a terminal's Ctrl-C reaches it once, through here); the ranks
 finish their step, save a checkpoint and exit with ``EXIT_RESUMABLE`` (75); a second signal stops
-them at once. torchrun gets ``stopping.LAUNCHER_DIED`` when this process dies
+them at once. With ``vllm.mode: server`` and no ``vllm.server_url`` the launcher first starts the run's vLLM
+server (:func:`qwenkit.engine.generation.vllm_server.start`), tells the ranks its URL (``QWENKIT_VLLM_SERVER_URL``)
+and stops it when torchrun ends. torchrun gets ``stopping.LAUNCHER_DIED`` when this process dies
 (``PR_SET_PDEATHSIG``) and stops the ranks as for one SIGTERM; the ranks get SIGKILL when
 torchrun dies.
 """
@@ -47,8 +49,12 @@ from pathlib import Path
 
 from qwenkit import config as qconfig
 from qwenkit.cluster import MULTINODE_PORT, ClusterError, Rendezvous, free_port, settle
+from qwenkit.config.rules import vllm as vllm_rules
+from qwenkit.config.vllm import SERVER_URL_ENV
 from qwenkit.device import CPU_MALLOC_ENV, resolve_device
 from qwenkit.engine.checkpoints import init_from, teacher
+from qwenkit.engine.generation import vllm_server
+from qwenkit.engine.generation.vllm_client import ServerGone
 from qwenkit.engine.run import events, stopping
 from qwenkit.engine.run.prespawn import check_before_spawn
 from qwenkit.errors import print_user_error
@@ -275,6 +281,11 @@ def launch(
             os.close(lock)  # torchrun's copy is closed with torchrun: the lock is free now
 
 
+def own_server(cfg) -> bool:
+    """Whether this run starts its own vLLM server (``vllm.mode: server``, ``vllm.server_url`` empty, a key asking for vLLM)."""
+    return cfg.vllm.mode == "server" and not cfg.vllm.server_url and bool(vllm_rules.engines(cfg))
+
+
 def record_refusal(cfg, summary: str, code: int = 2, message: str | None = None) -> int:
     """``code``, after the run's ``failed`` event for a refusal (the console line is printed already)."""
     events.launcher_failed(cfg.train.output_dir, summary, error="refused",
@@ -300,12 +311,24 @@ def _launch_locked(cfg, rdzv: Rendezvous, lock: int | None) -> int:
     if _write_or_say(str(rank_config), qconfig.write_config, cfg, out, rank_config.name) is None:
         return record_refusal(cfg, f"qwenkit train: cannot write {rank_config}")
     since = events.Follower(out)  # this job's events: torchrun's wrapper or a rank may record the failure
+    server = None
     try:
+        env = rank_environment(cfg, os.environ)
+        if own_server(cfg):  # vllm.mode=server, no vllm.server_url: this run's own, up before the ranks
+            try:
+                server = vllm_server.start(cfg, rank_config, env, free_port("127.0.0.1"))
+            except ServerGone as e:
+                print(f"qwenkit train: {e}", file=sys.stderr)
+                return record_refusal(cfg, f"qwenkit train: {e}", 1)
+            env[SERVER_URL_ENV] = server.url
+            print(f"qwenkit train: vLLM server at {server.url} (pid {server.process.pid}, log {server.log_path})", flush=True)
         cmd = torchrun_command(rank_config, cfg.parallel.nproc, rdzv, events_dir=out)
         print(f"qwenkit train: {shlex.join(cmd)}", flush=True)
-        code = spawn(cmd, rank_environment(cfg, os.environ), pass_fds=() if lock is None else (lock,))
+        code = spawn(cmd, env, pass_fds=() if lock is None else (lock,))
     finally:
         rank_config.unlink(missing_ok=True)
+        if server is not None:
+            server.stop()
     since.poll()
     if code not in (0, stopping.EXIT_RESUMABLE) and not events.failed(since.seen):
         torchrun_ended(out, code)

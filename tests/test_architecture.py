@@ -3,7 +3,7 @@
 - no import cycles among qwenkit modules (function-level and type-only imports count: a cycle hidden in a
   function or an annotation still couples the two modules);
 - no module of the package or of ``benchmarks/`` reaches 440 lines (split by job, not trimmed);
-- at most 9 imports of qwenkit modules inside functions, each with a reason on its line;
+- at most 10 imports of qwenkit modules inside functions, each with a reason on its line;
 - argparse only at the entry points (the CLI and the per-rank ``python -m qwenkit.engine.run.rank``);
 - the training kit never imports the notebook layer.
 """
@@ -19,7 +19,7 @@ from conftest import package_modules
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "qwenkit"
 MAX_MODULE_LINES = 440  # a module this long holds more than one job
-MAX_FUNCTION_IMPORTS = 9  # the CLI's, one per subcommand (sweep the ninth)
+MAX_FUNCTION_IMPORTS = 10  # the CLI's, one per subcommand (sweep the ninth, vllm-serve the tenth)
 ENTRY_POINTS = {"qwenkit.cli", "qwenkit.engine.run.rank"}
 
 

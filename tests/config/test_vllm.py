@@ -1,6 +1,7 @@
 """qwenkit.config.vllm: the vLLM engine's settings, and what asking for vLLM is refused with before any process starts."""
 
 import re
+import socket
 
 import pytest
 
@@ -21,6 +22,15 @@ ROLLOUTS = ["train.objective=grpo", "grpo.rollout_engine=vllm"]
         (ROLLOUTS + ["lora.r=8", "lora.use_dora=true"], r"grpo\.rollout_engine=vllm does not support lora\.use_dora"),
         (["train.eval_engine=vllm", "lora.r=8", "lora.modules_to_save=[model.visual.merger]"],
          r"train\.eval_engine=vllm does not support lora\.modules_to_save"),
+        (["vllm.server_timeout_s=0"], r"vllm\.server_timeout_s must be > 0"),
+        (["vllm.mode=server"], r"^vllm\.mode=server, but no key asks for vLLM: set grpo\.rollout_engine=vllm"),
+        (["vllm.mode=remote"], r"vllm\.mode"),
+        (["vllm.server_url=http://127.0.0.1:8000"], r"is a server's address, but vllm\.mode=colocate: set vllm\.mode=server"),
+        (["vllm.mode=server", "train.eval_engine=vllm", "vllm.server_url=127.0.0.1:8000"],
+         r"^vllm\.server_url='127\.0\.0\.1:8000' is not http://HOST:PORT \(what `qwenkit vllm-serve` prints"),
+        (["vllm.mode=server", "train.eval_engine=vllm", "vllm.server_url=http://127.0.0.1"], r"is not http://HOST:PORT"),
+        (["vllm.mode=server", "train.eval_engine=vllm", "vllm.server_url=http://127.0.0.1:99999"],
+         r"^vllm\.server_url='http://127\.0\.0\.1:99999' is not http://HOST:PORT \(Port out of range"),
         (["train.objective=grpo", "grpo.vllm_importance_sampling_clip_max=0"], r"vllm_importance_sampling_clip_max must be > 0"),
         (["train.objective=grpo", "grpo.vllm_importance_sampling_clip_min=4"], r"vllm_importance_sampling_clip_min must be in"),
         (["train.objective=grpo", "grpo.vllm_importance_sampling_mode=token"], r"grpo\.vllm_importance_sampling_mode"),
@@ -56,3 +66,21 @@ def test_qwenkit_eval_engine_vllm_without_vllm_is_refused_in_one_line(tmp_path, 
     assert cli.main(["eval", str(tmp_path), "--engine", "vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--engine vllm needs vLLM" in err[0]
+
+
+def test_a_server_url_that_does_not_answer_is_one_line_and_exit_2_before_spawning(tiny_path, tmp_path, monkeypatch, capsys):
+    """``vllm.mode=server`` with a user's ``vllm.server_url``: it must answer ``/health/`` (retried for
+    ``vllm.server_timeout_s``) before any process starts; a closed port is one line naming the URL and the fix."""
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("torchrun must not start"))
+    monkeypatch.setattr(vllm_section, "installed", lambda library: True)  # as with vLLM: the check after the config's
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    out = tmp_path / "run"
+    assert cli.main(["train", *ROLLOUTS, "vllm.mode=server", f"vllm.server_url={url}", "vllm.server_timeout_s=1",
+                     f"train.output_dir={out}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"qwenkit train: invalid run: vllm.server_url={url!r}: the vLLM server at {url} cannot be reached")
+    assert "start it with `qwenkit vllm-serve --config <this run's config>`" in err[0]
+    assert not (out / "logs").exists()  # no rank started

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from qwenkit.config.libraries import installed
 from qwenkit.config.schema import Config, Need
 
@@ -12,11 +14,32 @@ def engines(cfg: Config) -> list[str]:
     return [k for k, v in asked.items() if v == "vllm"]
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``vllm.server_url`` is not ``http://HOST:PORT`` (what ``qwenkit vllm-serve`` prints), or None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # a port that is not a number, or out of range
+        return f"vllm.server_url={url!r} is not http://HOST:PORT ({e})"
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path.strip("/") or parts.query:
+        return (f"vllm.server_url={url!r} is not http://HOST:PORT (what `qwenkit vllm-serve` prints, e.g. "
+                "http://127.0.0.1:8000); leave it empty for the kit to start its own server")  # fmt: skip
+    return None
+
+
 def check(cfg: Config, need: Need) -> None:
     v = cfg.vllm
     need(0 < v.gpu_memory_utilization <= 1, f"vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization}")
     need(v.cpu_kv_cache_gib > 0, f"vllm.cpu_kv_cache_gib must be > 0, got {v.cpu_kv_cache_gib}")
+    need(v.server_timeout_s > 0, f"vllm.server_timeout_s must be > 0, got {v.server_timeout_s}")
+    if v.server_url:
+        need(v.mode == "server", f"vllm.server_url={v.server_url!r} is a server's address, but vllm.mode={v.mode}: "
+                                 "set vllm.mode=server, or leave vllm.server_url empty")  # fmt: skip
+        problem = url_problem(v.server_url)
+        need(problem is None, problem or "")
     asked = engines(cfg)
+    need(v.mode != "server" or bool(asked), "vllm.mode=server, but no key asks for vLLM: set grpo.rollout_engine=vllm "
+                                            "or train.eval_engine=vllm, or leave vllm.mode=colocate")  # fmt: skip
     if not asked:
         return
     keys = " and ".join(f"{k}=vllm" for k in asked)

@@ -193,7 +193,7 @@ def evaluate_generations(request: EvalRequest, model, processor, cfg, name: str,
     t0 = time.perf_counter()
     engine = None
     if (request.engine or cfg.train.eval_engine) == "vllm":  # started from the model's directory, then given its weights
-        engine = vllm_engine.shared(vllm_engine.spec_of(cfg, processor, model.name_or_path))
+        engine = vllm_engine.shared(vllm_engine.spec_of(vllm_engine.colocated(cfg), processor, model.name_or_path))
         engine.push(model)
     means = generate_and_score(model, dataset, indices, sampling, names, rank, world_size, out, engine=engine)
     seconds = time.perf_counter() - t0

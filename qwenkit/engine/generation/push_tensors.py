@@ -1,4 +1,5 @@
-"""The tensors a weight push sends (:meth:`qwenkit.engine.generation.vllm_engine.VllmEngine.push`): each parameter
+"""The tensors a weight push sends (:meth:`qwenkit.engine.generation.vllm_engine.VllmEngine.push`, and to a server
+:meth:`qwenkit.engine.generation.vllm_client.ServedEngine.push`): each parameter
 of the training model under its HF name, gathered whole, its LoRA adapter merged in.
 
 - **Gathered one at a time** (``full_tensor()``, collective for a sharded model: every rank iterates alike): an
@@ -23,9 +24,19 @@ import torch
 from torch import nn
 
 from qwenkit.model import lora
+from qwenkit.model.families import registry as families
 from qwenkit.model.modules import module_path
 
 ADAPTER_PART = re.compile(rf"^(.*)\.lora_([AB])\.{lora.ADAPTER}\.weight$")  # a LoRA layer's factor (peft's names)
+
+
+def checkpoint_tensors(model: nn.Module, dtype: torch.dtype):
+    """:func:`hf_tensors` as the checkpoint holds them (what vLLM's ``reload_weights`` reads): each in the family's
+    published layout (fused MoE experts: :meth:`qwenkit.model.families.registry.Family.checkpoint_tensor`), in ``dtype``.
+    Collective as :func:`hf_tensors`: the colocated engine's push and a server's (its sender, rank 0) iterate it."""
+    family = families.of_model(model)
+    for name, full in hf_tensors(model):
+        yield name, family.checkpoint_tensor(name, full).to(dtype).contiguous()
 
 
 def hf_tensors(model: nn.Module):
@@ -87,4 +98,4 @@ def merged(layer: nn.Module, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return weight + (scaling * torch.einsum(how, b, a)).to(weight.dtype)
 
 
-__all__ = ["hf_tensors", "lora_bases", "merged"]
+__all__ = ["checkpoint_tensors", "hf_tensors", "lora_bases", "merged"]

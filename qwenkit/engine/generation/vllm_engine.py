@@ -1,7 +1,9 @@
 """vLLM as a generation engine: one colocated instance per rank, its weights pushed from the training model.
 
-TRL's colocate mode: every rank runs its own ``vllm.LLM`` in its own process (no server), built once
-from the run's checkpoint directory (:func:`shared`: GRPO's rollouts and evaluation use the same one)
+TRL's colocate mode: every rank runs its own ``vllm.LLM`` in its own process, built once
+from the run's checkpoint directory (:func:`shared`: GRPO's rollouts and evaluation use the same one; with
+``vllm.mode: server`` it hands out the server's client instead, :mod:`qwenkit.engine.generation.vllm_client`, whose
+server runs this same engine, :mod:`qwenkit.engine.generation.vllm_server`)
 and updated **in place** from the FSDP2-sharded policy before it samples (:meth:`VllmEngine.push`):
 
 - **Weights.** Each parameter is gathered alone (``full_tensor()``, collective: every rank in the same
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import platform
 import random
@@ -49,15 +52,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from qwenkit.config.vllm import SERVER_URL_ENV
 from qwenkit.engine.generation import vllm_patches
 from qwenkit.engine.generation.generate import Generation, reply_text
-from qwenkit.engine.generation.push_tensors import hf_tensors
+from qwenkit.engine.generation.push_tensors import checkpoint_tensors
+from qwenkit.engine.generation.vllm_client import ServedEngine
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.errors import KnownCause
-from qwenkit.model.families import registry as families
 from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.processor import pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops
+from qwenkit.rundir import RunDir
 
 SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}  # the set_mempolicy syscall's number per architecture
 ENGINES: dict[EngineSpec, VllmEngine] = {}  # this process's engines, by what they were built from (:func:`shared`)
@@ -162,6 +167,10 @@ class EngineSpec:
     gpu_memory_utilization: float
     cpu_kv_cache_gib: float
     sleep: bool  # CUDA: release weights and KV cache between generations
+    mode: str = "colocate"  # vllm.mode: server, the engine is a server's (qwenkit.engine.generation.vllm_client)
+    server_url: str = ""  # server mode: vllm.server_url, or the one the launcher started (SERVER_URL_ENV)
+    server_timeout_s: float = 240.0
+    server_note: str = ""  # server mode: what to do when it stops answering
 
 
 class VllmEngine:
@@ -175,20 +184,23 @@ class VllmEngine:
     def push(self, model: nn.Module) -> int:
         """The weights of ``model`` (FSDP2-sharded or plain) into the engine; collective over the ranks
         that shard it. Returns the number of tensors pushed."""
-        dtype = getattr(torch, self.spec.dtype)
-        family = families.of_model(model)
+        return self.load(checkpoint_tensors(model, getattr(torch, self.spec.dtype)))
+
+    def load(self, tensors) -> int:
+        """``(name, tensor)`` pairs as the checkpoint holds them (:func:`~qwenkit.engine.generation.push_tensors.checkpoint_tensors`)
+        into the engine, its caches cleared after; a server's push arrives here too. Returns how many came."""
         count = 0
 
-        def tensors():  # as the checkpoint holds them: reload_weights reads checkpoint tensors
+        def counted():
             nonlocal count
-            for name, full in hf_tensors(model):
+            for item in tensors:
                 count += 1
-                yield name, family.checkpoint_tensor(name, full).to(dtype).contiguous()
+                yield item
 
         with engine_call():
             self._wake("weights")
             self.llm.collective_rpc(_reprocess_experts)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
             self.llm.llm_engine.reset_encoder_cache()
             self.llm.reset_mm_cache()
@@ -275,10 +287,17 @@ _INSPECT = ("from qwenkit.model.torchvision_ops import declare_missing_ops; decl
 
 
 def shared(spec: EngineSpec) -> VllmEngine:
-    """This process's engine for ``spec``, started on first use (rollouts and evaluation share it)."""
+    """This process's engine for ``spec``, started (or, server mode, connected to) on first use (rollouts and
+    evaluation share it)."""
     if spec not in ENGINES:
-        ENGINES[spec] = start_engine(spec)
+        ENGINES[spec] = ServedEngine(spec) if spec.mode == "server" else start_engine(spec)
     return ENGINES[spec]
+
+
+def colocated(cfg):
+    """``cfg`` with its engine colocated (``vllm.mode: colocate``): a server's own engine, and ``qwenkit eval``'s
+    (it starts its own ranks; a training run's server is gone with the run)."""
+    return dataclasses.replace(cfg, vllm=dataclasses.replace(cfg.vllm, mode="colocate", server_url=""))
 
 
 def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
@@ -293,8 +312,20 @@ def spec_of(cfg, processor, model_dir: str) -> EngineSpec:
     lo, hi = pixel_bounds(processor.image_processor)
     v = cfg.vllm
     longest = cfg.data.max_length + max(cfg.grpo.max_new_tokens, cfg.grpo.max_trajectory_tokens, cfg.train.eval_max_new_tokens)
-    return EngineSpec(str(model_dir), cfg.model.dtype, longest, cfg.train.seed, lo, hi,
+    spec = EngineSpec(str(model_dir), cfg.model.dtype, longest, cfg.train.seed, lo, hi,
                       v.gpu_memory_utilization, v.cpu_kv_cache_gib, v.sleep)  # fmt: skip
+    if v.mode != "server":
+        return spec
+    url = v.server_url or os.environ.get(SERVER_URL_ENV, "")
+    if not url:
+        raise ValueError("vllm.mode=server with vllm.server_url empty: the server is the launcher's to start "
+                         "(qwenkit train); set vllm.server_url to a running `qwenkit vllm-serve`")  # fmt: skip
+    if v.server_url:
+        note = "restart it (`qwenkit vllm-serve --config ...` with this run's config), then run the same command again to resume"
+    else:  # the launcher's own: a new run starts a new one
+        note = (f"it was the run's own (its log: {RunDir(cfg.train.output_dir).logs / 'vllm-server.log'}); run the "
+                "same command again to resume from the last checkpoint with a new server")  # fmt: skip
+    return dataclasses.replace(spec, mode="server", server_url=url, server_timeout_s=v.server_timeout_s, server_note=note)
 
 
 def generate_rows(engine: VllmEngine, dataset, indices: list[int], sampling, rank: int = 0) -> list:
@@ -319,5 +350,5 @@ def generate_rows(engine: VllmEngine, dataset, indices: list[int], sampling, ran
     return rows
 
 
-__all__ = ["EngineFailure", "EngineSpec", "engine_call", "generate_rows", "known_failure", "VllmEngine", "protected",
+__all__ = ["EngineFailure", "EngineSpec", "colocated", "engine_call", "generate_rows", "known_failure", "VllmEngine", "protected",
            "shared", "spec_of", "start_engine"]  # fmt: skip

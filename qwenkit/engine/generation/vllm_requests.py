@@ -1,4 +1,5 @@
-"""A dataset row's prompt as a vLLM request that vLLM expands back into the kit's own prompt.
+"""A dataset row's prompt as a vLLM request that vLLM expands back into the kit's own prompt; the same request,
+and vLLM's reply, as JSON for a server (``vllm.mode: server``: :func:`to_wire`, :func:`reply_to_wire`).
 
 vLLM takes a prompt's token ids with each image or video as one placeholder, and the media as
 ``multi_modal_data``; its processor expands each placeholder again (:func:`prompt_ids`):
@@ -32,8 +33,13 @@ token count or a time text that differs stops the run instead of sampling from a
 
 from __future__ import annotations
 
+import base64
+import io
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+from PIL import Image
 
 from qwenkit.data.images import load
 
@@ -108,4 +114,91 @@ def check_prompts(outs: list, asked: list[tuple[dict, dict, object]]) -> None:
                                "use the hf engine for this row")  # fmt: skip
 
 
-__all__ = ["check_prompts", "prompt_ids", "request", "video_item"]
+# --- the same requests and replies over HTTP (vllm.mode: server; qwenkit.engine.generation.vllm_server) ---------
+# A request keeps its token ids; each image travels as PNG (lossless: the server's pixels are the rank's), each video
+# as its raw uint8 frames and its metadata; a reply carries what the kit reads of vLLM's ``RequestOutput``.
+
+
+def to_wire(request: dict) -> dict:
+    """A JSON-able copy of a vLLM request (:func:`request`: ``prompt_token_ids``, ``multi_modal_data``)."""
+    mm = request.get("multi_modal_data", {})
+    out = {"prompt_token_ids": [int(t) for t in request["prompt_token_ids"]]}
+    if images := mm.get("image"):
+        out["images"] = [_png(image) for image in images]
+    if videos := mm.get("video"):
+        out["videos"] = [{"frames": base64.b64encode(np.ascontiguousarray(f, np.uint8).tobytes()).decode(),
+                          "shape": list(f.shape), "metadata": {k: _plain(v) for k, v in meta.items()}}
+                         for f, meta in videos]  # fmt: skip
+    return out
+
+
+def from_wire(payload: dict) -> dict:
+    """The vLLM request :func:`to_wire` was given."""
+    mm = {}
+    if images := payload.get("images"):
+        mm["image"] = [Image.open(io.BytesIO(base64.b64decode(b))) for b in images]
+    if videos := payload.get("videos"):
+        mm["video"] = [(np.frombuffer(base64.b64decode(v["frames"]), np.uint8).reshape(v["shape"]), v["metadata"])
+                       for v in videos]  # fmt: skip
+    out = {"prompt_token_ids": payload["prompt_token_ids"]}
+    if mm:
+        out["multi_modal_data"] = mm
+    return out
+
+
+def settings_from_wire(settings: dict) -> dict:
+    """``SamplingParams``' keyword arguments as sent: JSON made ``logit_bias``' token ids strings."""
+    if "logit_bias" in settings:
+        settings = {**settings, "logit_bias": {int(t): float(b) for t, b in settings["logit_bias"].items()}}
+    return settings
+
+
+@dataclass
+class Logprob:
+    logprob: float  # the token's log-prob, as vLLM's ``Logprob``
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None  # per drawn token: {token: its log-prob} (``logprobs=0``: the drawn one)
+
+
+@dataclass
+class Reply:
+    """What the kit reads of vLLM's ``RequestOutput``: the prompt it expanded, and its samples."""
+
+    prompt_token_ids: list[int]
+    outputs: list[Sample]
+
+
+def reply_to_wire(out) -> dict:
+    """A JSON-able copy of vLLM's ``RequestOutput`` (floats as Python's: a float32 log-prob arrives exact)."""
+    samples = [{"token_ids": list(s.token_ids),
+                "logprobs": None if s.logprobs is None else [[[t, p.logprob] for t, p in step.items()] for step in s.logprobs]}
+               for s in out.outputs]  # fmt: skip
+    return {"prompt_token_ids": list(out.prompt_token_ids), "outputs": samples}
+
+
+def reply_from_wire(payload: dict) -> Reply:
+    samples = [Sample(s["token_ids"], None if s["logprobs"] is None else
+                      [{int(t): Logprob(p) for t, p in step} for step in s["logprobs"]])
+               for s in payload["outputs"]]  # fmt: skip
+    return Reply(payload["prompt_token_ids"], samples)
+
+
+def _png(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _plain(value):
+    """A video metadata value as JSON holds it (numpy's numbers as Python's)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+__all__ = ["Logprob", "Reply", "Sample", "check_prompts", "from_wire", "prompt_ids", "reply_from_wire", "reply_to_wire",
+           "request", "settings_from_wire", "to_wire", "video_item"]  # fmt: skip

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from qwenkit import config as qconfig
+from qwenkit.config.rules import vllm as vllm_rules
 from qwenkit.data import cache, load, pipeline, split
 from qwenkit.data.conversation import parse_row
 from qwenkit.data.load import cached_problem
@@ -28,6 +29,7 @@ from qwenkit.device import device_count, resolve_device
 from qwenkit.distributed import fsdp, sequence
 from qwenkit.engine.checkpoints import resume as resume_rule
 from qwenkit.engine.checkpoints import teacher
+from qwenkit.engine.generation.vllm_client import ServerGone, ServerRefused, wait_up
 from qwenkit.engine.rollouts import tools
 from qwenkit.engine.run import optim
 from qwenkit.model import lora
@@ -52,6 +54,7 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
         problems.extend(check_module_paths(cfg))
         problems.extend(families.problems(cfg, path))  # what the family cannot run: SP, packing, fused ops...
         problems.extend(vllm_device_problems(cfg, path))
+        problems.extend(vllm_server_problems(cfg, nodes))
         problems.extend(teacher.problems(cfg, path))  # distillation's teacher: there, of the student's tokenizer
         heads = sequence.heads_problem_of(path, cfg.parallel.sp_size)
         if heads:
@@ -91,6 +94,31 @@ def vllm_device_problems(cfg, path) -> list[str]:
         return []
     why = vllm_problem(family, path, " and ".join(keys), cfg.model.dtype, resolve_device(cfg.parallel.device))
     return [why] if why else []
+
+
+def vllm_server_problems(cfg, nodes: int) -> list[str]:
+    """``vllm.mode: server``: a server the user started answers at ``vllm.server_url`` (retried for
+    ``vllm.server_timeout_s``, TRL's ``check_server``); one the launcher starts has a node (one) and, on CUDA, a device
+    the ranks do not use (:func:`qwenkit.engine.generation.vllm_server.server_devices`)."""
+    v = cfg.vllm
+    if v.mode != "server" or not vllm_rules.engines(cfg):
+        return []
+    if v.server_url:
+        try:
+            wait_up(v.server_url, v.server_timeout_s, "start it with `qwenkit vllm-serve --config <this run's config>`, "
+                    "or leave vllm.server_url empty for the run to start its own")  # fmt: skip
+        except (ServerGone, ServerRefused) as e:
+            return [f"vllm.server_url={v.server_url!r}: {e}"]
+        return []
+    if nodes > 1:
+        return [f"vllm.mode=server with vllm.server_url empty starts the server on this node, which the job's other "
+                f"{nodes - 1} node(s) cannot be told of; start `qwenkit vllm-serve --host 0.0.0.0` and set vllm.server_url"]
+    device = resolve_device(cfg.parallel.device)
+    if device != "cpu" and device_count(device) <= cfg.parallel.nproc:
+        return [f"vllm.mode=server starts its server on a {device} device the ranks do not use, but parallel.nproc="
+                f"{cfg.parallel.nproc} ranks take all {device_count(device)}; use --nproc {device_count(device) - 1}, "
+                "or set vllm.server_url to a server elsewhere"]  # fmt: skip
+    return []
 
 
 def check_extras(cfg) -> list[str]:
