@@ -134,6 +134,78 @@ def test_trained_through_the_trainer_logged_and_exported_under_the_checkpoints_n
     families.get(family).load("hf_class").from_pretrained(exported)  # HF's class loads the export
 
 
+LORA = ["lora.r=4", "lora.alpha=8"]
+
+
+@over_families("qwen3_5", "qwen3_5_moe")
+def test_lora_adapts_the_mtp_layer_and_its_loss_trains_the_adapters(family):
+    """``all-linear`` puts adapters on the MTP layer's fc, attention and MLP (never a MoE's routers), and they
+    alone of it train; with lora_B = 0 at the start each B's gradient is the MTP loss's (the main loss does
+    not reach the layer), and with the MTP weight doubled it doubles."""
+    from qwenkit.model import lora
+
+    grads = {}
+    for weight in (0.5, 1.0):
+        cfg = qconfig.load(overrides=[f"model.path={tiny_checkpoint(family)}", f"model.name={family}", *LORA,
+                                      "model.mtp.train=true", f"model.mtp.loss_weight={weight}"])  # fmt: skip
+        model = build(cfg.model, cfg.loss).train()
+        targets = [t for t in lora.apply(model, cfg.lora, seed=0) if t.startswith("mtp.")]
+        assert "mtp.fc" in targets and "mtp.layers.0.self_attn.q_proj" in targets and "mtp.layers.0.self_attn.o_proj" in targets
+        assert any(t.startswith("mtp.layers.0.mlp.") and t.endswith("down_proj") for t in targets)
+        assert not any(t.endswith((".mlp.gate", "shared_expert_gate")) for t in targets)
+        ids = torch.randint(0, model.config.text_config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        trained = {n: p for n, p in model.named_parameters() if n.startswith("mtp.") and p.requires_grad}
+        assert trained and all(lora.is_adapter_key(n) for n in trained)
+        grads[weight] = {n: p.grad.clone() for n, p in trained.items() if ".lora_B." in n}
+        assert len(grads[weight]) == len(targets) and all(g.abs().sum() > 0 for g in grads[weight].values())
+    for name, grad in grads[1.0].items():
+        torch.testing.assert_close(grad, 2 * grads[0.5][name], **TIGHT, msg=name)
+
+
+@over_families("qwen3_5")
+def test_lora_through_the_trainer_exports_the_mtp_layer_merged_as_base_plus_delta(family, tmp_path):
+    """The export's ``mtp.*`` (merged, and beside the adapter directory) = the base's weight + alpha/r B A of
+    the run's trained adapters, under the checkpoint's names; peft's adapter file holds HF's class's adapters only."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from qwenkit.engine.checkpoints import export as hf_export
+    from qwenkit.engine.run import train
+
+    base = tiny_checkpoint(family)
+    run = tmp_path / "run"
+    cfg = qconfig.load(overrides=[f"model.path={base}", f"model.name={family}", "model.mtp.train=true", "train.steps=2",
+                                  "data.tiny_samples=4", "train.micro_batch_size=2", "train.resume=none", *LORA,
+                                  "train.warmup_steps=1", "train.eval_samples=0", "train.lr=1e-2",
+                                  f"train.output_dir={run}"])  # fmt: skip
+    train.run(cfg)
+    adapters = hf_export.trained_mtp(hf_export.resolve(run))  # the checkpoint holds what trains: the adapters
+    with safe_open(base / "model.safetensors", framework="pt") as f:
+        before = {k: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")}
+    expected = dict(before)
+    for key in adapters:
+        if ".lora_A." in key:
+            module = key.removesuffix(".lora_A.default.weight")
+            delta = adapters[f"{module}.lora_B.default.weight"] @ adapters[key]
+            expected[f"{module}.weight"] = before[f"{module}.weight"] + 8 / 4 * delta
+    assert len(adapters) == 2 * 8 and all(lora_b.abs().sum() > 0 for k, lora_b in adapters.items() if ".lora_B." in k)
+    merged = hf_export.export(run, tmp_path / "merged", cfg, merge=True)
+    adapter = hf_export.export(run, tmp_path / "adapter", cfg)
+    index = json.loads((merged / hf_export.INDEX).read_text())["weight_map"]
+    assert {k for k in index if k.startswith("mtp.")} == set(before)
+    for out in (merged, adapter):
+        got = load_file(out / hf_export.MTP_FILE)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, **TIGHT, msg=lambda m, k=key, o=out.name: f"{o} {k}: {m}")
+    assert not torch.equal(expected["mtp.fc.weight"], before["mtp.fc.weight"])
+    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as f:
+        assert f.keys() and not any(".mtp." in k for k in f.keys())
+    assert not any(t.startswith("mtp.") for t in json.loads((adapter / "adapter_config.json").read_text())["target_modules"])
+    families.get(family).load("hf_class").from_pretrained(merged)  # HF's class loads the merged export
+
+
 @pytest.mark.parametrize("keys, said", [
     (["model.name=qwen2_5_vl"], "model.mtp.train: qwen2_5_vl has no multi-token-prediction layer"),
     (["model.name=qwen3_5", "model.mtp.layers=2"], "model.mtp.layers=2: qwen3_5's checkpoints hold 1"),
