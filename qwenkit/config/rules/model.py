@@ -22,5 +22,3 @@ def check(cfg: Config, need: Need) -> None:
         need(cfg.loss.chunk, "model.mtp.train needs loss.chunk=true (the MTP loss goes through the chunked head)")
         need(cfg.parallel.sp_size == 1, f"model.mtp.train: parallel.sp_size={cfg.parallel.sp_size} would give the "
              "MTP layer one slice of the shifted sequence; use parallel.sp_size=1")
-        need(cfg.parallel.ep_size == 1, f"model.mtp.train: parallel.ep_size={cfg.parallel.ep_size} does not shard "
-             "the MTP layer's experts; use parallel.ep_size=1")

@@ -227,7 +227,9 @@ RANKS_BASE = [f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=
               "model.mtp.train=true", "model.mtp.loss_weight=0.5", "data.tiny_eval_samples=5",
               "train.eval_samples=0"]  # fmt: skip
 # the 2-rank runs take grad_accum=1, the one-process reference grad_accum=2: the same 4 samples per step
-RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta", "parallel.recompute=auto"]}  # recompute: the hook refires
+RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta", "parallel.recompute=auto"],  # recompute: the hook refires
+              "lora": LORA}  # fmt: skip
+REFERENCE = {"cpu": "cpu", "meta": "cpu", "lora": "lora"}  # each 2-rank run's one-process twin
 RANKS_KEYS = ("loss", "mtp_loss", "grad_norm", "eval_loss", "eval_mtp_acceptance")  # eval: at the last step
 
 
@@ -236,16 +238,33 @@ def _train_ranks(rank, out, family, runs, grad_accum):
 
     dist.init_process_group("gloo")
     for name, overrides in runs.items():
-        cfg = qconfig.load(overrides=RANKS_BASE + overrides + [f"model.path={tiny_checkpoint(family)}",
-                                                               f"model.name={family}", f"train.grad_accum={grad_accum}",
-                                                               f"train.output_dir={out}/{name}"])  # fmt: skip
+        cfg = qconfig.load(overrides=RANKS_BASE + [f"model.path={tiny_checkpoint(family)}", f"model.name={family}",
+                                                   f"train.grad_accum={grad_accum}", f"train.output_dir={out}/{name}",
+                                                   *overrides])  # fmt: skip
         trainer = train.run(cfg)
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        trained = sorted(n.replace("._checkpoint_wrapped_module", "") for n, p in trainer.model.named_parameters()
+                         if p.requires_grad)  # fmt: skip
+        layout = {n: str(p.device_mesh.mesh_dim_names) for n, p in trainer.model.named_parameters()
+                  if n.startswith("mtp.") and n.rpartition(".")[2] in ("gate_up_proj", "down_proj")}  # fmt: skip
         if rank == 0:
             torch.save({key: [h[key] for h in trainer.history if key in h] for key in RANKS_KEYS}
-                       | {"state": state}, out / f"{name}.pt")  # fmt: skip
+                       | {"state": state, "trained": trained, "layout": layout}, out / f"{name}.pt")  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _assert_same_runs(got, ref, name):
+    for key in RANKS_KEYS:
+        assert len(got[key]) == len(ref[key]), (name, key)
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), **FP32, msg=lambda m, k=key: f"{name} {k}: {m}")
+    assert got["trained"] == ref["trained"]
+    assert_adamw_weights_close(got["state"], ref["state"], FP32, lr=LR, steps=STEPS, trained=got["trained"])
+    adapters = [n for n in got["trained"] if n.startswith("mtp.") and ".lora_B." in n]
+    if adapters:  # the MTP layer's adapters trained (B moved off zero), its base weights did not (the check above)
+        assert all(got["state"][n].abs().sum() > 0 for n in adapters)
+    else:  # the head trained: not two untouched copies
+        assert got["mtp_loss"][-1] < got["mtp_loss"][0]
 
 
 @pytest.mark.slow
@@ -253,14 +272,35 @@ def _train_ranks(rank, out, family, runs, grad_accum):
 def test_two_ranks_equal_one_process(family, tmp_path):
     tiny_checkpoint(family)  # written once here, so the ranks only read it
     one, two = tmp_path / "one", tmp_path / "two"
-    check_ranks(_train_ranks, 1, one, family, {"cpu": []}, 2, timeout=600)
+    check_ranks(_train_ranks, 1, one, family, {n: RANKS_RUNS[n] for n in set(REFERENCE.values())}, 2, timeout=600)
     check_ranks(_train_ranks, 2, two, family, RANKS_RUNS, 1, timeout=600)
-    ref = torch.load(one / "cpu.pt")
-    assert any(k.startswith("mtp.layers.0.self_attn") for k in ref["state"]) and "mtp.fc.weight" in ref["state"]
     for name in RANKS_RUNS:
-        got = torch.load(two / f"{name}.pt")
+        ref, got = torch.load(one / f"{REFERENCE[name]}.pt"), torch.load(two / f"{name}.pt")
         assert len(got["loss"]) == STEPS and len(got["eval_mtp_acceptance"]) == 1  # 5 rows: rank 1 runs a filler
-        for key in RANKS_KEYS:
-            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), **FP32, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
-        assert_adamw_weights_close(got["state"], ref["state"], FP32, lr=LR, steps=STEPS)
-        assert got["mtp_loss"][-1] < got["mtp_loss"][0]  # the head trained: not two untouched copies
+        _assert_same_runs(got, ref, name)
+        mtp_trained = [n for n in got["trained"] if n.startswith("mtp.")]
+        if name == "lora":
+            assert mtp_trained and all(".lora_" in n for n in mtp_trained)
+        else:
+            assert "mtp.fc.weight" in mtp_trained and any(n.startswith("mtp.layers.0.self_attn") for n in mtp_trained)
+
+
+# expert parallelism through the MTP layer of Qwen3.5-MoE: ep_size=2 against ep_size=1 on the same 2 ranks
+EP_RUNS = {"ep1": [], "ep2": ["parallel.ep_size=2"],
+           "ep1_lora": [*LORA, "lora.target_experts=true"], "ep2_lora": [*LORA, "lora.target_experts=true", "parallel.ep_size=2"]}  # fmt: skip
+EP_RUNS = {name: ["parallel.nproc=2", *overrides] for name, overrides in EP_RUNS.items()}
+
+
+@pytest.mark.slow
+@over_families("qwen3_5_moe")
+def test_ep_2_splits_the_mtp_layers_experts_and_trains_as_ep_1(family, tmp_path):
+    """The MTP layer's routed experts on the (efsdp, ep) mesh as the backbone's; losses (with the router's aux
+    loss), mtp_loss, grad norms, eval and the weights (the MTP experts' and their adapters included) = ep_size=1's."""
+    tiny_checkpoint(family)
+    check_ranks(_train_ranks, 2, tmp_path, family, EP_RUNS, 1, timeout=900)
+    for name in ("ep2", "ep2_lora"):
+        got, ref = torch.load(tmp_path / f"{name}.pt"), torch.load(tmp_path / f"{name.replace('ep2', 'ep1')}.pt")
+        assert got["layout"] and all("'ep'" in mesh for mesh in got["layout"].values()), got["layout"]
+        assert not any("'ep'" in mesh for mesh in ref["layout"].values())
+        _assert_same_runs(got, ref, name)
+        assert any(n.startswith("mtp.layers.0.mlp.experts.") for n in got["trained"])  # its experts (or their adapters) train
