@@ -304,3 +304,23 @@ def test_ep_2_splits_the_mtp_layers_experts_and_trains_as_ep_1(family, tmp_path)
         assert not any("'ep'" in mesh for mesh in ref["layout"].values())
         _assert_same_runs(got, ref, name)
         assert any(n.startswith("mtp.layers.0.mlp.experts.") for n in got["trained"])  # its experts (or their adapters) train
+
+
+# Ulysses SP through the MTP layer: one group of 2 ranks (grad_accum=2: the 4 samples of the one-process step)
+SP_RUNS = {"sp": ["parallel.nproc=2", "parallel.sp_size=2", "train.grad_accum=2"],
+           "sp_packed": ["parallel.nproc=2", "parallel.sp_size=2", "train.grad_accum=2", "data.packing=true"]}  # fmt: skip
+SP_REFERENCE = {"sp": ("cpu", []), "sp_packed": ("packed", ["data.packing=true"])}
+
+
+@pytest.mark.slow
+@over_families("qwen3_5")
+def test_sp_2_equals_sp_1_through_the_mtp_layer(family, tmp_path):
+    """parallel.sp_size=2 (each rank a slice of every row, the MTP layer's shifted ids and targets taken across
+    the slice boundary, its attention Ulysses') = one process: losses, mtp_loss, grad norms, eval, weights;
+    padded and packed rows."""
+    tiny_checkpoint(family)
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ranks(_train_ranks, 1, one, family, dict(SP_REFERENCE.values()), 2, timeout=600)
+    check_ranks(_train_ranks, 2, two, family, SP_RUNS, 1, timeout=600)
+    for name, (reference, _) in SP_REFERENCE.items():
+        _assert_same_runs(torch.load(two / f"{name}.pt"), torch.load(one / f"{reference}.pt"), name)
