@@ -220,6 +220,16 @@ def test_mtp_a_model_cannot_train_is_refused_before_start(tmp_path, monkeypatch,
     assert not out.exists()
 
 
+def test_an_entry_without_an_mtp_tower_refuses_lora_with_mtp_training():
+    """Qwen4-Exp's entry gives LoRA no adapters on its MTP layer: the layer would stay frozen, its loss training
+    nothing; the Qwen3.5 entries have the tower."""
+    cfg = qconfig.load(overrides=["model.mtp.train=true", "lora.r=4"])
+    said = [p for p in families.get("qwen4_exp").problems(cfg) if p.startswith("model.mtp.train")]
+    assert said == ["model.mtp.train: lora.r=4 would freeze qwen4_exp's MTP layer (its entry gives LoRA no adapters "
+                    "there); use lora.r=0 or model.mtp.train=false"]  # fmt: skip
+    assert not [p for f in ("qwen3_5", "qwen3_5_moe") for p in families.get(f).problems(cfg) if p.startswith("model.mtp")]
+
+
 LR, STEPS = 2e-3, 3
 FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks and micro-batches run in another order
 RANKS_BASE = [f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=2", "train.warmup_steps=1",
