@@ -51,11 +51,14 @@ def _target_match(name: str, entry: str) -> bool:
 
 def _linears(model: nn.Module, lora_cfg) -> list[str]:
     """The ``nn.Linear`` paths of the family's towers (its entry's ``lora_towers``): the language
-    model, and the vision blocks with ``lora.vision``. A MoE's fused experts and its router are
+    model, the vision blocks with ``lora.vision``, and Qwen3.5's MTP layer where ``model.mtp.train``
+    attached it (its ``fc``, attention and MLP: the MTP loss trains their adapters). A MoE's fused experts and its router are
     parameters, not linears: ``all-linear`` adapts attention (and any dense MLP) there; the
     router, a linear in transformers 4.57, is left out (the entry's ``lora_exclude``)."""
     family = families.of_model(model)
     towers = ("text", "vision") if lora_cfg.vision else ("text",)
+    if getattr(model, "mtp", None) is not None and "mtp" in family.lora_towers:
+        towers += ("mtp",)
     return [
         n for n, m in model.named_modules()
         if isinstance(m, nn.Linear) and any(family.in_tower(n, t) for t in towers) and not family.lora_excluded(n)

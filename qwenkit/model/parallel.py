@@ -17,7 +17,10 @@ the attention on the whole sequence); the steps are the model's:
 3. **decoder on the slice**, attention on the whole sequence (the registered Ulysses attention);
 4. **loss on the slice**: the chunked head with this slice's shifted labels, normalised by the
    valid-token count of the whole (global) batch, so the sum over the group's ranks is the
-   unsplit loss and the summed gradients are the unsplit run's.
+   unsplit loss and the summed gradients are the unsplit run's;
+5. **the MTP layer** (``model.mtp.train``, Qwen3.5) on the slice's hidden states, its shifted ids and
+   targets built on the whole sequence and sliced (:func:`qwenkit.model.families.mtp.mtp_loss`), its
+   attention the backbone's full attention under Ulysses, normalised as step 4's.
 """
 
 from __future__ import annotations
@@ -86,9 +89,25 @@ def forward_slice(model, sp, input_ids, labels, use_cache, logits_to_keep, loss_
     # 4. the chunked loss of this slice, normalised by the whole batch's count
     loss_fn = model.chunk_loss_fn(shifted, loss_type, num_items_in_batch, num_samples if num_samples is not None else b)
     loss = model.lm_head(out.last_hidden_state, labels=None, loss_fn=loss_fn)
+    # 5. the MTP layer (model.mtp.train) on the same slice: its ids and targets shifted on the whole sequence
+    loss = model.with_mtp_loss(loss, out.last_hidden_state, input_ids, labels, packed_seq_lens, loss_fn, loss_type,
+                               view=functools.partial(_slice_of, sp=sp))  # fmt: skip
     for term in extra:
         loss = loss + term
     return CausalLMOutputWithPast(loss=loss)
+
+
+def _bounds(length: int, sp) -> tuple[int, int, int]:
+    """``(pad, lo, hi)``: the whole sequence padded to a multiple of N, this rank's slice ``[lo, hi)`` of it."""
+    pad = (-length) % sp.size
+    width = (length + pad) // sp.size
+    return pad, sp.rank * width, (sp.rank + 1) * width
+
+
+def _slice_of(t: torch.Tensor, fill: int, sp) -> torch.Tensor:
+    """This rank's slice ``[B, (S + pad) / N]`` of a whole-sequence ``t [B, S]``, padded with ``fill``."""
+    pad, lo, hi = _bounds(t.shape[1], sp)
+    return F.pad(t, (0, pad), value=fill)[:, lo:hi]
 
 
 def token_logps_slice(model, sp, head_fn, input_ids, labels, packed_seq_lens, kwargs) -> tuple:
@@ -149,7 +168,7 @@ def _decoder_on_slice(model, sp, input_ids, labels, shifted, num_items_in_batch,
     media = {k: kwargs.pop(k, None) for k in MEDIA}
     if packed_seq_lens is not None and attention_mask is not None:
         raise ValueError("a packed row takes no attention_mask: the block mask comes from the positions")
-    n, device = sp.size, input_ids.device
+    device = input_ids.device
     b, s = input_ids.shape
 
     # 1. positions, shifted labels and the mask on the whole sequence; pad to a multiple of N; slice
@@ -161,9 +180,7 @@ def _decoder_on_slice(model, sp, input_ids, labels, shifted, num_items_in_batch,
         shifted = shift_labels(labels)
     if num_items_in_batch is None:
         num_items_in_batch = (shifted != IGNORE_INDEX).sum()  # the whole batch's, on every rank
-    pad = (-s) % n
-    width = (s + pad) // n
-    lo, hi = sp.rank * width, (sp.rank + 1) * width
+    pad, lo, hi = _bounds(s, sp)
     ids = F.pad(input_ids, (0, pad), value=_filler_id(model))
     shifted = F.pad(shifted, (0, pad), value=IGNORE_INDEX)
     mrope = F.pad(mrope, (0, pad), value=0)

@@ -20,9 +20,3 @@ def check(cfg: Config, need: Need) -> None:
         need(cfg.train.objective == "sft", f"model.mtp.train: train.objective={cfg.train.objective!r} has no MTP "
              "loss (its log-probs come from the main head alone); use train.objective=sft or model.mtp.train=false")
         need(cfg.loss.chunk, "model.mtp.train needs loss.chunk=true (the MTP loss goes through the chunked head)")
-        need(cfg.lora.r == 0, f"model.mtp.train: lora.r={cfg.lora.r} freezes the MTP layer's weights (no adapters "
-             "there); use lora.r=0 or model.mtp.train=false")
-        need(cfg.parallel.sp_size == 1, f"model.mtp.train: parallel.sp_size={cfg.parallel.sp_size} would give the "
-             "MTP layer one slice of the shifted sequence; use parallel.sp_size=1")
-        need(cfg.parallel.ep_size == 1, f"model.mtp.train: parallel.ep_size={cfg.parallel.ep_size} does not shard "
-             "the MTP layer's experts; use parallel.ep_size=1")

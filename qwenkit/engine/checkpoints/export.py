@@ -33,6 +33,7 @@ from qwenkit.data import video
 from qwenkit.distributed.meta import build_on_meta, set_buffer, tied_groups
 from qwenkit.engine.checkpoints.dcp import CheckpointError, resolve
 from qwenkit.model import lora
+from qwenkit.model.families import mtp
 from qwenkit.model.families.spec import ModelSpec, of_run
 
 log = logging.getLogger(__name__)
@@ -74,20 +75,21 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if cfg.lora.r > 0 and not merge:
-        load_peft(ckpt, cfg, spec).save_pretrained(tmp)
-    else:
-        load_hf(ckpt, cfg, spec).save_pretrained(tmp)
-        if spec.whole:
-            kept = keep_whole(spec, tmp)
-            log.info("export writes the whole model of %s: the trained %s beside its %d other tensors, unchanged",
-                     base, spec.family.whole.part, kept)  # fmt: skip
-        elif trained := trained_mtp(ckpt):  # model.mtp.train: the trained layer, under the checkpoint's names
-            keep_mtp(base, tmp, trained)
-            log.info("export writes the trained multi-token-prediction layer: %d mtp.* tensors", len(trained))
-        elif kept := keep_mtp(base, tmp):
-            log.info("export keeps the base model's multi-token-prediction layer: %d mtp.* tensors of %s, "
-                     "unchanged (not trained; vLLM and SGLang use them for speculative decoding)", kept, base)  # fmt: skip
+    adapter = cfg.lora.r > 0 and not merge
+    model = load_peft(ckpt, cfg, spec) if adapter else load_hf(ckpt, cfg, spec)
+    # model.mtp.train: the trained layer, under the checkpoint's names (a LoRA run's with its adapters merged)
+    trained = take_mtp(model) if cfg.lora.r > 0 else trained_mtp(ckpt)
+    model.save_pretrained(tmp)
+    if trained:
+        keep_mtp(base, tmp, trained)
+        log.info("export writes the trained multi-token-prediction layer: %d mtp.* tensors", len(trained))
+    elif spec.whole and not adapter:  # an adapter directory: the base's files stay the base's
+        kept = keep_whole(spec, tmp)
+        log.info("export writes the whole model of %s: the trained %s beside its %d other tensors, unchanged",
+                 base, spec.family.whole.part, kept)  # fmt: skip
+    elif not adapter and (kept := keep_mtp(base, tmp)):
+        log.info("export keeps the base model's multi-token-prediction layer: %d mtp.* tensors of %s, "
+                 "unchanged (not trained; vLLM and SGLang use them for speculative decoding)", kept, base)  # fmt: skip
     for name in PROCESSOR_FILES:
         if (base / name).is_file():
             shutil.copy2(base / name, tmp / name)
@@ -105,7 +107,7 @@ def export(checkpoint: str | Path, out: str | Path, cfg, merge: bool = False, ov
 
 
 RUN_CONFIG = "qwenkit_config.yaml"  # in an export: the run's resolved config (its eval set, metrics, sampling)
-MTP_PREFIX = "mtp."  # Qwen3.5's multi-token-prediction layer: in the checkpoints, not in HF's class
+MTP_PREFIX = mtp.PREFIX  # Qwen3.5's multi-token-prediction layer: in the checkpoints, not in HF's class
 MTP_FILE = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -125,6 +127,20 @@ def trained_mtp(ckpt: Path) -> dict:
     return {k[len("model.") :]: v for k, v in tensors.items()}
 
 
+def take_mtp(model) -> dict:
+    """The MTP layer of a LoRA run loaded by :func:`load_peft` (a ``model.mtp.train`` one), its adapters merged,
+    under the checkpoint's names (``mtp.fc.weight``), taken off ``model`` (and off peft's targets), so that
+    ``save_pretrained`` writes HF's class's own keys or adapters; ``{}``: no MTP layer."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(hf, "mtp", None) is None:
+        return {}
+    layer = lora.merge_in_place(hf.mtp)
+    del hf.mtp
+    for config in getattr(model, "peft_config", {}).values():  # the adapter directory adapts HF's class alone
+        config.target_modules = {t for t in config.target_modules if not t.startswith(MTP_PREFIX)}
+    return {MTP_PREFIX + k: v.detach().clone() for k, v in layer.state_dict().items()}
+
+
 def keep_mtp(base: Path, out: Path, trained: dict | None = None) -> int:
     """Copy the base checkpoint's ``mtp.*`` tensors, unchanged, into the export at ``out``; returns how many.
     ``trained``: those tensors as a ``model.mtp.train`` run left them, written instead.
@@ -132,7 +148,9 @@ def keep_mtp(base: Path, out: Path, trained: dict | None = None) -> int:
     HF's class does not load them (``_keys_to_ignore_on_load_unexpected``), so ``save_pretrained``
     drops them; they go to their own file, listed in the export's ``model.safetensors.index.json``
     (written when ``save_pretrained`` wrote a single file), which vLLM and SGLang read. Tensors are
-    read one at a time (``safe_open``), never the whole base.
+    read one at a time (``safe_open``), never the whole base. A LoRA run's adapter directory (no
+    weights of HF's class to index beside) gets the trained layer's file alone, merged: peft's file cannot hold
+    adapters of a layer HF's class does not have.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -150,6 +168,8 @@ def keep_mtp(base: Path, out: Path, trained: dict | None = None) -> int:
     if not tensors:
         return 0
     save_file(tensors, out / MTP_FILE, metadata={"format": "pt"})
+    if not (out / INDEX).is_file() and not (out / "model.safetensors").is_file():  # an adapter directory
+        return len(tensors)
     if (out / INDEX).is_file():
         written = json.loads((out / INDEX).read_text())
     else:  # one file: index it, so that readers of the index find both
@@ -223,6 +243,9 @@ def load_peft(checkpoint: str | Path, cfg, spec: ModelSpec):
     base = spec.path
     hf_class = spec.family.load("hf_class")
     hf = hf_class.from_pretrained(base, config=spec.hf_config(), dtype=DTYPES[cfg.model.dtype], local_files_only=True)
+    if cfg.model.mtp.train:  # the trained MTP layer (HF's class has none): the base's weights, adapted as in training
+        mtp.attach(hf, cfg.model.mtp.layers or spec.family.mtp_layers, cfg.model.mtp.loss_weight)
+        mtp.load_from_checkpoint(hf, base)
     config = lora.peft_config(cfg.lora, hf, modules_to_save=True)
     config.base_model_name_or_path = str(base)
     peft_model = get_peft_model(hf, config)
@@ -320,7 +343,9 @@ def load_hf(checkpoint: str | Path, cfg, spec: ModelSpec):
     """A checkpoint's model as a plain HF model of its family (e.g. ``Qwen3VLForConditionalGeneration``) on the CPU;
     ``spec``: the run's model (:func:`qwenkit.model.families.spec.of_run` of ``cfg.model``).
 
-    A LoRA run's is its :func:`load_peft` model with the adapters merged (peft's ``merge_and_unload``).
+    A LoRA run's is its :func:`load_peft` model with the adapters merged (peft's ``merge_and_unload``); a
+    ``model.mtp.train`` one's then carries its MTP layer, merged too, as ``mtp`` (``qwenkit eval`` measures
+    its acceptance there; the export takes it off, :func:`take_mtp`).
 
     Runs in one process without a process group: DCP gathers every shard into full tensors of
     the HF model built with parameters on meta, then given CPU storage. Non-persistent buffers

@@ -117,7 +117,10 @@ class WithAcceptance:
 
 def attach(model: nn.Module, source) -> int:
     """Put the MTP layer on ``model`` (HF's class, evaluated) from ``source`` (an
-    :class:`~qwenkit.engine.generation.eval_command.EvalSource`); returns its tensors' count."""
+    :class:`~qwenkit.engine.generation.eval_command.EvalSource`); returns its tensors' count. A LoRA run's
+    checkpoint arrives with it (:func:`qwenkit.engine.checkpoints.export.load_hf`: its adapters merged)."""
+    if getattr(model, "mtp", None) is not None:
+        return len(model.mtp.state_dict())
     tensors = trained_mtp(source.path) if source.kind == "checkpoint" else {}
     depths = {k.split(".")[2] for k in tensors if k.startswith(mtp.PREFIX + "layers.")}
     mtp.attach(model, len(depths) or source.spec.family.mtp_layers, 0.0)

@@ -205,15 +205,21 @@ class ChunkLossMixin(Positions):
         outputs = self.model(input_ids=input_ids, use_cache=False, return_dict=True, **kwargs)
         loss_fn = self.chunk_loss_fn(shifted, loss_type, num_items_in_batch, num_samples)
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, loss_fn=loss_fn)
-        if getattr(self, "mtp", None) is not None and loss_type != TOKEN_SUM:  # model.mtp.train (Qwen3.5)
-            extra = mtp_loss(self, outputs.last_hidden_state, input_ids, labels, self._packed_seq_lens, loss_fn)
-            self.last_mtp_loss = extra.detach()
-            loss = loss + self.mtp_loss_weight * extra
+        loss = self.with_mtp_loss(loss, outputs.last_hidden_state, input_ids, labels, self._packed_seq_lens, loss_fn, loss_type)
         loss, aux = self._with_aux_loss(loss, outputs, kwargs.get("attention_mask"), loss_type)
         # HF's output class with HF's fields (hidden states, attentions, rope deltas / media
         # outputs, router logits, by version) taken from the backbone as its forward does; logits never exist
         rest = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(self.output_class)}
         return self.output_class(**{**rest, "loss": loss, "logits": None, **({"aux_loss": aux} if aux is not None else {})})
+
+    def with_mtp_loss(self, loss, hidden, input_ids, labels, packed_seq_lens, loss_fn, loss_type, view=None):
+        """``loss`` plus the weighted MTP loss (``model.mtp.train``, Qwen3.5: :func:`~qwenkit.model.families.mtp.mtp_loss`,
+        its value kept as ``last_mtp_loss``); ``loss`` as is without the layer, or for evaluation's token sums."""
+        if getattr(self, "mtp", None) is None or loss_type == TOKEN_SUM:
+            return loss
+        extra = mtp_loss(self, hidden, input_ids, labels, packed_seq_lens, loss_fn, view)
+        self.last_mtp_loss = extra.detach()
+        return loss + self.mtp_loss_weight * extra
 
     def sequence_logps(self, input_ids=None, labels=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence ``(sums [B], counts [B])`` of the label log-probs, without logits (preference

@@ -254,7 +254,8 @@ class Family:
     tiny_config: str  # the tiny default's config builder, "module:attr"
     # (parameter-count part, module-path prefixes), first match wins; model.freeze names these paths too
     parts: tuple[tuple[str, tuple[str, ...]], ...]
-    lora_towers: dict[str, tuple[str, ...]]  # "text" / "vision": module-path prefixes LoRA adapts
+    # "text" / "vision" / "mtp" (the MTP layer model.mtp.train attaches): module-path prefixes LoRA adapts
+    lora_towers: dict[str, tuple[str, ...]]
     shard_units: tuple[str, ...]  # parallel.shard_patterns for this family's module tree
     recompute_units: tuple[str, ...]  # parallel.recompute: the decoder layers
     fused_ops: tuple[str, ...]  # model.fused_ops that match this family's modules
@@ -389,6 +390,9 @@ class Family:
                             "families have one); use model.mtp.train=false")  # fmt: skip
         elif mtp.train and mtp.layers > self.mtp_layers:
             problems.append(f"model.mtp.layers={mtp.layers}: {self.name}'s checkpoints hold {self.mtp_layers}")
+        elif mtp.train and cfg.lora.r > 0 and "mtp" not in self.lora_towers:
+            problems.append(f"model.mtp.train: lora.r={cfg.lora.r} would freeze {self.name}'s MTP layer (its entry "
+                            "gives LoRA no adapters there); use lora.r=0 or model.mtp.train=false")  # fmt: skip
         ops = cfg.model.fused_ops
         unfit = [op for op in ops if op not in self.fused_ops] if isinstance(ops, (list, tuple)) else []
         if unfit:

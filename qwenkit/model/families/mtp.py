@@ -112,17 +112,25 @@ def shifted_ids(input_ids: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.cat([input_ids[:, offset:], input_ids[:, -1:].expand(-1, offset)], dim=1)
 
 
-def mtp_loss(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, packed_seq_lens, loss_fn) -> torch.Tensor:
+def mtp_loss(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, packed_seq_lens, loss_fn,
+             view=None) -> torch.Tensor:  # fmt: skip
     """The MTP depths' mean loss on the backbone's ``hidden [B, S, H]``; ``loss_fn``: the main loss's
-    :func:`~qwenkit.model.losses.cross_entropy.chunked_linear_cross_entropy` partial (its normaliser), given pre-shifted targets."""
+    :func:`~qwenkit.model.losses.cross_entropy.chunked_linear_cross_entropy` partial (its normaliser), given pre-shifted targets.
+
+    ``view(t [B, S], fill)``: what this rank holds of a whole-sequence tensor under sequence parallelism (its
+    slice ``[B, S/N]``, :func:`qwenkit.model.parallel.forward_slice`), ``hidden`` being that slice's. The ids are
+    shifted and the targets built on the whole sequence before slicing, so the last positions of a slice take
+    the next slice's tokens; the layer's attention is the backbone's (the recorded keywords: Ulysses over the group)."""
+    view = view or (lambda t, fill: t)
     docs = doc_ids(labels, packed_seq_lens)
     embed = model.model.get_input_embeddings()
     kwargs = model._mtp_layer_kwargs
     total = 0.0
     for depth in range(len(model.mtp.layers)):
-        hidden = model.mtp(hidden, embed(shifted_ids(input_ids, depth + 1)), depth, kwargs)
-        fn = functools.partial(loss_fn, shifted=targets(labels, depth + 2, docs))
-        total = total + model.lm_head(hidden, labels=labels, loss_fn=fn)
+        ids = view(shifted_ids(input_ids, depth + 1), 0)  # the padding: after every real position, its targets ignored
+        hidden = model.mtp(hidden, embed(ids), depth, kwargs)
+        fn = functools.partial(loss_fn, shifted=view(targets(labels, depth + 2, docs), IGNORE_INDEX))
+        total = total + model.lm_head(hidden, labels=None, loss_fn=fn)
     return total / len(model.mtp.layers)
 
 

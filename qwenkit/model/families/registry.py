@@ -72,6 +72,11 @@ _QWEN4_EXP_PARTS = (*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.laye
 _VLLM_QWEN4_EXP = "vLLM 0.32 has no qwen4_exp model (no Qwen4ExpForConditionalGeneration in its registry)"
 # what vLLM 0.32 cannot do for a family (Family.vllm_refusal; docs/TRAINING.md has the evidence)
 _ROUTERS = ("model.language_model.layers.*.mlp.gate",)  # a MoE family's top-k routers (grpo.routing_replay)
+# Qwen3.5's MTP layer as model.mtp.train attaches it (qwenkit.model.families.mtp): a decoder layer of the backbone's
+# kind at the model's top level; LoRA adapts its linears as the language model's (a tower of its own), expert
+# parallelism splits its routed experts as the backbone's, the same routers never adapted
+_MTP_TOWER = ("mtp",)
+_MTP_EXPERTS = "mtp.layers.*.mlp.experts"
 # vLLM 0.32 names the Omni models by their whole checkpoints only (its thinker reads hf_config.thinker_config and
 # thinker.-prefixed weights); docs/TRAINING.md has what was tried
 _VLLM_OMNI = ("vLLM 0.32 loads an Omni model from a whole checkpoint's config only (no thinker-only architecture in its "
@@ -147,7 +152,7 @@ FAMILIES: dict[str, Family] = {
             subclass="qwenkit.model.families.qwen3_5:QwenkitQwen3_5",
             tiny_config="qwenkit.model.families.tiny_configs:qwen3_5_config",
             parts=_QWEN3_5_PARTS,
-            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",), "mtp": _MTP_TOWER},
             shard_units=_SHARD,
             recompute_units=_LAYERS,
             # the text RMSNorms scale by (1 + weight) and the linear attention's norm is gated: no kernel
@@ -165,19 +170,21 @@ FAMILIES: dict[str, Family] = {
             subclass="qwenkit.model.families.qwen3_5:QwenkitQwen3_5Moe",
             tiny_config="qwenkit.model.families.tiny_configs:qwen3_5_moe_config",
             parts=(*_QWEN3_5_PARTS[:2], ("experts", ("model.language_model.layers.*.mlp.experts",)), *_QWEN3_5_PARTS[2:]),
-            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",)},
+            lora_towers={"text": _TEXT, "vision": ("model.visual.blocks",), "mtp": _MTP_TOWER},
             shard_units=_SHARD,
             recompute_units=_LAYERS,
             # all-linear adapts attention, linear attention and the shared expert: the routed experts are fused
-            # 3-D parameters (no linears); the router and the shared expert's gate are never adapted
-            lora_exclude=("model.language_model.layers.*.mlp.gate", "model.language_model.layers.*.mlp.shared_expert_gate"),
+            # 3-D parameters (no linears); the router and the shared expert's gate are never adapted (the MTP layer's neither)
+            lora_exclude=("model.language_model.layers.*.mlp.gate", "model.language_model.layers.*.mlp.shared_expert_gate",
+                          "mtp.layers.*.mlp.gate", "mtp.layers.*.mlp.shared_expert_gate"),
             fused_ops=("swiglu",),  # the shared expert's MLP; the routed experts are fused 3-D parameters
             patch_size=16,
             **_QWEN3_5_DATA,
             mixers=("attention", "linear_attention"),
             mtp_layers=1,
             aux_loss=True,
-            experts=("model.language_model.layers.*.mlp.experts",),  # the shared expert stays outside: a dense MLP
+            # the shared expert stays outside: a dense MLP; the MTP layer's experts (model.mtp.train) split alike
+            experts=("model.language_model.layers.*.mlp.experts", _MTP_EXPERTS),
             routers=_ROUTERS,
         ),
         # Qwen4-Exp (transformers >= 5.23): hyper-connection streams around every decoder layer, the QSA indexer

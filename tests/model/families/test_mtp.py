@@ -134,6 +134,78 @@ def test_trained_through_the_trainer_logged_and_exported_under_the_checkpoints_n
     families.get(family).load("hf_class").from_pretrained(exported)  # HF's class loads the export
 
 
+LORA = ["lora.r=4", "lora.alpha=8"]
+
+
+@over_families("qwen3_5", "qwen3_5_moe")
+def test_lora_adapts_the_mtp_layer_and_its_loss_trains_the_adapters(family):
+    """``all-linear`` puts adapters on the MTP layer's fc, attention and MLP (never a MoE's routers), and they
+    alone of it train; with lora_B = 0 at the start each B's gradient is the MTP loss's (the main loss does
+    not reach the layer), and with the MTP weight doubled it doubles."""
+    from qwenkit.model import lora
+
+    grads = {}
+    for weight in (0.5, 1.0):
+        cfg = qconfig.load(overrides=[f"model.path={tiny_checkpoint(family)}", f"model.name={family}", *LORA,
+                                      "model.mtp.train=true", f"model.mtp.loss_weight={weight}"])  # fmt: skip
+        model = build(cfg.model, cfg.loss).train()
+        targets = [t for t in lora.apply(model, cfg.lora, seed=0) if t.startswith("mtp.")]
+        assert "mtp.fc" in targets and "mtp.layers.0.self_attn.q_proj" in targets and "mtp.layers.0.self_attn.o_proj" in targets
+        assert any(t.startswith("mtp.layers.0.mlp.") and t.endswith("down_proj") for t in targets)
+        assert not any(t.endswith((".mlp.gate", "shared_expert_gate")) for t in targets)
+        ids = torch.randint(0, model.config.text_config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        trained = {n: p for n, p in model.named_parameters() if n.startswith("mtp.") and p.requires_grad}
+        assert trained and all(lora.is_adapter_key(n) for n in trained)
+        grads[weight] = {n: p.grad.clone() for n, p in trained.items() if ".lora_B." in n}
+        assert len(grads[weight]) == len(targets) and all(g.abs().sum() > 0 for g in grads[weight].values())
+    for name, grad in grads[1.0].items():
+        torch.testing.assert_close(grad, 2 * grads[0.5][name], **TIGHT, msg=name)
+
+
+@over_families("qwen3_5")
+def test_lora_through_the_trainer_exports_the_mtp_layer_merged_as_base_plus_delta(family, tmp_path):
+    """The export's ``mtp.*`` (merged, and beside the adapter directory) = the base's weight + alpha/r B A of
+    the run's trained adapters, under the checkpoint's names; peft's adapter file holds HF's class's adapters only."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from qwenkit.engine.checkpoints import export as hf_export
+    from qwenkit.engine.run import train
+
+    base = tiny_checkpoint(family)
+    run = tmp_path / "run"
+    cfg = qconfig.load(overrides=[f"model.path={base}", f"model.name={family}", "model.mtp.train=true", "train.steps=2",
+                                  "data.tiny_samples=4", "train.micro_batch_size=2", "train.resume=none", *LORA,
+                                  "train.warmup_steps=1", "train.eval_samples=0", "train.lr=1e-2",
+                                  f"train.output_dir={run}"])  # fmt: skip
+    train.run(cfg)
+    adapters = hf_export.trained_mtp(hf_export.resolve(run))  # the checkpoint holds what trains: the adapters
+    with safe_open(base / "model.safetensors", framework="pt") as f:
+        before = {k: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")}
+    expected = dict(before)
+    for key in adapters:
+        if ".lora_A." in key:
+            module = key.removesuffix(".lora_A.default.weight")
+            delta = adapters[f"{module}.lora_B.default.weight"] @ adapters[key]
+            expected[f"{module}.weight"] = before[f"{module}.weight"] + 8 / 4 * delta
+    assert len(adapters) == 2 * 8 and all(lora_b.abs().sum() > 0 for k, lora_b in adapters.items() if ".lora_B." in k)
+    merged = hf_export.export(run, tmp_path / "merged", cfg, merge=True)
+    adapter = hf_export.export(run, tmp_path / "adapter", cfg)
+    index = json.loads((merged / hf_export.INDEX).read_text())["weight_map"]
+    assert {k for k in index if k.startswith("mtp.")} == set(before)
+    for out in (merged, adapter):
+        got = load_file(out / hf_export.MTP_FILE)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, **TIGHT, msg=lambda m, k=key, o=out.name: f"{o} {k}: {m}")
+    assert not torch.equal(expected["mtp.fc.weight"], before["mtp.fc.weight"])
+    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as f:
+        assert f.keys() and not any(".mtp." in k for k in f.keys())
+    assert not any(t.startswith("mtp.") for t in json.loads((adapter / "adapter_config.json").read_text())["target_modules"])
+    families.get(family).load("hf_class").from_pretrained(merged)  # HF's class loads the merged export
+
+
 @pytest.mark.parametrize("keys, said", [
     (["model.name=qwen2_5_vl"], "model.mtp.train: qwen2_5_vl has no multi-token-prediction layer"),
     (["model.name=qwen3_5", "model.mtp.layers=2"], "model.mtp.layers=2: qwen3_5's checkpoints hold 1"),
@@ -148,6 +220,16 @@ def test_mtp_a_model_cannot_train_is_refused_before_start(tmp_path, monkeypatch,
     assert not out.exists()
 
 
+def test_an_entry_without_an_mtp_tower_refuses_lora_with_mtp_training():
+    """Qwen4-Exp's entry gives LoRA no adapters on its MTP layer: the layer would stay frozen, its loss training
+    nothing; the Qwen3.5 entries have the tower."""
+    cfg = qconfig.load(overrides=["model.mtp.train=true", "lora.r=4"])
+    said = [p for p in families.get("qwen4_exp").problems(cfg) if p.startswith("model.mtp.train")]
+    assert said == ["model.mtp.train: lora.r=4 would freeze qwen4_exp's MTP layer (its entry gives LoRA no adapters "
+                    "there); use lora.r=0 or model.mtp.train=false"]  # fmt: skip
+    assert not [p for f in ("qwen3_5", "qwen3_5_moe") for p in families.get(f).problems(cfg) if p.startswith("model.mtp")]
+
+
 LR, STEPS = 2e-3, 3
 FP32 = dict(rtol=1e-5, atol=1e-5)  # fp32 both sides; sums over ranks and micro-batches run in another order
 RANKS_BASE = [f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=2", "train.warmup_steps=1",
@@ -155,7 +237,9 @@ RANKS_BASE = [f"train.steps={STEPS}", f"train.lr={LR}", "train.micro_batch_size=
               "model.mtp.train=true", "model.mtp.loss_weight=0.5", "data.tiny_eval_samples=5",
               "train.eval_samples=0"]  # fmt: skip
 # the 2-rank runs take grad_accum=1, the one-process reference grad_accum=2: the same 4 samples per step
-RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta", "parallel.recompute=auto"]}  # recompute: the hook refires
+RANKS_RUNS = {"cpu": [], "meta": ["model.init_device=meta", "parallel.recompute=auto"],  # recompute: the hook refires
+              "lora": LORA}  # fmt: skip
+REFERENCE = {"cpu": "cpu", "meta": "cpu", "lora": "lora"}  # each 2-rank run's one-process twin
 RANKS_KEYS = ("loss", "mtp_loss", "grad_norm", "eval_loss", "eval_mtp_acceptance")  # eval: at the last step
 
 
@@ -164,16 +248,33 @@ def _train_ranks(rank, out, family, runs, grad_accum):
 
     dist.init_process_group("gloo")
     for name, overrides in runs.items():
-        cfg = qconfig.load(overrides=RANKS_BASE + overrides + [f"model.path={tiny_checkpoint(family)}",
-                                                               f"model.name={family}", f"train.grad_accum={grad_accum}",
-                                                               f"train.output_dir={out}/{name}"])  # fmt: skip
+        cfg = qconfig.load(overrides=RANKS_BASE + [f"model.path={tiny_checkpoint(family)}", f"model.name={family}",
+                                                   f"train.grad_accum={grad_accum}", f"train.output_dir={out}/{name}",
+                                                   *overrides])  # fmt: skip
         trainer = train.run(cfg)
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        trained = sorted(n.replace("._checkpoint_wrapped_module", "") for n, p in trainer.model.named_parameters()
+                         if p.requires_grad)  # fmt: skip
+        layout = {n: str(p.device_mesh.mesh_dim_names) for n, p in trainer.model.named_parameters()
+                  if n.startswith("mtp.") and n.rpartition(".")[2] in ("gate_up_proj", "down_proj")}  # fmt: skip
         if rank == 0:
             torch.save({key: [h[key] for h in trainer.history if key in h] for key in RANKS_KEYS}
-                       | {"state": state}, out / f"{name}.pt")  # fmt: skip
+                       | {"state": state, "trained": trained, "layout": layout}, out / f"{name}.pt")  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _assert_same_runs(got, ref, name):
+    for key in RANKS_KEYS:
+        assert len(got[key]) == len(ref[key]), (name, key)
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), **FP32, msg=lambda m, k=key: f"{name} {k}: {m}")
+    assert got["trained"] == ref["trained"]
+    assert_adamw_weights_close(got["state"], ref["state"], FP32, lr=LR, steps=STEPS, trained=got["trained"])
+    adapters = [n for n in got["trained"] if n.startswith("mtp.") and ".lora_B." in n]
+    if adapters:  # the MTP layer's adapters trained (B moved off zero), its base weights did not (the check above)
+        assert all(got["state"][n].abs().sum() > 0 for n in adapters)
+    else:  # the head trained: not two untouched copies
+        assert got["mtp_loss"][-1] < got["mtp_loss"][0]
 
 
 @pytest.mark.slow
@@ -181,14 +282,55 @@ def _train_ranks(rank, out, family, runs, grad_accum):
 def test_two_ranks_equal_one_process(family, tmp_path):
     tiny_checkpoint(family)  # written once here, so the ranks only read it
     one, two = tmp_path / "one", tmp_path / "two"
-    check_ranks(_train_ranks, 1, one, family, {"cpu": []}, 2, timeout=600)
+    check_ranks(_train_ranks, 1, one, family, {n: RANKS_RUNS[n] for n in set(REFERENCE.values())}, 2, timeout=600)
     check_ranks(_train_ranks, 2, two, family, RANKS_RUNS, 1, timeout=600)
-    ref = torch.load(one / "cpu.pt")
-    assert any(k.startswith("mtp.layers.0.self_attn") for k in ref["state"]) and "mtp.fc.weight" in ref["state"]
     for name in RANKS_RUNS:
-        got = torch.load(two / f"{name}.pt")
+        ref, got = torch.load(one / f"{REFERENCE[name]}.pt"), torch.load(two / f"{name}.pt")
         assert len(got["loss"]) == STEPS and len(got["eval_mtp_acceptance"]) == 1  # 5 rows: rank 1 runs a filler
-        for key in RANKS_KEYS:
-            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), **FP32, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
-        assert_adamw_weights_close(got["state"], ref["state"], FP32, lr=LR, steps=STEPS)
-        assert got["mtp_loss"][-1] < got["mtp_loss"][0]  # the head trained: not two untouched copies
+        _assert_same_runs(got, ref, name)
+        mtp_trained = [n for n in got["trained"] if n.startswith("mtp.")]
+        if name == "lora":
+            assert mtp_trained and all(".lora_" in n for n in mtp_trained)
+        else:
+            assert "mtp.fc.weight" in mtp_trained and any(n.startswith("mtp.layers.0.self_attn") for n in mtp_trained)
+
+
+# expert parallelism through the MTP layer of Qwen3.5-MoE: ep_size=2 against ep_size=1 on the same 2 ranks
+EP_RUNS = {"ep1": [], "ep2": ["parallel.ep_size=2"],
+           "ep1_lora": [*LORA, "lora.target_experts=true"], "ep2_lora": [*LORA, "lora.target_experts=true", "parallel.ep_size=2"]}  # fmt: skip
+EP_RUNS = {name: ["parallel.nproc=2", *overrides] for name, overrides in EP_RUNS.items()}
+
+
+@pytest.mark.slow
+@over_families("qwen3_5_moe")
+def test_ep_2_splits_the_mtp_layers_experts_and_trains_as_ep_1(family, tmp_path):
+    """The MTP layer's routed experts on the (efsdp, ep) mesh as the backbone's; losses (with the router's aux
+    loss), mtp_loss, grad norms, eval and the weights (the MTP experts' and their adapters included) = ep_size=1's."""
+    tiny_checkpoint(family)
+    check_ranks(_train_ranks, 2, tmp_path, family, EP_RUNS, 1, timeout=900)
+    for name in ("ep2", "ep2_lora"):
+        got, ref = torch.load(tmp_path / f"{name}.pt"), torch.load(tmp_path / f"{name.replace('ep2', 'ep1')}.pt")
+        assert got["layout"] and all("'ep'" in mesh for mesh in got["layout"].values()), got["layout"]
+        assert not any("'ep'" in mesh for mesh in ref["layout"].values())
+        _assert_same_runs(got, ref, name)
+        assert any(n.startswith("mtp.layers.0.mlp.experts.") for n in got["trained"])  # its experts (or their adapters) train
+
+
+# Ulysses SP through the MTP layer: one group of 2 ranks (grad_accum=2: the 4 samples of the one-process step)
+SP_RUNS = {"sp": ["parallel.nproc=2", "parallel.sp_size=2", "train.grad_accum=2"],
+           "sp_packed": ["parallel.nproc=2", "parallel.sp_size=2", "train.grad_accum=2", "data.packing=true"]}  # fmt: skip
+SP_REFERENCE = {"sp": ("cpu", []), "sp_packed": ("packed", ["data.packing=true"])}
+
+
+@pytest.mark.slow
+@over_families("qwen3_5")
+def test_sp_2_equals_sp_1_through_the_mtp_layer(family, tmp_path):
+    """parallel.sp_size=2 (each rank a slice of every row, the MTP layer's shifted ids and targets taken across
+    the slice boundary, its attention Ulysses') = one process: losses, mtp_loss, grad norms, eval, weights;
+    padded and packed rows."""
+    tiny_checkpoint(family)
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ranks(_train_ranks, 1, one, family, dict(SP_REFERENCE.values()), 2, timeout=600)
+    check_ranks(_train_ranks, 2, two, family, SP_RUNS, 1, timeout=600)
+    for name, (reference, _) in SP_REFERENCE.items():
+        _assert_same_runs(torch.load(two / f"{name}.pt"), torch.load(one / f"{reference}.pt"), name)
