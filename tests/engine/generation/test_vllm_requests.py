@@ -15,11 +15,8 @@ from videos import write_video
 
 from qwenkit import config as qconfig
 from qwenkit import data
-<<<<<<< HEAD
-from qwenkit.engine.generation.vllm_patches import trainer_mrope_positions
-=======
 from qwenkit.engine.generation import vllm_requests as wire
->>>>>>> vserver
+from qwenkit.engine.generation.vllm_patches import trainer_mrope_positions
 from qwenkit.engine.generation.vllm_requests import prompt_ids, request
 
 
@@ -78,7 +75,6 @@ def test_a_qwen3_vl_prompt_expands_back_into_the_kits_and_a_time_text_tokenized_
 
 def test_a_qwen2_5_vl_prompt_expands_back_into_the_kits(tmp_path):
     dataset = _dataset(tmp_path, "qwen2_5_vl")
-<<<<<<< HEAD
     processor = dataset.processor
     asked, inputs, _ = request(dataset, 0)
     ids, sent = inputs["input_ids"][0].tolist(), asked["prompt_token_ids"]
@@ -134,9 +130,6 @@ def test_the_positions_given_vllms_qwen2_5_vl_are_transformers_and_the_trainers(
     want, _ = model.get_rope_index(full, mm_token_type_ids=types, **kwargs)  # [3, 1, S + 3]
     assert torch.equal(got, want[:, 0, : len(ids)])
     assert torch.equal(want[:, 0, len(ids) :], (torch.arange(len(ids), full.shape[1]) + delta).expand(3, -1))
-=======
-    with pytest.raises(ValueError, match=r"rows.json: row 0: vLLM does not take this family's videos yet"):
-        request(dataset, 0)
 
 
 def test_a_request_and_a_reply_cross_the_wire_unchanged(tmp_path):
@@ -159,4 +152,3 @@ def test_a_request_and_a_reply_cross_the_wire_unchanged(tmp_path):
     reply = wire.reply_from_wire(json.loads(json.dumps(wire.reply_to_wire(out))))
     assert reply.prompt_token_ids == [1, 2] and reply.outputs[0].token_ids == [5, 9]
     assert reply.outputs[0].logprobs[0][5].logprob == lp and reply.outputs[0].logprobs[1][4].logprob == -1.5
->>>>>>> vserver
