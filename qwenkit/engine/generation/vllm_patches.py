@@ -67,7 +67,10 @@ def apply() -> list[str]:
     """Set every patch not set yet; returns the ``Class.attribute`` names set now (none on a second call)."""
     done = []
     for (module, cls, attr), new in _patches().items():
-        owner = _owner(module, cls)
+        try:
+            owner = _owner(module, cls)
+        except (ImportError, AttributeError):  # a vLLM without the model (a stand-in, another build): nothing to patch
+            continue
         if owner.__dict__.get(attr) is new:
             continue
         _ORIGINALS[(module, cls, attr)] = owner.__dict__[attr]
