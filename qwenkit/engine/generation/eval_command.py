@@ -33,8 +33,8 @@ from qwenkit.engine.generation import generate as qgen
 from qwenkit.engine.generation import mtp_acceptance, vllm_engine
 from qwenkit.engine.generation.evaluate import eval_loss, generate_and_score
 from qwenkit.errors import COMMAND_ENV
-from qwenkit.model.families.entry import vllm_problem
 from qwenkit.model.families.spec import ModelSpec, of_export, of_run
+from qwenkit.model.families.vllm_limits import vllm_problem
 from qwenkit.model.paths import load_processor
 from qwenkit.model.processor import Processor, pixel_bounds
 

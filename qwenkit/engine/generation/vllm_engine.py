@@ -59,7 +59,7 @@ from qwenkit.engine.generation.push_tensors import checkpoint_tensors
 from qwenkit.engine.generation.vllm_client import ServedEngine
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.errors import KnownCause
-from qwenkit.model.families.entry import vllm_problem
+from qwenkit.model.families.vllm_limits import vllm_problem
 from qwenkit.model.processor import pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops
 from qwenkit.rundir import RunDir

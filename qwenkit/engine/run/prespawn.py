@@ -35,7 +35,7 @@ from qwenkit.engine.run import optim
 from qwenkit.model import lora
 from qwenkit.model.families import build as registry
 from qwenkit.model.families import registry as families
-from qwenkit.model.families.entry import vllm_problem
+from qwenkit.model.families.vllm_limits import vllm_problem
 from qwenkit.model.paths import load_processor, resolve_path
 
 
@@ -83,7 +83,7 @@ def check_before_spawn(cfg, nodes: int = 1, fewest_nodes: int | None = None) -> 
 def vllm_device_problems(cfg, path) -> list[str]:
     """What vLLM cannot run of the checkpoint at ``path`` (its experts' layout) or on this run's device (its CPU
     backend: a few head dims), where a key asks for vLLM; inside the engine it would fail only after the ranks
-    started (:func:`qwenkit.model.families.entry.vllm_problem`)."""
+    started (:func:`qwenkit.model.families.vllm_limits.vllm_problem`)."""
     keys = [f"{k}=vllm" for k, v in (("grpo.rollout_engine", cfg.grpo.rollout_engine),
                                       ("train.eval_engine", cfg.train.eval_engine)) if v == "vllm"]  # fmt: skip
     if not keys:

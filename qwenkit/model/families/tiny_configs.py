@@ -2,7 +2,7 @@
 
 Configuration classes only (no modeling code), so the tiny checkpoints are written by any transformers that
 has the family's config (the vLLM environment's too). Every attention head, decoder and vision, is 32 wide: the
-smallest vLLM's CPU attention runs (``entry.VLLM_CPU_HEAD_SIZES``), so vLLM runs the embedded default as it is.
+smallest vLLM's CPU attention runs (``vllm_limits.VLLM_CPU_HEAD_SIZES``), so vLLM runs the embedded default as it is.
 Qwen2.5-VL (:func:`qwen2_5_vl_config`): two vision
 blocks (one windowed, one with full attention), the 2x2 patch merger, mRoPE with ``mrope_section`` summing to
 ``head_dim / 2``, and a two-layer GQA text decoder. Qwen3-VL (:func:`qwen3_vl_config`): 16-px patches with a

@@ -6,7 +6,7 @@ so the embedded default runs with vLLM unchanged. Two things it does not take:
 - Qwen3.5's linear attention: vLLM's CPU Gated DeltaNet takes key and value head dims of 128 only (16 fails
   inside the engine with ``expect head_dim to be multiples of 32``, 32 with ``Unexpected head dim size``), and
   runs bf16 only. The tiny Qwen3.5s keep 16 (at 128 every Qwen3.5 test would take twice the compute), so a run
-  of them on vLLM on CPU is refused before any process starts (:func:`qwenkit.model.families.entry.vllm_cpu_problem`);
+  of them on vLLM on CPU is refused before any process starts (:func:`qwenkit.model.families.vllm_limits.vllm_cpu_problem`);
   :func:`widen` writes them at 128.
 - Qwen3-VL-MoE's fused experts in the layout of Qwen's published checkpoints (which vLLM reads), not the one
   transformers 5.x writes; the kit's own sharded loader (:func:`qwenkit.distributed.weights.load_hf_weights`)

@@ -32,7 +32,7 @@ from qwenkit.engine.generation import generate as qgen  # noqa: E402
 from qwenkit.engine.generation import vllm_engine, vllm_patches, vllm_requests  # noqa: E402
 from qwenkit.model import lora  # noqa: E402
 from qwenkit.model.families import registry as families  # noqa: E402
-from qwenkit.model.families.entry import VLLM_CPU_HEAD_SIZES  # noqa: E402
+from qwenkit.model.families.vllm_limits import VLLM_CPU_HEAD_SIZES  # noqa: E402
 from qwenkit.model.paths import load_processor  # noqa: E402
 from qwenkit.model.processor import pixel_bounds  # noqa: E402
 from qwenkit.model.tiny import vllm as tiny_vllm  # noqa: E402

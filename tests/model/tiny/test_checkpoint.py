@@ -6,7 +6,8 @@ import torch
 from conftest import EVERY_FAMILY
 
 from qwenkit.model.families import registry as families
-from qwenkit.model.families.entry import VLLM_CPU_HEAD_SIZES, text_config
+from qwenkit.model.families.entry import text_config
+from qwenkit.model.families.vllm_limits import VLLM_CPU_HEAD_SIZES
 from qwenkit.model.tiny import checkpoint as tiny
 
 
