@@ -16,6 +16,7 @@ last step's training loss without it), the mean step time after the first ``--sk
 
     flock /tmp/qwenkit-bench.lock python benchmarks/mtp.py            # 2 x 150 steps, ~3-4 min on 2 cores
     python benchmarks/mtp.py --steps 40                               # quicker look
+    python benchmarks/mtp.py --order on,off                            # the other variant first
 """
 
 from __future__ import annotations
@@ -78,9 +79,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--skip", type=int, default=5, help="first steps left out of the mean step time")
     p.add_argument("--weight", type=float, default=0.1, help="the recipe's model.mtp.loss_weight")
+    p.add_argument("--order", choices=("off,on", "on,off"), default="off,on",
+                   help="which run goes first (an order effect in the step time shows as a ratio that flips)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="qwenkit-mtp-") as tmp:
-        results = {v: run(v, Path(tmp) / v, args) for v in ("off", "on")}
+        results = {v: run(v, Path(tmp) / v, args) for v in args.order.split(",")}
+        results = {v: results[v] for v in ("off", "on")}
     results["on"]["acceptance_before"] = results["off"]["acceptance_before"] = results["on"]["acceptance_before"]
     for key in ("step_time_s", "peak_mib"):
         results["on"][key.split("_")[0] + "_ratio"] = results["on"][key] / results["off"][key]
