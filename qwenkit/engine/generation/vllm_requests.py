@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from qwenkit.data import audio
 from qwenkit.data.images import load
 
 
@@ -57,6 +58,12 @@ def request(dataset, i: int) -> tuple[dict, dict[str, torch.Tensor], object]:
               for ref, meta in zip(dataset.video_refs(i, conv), dataset.index.videos(i))]  # fmt: skip
     if videos:
         mm["video"] = [(frames, metadata) for frames, metadata, _ in videos]
+    if dataset.index.grids(i, "audio"):
+        if dataset.data.use_audio_in_video:
+            raise ValueError(f"{conv.where}: data.use_audio_in_video=true, and vLLM is not given a video's audio track "
+                             "by the kit; set it false, or use the hf engine")  # fmt: skip
+        base = dataset.sources[int(dataset.index.source[i])].base_dir
+        mm["audio"] = [(wave, audio.SAMPLE_RATE) for wave in audio.waves(conv, base)]
     times = [plan.timestamps if processor.family.video_timestamps else () for *_, plan in videos]
     out = {"prompt_token_ids": prompt_ids(inputs["input_ids"][0].tolist(), processor, times, conv.where)}
     if mm:
@@ -77,13 +84,14 @@ def prompt_ids(ids: list[int], processor, video_times: list[tuple[float, ...]], 
     """The kit's prompt ``ids`` with each image and video as the one placeholder vLLM expands (module
     docstring); ``video_times[k]``: video ``k``'s temporal-patch seconds, ``()`` where the family writes none."""
     image, video = processor.image_token_id, processor.video_token_id
+    pads = (image, video, *processor.audio_ids[1:2])  # an Omni thinker's audio pads collapse as an image's
     start, end = processor.vision_start_id, processor.vision_end_id
     times = iter(video_times)
     out: list[int] = []
     k = 0
     while k < len(ids):
         t = ids[k]
-        if t not in (image, video):
+        if t not in pads:
             out.append(t)
             k += 1
             continue
@@ -129,6 +137,9 @@ def to_wire(request: dict) -> dict:
         out["videos"] = [{"frames": base64.b64encode(np.ascontiguousarray(f, np.uint8).tobytes()).decode(),
                           "shape": list(f.shape), "metadata": {k: _plain(v) for k, v in meta.items()}}
                          for f, meta in videos]  # fmt: skip
+    if audios := mm.get("audio"):
+        out["audios"] = [{"wave": base64.b64encode(np.ascontiguousarray(w, np.float32).tobytes()).decode(), "rate": rate}
+                         for w, rate in audios]  # fmt: skip
     return out
 
 
@@ -140,6 +151,8 @@ def from_wire(payload: dict) -> dict:
     if videos := payload.get("videos"):
         mm["video"] = [(np.frombuffer(base64.b64decode(v["frames"]), np.uint8).reshape(v["shape"]), v["metadata"])
                        for v in videos]  # fmt: skip
+    if audios := payload.get("audios"):
+        mm["audio"] = [(np.frombuffer(base64.b64decode(a["wave"]), np.float32), a["rate"]) for a in audios]
     out = {"prompt_token_ids": payload["prompt_token_ids"]}
     if mm:
         out["multi_modal_data"] = mm

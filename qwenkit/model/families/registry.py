@@ -77,10 +77,9 @@ _ROUTERS = ("model.language_model.layers.*.mlp.gate",)  # a MoE family's top-k r
 # parallelism splits its routed experts as the backbone's, the same routers never adapted
 _MTP_TOWER = ("mtp",)
 _MTP_EXPERTS = "mtp.layers.*.mlp.experts"
-# vLLM 0.32 names the Omni models by their whole checkpoints only (its thinker reads hf_config.thinker_config and
-# thinker.-prefixed weights); docs/TRAINING.md has what was tried
-_VLLM_OMNI = ("vLLM 0.32 loads an Omni model from a whole checkpoint's config only (no thinker-only architecture in its "
-              "registry), and the kit's audio requests to it are not built yet")  # fmt: skip
+# vLLM 0.32 reads Qwen3-Omni's experts per expert (as Qwen's checkpoints ship them); the push sends them fused
+_VLLM_QWEN3_OMNI = ("vLLM 0.32's Qwen3-Omni thinker loads its experts per expert, and the kit's push of the fused "
+                    "experts under per-expert names is not built (Qwen2.5-Omni runs)")  # fmt: skip
 
 # what the two Omni thinkers share: the audio tower as a part of its own, LoRA's towers, the text decoder's
 # recompute units, the transformers 5.x module tree and what they do not run yet: packing and Ulysses SP (their
@@ -92,7 +91,6 @@ _OMNI = dict(
     recompute_units=_LAYERS,
     min_transformers="5.0",
     not_exact=("packing", "sequence parallelism"),
-    vllm_refusal=_VLLM_OMNI,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -259,6 +257,7 @@ FAMILIES: dict[str, Family] = {
             hf_module="qwen3_omni_moe",
             whole=Whole("qwen3_omni_moe", "transformers:Qwen3OmniMoeForConditionalGeneration",
                         "qwenkit.model.families.tiny_configs:qwen3_omni_moe_whole_config"),  # fmt: skip
+            vllm_refusal=_VLLM_QWEN3_OMNI,
             **_OMNI,
         ),
     )

@@ -43,8 +43,17 @@ SAMPLING = qgen.Sampling(max_new_tokens=NEW_TOKENS)  # greedy
 
 
 def _eval_set(root, cfg, processor):
-    """The generation tests' mixed held-out rows: text only, one and two images, a video."""
-    dataset, _ = data.read_checked(cfg.data, processor, write_mixed_eval_set(root))
+    """The generation tests' mixed held-out rows: text only, one and two images, a video; and for an Omni thinker a
+    row with an audio (a tone, stereo 44.1 kHz: decoded, downmixed and resampled by the kit)."""
+    path = write_mixed_eval_set(root)
+    if processor.audio_ids:
+        from data.test_audio import write_tone
+
+        rows = json.loads(open(path).read())
+        rows.append({"messages": [{"role": "user", "content": "<audio>What do you hear?"},
+                                  {"role": "assistant", "content": "A tone."}], "audios": [str(write_tone(root / "a.wav"))]})  # fmt: skip
+        open(path, "w").write(json.dumps(rows))
+    dataset, _ = data.read_checked(cfg.data, processor, path)
     return dataset
 
 
@@ -263,7 +272,8 @@ def _isolated_worker(rank, out, family, dtype):
     whether vLLM's replies agree with the kit's from the checkpoint, after 1 and after 3 pushes of the same weights,
     after a push of other weights, and (MoE) of a model with LoRA on its experts (fp32: token for token; bf16:
     :func:`_agrees`); and whether a push of the same weights leaves every tensor of vLLM's as loaded."""
-    path = tiny_vllm.ensure_checkpoint(family) if family in tiny_vllm.FAMILIES else ensure_checkpoint(family=family)
+    whole = families.get(family).whole is not None  # an Omni thinker: vLLM reads the whole model (vllm_omni)
+    path = tiny_vllm.ensure_checkpoint(family) if family in tiny_vllm.FAMILIES else ensure_checkpoint(family=family, whole=whole)
     cfg = qconfig.load(overrides=[f"model.path={path}", "data.max_length=2048", "data.tiny_samples=4"])
     processor = load_processor(cfg)
     dataset = _eval_set(out, cfg, processor)
@@ -293,8 +303,8 @@ def _isolated_worker(rank, out, family, dtype):
     (out / "result.json").write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module", params=[("qwen3_5", "bfloat16"), ("qwen3_vl_moe", "float32"), ("qwen3_5_moe", "bfloat16")],
-                ids=lambda p: p[0])  # fmt: skip
+@pytest.fixture(scope="module", params=[("qwen3_5", "bfloat16"), ("qwen3_vl_moe", "float32"), ("qwen3_5_moe", "bfloat16"),
+                                        ("qwen2_5_omni", "float32")], ids=lambda p: p[0])  # fmt: skip
 def isolated(request, tmp_path_factory):
     """``(family, dtype, result)`` of :func:`_isolated_worker`. Qwen3.5's Gated DeltaNet runs in bf16 only on vLLM's
     CPU backend, with linear-attention head dims of 128 (:mod:`qwenkit.model.tiny.vllm` widens the tiny Qwen3.5s');
