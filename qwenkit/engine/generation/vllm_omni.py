@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
 from qwenkit.model.tiny.data import cache_root
 
-VERSION = 1  # bumped when what engine_dir writes changes
+VERSION = 2  # bumped when what engine_dir writes changes
 WEIGHTS = (".safetensors", ".safetensors.index.json")
 # HF's Qwen2_5OmniProcessor reads these tokenizer attributes; the kit's processor's ids of each
 MEDIA_TOKENS = {"image_token": "image_token_id", "video_token": "video_token_id",
@@ -72,6 +73,13 @@ def _write(family, processor, src: Path, config: dict, whole: bool, out: Path) -
     else:
         config = {"architectures": [hf_class], "model_type": family.whole.model_type,
                   f"{family.whole.part}_config": config, "enable_audio_output": False}  # fmt: skip
+    vision = config[f"{family.whole.part}_config"].get("vision_config", {})
+    if "num_position_embeddings" in vision and "image_size" not in vision:
+        # vLLM's Qwen3-Omni tower reads two keys Qwen's published configs carry and transformers' config class does
+        # not: image_size, its position grid's side (HF's: sqrt(num_position_embeddings)) in pixels, and whether it adds
+        # those absolute positions (HF's tower always does)
+        vision["image_size"] = math.isqrt(vision["num_position_embeddings"]) * vision["patch_size"]
+        vision.setdefault("apply_vit_abs_pos_embed", True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tok = json.loads((src / "tokenizer_config.json").read_text())
     ids = {name: getattr(processor, attr) for name, attr in MEDIA_TOKENS.items()}
@@ -97,8 +105,11 @@ def whole_name(model, family, name: str, tensor) -> str:
         return name
     from transformers.core_model_loading import revert_weight_conversion
 
-    (saved,) = revert_weight_conversion(model, {name: tensor})
-    return saved if saved.startswith(family.whole.prefix) else family.whole.prefix + saved
+    saved = list(revert_weight_conversion(model, {name: tensor}))
+    if len(saved) != 1:  # fused experts the whole checkpoint holds per expert: Qwen3-Omni's, refused on vLLM (its entry)
+        raise ValueError(f"{name}: {family.whole.model_type} checkpoints hold it as {len(saved)} tensors; the push "
+                         "sends one per parameter")  # fmt: skip
+    return saved[0] if saved[0].startswith(family.whole.prefix) else family.whole.prefix + saved[0]
 
 
 __all__ = ["engine_dir", "whole_name"]

