@@ -19,9 +19,11 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   ``W + scaling * B @ A``, each expert's with ``lora.target_experts``; the adapters stay unmerged in the
   trained model); DoRA and ``lora.modules_to_save`` are refused before start (:mod:`qwenkit.config.vllm`).
 - **Prompts** (:mod:`qwenkit.engine.generation.vllm_requests`): the kit's own prompt token ids (the
-  dataset's template), each image and video as one placeholder, the row's images and the kit's
-  sampled video frames as ``multi_modal_data``: vLLM expands the placeholders itself, and its expanded
-  prompt is checked to be the kit's (:func:`~qwenkit.engine.generation.vllm_requests.check_prompts`).
+  dataset's template), each image, video and audio as one placeholder, the row's images, the kit's
+  sampled video frames and its decoded audio waves as ``multi_modal_data``: vLLM expands the placeholders itself,
+  and its expanded prompt is checked to be the kit's (:func:`~qwenkit.engine.generation.vllm_requests.check_prompts`).
+- **An Omni thinker** starts from the whole model's directory the kit writes (vLLM names the Omni models by their
+  whole checkpoints only), its pushed tensors named under ``thinker.`` (:mod:`qwenkit.engine.generation.vllm_omni`).
 - **The process stays the kit's** (:func:`protected`): vLLM's CPU worker replaces
   ``torch.set_num_threads`` with a no-op, binds memory to a NUMA node, changes environment variables
   (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...) and reseeds the global RNGs; every call into vLLM runs inside

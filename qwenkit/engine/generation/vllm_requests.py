@@ -1,7 +1,7 @@
 """A dataset row's prompt as a vLLM request that vLLM expands back into the kit's own prompt; the same request,
 and vLLM's reply, as JSON for a server (``vllm.mode: server``: :func:`to_wire`, :func:`reply_to_wire`).
 
-vLLM takes a prompt's token ids with each image or video as one placeholder, and the media as
+vLLM takes a prompt's token ids with each image, video or audio as one placeholder, and the media as
 ``multi_modal_data``; its processor expands each placeholder again (:func:`prompt_ids`):
 
 - **images**: each run of ``<|image_pad|>`` collapsed to one; the image file as read, which vLLM's
@@ -16,6 +16,11 @@ vLLM takes a prompt's token ids with each image or video as one placeholder, and
   video's pads collapse to one between its vision start and end; a Qwen3-VL video (``<t seconds>``
   before each temporal patch's vision span) becomes one bare ``<|video_pad|>``, which vLLM (with
   transformers >= 5.10) replaces by every patch's time text and span.
+- **audio** (Qwen2.5-Omni): each ``<audio>``'s wave as the kit decodes it (:func:`qwenkit.data.audio.waves`: PyAV,
+  float32 mono at 16 kHz; torchaudio is not needed), ``(wave, 16000)``, its run of audio pads collapsed to one
+  between the audio start and end; vLLM extracts the features with the kit's extractor
+  (:mod:`qwenkit.engine.generation.vllm_omni`) and expands the pad by HF's count. A row with
+  ``data.use_audio_in_video`` is refused by name: the kit does not hand vLLM a video's audio track.
 
 **Qwen2.5-VL videos' positions.** Its video is one vision span of ``t`` temporal patches; vLLM 0.32 starts the
 text after it at the span's largest position + 1 (the temporal one included), transformers 5.x at the span's start
@@ -124,7 +129,7 @@ def check_prompts(outs: list, asked: list[tuple[dict, dict, object]]) -> None:
 
 # --- the same requests and replies over HTTP (vllm.mode: server; qwenkit.engine.generation.vllm_server) ---------
 # A request keeps its token ids; each image travels as PNG (lossless: the server's pixels are the rank's), each video
-# as its raw uint8 frames and its metadata; a reply carries what the kit reads of vLLM's ``RequestOutput``.
+# as its raw uint8 frames and its metadata, each audio as its raw float32 wave and rate; a reply carries what the kit reads of vLLM's ``RequestOutput``.
 
 
 def to_wire(request: dict) -> dict:
