@@ -152,7 +152,11 @@ def padding_rule(family) -> str:
     (``frames``), and its last frame sees the STFT's reflection instead of zeros."""
     module = _processing(family)
     (processor,) = (getattr(module, name) for name in module.__all__ if name.endswith("Processor"))
-    padding = processor.audio_kwargs.get("padding", "max_length")
+    defaults = getattr(processor, "audio_kwargs", None)
+    if defaults is None:  # transformers before 5.2x (vLLM 0.32's 5.19): its kwargs class's defaults
+        (kwargs,) = (getattr(module, name) for name in dir(module) if name.endswith("ProcessorKwargs"))
+        defaults = kwargs._defaults["audio_kwargs"]
+    padding = defaults.get("padding", "max_length")
     return "longest" if padding is True else padding
 
 
@@ -167,7 +171,13 @@ def token_counter(family):
     """HF's own count of an audio's placeholder tokens from its mel frames, for ``family`` (an Omni entry):
     ``_get_feat_extract_output_lengths`` of the processor module of the entry's transformers submodule,
     the function ``Qwen2_5OmniProcessor`` / ``Qwen3OmniMoeProcessor`` expand ``<audio>`` with."""
-    return _processing(family)._get_feat_extract_output_lengths
+    module = _processing(family)
+    if hasattr(module, "_get_feat_extract_output_lengths"):
+        return module._get_feat_extract_output_lengths
+    # transformers before 5.2x (vLLM 0.32's 5.19): Qwen2.5-Omni's processor counts inline as its audio encoder does
+    name = family.hf_module or family.model_type
+    encoder = importlib.import_module(f"transformers.models.{name}.modeling_{name}").Qwen2_5OmniAudioEncoder
+    return lambda frames: encoder._get_feat_extract_output_lengths(None, frames)[1]
 
 
 def _entry(entry, where: Location, k: int, n: int) -> str:
@@ -190,6 +200,12 @@ def heard(conv, tracks: bool) -> list[tuple[str, int]]:
         out.append(("audio" if tag == AUDIO_PLACEHOLDER else "video", counts[tag]))
         counts[tag] += 1
     return out
+
+
+def waves(conv, base_dir: Path | None) -> list[np.ndarray]:
+    """The waves of the row's ``<audio>`` entries, in order (float32 mono at :data:`SAMPLE_RATE` ``[n]`` each, each
+    within the window): a vLLM request's audio (:mod:`qwenkit.engine.generation.vllm_requests`)."""
+    return _waves(conv, base_dir, feature_extractor(), None)
 
 
 def _waves(conv, base_dir: Path | None, extractor, videos: list | None) -> list[np.ndarray]:

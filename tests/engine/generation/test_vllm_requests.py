@@ -152,3 +152,35 @@ def test_a_request_and_a_reply_cross_the_wire_unchanged(tmp_path):
     reply = wire.reply_from_wire(json.loads(json.dumps(wire.reply_to_wire(out))))
     assert reply.prompt_token_ids == [1, 2] and reply.outputs[0].token_ids == [5, 9]
     assert reply.outputs[0].logprobs[0][5].logprob == lp and reply.outputs[0].logprobs[1][4].logprob == -1.5
+
+
+def test_an_omni_rows_audio_goes_as_its_wave_with_one_pad_and_crosses_the_wire(tmp_path):
+    """Qwen2.5-Omni: a row's audio is the kit's decoded 16 kHz wave in ``multi_modal_data``, its pads one between
+    audio start and end (vLLM expands it by HF's count: the kit's prompt again), the wave exact over the wire; with
+    ``data.use_audio_in_video`` the row is refused by name (vLLM gets no video's track from the kit)."""
+    from data.test_audio import write_tone
+
+    from qwenkit.data import audio
+
+    write_tone(tmp_path / "a.wav")
+    rows = [{"messages": [{"role": "user", "content": "<audio>What do you hear?"}, {"role": "assistant", "content": "A tone."}],
+             "audios": ["a.wav"]}]  # fmt: skip
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    processor = tiny_processor("qwen2_5_omni")
+    cfg = qconfig.load(overrides=["data.max_length=2048", "model.name=qwen2_5_omni"])
+    dataset = data.read_checked(cfg.data, processor, str(tmp_path / "rows.json"))[0]
+    asked, inputs, _ = request(dataset, 0)
+    ((wave, rate),) = asked["multi_modal_data"]["audio"]
+    assert rate == 16_000 and np.array_equal(wave, audio.decode("a.wav", None, tmp_path))
+    start, pad, end = processor.audio_ids
+    kit = inputs["input_ids"][0].tolist()
+    ids = asked["prompt_token_ids"]
+    k = ids.index(pad)
+    assert ids[k - 1 : k + 2] == [start, pad, end] and ids.count(pad) == 1
+    assert ids[:k] + [pad] * kit.count(pad) + ids[k + 1 :] == kit
+    back = wire.from_wire(json.loads(json.dumps(wire.to_wire(asked))))
+    ((got, got_rate),) = back["multi_modal_data"]["audio"]
+    assert got_rate == rate and got.dtype == np.float32 and np.array_equal(got, wave)
+    dataset.data.use_audio_in_video = True
+    with pytest.raises(ValueError, match=r"data.use_audio_in_video=true, .*use the hf engine$"):
+        request(dataset, 0)

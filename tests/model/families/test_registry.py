@@ -228,7 +228,7 @@ def test_vllm_on_cpu_runs_qwen3_5_in_bfloat16_only():
 
 
 # the families tests/engine/generation/test_vllm_engine.py starts vLLM with (ENGINE_FAMILIES and its isolated ones)
-VLLM_TRIED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+VLLM_TRIED = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "qwen2_5_omni")
 
 
 @pytest.mark.parametrize("family", sorted(families.FAMILIES))
