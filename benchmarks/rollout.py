@@ -132,8 +132,6 @@ def run_config(args, path: Path, out: Path, mode: str):
 
 def worker(args) -> dict:
     """One engine's rollouts (module docstring), or the learner's step (``--engine learner``)."""
-    import torch
-
     from qwenkit.engine.rollouts.completion import completion_seed
 
     path = checkpoint(args.shape)
