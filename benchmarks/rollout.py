@@ -14,7 +14,7 @@ model (``QwenkitQwen2_5_VL``, chunked head), FSDP2-sharded in a one-rank gloo gr
   ``vllm.mode: server``), the weights pushed over its gloo channel before each rollout.
 
 A rollout's seconds are the push and the generation (as the trainer's ``rollout_time``), the best of
-``--repeats``; tokens/s = generated tokens / those seconds. Its share of a GRPO step: the rollout over the
+``--repeats`` after an untimed first push and short generation (``WARMUP`` tokens of one completion); tokens/s = generated tokens / those seconds. Its share of a GRPO step: the rollout over the
 rollout plus the learner's forward/backward/AdamW on the same completions (``completions / 2`` micro-batches
 of one group of 2, :func:`benchmarks.dpo_grpo_step.grpo_step`, ``grpo.beta``'s default: a frozen reference
 copy), timed in its own process. Peak memory: the peak RSS of the worker process (policy, optimizer-free
@@ -48,6 +48,7 @@ from qwenkit.bench.measure import fresh_process  # noqa: E402
 
 ENGINES = ("hf", "colocate", "server")
 SHAPES = ("tiny", "0.5b")
+WARMUP = 8  # new tokens of each engine's untimed first generation (vLLM's first one allocates and warms up)
 HALF_B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
               num_key_value_heads=2, vocab_size=151_936, max_position_embeddings=32_768)  # Qwen2.5-0.5B  # fmt: skip
 
@@ -149,6 +150,7 @@ def worker(args) -> dict:
 
         rollouts = HfRollouts(Sampling(args.new, temperature=1.0), args.generations, where="gather")
         end = 0  # suppressed: every completion runs to its full length
+        rollouts.sample_rows(model, [rows[0]], seeds[:1], end, end, [end], max_new_tokens=WARMUP)  # untimed
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             tokens = rollouts.sample_rows(model, [rows[k] for k, _ in keys], seeds, end, end, [end])
@@ -172,6 +174,9 @@ def worker(args) -> dict:
             requests = [{"prompt_token_ids": rows[k]["input_ids"][0].tolist()} for k, _ in keys]
             params = [engine.params(n=1, temperature=1.0, max_tokens=args.new, ignore_eos=True, seed=s, logprobs=0)
                       for s in seeds]  # fmt: skip
+            warm = engine.params(n=1, temperature=1.0, max_tokens=WARMUP, ignore_eos=True, seed=0)
+            engine.push(model)
+            engine.generate(requests[:1], [warm])  # untimed: the engine's first generation
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 engine.push(model)
