@@ -62,8 +62,9 @@ from qwenkit.engine.generation.vllm_client import ServedEngine
 from qwenkit.engine.generation.vllm_omni import engine_dir
 from qwenkit.engine.generation.vllm_requests import check_prompts, request
 from qwenkit.errors import KnownCause
+from qwenkit.model.families import registry as families
 from qwenkit.model.families.vllm_limits import vllm_problem
-from qwenkit.model.processor import pixel_bounds
+from qwenkit.model.processor import Processor, pixel_bounds
 from qwenkit.model.torchvision_ops import declare_missing_ops
 from qwenkit.rundir import RunDir
 
@@ -288,9 +289,6 @@ def start_engine(spec: EngineSpec) -> VllmEngine:
 def _engine_dir(model_dir: str) -> tuple[str, str]:
     """The directory and load format vLLM starts ``model_dir`` from (:func:`qwenkit.engine.generation.vllm_omni.engine_dir`:
     an Omni thinker's whole model)."""
-    from qwenkit.model.families import registry as families
-    from qwenkit.model.processor import Processor
-
     family = families.of_directory(model_dir)
     if family.whole is None:
         return model_dir, "auto"

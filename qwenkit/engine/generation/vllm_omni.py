@@ -30,6 +30,8 @@ import math
 import os
 from pathlib import Path
 
+from qwenkit.data import audio
+from qwenkit.model.families import registry as families
 from qwenkit.model.tiny.data import cache_root
 
 VERSION = 2  # bumped when what engine_dir writes changes
@@ -46,7 +48,7 @@ def engine_dir(family, processor, model_dir: str | Path) -> tuple[str, str]:
     if family.whole is None:
         return str(model_dir), "auto"
     src = Path(model_dir).resolve()
-    config = json.loads((src / "config.json").read_text())
+    config = families.checkpoint_config(src)
     whole = config.get("model_type") == family.whole.model_type
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in src.iterdir() if p.is_file())
     key = hashlib.sha1(json.dumps([VERSION, str(src), files]).encode()).hexdigest()[:12]
@@ -58,8 +60,6 @@ def engine_dir(family, processor, model_dir: str | Path) -> tuple[str, str]:
 
 def _write(family, processor, src: Path, config: dict, whole: bool, out: Path) -> None:
     """The directory of :func:`engine_dir`, written beside ``out`` and renamed (ranks may race to it)."""
-    from qwenkit.data import audio
-
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     for p in src.iterdir():

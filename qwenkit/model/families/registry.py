@@ -284,11 +284,16 @@ def of_model(model) -> Family:
     return of_config(model.config)
 
 
-def _model_type(path: str | Path) -> str | None:
+def checkpoint_config(path: str | Path) -> dict:
+    """A checkpoint directory's ``config.json`` as a dict (the model floor reads it; others ask here)."""
     try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        return json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"model.path={str(path)!r}: config.json unreadable ({e})") from None
+
+
+def _model_type(path: str | Path) -> str | None:
+    return checkpoint_config(path).get("model_type")
 
 
 def of_directory(path: str | Path, default: str = TINY_DEFAULT) -> Family:
