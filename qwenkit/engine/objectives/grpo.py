@@ -181,7 +181,8 @@ class GrpoObjective(Objective):
         reference = cls.reference_of(cfg, rt, model)
         evaluator = None
         if bundle.eval_dataset is not None:
-            evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir)
+            evaluator = Evaluator(cfg, bundle.eval_dataset, bundle.collator, rt.rank, rt.world_size, rt.device, out_dir,
+                                  sp=sp)  # an SP group evaluates the same rows, each rank its slice
         family = families.of_model(model)  # the family the model was built as (registry.build)
         routing = RoutingReplay(model, family.routers) if cfg.grpo.routing_replay else None
         return cls(cfg, rt, bundle, family.box_units, reference, evaluator, out_dir, model.name_or_path, routing, sp)

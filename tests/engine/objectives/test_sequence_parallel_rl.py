@@ -26,7 +26,7 @@ from qwenkit.engine.objectives.dpo import METRICS
 ROOT = Path(__file__).resolve().parents[3]
 KEYS = ["train.objective=grpo", "grpo.num_generations=3", "grpo.max_new_tokens=6", "grpo.beta=0.04",
         "grpo.num_iterations=2", "grpo.rewards=[engine.objectives.test_packed_rl:vowels]", "train.steps=2",
-        "train.micro_batch_size=2", "data.tiny_samples=8", "train.resume=none", "checkpoint.save_final=false",
+        "train.micro_batch_size=2", "data.tiny_samples=8", "data.tiny_eval_samples=4", "train.resume=none", "checkpoint.save_final=false",
         "train.max_grad_norm=0", "train.warmup_steps=0", "train.lr=0.01", "parallel.allow_oversubscribe=true"]  # fmt: skip
 COMPARED = ("loss", "grad_norm", "reward", "kl", "entropy", "clip_ratio/region_mean", "completions/mean_length")
 
@@ -54,10 +54,13 @@ def test_grpo_with_sp_size_2_logs_the_one_process_losses_and_gradient_norms(tmp_
     keys = [f"data.packing={packing}", f"grpo.top_entropy_quantile={quantile}"]
     one = _run(tmp_path / "one", 1, *keys)
     sp2 = _run(tmp_path / "sp2", 2, "parallel.sp_size=2", *keys)
-    assert sorted(sp2) == sorted(one) == [1, 2]
+    assert sorted(sp2) == sorted(one) == [0, 1, 2]  # step 0: the held-out evaluation before training
     assert one[2]["loss"] != 0 and one[2]["kl"] > 0  # step 2 reuses the rollout: its old log-probs and the KL count
     for step in (1, 2):
         for key in COMPARED:
+            assert sp2[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-6), (step, key)
+    for step in (0, 2):  # the eval rows' loss on the group's slices, and their greedy replies
+        for key in ("eval_loss", "eval_accuracy"):
             assert sp2[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-6), (step, key)
 
 
