@@ -34,6 +34,8 @@ ROLLOUTS = ["train.objective=grpo", "grpo.rollout_engine=vllm"]
         (["train.objective=grpo", "grpo.vllm_importance_sampling_clip_max=0"], r"vllm_importance_sampling_clip_max must be > 0"),
         (["train.objective=grpo", "grpo.vllm_importance_sampling_clip_min=4"], r"vllm_importance_sampling_clip_min must be in"),
         (["train.objective=grpo", "grpo.vllm_importance_sampling_mode=token"], r"grpo\.vllm_importance_sampling_mode"),
+        (["model.name=qwen2_5_omni", "data.use_audio_in_video=true", "train.eval_engine=vllm"],
+         r"^train\.eval_engine=vllm does not hand vLLM a video's audio track: set data\.use_audio_in_video=false"),
     ],
 )
 def test_bad_settings_are_refused(overrides, pattern):

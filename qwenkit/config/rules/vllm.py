@@ -50,3 +50,6 @@ def check(cfg: Config, need: Need) -> None:
                                                   "plain LoRA factors); use lora.use_dora=false or the hf engine")  # fmt: skip
     need(not (cfg.lora.r and cfg.lora.modules_to_save), f"{keys} does not support lora.modules_to_save yet (the push "
                                                         "sends the base modules); leave it empty or use the hf engine")  # fmt: skip
+    # a request carries each <audio>'s wave, never a video's track (qwenkit.engine.generation.vllm_requests)
+    need(not cfg.data.use_audio_in_video, f"{keys} does not hand vLLM a video's audio track: set "
+                                          "data.use_audio_in_video=false, or use the hf engine")  # fmt: skip
