@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.* 
 
 from benchmarks.timing import GiB, timed_steps  # noqa: E402
 from qwenkit.bench.measure import fresh_process  # noqa: E402
+from qwenkit.device import memory_bytes  # noqa: E402
 
 ENGINES = ("hf", "colocate", "server")
 SHAPES = ("tiny", "0.5b")
@@ -80,10 +80,9 @@ def checkpoint(shape: str) -> Path:
     return tiny.ensure_checkpoint(tie_word_embeddings=True, reshape=tiny.Reshape("rollbench-0.5b", 1, half_b))
 
 
-def peak_rss(pid: int | None = None) -> int:
-    """Peak resident bytes of this process, or of ``pid`` (Linux ``VmHWM``)."""
-    if pid is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def server_peak(pid: int) -> int:
+    """Peak resident bytes of the server process ``pid`` (Linux ``VmHWM``; this process's own:
+    :func:`qwenkit.device.memory_bytes`)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
@@ -142,7 +141,7 @@ def worker(args) -> dict:
         return learner(args, model, rows)
     keys = [(k, g) for k in range(args.prompts) for g in range(args.generations)]
     seeds = [completion_seed(0, 0, k, g) for k, g in keys]
-    server = None
+    server, served = None, 0  # served: the server's peak RSS (server mode)
     times, pushes = [], []
     if args.engine == "hf":
         from qwenkit.engine.generation.sampling import Sampling
@@ -185,7 +184,7 @@ def worker(args) -> dict:
                 times.append(time.perf_counter() - t0)
                 pushes.append(t1 - t0)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
-            server_peak = peak_rss(server.process.pid) if server else 0
+            served = server_peak(server.process.pid) if server else 0
         finally:
             if server:
                 server.stop()
@@ -193,8 +192,8 @@ def worker(args) -> dict:
     return {"shape": args.shape, "engine": args.engine, "prompts": args.prompts, "generations": args.generations,
             "prompt": args.prompt, "new": args.new, "completions": len(keys), "tokens": sum(map(len, tokens)),
             "lengths": sorted({len(t) for t in tokens}), "rollout_s": times[best], "push_s": pushes[best],
-            "all_rollout_s": times, "peak_bytes": peak_rss() + (server_peak if server else 0),
-            "server_peak_bytes": server_peak if server else 0}  # fmt: skip
+            "all_rollout_s": times, "peak_bytes": memory_bytes("cpu") + served,
+            "server_peak_bytes": served}  # fmt: skip
 
 
 def learner(args, model, rows) -> dict:
@@ -229,7 +228,7 @@ def learner(args, model, rows) -> dict:
                             torch.device("cpu"), 1, args.repeats)  # fmt: skip
     micro = args.prompts * args.generations // 2
     return {"shape": args.shape, "engine": "learner", "micro_step_s": step_s, "micro_batches": micro,
-            "step_s": micro * step_s, "peak_bytes": peak_rss(), "beta": beta}  # fmt: skip
+            "step_s": micro * step_s, "peak_bytes": memory_bytes("cpu"), "beta": beta}  # fmt: skip
 
 
 def sizes(args, shape: str, seq: int) -> dict:
